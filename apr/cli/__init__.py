@@ -1,0 +1,1 @@
+"""The typer command line. Modules here parse, call one library function and render."""

@@ -1,0 +1,79 @@
+"""Entry point: builds the typer app from the command modules and turns AprError into exit 1."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from apr.cli import (
+    cmd_data,
+    cmd_experiment,
+    cmd_export,
+    cmd_monitor,
+    cmd_runs,
+    cmd_schema,
+    train_apply,
+    train_plan,
+    train_validate,
+)
+
+app = typer.Typer(
+    name="apr",
+    help="Plan, apply and record language-model training from one YAML file.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+train_app = typer.Typer(help="Validate, plan and run training configs.", no_args_is_help=True)
+data_app = typer.Typer(help="Make tokenizers and pretokenized Parquet shards.", no_args_is_help=True)
+runs_app = typer.Typer(help="List and inspect recorded runs.", no_args_is_help=True)
+experiment_app = typer.Typer(help="Compare and export runs from an experiment store.", no_args_is_help=True)
+app.add_typer(train_app, name="train")
+app.add_typer(data_app, name="data")
+app.add_typer(runs_app, name="runs")
+app.add_typer(experiment_app, name="experiment")
+
+_DEBUG = {"on": False}
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors."),
+    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+) -> None:
+    _DEBUG["on"] = debug
+    if version:
+        from apr import __version__
+
+        typer.echo(f"apr {__version__}")
+        raise typer.Exit(0)
+
+
+train_validate.register(train_app)
+train_plan.register(train_app)
+train_apply.register(train_app)
+cmd_data.register(data_app)
+cmd_runs.register(runs_app)
+cmd_experiment.register(experiment_app)
+cmd_monitor.register(app)
+cmd_export.register(app)
+cmd_schema.register(app)
+
+
+def run() -> None:
+    """Console-script entry point."""
+    from apr.errors import AprError
+
+    debug = "--debug" in sys.argv[1:]
+    try:
+        app(standalone_mode=True)
+    except AprError as err:  # raised outside a command's own handling
+        if debug:
+            raise
+        from apr.cli.render import print_findings
+
+        print(f"error: {err.message}", file=sys.stderr)
+        print_findings(err.findings)
+        sys.exit(err.exit_code)

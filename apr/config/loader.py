@@ -1,0 +1,232 @@
+"""Load a YAML config with line numbers and validate it, collecting every error at once."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from apr.config.schema import AprConfig
+from apr.errors import ConfigError, Finding
+
+
+@dataclass
+class SourceMap:
+    """Maps key paths (tuples) to 1-based (line, column) in the YAML file."""
+
+    file: str
+    positions: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+
+    def locate(self, loc: tuple) -> tuple[int | None, int | None]:
+        """Best position for ``loc``: the key itself, else its nearest ancestor present in the file."""
+        loc = tuple(loc)
+        while loc:
+            if loc in self.positions:
+                return self.positions[loc]
+            loc = loc[:-1]
+        return self.positions.get((), (None, None))
+
+
+@dataclass
+class LoadedConfig:
+    config: AprConfig
+    path: Path
+    raw: dict
+    source: SourceMap
+    text: str
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.config)
+
+
+def config_hash(config: AprConfig) -> str:
+    """SHA-256 of the fully resolved config (defaults included), stable across key order."""
+    doc = config.model_dump(mode="json")
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _plain(node: Any, loc: tuple, positions: dict) -> Any:
+    """Convert ruamel's round-trip nodes to plain Python, recording where every key sits."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    if isinstance(node, CommentedMap):
+        positions.setdefault(loc, (node.lc.line + 1, node.lc.col + 1))
+        out = {}
+        for key, value in node.items():
+            try:
+                kl, kc = node.lc.key(key)
+                positions[loc + (key,)] = (kl + 1, kc + 1)
+            except (KeyError, TypeError, AttributeError):
+                pass
+            out[key] = _plain(value, loc + (key,), positions)
+        return out
+    if isinstance(node, CommentedSeq):
+        positions.setdefault(loc, (node.lc.line + 1, node.lc.col + 1))
+        out_list = []
+        for i, value in enumerate(node):
+            try:
+                il, ic = node.lc.item(i)
+                positions[loc + (i,)] = (il + 1, ic + 1)
+            except (KeyError, TypeError, AttributeError, IndexError):
+                pass
+            out_list.append(_plain(value, loc + (i,), positions))
+        return out_list
+    if isinstance(node, bool) or node is None:
+        return node
+    if isinstance(node, int):
+        return int(node)
+    if isinstance(node, float):
+        return float(node)
+    if isinstance(node, str):
+        return str(node)
+    return node
+
+
+def read_yaml(path: Path) -> tuple[Any, SourceMap, str]:
+    """Read and parse ``path``. Raises ConfigError (with line and column) on any failure."""
+    file = str(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {file}", [
+            Finding("error", "file.missing", f"no such file: {file}", file=file, expected="a YAML file",
+                    got="nothing at this path")])
+    if path.is_dir():
+        raise ConfigError(f"config path is a directory: {file}", [
+            Finding("error", "file.directory", f"{file} is a directory", file=file, expected="a YAML file",
+                    got="a directory")])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config is not UTF-8: {file}", [
+            Finding("error", "file.encoding", f"invalid UTF-8 at byte {e.start}", file=file,
+                    expected="UTF-8 text", got="undecodable bytes")]) from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {file}", [
+            Finding("error", "file.unreadable", f"cannot read: {e.strerror}", file=file)]) from None
+
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+    yaml = YAML(typ="rt")
+    yaml.allow_duplicate_keys = False
+    try:
+        doc = yaml.load(text)
+    except MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else None
+        col = mark.column + 1 if mark else None
+        problem = " ".join(str(x) for x in (e.context, e.problem) if x) or "invalid YAML"
+        raise ConfigError(f"YAML syntax error in {file}", [
+            Finding("error", "yaml.syntax", problem, file=file, line=line, column=col,
+                    expected="valid YAML")]) from None
+    except YAMLError as e:
+        raise ConfigError(f"YAML error in {file}", [
+            Finding("error", "yaml.syntax", str(e).splitlines()[0] if str(e) else "invalid YAML",
+                    file=file)]) from None
+    positions: dict = {}
+    data = _plain(doc, (), positions)
+    return data, SourceMap(file, positions), text
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that owns the keys at ``loc`` (for did-you-mean suggestions)."""
+    import typing
+
+    cls: Any = AprConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        ann = cls.model_fields[part].annotation
+        # unwrap Optional[...] and list[...]
+        for _ in range(3):
+            args = [a for a in typing.get_args(ann) if a is not type(None)]
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                break
+            if args:
+                ann = args[0]
+        cls = ann
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "null (empty value)"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finding_from_error(err: dict, source: SourceMap) -> Finding:
+    loc = tuple(err["loc"])
+    path = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+    line, col = source.locate(loc)
+    etype = err["type"]
+    got = _describe(err.get("input"))
+    if etype == "extra_forbidden":
+        owner = _model_at(loc[:-1])
+        known = sorted(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return Finding("error", "schema.unknown_key", f"unknown key '{loc[-1]}'{hint}", path=path,
+                       file=source.file, line=line, column=col,
+                       expected="one of: " + ", ".join(known) if known else None, got=f"'{loc[-1]}'")
+    if etype == "missing":
+        return Finding("error", "schema.missing", f"required key '{loc[-1]}' is missing", path=path,
+                       file=source.file, line=line, column=col, expected=f"a value for '{loc[-1]}'",
+                       got="nothing")
+    expected = None
+    msg = err["msg"]
+    if etype == "enum":
+        expected = "one of " + err.get("ctx", {}).get("expected", "")
+    elif etype == "value_error":
+        msg = msg.removeprefix("Value error, ")
+        if "expected" in msg:
+            expected = msg.split("expected", 1)[1].split(", got", 1)[0].strip()
+    elif "ctx" in err:
+        ctx = err["ctx"]
+        for key, word in (("gt", "greater than"), ("ge", "at least"), ("lt", "less than"), ("le", "at most")):
+            if key in ctx:
+                expected = f"a number {word} {ctx[key]}"
+    if expected is None:
+        expected = msg[0].lower() + msg[1:] if msg else None
+    return Finding("error", f"schema.{etype}", msg, path=path, file=source.file, line=line, column=col,
+                   expected=expected, got=got)
+
+
+def validate_data(data: Any, source: SourceMap) -> AprConfig:
+    """Validate parsed YAML against the schema, raising one ConfigError listing every problem."""
+    if data is None:
+        raise ConfigError(f"config is empty: {source.file}", [
+            Finding("error", "schema.empty", "the file holds no YAML document", file=source.file, line=1,
+                    column=1, expected="a mapping with sections model, data, optimizer, training",
+                    got="an empty document")])
+    if not isinstance(data, dict):
+        line, col = source.positions.get((), (1, 1))
+        raise ConfigError(f"config is not a mapping: {source.file}", [
+            Finding("error", "schema.type", "the top level must be a mapping of sections", file=source.file,
+                    line=line, column=col, expected="a mapping (model:, data:, ...)", got=_describe(data))])
+    try:
+        return AprConfig.model_validate(data)
+    except ValidationError as e:
+        findings = [_finding_from_error(err, source) for err in e.errors()]
+        findings.sort(key=lambda f: (f.line or 0, f.column or 0))
+        n = len(findings)
+        raise ConfigError(f"{source.file}: {n} schema error{'s' if n != 1 else ''}", findings) from None
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    """Read, parse and validate a config file. Raises ConfigError listing every problem found."""
+    path = Path(path)
+    data, source, text = read_yaml(path)
+    config = validate_data(data, source)
+    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text)

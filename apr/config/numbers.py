@@ -1,0 +1,69 @@
+"""Human-friendly numbers in configs: ``32_768``, ``512K``, ``10B``, ``1.5M`` and byte sizes ``24GiB``."""
+
+from __future__ import annotations
+
+import re
+
+_COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_COUNT_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]+)?(?:[eE][+-]?[0-9]+)?)\s*([KMBGT]?)\s*$", re.IGNORECASE)
+
+_BYTE_SUFFIX = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_count(value: object) -> int:
+    """Parse a count. Integers pass; strings may use ``_`` separators and K/M/B/T suffixes.
+
+    Raises ValueError with a message naming what was expected.
+    """
+    if isinstance(value, bool):
+        raise ValueError("expected a count (integer such as 32768, 32_768 or 512K), got a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise ValueError(f"expected a whole number, got {value!r}")
+    if isinstance(value, str):
+        m = _COUNT_RE.match(value)
+        if m:
+            number = float(m.group(1).replace("_", "")) if ("." in m.group(1) or "e" in m.group(1).lower()) \
+                else int(m.group(1).replace("_", ""))
+            scaled = number * _COUNT_SUFFIX[m.group(2).upper()]
+            if float(scaled).is_integer():
+                return int(scaled)
+            raise ValueError(f"expected a whole number, got {value!r} (= {scaled})")
+    raise ValueError(f"expected a count such as 32768, 32_768, 512K, 1.5M or 10B, got {value!r}")
+
+
+def parse_bytes(value: object) -> int:
+    """Parse a memory size: ``24GiB``, ``80GB``, ``24G`` (binary), or a plain byte count."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 24GiB, got a boolean")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _BYTES_RE.match(value)
+        if m and m.group(2).upper() in _BYTE_SUFFIX:
+            return int(float(m.group(1).replace("_", "")) * _BYTE_SUFFIX[m.group(2).upper()])
+    raise ValueError(f"expected a memory size such as 24GiB, 80GB or 16G, got {value!r}")
+
+
+def format_count(n: float) -> str:
+    """Short form for display: 1234567 -> '1.23M'."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
+
+
+def format_bytes(n: float) -> str:
+    for suffix, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{int(n)} B"

@@ -1,0 +1,262 @@
+"""The config file's schema: one pydantic model per section, each default defined once here.
+
+The layout follows the reference's ``configs/train/pretrain-350m-v2.yaml``. Unknown keys are
+rejected (``extra="forbid"``); counts accept ``32_768``, ``512K``, ``10B``, ``1.5M``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+
+from apr.config.numbers import parse_bytes, parse_count
+
+_COUNT_SCHEMA = {
+    "anyOf": [
+        {"type": "integer"},
+        {"type": "string", "pattern": r"^[0-9][0-9_]*(\.[0-9_]+)?([eE][+-]?[0-9]+)?\s*[KMBGTkmbgt]?$"},
+    ]
+}
+
+
+def _count(v: object) -> int:
+    return parse_count(v)
+
+
+def _opt_bytes(v: object) -> int | None:
+    return None if v is None else parse_bytes(v)
+
+
+Count = Annotated[int, BeforeValidator(_count), WithJsonSchema(_COUNT_SCHEMA)]
+PositiveCount = Annotated[int, BeforeValidator(_count), Field(gt=0), WithJsonSchema({**_COUNT_SCHEMA})]
+NonNegCount = Annotated[int, BeforeValidator(_count), Field(ge=0), WithJsonSchema({**_COUNT_SCHEMA})]
+ByteSize = Annotated[
+    int | None,
+    BeforeValidator(_opt_bytes),
+    PlainSerializer(lambda v: v, return_type=int | None),
+    WithJsonSchema({"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]}),
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, use_enum_values=False)
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+class ModelMode(StrEnum):
+    transformer = "transformer"
+
+
+class Architecture(_Section):
+    """LLaMA-style decoder shapes. Names follow Hugging Face's LlamaConfig."""
+
+    hidden_size: PositiveCount = Field(description="Model width (d_model).")
+    num_hidden_layers: PositiveCount = Field(description="Number of transformer blocks.")
+    num_attention_heads: PositiveCount = Field(description="Query heads per block.")
+    num_key_value_heads: PositiveCount | None = Field(
+        None, description="Key/value heads (GQA). Defaults to num_attention_heads (plain MHA)."
+    )
+    intermediate_size: PositiveCount = Field(description="SwiGLU hidden width (gate/up/down).")
+    vocab_size: PositiveCount = Field(description="Embedding rows and LM-head outputs.")
+    max_position_embeddings: PositiveCount = Field(description="Longest sequence RoPE is built for.")
+    rms_norm_eps: float = Field(1.0e-5, gt=0, description="RMSNorm epsilon.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    tie_word_embeddings: bool = Field(False, description="Share the embedding matrix with the LM head.")
+    initializer_range: float = Field(0.02, gt=0, description="Std of the normal init of linear layers.")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> float:
+        return self.hidden_size / self.num_attention_heads
+
+
+class ModelConfig(_Section):
+    path: str = Field(".", description='Where initial weights come from; "." trains from scratch.')
+    mode: ModelMode = Field(ModelMode.transformer, description="Model family. Only transformer for now.")
+    architecture: Architecture
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+class DataConfig(_Section):
+    train: str = Field(description="Folder (or file) of pretokenized Parquet shards for training.")
+    val: str | None = Field(None, description="Folder (or file) of Parquet shards for validation.")
+    batch_size: PositiveCount = Field(description="Micro-batch: sequences per forward/backward per device.")
+    seq_len: PositiveCount = Field(description="Tokens per training sequence (rows hold seq_len + 1).")
+    tokenizer: str | None = Field(None, description="tokenizer.json (Hugging Face tokenizers format).")
+    input_column: str = Field("input_ids", description="Parquet column holding list<uint32> token ids.")
+    shuffle: bool = Field(True, description="Shuffle rows each epoch (deterministically from the seed).")
+
+
+# ------------------------------------------------------------------------------------ optimizer
+
+
+class OptimizerName(StrEnum):
+    adamw = "adamw"
+
+
+class OptimizerConfig(_Section):
+    name: OptimizerName = Field(OptimizerName.adamw, description="Optimizer. Only adamw for now.")
+    lr: float = Field(3.0e-4, gt=0, description="Peak learning rate.")
+    min_lr: float | None = Field(None, ge=0, description="Floor of the schedule. Default: 10% of lr.")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1.0e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (not applied to norms).")
+    decay_embeddings: bool = Field(False, description="Apply weight decay to the embedding matrix too.")
+
+    @property
+    def resolved_min_lr(self) -> float:
+        return self.lr * 0.1 if self.min_lr is None else self.min_lr
+
+
+# ------------------------------------------------------------------------------------- training
+
+
+class TrainingMode(StrEnum):
+    causal_lm = "causal_lm"
+
+
+class LRScheduler(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+    wsd = "wsd"
+
+
+class MixedPrecision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class ClipMode(StrEnum):
+    global_norm = "global"
+    per_block = "per_block"
+
+
+class Engine(StrEnum):
+    interleaved = "interleaved"
+    standard = "standard"
+
+
+class KernelBackend(StrEnum):
+    auto = "auto"
+    cupy = "cupy"
+    torch = "torch"
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class TrainingConfig(_Section):
+    mode: TrainingMode = Field(TrainingMode.causal_lm, description="Objective. Only causal_lm for now.")
+    epochs: PositiveCount = Field(1, description="Passes over the training data; caps the step count.")
+    max_steps: PositiveCount | None = Field(
+        None, description="Optimizer steps to run. Default: epochs x steps_per_epoch."
+    )
+    warmup_steps: NonNegCount = Field(0, description="Linear warmup from 0 to lr.")
+    lr_scheduler: LRScheduler = Field(LRScheduler.cosine, description="Shape after warmup.")
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd only: the final fraction of steps spent decaying to min_lr."
+    )
+    gradient_accumulation: PositiveCount = Field(1, description="Micro-batches per optimizer step.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip gradients to this norm; null disables.")
+    clip_mode: ClipMode = Field(
+        ClipMode.global_norm,
+        description="global: exact global-norm clipping (one extra backward pass in the interleaved "
+        "engine without accumulation); per_block: clip each block's gradient on its own (free).",
+    )
+    mixed_precision: MixedPrecision = Field(MixedPrecision.bf16, description="Compute precision.")
+    output_dir: str = Field("checkpoints/run", description="Run directory: checkpoints and records.")
+    save_interval: PositiveCount = Field(1000, description="Checkpoint every N optimizer steps.")
+    keep_last: PositiveCount = Field(1, description="Step checkpoints kept besides the best one.")
+    log_interval: PositiveCount = Field(10, description="Log and record metrics every N steps.")
+    eval_interval: NonNegCount = Field(500, description="Validate every N steps; 0 disables.")
+    eval_batches: PositiveCount = Field(20, description="Validation micro-batches per evaluation.")
+    seed: int = Field(42, description="Seed of init, data order and dropout-free RNG use.")
+    engine: Engine = Field(Engine.interleaved, description="interleaved (per-block backward+AdamW) or standard.")
+    kernels: KernelBackend = Field(KernelBackend.auto, description="Fused-op backend: auto, cupy or torch.")
+    device: Device = Field(Device.auto, description="Where to train: auto picks cuda when available.")
+    loss_chunk_size: PositiveCount = Field(
+        256, description="Sequence positions per LM-head/cross-entropy chunk (full logits never exist)."
+    )
+    world_size: PositiveCount = Field(1, description="Data-parallel processes (torchrun sets this at run time).")
+    gpu: str | None = Field(None, description="Target GPU for the plan's memory and time budget (e.g. h100).")
+    vram: ByteSize = Field(None, description="Target VRAM for the plan, e.g. 24GiB (overrides gpu's).")
+
+
+# ----------------------------------------------------------------------------------- monitoring
+
+
+class ChartConfig(_Section):
+    type: str = Field("loss_curve", description="Chart kind: loss_curve.")
+    metric: str = Field("loss")
+    window: PositiveCount = Field(100, description="Smoothing window (EMA span).")
+    show_eta: bool = True
+
+
+class TerminalConfig(_Section):
+    enabled: bool = True
+    refresh_rate: PositiveCount = Field(1000, description="Dashboard refresh period in ms.")
+    metrics: list[str] = Field(default_factory=lambda: ["loss", "learning_rate", "gradient_norm"])
+    charts: list[ChartConfig] = Field(default_factory=lambda: [ChartConfig()])
+
+
+class TrackingBackend(StrEnum):
+    sqlite = "sqlite"
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    backend: TrackingBackend = TrackingBackend.sqlite
+    experiment: str | None = Field(None, description="Experiment name. Default: the config file's stem.")
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+class SystemConfig(_Section):
+    enabled: bool = True
+    interval: PositiveCount = Field(5000, description="GPU telemetry period in ms.")
+    metrics: list[str] = Field(default_factory=lambda: ["gpu_utilization", "memory", "temperature"])
+
+
+class AlertAction(StrEnum):
+    stop = "stop"
+    warn = "warn"
+
+
+class AlertConfig(_Section):
+    condition: str = Field(description="CEL expression over the step's metrics, e.g. 'loss > 10'.")
+    action: AlertAction = AlertAction.warn
+    message: str | None = None
+
+
+class MonitoringConfig(_Section):
+    terminal: TerminalConfig = Field(default_factory=TerminalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    system: SystemConfig = Field(default_factory=SystemConfig)
+    alerts: list[AlertConfig] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------ root
+
+
+class AprConfig(_Section):
+    """A whole training config file."""
+
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)

@@ -1,0 +1,1 @@
+"""Facts derived from config, data and tokenizer; contract evaluation; the Plan object."""
