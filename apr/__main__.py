@@ -1,4 +1,4 @@
-from apr.cli.main import run
+from apr.cli.entry import run
 
 if __name__ == "__main__":
     run()

@@ -41,7 +41,7 @@ ByteSize = Annotated[
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_enum_values=False)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
 
 
 # ---------------------------------------------------------------------------------------- model
