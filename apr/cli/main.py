@@ -38,17 +38,22 @@ app.add_typer(experiment_app, name="experiment")
 _DEBUG = {"on": False}
 
 
-@app.callback()
-def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors."),
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
-) -> None:
-    _DEBUG["on"] = debug
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from apr import __version__
 
         typer.echo(f"apr {__version__}")
         raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show a traceback on errors."),
+    version: bool = typer.Option(
+        False, "--version", help="Print the version and exit.", is_eager=True, callback=_print_version
+    ),
+) -> None:
+    _DEBUG["on"] = debug
 
 
 train_validate.register(train_app)

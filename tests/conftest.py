@@ -1,0 +1,52 @@
+"""Shared fixtures. Every test gets a private APR_HOME so nothing touches the real ~/.apr."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _private_apr_home(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.mktemp("apr_home")
+    monkeypatch.setenv("APR_HOME", str(home))
+    monkeypatch.setenv("NO_COLOR", "1")
+    yield home
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture
+def shipped_configs() -> list[Path]:
+    return sorted((REPO / "configs" / "train").glob("*.yaml"))
+
+
+def apr_env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("NO_COLOR", "1")
+    return env
