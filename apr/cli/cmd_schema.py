@@ -9,11 +9,6 @@ def register(app: typer.Typer) -> None:
     @app.command("schema")
     def schema() -> None:
         """Print the JSON Schema of the training config file."""
-        import json
+        from apr.config.docgen import render_schema
 
-        from apr.config.schema import AprConfig
-
-        doc = AprConfig.model_json_schema()
-        doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-        doc["title"] = "apr training config"
-        typer.echo(json.dumps(doc, indent=2))
+        typer.echo(render_schema(), nl=False)

@@ -1,0 +1,108 @@
+"""Generate docs/config.md and docs/config.schema.json from the schema (run: python -m apr.config.docgen)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import typing
+from enum import Enum
+from pathlib import Path
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from apr.config.schema import AprConfig
+
+HEADER = """# Config reference
+
+Generated from `apr/config/schema.py` by `python -m apr.config.docgen`; a test fails when this file
+is stale. Counts accept `32768`, `32_768`, `512K`, `1.5M`, `10B`; memory sizes accept `24GiB`,
+`80GB`, `16G`. Unknown keys are errors (with a did-you-mean suggestion). Editors can validate
+configs with the JSON Schema in `docs/config.schema.json` (or `apr schema`): put
+`# yaml-language-server: $schema=<path>/config.schema.json` at the top of a config.
+
+The canonical example is `configs/train/pretrain-350m-v2.yaml`.
+"""
+
+
+def _type_name(ann) -> str:
+    origin = typing.get_origin(ann)
+    args = [a for a in typing.get_args(ann) if a is not type(None)]
+    if origin is typing.Annotated:
+        return _type_name(args[0]) if args else "?"
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        names = " or ".join(_type_name(a) for a in args)
+        return names + (" or null" if type(None) in typing.get_args(ann) else "")
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"mapping {_type_name(args[0])} -> {_type_name(args[1])}"
+    if isinstance(ann, type) and issubclass(ann, Enum):
+        return " \\| ".join(f"`{m.value}`" for m in ann)
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return "section"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _default(field) -> str:
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return "**required**"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(section defaults)"
+    if isinstance(value, Enum):
+        value = value.value
+    if isinstance(value, list):
+        value = [v.model_dump(mode="json") if isinstance(v, BaseModel) else v for v in value]
+    return f"`{json.dumps(value)}`"
+
+
+def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list):
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = field.annotation
+        inner = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            sections.append((path, ann))
+            out.append(f"| `{path}` | section | {_default(field)} | see below |")
+            continue
+        if inner:
+            sections.append((path + "[]", inner[0]))
+        desc = (field.description or "").replace("|", "\\|")
+        out.append(f"| `{path}` | {_type_name(ann)} | {_default(field)} | {desc} |")
+
+
+def render_markdown() -> str:
+    parts = [HEADER]
+    queue: list = [("", AprConfig)]
+    while queue:
+        path, model = queue.pop(0)
+        title = path or "top level"
+        parts.append(f"\n## `{title}`\n")
+        if model.__doc__ and model is not AprConfig:
+            parts.append(model.__doc__.strip().splitlines()[0] + "\n")
+        parts.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
+        rows: list[str] = []
+        found: list = []
+        _rows(model, f"{path}." if path else "", rows, found)
+        parts.append("\n".join(rows))
+        queue.extend(found)
+    return "\n".join(parts) + "\n"
+
+
+def render_schema() -> str:
+    doc = AprConfig.model_json_schema()
+    doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    doc["title"] = "apr training config"
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    docs = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / "docs"
+    (docs / "config.md").write_text(render_markdown())
+    (docs / "config.schema.json").write_text(render_schema())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
