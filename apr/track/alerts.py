@@ -1,0 +1,192 @@
+"""Alerts (the reference's Andon): `monitoring.alerts` conditions evaluated with the shared CEL engine.
+
+A condition sees the step's metrics under these names: loss, val_loss, lr (alias learning_rate),
+grad_norm (alias gradient_norm), step, epoch, tokens_per_s. A condition whose variables are not
+all known yet (val_loss before the first evaluation) is skipped, not fired. `warn` alerts fire once
+when their condition becomes true and again only after it has been false; `stop` alerts fire on
+every check while true (the trainer stops at the first). Non-finite loss or gradients are not an
+alert: the trainer stops on them itself (`is_nonfinite`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from apr.errors import AprError, Finding
+
+# Metric names a condition may use -> the metrics key they read.
+ALERT_VARIABLES: dict[str, str] = {
+    "loss": "loss",
+    "val_loss": "val_loss",
+    "lr": "lr",
+    "learning_rate": "lr",
+    "grad_norm": "grad_norm",
+    "gradient_norm": "grad_norm",
+    "step": "step",
+    "epoch": "epoch",
+    "tokens_per_s": "tokens_per_s",
+}
+_INT_VARIABLES = {"step"}
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One fired alert."""
+
+    condition: str
+    action: str  # "stop" | "warn"
+    message: str  # the configured message (or "alert: <condition>") and the values that fired it
+    step: int | None = None
+    time: float = 0.0
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "time": self.time,
+            "step": self.step,
+            "condition": self.condition,
+            "action": self.action,
+            "message": self.message,
+        }
+
+
+def is_nonfinite(metrics: dict) -> bool:
+    """True when the step's loss or gradient norm is NaN or infinite (the run must stop)."""
+    return bool(nonfinite_keys(metrics))
+
+
+def nonfinite_keys(metrics: dict) -> list[str]:
+    """The keys among loss and grad_norm whose value is NaN or infinite."""
+    out = []
+    for key in ("loss", "grad_norm"):
+        value = metrics.get(key)
+        if value is None or isinstance(value, bool):
+            continue
+        try:
+            if not math.isfinite(float(value)):
+                out.append(key)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _sample_variables() -> dict[str, Any]:
+    return {name: (1 if name in _INT_VARIABLES else 1.0) for name in ALERT_VARIABLES}
+
+
+def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
+    """Check `monitoring.alerts` entries up front: CEL syntax, known metric names, boolean result.
+    Returns findings (empty when all are usable); `apr train validate` can report them."""
+    from apr.cel import CelError, compile_expr, evaluate
+
+    findings = []
+    for i, alert in enumerate(alerts):
+        path = f"monitoring.alerts[{i}].condition"
+        condition = alert.condition
+        try:
+            compile_expr(condition)
+        except CelError as e:
+            findings.append(Finding("error", "alert.invalid_condition", e.message, path=path, file=file))
+            continue
+        from apr.cel import variables_of
+
+        unknown = sorted(set(variables_of(condition)) - set(ALERT_VARIABLES))
+        if unknown:
+            findings.append(
+                Finding(
+                    "error",
+                    "alert.unknown_metric",
+                    f"alert condition {condition!r} uses unknown metric(s) {', '.join(unknown)}",
+                    path=path,
+                    file=file,
+                    expected="names among " + ", ".join(ALERT_VARIABLES),
+                    got=", ".join(unknown),
+                )
+            )
+            continue
+        try:
+            result = evaluate(condition, _sample_variables())
+        except CelError as e:
+            findings.append(Finding("error", "alert.invalid_condition", e.message, path=path, file=file))
+            continue
+        if not isinstance(result, bool):
+            findings.append(
+                Finding(
+                    "error",
+                    "alert.not_boolean",
+                    f"alert condition {condition!r} does not evaluate to true/false",
+                    path=path,
+                    file=file,
+                    expected="a boolean expression such as 'loss > 10'",
+                    got=type(result).__name__,
+                )
+            )
+    return findings
+
+
+class AlertEvaluator:
+    """Compiled `monitoring.alerts`; `check(values)` returns the alerts that fire now."""
+
+    def __init__(self, alerts: list):
+        findings = alert_findings(alerts)
+        if findings:
+            raise AprError("invalid monitoring.alerts", findings)
+        from apr.cel import variables_of
+
+        self._alerts = [
+            (a.condition, str(getattr(a.action, "value", a.action)), a.message, variables_of(a.condition))
+            for a in alerts
+        ]
+        self._active = [False] * len(self._alerts)
+        self.errors: list[str] = []  # evaluation failures at run time, one entry per condition
+
+    def __len__(self) -> int:
+        return len(self._alerts)
+
+    def check(self, values: dict[str, Any], step: int | None = None, now: float | None = None) -> list[Alert]:
+        from apr.cel import CelError, evaluate
+
+        fired = []
+        for i, (condition, action, message, names) in enumerate(self._alerts):
+            variables = {}
+            for name in names:
+                value = values.get(ALERT_VARIABLES[name])
+                if value is None or isinstance(value, bool):
+                    break
+                try:
+                    value = int(value) if name in _INT_VARIABLES else float(value)
+                except (TypeError, ValueError):
+                    break
+                if value != value:  # NaN: the non-finite check, not the alerts, handles it
+                    break
+                variables[name] = value
+            else:
+                try:
+                    result = evaluate(condition, variables) is True
+                except CelError as e:
+                    if not any(err.startswith(condition + ":") for err in self.errors):
+                        self.errors.append(f"{condition}: {e.message}")
+                    continue
+                was_active = self._active[i]
+                self._active[i] = result
+                if result and (action == "stop" or not was_active):
+                    shown = ", ".join(f"{k}={_fmt(v)}" for k, v in variables.items())
+                    text = (message or f"alert: {condition}") + (f" ({shown})" if shown else "")
+                    fired.append(
+                        Alert(
+                            condition=condition,
+                            action=action,
+                            message=text,
+                            step=step,
+                            time=time.time() if now is None else now,
+                            values=variables,
+                        )
+                    )
+        return fired
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,71 @@
+"""Run ids and experiment names: generated, validated (no path traversal, no shell surprises)."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+
+from apr.errors import AprError, Finding
+
+# Letters, digits, '.', '_' and '-'; starts with a letter or digit; never '..'; at most 128 chars.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def _check(value: str, what: str, code: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+        raise AprError(
+            f"invalid {what} {value!r}",
+            [
+                Finding(
+                    "error",
+                    code,
+                    f"invalid {what} {value!r}",
+                    expected="1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit, no '..'",
+                    got=repr(value),
+                )
+            ],
+        )
+    return value
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` unchanged if it is a safe run id, else raise AprError."""
+    return _check(run_id, "run id", "track.invalid_run_id")
+
+
+def validate_experiment(name: str) -> str:
+    """Return ``name`` unchanged if it is a safe experiment name, else raise AprError."""
+    return _check(name, "experiment name", "track.invalid_experiment")
+
+
+def new_run_id(now: float | None = None) -> str:
+    """A fresh run id: UTC time to the second plus 6 random hex digits, e.g. ``20261122-153012-a1b2c3``.
+
+    Sorting ids sorts runs by start time; the random suffix keeps parallel starts apart.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
+    return f"{stamp}-{secrets.token_hex(3)}"
+
+
+def experiment_from_dir(output_dir: Path) -> str:
+    """A safe experiment name derived from a run directory's name (the default experiment)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(os.path.abspath(output_dir)).name).strip("-._")
+    name = re.sub(r"\.{2,}", ".", name)[:128]
+    return name or "default"
+
+
+def apr_home() -> Path:
+    """``$APR_HOME`` if set, else ``~/.apr``: where the global registry lives."""
+    env = os.environ.get("APR_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".apr"
+
+
+def global_db_path(home: Path | None = None) -> Path:
+    return (home if home is not None else apr_home()) / "experiments.db"
+
+
+def local_db_path(output_dir: Path) -> Path:
+    return Path(output_dir) / ".apr" / "experiments.db"

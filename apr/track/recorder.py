@@ -1,0 +1,558 @@
+"""`RunRecorder`: the one object the trainer talks to. It keeps `training_state.json` current, fills
+the local store and the global registry, evaluates alerts and samples GPU telemetry.
+
+The training thread only updates in-memory fields and queues rows (microseconds per call); a
+background thread renders and atomically writes the state file and writes batches to the stores.
+Every store write is best-effort: a store that is missing, read-only, locked or on a full disk gets
+one warning (stderr, `rec.warnings`, the state file's `store_warnings`), is retried every
+`RETRY_S` seconds with its rows kept, and never stops training.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import math
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from apr.fsutil import atomic_write_bytes
+from apr.track.alerts import Alert, AlertEvaluator, is_nonfinite, nonfinite_keys
+from apr.track.names import (
+    experiment_from_dir,
+    global_db_path,
+    local_db_path,
+    new_run_id,
+    validate_experiment,
+    validate_run_id,
+)
+from apr.track.state import STATE_FILE, RunState, read_state
+from apr.track.store import BUSY_TIMEOUT_S, Batch, StoreWriter, flatten_params
+
+if TYPE_CHECKING:
+    from apr.config import AprConfig
+
+__all__ = ["Alert", "RunRecorder", "is_nonfinite", "nonfinite_keys"]
+
+FINAL_STATUSES = ("finished", "failed", "stopped")
+FLUSH_INTERVAL_S = 5.0  # metrics reach the stores at least this often (and at eval/checkpoint/end)
+FLUSH_ROWS = 5000  # ... or as soon as this many rows are waiting
+RETRY_S = 30.0  # a failed store is retried after this long
+MAX_PENDING_ROWS = 200_000  # per failed store; older rows are dropped beyond this
+STATE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "epoch")
+
+
+def _num(value: Any) -> float | None:
+    """A metric value as a float; None for anything that is not a real number. NaN stays NaN."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _file_digest(path: Path) -> tuple[int | None, str | None]:
+    """(size, sha256) of a file; for a folder, its total size and no hash; (None, None) if gone."""
+    try:
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()), None
+        before = path.stat()
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        after = path.stat()
+        if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+            return after.st_size, None  # rewritten while we read it: the hash would describe neither
+        return after.st_size, digest.hexdigest()
+    except OSError:
+        return None, None
+
+
+class _Sink:
+    """One store as the recorder sees it: pending rows, registration, failure and retry state."""
+
+    def __init__(self, label: str, path: Path, busy_timeout_s: float):
+        self.label = label
+        self.path = path
+        self.writer = StoreWriter(path, busy_timeout_s=busy_timeout_s)
+        self.registered = False
+        self.pending = Batch(run={})
+        self.failed = False
+        self.warned = False
+        self.retry_at = 0.0
+
+    def add(self, metrics: list, status: list, alerts: list, artifacts: list) -> None:
+        p = self.pending
+        p.metrics.extend(metrics)
+        p.status.extend(status)
+        p.alerts.extend(alerts)
+        p.artifacts.extend(artifacts)
+        if len(p.metrics) > MAX_PENDING_ROWS:
+            del p.metrics[: len(p.metrics) - MAX_PENDING_ROWS]
+
+    def sync(self, run: dict, register: dict, force: bool, now: float) -> str | None:
+        """Write pending rows. Returns a warning text on this store's first failure, else None."""
+        if self.failed and not force and now < self.retry_at:
+            return None
+        p = self.pending
+        p.run = run
+        p.register = None if self.registered else register
+        try:
+            self.writer.write(p)
+        except Exception as e:  # sqlite3.Error, OSError, StoreError: all mean "not now"
+            self.writer.close()
+            self.failed = True
+            self.retry_at = now + RETRY_S
+            if self.warned:
+                return None
+            self.warned = True
+            return (
+                f"{self.label} experiment store {self.path}: {type(e).__name__}: {e}; "
+                f"training continues, retrying every {RETRY_S:.0f} s"
+            )
+        self.registered = True
+        self.failed = False
+        self.pending = Batch(run={})
+        return None
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:
+            pass
+
+
+class RunRecorder:
+    """Records one run. See docs/runs.md and docs/training-state.md for what lands where."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        config: AprConfig,
+        *,
+        config_hash: str,
+        total_steps: int,
+        tokens_per_step: int,
+        run_id: str | None = None,
+        experiment: str | None = None,
+        apr_home: Path | None = None,
+        config_path: str | None = None,
+        model_params: int | None = None,
+        enabled: bool = True,
+        background: bool = True,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+        busy_timeout_s: float = BUSY_TIMEOUT_S,
+    ):
+        self.output_dir = Path(output_dir).resolve()
+        self.config = config
+        tracking = config.monitoring.tracking
+        self.run_id = validate_run_id(run_id) if run_id else new_run_id()
+        self.experiment = validate_experiment(experiment or tracking.experiment or experiment_from_dir(output_dir))
+        self.config_hash = config_hash
+        self.total_steps = int(total_steps)
+        self.tokens_per_step = int(tokens_per_step)
+        self.flush_interval_s = flush_interval_s
+        self._alerts = AlertEvaluator(list(config.monitoring.alerts))
+        self._system = config.monitoring.system
+        self._stores_enabled = bool(enabled and tracking.enabled)
+
+        now = time.time()
+        self.state = RunState(
+            run_id=self.run_id,
+            experiment=self.experiment,
+            status="starting",
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_at=now,
+            heartbeat=now,
+            total_steps=self.total_steps,
+            tokens_total=self.total_steps * self.tokens_per_step,
+            output_dir=str(self.output_dir),
+            config_path=None if config_path is None else str(config_path),
+            model_params=model_params,
+        )
+        self._sinks: list[_Sink] = []
+        if self._stores_enabled:
+            self._sinks = [
+                _Sink("local", local_db_path(self.output_dir), busy_timeout_s),
+                _Sink("global", global_db_path(Path(apr_home) if apr_home is not None else None), busy_timeout_s),
+            ]
+        self._warnings: list[str] = []
+        self._state_warned = False
+        self._finished = False
+        self._started = False
+
+        # Session bookkeeping (for elapsed/ETA) and the outbox the worker drains.
+        self._session_t0 = now
+        self._session_step0: int | None = None
+        self._elapsed_before = 0.0
+        self._last_log_time: float | None = None
+        self._last_sync = 0.0
+        self._last_gpu = 0.0
+        self._resume_step: int | None = None
+        self._out_metrics: list[tuple] = []
+        self._out_status: list[tuple] = [(self.run_id, "starting", None, now)]
+        self._out_alerts: list[tuple] = []
+        self._out_artifacts: list[tuple] = []  # (path, kind, step, time) hashed by the worker
+
+        # Worker thread: state-file writes (coalesced) and store batches.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._state_dirty = True
+        self._state_fsync = True
+        self._db_due = False
+        self._db_force = False
+        self._requested = 0
+        self._done = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._worker_running = background
+        if background:
+            self._thread = threading.Thread(target=self._loop, name=f"apr-recorder-{self.run_id}", daemon=True)
+            self._thread.start()
+        self._atexit = _atexit_hook(self)
+        atexit.register(self._atexit)
+        self._request(state=True, fsync=True)
+
+    # ------------------------------------------------------------------------- public facade
+
+    @property
+    def warnings(self) -> list[str]:
+        with self._lock:
+            return list(self._warnings)
+
+    @staticmethod
+    def is_nonfinite(metrics: dict) -> bool:
+        return is_nonfinite(metrics)
+
+    def start(self, resume_step: int | None = None) -> None:
+        """Mark the run running and register it (with its params) in both stores.
+
+        ``resume_step``: the step of the checkpoint a resumed run continues from; the state file's
+        histories of the same run id are kept up to it and the stores drop metrics recorded after it.
+        """
+        now = time.time()
+        with self._lock:
+            if resume_step is not None:
+                self._resume_step = int(resume_step)
+                try:
+                    previous = read_state(self.output_dir)
+                except Exception:
+                    previous = None
+                if previous and previous.get("run_id") == self.run_id:
+                    self.state.carry_over(previous, self._resume_step)
+                    prev_elapsed = _num(previous.get("elapsed_s"))
+                    self._elapsed_before = prev_elapsed if prev_elapsed and math.isfinite(prev_elapsed) else 0.0
+                self.state["step"] = self._resume_step
+            self._session_t0 = now
+            self._session_step0 = self.state["step"]
+            self._started = True
+            self.state["status"] = "running"
+            self.state["status_reason"] = None
+            self.state["heartbeat"] = now
+            self._out_status.append((self.run_id, "running", None, now))
+        self._request(state=True, fsync=True, db=True)
+
+    def log_step(self, step: int, metrics: dict) -> None:
+        """Record one logged optimizer step: state fields, histories, metric rows, heartbeat."""
+        now = time.time()
+        step = int(step)
+        with self._lock:
+            st = self.state
+            for key, value in metrics.items():
+                v = _num(value)
+                if v is None or key == "step":  # the step is the row's own column
+                    continue
+                self._out_metrics.append((self.run_id, step, str(key), v if v == v else None, now))
+                if key in STATE_KEYS:
+                    st[key] = v
+            tokens = _finite_or_none(_num(metrics.get("tokens_seen")))
+            st["tokens_seen"] = int(tokens) if tokens is not None else step * self.tokens_per_step
+            st["step"] = step
+            hist = st.histories
+            hist["loss"].add(step, metrics.get("loss"))
+            hist["lr"].add(step, metrics.get("lr"))
+            hist["grad_norm"].add(step, metrics.get("grad_norm"))
+            hist["tokens_per_s"].add(step, metrics.get("tokens_per_s"))
+            if self._last_log_time is not None:
+                gap = now - self._last_log_time
+                prev = st["log_period_s"]
+                st["log_period_s"] = gap if prev is None else 0.8 * prev + 0.2 * gap
+            self._last_log_time = now
+            self._update_clock(now)
+            due = now - self._last_sync >= self.flush_interval_s or len(self._out_metrics) >= FLUSH_ROWS
+        self._request(state=True, db=due)
+
+    def log_eval(self, step: int, val_loss: float) -> None:
+        """Record a validation result: val_loss and val_ppl = exp(val_loss)."""
+        now = time.time()
+        step = int(step)
+        v = _num(val_loss)
+        ppl = None
+        if v is not None and math.isfinite(v):
+            ppl = math.exp(v) if v < 700 else math.inf
+        with self._lock:
+            st = self.state
+            st["val_loss"] = _finite_or_none(v)
+            st["val_ppl"] = _finite_or_none(ppl)
+            st.histories["val_loss"].add(step, v)
+            self._out_metrics.append((self.run_id, step, "val_loss", v if v is not None and v == v else None, now))
+            if ppl is not None:
+                self._out_metrics.append((self.run_id, step, "val_ppl", ppl, now))
+            self._update_clock(now)
+        self._request(state=True, db=True)
+
+    def checkpoint(self, step: int, path: Path, is_best: bool = False) -> None:
+        """Record a written checkpoint: the state's last_checkpoint and an artifact row (size, sha256)."""
+        now = time.time()
+        path = Path(path).resolve()
+        with self._lock:
+            self.state["last_checkpoint"] = {"step": int(step), "path": str(path), "time": now, "best": bool(is_best)}
+            self._out_artifacts.append((path, "checkpoint_best" if is_best else "checkpoint", int(step), now))
+            self._update_clock(now)
+        self._request(state=True, fsync=True, db=True)
+
+    def check_alerts(self, metrics: dict) -> list[Alert]:
+        """Evaluate `monitoring.alerts` on this step's metrics; record and return the ones that fire."""
+        if not len(self._alerts):
+            return []
+        with self._lock:
+            values = {
+                "step": self.state["step"],
+                "val_loss": self.state["val_loss"],
+                "epoch": self.state["epoch"],
+            }
+        values.update({k: v for k, v in metrics.items() if v is not None})
+        step = values.get("step")
+        fired = self._alerts.check(values, step=int(step) if _num(step) is not None else None)
+        for err in self._alerts.errors:
+            self._warn(f"alert {err}")  # once each: _warn ignores repeats
+        if not fired:
+            return fired
+        with self._lock:
+            for alert in fired:
+                self.state.add_alert(alert.to_dict())
+                self._out_alerts.append(
+                    (self.run_id, alert.step, alert.time, alert.condition, alert.action, alert.message)
+                )
+        self._request(state=True, fsync=True, db=True)
+        return fired
+
+    def finish(self, status: str, reason: str | None = None) -> None:
+        """Record the end: final status and reason, flush every pending row, write the final state."""
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"finish status must be one of {FINAL_STATUSES}, got {status!r}")
+        if self._finished:
+            return
+        now = time.time()
+        with self._lock:
+            self._finished = True
+            st = self.state
+            st["status"] = status
+            st["status_reason"] = reason
+            st["ended_at"] = now
+            self._update_clock(now)
+            st["eta_s"] = 0.0 if status == "finished" else None
+            self._out_status.append((self.run_id, status, reason, now))
+            self._state_dirty = self._state_fsync = self._db_force = True
+        self.flush()
+        if self._thread is not None:
+            with self._cv:
+                self._stopping = True
+                self._cv.notify_all()
+            self._thread.join(timeout=5.0)
+        for sink in self._sinks:
+            sink.close()
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:
+            pass
+
+    def flush(self, timeout: float | None = 120.0) -> None:
+        """Block until every queued state write and store batch has been attempted."""
+        with self._cv:
+            self._db_due = True
+            self._requested += 1
+            target = self._requested
+            running = self._worker_running
+            if running:
+                self._cv.notify_all()
+                self._cv.wait_for(lambda: self._done >= target, timeout=timeout)
+        if not running:
+            self._work()
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _update_clock(self, now: float) -> None:
+        """heartbeat, elapsed_s and eta_s (from this process's own step rate). Caller holds the lock."""
+        st = self.state
+        st["heartbeat"] = now
+        st["elapsed_s"] = self._elapsed_before + (now - self._session_t0)
+        step0 = self._session_step0
+        done = st["step"] - step0 if step0 is not None else 0
+        if done > 0 and self.total_steps:
+            rate = done / max(now - self._session_t0, 1e-9)
+            st["eta_s"] = max(self.total_steps - st["step"], 0) / rate
+        else:
+            st["eta_s"] = None
+
+    def _warn(self, message: str) -> None:
+        """Record a warning once: stderr, `warnings`, and the state file's `store_warnings`."""
+        with self._lock:
+            if message in self._warnings:
+                return
+            self._warnings.append(message)
+            self.state["store_warnings"] = list(self._warnings)
+            self._state_dirty = True
+        print(f"apr: warning: {message}", file=sys.stderr, flush=True)
+
+    def _request(self, state: bool = False, fsync: bool = False, db: bool = False, force: bool = False) -> None:
+        with self._cv:
+            self._state_dirty |= state
+            self._state_fsync |= fsync
+            self._db_due |= db
+            self._db_force |= force
+            self._requested += 1
+            running = self._worker_running
+            if running:
+                self._cv.notify_all()
+        if not running:
+            self._work()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._requested > self._done or self._stopping)
+                    if self._requested == self._done:  # stopping, and nothing left to do
+                        return
+                    target = self._requested
+                try:
+                    self._work()
+                except Exception as e:  # never let the recorder thread die silently
+                    self._warn(f"recorder: {type(e).__name__}: {e}")
+                with self._cv:
+                    self._done = max(self._done, target)
+                    self._cv.notify_all()
+        finally:
+            with self._cv:
+                self._worker_running = False
+                self._done = self._requested  # release any flush() waiting on a thread that is gone
+                self._cv.notify_all()
+
+    def _work(self) -> None:
+        """One pass: store batches (if due), GPU sample (if due), then the state file (if dirty)."""
+        now = time.time()
+        with self._lock:
+            db_due, force = self._db_due, self._db_force
+            self._db_due = self._db_force = False
+            if db_due:
+                metrics, self._out_metrics = self._out_metrics, []
+                status, self._out_status = self._out_status, []
+                alerts, self._out_alerts = self._out_alerts, []
+                artifact_reqs, self._out_artifacts = self._out_artifacts, []
+                run = self._run_row()
+                self._last_sync = now
+        if db_due and self._sinks:
+            artifacts = []
+            for path, kind, step, t in artifact_reqs:
+                size, sha = _file_digest(path)
+                artifacts.append(
+                    {"run_id": self.run_id, "path": str(path), "kind": kind, "size": size, "sha256": sha,
+                     "step": step, "time": t}
+                )
+            register = {"params": self._params(), "resume_step": self._resume_step}
+            for sink in self._sinks:
+                sink.add(metrics, status, alerts, artifacts)
+                warning = sink.sync(run, register, force, now)
+                if warning:
+                    self._warn(warning)
+        if self._system.enabled and now - self._last_gpu >= self._system.interval / 1000.0:
+            self._last_gpu = now
+            from apr.track.telemetry import gpu_snapshot
+
+            snap = gpu_snapshot()
+            with self._lock:
+                self.state["gpu"] = snap
+        with self._lock:
+            if not self._state_dirty:
+                return
+            data = self.state.to_json_bytes()
+            fsync = self._state_fsync
+            self._state_dirty = self._state_fsync = False
+        self._write_state(data, fsync)
+
+    def _write_state(self, data: bytes, fsync: bool) -> None:
+        try:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.output_dir / STATE_FILE, data, fsync=fsync)
+        except OSError as e:
+            if not self._state_warned:
+                self._state_warned = True
+                self._warn(f"cannot write {self.output_dir / STATE_FILE}: {e}; training continues")
+
+    def _run_row(self) -> dict:
+        st = self.state
+        return {
+            "id": self.run_id,
+            "experiment": self.experiment,
+            "status": st["status"],
+            "status_reason": st["status_reason"],
+            "config_hash": self.config_hash,
+            "started": st["started_at"],
+            "ended": st["ended_at"],
+            "heartbeat": st["heartbeat"],
+            "log_period_s": st["log_period_s"],
+            "host": st["host"],
+            "pid": st["pid"],
+            "output_dir": st["output_dir"],
+            "config_path": st["config_path"],
+            "step": st["step"],
+            "total_steps": st["total_steps"],
+            "last_loss": _finite_or_none(st["loss"]),
+            "last_val_loss": _finite_or_none(st["val_loss"]),
+            "tokens_seen": st["tokens_seen"],
+            "model_params": st["model_params"],
+        }
+
+    def _params(self) -> dict:
+        params = flatten_params(self.config.model_dump(mode="json"))
+        params.update(
+            flatten_params(
+                {
+                    "total_steps": self.total_steps,
+                    "tokens_per_step": self.tokens_per_step,
+                    "model_params": self.state["model_params"],
+                    "config_hash": self.config_hash,
+                },
+                "run",
+            )
+        )
+        return params
+
+
+def _atexit_hook(recorder: RunRecorder):
+    """An exit hook that records a run the trainer never finished as failed (weakly referenced)."""
+    ref = weakref.ref(recorder)
+
+    def hook() -> None:
+        rec = ref()
+        if rec is not None and not rec._finished:
+            try:
+                rec.finish("failed", "the process exited without recording the end of the run")
+            except Exception:
+                pass
+
+    return hook
