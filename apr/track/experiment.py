@@ -1,0 +1,208 @@
+"""`apr experiment view/export`: compare runs of one store in the terminal, export a run's metrics.
+
+plotext and pyarrow are imported inside the functions that use them.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apr.errors import AprError, Finding
+from apr.track import store
+from apr.track.names import validate_run_id
+
+MAX_DEFAULT_RUNS = 8  # runs drawn when --runs is not given (newest first); more is unreadable
+MARKERS = ("x", "o", "+", "*", "#", "@", "%", "&", "=", "~")
+EXPORT_FORMATS = ("parquet", "csv")
+
+
+@dataclass
+class Series:
+    run_id: str
+    points: list[tuple[int, float]]
+
+
+@dataclass
+class ExperimentView:
+    db: Path
+    metric: str
+    series: list[Series]
+    params: dict[str, dict[str, Any]]  # run_id -> {param: value}
+    omitted_runs: int = 0  # runs left out of the default selection
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_db(path: Path | str) -> Path:
+    """A store file, or a run folder holding ``.apr/experiments.db``, or an APR_HOME holding
+    ``experiments.db``. Raises AprError when none is there."""
+    p = Path(path)
+    for candidate in (p, p / ".apr" / "experiments.db", p / "experiments.db"):
+        if candidate.is_file():
+            return candidate
+    raise AprError(
+        f"no experiment store at {p}",
+        [Finding("error", "experiment.no_store", f"no experiment store at {p}", file=str(p),
+                 expected="an experiments.db file, or a run folder with .apr/experiments.db")],
+    )
+
+
+def _open(db: Path | str) -> tuple[Path, sqlite3.Connection]:
+    path = resolve_db(db)
+    return path, store.connect_readonly(path)
+
+
+def _select_runs(conn: sqlite3.Connection, wanted: list[str] | None) -> tuple[list[str], int]:
+    """Full run ids for ``wanted`` (ids or unique prefixes), or the newest runs when None."""
+    if not wanted:
+        rows = store.query_runs(conn)
+        ids = [r["id"] for r in rows]
+        return ids[:MAX_DEFAULT_RUNS], max(0, len(ids) - MAX_DEFAULT_RUNS)
+    out = []
+    for name in wanted:
+        validate_run_id(name)
+        found = store.find_run_ids(conn, name)
+        exact = [f for f in found if f == name]
+        found = exact or found
+        if not found:
+            raise AprError(f"no run {name!r} in this store",
+                           [Finding("error", "runs.not_found", f"no run {name!r} in this store", got=name)])
+        if len(found) > 1:
+            raise AprError(f"run id prefix {name!r} is ambiguous",
+                           [Finding("error", "runs.ambiguous", f"{name!r} matches {', '.join(sorted(found))}",
+                                    got=name)])
+        if found[0] not in out:
+            out.append(found[0])
+    return out, 0
+
+
+def _decimate(points: list[tuple[int, float]], max_points: int) -> list[tuple[int, float]]:
+    if len(points) <= max_points:
+        return points
+    stride = -(-len(points) // max_points)
+    kept = points[::stride]
+    if kept[-1] != points[-1]:
+        kept.append(points[-1])
+    return kept
+
+
+def load_view(
+    db: Path | str, runs: list[str] | None = None, metric: str = "loss", max_points: int = 2000
+) -> ExperimentView:
+    """The curves of ``metric`` (step, value) for the chosen runs and their params."""
+    path, conn = _open(db)
+    try:
+        ids, omitted = _select_runs(conn, runs)
+        series, params, notes = [], {}, []
+        for run_id in ids:
+            points = [(s, v) for s, v in store.metric_series(conn, run_id, metric) if v is not None]
+            if not points:
+                notes.append(f"run {run_id} has no {metric!r} values")
+            series.append(Series(run_id, _decimate(points, max_points)))
+            params[run_id] = store.run_params(conn, run_id)
+    finally:
+        conn.close()
+    if omitted:
+        notes.append(f"{omitted} older run(s) not shown; choose runs with --runs A,B")
+    return ExperimentView(db=path, metric=metric, series=series, params=params, omitted_runs=omitted, notes=notes)
+
+
+def render_chart(view: ExperimentView, width: int = 100, height: int = 24, colour: bool = False) -> str:
+    """The metric's curves of every run in one plotext chart, as text (no TTY needed)."""
+    import plotext as plt
+
+    fig = plt.figure
+    fig.clear()
+    fig.plot_size(max(width, 40), max(height, 10))
+    fig.theme("default" if colour else "colorless")
+    drawn = 0
+    for i, s in enumerate(view.series):
+        if not s.points:
+            continue
+        xs = [p[0] for p in s.points]
+        ys = [p[1] for p in s.points]
+        fig.draw(fig.signal(xs, ys, marker=MARKERS[i % len(MARKERS)]).label(s.run_id).lines(True))
+        drawn += 1
+    if not drawn:
+        return f"(no {view.metric!r} values to plot)"
+    fig.title(f"{view.metric} by step").label("step", axis=0)
+    return fig.build().string(colorless=not colour)
+
+
+def param_table(view: ExperimentView, all_params: bool = False) -> tuple[list[str], list[list[str]], int]:
+    """(header, rows, hidden): one row per param, one column per run. With several runs and not
+    ``all_params``, params equal across all runs are hidden and counted."""
+    run_ids = [s.run_id for s in view.series]
+    keys = sorted({k for p in view.params.values() for k in p})
+    rows, hidden = [], 0
+    for key in keys:
+        values = [view.params.get(r, {}).get(key) for r in run_ids]
+        if not all_params and len(run_ids) > 1 and all(v == values[0] for v in values):
+            hidden += 1
+            continue
+        rows.append([key, *["" if v is None else str(v) for v in values]])
+    return ["param", *run_ids], rows, hidden
+
+
+# -------------------------------------------------------------------------------------- export
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    rows: int
+    columns: list[str]
+
+
+def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str) -> ExportResult:
+    """Write one run's metrics as a table: one row per step, columns ``step``, ``time`` (the
+    latest record time of that step) and one column per metric (null where not logged)."""
+    if fmt not in EXPORT_FORMATS:
+        raise AprError(f"unknown export format {fmt!r}",
+                       [Finding("error", "experiment.invalid_format", f"unknown export format {fmt!r}",
+                                expected=" or ".join(EXPORT_FORMATS), got=fmt)])
+    validate_run_id(run_id)
+    path, conn = _open(db)
+    try:
+        (full_id,), _ = _select_runs(conn, [run_id])
+        rows = store.metric_rows(conn, full_id)
+    finally:
+        conn.close()
+    import pyarrow as pa
+
+    keys = sorted({r[1] for r in rows})
+    by_step: dict[int, dict[str, Any]] = {}
+    for step, key, value, t in rows:
+        rec = by_step.setdefault(step, {"time": t})
+        rec[key] = value  # the later record of a step wins (rows are ordered by time)
+        rec["time"] = max(rec["time"], t)
+    steps = sorted(by_step)
+    columns = {"step": pa.array(steps, pa.int64()), "time": pa.array([by_step[s]["time"] for s in steps], pa.float64())}
+    for key in keys:
+        columns[key] = pa.array([by_step[s].get(key) for s in steps], pa.float64())
+    table = pa.table(columns)
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, tmp)
+        else:
+            import pyarrow.csv as pcsv
+
+            pcsv.write_csv(table, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return ExportResult(path=out, rows=table.num_rows, columns=table.column_names)

@@ -1,0 +1,231 @@
+"""What `apr runs ls` and `apr runs show` report: runs found in the local stores under a folder or
+in the global registry, as plain dicts with a stable schema (docs/runs.md). Standard library only,
+so listing stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from apr.errors import AprError, Finding
+from apr.track import store
+from apr.track.names import global_db_path, validate_experiment, validate_run_id
+from apr.track.state import ACTIVE_STATUSES, STATUSES, is_stale
+
+RUNS_SCHEMA_VERSION = 1
+STATUS_FILTERS = (*STATUSES, "stale")
+DISCOVERY_DEPTH = 3  # <root>/.apr, <root>/*/.apr, ... down to <root>/*/*/*/.apr
+_MAX_DIRS = 20_000  # give up scanning a huge tree rather than hang
+
+
+@dataclass
+class RunListing:
+    runs: list[dict]
+    stores: list[str]  # the stores that were read
+    warnings: list[str] = field(default_factory=list)  # stores that could not be read
+
+
+def find_local_stores(root: Path, depth: int = DISCOVERY_DEPTH) -> list[Path]:
+    """``.apr/experiments.db`` files in ``root`` and its subfolders down to ``depth`` levels.
+    Hidden folders are not entered (except ``.apr`` itself); symlinked folders are not followed."""
+    found: list[Path] = []
+    frontier = [(Path(root), 0)]
+    visited = 0
+    while frontier and visited < _MAX_DIRS:
+        folder, level = frontier.pop(0)
+        visited += 1
+        db = folder / ".apr" / "experiments.db"
+        if db.is_file():
+            found.append(db)
+        if level >= depth:
+            continue
+        try:
+            with os.scandir(folder) as it:
+                subdirs = sorted(
+                    e.name
+                    for e in it
+                    if not e.name.startswith(".") and e.name != "__pycache__" and e.is_dir(follow_symlinks=False)
+                )
+        except OSError:
+            continue
+        frontier.extend((folder / name, level + 1) for name in subdirs)
+    return found
+
+
+def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: float | None = None) -> dict:
+    """A runs-table row as the documented `apr runs ls --json` object."""
+    recorded = row.get("status")
+    status = "stale" if is_stale({**row, "status": recorded}, now, stale_after_s) else recorded
+    started, ended, heartbeat = row.get("started"), row.get("ended"), row.get("heartbeat")
+    if started is None:
+        duration = None
+    elif ended is not None:
+        duration = ended - started
+    elif status == "stale" or recorded not in ACTIVE_STATUSES:
+        duration = (heartbeat or started) - started
+    else:
+        duration = now - started
+    return {
+        "run_id": row.get("id"),
+        "experiment": row.get("experiment"),
+        "status": status,
+        "recorded_status": recorded,
+        "status_reason": row.get("status_reason"),
+        "step": row.get("step"),
+        "total_steps": row.get("total_steps"),
+        "last_loss": row.get("last_loss"),
+        "last_val_loss": row.get("last_val_loss"),
+        "tokens_seen": row.get("tokens_seen"),
+        "started_at": started,
+        "ended_at": ended,
+        "heartbeat": heartbeat,
+        "duration_s": duration,
+        "host": row.get("host"),
+        "pid": row.get("pid"),
+        "output_dir": row.get("output_dir"),
+        "config_path": row.get("config_path"),
+        "config_hash": row.get("config_hash"),
+        "model_params": row.get("model_params"),
+        "store": str(store_path),
+    }
+
+
+def _check_status(status: str | None) -> None:
+    if status is not None and status not in STATUS_FILTERS:
+        raise AprError(
+            f"unknown status {status!r}",
+            [Finding("error", "runs.invalid_status", f"unknown status {status!r}",
+                     expected=", ".join(STATUS_FILTERS), got=status)],
+        )
+
+
+def _stores(global_: bool, root: Path | None, apr_home: Path | None) -> list[Path]:
+    if global_:
+        path = global_db_path(apr_home)
+        return [path] if path.is_file() else []
+    return find_local_stores(Path.cwd() if root is None else Path(root))
+
+
+def list_runs(
+    *,
+    global_: bool = False,
+    root: Path | None = None,
+    apr_home: Path | None = None,
+    status: str | None = None,
+    experiment: str | None = None,
+    limit: int | None = None,
+    now: float | None = None,
+    stale_after_s: float | None = None,
+) -> RunListing:
+    """Runs newest first. ``global_``: the registry at ``$APR_HOME``; else the local stores under
+    ``root`` (default: the current folder). ``status`` may be "stale" (recorded as running, no
+    heartbeat for too long). A run present in several local stores is listed once."""
+    _check_status(status)
+    if experiment is not None:
+        validate_experiment(experiment)
+    if limit is not None and limit < 0:
+        raise AprError("--limit must be >= 0", [Finding("error", "runs.invalid_limit", "limit must be >= 0",
+                                                       expected=">= 0", got=str(limit))])
+    now = time.time() if now is None else now
+    # Stale-ness is decided after the query, so a filter on an active status reads all active rows.
+    if status in ("stale", *ACTIVE_STATUSES):
+        sql_statuses: tuple[str, ...] | None = ACTIVE_STATUSES
+        sql_limit = None
+    else:
+        sql_statuses = (status,) if status else None
+        sql_limit = limit if status is not None else None
+    paths = _stores(global_, root, apr_home)
+    listing = RunListing(runs=[], stores=[str(p) for p in paths])
+    by_id: dict[str, dict] = {}
+    for path in paths:
+        try:
+            conn = store.connect_readonly(path)
+        except AprError as e:
+            listing.warnings.append(e.message)
+            continue
+        try:
+            rows = store.query_runs(conn, statuses=sql_statuses, experiment=experiment, limit=sql_limit)
+        except sqlite3.Error as e:
+            listing.warnings.append(f"{path}: cannot read runs: {e}")
+            continue
+        finally:
+            conn.close()
+        for row in rows:
+            run = summarize(row, path, now, stale_after_s)
+            if status is not None and run["status"] != status:
+                continue
+            seen = by_id.get(run["run_id"])
+            if seen is None or (run["heartbeat"] or 0) > (seen["heartbeat"] or 0):
+                by_id[run["run_id"]] = run
+    runs = sorted(by_id.values(), key=lambda r: (r["started_at"] or 0, r["run_id"]), reverse=True)
+    listing.runs = runs[:limit] if limit is not None else runs
+    return listing
+
+
+def show_run(
+    run_id: str,
+    *,
+    global_: bool = False,
+    root: Path | None = None,
+    apr_home: Path | None = None,
+    now: float | None = None,
+    stale_after_s: float | None = None,
+) -> dict:
+    """Everything recorded about one run (a unique prefix of its id is enough). Without
+    ``global_`` the local stores are searched first, then the registry."""
+    validate_run_id(run_id)
+    now = time.time() if now is None else now
+    paths = _stores(global_, root, apr_home)
+    if not global_:
+        registry = global_db_path(apr_home)
+        if registry.is_file():
+            paths.append(registry)
+    matches: dict[str, Path] = {}
+    for path in paths:
+        try:
+            conn = store.connect_readonly(path)
+        except AprError:
+            continue
+        try:
+            for found in store.find_run_ids(conn, run_id):
+                matches.setdefault(found, path)
+        finally:
+            conn.close()
+        if run_id in matches:
+            matches = {run_id: matches[run_id]}
+            break
+    if not matches:
+        where = "the global registry" if global_ else "the stores under this folder or the global registry"
+        raise AprError(f"no run {run_id!r} in {where}",
+                       [Finding("error", "runs.not_found", f"no run {run_id!r} in {where}", got=run_id)])
+    if len(matches) > 1:
+        ids = ", ".join(sorted(matches))
+        raise AprError(f"run id prefix {run_id!r} is ambiguous",
+                       [Finding("error", "runs.ambiguous", f"{run_id!r} matches {ids}", got=run_id)])
+    (full_id, path), = matches.items()
+    conn = store.connect_readonly(path)
+    try:
+        row = store.get_run(conn, full_id)
+        artifacts = store.artifacts(conn, full_id)
+        metrics = store.final_metrics(conn, full_id)
+        best = conn.execute(
+            "SELECT step, value FROM metrics WHERE run_id = ? AND key = 'val_loss' AND value IS NOT NULL "
+            "ORDER BY value ASC, step ASC LIMIT 1",
+            (full_id,),
+        ).fetchone()
+        return {
+            "run": summarize(row, path, now, stale_after_s),
+            "params": store.run_params(conn, full_id),
+            "final_metrics": metrics,
+            "best_val_loss": None if best is None else {"step": best[0], "value": best[1]},
+            "artifacts": artifacts,
+            "checkpoints": [a for a in artifacts if str(a.get("kind", "")).startswith("checkpoint")],
+            "status_history": store.status_history(conn, full_id),
+            "alerts": store.alerts(conn, full_id),
+        }
+    finally:
+        conn.close()
