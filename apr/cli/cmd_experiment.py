@@ -6,9 +6,15 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from enum import StrEnum
 from pathlib import Path
 
 import typer
+
+
+class ExportFormat(StrEnum):
+    parquet = "parquet"
+    csv = "csv"
 
 
 def _error(err) -> int:
@@ -62,7 +68,7 @@ def register(app: typer.Typer) -> None:
     def export(
         db: Path = typer.Option(..., "--db", help="experiments.db, or a run folder holding .apr/experiments.db."),
         run: str = typer.Option(..., "--run", help="Run id (or a unique prefix)."),
-        fmt: str = typer.Option(..., "--format", help="parquet or csv."),
+        fmt: ExportFormat = typer.Option(..., "--format", help="parquet or csv."),
         output: Path = typer.Option(..., "--output", help="File to write (replaced atomically)."),
     ) -> None:
         """Write one run's metrics as a table: step, time, and one column per metric."""
@@ -70,7 +76,7 @@ def register(app: typer.Typer) -> None:
         from apr.track.experiment import export_run
 
         try:
-            result = export_run(db, run, fmt, output)
+            result = export_run(db, run, fmt.value, output)
         except AprError as err:
             raise typer.Exit(_error(err)) from None
         print(f"wrote {result.rows} rows x {len(result.columns)} columns to {result.path}")

@@ -183,6 +183,16 @@ class RunRecorder:
             config_path=None if config_path is None else str(config_path),
             model_params=model_params,
         )
+        self._elapsed_before = 0.0
+        if run_id:  # resuming this run id: keep what its earlier process recorded (start() trims it)
+            try:
+                previous = read_state(self.output_dir)
+            except Exception:
+                previous = None
+            if previous and previous.get("run_id") == self.run_id:
+                self.state.carry_over(previous, None)
+                prev_elapsed = _num(previous.get("elapsed_s"))
+                self._elapsed_before = prev_elapsed if prev_elapsed and math.isfinite(prev_elapsed) else 0.0
         self._sinks: list[_Sink] = []
         if self._stores_enabled:
             self._sinks = [
@@ -197,7 +207,6 @@ class RunRecorder:
         # Session bookkeeping (for elapsed/ETA) and the outbox the worker drains.
         self._session_t0 = now
         self._session_step0: int | None = None
-        self._elapsed_before = 0.0
         self._last_log_time: float | None = None
         self._last_sync = 0.0
         self._last_gpu = 0.0
@@ -247,14 +256,8 @@ class RunRecorder:
         with self._lock:
             if resume_step is not None:
                 self._resume_step = int(resume_step)
-                try:
-                    previous = read_state(self.output_dir)
-                except Exception:
-                    previous = None
-                if previous and previous.get("run_id") == self.run_id:
-                    self.state.carry_over(previous, self._resume_step)
-                    prev_elapsed = _num(previous.get("elapsed_s"))
-                    self._elapsed_before = prev_elapsed if prev_elapsed and math.isfinite(prev_elapsed) else 0.0
+                for history in self.state.histories.values():
+                    history.truncate_after(self._resume_step)
                 self.state["step"] = self._resume_step
             self._session_t0 = now
             self._session_step0 = self.state["step"]

@@ -279,22 +279,28 @@ class StoreWriter:
 # ------------------------------------------------------------------------------------- reading
 
 
+def _connect_ro(path: Path) -> sqlite3.Connection:
+    """A read-only connection that works even where the folder is not writable."""
+    uri = path.resolve().as_uri()
+    try:
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+        return conn
+    except sqlite3.Error:
+        # A WAL store in a folder we cannot write (no -shm can be made): read the file as it stands.
+        return sqlite3.connect(f"{uri}?immutable=1", uri=True)
+
+
 def connect_readonly(path: Path | str) -> sqlite3.Connection:
     """Open a store for reading without creating or migrating anything. Raises StoreError."""
     path = Path(path)
     if not path.is_file():
         raise _store_error(path, "no such experiment store", "track.store_missing")
-    uri = f"{path.resolve().as_uri()}?mode=ro"
     try:
-        conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
+        conn = _connect_ro(path)
         version = _read_version(conn)
-    except sqlite3.Error:
-        # A WAL store in a folder we cannot write (no -shm to create): read the file as it stands.
-        try:
-            conn = sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True)
-            version = _read_version(conn)
-        except sqlite3.Error as e:
-            raise _store_error(path, f"cannot read experiment store: {e}") from None
+    except sqlite3.Error as e:
+        raise _store_error(path, f"cannot read experiment store: {e}") from None
     if version == 0:
         conn.close()
         raise _store_error(path, "not an apr experiment store (no schema_version table)", "track.store_invalid")
@@ -405,7 +411,7 @@ def alerts(conn: sqlite3.Connection, run_id: str) -> list[dict]:
 
 def integrity_check(path: Path | str) -> str:
     """``PRAGMA integrity_check`` of a store: "ok" when sound."""
-    conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    conn = _connect_ro(Path(path))
     try:
         return "\n".join(str(r[0]) for r in conn.execute("PRAGMA integrity_check"))
     finally:

@@ -1,0 +1,77 @@
+import math
+
+import pytest
+
+from apr.config.schema import AlertConfig
+from apr.errors import AprError
+from apr.track.alerts import AlertEvaluator, alert_findings, is_nonfinite, nonfinite_keys
+
+
+def _ev(*alerts):
+    return AlertEvaluator([AlertConfig(**a) for a in alerts])
+
+
+def test_warn_fires_once_per_episode_and_stop_every_time():
+    ev = _ev({"condition": "loss > 10", "action": "warn", "message": "high"},
+             {"condition": "grad_norm > 100", "action": "stop"})
+    fired = [[(a.condition, a.action) for a in ev.check({"loss": v, "grad_norm": 1.0})] for v in (11, 12, 5, 13)]
+    assert fired == [[("loss > 10", "warn")], [], [], [("loss > 10", "warn")]]
+    for _ in range(2):
+        (a,) = ev.check({"loss": 1.0, "grad_norm": 150.0}, step=7)
+        assert (a.action, a.step) == ("stop", 7)
+        assert a.message == "alert: grad_norm > 100 (grad_norm=150)"
+
+
+def test_message_carries_the_values_that_fired():
+    (a,) = _ev({"condition": "loss > 10 && step > 5", "action": "stop", "message": "Loss exploded"}).check(
+        {"loss": 23.5, "step": 9}, step=9
+    )
+    assert a.message.startswith("Loss exploded (")
+    assert "loss=23.5" in a.message and "step=9" in a.message
+    assert a.to_dict()["condition"] == "loss > 10 && step > 5"
+
+
+def test_aliases_and_missing_metrics():
+    ev = _ev({"condition": "learning_rate > 0.01"}, {"condition": "gradient_norm > 5"},
+             {"condition": "val_loss > 3"})
+    fired = ev.check({"lr": 0.1, "grad_norm": 6.0})  # no val_loss yet: that one is skipped
+    assert sorted(a.condition for a in fired) == ["gradient_norm > 5", "learning_rate > 0.01"]
+    assert [a.condition for a in ev.check({"val_loss": 4.0})] == ["val_loss > 3"]
+    assert ev.errors == []
+
+
+def test_nan_is_not_an_alert_but_infinity_compares():
+    ev = _ev({"condition": "loss > 10", "action": "stop"})
+    assert ev.check({"loss": math.nan}) == []
+    assert [a.action for a in ev.check({"loss": math.inf})] == ["stop"]
+    assert ev.check({"loss": "not a number"}) == []
+
+
+@pytest.mark.parametrize(
+    "condition, code",
+    [
+        ("loss >", "alert.invalid_condition"),
+        ("perplexity > 3", "alert.unknown_metric"),
+        ("loss + 1.0", "alert.not_boolean"),
+        ("loss + 1 > 2.0", "alert.invalid_condition"),  # CEL does not mix int and double in arithmetic
+        ("loss > 'x'", "alert.invalid_condition"),
+    ],
+)
+def test_bad_conditions_are_findings_with_the_key_path(condition, code):
+    alerts = [AlertConfig(condition="loss > 1"), AlertConfig(condition=condition)]
+    (f,) = alert_findings(alerts, file="cfg.yaml")
+    assert f.code == code
+    assert f.path == "monitoring.alerts[1].condition"
+    assert f.file == "cfg.yaml"
+    with pytest.raises(AprError):
+        AlertEvaluator(alerts)
+
+
+def test_nonfinite_detection():
+    assert not is_nonfinite({"loss": 2.0, "grad_norm": 1.0, "lr": math.nan})
+    assert is_nonfinite({"loss": math.nan})
+    assert nonfinite_keys({"loss": math.inf, "grad_norm": -math.inf}) == ["loss", "grad_norm"]
+    assert not is_nonfinite({"loss": None})
+    import torch
+
+    assert is_nonfinite({"loss": torch.tensor(float("nan"))})
