@@ -1,0 +1,195 @@
+"""The bytes of a checkpoint: a streaming safetensors writer that hashes while it writes, SHA-256 of
+a file, the JSON encoding of non-finite floats, and the file names.
+
+The writer streams one tensor at a time (a tensor on a GPU is copied to the host on its own), so
+saving never holds a second copy of the whole model in host memory, and the SHA-256 comes for free
+instead of a second read of a multi-gigabyte file. The layout is plain safetensors (8-byte
+little-endian header length, JSON header padded with spaces to 8 bytes, tensors back to back), so the
+official `safetensors` reader loads it; the tests check that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from apr.fsutil import fsync_dir
+
+STEP_PREFIX = "checkpoint-step-"
+BEST_STEM = "checkpoint-best"
+STEP_JSON_RE = re.compile(r"^checkpoint-step-(\d+)\.json$")
+STEP_FILE_RE = re.compile(r"^checkpoint-step-(\d+)\.(json|safetensors)$")
+TEMP_RE = re.compile(r"^\.checkpoint-.*\.tmp$")
+
+# torch dtype name -> safetensors dtype code
+_ST_DTYPES = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float64": "F64",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+}
+_CHUNK = 8 << 20
+
+
+def step_stem(step: int) -> str:
+    return f"{STEP_PREFIX}{step}"
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any],
+                      metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """Write ``tensors`` (torch tensors on any device) to ``path`` as safetensors, atomically: a temp
+    file in the same folder, fsync, rename, fsync the folder. Returns (SHA-256 hex, size in bytes)."""
+    import torch
+
+    if sys.byteorder != "little":  # safetensors is little-endian; we write host bytes as they are
+        raise RuntimeError("writing checkpoints needs a little-endian host")
+    path = Path(path)
+    names = sorted(tensors)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        code = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if code is None:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in a checkpoint")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head += b" " * (-len(head) % 8)
+    prefix = struct.pack("<Q", len(head))
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in (prefix, head):
+                f.write(part)
+                digest.update(part)
+                size += len(part)
+            for name in names:
+                t = tensors[name].detach()
+                if t.device.type != "cpu":
+                    t = t.to("cpu")
+                t = t.contiguous()
+                if t.numel() == 0:
+                    continue
+                buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                f.write(buf)
+                digest.update(buf)
+                size += buf.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+    return digest.hexdigest(), size
+
+
+def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
+    """(SHA-256 hex, size) of a file, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict:
+    """The JSON header of a safetensors file (names, dtypes, shapes, offsets, ``__metadata__``)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 << 20:
+            raise ValueError(f"header length {n} is not plausible")
+        head = f.read(n)
+        if len(head) != n:
+            raise ValueError("header cut short")
+    doc = json.loads(head.decode("utf-8"))
+    if not isinstance(doc, dict):
+        raise ValueError("header is not a JSON object")
+    return doc
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Make ``dst`` hold the bytes of ``src`` atomically: a hard link (free) where the file system
+    allows it, else a fsynced copy; either is renamed over ``dst``."""
+    import shutil
+
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, dst)
+    fsync_dir(dst.parent)
+
+
+def unlink_quiet(path: Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+# ------------------------------------------------------------------ JSON with non-finite floats
+
+_FLOAT_TAG = "__float__"
+
+
+def encode_floats(obj: Any) -> Any:
+    """Replace inf/-inf/nan (not valid JSON) by ``{"__float__": "inf"}`` etc., so they survive a
+    round trip exactly (a trainer's ``best_val_loss`` starts at inf)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {_FLOAT_TAG: "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    if isinstance(obj, dict):
+        return {k: encode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode_floats(v) for v in obj]
+    return obj
+
+
+def decode_floats(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _FLOAT_TAG in obj and obj[_FLOAT_TAG] in ("inf", "-inf", "nan"):
+            return float(obj[_FLOAT_TAG])
+        return {k: decode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_floats(v) for v in obj]
+    return obj

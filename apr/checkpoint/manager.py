@@ -1,0 +1,510 @@
+"""Saving, pruning, verifying and loading checkpoints.
+
+A checkpoint is a pair in the run directory:
+
+    checkpoint-step-N.safetensors   weights (Hugging Face Llama names) + "optimizer.m.<name>" /
+                                    "optimizer.v.<name>", float32
+    checkpoint-step-N.json          step, is_best, SHA-256 and size of the weights file, the resolved
+                                    config and its hash, apr version, format version, and the trainer's
+                                    state (epoch, data cursor, RNG states, loss scaler, ...) at top level
+
+Both are written to temp names in the same folder, fsynced and renamed; the JSON last. A pair
+without its JSON is incomplete and ignored, so a crash at any moment leaves either the previous
+checkpoints or the new one, never a file that looks complete and is not. Loading reads only
+safetensors and JSON (nothing is unpickled), checks the size and SHA-256 of the weights, and checks
+that the tensors are exactly the parameters (and AdamW state) of the config's model.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apr.checkpoint import files
+from apr.errors import AprError, Finding
+from apr.fsutil import atomic_write_json, fsync_dir
+
+FORMAT = "apr-checkpoint"
+FORMAT_VERSION = 1
+OPT_M = "optimizer.m."
+OPT_V = "optimizer.v."
+
+# Keys the manager writes into the JSON; the trainer's meta sits beside them and may not reuse them.
+RESERVED_KEYS = frozenset({
+    "format", "format_version", "apr_version", "saved_at", "step", "is_best", "weights_file",
+    "weights_sha256", "weights_size", "tensor_count", "config_hash", "config", "cwd",
+})
+_REQUIRED_KEYS = ("format_version", "step", "weights_file", "weights_sha256", "weights_size", "config")
+
+# Reasons a checkpoint is unusable that `load("latest")` skips past to the previous one. A checkpoint
+# that is intact but belongs to a different model than the config is not skipped: resuming from an
+# older one would be just as wrong, so that is refused outright.
+FALLBACK_REASONS = frozenset({
+    "unreadable", "not_apr", "unsupported_version", "missing_weights", "truncated", "size_mismatch",
+    "sha_mismatch", "bad_weights", "foreign",
+})
+
+log = logging.getLogger("apr.checkpoint")
+
+
+class CheckpointError(AprError):
+    """A checkpoint that cannot be used: missing, truncated, corrupt, foreign or for another model."""
+
+    def __init__(self, message: str, path: Path | str | None = None, reason: str = "invalid",
+                 expected: str | None = None, got: str | None = None,
+                 findings: list[Finding] | None = None):
+        if findings is None:
+            findings = [Finding("error", f"checkpoint.{reason}", message,
+                                file=str(path) if path else None, expected=expected, got=got)]
+        super().__init__(message, findings)
+        self.path = Path(path) if path else None
+        self.reason = reason
+
+
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint's JSON says about it (filled in by loading)."""
+
+    json_path: Path
+    weights_path: Path
+    step: int
+    is_best: bool
+    config: dict
+    config_hash: str | None
+    apr_version: str | None
+    saved_at: str | None
+    cwd: str | None  # working directory of the run that saved it (relative config paths start here)
+    doc: dict = field(repr=False)
+
+
+@dataclass
+class TrainState:
+    """Everything a run needs to continue exactly: the step just completed, the tensors (weights under
+    Hugging Face Llama names plus ``optimizer.m.<name>`` / ``optimizer.v.<name>``, float32, on any
+    device) and the trainer's JSON-serialisable state (epoch, data cursor, RNG, loss scaler, ...)."""
+
+    step: int
+    tensors: dict[str, Any]
+    meta: dict = field(default_factory=dict)
+    info: CheckpointInfo | None = None  # set by loading: where this state came from
+
+
+# ------------------------------------------------------------------------------- model checks
+
+
+def _architecture(config: Any):
+    """The Architecture of an AprConfig or of a config dict (as stored in a checkpoint's JSON)."""
+    from apr.config.schema import Architecture
+
+    if isinstance(config, Mapping):
+        return Architecture.model_validate(config["model"]["architecture"])
+    return config.model.architecture
+
+
+def expected_tensors(arch) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of this model holds: weights, AdamW m and v."""
+    from apr.model.spec import param_specs
+
+    out: dict[str, tuple[int, ...]] = {}
+    for p in param_specs(arch):
+        out[p.name] = p.shape
+    for p in param_specs(arch):
+        out[OPT_M + p.name] = p.shape
+        out[OPT_V + p.name] = p.shape
+    return out
+
+
+def tensor_mismatches(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
+                      arch) -> list[str]:
+    """Human-readable differences between the tensors present and those the model needs."""
+    want = expected_tensors(arch)
+    problems = []
+    missing = [n for n in want if n not in shapes]
+    extra = [n for n in shapes if n not in want]
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensor(s), e.g. {', '.join(sorted(extra)[:3])}")
+    for name, shape in want.items():
+        if name in shapes and tuple(shapes[name]) != tuple(shape):
+            problems.append(f"{name} has shape {list(shapes[name])}, the model needs {list(shape)}")
+        if name in dtypes and dtypes[name] != "float32":
+            problems.append(f"{name} is {dtypes[name]}, checkpoints hold float32")
+    return problems
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def _json_for(path: Path) -> Path:
+    if path.suffix == ".safetensors":
+        return path.with_suffix(".json")
+    return path
+
+
+def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
+    """Parse and sanity-check a checkpoint's JSON (no tensors are read)."""
+    json_path = Path(json_path)
+    try:
+        doc = json.loads(json_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{json_path.name} does not exist", json_path, "missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{json_path.name} is not readable JSON: {err}", json_path, "unreadable") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise CheckpointError(f"{json_path.name} is not an apr checkpoint", json_path, "not_apr",
+                              expected=f"format {FORMAT!r}", got=repr(got))
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{json_path.name} has checkpoint format version {doc.get('format_version')!r}; this apr "
+            f"reads version {FORMAT_VERSION}", json_path, "unsupported_version",
+            expected=str(FORMAT_VERSION), got=repr(doc.get("format_version")))
+    missing = [k for k in _REQUIRED_KEYS if k not in doc]
+    if missing:
+        raise CheckpointError(f"{json_path.name} lacks {', '.join(missing)}", json_path, "not_apr")
+    weights_file = doc["weights_file"]
+    if not isinstance(weights_file, str) or Path(weights_file).name != weights_file or not weights_file:
+        raise CheckpointError(f"{json_path.name}: weights_file must name a file beside it",
+                              json_path, "not_apr", got=repr(weights_file))
+    if not isinstance(doc["step"], int) or not isinstance(doc["config"], dict):
+        raise CheckpointError(f"{json_path.name}: step or config has the wrong type", json_path, "not_apr")
+    m = files.STEP_JSON_RE.match(json_path.name)
+    if m and int(m.group(1)) != doc["step"]:
+        raise CheckpointError(f"{json_path.name} says step {doc['step']}", json_path, "foreign",
+                              expected=f"step {m.group(1)}", got=f"step {doc['step']}")
+    return CheckpointInfo(
+        json_path=json_path,
+        weights_path=json_path.parent / weights_file,
+        step=doc["step"],
+        is_best=bool(doc.get("is_best", False)),
+        config=doc["config"],
+        config_hash=doc.get("config_hash"),
+        apr_version=doc.get("apr_version"),
+        saved_at=doc.get("saved_at"),
+        cwd=doc.get("cwd"),
+        doc=doc,
+    )
+
+
+def verify_weights(info: CheckpointInfo) -> None:
+    """Check that the weights file exists and has the size and SHA-256 its JSON recorded."""
+    path = info.weights_path
+    if not path.exists():
+        raise CheckpointError(f"{path.name} (named by {info.json_path.name}) does not exist",
+                              path, "missing_weights")
+    want_size = info.doc["weights_size"]
+    size = path.stat().st_size
+    if size != want_size:
+        reason = "truncated" if size < want_size else "size_mismatch"
+        what = "is truncated" if size < want_size else "has the wrong size"
+        raise CheckpointError(f"{path.name} {what}: {size} bytes, its JSON recorded {want_size}",
+                              path, reason, expected=f"{want_size} bytes", got=f"{size} bytes")
+    sha, _ = files.sha256_file(path)
+    if sha != info.doc["weights_sha256"]:
+        raise CheckpointError(f"{path.name} is corrupt: its SHA-256 does not match its JSON", path,
+                              "sha_mismatch", expected=info.doc["weights_sha256"], got=sha)
+
+
+def _header_shapes(path: Path) -> tuple[dict, dict]:
+    from apr.checkpoint.files import read_safetensors_header
+
+    rev = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+    try:
+        header = read_safetensors_header(path)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path.name} is not a readable safetensors file: {err}", path,
+                              "bad_weights") from None
+    shapes, dtypes = {}, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            shapes[name] = tuple(entry["shape"])
+            dtypes[name] = rev.get(entry["dtype"], entry["dtype"])
+        except (TypeError, KeyError):
+            raise CheckpointError(f"{path.name}: malformed header entry {name!r}", path, "bad_weights") from None
+    return shapes, dtypes
+
+
+def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = True) -> TrainState:
+    """Load one checkpoint (its .json or .safetensors path). Raises CheckpointError when it is
+    missing, truncated, corrupt (SHA-256), not an apr checkpoint, its tensors do not match the model
+    of its own config ("foreign"), or (with ``config``) it was saved for a different model."""
+    info = read_info(_json_for(Path(path)))
+    if verify:
+        verify_weights(info)
+    elif not info.weights_path.exists():
+        raise CheckpointError(f"{info.weights_path.name} does not exist", info.weights_path, "missing_weights")
+    shapes, dtypes = _header_shapes(info.weights_path)
+    try:
+        own_arch = _architecture(info.config)
+    except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
+        raise CheckpointError(f"{info.json_path.name}: its config has no valid model.architecture ({err})",
+                              info.json_path, "not_apr") from None
+    problems = tensor_mismatches(shapes, dtypes, own_arch)
+    if problems:
+        raise CheckpointError(
+            f"{info.weights_path.name} does not hold the model its JSON describes (foreign file): "
+            + "; ".join(problems[:4]), info.weights_path, "foreign")
+    if config is not None:
+        arch = _architecture(config)
+        problems = tensor_mismatches(shapes, dtypes, arch)
+        if problems:
+            raise CheckpointError(
+                f"{info.json_path.name} was saved for a different model than the config describes: "
+                + "; ".join(problems[:4]), info.json_path, "model_mismatch",
+                findings=[Finding("error", "checkpoint.model_mismatch", p, file=str(info.json_path))
+                          for p in problems[:20]])
+
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(info.weights_path))
+    except Exception as err:  # safetensors raises its own SafetensorError
+        raise CheckpointError(f"{info.weights_path.name} cannot be read: {err}", info.weights_path,
+                              "bad_weights") from None
+    meta = {k: v for k, v in info.doc.items() if k not in RESERVED_KEYS}
+    return TrainState(step=info.step, tensors=tensors, meta=files.decode_floats(meta), info=info)
+
+
+@dataclass
+class CheckpointEntry:
+    """One checkpoint found in a run directory (not verified)."""
+
+    step: int
+    json_path: Path
+    weights_path: Path
+    complete: bool  # both files present
+
+
+def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
+    """Step checkpoints in a run directory by file name, newest first. Incomplete pairs (weights
+    without JSON: a crash during the save) are listed with ``complete=False``."""
+    run_dir = Path(run_dir)
+    steps: set[int] = set()
+    try:
+        names = os.listdir(run_dir)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = files.STEP_FILE_RE.match(name)
+        if m:
+            steps.add(int(m.group(1)))
+    out = []
+    for step in sorted(steps, reverse=True):
+        stem = files.step_stem(step)
+        j, w = run_dir / f"{stem}.json", run_dir / f"{stem}.safetensors"
+        out.append(CheckpointEntry(step, j, w, complete=j.exists() and w.exists()))
+    return out
+
+
+def load_latest(run_dir: str | os.PathLike, config: Any = None,
+                warn: Callable[[str], None] | None = None) -> TrainState:
+    """The newest usable step checkpoint of a run directory, falling back to older ones (and, when
+    no step checkpoint is usable, to checkpoint-best) past truncated, corrupt or foreign ones. Each
+    skipped checkpoint is reported through ``warn``."""
+    run_dir = Path(run_dir)
+    warn = warn or log.warning
+    entries = scan(run_dir)
+    failures: list[CheckpointError] = []
+    newest: str | None = None
+    for entry in entries:
+        if not entry.json_path.exists():
+            warn(f"{entry.weights_path.name} has no JSON (the run stopped while saving it); ignored")
+            continue
+        newest = newest or entry.json_path.name
+        try:
+            state = read_checkpoint(entry.json_path, config)
+        except CheckpointError as err:
+            if err.reason not in FALLBACK_REASONS:
+                raise
+            failures.append(err)
+            warn(f"{err.message}; trying an older checkpoint")
+            continue
+        if failures:
+            warn(f"resuming from {entry.json_path.name} (step {state.step}), not from {newest}, "
+                 "which is unusable")
+        return state
+    best = run_dir / f"{files.BEST_STEM}.json"
+    if best.exists():
+        try:
+            state = read_checkpoint(best, config)
+        except CheckpointError as err:
+            if err.reason not in FALLBACK_REASONS:
+                raise
+            failures.append(err)
+        else:
+            if failures:
+                warn(f"no step checkpoint is usable; resuming from {best.name} (step {state.step})")
+            return state
+    if not failures:
+        raise CheckpointError(f"no checkpoint in {run_dir}", run_dir, "none_found",
+                              expected="checkpoint-step-N.json and .safetensors")
+    raise CheckpointError(f"no usable checkpoint in {run_dir}: all {len(failures)} are damaged", run_dir,
+                          "none_usable", findings=[f for e in failures for f in e.findings])
+
+
+# ------------------------------------------------------------------------------------ manager
+
+
+class CheckpointManager:
+    """Writes a run's checkpoints, keeps the latest ``keep_last`` plus the best, and loads them back.
+
+    ``config`` is the run's AprConfig (or its JSON dict); ``config_hash`` its hash
+    (``apr.config.config_hash``); ``keep_last`` defaults to ``training.keep_last``. Only one process
+    may save into a run directory (rank 0 under data parallelism).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, config: Any, config_hash: str | None = None,
+                 keep_last: int | None = None, on_warning: Callable[[str], None] | None = None):
+        self.output_dir = Path(output_dir)
+        self.config = config
+        if isinstance(config, Mapping):
+            self.config_doc = dict(config)
+            training = self.config_doc.get("training", {})
+            default_keep = training.get("keep_last", 1)
+        else:
+            self.config_doc = config.model_dump(mode="json")
+            default_keep = config.training.keep_last
+            if config_hash is None:
+                from apr.config import config_hash as _hash
+
+                config_hash = _hash(config)
+        self.config_hash = config_hash
+        self.keep_last = int(keep_last if keep_last is not None else default_keep)
+        if self.keep_last < 1:
+            raise ValueError("keep_last must be at least 1")
+        self._on_warning = on_warning
+        self._expected = expected_tensors(_architecture(config))
+        self.warnings: list[str] = []  # what the last load() skipped or fell back past
+
+    # -------------------------------------------------------------------------------- paths
+
+    def step_paths(self, step: int) -> tuple[Path, Path]:
+        stem = files.step_stem(step)
+        return self.output_dir / f"{stem}.json", self.output_dir / f"{stem}.safetensors"
+
+    @property
+    def best_paths(self) -> tuple[Path, Path]:
+        return self.output_dir / f"{files.BEST_STEM}.json", self.output_dir / f"{files.BEST_STEM}.safetensors"
+
+    # --------------------------------------------------------------------------------- save
+
+    def _check_state(self, state: TrainState) -> None:
+        shapes = {n: tuple(t.shape) for n, t in state.tensors.items()}
+        dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in state.tensors.items()}
+        want = self._expected
+        problems = []
+        missing = [n for n in want if n not in shapes]
+        extra = [n for n in shapes if n not in want]
+        if missing:
+            problems.append(f"missing {missing[:3]}")
+        if extra:
+            problems.append(f"unexpected {sorted(extra)[:3]}")
+        problems += [f"{n}: shape {list(shapes[n])} != {list(s)}" for n, s in want.items()
+                     if n in shapes and shapes[n] != tuple(s)]
+        problems += [f"{n}: dtype {d} (want float32)" for n, d in dtypes.items() if d != "float32"]
+        if problems:
+            raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
+        clash = RESERVED_KEYS & set(state.meta)
+        if clash:
+            raise ValueError(f"TrainState.meta may not use the reserved keys {sorted(clash)}")
+
+    def _doc(self, step: int, is_best: bool, weights_name: str, sha: str, size: int, meta: dict) -> dict:
+        from apr import __version__
+
+        head = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "is_best": bool(is_best),
+            "weights_file": weights_name,
+            "weights_sha256": sha,
+            "weights_size": size,
+            "tensor_count": len(self._expected),
+            "apr_version": __version__,
+            "saved_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "cwd": os.getcwd(),
+        }
+        tail = {"config_hash": self.config_hash, "config": self.config_doc}
+        return {**head, **files.encode_floats(meta), **tail}
+
+    def save(self, state: TrainState, is_best: bool = False) -> Path:
+        """Write ``checkpoint-step-N.*`` (and ``checkpoint-best.*`` when ``is_best``), then prune older
+        step checkpoints beyond ``keep_last``. Returns the JSON path of the step checkpoint."""
+        self._check_state(state)
+        step = int(state.step)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        json_path, weights_path = self.step_paths(step)
+        # Rewriting a step (a resumed run passing it again): retire the old pair before its weights change.
+        if files.unlink_quiet(json_path):
+            fsync_dir(self.output_dir)
+        sha, size = files.write_safetensors(weights_path, state.tensors,
+                                            metadata={"format": FORMAT, "step": str(step)})
+        doc = self._doc(step, is_best, weights_path.name, sha, size, state.meta)
+        atomic_write_json(json_path, doc)
+        if is_best:
+            best_json, best_weights = self.best_paths
+            # Same order as a step save: the old best pair stops looking complete before it changes.
+            if files.unlink_quiet(best_json):
+                fsync_dir(self.output_dir)
+            files.link_or_copy(weights_path, best_weights)
+            atomic_write_json(best_json, {**doc, "weights_file": best_weights.name, "is_best": True})
+        self.prune(keep_step=step)
+        return json_path
+
+    def prune(self, keep_step: int) -> list[Path]:
+        """Delete step checkpoints other than ``keep_step`` and the ``keep_last - 1`` newest complete
+        ones before it; also incomplete pairs, pairs from later steps (a timeline abandoned by resuming
+        from an earlier checkpoint) and temp files of interrupted saves. JSON goes first, so a pair
+        being deleted never looks complete. Returns the deleted paths."""
+        keep = {keep_step}
+        older = [e for e in scan(self.output_dir) if e.complete and e.step < keep_step]
+        keep.update(e.step for e in older[: self.keep_last - 1])
+        deleted = []
+        for entry in scan(self.output_dir):
+            if entry.step in keep:
+                continue
+            for p in (entry.json_path, entry.weights_path):
+                if files.unlink_quiet(p):
+                    deleted.append(p)
+        for name in os.listdir(self.output_dir):
+            if files.TEMP_RE.match(name) and files.unlink_quiet(self.output_dir / name):
+                deleted.append(self.output_dir / name)
+        if deleted:
+            fsync_dir(self.output_dir)
+        return deleted
+
+    # --------------------------------------------------------------------------------- load
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        if self._on_warning is not None:
+            self._on_warning(message)
+        else:
+            log.warning(message)
+
+    def load(self, which: str | os.PathLike = "latest") -> tuple[TrainState, Path]:
+        """``"latest"``: the newest usable checkpoint in the output directory, falling back past damaged
+        ones (each fallback is reported through ``on_warning`` and kept in ``self.warnings``). A path (a
+        checkpoint's .json or .safetensors, or a run directory meaning its latest): exactly that one,
+        refused if damaged. Returns the state (CPU tensors) and the checkpoint's JSON path."""
+        self.warnings = []
+        if str(which) == "latest":
+            state = load_latest(self.output_dir, self.config, self._warn)
+        else:
+            path = Path(which)
+            if path.is_dir():
+                state = load_latest(path, self.config, self._warn)
+            else:
+                state = read_checkpoint(path, self.config)
+        assert state.info is not None
+        return state, state.info.json_path
