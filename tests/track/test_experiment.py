@@ -1,0 +1,116 @@
+"""apr.track.experiment and `apr experiment view/export` (through CliRunner, no TTY)."""
+
+import math
+
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+from track_helpers import make_config
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.errors import AprError
+from apr.track.experiment import export_run, load_view, param_table, render_chart, resolve_db
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def sweep(tmp_path, recorder_factory, _private_apr_home):
+    """Two runs of one experiment with different learning rates, in the global registry."""
+    recs = []
+    for i, lr in enumerate((1e-3, 3e-3)):
+        cfg = make_config(optimizer={"lr": lr})
+        rec = recorder_factory(tmp_path / f"lr{i}", cfg=cfg, experiment="sweep", background=False,
+                               run_id=f"20261122-00000{i}-abcde{i}")
+        rec.start()
+        for s in range(1, 61):
+            rec.log_step(s, {"loss": 5 * math.exp(-s * lr * 10) + 1, "lr": lr})
+            if s % 20 == 0:
+                rec.log_eval(s, 2.0 - s / 100)
+        rec.finish("finished")
+        recs.append(rec)
+    return recs, _private_apr_home / "experiments.db"
+
+
+def test_db_may_be_a_file_a_run_folder_or_apr_home(tmp_path, sweep):
+    recs, registry = sweep
+    assert resolve_db(registry) == registry
+    assert resolve_db(registry.parent) == registry
+    assert resolve_db(recs[0].output_dir) == recs[0].output_dir / ".apr" / "experiments.db"
+    with pytest.raises(AprError):
+        resolve_db(tmp_path / "nothing")
+
+
+def test_view_loads_curves_and_the_params_that_differ(sweep):
+    recs, registry = sweep
+    view = load_view(registry, metric="loss")
+    assert [s.run_id for s in view.series] == [recs[1].run_id, recs[0].run_id]  # newest first
+    assert [p[0] for p in view.series[0].points] == list(range(1, 61))
+    header, rows, hidden = param_table(view)
+    assert header == ["param", recs[1].run_id, recs[0].run_id]
+    assert rows == [["optimizer.lr", "0.003", "0.001"]]
+    assert hidden > 50
+    _, all_rows, none_hidden = param_table(view, all_params=True)
+    assert none_hidden == 0 and len(all_rows) == len(rows) + hidden
+    one = load_view(registry, runs=[recs[0].run_id], metric="val_loss")
+    assert [p for p in one.series[0].points] == [(20, 1.8), (40, 1.6), (60, 1.4)]
+
+
+def test_long_curves_are_decimated_but_keep_their_ends(sweep):
+    _, registry = sweep
+    view = load_view(registry, metric="loss", max_points=10)
+    pts = view.series[0].points
+    assert len(pts) <= 11 and pts[0][0] == 1 and pts[-1][0] == 60
+
+
+def test_chart_renders_without_a_terminal(sweep):
+    recs, registry = sweep
+    text = render_chart(load_view(registry), width=80, height=20)
+    assert "\x1b[" not in text
+    assert "loss by step" in text
+    assert recs[0].run_id in text and recs[1].run_id in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_export_csv_and_parquet_hold_every_step_and_metric(tmp_path, sweep):
+    recs, registry = sweep
+    rid = recs[0].run_id
+    res = export_run(registry, rid, "parquet", tmp_path / "out" / "m.parquet")
+    table = pq.read_table(res.path)
+    assert table.column_names == ["step", "time", "loss", "lr", "val_loss", "val_ppl"]
+    assert table.num_rows == 60
+    d = table.to_pydict()
+    assert d["step"] == list(range(1, 61))
+    assert d["loss"][0] == pytest.approx(5 * math.exp(-0.01) + 1)
+    assert d["val_loss"][19] == pytest.approx(1.8) and d["val_loss"][18] is None
+    res = export_run(registry, rid[:-1], "csv", tmp_path / "m.csv")
+    assert pcsv.read_csv(res.path).to_pydict()["loss"] == pytest.approx(d["loss"])
+    assert not list(tmp_path.glob(".m.csv.*"))  # no temp file left behind
+    with pytest.raises(AprError):
+        export_run(registry, rid, "xlsx", tmp_path / "m.xlsx")
+    with pytest.raises(AprError):
+        export_run(registry, "20991231-000000-ffffff", "csv", tmp_path / "n.csv")
+
+
+def test_cli_view_and_export(tmp_path, sweep):
+    recs, registry = sweep
+    result = runner.invoke(app, ["experiment", "view", "--db", str(registry), "--params", "--width", "90"])
+    assert result.exit_code == 0, result.output
+    assert "loss by step" in result.stdout and "optimizer.lr" in result.stdout
+    assert "\x1b[" not in result.stdout
+    result = runner.invoke(app, ["experiment", "view", "--db", str(registry), "--runs",
+                                 f"{recs[0].run_id},nope-1", "--metric", "lr"])
+    assert result.exit_code == 1 and "no run 'nope-1'" in result.output
+
+    out = tmp_path / "x.csv"
+    result = runner.invoke(app, ["experiment", "export", "--db", str(registry), "--run", recs[1].run_id,
+                                 "--format", "csv", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "wrote 60 rows" in result.stdout and out.is_file()
+    result = runner.invoke(app, ["experiment", "export", "--db", str(registry), "--run", recs[1].run_id,
+                                 "--format", "xlsx", "--output", str(out)])
+    assert result.exit_code == 2
+    result = runner.invoke(app, ["experiment", "export", "--db", str(tmp_path / "none.db"), "--run", "r1",
+                                 "--format", "csv", "--output", str(out)])
+    assert result.exit_code == 1 and "no experiment store" in result.output

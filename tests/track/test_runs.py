@@ -1,0 +1,170 @@
+"""apr.track.runs (the library) and `apr runs ls/show` (through typer's CliRunner)."""
+
+import json
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.cmd_runs import fast_path
+from apr.cli.main import app
+from apr.errors import AprError
+from apr.track.runs import find_local_stores, list_runs, show_run
+from apr.track.store import Batch, StoreWriter
+
+RUN_KEYS = {
+    "run_id", "experiment", "status", "recorded_status", "status_reason", "step", "total_steps", "last_loss",
+    "last_val_loss", "tokens_seen", "started_at", "ended_at", "heartbeat", "duration_s", "host", "pid",
+    "output_dir", "config_path", "config_hash", "model_params", "store",
+}
+
+runner = CliRunner()
+
+
+def _record(rec_factory, folder, steps=5, status="finished", experiment="exp", **kw):
+    rec = rec_factory(folder, experiment=experiment, background=False, **kw)
+    rec.start()
+    for s in range(1, steps + 1):
+        rec.log_step(s, {"loss": 4.0 / s, "lr": 1e-3})
+    rec.finish(status)
+    return rec
+
+
+def _dead_run(db, run_id="20260101-000000-dead00", heartbeat_age=3600.0):
+    """A run recorded as running whose process vanished an hour ago."""
+    now = time.time()
+    w = StoreWriter(db)
+    w.write(Batch(run={"id": run_id, "experiment": "exp", "status": "running", "started": now - 7200,
+                       "heartbeat": now - heartbeat_age, "step": 3, "total_steps": 10}, register={"params": {}}))
+    w.close()
+    return run_id
+
+
+@pytest.fixture
+def runs_tree(tmp_path, recorder_factory, monkeypatch):
+    a = _record(recorder_factory, tmp_path / "runs" / "a", experiment="alpha", run_id="20261122-000000-aaaa01")
+    b = _record(recorder_factory, tmp_path / "runs" / "b", status="failed", experiment="beta",
+                run_id="20261122-000000-aaaa02")
+    c = _record(recorder_factory, tmp_path / "deep" / "x" / "c", experiment="alpha")
+    monkeypatch.chdir(tmp_path)
+    return a, b, c
+
+
+def test_local_stores_are_found_a_few_levels_down_but_not_in_hidden_folders(tmp_path, runs_tree):
+    (tmp_path / ".hidden" / ".apr").mkdir(parents=True)
+    (tmp_path / ".hidden" / ".apr" / "experiments.db").write_bytes(b"")
+    too_deep = tmp_path / "a" / "b" / "c" / "d" / ".apr"
+    too_deep.mkdir(parents=True)
+    (too_deep / "experiments.db").write_bytes(b"")
+    found = find_local_stores(tmp_path)
+    assert sorted(p.parent.parent.name for p in found) == ["a", "b", "c"]
+
+
+def test_list_runs_newest_first_with_filters(runs_tree):
+    a, b, c = runs_tree
+    assert [r["run_id"] for r in list_runs().runs] == [c.run_id, b.run_id, a.run_id]
+    assert [r["run_id"] for r in list_runs(status="failed").runs] == [b.run_id]
+    assert [r["run_id"] for r in list_runs(experiment="alpha").runs] == [c.run_id, a.run_id]
+    assert [r["run_id"] for r in list_runs(limit=1).runs] == [c.run_id]
+    assert list_runs(global_=True).runs[0]["run_id"] == c.run_id  # the registry holds them too
+    run = list_runs().runs[0]
+    assert set(run) == RUN_KEYS
+    assert (run["step"], run["total_steps"], run["last_loss"]) == (5, 100, 0.8)
+    assert run["duration_s"] >= 0
+
+
+def test_stale_runs_are_detected_and_filterable(tmp_path, runs_tree):
+    dead = _dead_run(tmp_path / "runs" / "a" / ".apr" / "experiments.db")
+    run = next(r for r in list_runs().runs if r["run_id"] == dead)
+    assert (run["status"], run["recorded_status"]) == ("stale", "running")
+    assert [r["run_id"] for r in list_runs(status="stale").runs] == [dead]
+    assert list_runs(status="running").runs == []
+    assert list_runs(status="running", stale_after_s=10 * 3600).runs[0]["run_id"] == dead
+
+
+def test_bad_filters_are_errors(runs_tree):
+    for kwargs in ({"status": "zombie"}, {"experiment": "../x"}, {"limit": -1}):
+        with pytest.raises(AprError):
+            list_runs(**kwargs)
+
+
+def test_show_run_by_prefix_has_params_metrics_and_history(runs_tree):
+    _, _, c = runs_tree
+    detail = show_run(c.run_id[:-2])
+    assert detail["run"]["run_id"] == c.run_id
+    assert detail["params"]["optimizer.lr"] == 3e-4
+    assert detail["final_metrics"]["loss"] == {"step": 5, "value": 0.8, "time": pytest.approx(time.time(), abs=120)}
+    assert [s["status"] for s in detail["status_history"]] == ["starting", "running", "finished"]
+    assert set(detail) == {"run", "params", "final_metrics", "best_val_loss", "artifacts", "checkpoints",
+                           "status_history", "alerts"}
+
+
+def test_show_run_errors(runs_tree):
+    a, b, _ = runs_tree
+    with pytest.raises(AprError) as e:
+        show_run("20991231-000000-ffffff")
+    assert e.value.findings[0].code == "runs.not_found"
+    with pytest.raises(AprError) as e:
+        show_run("20261122-000000-aaaa0")
+    assert e.value.findings[0].code == "runs.ambiguous"
+    assert show_run("20261122-000000-aaaa02")["run"]["run_id"] == b.run_id
+    with pytest.raises(AprError) as e:
+        show_run("../../etc/passwd")
+    assert e.value.findings[0].code == "track.invalid_run_id"
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_ls_table_and_json(runs_tree):
+    a, b, c = runs_tree
+    result = runner.invoke(app, ["runs", "ls"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["RUN", "ID", "EXPERIMENT"]
+    assert [ln.split()[0] for ln in lines[1:]] == [c.run_id, b.run_id, a.run_id]
+    assert "failed" in lines[2] and "5/100" in lines[2]
+
+    result = runner.invoke(app, ["runs", "ls", "--json", "--experiment", "alpha", "--limit", "5"])
+    assert result.exit_code == 0
+    doc = json.loads(result.stdout)
+    assert [r["run_id"] for r in doc] == [c.run_id, a.run_id]
+    assert all(set(r) == RUN_KEYS for r in doc)
+
+
+def test_cli_ls_global_on_an_empty_registry_is_an_empty_array(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["runs", "ls", "--global", "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout) == []
+
+
+def test_cli_ls_usage_errors(runs_tree):
+    result = runner.invoke(app, ["runs", "ls", "--status", "zombie"])
+    assert result.exit_code == 1
+    assert "unknown status 'zombie'" in result.output
+    result = runner.invoke(app, ["runs", "ls", "--limit", "-3"])
+    assert result.exit_code == 2
+
+
+def test_cli_show_text_json_and_errors(runs_tree):
+    a, _, _ = runs_tree
+    result = runner.invoke(app, ["runs", "show", a.run_id])
+    assert result.exit_code == 0, result.output
+    assert f"run        {a.run_id}" in result.stdout
+    assert "optimizer.lr = 0.0003" in result.stdout
+    result = runner.invoke(app, ["runs", "show", a.run_id, "--json", "--global"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["run"]["store"].endswith("experiments.db")
+    result = runner.invoke(app, ["runs", "show", "../secret"])
+    assert result.exit_code == 1
+    assert "invalid run id" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_fast_path_answers_ls_and_declines_the_rest(runs_tree, capsys):
+    assert fast_path(["runs", "ls", "--json", "--global"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 3
+    assert fast_path(["runs", "ls", "--status", "failed"]) is None
+    assert fast_path(["runs", "show", "x"]) is None
+    assert fast_path(["train", "validate", "x.yaml"]) is None
