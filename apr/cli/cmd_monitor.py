@@ -1,7 +1,74 @@
-"""Placeholder: the owning issue fills in this command module."""
+"""`apr monitor [RUN_DIR]`: live dashboard, `--json` for agents, discovery of active runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    @app.command("monitor")
+    def monitor(
+        run_dir: Path = typer.Argument(
+            None,
+            help="Run directory (holds training_state.json). Default: the active runs of the registry.",
+            show_default=False,
+        ),
+        json_out: bool = typer.Option(False, "--json", help="Print the state as one JSON object and exit."),
+        follow: bool = typer.Option(
+            False, "--follow", help="With --json: one JSON line per change until the run ends."
+        ),
+        timeout: float = typer.Option(
+            None,
+            "--timeout",
+            min=0.0,
+            help="Give up after this many seconds (--follow exits 1; the dashboard quits).",
+            show_default=False,
+        ),
+        refresh: int = typer.Option(
+            None,
+            "--refresh",
+            min=50,
+            help="Refresh period in ms. Default: monitoring.terminal.refresh_rate in RUN_DIR/config.yaml, "
+            "else 1000.",
+            show_default=False,
+        ),
+        no_history: bool = typer.Option(
+            False, "--no-history", help="With --json: leave out the *_history arrays."
+        ),
+    ) -> None:
+        """Watch a training run: full-screen dashboard, or JSON for scripts and agents.
+
+        Exit 0 ok (with --follow: the run ended), 1 no state / no active run / timeout, 2 usage.
+        """
+        from apr.errors import AprError
+
+        if follow and not json_out:
+            raise typer.BadParameter(
+                "--follow needs --json (the dashboard follows by itself)", param_hint="--follow"
+            )
+        if follow and run_dir is None:
+            raise typer.BadParameter("--follow needs a RUN_DIR", param_hint="--follow")
+        from apr.monitor import launch
+
+        try:
+            if json_out and run_dir is None:
+                typer.echo(json.dumps(launch.active_runs_document(refresh)))
+                code = 0
+            elif json_out and follow:
+                code = launch.print_json_follow(run_dir, refresh, timeout, not no_history)
+            elif json_out:
+                code = launch.print_json_once(run_dir, refresh, not no_history)
+            else:
+                code = launch.run_dashboard(run_dir, refresh, timeout)
+        except AprError as err:
+            from apr.cli.render import print_findings
+
+            typer.echo(f"error: {err.message}", err=True)
+            print_findings([f for f in err.findings if f.message != err.message])
+            raise typer.Exit(err.exit_code) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        raise typer.Exit(code)

@@ -1,0 +1,458 @@
+"""The live dashboard: a Textual app over one run's `training_state.json`.
+
+Every refresh period the app `stat`s the state file; only when the file changed does it parse it
+and hand each panel its new value, and a panel redraws only when its value differs from the last
+one. Time enters through one injected ``clock`` (staleness), never through the render of a
+recorded state, so snapshots of a fixture are identical on every machine and every day.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.screen import ModalScreen, Screen
+from textual.widget import Widget
+from textual.widgets import Footer, OptionList, Static
+from textual.widgets.option_list import Option
+
+from apr.monitor.charts import Series, bar, ema, line_chart, sparkline
+from apr.monitor.discover import ActiveRun
+from apr.monitor.settings import MonitorSettings, load_settings
+from apr.monitor.state import StateReader, effective_status, stale_threshold
+from apr.monitor.view import (
+    HeaderView,
+    SparkView,
+    gpu_lines,
+    grad_view,
+    header_view,
+    lr_view,
+    messages,
+    stats_lines,
+    status_label,
+)
+
+STYLES = {
+    "axis": "dim",
+    "train": "bold cyan",
+    "val": "bold yellow",
+    "label": "dim",
+    "status.waiting": "bold",
+    "status.starting": "bold cyan",
+    "status.running": "bold green",
+    "status.stale": "bold black on yellow",
+    "status.finished": "bold blue",
+    "status.failed": "bold white on red",
+    "status.stopped": "bold magenta",
+    "status.unknown": "bold",
+    "msg.problem": "bold red",
+    "msg.warning": "yellow",
+    "msg.alert": "bold",
+    "msg.info": "",
+    "msg.none": "dim",
+}
+
+
+def _style(name: str | None) -> str:
+    return STYLES.get(name, "") if name else ""
+
+
+class Panel(Widget):
+    """A widget that shows one immutable value and redraws only when the value changes."""
+
+    DEFAULT_CSS = "Panel { height: auto; }"
+    RESIZES = False  # True where the value decides the height (height: auto): relayout on change
+
+    def __init__(self, *, id: str, title: str | None = None) -> None:
+        super().__init__(id=id)
+        self.value: object = None
+        self.updates = 0  # how many times the value changed (tests check idle refreshes cost nothing)
+        self._set = False
+        if title:
+            self.border_title = title
+
+    def set_value(self, value: object) -> bool:
+        if self._set and value == self.value:
+            return False
+        self.value, self._set = value, True
+        self.updates += 1
+        self.refresh(layout=self.RESIZES)
+        return True
+
+    def build(self, width: int, height: int) -> Text:  # overridden
+        return Text(str(self.value))
+
+    def render(self) -> Text:
+        return self.build(max(1, self.content_size.width), max(1, self.content_size.height))
+
+    @property
+    def plain(self) -> str:
+        """The panel's text at its current size, without styles (what a reader of the screen sees)."""
+        return self.render().plain
+
+
+class HeaderBar(Panel):
+    DEFAULT_CSS = "HeaderBar { height: 2; padding: 0 1; background: $panel; }"
+
+    def build(self, width: int, height: int) -> Text:
+        view: HeaderView | None = self.value  # type: ignore[assignment]
+        if view is None:
+            return Text("")
+        label, style = status_label(view.status)
+        if view.paused:
+            label = "[paused] " + label
+        title = view.title[: max(0, width - len(label) - 1)]
+        line1 = Text(title, style="bold")
+        line1.append(" " * max(1, width - len(title) - len(label)))
+        line1.append(label, style=_style(style))
+        if view.step is None:
+            return line1
+        left = view.step_text + " "
+        right = "" if view.fraction is None else f" {100 * view.fraction:.1f}%"
+        if view.epoch is not None:
+            right += f"  ep {view.epoch:g}"
+        line2 = Text(left)
+        bar_w = width - len(left) - len(right)
+        if view.fraction is not None and bar_w >= 5:
+            line2.append(bar(view.fraction, bar_w), style=_style("train"))
+        line2.append(right)
+        return Text("\n").join([line1, line2])
+
+
+class LossChart(Panel):
+    """Train loss (EMA-smoothed braille line) and val loss (• markers) over steps."""
+
+    DEFAULT_CSS = "LossChart { height: 1fr; }"
+
+    def build(self, width: int, height: int) -> Text:
+        if self.value is None:
+            return Text("no loss recorded yet", style="dim")
+        train, val, window, log_y = self.value  # type: ignore[misc]
+        series = []
+        if train:
+            series.append(Series(ema(train, window), "train"))
+        if val:
+            series.append(Series(val, "val", marker="•"))
+        rows, _ = line_chart(series, width, height, log_y)
+        if not rows:
+            return Text("no loss recorded yet", style="dim")
+        text = Text()
+        for i, row in enumerate(rows):
+            if i:
+                text.append("\n")
+            for piece, style in row:
+                text.append(piece, style=_style(style))
+        return text
+
+
+class StatsPanel(Panel):
+    RESIZES = True
+
+    def build(self, width: int, height: int) -> Text:
+        rows = self.value or ()
+        text = Text()
+        for i, (label, value) in enumerate(rows):  # type: ignore[misc]
+            if i:
+                text.append("\n")
+            text.append(f"{label:<8}", style=_style("label"))
+            text.append(value)
+        return text
+
+
+class GpuPanel(Panel):
+    RESIZES = True
+
+    def build(self, width: int, height: int) -> Text:
+        if self.value is None:
+            return Text("")
+        name, util, details = self.value  # type: ignore[misc]
+        self.border_title = f"GPU {name}"[: max(3, width - 2)]
+        pct = "  –%" if util is None else f" {100 * util:3.0f}%"
+        text = Text("util ", style=_style("label"))
+        text.append(bar(util, max(1, width - 5 - len(pct))), style=_style("train"))
+        text.append(pct)
+        for line in details:
+            text.append("\n" + line)
+        return text
+
+
+class SparkPanel(Panel):
+    def build(self, width: int, height: int) -> Text:
+        view: SparkView | None = self.value  # type: ignore[assignment]
+        if view is None:
+            return Text("")
+        text = Text(sparkline(view.values, width), style=_style("train"))
+        text.append("\n" + view.caption[:width], style=_style("label"))
+        return text
+
+
+class MessagesPanel(Panel):
+    def build(self, width: int, height: int) -> Text:
+        lines = self.value or ()
+        text = Text()
+        for i, (line, style) in enumerate(lines[:height]):  # type: ignore[misc]
+            if i:
+                text.append("\n")
+            text.append(line if len(line) <= width else line[: width - 1] + "…", style=_style(style))
+        return text
+
+
+HELP = """\
+apr monitor: keys
+
+  q   quit
+  p   pause / resume refreshing
+  l   loss chart: log / linear scale
+  ?   this help (esc or ? closes it)
+
+The loss line is an EMA over {window} steps; • marks validation loss.
+Refresh every {refresh} ms. STALE: the state file's heartbeat is older
+than {stale}; the trainer may have died. The monitor only reads files.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    #help { width: 74; height: auto; border: round $accent; padding: 0 1; background: $surface; }
+    """
+    BINDINGS = [
+        Binding("escape", "close", "Close"),
+        Binding("question_mark", "close", "Close"),
+        Binding("q", "app.quit", "Quit"),
+    ]
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.text, id="help")
+
+    def action_close(self) -> None:
+        self.dismiss(None)
+
+
+class PickRunScreen(Screen[Path | None]):
+    """`apr monitor` with several active runs: pick one with the arrow keys and Enter."""
+
+    DEFAULT_CSS = """
+    PickRunScreen { align: center middle; }
+    #pick-title { height: 1; padding: 0 1; }
+    #runs { height: 1fr; border: round $accent; }
+    """
+    BINDINGS = [Binding("escape", "app.quit", "Quit"), Binding("q", "app.quit", "Quit")]
+
+    def __init__(self, runs: Sequence[ActiveRun]) -> None:
+        super().__init__()
+        self.runs = list(runs)
+
+    def compose(self) -> ComposeResult:
+        yield Static(f"{len(self.runs)} active runs: pick one (↑/↓, Enter)", id="pick-title")
+        yield OptionList(*[Option(r.describe(), id=str(i)) for i, r in enumerate(self.runs)], id="runs")
+        yield Footer()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(Path(self.runs[int(event.option.id)].output_dir))
+
+
+class MonitorApp(App[None]):
+    """`apr monitor RUN_DIR`. With ``run_dir`` None and several ``candidates``, asks first."""
+
+    TITLE = "apr monitor"
+    ENABLE_COMMAND_PALETTE = False
+    CSS = """
+    Screen { layout: vertical; }
+    #main { height: 1fr; min-height: 8; }
+    #loss { width: 1fr; border: round $accent; }
+    #side { width: 34; height: 100%; }
+    #stats { height: auto; border: round $primary; }
+    #gpu { height: auto; border: round $primary; }
+    #sparks { height: 4; }
+    #lr, #grad { width: 1fr; height: 4; border: round $primary; }
+    #messages { height: 4; border: round $primary; }
+    """
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("p", "toggle_pause", "Pause"),
+        Binding("l", "toggle_log", "Log/linear"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+    ]
+
+    paused: reactive[bool] = reactive(False, init=False)
+    log_scale: reactive[bool] = reactive(False, init=False)
+    status: reactive[str] = reactive("waiting", init=False)
+
+    def __init__(
+        self,
+        run_dir: str | Path | None,
+        settings: MonitorSettings | None = None,
+        clock: Callable[[], float] = time.time,
+        candidates: Sequence[ActiveRun] = (),
+        quit_after_s: float | None = None,
+        refresh_ms: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.refresh_ms = refresh_ms  # the --refresh option; wins over the run's config.yaml
+        self.clock = clock
+        self.candidates = list(candidates)
+        self.quit_after_s = quit_after_s
+        self._fixed_settings = settings
+        self.reader: StateReader | None = None
+        self.run_dir: Path | None = None
+        self.settings = settings or MonitorSettings()
+        self.ticks = 0
+        self._pending_run_dir = Path(run_dir) if run_dir is not None else None
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        yield HeaderBar(id="header")
+        with Horizontal(id="main"):
+            yield LossChart(id="loss", title="Loss")
+            with Vertical(id="side"):
+                yield StatsPanel(id="stats", title="Run")
+                yield GpuPanel(id="gpu", title="GPU")
+        with Horizontal(id="sparks"):
+            yield SparkPanel(id="lr", title="Learning rate")
+            yield SparkPanel(id="grad", title="Grad norm")
+        yield MessagesPanel(id="messages", title="Alerts")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#gpu").display = False
+        if self.quit_after_s is not None:
+            self.set_timer(self.quit_after_s, self.exit)
+        if self._pending_run_dir is not None:
+            self.open_run(self._pending_run_dir)
+        elif len(self.candidates) == 1:
+            self.open_run(Path(self.candidates[0].output_dir))
+        else:
+            self.push_screen(PickRunScreen(self.candidates), self._picked)
+
+    def _picked(self, run_dir: Path | None) -> None:
+        if run_dir is None:
+            self.exit()
+        else:
+            self.open_run(run_dir)
+
+    def open_run(self, run_dir: Path) -> None:
+        """Start watching ``run_dir`` (its config.yaml sets the refresh unless settings were given)."""
+        self.run_dir = Path(run_dir)
+        self.reader = StateReader(self.run_dir)
+        if self._fixed_settings is None:
+            self.settings = load_settings(self.run_dir, self.refresh_ms)
+        self.poll()
+        self.set_interval(self.settings.refresh_s, self.tick)
+
+    # ------------------------------------------------------------------ refresh
+
+    def tick(self) -> None:
+        if not self.paused:
+            self.poll()
+
+    @property
+    def stale_after_s(self) -> float:
+        state = self.reader.state if self.reader else None
+        return stale_threshold(self.settings.refresh_s, state)
+
+    def poll(self) -> None:
+        """One refresh: stat (and maybe read) the file, then update what changed."""
+        if self.reader is None:
+            return
+        self.ticks += 1
+        changed = self.reader.poll()
+        state = self.reader.state
+        now = self.clock()
+        self.status = "waiting" if state is None else effective_status(state, now, self.stale_after_s)
+        if changed or self.ticks == 1:
+            self._push_data()
+        self._push_header()
+        self._push_messages(now)
+
+    def _push_data(self) -> None:
+        state = self.reader.state if self.reader else None
+        self._push_chart()
+        self.query_one("#stats", StatsPanel).set_value(stats_lines(state, self.settings.show_eta))
+        gpu = gpu_lines(state.get("gpu") if state else None)
+        gpu_panel = self.query_one("#gpu", GpuPanel)
+        gpu_panel.display = gpu is not None
+        gpu_panel.set_value(gpu)
+        self.query_one("#lr", SparkPanel).set_value(lr_view(state))
+        self.query_one("#grad", SparkPanel).set_value(grad_view(state))
+
+    def _push_chart(self) -> None:
+        state = self.reader.state if self.reader else None
+        chart = self.query_one("#loss", LossChart)
+        chart.border_title = f"Loss (EMA {self.settings.ema_window})"
+        if state is None or not (state["loss_history"] or state["val_loss_history"]):
+            chart.border_subtitle = ""
+            chart.set_value(None)
+            return
+        train, val = state["loss_history"], state["val_loss_history"]
+        log_used = self.log_scale and all(v > 0 for _, v in (*train, *val))
+        chart.border_subtitle = (
+            "log" if log_used else ("linear (log needs loss > 0)" if self.log_scale else "linear")
+        )
+        chart.set_value((train, val, self.settings.ema_window, log_used))
+
+    def _push_header(self) -> None:
+        state = self.reader.state if self.reader else None
+        run_dir = str(self.run_dir) if self.run_dir else "?"
+        self.query_one("#header", HeaderBar).set_value(header_view(state, self.status, self.paused, run_dir))
+
+    def _push_messages(self, now: float) -> None:
+        reader = self.reader
+        self.query_one("#messages", MessagesPanel).set_value(
+            messages(
+                reader.reading if reader else None,
+                reader.state if reader else None,
+                self.status,
+                now,
+                self.stale_after_s,
+            )
+        )
+
+    # ------------------------------------------------------------------ reactive state
+
+    def watch_status(self, old: str, new: str) -> None:
+        self.sub_title = new
+        self._push_header()
+
+    def watch_paused(self, paused: bool) -> None:
+        self._push_header()
+        if not paused:
+            self.poll()
+
+    def watch_log_scale(self, log_scale: bool) -> None:
+        self._push_chart()
+
+    # ------------------------------------------------------------------ actions
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+
+    def action_toggle_log(self) -> None:
+        self.log_scale = not self.log_scale
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            self.screen.dismiss(None)
+            return
+        from apr.monitor.fmt import fmt_duration
+
+        self.push_screen(
+            HelpScreen(
+                HELP.format(
+                    window=self.settings.ema_window,
+                    refresh=self.settings.refresh_ms,
+                    stale=fmt_duration(self.stale_after_s),
+                )
+            )
+        )

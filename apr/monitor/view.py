@@ -1,0 +1,188 @@
+"""What each dashboard panel shows, as plain data derived from a state: no Textual here.
+
+The app hands every panel a small immutable value built by these functions and the panel redraws
+only when that value changed, which is what keeps the dashboard cheap over a slow SSH link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from apr.monitor.fmt import (
+    DASH,
+    fmt_count,
+    fmt_duration,
+    fmt_gib,
+    fmt_int,
+    fmt_loss,
+    fmt_percent,
+    fmt_sci,
+)
+from apr.monitor.state import Reading, heartbeat_age, num
+
+# Status -> (label shown in the header, style name). Text alone says it all (NO_COLOR).
+STATUS_LABELS = {
+    "waiting": ("… WAITING", "status.waiting"),
+    "starting": ("○ STARTING", "status.starting"),
+    "running": ("● RUNNING", "status.running"),
+    "stale": ("▲ STALE", "status.stale"),
+    "finished": ("✓ FINISHED", "status.finished"),
+    "failed": ("✗ FAILED", "status.failed"),
+    "stopped": ("■ STOPPED", "status.stopped"),
+    "unknown": ("? UNKNOWN", "status.unknown"),
+}
+
+
+def status_label(status: str) -> tuple[str, str]:
+    return STATUS_LABELS.get(status, (f"? {status.upper()}", "status.unknown"))
+
+
+@dataclass(frozen=True)
+class HeaderView:
+    title: str
+    status: str
+    paused: bool
+    step: int | None
+    total_steps: int | None
+    epoch: float | None
+
+    @property
+    def fraction(self) -> float | None:
+        if self.step is None or not self.total_steps:
+            return None
+        return min(1.0, max(0.0, self.step / self.total_steps))
+
+    @property
+    def step_text(self) -> str:
+        total = f" / {fmt_int(self.total_steps)}" if self.total_steps else ""
+        return f"step {fmt_int(self.step)}{total}"
+
+
+def header_view(state: dict | None, status: str, paused: bool, run_dir: str) -> HeaderView:
+    if state is None:
+        return HeaderView(f"apr monitor · {run_dir}", status, paused, None, None, None)
+    experiment = state.get("experiment") or "?"
+    run_id = state.get("run_id") or "?"
+    return HeaderView(
+        f"{experiment} · run {run_id}",
+        status,
+        paused,
+        state.get("step"),
+        state.get("total_steps"),
+        state.get("epoch"),
+    )
+
+
+def stats_lines(state: dict | None, show_eta: bool = True) -> tuple[tuple[str, str], ...]:
+    """(label, value) rows of the run panel: throughput, budget, time, loss, last checkpoint."""
+    if state is None:
+        return (("", "no data yet"),)
+    tokens_seen, tokens_total = num(state.get("tokens_seen")), num(state.get("tokens_total"))
+    tokens = fmt_count(tokens_seen)
+    if tokens_total:
+        tokens += f" / {fmt_count(tokens_total)}"
+        if tokens_seen is not None:
+            tokens += f"  {fmt_percent(tokens_seen / tokens_total)}"
+    loss = fmt_loss(state.get("loss"))
+    if state.get("val_loss") is not None:
+        loss += f"  val {fmt_loss(state.get('val_loss'))}"
+    rows = [
+        ("tok/s", fmt_int(state.get("tokens_per_s"))),
+        ("tokens", tokens),
+        ("elapsed", fmt_duration(state.get("elapsed_s"))),
+    ]
+    if show_eta:
+        eta = state.get("eta_s")
+        rows.append(("ETA", fmt_duration(eta) if state.get("status") in ("starting", "running") else DASH))
+    rows.append(("loss", loss))
+    rows.append(("ckpt", checkpoint_text(state)))
+    return tuple(rows)
+
+
+def checkpoint_text(state: dict) -> str:
+    """'step 12,000 @ 3h 02m' (run time at the save, not wall-clock: the same on every screen)."""
+    ckpt = state.get("last_checkpoint")
+    if not ckpt or ckpt.get("step") is None:
+        return "none yet"
+    text = f"step {fmt_int(ckpt['step'])}"
+    started = num(state.get("started_at"))
+    if ckpt.get("time") is not None and started is not None and ckpt["time"] >= started:
+        text += f" @ {fmt_duration(ckpt['time'] - started)}"
+    return text
+
+
+def gpu_lines(gpu: dict | None) -> tuple[str, float | None, tuple[str, ...]] | None:
+    """(name, utilisation fraction, detail rows) of the GPU panel; None hides the panel."""
+    if not gpu or all(v is None for v in gpu.values()):
+        return None
+    util = gpu.get("utilization")
+    used, total = gpu.get("memory_used"), gpu.get("memory_total")
+    vram = f"VRAM {fmt_gib(used)} / {fmt_gib(total)} GiB"
+    if used is not None and total:
+        vram += f"  {100 * used / total:.0f}%"
+    temp = f"{gpu['temperature']:.0f}°C" if gpu.get("temperature") is not None else f"{DASH}°C"
+    power = f"{gpu['power_w']:.0f} W" if gpu.get("power_w") is not None else f"{DASH} W"
+    return (gpu.get("name") or "GPU", None if util is None else util / 100.0, (vram, f"{temp}  {power}"))
+
+
+@dataclass(frozen=True)
+class SparkView:
+    values: tuple[float, ...]
+    caption: str
+
+
+def lr_view(state: dict | None) -> SparkView:
+    hist = state.get("lr_history", ()) if state else ()
+    values = tuple(v for _, v in hist)
+    if not values:
+        return SparkView((), f"now {fmt_sci(state.get('lr'))}" if state else "no data yet")
+    return SparkView(values, f"{fmt_sci(values[0])} → {fmt_sci(values[-1])}  max {fmt_sci(max(values))}")
+
+
+def grad_view(state: dict | None) -> SparkView:
+    hist = state.get("grad_norm_history", ()) if state else ()
+    values = tuple(v for _, v in hist)
+    if not values:
+        return SparkView((), f"now {fmt_sci(state.get('grad_norm'))}" if state else "no data yet")
+    last = state.get("grad_norm") if state.get("grad_norm") is not None else values[-1]
+    return SparkView(values, f"now {fmt_sci(last)}  max {fmt_sci(max(values))}")
+
+
+def messages(
+    reading: Reading | None, state: dict | None, status: str, now: float, stale_after_s: float, limit: int = 8
+) -> tuple[tuple[str, str], ...]:
+    """(text, style) lines, most important first: file problems, the end reason, staleness, the
+    latest alerts (newest first), store warnings."""
+    out: list[tuple[str, str]] = []
+    if reading is not None and not reading.ok:
+        suffix = " (showing the last good state)" if state is not None and reading.kind != "missing" else ""
+        out.append((reading.problem + suffix, "msg.problem"))
+    elif reading is not None and reading.missing_fields:
+        shown = ", ".join(reading.missing_fields[:4]) + (" ..." if len(reading.missing_fields) > 4 else "")
+        out.append((f"state file lacks: {shown}", "msg.warning"))
+    if state is not None:
+        reason = state.get("status_reason")
+        if status in ("failed", "stopped", "finished") and reason:
+            out.append((f"{status}: {reason}", "msg.problem" if status == "failed" else "msg.info"))
+        elif status == "failed":
+            out.append(("failed (no reason recorded)", "msg.problem"))
+        if status == "stale":
+            age = heartbeat_age(state, now)
+            out.append(
+                (
+                    f"no heartbeat for {fmt_duration(age)} (stale after {fmt_duration(stale_after_s)}): "
+                    "the trainer may have died",
+                    "msg.warning",
+                )
+            )
+        for alert in reversed(state.get("alerts") or []):
+            step = f"step {fmt_int(alert['step'])} " if alert.get("step") is not None else ""
+            action = f" → {alert['action']}" if alert.get("action") else ""
+            text = alert.get("message") or ""
+            cond = alert.get("condition") or ""
+            out.append((f"{step}{cond}{action}{': ' + text if text else ''}", "msg.alert"))
+        for warning in state.get("store_warnings") or []:
+            out.append((f"store: {warning}", "msg.warning"))
+    if not out:
+        out.append(("no alerts", "msg.none"))
+    return tuple(out[:limit])
