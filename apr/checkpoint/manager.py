@@ -234,10 +234,12 @@ def _header_shapes(path: Path) -> tuple[dict, dict]:
     return shapes, dtypes
 
 
-def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = True) -> TrainState:
+def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = True,
+                    weights_only: bool = False) -> TrainState:
     """Load one checkpoint (its .json or .safetensors path). Raises CheckpointError when it is
     missing, truncated, corrupt (SHA-256), not an apr checkpoint, its tensors do not match the model
-    of its own config ("foreign"), or (with ``config``) it was saved for a different model."""
+    of its own config ("foreign"), or (with ``config``) it was saved for a different model.
+    ``weights_only`` leaves the optimizer state on disk (export needs only the weights)."""
     info = read_info(_json_for(Path(path)))
     if verify:
         verify_weights(info)
@@ -264,10 +266,15 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
                 findings=[Finding("error", "checkpoint.model_mismatch", p, file=str(info.json_path))
                           for p in problems[:20]])
 
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     try:
-        tensors = load_file(str(info.weights_path))
+        if weights_only:
+            with safe_open(str(info.weights_path), framework="pt") as f:
+                tensors = {n: f.get_tensor(n) for n in f.keys() if not n.startswith(("optimizer.",))}
+        else:
+            tensors = load_file(str(info.weights_path))
     except Exception as err:  # safetensors raises its own SafetensorError
         raise CheckpointError(f"{info.weights_path.name} cannot be read: {err}", info.weights_path,
                               "bad_weights") from None
@@ -307,7 +314,7 @@ def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
 
 
 def load_latest(run_dir: str | os.PathLike, config: Any = None,
-                warn: Callable[[str], None] | None = None) -> TrainState:
+                warn: Callable[[str], None] | None = None, weights_only: bool = False) -> TrainState:
     """The newest usable step checkpoint of a run directory, falling back to older ones (and, when
     no step checkpoint is usable, to checkpoint-best) past truncated, corrupt or foreign ones. Each
     skipped checkpoint is reported through ``warn``."""
@@ -322,7 +329,7 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
             continue
         newest = newest or entry.json_path.name
         try:
-            state = read_checkpoint(entry.json_path, config)
+            state = read_checkpoint(entry.json_path, config, weights_only=weights_only)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise
@@ -336,7 +343,7 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
     best = run_dir / f"{files.BEST_STEM}.json"
     if best.exists():
         try:
-            state = read_checkpoint(best, config)
+            state = read_checkpoint(best, config, weights_only=weights_only)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise

@@ -1,0 +1,239 @@
+"""Export a checkpoint as a Hugging Face Llama folder that `transformers` loads offline.
+
+    config.json               LlamaConfig fields; RoPE in the installed transformers' form
+    model.safetensors         weights only, Llama names (no optimizer state; no lm_head when tied)
+    generation_config.json    bos / eos / pad token ids
+    tokenizer.json            the run's tokenizer (``data.tokenizer``), copied
+    tokenizer_config.json     tokenizer class, special tokens (eos), model_max_length
+
+The folder is built under a temp name beside ``out`` and renamed into place at the end, so a
+crash never leaves a half-written export that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from apr.checkpoint import files
+from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
+from apr.errors import AprError, Finding
+from apr.fsutil import fsync_dir
+
+# Special tokens recognised by name, most specific first. A tokenizer made by `apr data
+# train-tokenizer` carries "<|endoftext|>"; the others cover tokenizers from elsewhere.
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>", "[SEP]")
+BOS_NAMES = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "<|bos|>", "[CLS]")
+PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+UNK_NAMES = ("<unk>", "<|unk|>", "[UNK]")
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    step: int
+    checkpoint: Path
+    files: list[str]
+    eos_token: str | None
+    tokenizer: Path
+    rope_form: str  # "rope_parameters" (transformers >= 5) or "rope_theta"
+    warnings: list[str] = field(default_factory=list)
+
+
+def installed_transformers_major() -> int | None:
+    """Major version of the installed transformers, read from package metadata (no import)."""
+    try:
+        return int(metadata.version("transformers").split(".")[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        return None
+
+
+def _resolve_tokenizer(tokenizer: str | os.PathLike | None, config, info: CheckpointInfo) -> Path:
+    given = tokenizer if tokenizer is not None else config.data.tokenizer
+    if given is None:
+        raise AprError("the checkpoint's config names no tokenizer (data.tokenizer); pass --tokenizer PATH",
+                       [Finding("error", "export.no_tokenizer", "no tokenizer to export",
+                                path="data.tokenizer", file=str(info.json_path))])
+    path = Path(given).expanduser()
+    candidates = [path]
+    if not path.is_absolute() and tokenizer is None:
+        # Config paths are relative to where the run was started, which the checkpoint records.
+        if info.cwd:
+            candidates.append(Path(info.cwd) / path)
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise AprError(
+        f"tokenizer {given} not found (looked at {', '.join(str(c) for c in candidates)}); "
+        "pass --tokenizer PATH",
+        [Finding("error", "export.tokenizer_missing", "tokenizer file not found",
+                 path="data.tokenizer" if tokenizer is None else "", file=str(given))])
+
+
+def _special_tokens(tokenizer_path: Path, vocab_size: int) -> dict[str, tuple[str, int] | None]:
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(tokenizer_path))
+    except Exception as err:  # tokenizers raises a bare Exception on a bad file
+        raise AprError(f"{tokenizer_path} is not a tokenizers tokenizer.json: {err}",
+                       [Finding("error", "export.tokenizer_invalid", str(err), file=str(tokenizer_path))]
+                       ) from None
+    if tok.get_vocab_size() > vocab_size:
+        raise AprError(
+            f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocab_size is {vocab_size}",
+            [Finding("error", "export.vocab_mismatch", "tokenizer larger than the embedding",
+                     file=str(tokenizer_path), expected=f"<= {vocab_size}", got=str(tok.get_vocab_size()))])
+    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    def pick(names: tuple[str, ...]) -> tuple[str, int] | None:
+        for n in names:
+            if n in specials:
+                return n, specials[n]
+        return None
+
+    out = {"eos": pick(EOS_NAMES), "bos": pick(BOS_NAMES), "pad": pick(PAD_NAMES), "unk": pick(UNK_NAMES)}
+    if out["eos"] is None and len(specials) == 1:  # a single special token is the document separator
+        (name, idx), = specials.items()
+        out["eos"] = (name, idx)
+    return out
+
+
+def hf_config(arch, specials: dict, transformers_major: int | None) -> tuple[dict, str]:
+    """config.json for LlamaForCausalLM, and which RoPE form it uses."""
+    tok_id = {k: (v[1] if v else None) for k, v in specials.items()}
+    doc = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.kv_heads,
+        "head_dim": arch.hidden_size // arch.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": arch.max_position_embeddings,
+        "initializer_range": arch.initializer_range,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": tok_id["bos"],
+        "eos_token_id": tok_id["eos"],
+        "pad_token_id": tok_id["pad"],
+    }
+    rope_parameters = {"rope_type": "default", "rope_theta": arch.rope_theta}
+    if transformers_major is None:  # not installed: both forms, each version reads its own
+        doc.update(rope_theta=arch.rope_theta, rope_scaling=None, rope_parameters=rope_parameters,
+                   dtype="float32", torch_dtype="float32")
+        form = "rope_parameters+rope_theta"
+    elif transformers_major >= 5:  # 5.x moved rope_theta / rope_scaling into rope_parameters
+        doc.update(rope_parameters=rope_parameters, dtype="float32")
+        form = "rope_parameters"
+    else:
+        doc.update(rope_theta=arch.rope_theta, rope_scaling=None, torch_dtype="float32")
+        form = "rope_theta"
+    try:
+        doc["transformers_version"] = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        pass
+    return doc, form
+
+
+def tokenizer_config(specials: dict, max_len: int) -> dict:
+    doc: dict = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    for kind in ("bos", "eos", "unk", "pad"):
+        if specials[kind]:
+            doc[f"{kind}_token"] = specials[kind][0]
+    return doc
+
+
+def _read_weights(checkpoint: str | os.PathLike, warnings: list[str]):
+    path = Path(checkpoint)
+    if path.is_dir():
+        return load_latest(path, warn=warnings.append, weights_only=True)
+    return read_checkpoint(path, weights_only=True)
+
+
+def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
+              overwrite: bool = False) -> ExportResult:
+    """Export a checkpoint (.json, .safetensors, or a run directory meaning its latest good one) as a
+    Hugging Face Llama folder at ``out``. ``tokenizer`` overrides the config's ``data.tokenizer``."""
+    from apr.config.schema import AprConfig
+
+    out = Path(out)
+    warnings: list[str] = []
+    state = _read_weights(checkpoint, warnings)
+    info = state.info
+    assert info is not None
+    try:
+        config = AprConfig.model_validate(info.config)
+    except Exception as err:  # pydantic ValidationError
+        raise CheckpointError(f"{info.json_path.name}: its stored config does not validate: {err}",
+                              info.json_path, "not_apr") from None
+    arch = config.model.architecture
+
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise AprError(f"{out} already exists and is not empty; pass --overwrite to replace it",
+                       [Finding("error", "export.out_exists", "output folder not empty", file=str(out))])
+    tok_path = _resolve_tokenizer(tokenizer, config, info)
+    specials = _special_tokens(tok_path, arch.vocab_size)
+    if specials["eos"] is None:
+        warnings.append(f"{tok_path} has no end-of-text special token; eos_token is not set")
+    major = installed_transformers_major()
+    cfg_doc, rope_form = hf_config(arch, specials, major)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        weights = {k: v for k, v in state.tensors.items() if not k.startswith("optimizer.")}
+        files.write_safetensors(tmp / "model.safetensors", weights, metadata={
+            "format": "pt",  # transformers refuses safetensors without it
+            "apr_step": str(info.step),
+            "apr_config_hash": str(info.config_hash),
+        })
+        del state, weights
+        _write_json(tmp / "config.json", cfg_doc)
+        gen = {k: cfg_doc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        if gen["pad_token_id"] is None:
+            gen["pad_token_id"] = gen["eos_token_id"]  # generate() would warn and do this itself
+        if "transformers_version" in cfg_doc:
+            gen["transformers_version"] = cfg_doc["transformers_version"]
+        _write_json(tmp / "generation_config.json", gen)
+        shutil.copyfile(tok_path, tmp / "tokenizer.json")
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(specials, arch.max_position_embeddings))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out_dir=out, step=info.step, checkpoint=info.json_path,
+                        files=sorted(p.name for p in out.iterdir()),
+                        eos_token=specials["eos"][0] if specials["eos"] else None, tokenizer=tok_path,
+                        rope_form=rope_form, warnings=warnings)
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

@@ -1,0 +1,198 @@
+"""Export to a Hugging Face folder, load it with transformers offline, compare logits, generate."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sysconfig
+
+import pytest
+import torch
+
+from apr.checkpoint.export import export_hf, hf_config
+from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState
+from apr.errors import AprError
+from apr.model.spec import param_specs
+from tests.checkpoint.conftest import make_config
+
+ARCH = {
+    "model.architecture.hidden_size": 32, "model.architecture.num_attention_heads": 4,
+    "model.architecture.num_key_value_heads": 2, "model.architecture.intermediate_size": 48,
+    "model.architecture.vocab_size": 300, "model.architecture.max_position_embeddings": 64,
+    "model.architecture.rope_theta": 500000.0, "model.architecture.rms_norm_eps": 1e-5,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A small byte-level BPE with an end-of-text token, trained on stdlib sources."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train(sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"))), trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def weights(config, seed=0):
+    """Trained-looking random weights: small matrices, norms near one; AdamW state alongside."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for p in param_specs(config.model.architecture):
+        if len(p.shape) == 1:
+            t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            t = 0.08 * torch.randn(p.shape, generator=g)
+        out[p.name] = t
+        out["optimizer.m." + p.name] = torch.randn(p.shape, generator=g)
+        out["optimizer.v." + p.name] = torch.rand(p.shape, generator=g)
+    return out
+
+
+def reference_logits(t: dict, arch, ids: torch.Tensor) -> torch.Tensor:
+    """A plain Llama forward written from the paper's equations (float32)."""
+    B, T = ids.shape
+    nq, nkv = arch.num_attention_heads, arch.kv_heads
+    hd = arch.hidden_size // nq
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    freqs = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos(), emb.sin()
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + arch.rms_norm_eps))
+
+    def rope(x):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    mask = torch.full((T, T), float("-inf")).triu(1)
+    h = t["model.embed_tokens.weight"][ids]
+    for i in range(arch.num_hidden_layers):
+        p = f"model.layers.{i}."
+        x = rms(h, t[p + "input_layernorm.weight"])
+        q = (x @ t[p + "self_attn.q_proj.weight"].T).view(B, T, nq, hd).transpose(1, 2)
+        k = (x @ t[p + "self_attn.k_proj.weight"].T).view(B, T, nkv, hd).transpose(1, 2)
+        v = (x @ t[p + "self_attn.v_proj.weight"].T).view(B, T, nkv, hd).transpose(1, 2)
+        q, k = rope(q), rope(k)
+        k, v = k.repeat_interleave(nq // nkv, 1), v.repeat_interleave(nq // nkv, 1)
+        att = torch.softmax(q @ k.transpose(-1, -2) / hd**0.5 + mask, -1) @ v
+        h = h + att.transpose(1, 2).reshape(B, T, nq * hd) @ t[p + "self_attn.o_proj.weight"].T
+        x = rms(h, t[p + "post_attention_layernorm.weight"])
+        gate = torch.nn.functional.silu(x @ t[p + "mlp.gate_proj.weight"].T)
+        h = h + (gate * (x @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+    h = rms(h, t["model.norm.weight"])
+    return h @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
+
+
+def saved_checkpoint(tmp_path, tokenizer_file, tied):
+    config = make_config(**ARCH, **{"model.architecture.tie_word_embeddings": tied,
+                                    "data.tokenizer": str(tokenizer_file)})
+    tensors = weights(config)
+    path = CheckpointManager(tmp_path / "run", config).save(TrainState(12, tensors, {"epoch": 0}))
+    return config, tensors, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_loads_the_export_with_equal_logits_and_generates(tmp_path, tokenizer_file, tied,
+                                                                       monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config, tensors, ckpt = saved_checkpoint(tmp_path, tokenizer_file, tied)
+    out = tmp_path / "hf"
+    result = export_hf(ckpt, out)
+    assert result.files == ["config.json", "generation_config.json", "model.safetensors",
+                            "tokenizer.json", "tokenizer_config.json"]
+    stored = load_file(str(out / "model.safetensors"))
+    assert not any(k.startswith("optimizer.") for k in stored)
+    assert ("lm_head.weight" in stored) is (not tied)
+
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert model.config.tie_word_embeddings is tied
+    assert model.dtype == torch.float32
+    arch = config.model.architecture
+    ids = torch.randint(0, arch.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids).logits
+    want = reference_logits({k: v for k, v in tensors.items() if not k.startswith("opt")}, arch, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.eos_token == "<|endoftext|>"
+    assert tok.eos_token_id == model.config.eos_token_id == model.generation_config.eos_token_id
+    text = "def f(x):\n    return x + 1\n"
+    enc = tok(text, return_tensors="pt")
+    assert tok.decode(enc["input_ids"][0]) == text
+    gen = model.generate(**enc, max_new_tokens=6, do_sample=False)
+    assert gen.shape[0] == 1 and enc["input_ids"].shape[1] < gen.shape[1] <= enc["input_ids"].shape[1] + 6
+    first = reference_logits({k: v for k, v in tensors.items() if not k.startswith("opt")}, arch,
+                             enc["input_ids"])[0, -1].argmax().item()
+    assert gen[0, enc["input_ids"].shape[1]].item() == first  # greedy: the reference's next token
+
+
+def test_config_json_uses_the_installed_transformers_rope_form(tmp_path, tokenizer_file):
+    config, _, ckpt = saved_checkpoint(tmp_path, tokenizer_file, tied=False)
+    export_hf(ckpt, tmp_path / "hf")
+    doc = json.loads((tmp_path / "hf" / "config.json").read_text())
+    from importlib.metadata import version
+
+    if int(version("transformers").split(".")[0]) >= 5:
+        assert doc["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}
+        assert "rope_theta" not in doc
+    else:
+        assert doc["rope_theta"] == 500000.0
+    assert doc["num_key_value_heads"] == 2 and doc["head_dim"] == 8 and doc["eos_token_id"] == 0
+    v4, _ = hf_config(config.model.architecture, {"eos": None, "bos": None, "pad": None, "unk": None}, 4)
+    assert v4["rope_theta"] == 500000.0 and "rope_parameters" not in v4
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 0 and gen["pad_token_id"] == 0
+    tc = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert tc["eos_token"] == "<|endoftext|>" and tc["model_max_length"] == 64
+
+
+def test_export_refusals(tmp_path, tokenizer_file):
+    config, _, ckpt = saved_checkpoint(tmp_path, tokenizer_file, tied=True)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(AprError, match="--overwrite"):
+        export_hf(ckpt, out)
+    assert (out / "keep.txt").exists()
+    export_hf(ckpt, out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    with pytest.raises(AprError, match="not found"):
+        export_hf(ckpt, tmp_path / "b", tokenizer=tmp_path / "nope.json")
+    small_vocab = tmp_path / "t.json"
+    small_vocab.write_text("not a tokenizer")
+    with pytest.raises(AprError, match="not a tokenizers"):
+        export_hf(ckpt, tmp_path / "c", tokenizer=small_vocab)
+    weights_file = ckpt.with_suffix(".safetensors")
+    weights_file.write_bytes(weights_file.read_bytes()[:-4])
+    with pytest.raises(CheckpointError, match="truncated"):
+        export_hf(ckpt, tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run", "t.json"]  # no temp folders left
+
+
+def test_run_directory_exports_its_latest_good_checkpoint_with_a_relative_tokenizer(
+        tmp_path, tokenizer_file, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tok.json").write_bytes(tokenizer_file.read_bytes())
+    config = make_config(**ARCH, **{"data.tokenizer": "tok.json"})
+    mgr = CheckpointManager(tmp_path / "run", config, keep_last=2)
+    mgr.save(TrainState(5, weights(config, 5), {}))
+    mgr.save(TrainState(9, weights(config, 9), {}))
+    (tmp_path / "run" / "checkpoint-step-9.safetensors").write_bytes(b"\0" * 64)
+    monkeypatch.chdir(tmp_path / "run")  # the relative tokenizer path is found through the recorded cwd
+    result = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert result.step == 5
+    assert any("checkpoint-step-9" in w for w in result.warnings)
