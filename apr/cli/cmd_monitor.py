@@ -15,6 +15,7 @@ def register(app: typer.Typer) -> None:
             None,
             help="Run directory (holds training_state.json). Default: the active runs of the registry.",
             show_default=False,
+            metavar="RUN_DIR",
         ),
         json_out: bool = typer.Option(False, "--json", help="Print the state as one JSON object and exit."),
         follow: bool = typer.Option(

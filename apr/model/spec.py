@@ -122,7 +122,8 @@ def compute_dtype(precision: MixedPrecision | str) -> str:
 
 
 def buffer_plan(config: AprConfig) -> list[Buffer]:
-    """The trainer's persistent device buffers, as allocated by the interleaved engine.
+    """The trainer's persistent device buffers, as allocated by the engine (``apr.train.engine``
+    allocates weights, AdamW state and gradient buffers from this list by name).
 
     Weights, optimizer state and gradient buffers are float32 (master weights); activation
     checkpoints are kept in the compute dtype. Activations inside one block and allocator slack are
@@ -132,6 +133,7 @@ def buffer_plan(config: AprConfig) -> list[Buffer]:
     tr = config.training
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
     cdt = compute_dtype(tr.mixed_precision)
+    interleaved = str(tr.engine) == "interleaved"
     bufs: list[Buffer] = []
 
     groups: list[tuple[str, int]] = [("embed", v * h)]
@@ -143,22 +145,36 @@ def buffer_plan(config: AprConfig) -> list[Buffer]:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32"))
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32"))
 
-    # One shared workspace sized for the largest group; embedding and head gradients are produced at
-    # the ends of the backward walk and use it too. Accumulation keeps every group's gradient across
-    # micro-batches instead (exact global clipping is then free; without accumulation it costs a
-    # norm-only backward pass, not memory).
-    keeps_all_grads = tr.gradient_accumulation > 1
-    if str(tr.engine) == "standard" or keeps_all_grads:
+    # Gradients (apr.train.strategy): the standard engine and gradient accumulation keep every
+    # group's gradient for the whole step; the interleaved engine then also has a scratch of the
+    # embedding's size, where the LM head's and the embedding's gradient of one micro-batch are
+    # formed before they are added (the same rounding as autograd's accumulation). Otherwise one
+    # shared workspace sized for the largest group serves the head, each block and the embedding
+    # in turn; a tied embedding keeps its own buffer (the LM head's gradient, first in the walk, and
+    # the embedding's, last, both add into it) and forms its lookup gradient in the workspace.
+    keeps_all_grads = not interleaved or tr.gradient_accumulation > 1
+    if keeps_all_grads:
         for name, numel in groups:
             bufs.append(Buffer(f"{name}.grad", "gradients", (numel,), "float32"))
+        if interleaved:
+            bufs.append(Buffer("grad_scratch", "gradients", (v * h,), "float32"))
     else:
+        if arch.tie_word_embeddings:
+            bufs.append(Buffer("embed.grad", "gradients", (v * h,), "float32"))
         bufs.append(Buffer("grad_workspace", "gradients", (max(n for _, n in groups),), "float32"))
+    if not interleaved:
+        # the chunked LM-head loss holds its weight gradient from the forward until backward
+        bufs.append(Buffer("head_saved_grad", "gradients", (v, h), "float32"))
 
-    if str(tr.engine) == "interleaved":
-        bufs.append(Buffer("block_inputs", "activation_checkpoints",
-                           (arch.num_hidden_layers + 1, b, s, h), cdt))
+    if interleaved:
+        bufs.append(Buffer("block_inputs", "activation_checkpoints", (arch.num_hidden_layers + 1, b, s, h), cdt))
+        # the gradient flowing down the residual stream: a block's output grad and its input grad
+        bufs.append(Buffer("residual_grad", "activation_checkpoints", (2, b, s, h), cdt))
     chunk = min(tr.loss_chunk_size, s)
-    bufs.append(Buffer("logits_chunk", "logits_chunk", (b, chunk, v), "float32"))
-    bufs.append(Buffer("logits_chunk_grad", "logits_chunk", (b, chunk, v), "float32"))
+    bufs.append(Buffer("logits_chunk", "logits_chunk", (b, chunk, v), "float32"))  # d_logits in place
+    if cdt != "float32":
+        bufs.append(Buffer("logits_chunk_compute", "logits_chunk", (b, chunk, v), cdt))
+    # the final-normed hidden states (float32: the norm weight is float32) and their gradient
+    bufs.append(Buffer("head_hidden", "logits_chunk", (2, b, s, h), "float32"))
     bufs.append(Buffer("token_ids", "inputs", (b, s + 1), "int64"))
     return bufs

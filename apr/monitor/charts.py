@@ -114,9 +114,14 @@ def line_chart(
     untf = (lambda v: 10.0**v) if log_used else (lambda v: v)
     labels = {0: axis_label(untf(y_hi)), plot_h - 1: axis_label(untf(y_lo))}
     if plot_h >= 5:
-        labels[(plot_h - 1) // 2] = axis_label(
-            untf(y_hi - (y_hi - y_lo) * ((plot_h - 1) // 2) / (plot_h - 1))
-        )
+        mid_row = (plot_h - 1) // 2
+        mid_value = untf(y_hi - (y_hi - y_lo) * mid_row / (plot_h - 1))
+        if log_used:  # label the round decade nearest the middle, on the row where it falls
+            decade = round((y_hi + y_lo) / 2)
+            row = round((y_hi - decade) / (y_hi - y_lo) * (plot_h - 1))
+            if y_lo < decade < y_hi and 0 < row < plot_h - 1:
+                mid_row, mid_value = row, 10.0**decade
+        labels[mid_row] = axis_label(mid_value)
     gutter = max(len(t) for t in labels.values()) + 1
     plot_w = width - gutter - 1
     if plot_w < 4:

@@ -45,7 +45,7 @@ def print_json_follow(
 
     reason, last = follow(run_dir, emit, settings.refresh_s, timeout_s, include_history)
     if reason == "timeout":
-        status = last.get("status") or (last.get("problem") or {}).get("kind", "no state")
+        status = last.get("status") or f"without a readable state ({(last.get('problem') or {}).get('kind')})"
         raise AprError(
             f"timed out after {timeout_s:g} s; the run is still {status}",
             [

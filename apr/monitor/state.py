@@ -238,9 +238,9 @@ def read_file(path: Path) -> Reading:
             )
         data = path.read_bytes()
     except FileNotFoundError:
-        where = path.parent
-        what = "does not exist yet" if where.is_dir() else "and its folder do not exist (yet)"
-        return Reading("missing", path, problem=f"waiting for {path}: it {what}")
+        if path.parent.is_dir():
+            return Reading("missing", path, problem=f"{path} does not exist yet (the run has not started?)")
+        return Reading("missing", path, problem=f"{path.parent} does not exist (yet)")
     except OSError as e:
         return Reading("unreadable", path, problem=f"cannot read {path}: {e.strerror or e}")
     return parse_state(data, path)

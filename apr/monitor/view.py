@@ -156,7 +156,8 @@ def messages(
     out: list[tuple[str, str]] = []
     if reading is not None and not reading.ok:
         suffix = " (showing the last good state)" if state is not None and reading.kind != "missing" else ""
-        out.append((reading.problem + suffix, "msg.problem"))
+        prefix = "waiting: " if reading.kind == "missing" else ""
+        out.append((prefix + (reading.problem or reading.kind) + suffix, "msg.problem"))
     elif reading is not None and reading.missing_fields:
         shown = ", ".join(reading.missing_fields[:4]) + (" ..." if len(reading.missing_fields) > 4 else "")
         out.append((f"state file lacks: {shown}", "msg.warning"))

@@ -45,6 +45,7 @@ FLUSH_INTERVAL_S = 5.0  # metrics reach the stores at least this often (and at e
 FLUSH_ROWS = 5000  # ... or as soon as this many rows are waiting
 RETRY_S = 30.0  # a failed store is retried after this long
 MAX_PENDING_ROWS = 200_000  # per failed store; older rows are dropped beyond this
+COALESCE_S = 0.005  # the writer waits this long after a wake-up, then writes the latest state once
 STATE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "epoch")
 
 
@@ -195,6 +196,8 @@ class RunRecorder:
                 self._elapsed_before = prev_elapsed if prev_elapsed and math.isfinite(prev_elapsed) else 0.0
         self._sinks: list[_Sink] = []
         if self._stores_enabled:
+            import sqlite_utils  # noqa: F401  (~0.5 s: paid here, before training, not inside a step)
+
             self._sinks = [
                 _Sink("local", local_db_path(self.output_dir), busy_timeout_s),
                 _Sink("global", global_db_path(Path(apr_home) if apr_home is not None else None), busy_timeout_s),
@@ -441,6 +444,12 @@ class RunRecorder:
                     self._cv.wait_for(lambda: self._requested > self._done or self._stopping)
                     if self._requested == self._done:  # stopping, and nothing left to do
                         return
+                    stopping = self._stopping
+                if not stopping:
+                    # Let the training thread finish its bookkeeping and get back into torch (which
+                    # releases the GIL) before this thread takes the GIL to render the state.
+                    time.sleep(COALESCE_S)
+                with self._cv:
                     target = self._requested
                 try:
                     self._work()

@@ -1,0 +1,1 @@
+"""Tokenizer training, pretokenizing to Parquet shards, and the resumable shard loader."""

@@ -1,0 +1,136 @@
+"""LM head + cross-entropy over sequence chunks (DESIGN.md decision 5).
+
+For each chunk of ``chunk_size`` positions: logits = h_chunk @ W^T in float32 (``[batch, chunk,
+vocab]``, the only logits that ever exist), then the backend's fused cross-entropy turns them into
+the loss sum and, in place, d_logits; d_logits gives the chunk's hidden gradient and adds into the
+head weight's gradient. The full ``[batch, seq, vocab]`` logits are never built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apr.kernels.interface import KernelBackend
+
+
+def _compute_dtype(device: torch.device, compute_dtype: torch.dtype | None) -> torch.dtype:
+    if compute_dtype is not None:
+        return compute_dtype
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return torch.float32
+
+
+def _chunks(seq_len: int, chunk_size: int):
+    for start in range(0, seq_len, chunk_size):
+        yield start, min(start + chunk_size, seq_len)
+
+
+def linear_cross_entropy_fwd_bwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    grad_scale: float,
+    backend: KernelBackend,
+    grad_weight: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss sum and gradients of ``grad_scale * loss_sum`` over ``hidden`` ``[batch, seq, h]``
+    (final-normed) and the head ``weight`` ``[vocab, h]``.
+
+    Returns ``(loss_sum, grad_hidden)`` with ``grad_hidden`` in ``hidden``'s dtype. The weight's
+    gradient is added into ``grad_weight`` (float32, ``weight``'s shape) when one is given.
+    """
+    hidden = hidden.detach()
+    b, s, h = hidden.shape
+    cdt = _compute_dtype(hidden.device, compute_dtype)
+    w = weight.detach().to(cdt)
+    grad_hidden = torch.empty_like(hidden)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start, end in _chunks(s, chunk_size):
+            h_chunk = hidden[:, start:end].reshape(-1, h).to(cdt)
+            logits = (h_chunk @ w.t()).float()
+            t_chunk = targets[:, start:end].reshape(-1)
+            loss_sum += backend.cross_entropy_fwd_bwd(logits, t_chunk, grad_scale=grad_scale)
+            d_logits = logits.to(cdt)
+            grad_hidden[:, start:end] = (d_logits @ w).view(b, end - start, h).to(hidden.dtype)
+            if grad_weight is not None:
+                if cdt == torch.float32:
+                    grad_weight.addmm_(d_logits.t(), h_chunk)
+                else:
+                    grad_weight.add_(d_logits.t() @ h_chunk)
+    return loss_sum, grad_hidden
+
+
+@torch.no_grad()
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    backend: KernelBackend,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Summed cross-entropy without gradients (validation), chunked the same way."""
+    b, s, h = hidden.shape
+    cdt = _compute_dtype(hidden.device, compute_dtype)
+    w = weight.to(cdt)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start, end in _chunks(s, chunk_size):
+            logits = (hidden[:, start:end].reshape(-1, h).to(cdt) @ w.t()).float()
+            loss_sum += backend.cross_entropy_fwd(logits, targets[:, start:end].reshape(-1))
+    return loss_sum
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean chunked cross-entropy for ordinary autograd (the standard engine, ``model(ids, targets)``).
+
+    The forward already computes both gradients, chunk by chunk, and keeps them (``[batch, seq, h]``
+    and ``[vocab, h]``) instead of the logits; backward only scales them.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, backend, compute_dtype):
+        count = targets.numel()  # pretraining: every position is a target (no host sync to count)
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return linear_cross_entropy_sum(
+                hidden, weight, targets, chunk_size=chunk_size, backend=backend, compute_dtype=compute_dtype
+            ) / count
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss_sum, grad_hidden = linear_cross_entropy_fwd_bwd(
+            hidden, weight, targets, chunk_size=chunk_size, grad_scale=1.0 / count, backend=backend,
+            grad_weight=grad_weight, compute_dtype=compute_dtype,
+        )
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss_sum / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        gh = grad_hidden * grad_loss.to(grad_hidden.dtype) if ctx.needs_input_grad[0] else None
+        gw = grad_weight * grad_loss.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int,
+    backend: KernelBackend | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Mean cross-entropy of ``hidden @ weight.T`` over every position of ``targets``,
+    differentiable, computed over sequence chunks."""
+    if backend is None:
+        from apr.kernels import get_backend
+
+        backend = get_backend("torch")
+    cdt = _compute_dtype(hidden.device, compute_dtype)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, backend, cdt)

@@ -1,0 +1,199 @@
+"""The LLaMA-style decoder, top to bottom in the order data flows through it.
+
+RMSNorm -> rotary embeddings -> attention (GQA, SDPA) -> SwiGLU MLP -> decoder block -> model.
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly
+(``model.layers.0.self_attn.q_proj.weight``, ...), so ``state_dict()`` is an HF checkpoint without
+renaming. Shapes, counts and init order come from ``apr.model.spec``.
+
+The model is plain ``nn.Module`` code; the training engine (``apr.train.engine``) re-points every
+parameter at a view of its group's flat buffer and drives the blocks one at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from apr.config.schema import Architecture
+from apr.model import spec
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 whatever the input dtype (as HF Llama does)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_cos_sin(head_dim: int, seq_len: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables ``[seq_len, head_dim]`` in float32 (HF's default rope, halves concatenated)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    positions = torch.arange(seq_len, dtype=torch.float, device=device)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: ``[batch, heads, seq, head_dim]``; cos/sin: ``[seq, head_dim]``."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped key/value heads and rotary positions."""
+
+    def __init__(self, arch: Architecture):
+        super().__init__()
+        self.n_heads = arch.num_attention_heads
+        self.n_kv_heads = arch.kv_heads
+        self.head_dim = spec.head_dim(arch)
+        h = arch.hidden_size
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, arch: Architecture):
+        super().__init__()
+        h, inter = arch.hidden_size, arch.intermediate_size
+        self.gate_proj = nn.Linear(h, inter, bias=False)
+        self.up_proj = nn.Linear(h, inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, arch: Architecture):
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the blocks and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, arch: Architecture):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. ``lm_head`` is absent when the embedding is tied to the head."""
+
+    def __init__(self, arch: Architecture):
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables for ``seq_len`` positions, cached per device."""
+        key = (seq_len, str(device))
+        if key not in self._rope:
+            self._rope[key] = rope_cos_sin(spec.head_dim(self.arch), seq_len, self.arch.rope_theta, device)
+        return self._rope[key]
+
+    def hidden_states(self, input_ids: torch.Tensor, residual_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Embedding and blocks: the final block's output, before the final norm.
+
+        ``residual_dtype`` keeps the residual stream (each block's input and output) in that dtype,
+        as the interleaved engine stores its activation checkpoints; None leaves it as computed.
+        """
+        cos, sin = self.rope(input_ids.shape[1], input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        if residual_dtype is not None:
+            x = x.to(residual_dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+            if residual_dtype is not None:
+                x = x.to(residual_dtype)
+        return x
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        loss_chunk_size: int | None = None,
+        residual_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` (float32) without targets; with targets, the mean
+        cross-entropy computed over sequence chunks of ``loss_chunk_size`` positions, so the full
+        logits never exist."""
+        h = self.model.norm(self.hidden_states(input_ids, residual_dtype))
+        if targets is None:
+            return F.linear(h, self.head_weight).float()
+        from apr.kernels.linear_ce import linear_cross_entropy
+
+        chunk = loss_chunk_size or input_ids.shape[1]
+        return linear_cross_entropy(h, self.head_weight, targets, chunk_size=chunk)
+
+
+@torch.no_grad()
+def init_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Deterministic init from ``seed``: every matrix N(0, initializer_range), every norm 1.
+
+    Drawn on the CPU from one generator in ``spec.param_specs`` order, then copied to the model's
+    device, so the same seed gives the same weights on any device.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    params = dict(model.named_parameters())
+    for ps in spec.param_specs(model.arch):
+        p = params[ps.name]
+        if len(ps.shape) == 1:
+            p.fill_(1.0)
+        else:
+            w = torch.empty(ps.shape, dtype=torch.float32).normal_(0.0, model.arch.initializer_range, generator=gen)
+            p.copy_(w)
+
+
+def build_model(arch: Architecture, seed: int, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """A freshly initialised float32 model on ``device``."""
+    model = LlamaForCausalLM(arch)
+    init_weights(model, seed)
+    return model.to(device)

@@ -1,0 +1,119 @@
+"""Assemble the ``facts`` that contract rules read. Python computes numbers here, never verdicts.
+
+Facts that cannot be known (no data folder, no target GPU, ...) are left out of the dict rather
+than set to null; contracts list what they ``require`` and are skipped when it is absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from apr.config.schema import AprConfig
+from apr.model.spec import block_numel, flops_per_token, non_embedding_param_count, param_count
+from apr.plan.gpus import Target
+from apr.plan.memory import COEFFICIENTS, MemoryRow, max_micro_batch, memory_table
+
+
+@dataclass
+class FactSheet:
+    facts: dict
+    memory: list[MemoryRow] = field(default_factory=list)
+    time_estimate: dict | None = None
+    fingerprint_paths: list = field(default_factory=list)
+
+
+def model_facts(config: AprConfig) -> dict:
+    arch = config.model.architecture
+    return {
+        "params": param_count(arch),
+        "non_embedding_params": non_embedding_param_count(arch),
+        "block_params": block_numel(arch),
+        "head_dim": arch.hidden_size // arch.num_attention_heads,
+        "kv_heads": arch.kv_heads,
+        "flops_per_token": flops_per_token(arch, config.data.seq_len),
+    }
+
+
+def memory_facts(config: AprConfig, target: Target | None) -> tuple[dict, list[MemoryRow]]:
+    rows = memory_table(config)
+    total = sum(r.bytes for r in rows)
+    facts: dict = {"total_bytes": total, "by_component": {r.component: r.bytes for r in rows},
+                   "calibrated": COEFFICIENTS.calibrated}
+    if target is not None and target.vram_bytes is not None:
+        facts["vram_bytes"] = target.vram_bytes
+        facts["usage_fraction"] = total / target.vram_bytes
+        facts["max_micro_batch"] = max_micro_batch(config, target.vram_bytes)
+    return facts, rows
+
+
+def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precision: str,
+                  world_size: int, basis: str) -> dict | None:
+    """Wall time at the catalogue GPU's assumed MFU. An estimate: it says so in every field name."""
+    if target is None or target.gpu is None:
+        return None
+    peak = target.gpu.peak_flops(precision)
+    total_flops = tokens * flops_per_tok
+    seconds = total_flops / (peak * target.gpu.mfu * world_size)
+    return {"tokens": tokens, "flops_per_token": flops_per_tok, "total_flops": total_flops,
+            "peak_flops_per_gpu": peak, "assumed_mfu": target.gpu.mfu, "gpus": world_size,
+            "precision": precision, "estimated_seconds": seconds, "basis": basis}
+
+
+def config_facts(config: AprConfig, *, world_size: int, target: Target | None) -> FactSheet:
+    """Facts that need only the config (and the target): what `apr train validate` evaluates."""
+    tr = config.training
+    sequences_per_step = config.data.batch_size * tr.gradient_accumulation * world_size
+    facts: dict = {
+        "world_size": world_size,
+        "model": model_facts(config),
+        "schedule": {"sequences_per_step": sequences_per_step,
+                     "tokens_per_step": sequences_per_step * config.data.seq_len},
+    }
+    if target is not None:
+        facts["target"] = target.to_facts(str(tr.mixed_precision))
+    facts["memory"], rows = memory_facts(config, target)
+    return FactSheet(facts=facts, memory=rows)
+
+
+def all_facts(config: AprConfig, *, world_size: int, target: Target | None) -> FactSheet:
+    """Config facts plus data (Parquet footers), tokenizer and step algebra, and the time estimate."""
+    from apr.plan.datafacts import dataset_facts, resolve, shared_shards
+    from apr.plan.steps import step_algebra
+
+    sheet = config_facts(config, world_size=world_size, target=target)
+    facts = sheet.facts
+    data, tr = config.data, config.training
+    data_facts: dict = {"train": dataset_facts(data.train, data.input_column)}
+    sheet.fingerprint_paths.append(resolve(data.train))
+    if data.val is not None:
+        data_facts["val"] = dataset_facts(data.val, data.input_column)
+        data_facts["val_shared_shards"] = shared_shards(data.train, data.val)
+        sheet.fingerprint_paths.append(resolve(data.val))
+    facts["data"] = data_facts
+    if data.tokenizer is not None:
+        from apr.plan.tokfacts import tokenizer_facts
+
+        facts["tokenizer"] = tokenizer_facts(data.tokenizer)
+        sheet.fingerprint_paths.append(resolve(data.tokenizer))
+
+    train = data_facts["train"]
+    if "sequences" in train:
+        steps = step_algebra(
+            num_sequences=train["sequences"], batch_size=data.batch_size,
+            gradient_accumulation=tr.gradient_accumulation, world_size=world_size, epochs=tr.epochs,
+            max_steps=tr.max_steps, warmup_steps=tr.warmup_steps, save_interval=tr.save_interval,
+            seq_len=data.seq_len)
+        facts["steps"] = {k: v for k, v in steps.to_dict().items() if v is not None}
+        facts["steps"]["tokens_per_param"] = steps.total_tokens / facts["model"]["params"]
+        tokens, basis = steps.total_tokens, "total_steps from the data"
+    elif tr.max_steps is not None:
+        tokens, basis = tr.max_steps * facts["schedule"]["tokens_per_step"], "max_steps (data unreadable)"
+    else:
+        tokens, basis = None, ""
+    if tokens is not None:
+        sheet.time_estimate = time_estimate(tokens, facts["model"]["flops_per_token"], target,
+                                            str(tr.mixed_precision), world_size, basis)
+        if sheet.time_estimate is not None:
+            facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
+                             "total_flops": sheet.time_estimate["total_flops"]}
+    return sheet

@@ -1,0 +1,77 @@
+"""Step algebra: how many optimizer steps a config runs on a given amount of data.
+
+The trainer runs exactly ``total_steps`` optimizer steps and drops the remainder of each epoch that
+does not fill a whole step, so these formulas are the schedule, not an approximation of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    num_sequences: int  # training rows (each seq_len + 1 tokens)
+    sequences_per_step: int  # batch_size * gradient_accumulation * world_size
+    steps_per_epoch: int  # floor(num_sequences / sequences_per_step)
+    epoch_steps: int  # epochs * steps_per_epoch: what the data can supply
+    max_steps: int | None
+    total_steps: int  # min(max_steps, epoch_steps); epoch_steps when max_steps is None
+    epochs_run: float  # total_steps / steps_per_epoch (0 when an epoch holds no step)
+    dropped_sequences_per_epoch: int  # rows that never fill a step
+    tokens_per_step: int  # sequences_per_step * seq_len (predicted positions)
+    total_tokens: int
+    warmup_steps: int
+    warmup_fraction: float  # warmup_steps / total_steps; warmup_steps / 1 when total_steps is 0
+    save_interval: int
+    checkpoints: int  # step checkpoints written during the run: total_steps // save_interval
+    epochs_needed: int | None  # smallest epochs giving max_steps; None without max_steps or data
+    sequences_needed: int | None  # smallest data size giving max_steps at these epochs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_algebra(
+    *,
+    num_sequences: int,
+    batch_size: int,
+    gradient_accumulation: int,
+    world_size: int,
+    epochs: int,
+    max_steps: int | None,
+    warmup_steps: int,
+    save_interval: int,
+    seq_len: int,
+) -> StepFacts:
+    """The step counts of a run. Pure integer arithmetic; all arguments are counts."""
+    sequences_per_step = batch_size * gradient_accumulation * world_size
+    steps_per_epoch = num_sequences // sequences_per_step
+    epoch_steps = epochs * steps_per_epoch
+    total_steps = epoch_steps if max_steps is None else min(max_steps, epoch_steps)
+    tokens_per_step = sequences_per_step * seq_len
+    epochs_needed = sequences_needed = None
+    if max_steps is not None:
+        # epochs * floor(n / sps) >= max_steps  <=>  floor(n / sps) >= ceil(max_steps / epochs)
+        sequences_needed = math.ceil(max_steps / epochs) * sequences_per_step
+        if steps_per_epoch > 0:
+            epochs_needed = math.ceil(max_steps / steps_per_epoch)
+    return StepFacts(
+        num_sequences=num_sequences,
+        sequences_per_step=sequences_per_step,
+        steps_per_epoch=steps_per_epoch,
+        epoch_steps=epoch_steps,
+        max_steps=max_steps,
+        total_steps=total_steps,
+        epochs_run=total_steps / steps_per_epoch if steps_per_epoch else 0.0,
+        dropped_sequences_per_epoch=num_sequences - steps_per_epoch * sequences_per_step,
+        tokens_per_step=tokens_per_step,
+        total_tokens=total_steps * tokens_per_step,
+        warmup_steps=warmup_steps,
+        warmup_fraction=warmup_steps / max(total_steps, 1),
+        save_interval=save_interval,
+        checkpoints=total_steps // save_interval,
+        epochs_needed=epochs_needed,
+        sequences_needed=sequences_needed,
+    )

@@ -1,0 +1,515 @@
+"""The training engines.
+
+``InterleavedEngine`` (DESIGN.md decision 3): the forward keeps only each block's input; the
+backward walks from the LM head to the embedding, recomputing one block at a time from its saved
+input, backpropagating into one shared flat gradient workspace, and running AdamW over that
+block's flat buffers right away. ``apr.train.strategy`` says when gradients are kept instead
+(accumulation) and when a norm-only walk comes first (exact global clipping, fp16 overflow check).
+
+``StandardEngine``: the textbook loop (full autograd backward, ``clip_grad_norm_``,
+``torch.optim.AdamW``) over the same model, loss and precision: the baseline and the reference the
+interleaved engine is tested against.
+
+Both take micro-batches of token ids ``[batch, seq_len + 1]`` and a learning rate, and return the
+step's loss and gradient norm as device tensors; the only host reads per step are the finiteness
+checks (the loss after the forward, the global norm when it is known before any update).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from apr.config.schema import AprConfig
+from apr.errors import AprError
+from apr.kernels import KernelBackend, get_backend
+from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_fwd_bwd, linear_cross_entropy_sum
+from apr.model import spec
+from apr.model.llama import LlamaForCausalLM, build_model
+from apr.train.flat import FlatGroup, flatten_group
+from apr.train.precision import DynamicLossScaler, autocast, compute_dtype
+from apr.train.strategy import step_strategy
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean cross-entropy over the step's tokens (0-dim, on the device)
+    grad_norm: torch.Tensor  # global gradient norm before clipping, unscaled (0-dim, on the device)
+    skipped: bool = False  # fp16 overflow: no update this step, loss scale reduced
+
+
+class NonFiniteError(AprError):
+    """The loss or the gradients are NaN/inf. ``state_is_last_good``: no parameter was updated
+    with them, so the current weights are the previous step's and may be checkpointed."""
+
+    def __init__(self, what: str, state_is_last_good: bool):
+        super().__init__(f"non-finite {what}")
+        self.what = what
+        self.state_is_last_good = state_is_last_good
+
+
+def resolve_device(name: str) -> torch.device:
+    name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise AprError("training.device: cuda requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def group_specs(config: AprConfig) -> list[tuple[str, list[spec.ParamSpec]]]:
+    """Optimizer groups in buffer-plan order: the embedding, each block, the final norm + head."""
+    arch = config.model.architecture
+    groups = [("embed", spec.embed_param_specs(arch, config.optimizer.decay_embeddings))]
+    groups += [(f"block.{i}", spec.block_param_specs(arch, i)) for i in range(arch.num_hidden_layers)]
+    return groups + [("head", spec.head_param_specs(arch))]
+
+
+class Engine:
+    """What the two engines share: settings, precision, evaluation, clipping arithmetic."""
+
+    kind = "abstract"
+
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend):
+        tr, opt = config.training, config.optimizer
+        self.config = config
+        self.model = model
+        self.device = device
+        self.backend = backend
+        self.strategy = step_strategy(config)
+        self.cdt = compute_dtype(tr.mixed_precision)
+        self.scaler = DynamicLossScaler(enabled=self.strategy.loss_scaling)
+        self.chunk_size = tr.loss_chunk_size
+        self.grad_clip = tr.grad_clip
+        self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
+        self.optimizer_steps = 0  # updates applied (fp16 overflow steps are not counted)
+        # Test/diagnostic hook, called with a group name once that group's gradient is complete.
+        self.grad_probe: Callable[[str], None] | None = None
+
+    def autocast(self):
+        return autocast(self.device, self.cdt)
+
+    def split(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = batch.to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Summed cross-entropy over a batch (device tensor) and the number of tokens it covers."""
+        ids, targets = self.split(batch)
+        with self.autocast():
+            h = self.model.model.norm(self.model.hidden_states(ids, self.cdt))
+        loss = linear_cross_entropy_sum(h, self.model.head_weight, targets, chunk_size=self.chunk_size,
+                                        backend=self.backend, compute_dtype=self.cdt)
+        return loss, targets.numel()
+
+    def _check_loss(self, loss: torch.Tensor) -> None:
+        if not bool(torch.isfinite(loss).item()):
+            raise NonFiniteError("loss", state_is_last_good=True)
+
+    def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor:
+        # exactly torch.nn.utils.clip_grad_norm_'s coefficient
+        return torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+
+    def _probe(self, name: str) -> None:
+        if self.grad_probe is not None:
+            self.grad_probe(name)
+
+    def meta_state(self) -> dict:
+        return {"engine": self.kind, "optimizer_steps": self.optimizer_steps, "loss_scaler": self.scaler.state_dict()}
+
+    def load_meta_state(self, meta: dict) -> None:
+        self.optimizer_steps = int(meta["optimizer_steps"])
+        self.scaler.load_state_dict(meta["loss_scaler"])
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        raise NotImplementedError
+
+    def train_state_tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _expected_state_names(self) -> list[str]:
+        names = [s.name for _, specs in group_specs(self.config) for s in specs]
+        return names + [f"optimizer.m.{n}" for n in names] + [f"optimizer.v.{n}" for n in names]
+
+    def _check_state_names(self, tensors: dict[str, torch.Tensor]) -> None:
+        expected = set(self._expected_state_names())
+        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        if missing or unexpected:
+            raise AprError(
+                f"checkpoint tensors do not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                f", unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+
+
+class InterleavedEngine(Engine):
+    kind = "interleaved"
+
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                 buffers: dict[str, torch.Tensor]):
+        super().__init__(config, model, device, backend)
+        self.groups: list[FlatGroup] = [
+            flatten_group(model, name, specs, buffers[f"{name}.flat_params"], buffers[f"{name}.adam_m"],
+                          buffers[f"{name}.adam_v"], buffers.get(f"{name}.grad"))
+            for name, specs in group_specs(config)
+        ]
+        self.embed, self.block_groups, self.head = self.groups[0], self.groups[1:-1], self.groups[-1]
+        self.workspace = buffers.get("grad_workspace")
+        self.grad_scratch = buffers.get("grad_scratch")
+        self.tied = model.lm_head is None
+        self._lr = 0.0
+
+    # ---------------------------------------------------------------- forward and the backward walk
+
+    @torch.no_grad()
+    def _forward(self, ids: torch.Tensor) -> list[torch.Tensor | None]:
+        """Each block's input (in the compute dtype) and the last block's output."""
+        cos, sin = self.model.rope(ids.shape[1], ids.device)
+        with self.autocast():
+            x = self.model.model.embed_tokens(ids).to(self.cdt)
+            inputs: list[torch.Tensor | None] = [x]
+            for layer in self.model.model.layers:
+                x = layer(x, cos, sin).to(self.cdt)
+                inputs.append(x)
+        return inputs
+
+    def _grad_buffer(self, group: FlatGroup) -> torch.Tensor:
+        """Bind the group's gradients: to its own buffer, or to the zeroed shared workspace."""
+        if group.own_grad is not None:
+            buf = group.own_grad
+        else:
+            buf = self.workspace[: group.numel]
+            buf.zero_()
+        group.bind_grads(buf)
+        return buf
+
+    def _done(self, group: FlatGroup, buf: torch.Tensor, on_done) -> None:
+        self._probe(group.name)
+        on_done(group, buf)
+        if not self.strategy.keeps_all_grads:
+            group.release_grads()  # the workspace now belongs to the next group
+
+    def _walk(self, ids, targets, inputs, grad_mult: float, on_done, free_inputs: bool) -> torch.Tensor:
+        """Backward from the loss to the embedding; ``on_done(group, grad)`` runs as soon as each
+        group's gradient is complete. Returns the loss sum (checked finite before any ``on_done``).
+
+        The gradient is that of ``grad_mult * mean loss`` (loss scale / micro-batches), formed in the
+        same order of float operations as autograd in the standard engine, so both agree bitwise.
+        """
+        model, n_layers = self.model, len(self.block_groups)
+        kept = self.strategy.keeps_all_grads
+        cos, sin = model.rope(ids.shape[1], ids.device)
+        if not kept:
+            for g in self.groups:
+                if g.own_grad is not None:  # a tied embedding's buffer: fresh for every walk
+                    g.own_grad.zero_()
+
+        # Final norm, LM head and cross-entropy, chunk by chunk.
+        if self.tied:
+            self._grad_buffer(self.embed)  # the head's weight gradient adds into the embedding's
+        head_buf = self._grad_buffer(self.head)
+        weight = model.head_weight
+        # Where the head weight's gradient is formed: straight into its (zeroed) buffer, or, when that
+        # already holds earlier micro-batches, in the scratch and then added.
+        head_grad = self._scratch(weight.shape) if kept else weight.grad
+        h_in = inputs[n_layers].detach().requires_grad_()
+        with self.autocast():
+            h = model.model.norm(h_in)
+        loss_sum, grad_h = linear_cross_entropy_fwd_bwd(
+            h, weight, targets, chunk_size=self.chunk_size, grad_scale=1.0 / targets.numel(),
+            backend=self.backend, grad_weight=head_grad, compute_dtype=self.cdt,
+        )
+        self._check_loss(loss_sum)
+        if grad_mult != 1.0:
+            grad_h.mul_(grad_mult)
+            head_grad.mul_(grad_mult)
+        if kept:
+            weight.grad.add_(head_grad)
+        h.backward(grad_h)
+        grad_x = h_in.grad
+        del h, h_in, grad_h, head_grad
+        if free_inputs:
+            inputs[n_layers] = None
+        self._done(self.head, head_buf, on_done)
+
+        # Blocks, last to first: recompute from the saved input, backprop, hand over.
+        for i in reversed(range(n_layers)):
+            group = self.block_groups[i]
+            buf = self._grad_buffer(group)
+            x = inputs[i].detach().requires_grad_()
+            with self.autocast():
+                out = model.model.layers[i](x, cos, sin).to(self.cdt)
+            out.backward(grad_x)
+            grad_x = x.grad
+            del out, x
+            if free_inputs:
+                inputs[i] = None
+            self._done(group, buf, on_done)
+
+        # Embedding: scatter the input gradient into the rows looked up (no dense autograd temporary).
+        buf = self._grad_buffer(self.embed)
+        embed_grad = self.embed.params[0].grad
+        fresh = not (kept or self.tied)  # the buffer was just zeroed and holds nothing else
+        lookup_grad = embed_grad if fresh else self._scratch(embed_grad.shape)
+        lookup_grad.index_add_(0, ids.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]).float())
+        if not fresh:
+            embed_grad.add_(lookup_grad)
+        self._done(self.embed, buf, on_done)
+        return loss_sum
+
+    def _scratch(self, shape) -> torch.Tensor:
+        """A zeroed float32 scratch of ``shape``: the accumulation scratch, else the free workspace."""
+        n = shape[0] * shape[1]
+        buf = (self.grad_scratch if self.grad_scratch is not None else self.workspace)[:n]
+        return buf.zero_().view(shape)
+
+    # --------------------------------------------------------------------------------- stepping
+
+    def _apply(self, group: FlatGroup, grad: torch.Tensor, coef, found_inf: torch.Tensor | None = None) -> None:
+        scale = coef if self.scaler.scale == 1.0 else coef * (1.0 / self.scaler.scale)
+        self.backend.adamw_step(
+            group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr, beta1=self.beta1,
+            beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay, step=self.optimizer_steps + 1,
+            decay=group.decay, grad_scale=scale, found_inf=found_inf,
+        )
+
+    def _coefs(self, sq_norms: dict[str, torch.Tensor], norm: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        clip = self.strategy.clip
+        if clip == "off":
+            return {name: 1.0 for name in sq_norms}
+        if clip == "global":
+            coef = self._clip_coef(norm)
+            return {name: coef for name in sq_norms}
+        return {name: self._clip_coef(sq.sqrt() / self.scaler.scale) for name, sq in sq_norms.items()}
+
+    def _known_norm(self, sq_norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """Global norm from complete per-group squared norms, checked on the host before any update.
+        Returns (norm, overflowed); an fp16 overflow is a skipped step, anything else non-finite stops."""
+        norm = torch.stack([sq_norms[g.name] for g in self.groups]).sum().sqrt() / self.scaler.scale
+        if bool(torch.isfinite(norm).item()):
+            return norm, False
+        if self.scaler.enabled:
+            self.scaler.update(found_inf=True)
+            return norm, True
+        raise NonFiniteError("gradients", state_is_last_good=True)
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        self._lr = lr
+        st, accum = self.strategy, len(micro_batches)
+        if accum > 1 and not st.keeps_all_grads:
+            raise AprError("gradient accumulation needs the per-group gradient buffers of the buffer plan")
+        if st.keeps_all_grads:
+            return self._step_kept(micro_batches)
+        ids, targets = self.split(micro_batches[0])
+        inputs = self._forward(ids)
+        if st.norm_prepass:
+            return self._step_prepass(ids, targets, inputs, self.scaler.scale)
+        return self._step_single_walk(ids, targets, inputs)
+
+    def _step_kept(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        """Accumulation: every group keeps its gradient across micro-batches, then all step."""
+        for g in self.groups:
+            g.own_grad.zero_()
+        loss = torch.zeros((), device=self.device)
+        accum = len(micro_batches)
+        for batch in micro_batches:
+            ids, targets = self.split(batch)
+            inputs = self._forward(ids)
+            loss_sum = self._walk(ids, targets, inputs, self.scaler.scale / accum, lambda g, buf: None,
+                                  free_inputs=True)
+            loss += loss_sum / (targets.numel() * accum)
+        sq = {g.name: self.backend.sq_norm(g.own_grad) for g in self.groups}
+        norm, overflow = self._known_norm(sq)
+        if not overflow:
+            coefs = self._coefs(sq, norm)
+            for g in self.groups:
+                self._apply(g, g.own_grad, coefs[g.name])
+            self._stepped()
+        for g in self.groups:
+            g.release_grads()
+        return StepResult(loss, norm, skipped=overflow)
+
+    def _step_prepass(self, ids, targets, inputs, grad_mult: float) -> StepResult:
+        """Exact global clipping (or the fp16 overflow check) in O(one block) gradient memory: a
+        norm-only walk, then the stepping walk over the same saved block inputs."""
+        sq: dict[str, torch.Tensor] = {}
+
+        def record(g: FlatGroup, buf: torch.Tensor) -> None:
+            sq[g.name] = self.backend.sq_norm(buf)
+
+        loss_sum = self._walk(ids, targets, inputs, grad_mult, record, free_inputs=False)
+        loss = loss_sum / targets.numel()
+        norm, overflow = self._known_norm(sq)
+        if overflow:
+            return StepResult(loss, norm, skipped=True)
+        coefs = self._coefs(sq, norm)
+
+        def step(g: FlatGroup, buf: torch.Tensor) -> None:
+            self._apply(g, buf, coefs[g.name])
+
+        self._walk(ids, targets, inputs, grad_mult, step, free_inputs=True)
+        self._stepped()
+        return StepResult(loss, norm)
+
+    def _step_single_walk(self, ids, targets, inputs) -> StepResult:
+        """No clipping or per-block clipping: each group steps as soon as its gradient is complete."""
+        sq: dict[str, torch.Tensor] = {}
+        per_block = self.strategy.clip == "per_block"
+
+        def step(g: FlatGroup, buf: torch.Tensor) -> None:
+            s = sq[g.name] = self.backend.sq_norm(buf)
+            coef = self._clip_coef(s.sqrt()) if per_block else 1.0
+            # a non-finite gradient must not reach the weights; the run stops after this step
+            self._apply(g, buf, coef, found_inf=~torch.isfinite(s))
+
+        loss_sum = self._walk(ids, targets, inputs, 1.0, step, free_inputs=True)
+        norm = torch.stack([sq[g.name] for g in self.groups]).sum().sqrt()
+        if not bool(torch.isfinite(norm).item()):
+            raise NonFiniteError("gradients", state_is_last_good=False)  # finite groups already stepped
+        self._stepped()
+        return StepResult(loss_sum / targets.numel(), norm)
+
+    def _stepped(self) -> None:
+        self.optimizer_steps += 1
+        self.scaler.update(found_inf=False)
+
+    # ------------------------------------------------------------------------------------ state
+
+    def train_state_tensors(self) -> dict[str, torch.Tensor]:
+        """Weights under HF names and AdamW moments as ``optimizer.m.<name>`` / ``optimizer.v.<name>``
+        (views of the device buffers; the checkpoint manager copies them)."""
+        out: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            ms, vs = g.views(g.exp_avg), g.views(g.exp_avg_sq)
+            for s, p, m, v in zip(g.specs, g.params, ms, vs, strict=True):
+                out[s.name] = p.detach()
+                out[f"optimizer.m.{s.name}"] = m
+                out[f"optimizer.v.{s.name}"] = v
+        return out
+
+    @torch.no_grad()
+    def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._check_state_names(tensors)
+        for name, dst in self.train_state_tensors().items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise AprError(f"checkpoint tensor {name}: shape {tuple(src.shape)}, model {tuple(dst.shape)}")
+            dst.copy_(src)
+
+
+class StandardEngine(Engine):
+    """Full autograd backward, then clipping, then ``torch.optim.AdamW``."""
+
+    kind = "standard"
+
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend):
+        super().__init__(config, model, device, backend)
+        named = dict(model.named_parameters())
+        self.groups = [(name, [named[s.name] for s in specs]) for name, specs in group_specs(config)]
+        self.named = {s.name: named[s.name] for _, specs in group_specs(config) for s in specs}
+        decay_names = {s.name for _, specs in group_specs(config) for s in specs if s.decay}
+        params = list(self.named.items())
+        fused = device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for n, p in params if n in decay_names], "weight_decay": self.weight_decay},
+             {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}],
+            lr=config.optimizer.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=fused or None,
+        )
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        params = list(self.named.values())
+        for p in params:
+            p.grad = None
+        accum, scale = len(micro_batches), self.scaler.scale
+        loss_total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            ids, targets = self.split(batch)
+            with self.autocast():
+                h = self.model.model.norm(self.model.hidden_states(ids, self.cdt))
+            loss = linear_cross_entropy(h, self.model.head_weight, targets, chunk_size=self.chunk_size,
+                                        backend=self.backend, compute_dtype=self.cdt)
+            self._check_loss(loss)
+            (loss * (scale / accum) if scale != 1.0 or accum != 1 else loss).backward()
+            loss_total += loss.detach() / accum
+        for name, _ in self.groups:
+            self._probe(name)
+        grads = [p.grad for p in params]
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        # Norms group by group over the concatenated gradients: the same reduction as the interleaved
+        # engine's flat buffers, so the two agree bitwise (clip_grad_norm_ differs only in rounding).
+        sq = {name: self.backend.sq_norm(torch.cat([p.grad.reshape(-1) for p in group])) for name, group in self.groups}
+        norm = torch.stack(list(sq.values())).sum().sqrt()
+        if not bool(torch.isfinite(norm).item()):
+            if self.scaler.enabled:
+                self.scaler.update(found_inf=True)
+                return StepResult(loss_total, norm, skipped=True)
+            raise NonFiniteError("gradients", state_is_last_good=True)
+        if self.strategy.clip == "global":
+            torch._foreach_mul_(grads, self._clip_coef(norm))
+        elif self.strategy.clip == "per_block":
+            for name, group in self.groups:
+                torch._foreach_mul_([p.grad for p in group], self._clip_coef(sq[name].sqrt()))
+        for pg in self.optimizer.param_groups:
+            pg["lr"] = lr
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        self.scaler.update(found_inf=False)
+        return StepResult(loss_total, norm)
+
+    def train_state_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named.items():
+            state = self.optimizer.state.get(p, {})
+            out[name] = p.detach()
+            out[f"optimizer.m.{name}"] = state.get("exp_avg", torch.zeros_like(p))
+            out[f"optimizer.v.{name}"] = state.get("exp_avg_sq", torch.zeros_like(p))
+        return out
+
+    @torch.no_grad()
+    def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._check_state_names(tensors)
+        fused = bool(self.optimizer.defaults.get("fused"))
+        for name, p in self.named.items():
+            p.copy_(tensors[name])
+            step_device = p.device if fused else "cpu"
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(self.optimizer_steps), dtype=torch.float32, device=step_device),
+                "exp_avg": tensors[f"optimizer.m.{name}"].to(p.device, torch.float32).clone(),
+                "exp_avg_sq": tensors[f"optimizer.v.{name}"].to(p.device, torch.float32).clone(),
+            }
+
+    def load_meta_state(self, meta: dict) -> None:
+        super().load_meta_state(meta)
+        for state in self.optimizer.state.values():
+            state["step"].fill_(float(self.optimizer_steps))
+
+
+def allocate_buffers(config: AprConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """The engine's parameter, optimizer and gradient buffers, allocated from the buffer plan."""
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    wanted = {"weights", "adamw_m", "adamw_v", "gradients"}
+    return {
+        b.name: torch.empty(b.shape, dtype=dtypes[b.dtype], device=device)
+        for b in spec.buffer_plan(config)
+        if b.component in wanted and b.name != "head_saved_grad"
+    }
+
+
+def build_engine(
+    config: AprConfig, device: torch.device | str | None = None, *, seed: int | None = None,
+    backend: KernelBackend | None = None,
+) -> Engine:
+    """A freshly initialised model inside the engine ``training.engine`` names."""
+    tr = config.training
+    device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
+    backend = backend or get_backend(str(tr.kernels), device)
+    model = build_model(config.model.architecture, tr.seed if seed is None else seed, device="cpu")
+    if str(tr.engine) == "standard":
+        return StandardEngine(config, model.to(device), device, backend)
+    return InterleavedEngine(config, model, device, backend, allocate_buffers(config, device))

@@ -1,0 +1,102 @@
+"""The reference backend against torch's own AdamW, norms and cross-entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apr.errors import AprError
+from apr.kernels import DecayRanges, get_backend
+from apr.kernels.torch_backend import TorchBackend
+
+B = TorchBackend()
+
+
+def test_decay_ranges_merge_adjacent_segments_and_build_a_mask():
+    d = DecayRanges.from_segments([(3, False), (4, True), (2, True), (1, False), (5, True)])
+    assert d.numel == 15
+    assert d.ranges == ((3, 9), (10, 15))
+    assert d.decayed_numel == 11
+    assert d.mask("cpu").tolist() == [0] * 3 + [1] * 6 + [0] + [1] * 5
+
+
+def test_adamw_matches_torch_adamw_bitwise_and_skips_norms_for_decay():
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5,), (7, 3), (4,), (2, 9)]  # norm, matrix, norm, matrix
+    decays = [False, True, False, True]
+    tensors = [torch.randn(s, generator=gen) for s in shapes]
+    ref = [torch.nn.Parameter(t.clone()) for t in tensors]
+    opt = torch.optim.AdamW(
+        [{"params": [p for p, d in zip(ref, decays, strict=True) if d], "weight_decay": 0.1},
+         {"params": [p for p, d in zip(ref, decays, strict=True) if not d], "weight_decay": 0.0}],
+        lr=0.01, betas=(0.9, 0.95), eps=1e-8, foreach=False,
+    )
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+    decay = DecayRanges.from_segments([(t.numel(), d) for t, d in zip(tensors, decays, strict=True)])
+    for step in range(1, 6):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, g in zip(ref, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        B.adamw_step(flat, torch.cat([g.reshape(-1) for g in grads]), m, v, lr=0.01, beta1=0.9, beta2=0.95,
+                     eps=1e-8, weight_decay=0.1, step=step, decay=decay)
+    assert torch.equal(flat, torch.cat([p.detach().reshape(-1) for p in ref]))
+
+
+def test_adamw_decay_touches_only_decayed_ranges():
+    flat = torch.ones(10)
+    decay = DecayRanges.from_segments([(4, False), (6, True)])
+    B.adamw_step(flat, torch.zeros(10), torch.zeros(10), torch.zeros(10), lr=0.5, beta1=0.9, beta2=0.99,
+                 eps=1e-8, weight_decay=0.2, step=1, decay=decay)
+    assert flat[:4].tolist() == [1.0] * 4
+    assert torch.allclose(flat[4:], torch.full((6,), 0.9))
+
+
+def test_adamw_grad_scale_and_found_inf():
+    gen = torch.Generator().manual_seed(1)
+    p0, g = torch.randn(8, generator=gen), torch.randn(8, generator=gen)
+    kw = dict(lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1,
+              decay=DecayRanges.from_segments([(8, True)]))
+    a, ma, va = p0.clone(), torch.zeros(8), torch.zeros(8)
+    B.adamw_step(a, g * 0.25, ma, va, **kw)
+    b, mb, vb = p0.clone(), torch.zeros(8), torch.zeros(8)
+    B.adamw_step(b, g.clone(), mb, vb, grad_scale=torch.tensor(0.25), **kw)
+    assert torch.equal(a, b) and torch.equal(ma, mb) and torch.equal(va, vb)
+    c, mc, vc = p0.clone(), torch.zeros(8), torch.zeros(8)
+    B.adamw_step(c, torch.full((8,), float("nan")), mc, vc, found_inf=torch.tensor(True), **kw)
+    assert torch.equal(c, p0) and not mc.any() and not vc.any()
+
+
+def test_sq_norm_is_a_device_tensor_and_flags_non_finite():
+    x = torch.tensor([3.0, 4.0, 0.0])
+    s = B.sq_norm(x)
+    assert isinstance(s, torch.Tensor) and s.dim() == 0 and s.item() == pytest.approx(25.0)
+    assert B.sq_norm(x.to(torch.bfloat16)).dtype == torch.float32
+    assert not torch.isfinite(B.sq_norm(torch.tensor([1.0, float("inf")])))
+
+
+def test_cross_entropy_fwd_bwd_matches_autograd_with_ignore_index():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(11, 37, generator=gen) * 3
+    targets = torch.randint(0, 37, (11,), generator=gen)
+    targets[[2, 7]] = -100
+    ref = logits.clone().requires_grad_()
+    loss_ref = F.cross_entropy(ref, targets, ignore_index=-100, reduction="sum")
+    (loss_ref * 0.5).backward()
+    work = logits.clone()
+    loss = B.cross_entropy_fwd_bwd(work, targets, grad_scale=0.5)
+    assert torch.allclose(loss, loss_ref, rtol=1e-6)
+    assert torch.allclose(work, ref.grad, atol=1e-7)
+    assert not work[[2, 7]].any()
+    assert torch.allclose(B.cross_entropy_fwd(logits.clone(), targets), loss_ref, rtol=1e-6)
+
+
+def test_get_backend_resolution():
+    assert get_backend("auto", "cpu").name == "torch"
+    assert get_backend("torch", torch.device("cpu")).name == "torch"
+    with pytest.raises(AprError):
+        get_backend("cupy", "cpu")
+    with pytest.raises(AprError):
+        get_backend("triton", "cpu")

@@ -1,0 +1,73 @@
+"""The model against Hugging Face's LlamaForCausalLM built from the same shapes and weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apr.config.schema import Architecture
+from apr.model import spec
+from apr.model.llama import build_model
+
+
+def _arch(**kw) -> Architecture:
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, vocab_size=101, max_position_embeddings=32, rms_norm_eps=1e-5,
+                rope_theta=500.0)
+    base.update(kw)
+    return Architecture(**base)
+
+
+def _hf_model(arch: Architecture):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=arch.hidden_size, num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.kv_heads,
+        intermediate_size=arch.intermediate_size, vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings, rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta, tie_word_embeddings=arch.tie_word_embeddings,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers(tied):
+    arch = _arch(tie_word_embeddings=tied)
+    ours = build_model(arch, seed=3)
+    hf = _hf_model(arch)
+    ours_sd = ours.state_dict()
+    names = [p.name for p in spec.param_specs(arch)]
+    assert sorted(ours_sd) == sorted(names)  # exactly the spec's HF names, no extras
+    missing, unexpected = hf.load_state_dict(ours_sd, strict=False)
+    assert not unexpected
+    assert missing == (["lm_head.weight"] if tied else [])  # HF ties it to the embedding itself
+    ids = torch.randint(0, arch.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours(ids)
+    assert got.shape == (3, 17, arch.vocab_size)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_chunked_loss_equals_full_cross_entropy():
+    arch = _arch()
+    model = build_model(arch, seed=1)
+    ids = torch.randint(0, arch.vocab_size, (2, 21), generator=torch.Generator().manual_seed(1))
+    targets = torch.roll(ids, -1, dims=1)
+    full = torch.nn.functional.cross_entropy(model(ids).reshape(-1, arch.vocab_size), targets.reshape(-1))
+    for chunk in (1, 5, 21, 64):
+        assert torch.allclose(model(ids, targets, loss_chunk_size=chunk), full, rtol=1e-6)
+
+
+def test_init_is_deterministic_from_seed():
+    arch = _arch()
+    a, b, c = build_model(arch, 7), build_model(arch, 7), build_model(arch, 8)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if pa.dim() == 2:
+            assert not torch.equal(pa, pc), name
+            assert abs(pa.std().item() - arch.initializer_range) < 0.2 * arch.initializer_range
+        else:
+            assert torch.equal(pa, torch.ones_like(pa)), name

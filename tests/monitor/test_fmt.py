@@ -1,0 +1,24 @@
+"""Number formats on the dashboard."""
+
+from __future__ import annotations
+
+import pytest
+
+from apr.monitor.fmt import DASH, fmt_count, fmt_duration, fmt_gib, fmt_int, fmt_loss, fmt_percent, fmt_sci
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [(0, "0s"), (42, "42s"), (724, "12m 04s"), (11_100, "3h 05m"), (137_000, "1d 14h 03m"), (None, DASH),
+     (-5, DASH), (float("inf"), DASH)],
+)
+def test_durations(seconds, text):
+    assert fmt_duration(seconds) == text
+
+
+def test_numbers():
+    assert fmt_int(12_847) == "12,847" and fmt_int(None) == DASH and fmt_int(True) == DASH
+    assert fmt_count(5_200_000_000) == "5.2B"
+    assert fmt_loss(2.43121) == "2.4312" and fmt_loss(201.34) == "201.3" and fmt_loss(float("nan")) == DASH
+    assert fmt_sci(0.0003) == "3.00e-4" and fmt_sci(0.42) == "0.420" and fmt_sci(0) == "0"
+    assert fmt_gib(15_246_000_000) == "14.2" and fmt_percent(0.674) == "67.4%"

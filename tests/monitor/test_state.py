@@ -1,0 +1,162 @@
+"""Tolerant reading of training_state.json: whatever is on disk, the reader says what it found."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from apr.fsutil import atomic_write_json
+from apr.monitor.state import (
+    STALE_FLOOR_S,
+    StateReader,
+    effective_status,
+    normalize,
+    read_once,
+    stale_threshold,
+)
+
+from .conftest import FIXTURE_NAMES, FIXTURE_NOW, FIXTURES, copy_fixture
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_recorded_fixtures_read_completely(name):
+    reading = read_once(FIXTURES / name)
+    assert reading.ok, reading.problem
+    assert reading.missing_fields == ()
+    assert reading.state["run_id"] == "20261118-194000-a1b2c3"
+
+
+def test_mid_run_fields_are_typed():
+    state = read_once(FIXTURES / "mid_run").state
+    assert state["status"] == "running"
+    assert state["step"] == 12_847 and state["total_steps"] == 19_073
+    assert state["gpu"]["name"] == "NVIDIA GeForce RTX 4090"
+    assert state["last_checkpoint"]["step"] == 12_000
+    steps = [s for s, _ in state["loss_history"]]
+    assert steps == sorted(steps) and steps[0] == 1 and steps[-1] == 12_847
+    assert all(isinstance(v, float) for _, v in state["loss_history"])
+
+
+def test_missing_file_and_missing_folder_are_reported(tmp_path):
+    r = read_once(tmp_path)
+    assert r.kind == "missing" and "does not exist yet" in r.problem
+    r = read_once(tmp_path / "not-yet")
+    assert r.kind == "missing" and "not-yet does not exist" in r.problem
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        (b"", "empty"),
+        (b'{"schema_version": 1, "step": 1', "not valid JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"step": 3}', "no valid schema_version"),
+        (b'{"schema_version": "1"}', "no valid schema_version"),
+        (b"\xff\xfe\x00", "not UTF-8"),
+        (b"[" * 100_000, "not valid JSON"),
+    ],
+    ids=["empty", "truncated", "array", "no-version", "string-version", "not-utf8", "too-deep"],
+)
+def test_malformed_content_is_a_reading_not_an_exception(run_dir, content, needle):
+    (run_dir / "training_state.json").write_bytes(content)
+    r = read_once(run_dir)
+    assert r.kind == "malformed" and r.state is None
+    assert needle in r.problem
+
+
+def test_truncated_fixture_is_malformed(run_dir):
+    text = (FIXTURES / "mid_run" / "training_state.json").read_bytes()
+    (run_dir / "training_state.json").write_bytes(text[: len(text) // 2])
+    r = read_once(run_dir)
+    assert r.kind == "malformed" and "line" in r.problem
+
+
+def test_newer_schema_is_unsupported(run_dir):
+    atomic_write_json(run_dir / "training_state.json", {"schema_version": 2, "status": "running"})
+    r = read_once(run_dir)
+    assert r.kind == "unsupported" and "upgrade apr" in r.problem and r.state is None
+
+
+def test_a_folder_in_place_of_the_file_is_unreadable(run_dir):
+    (run_dir / "training_state.json").mkdir()
+    assert read_once(run_dir).kind == "unreadable"
+
+
+def test_missing_and_wrongly_typed_fields_become_none():
+    state, missing = normalize(
+        {
+            "schema_version": 1,
+            "step": "twelve",
+            "loss": float("nan"),
+            "lr": True,
+            "gpu": "RTX",
+            "alerts": [{"step": 3, "condition": "loss > 10"}, "junk"],
+            "loss_history": [[1, 2.0], ["x", 1], [2], [3, None], [4, 1.5]],
+        }
+    )
+    assert state["step"] is None and state["loss"] is None and state["lr"] is None and state["gpu"] is None
+    assert state["status"] == "unknown"
+    assert state["alerts"] == [{"time": None, "step": 3, "condition": "loss > 10", "action": None, "message": None}]
+    assert state["loss_history"] == ((1, 2.0), (4, 1.5))
+    assert "status" in missing and "heartbeat" in missing and "step" not in missing
+
+
+def test_poll_rereads_only_when_the_file_changed(run_dir):
+    path = copy_fixture("mid_run", run_dir)
+    reader = StateReader(run_dir)
+    assert reader.poll() is True and reader.reads == 1
+    for _ in range(5):
+        assert reader.poll() is False
+    assert reader.reads == 1  # an unchanged file costs a stat, not a parse
+    doc = json.loads(path.read_text())
+    doc["step"] += 1
+    atomic_write_json(path, doc)
+    assert reader.poll() is True and reader.reads == 2
+    assert reader.state["step"] == 12_848
+
+
+def test_last_good_state_is_kept_through_a_bad_write(run_dir):
+    path = copy_fixture("mid_run", run_dir)
+    reader = StateReader(run_dir)
+    reader.poll()
+    path.write_text('{"schema_version": 1, "st')
+    assert reader.poll() is True
+    assert reader.reading.kind == "malformed"
+    assert reader.state["step"] == 12_847  # still the last good state
+    os.unlink(path)
+    reader.poll()
+    assert reader.reading.kind == "missing" and reader.state["step"] == 12_847
+
+
+def test_reader_waits_for_a_file_that_appears_later(run_dir):
+    reader = StateReader(run_dir)
+    reader.poll()
+    assert reader.reading.kind == "missing" and reader.state is None
+    assert reader.poll() is False
+    copy_fixture("starting", run_dir)
+    assert reader.poll() is True and reader.state["status"] == "starting"
+
+
+def test_stale_threshold_floor_refresh_and_writer_period():
+    assert stale_threshold(1.0) == STALE_FLOOR_S
+    assert stale_threshold(5.0) == 50.0
+    assert stale_threshold(1.0, {"log_period_s": 20.0}) == 200.0
+
+
+def test_effective_status_marks_old_heartbeats_of_active_runs_only():
+    running = {"status": "running", "heartbeat": FIXTURE_NOW - 10}
+    assert effective_status(running, FIXTURE_NOW, 30.0) == "running"
+    assert effective_status(running, FIXTURE_NOW + 100, 30.0) == "stale"
+    starting = {"status": "starting", "heartbeat": FIXTURE_NOW - 100}
+    assert effective_status(starting, FIXTURE_NOW, 30.0) == "stale"
+    finished = {"status": "finished", "heartbeat": FIXTURE_NOW - 10_000}
+    assert effective_status(finished, FIXTURE_NOW, 30.0) == "finished"
+    assert effective_status({"status": "running", "heartbeat": None}, FIXTURE_NOW, 30.0) == "running"
+
+
+@pytest.mark.parametrize("name, expected", [("mid_run", "running"), ("stale", "stale"), ("failed", "failed")])
+def test_fixture_statuses_at_the_fixture_clock(name, expected):
+    state = read_once(FIXTURES / name).state
+    assert effective_status(state, FIXTURE_NOW, stale_threshold(1.0, state)) == expected
