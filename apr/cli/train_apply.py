@@ -1,7 +1,57 @@
-"""Placeholder: the owning issue fills in this command module."""
+"""`apr train apply CONFIG|PLAN.json`: plan (refusing on errors or a stale plan file), then train."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
 
 import typer
 
 
+class DeviceChoice(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 def register(app: typer.Typer) -> None:
-    return None
+    @app.command("apply")
+    def apply(
+        target: Path = typer.Argument(..., show_default=False,
+                                      help="A config YAML, or a plan file saved with `apr train plan -out`."),
+        seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
+        device: DeviceChoice | None = typer.Option(None, "--device", help="Override training.device."),
+        max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="Override training.max_steps."),
+        resume: str | None = typer.Option(
+            None, "--resume", help="Continue a run: 'latest' (newest good checkpoint in output_dir) or a "
+                                   "checkpoint .json/.safetensors or run directory."),
+        force: bool = typer.Option(False, "--force", help="Resume although the config changed in a way that "
+                                                          "breaks exactness."),
+        gpu: str | None = typer.Option(None, "--gpu", help="Target GPU for the plan's memory check."),
+        vram: str | None = typer.Option(None, "--vram", help="Target VRAM for the plan's memory check."),
+    ) -> None:
+        """Train. Runs the plan first and refuses on error findings. Exit 0 finished, 1 error, failure or
+        stop by an alert, 130/143 stopped by SIGINT/SIGTERM (a checkpoint is written first)."""
+        from apr.cli.render import print_findings
+        from apr.errors import AprError
+        from apr.train.apply import run_apply
+
+        try:
+            result = run_apply(target, seed=seed, device=None if device is None else str(device),
+                               max_steps=max_steps, resume=resume, force=force, gpu=gpu, vram=vram)
+        except AprError as err:
+            typer.echo(f"error: {err.message}", err=True)
+            print_findings(err.findings)
+            raise typer.Exit(1) from None
+        lines = [f"run {result.run_id}: {result.status}" + (f" ({result.reason})" if result.reason else ""),
+                 f"  steps {result.start_step} -> {result.final_step} of {result.total_steps}"]
+        if result.loss is not None:
+            lines.append(f"  train loss {result.loss:.4f}")
+        if result.val_loss is not None:
+            first = f"{result.first_val_loss:.4f} -> " if result.first_val_loss is not None else ""
+            lines.append(f"  val loss {first}{result.val_loss:.4f}")
+        if result.last_checkpoint is not None:
+            lines.append(f"  last checkpoint {result.last_checkpoint}")
+        lines.append(f"  records in {result.run_dir} (watch with: apr monitor {result.run_dir})")
+        typer.echo("\n".join(lines))
+        raise typer.Exit(result.exit_code)

@@ -1,0 +1,61 @@
+"""What ``apr train apply`` does before the loop: read a plan file or a config, refuse a stale plan,
+run the plan's contracts and refuse on errors, apply the command-line overrides, then run.
+
+A target ending in ``.json`` is a plan file saved by ``apr train plan -out``; anything else is a
+config. Either way the plan is built again from the config as it is now, so the contracts that
+``apply`` enforces are exactly the ones ``plan`` shows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from apr.errors import AprError, Finding
+
+
+def _plan_errors_error(plan, config_path: Path) -> AprError:
+    errors = [f for f in plan.findings if f.severity == "error"]
+    return AprError(
+        f"the plan for {config_path} has {len(errors)} error(s); fix them (see `apr train plan {config_path}`)",
+        errors)
+
+
+def run_apply(target: Path, *, seed: int | None = None, device: str | None = None, max_steps: int | None = None,
+              resume: str | None = None, force: bool = False, gpu: str | None = None, vram: str | None = None,
+              apr_home: Path | None = None, echo=None, handle_signals: bool = True):
+    """Plan and run; returns ``apr.train.run.RunResult``. Raises AprError for anything a user can fix."""
+    from apr.plan.build import build_plan
+    from apr.plan.planfile import check_plan_fresh, load_plan_file
+
+    target = Path(target)
+    plan_doc = None
+    if target.suffix == ".json":
+        plan_doc = load_plan_file(target)
+        config_path = check_plan_fresh(plan_doc)
+        if gpu is None and vram is None:
+            tgt = plan_doc.get("target") or {}
+            gpu, vram = tgt.get("gpu"), tgt.get("vram")
+    else:
+        config_path = target
+    overrides = {k: v for k, v in (("seed", seed), ("device", device), ("max_steps", max_steps)) if v is not None}
+    plan = build_plan(config_path, gpu=gpu, vram=vram, overrides=overrides or None)
+    if plan.errors:
+        raise _plan_errors_error(plan, config_path)
+    if plan_doc is None:
+        plan_doc = plan.to_dict()
+
+    from apr.train.run import ApplyOptions, prepare_run
+
+    options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals)
+    if echo is not None:
+        options.echo = echo
+    for w in plan.warnings:
+        options.echo(f"plan warning [{w.code}] {w.path + ': ' if w.path else ''}{w.message}")
+    run = prepare_run(plan.config, config_hash=plan.config_hash, config_path=config_path, options=options,
+                      plan_doc=plan_doc)
+    planned = (plan.facts.get("steps") or {}).get("total_steps")
+    if planned is not None and planned != run.total_steps:
+        raise AprError(f"internal: the plan counts {planned} steps, the loader {run.total_steps}", [Finding(
+            "error", "apply.step_mismatch", "plan and loader disagree on the step count",
+            expected=str(planned), got=str(run.total_steps))])
+    return run.execute()

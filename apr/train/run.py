@@ -1,0 +1,368 @@
+"""The run loop of ``apr train apply``: data, engine, schedule, evaluation, checkpoints, records.
+
+``prepare_run`` turns a config (plus command-line overrides) into a ``Run``: the engine built or
+restored from a checkpoint, the loaders with their cursors, the step algebra, the recorder. ``Run.
+execute`` then runs optimizer steps ``start_step + 1 .. total_steps``. The loop's only host reads
+are the engine's finiteness checks and the loss / norm read at log intervals.
+
+The number of steps is the plan's step algebra, computed again from the loader:
+``total_steps = min(max_steps, epochs * steps_per_epoch)``, ``steps_per_epoch = floor(rows /
+(batch_size * gradient_accumulation * world_size))``.
+
+Signals: the first SIGINT / SIGTERM lets the current step finish, writes a checkpoint and ends the
+run as ``stopped`` (exit 130 / 143); a second one exits at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from apr.config.schema import AprConfig
+from apr.errors import AprError, Finding
+
+EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 1}
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+@dataclass
+class ApplyOptions:
+    """How one apply behaves (the config overrides are already in the plan's config)."""
+
+    resume: str | None = None  # None, "latest", or a checkpoint / run directory path
+    force: bool = False  # resume although the config changed in a breaking way
+    apr_home: Path | None = None
+    echo: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    handle_signals: bool = True
+
+
+@dataclass
+class RunResult:
+    status: str  # finished | stopped | failed
+    reason: str | None
+    run_dir: Path
+    run_id: str
+    start_step: int
+    final_step: int
+    total_steps: int
+    loss: float | None
+    val_loss: float | None
+    first_val_loss: float | None
+    last_checkpoint: Path | None
+    exit_code: int
+    tokens_per_s: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _data_error(message: str, path: str, **kw) -> AprError:
+    return AprError(message, [Finding("error", "apply.data", message, path=path, **kw)])
+
+
+class _Signals:
+    """First SIGINT/SIGTERM: ask the loop to stop after this step. Second: exit at once."""
+
+    def __init__(self, enabled: bool, echo: Callable[[str], None]):
+        self.received: int | None = None
+        self._echo = echo
+        self._old: dict[int, object] = {}
+        self.enabled = enabled and _in_main_thread()
+
+    def __enter__(self) -> _Signals:
+        if self.enabled:
+            for sig in SIGNAL_EXIT:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame) -> None:
+        if self.received is not None:
+            os._exit(SIGNAL_EXIT.get(signum, 128 + signum))
+        self.received = signum
+        self._echo(f"{signal.Signals(signum).name}: finishing this step and writing a checkpoint "
+                   "(send it again to exit at once)")
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _fmt_rate(v: float) -> str:
+    return f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
+def _fmt_eta(s: float | None) -> str:
+    if s is None or not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Run:
+    """One apply, prepared. Use ``prepare_run`` to build it."""
+
+    def __init__(self, *, config: AprConfig, config_hash: str, config_path: Path, options: ApplyOptions,
+                 plan_doc: dict | None):
+        from apr.data.loader import ShardLoader
+        from apr.train.engine import build_engine, resolve_device
+        from apr.train.schedule import LRSchedule
+
+        self.config, self.config_hash, self.config_path = config, config_hash, config_path
+        self.options, self.echo, self.plan_doc = options, options.echo, plan_doc
+        tr, data = config.training, config.data
+        self.run_dir = Path(os.path.abspath(os.path.expanduser(tr.output_dir)))
+        self.device = resolve_device(str(tr.device))
+
+        self.loader = ShardLoader(
+            os.path.expanduser(data.train), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
+            gradient_accumulation=tr.gradient_accumulation, world_size=1, rank=0, shuffle=data.shuffle,
+            input_column=data.input_column)
+        if self.loader.steps_per_epoch == 0:
+            raise _data_error(
+                f"{data.train}: {self.loader.num_rows} sequences are fewer than one optimizer step needs "
+                f"({data.batch_size * tr.gradient_accumulation} = batch_size x gradient_accumulation)",
+                "data.train", file=str(data.train))
+        self.val_loader = None
+        if data.val is not None and tr.eval_interval > 0:
+            self.val_loader = ShardLoader(
+                os.path.expanduser(data.val), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
+                shuffle=False, input_column=data.input_column)
+        self.epoch_steps = tr.epochs * self.loader.steps_per_epoch
+        self.total_steps = self.epoch_steps if tr.max_steps is None else min(tr.max_steps, self.epoch_steps)
+        self.tokens_per_step = data.batch_size * tr.gradient_accumulation * data.seq_len
+        self.schedule = LRSchedule.from_config(config, self.total_steps)
+
+        torch.manual_seed(tr.seed)
+        self.engine = build_engine(config, self.device)
+        self.start_step = 0
+        self.best_val: float | None = None
+        self.run_id: str | None = None
+        self.first_val: float | None = None
+        self.resumed_from: Path | None = None
+
+        from apr.checkpoint.manager import CheckpointManager
+
+        self.ckpt = CheckpointManager(self.run_dir, config, config_hash=config_hash, on_warning=self._warn)
+        if options.resume is not None:
+            self._restore(options.resume)
+        else:
+            self._refuse_foreign_run_dir()
+
+    # ------------------------------------------------------------------------------ set-up
+
+    def _warn(self, message: str) -> None:
+        self.echo(f"warning: {message}")
+
+    def _refuse_foreign_run_dir(self) -> None:
+        from apr.checkpoint.manager import scan
+
+        if self.run_dir.is_dir() and any(e.complete for e in scan(self.run_dir)):
+            raise AprError(
+                f"{self.run_dir} already holds checkpoints of an earlier run",
+                [Finding("error", "apply.output_dir_in_use",
+                         "the output directory holds checkpoints; continue that run with --resume latest, "
+                         "or choose another training.output_dir (or remove the folder)",
+                         path="training.output_dir", file=str(self.config_path))])
+
+    def _restore(self, which: str) -> None:
+        from apr.checkpoint.compat import compare_configs
+        from apr.checkpoint.rng import restore_rng
+
+        state, json_path = self.ckpt.load(which)
+        info = state.info
+        diff = compare_configs(info.config, self.config)
+        diff.check(force=self.options.force, file=str(self.config_path))
+        for change in diff.changes:
+            self.echo(f"resume: {'FORCED ' if change.breaking else ''}{change.line()}")
+        meta = state.meta
+        self.engine.load_train_state_tensors(state.tensors)
+        self.engine.load_meta_state(meta["engine"])
+        self.loader.load_state_dict(meta["data"])
+        for note in restore_rng(meta["rng"]):
+            self._warn(note)
+        self.start_step = int(state.step)
+        self.best_val = meta.get("best_val_loss")
+        self.first_val = meta.get("first_val_loss")
+        self.run_id = meta.get("run_id")
+        self.resumed_from = json_path
+        self.echo(f"resumed from {json_path} (step {self.start_step}, epoch {self.loader.epoch})")
+
+    def _write_run_files(self) -> None:
+        import io
+
+        from ruamel.yaml import YAML
+
+        from apr.fsutil import atomic_write_json, atomic_write_text
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        buf = io.StringIO()
+        yaml = YAML()
+        yaml.default_flow_style = False
+        yaml.dump(self.config.model_dump(mode="json"), buf)
+        atomic_write_text(self.run_dir / "config.yaml",
+                          f"# resolved config of this run (from {self.config_path}); hash {self.config_hash}\n"
+                          + buf.getvalue())
+        if self.plan_doc is not None:
+            atomic_write_json(self.run_dir / "plan.json", self.plan_doc)
+
+    # ------------------------------------------------------------------------------ pieces
+
+    def evaluate(self) -> float | None:
+        if self.val_loader is None:
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for batch in self.val_loader.iter_sequential(self.config.training.eval_batches):
+            loss_sum, n = self.engine.eval_loss_sum(batch)
+            total += loss_sum.double()
+            count += n
+        if count == 0:
+            return None
+        return float(total.item() / count)
+
+    def checkpoint_meta(self, step: int) -> dict:
+        from apr.checkpoint.rng import capture_rng
+
+        return {
+            "run_id": self.run_id, "epoch": self.loader.epoch, "data": self.loader.state_dict(),
+            "rng": capture_rng(), "engine": self.engine.meta_state(),
+            "schedule": {"step": step, "total_steps": self.total_steps, "lr_next": self.schedule(step + 1)
+                         if step < self.total_steps else None},
+            "best_val_loss": self.best_val, "first_val_loss": self.first_val,
+            "tokens_seen": step * self.tokens_per_step,
+        }
+
+    def save(self, step: int, is_best: bool, recorder) -> Path:
+        from apr.checkpoint.manager import TrainState
+
+        state = TrainState(step=step, tensors=self.engine.train_state_tensors(), meta=self.checkpoint_meta(step))
+        path = self.ckpt.save(state, is_best=is_best)
+        recorder.checkpoint(step, path, is_best=is_best)
+        return path
+
+    # -------------------------------------------------------------------------------- loop
+
+    def execute(self) -> RunResult:
+        from apr.model.spec import param_count
+        from apr.track.recorder import RunRecorder
+        from apr.train.engine import NonFiniteError
+
+        tr = self.config.training
+        self._write_run_files()
+        recorder = RunRecorder(
+            self.run_dir, self.config, config_hash=self.config_hash, total_steps=self.total_steps,
+            tokens_per_step=self.tokens_per_step, run_id=self.run_id, apr_home=self.options.apr_home,
+            config_path=str(self.config_path), model_params=param_count(self.config.model.architecture))
+        self.run_id = recorder.run_id
+        recorder.start(resume_step=self.start_step if self.resumed_from else None)
+        self.echo(self._banner())
+
+        step = self.start_step
+        status, reason = "finished", None
+        last_ckpt: Path | None = self.resumed_from
+        loss_v: float | None = None
+        val_v: float | None = None
+        rate: float | None = None
+        try:
+            with _Signals(self.options.handle_signals, self.echo) as signals:
+                if self.start_step == 0 and self.val_loader is not None:
+                    val_v = self.evaluate()
+                    self.first_val = val_v
+                    recorder.log_eval(0, val_v)
+                    self.echo(f"step {0:>{len(str(self.total_steps))}}/{self.total_steps}  val loss {val_v:.4f} "
+                              f"(ppl {math.exp(min(val_v, 700)):.1f})")
+                t_log, step_log = time.perf_counter(), step
+                while step < self.total_steps:
+                    step += 1
+                    micro = [self.loader.next_batch() for _ in range(tr.gradient_accumulation)]
+                    lr = self.schedule(step)
+                    try:
+                        result = self.engine.train_step(micro, lr)
+                    except NonFiniteError as err:
+                        step -= 1
+                        status, reason = "failed", f"non-finite {err.what} at step {step + 1}"
+                        if err.state_is_last_good and step > self.start_step:
+                            last_ckpt = self.save(step, False, recorder)
+                        break
+                    is_last = step == self.total_steps
+                    if step % tr.log_interval == 0 or is_last:
+                        loss_v = float(result.loss.item())
+                        gn = float(result.grad_norm.item())
+                        now = time.perf_counter()
+                        rate = (step - step_log) * self.tokens_per_step / max(now - t_log, 1e-9)
+                        t_log, step_log = now, step
+                        metrics = {"loss": loss_v, "lr": lr, "grad_norm": gn, "tokens_per_s": rate,
+                                   "epoch": self.loader.epoch + self.loader.position
+                                   / max(self.loader.micro_batches_per_epoch, 1),
+                                   "tokens_seen": step * self.tokens_per_step}
+                        if result.skipped:
+                            metrics["skipped_steps"] = 1
+                        recorder.log_step(step, metrics)
+                        eta = (self.total_steps - step) * self.tokens_per_step / rate if rate else None
+                        w = len(str(self.total_steps))
+                        self.echo(f"step {step:>{w}}/{self.total_steps}  loss {loss_v:.4f}  lr {lr:.2e}  "
+                                  f"gnorm {gn:.3f}  {_fmt_rate(rate)} tok/s  eta {_fmt_eta(eta)}")
+                        stops = [a for a in recorder.check_alerts(metrics) if a.action == "stop"]
+                        if stops:
+                            status, reason = "stopped", f"alert: {stops[0].message}"
+                    is_best = False
+                    if self.val_loader is not None and tr.eval_interval and (step % tr.eval_interval == 0 or is_last):
+                        val_v = self.evaluate()
+                        recorder.log_eval(step, val_v)
+                        is_best = val_v is not None and (self.best_val is None or val_v < self.best_val)
+                        if is_best:
+                            self.best_val = val_v
+                        self.echo(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  val loss "
+                                  f"{val_v:.4f} (ppl {math.exp(min(val_v, 700)):.1f})" + ("  best" if is_best else ""))
+                        t_log = time.perf_counter()  # evaluation time is not training throughput
+                    stopping = status != "finished" or signals.received is not None
+                    if step % tr.save_interval == 0 or is_last or is_best or stopping:
+                        last_ckpt = self.save(step, is_best, recorder)
+                        t_log = time.perf_counter()
+                    if status != "finished":
+                        break
+                    if signals.received is not None:
+                        name = signal.Signals(signals.received).name
+                        status, reason = "stopped", f"{name} at step {step}; resume with --resume latest"
+                        break
+        except BaseException as err:  # a crash: record it, then let it propagate
+            recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
+            raise
+        recorder.finish(status, reason)
+        exit_code = EXIT_CODES[status]
+        if signals.received is not None and status == "stopped" and reason and "alert" not in reason:
+            exit_code = SIGNAL_EXIT[signals.received]
+        return RunResult(
+            status=status, reason=reason, run_dir=self.run_dir, run_id=self.run_id, start_step=self.start_step,
+            final_step=step, total_steps=self.total_steps, loss=loss_v, val_loss=val_v if val_v is not None else None,
+            first_val_loss=self.first_val, last_checkpoint=last_ckpt, exit_code=exit_code, tokens_per_s=rate,
+            warnings=recorder.warnings)
+
+    def _banner(self) -> str:
+        from apr.model.spec import param_count
+
+        c, tr = self.config, self.config.training
+        params = param_count(c.model.architecture)
+        what = f"resuming at step {self.start_step + 1}" if self.resumed_from else "starting"
+        return (f"apply: {what}; run {self.run_id} -> {self.run_dir}\n"
+                f"  model {params / 1e6:.2f}M params, {tr.engine} engine ({self.engine.strategy.describe()}), "
+                f"kernels {self.engine.backend.name}, {tr.mixed_precision} on {self.device}\n"
+                f"  {self.total_steps} steps x {self.tokens_per_step:,} tokens; {self.loader.steps_per_epoch} "
+                f"steps per epoch ({self.loader.num_rows:,} sequences), {tr.epochs} epoch(s)")
+
+
+def prepare_run(config: AprConfig, *, config_hash: str, config_path: Path, options: ApplyOptions,
+                plan_doc: dict | None = None) -> Run:
+    return Run(config=config, config_hash=config_hash, config_path=config_path, options=options, plan_doc=plan_doc)

@@ -1,0 +1,86 @@
+"""A tiny, learnable on-disk dataset and config for run-loop tests (CPU, float32, seconds)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 61
+SEQ = 16
+
+
+def write_pattern_shards(folder: Path, rows: int, seed: int, shards: int = 2) -> Path:
+    """Rows of a learnable pattern: counting sequences mod VOCAB from random starts, with strides 1-3."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, VOCAB, size=rows)
+    strides = rng.integers(1, 4, size=rows)
+    data = (starts[:, None] + strides[:, None] * np.arange(SEQ + 1)[None, :]) % VOCAB
+    for i, part in enumerate(np.array_split(data.astype(np.uint32), shards)):
+        offsets = pa.array(np.arange(len(part) + 1, dtype=np.int32) * (SEQ + 1))
+        col = pa.ListArray.from_arrays(offsets, pa.array(part.reshape(-1)))
+        pq.write_table(pa.table({"input_ids": col}), folder / f"shard-{i:05d}.parquet")
+    return folder
+
+
+BASE = {
+    "model": {"architecture": {
+        "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 64, "vocab_size": VOCAB, "max_position_embeddings": SEQ}},
+    "data": {"train": "data/train/", "val": "data/val/", "batch_size": 4, "seq_len": SEQ},
+    "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "weight_decay": 0.1},
+    "training": {"epochs": 2, "max_steps": 12, "warmup_steps": 2, "mixed_precision": "fp32", "device": "cpu",
+                 "kernels": "torch", "output_dir": "run/", "save_interval": 4, "keep_last": 10,
+                 "log_interval": 2, "eval_interval": 4, "eval_batches": 2, "loss_chunk_size": 8, "seed": 3},
+    "monitoring": {"tracking": {"experiment": "runtest"}},
+}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def make_dataset(root: Path, train_rows: int = 96, val_rows: int = 16) -> None:
+    write_pattern_shards(root / "data" / "train", train_rows, seed=1)
+    write_pattern_shards(root / "data" / "val", val_rows, seed=2, shards=1)
+
+
+def config_doc(root: Path, **sections) -> dict:
+    """BASE with overrides, its relative paths made absolute under ``root``."""
+    doc = merge(BASE, sections)
+    for key in ("train", "val"):
+        if doc["data"].get(key):
+            doc["data"][key] = str(root / doc["data"][key])
+    doc["training"]["output_dir"] = str(root / doc["training"]["output_dir"])
+    return doc
+
+
+def write_config(root: Path, name: str = "cfg.yaml", **sections) -> Path:
+    from apr.plan.examples import to_yaml
+
+    path = root / name
+    path.write_text(to_yaml(config_doc(root, **sections)))
+    return path
+
+
+def signal_at(step_text: str, sig: int = signal.SIGINT):
+    """An echo callback that sends ``sig`` to this process when a log line starts with ``step_text``."""
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith(step_text):
+            os.kill(os.getpid(), sig)
+
+    echo.lines = lines  # type: ignore[attr-defined]
+    return echo

@@ -1,0 +1,123 @@
+"""The run loop: step counts, exact resume, signals, alerts, records, refusing to mix runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+
+import pytest
+from run_helpers import config_doc, make_dataset, signal_at
+from safetensors.torch import load_file
+
+from apr.config import config_hash
+from apr.config.schema import AprConfig
+from apr.errors import AprError
+from apr.train.run import ApplyOptions, prepare_run
+
+
+def _run(root, *, resume=None, force=False, echo=None, **sections):
+    cfg = AprConfig.model_validate(config_doc(root, **sections))
+    lines: list[str] = []
+    opts = ApplyOptions(resume=resume, force=force, echo=echo or lines.append)
+    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts)
+    result = run.execute()
+    return result, run, getattr(echo, "lines", lines)
+
+
+@pytest.fixture
+def root(tmp_path):
+    make_dataset(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(("accum", "epochs", "max_steps", "expected"), [
+    (1, 1, None, 24),  # 96 rows / 4 = 24 steps per epoch
+    (2, 2, None, 24),  # 96 / 8 = 12 per epoch, 2 epochs
+    (3, 1, 100, 8),  # max_steps capped by the data: 96 / 12 = 8
+    (1, 3, 5, 5),
+])
+def test_runs_exactly_the_step_algebras_steps(root, accum, epochs, max_steps, expected):
+    result, run, _ = _run(root, training={"gradient_accumulation": accum, "epochs": epochs, "max_steps": max_steps,
+                                          "save_interval": 1000, "eval_interval": 0})
+    assert result.status == "finished" and result.exit_code == 0
+    assert result.total_steps == expected == result.final_step
+    assert run.engine.optimizer_steps == expected
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == expected and state["total_steps"] == expected
+
+
+def test_a_run_writes_its_records_and_the_validation_loss_falls(root):
+    result, _, lines = _run(root, training={"max_steps": 24, "epochs": 3, "eval_interval": 8})
+    run_dir = root / "run"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / ".apr" / "experiments.db").is_file()
+    assert (run_dir / "checkpoint-step-24.json").is_file() and (run_dir / "checkpoint-best.json").is_file()
+    assert result.first_val_loss is not None and result.val_loss < 0.7 * result.first_val_loss
+    state = json.loads((run_dir / "training_state.json").read_text())
+    assert state["last_checkpoint"]["step"] == 24
+    assert [s for s, _ in state["val_loss_history"]] == [0, 8, 16, 24]
+    assert any(line.startswith("step 24/24  loss") for line in lines)
+
+
+def test_resume_from_a_middle_checkpoint_ends_bitwise_equal(root, tmp_path_factory):
+    full, _, _ = _run(root)
+    assert full.final_step == 12
+    final = load_file(str(root / "run" / "checkpoint-step-12.safetensors"))
+
+    other = tmp_path_factory.mktemp("resumed")
+    (other / "run").mkdir()
+    for suffix in ("json", "safetensors"):
+        shutil.copy(root / "run" / f"checkpoint-step-4.{suffix}", other / "run" / f"checkpoint-step-4.{suffix}")
+    resumed, run, lines = _run(root, resume="latest", training={"output_dir": str(other / "run")})
+    assert run.start_step == 4 and resumed.final_step == 12
+    assert any("training.output_dir" in line for line in lines)  # the harmless change is listed
+    again = load_file(str(other / "run" / "checkpoint-step-12.safetensors"))
+    assert set(again) == set(final)
+    for name, tensor in final.items():
+        assert again[name].equal(tensor), name
+
+
+def test_resume_refuses_a_breaking_config_change_unless_forced(root):
+    _run(root, training={"max_steps": 4})
+    with pytest.raises(AprError, match="break an exact resume") as err:
+        _run(root, resume="latest", training={"max_steps": 8}, optimizer={"lr": 5e-3})
+    assert any(f.path == "optimizer.lr" for f in err.value.findings)
+    result, run, _ = _run(root, resume="latest", force=True, training={"max_steps": 8}, optimizer={"lr": 5e-3})
+    assert run.start_step == 4 and result.final_step == 8
+
+
+def test_a_second_apply_into_a_used_output_dir_is_refused(root):
+    _run(root, training={"max_steps": 4})
+    with pytest.raises(AprError, match="already holds checkpoints") as err:
+        _run(root, training={"max_steps": 4})
+    assert err.value.findings[0].path == "training.output_dir"
+
+
+def test_sigint_finishes_the_step_checkpoints_and_exits_130(root):
+    echo = signal_at("step  6/12  loss")
+    result, _, lines = _run(root, echo=echo, training={"log_interval": 1})
+    assert result.status == "stopped" and result.exit_code == 130
+    assert result.final_step == 6 and result.last_checkpoint.name == "checkpoint-step-6.json"
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert state["status"] == "stopped" and "SIGINT" in state["status_reason"]
+    # and the stopped run continues to the end
+    resumed, run, _ = _run(root, resume="latest", training={"log_interval": 1})
+    assert run.start_step == 6 and resumed.final_step == 12 and resumed.status == "finished"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_exits_143(root):
+    result, _, _ = _run(root, echo=signal_at("step  2/12  loss", signal.SIGTERM))
+    assert result.exit_code == 143 and result.final_step == 2
+
+
+def test_a_stop_alert_ends_the_run_with_a_checkpoint(root):
+    result, _, _ = _run(root, monitoring={"alerts": [{"condition": "step >= 4", "action": "stop",
+                                                       "message": "enough"}]})
+    assert result.status == "stopped" and result.exit_code == 1 and "enough" in result.reason
+    assert result.final_step == 4 and (root / "run" / "checkpoint-step-4.json").is_file()
+
+
+def test_too_little_data_for_one_step_is_a_clear_error(root):
+    with pytest.raises(AprError, match="fewer than one optimizer step"):
+        _run(root, data={"batch_size": 64}, training={"gradient_accumulation": 2})
