@@ -162,6 +162,9 @@ def buffer_plan(config: AprConfig) -> list[Buffer]:
         if arch.tie_word_embeddings:
             bufs.append(Buffer("embed.grad", "gradients", (v * h,), "float32"))
         bufs.append(Buffer("grad_workspace", "gradients", (max(n for _, n in groups),), "float32"))
+        if tr.world_size > 1:
+            # data parallel: one group's gradient is all-reduced while the next one's backward fills this
+            bufs.append(Buffer("grad_workspace_1", "gradients", (max(n for _, n in groups),), "float32"))
     if not interleaved:
         # the chunked LM-head loss holds its weight gradient from the forward until backward
         bufs.append(Buffer("head_saved_grad", "gradients", (v, h), "float32"))

@@ -28,6 +28,7 @@ from apr.kernels import KernelBackend, get_backend
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_fwd_bwd, linear_cross_entropy_sum
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM, build_model
+from apr.train.dist import DataParallel
 from apr.train.flat import FlatGroup, flatten_group
 from apr.train.precision import DynamicLossScaler, autocast, compute_dtype
 from apr.train.strategy import step_strategy
@@ -85,6 +86,7 @@ class Engine:
         self.grad_clip = tr.grad_clip
         self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
         self.optimizer_steps = 0  # updates applied (fp16 overflow steps are not counted)
+        self.dp: DataParallel | None = None  # set by ``build_engine`` under torchrun
         # Test/diagnostic hook, called with a group name once that group's gradient is complete.
         self.grad_probe: Callable[[str], None] | None = None
 
@@ -160,6 +162,11 @@ class InterleavedEngine(Engine):
         ]
         self.embed, self.block_groups, self.head = self.groups[0], self.groups[1:-1], self.groups[-1]
         self.workspace = buffers.get("grad_workspace")
+        # Under data parallelism a second workspace lets one group's all-reduce run while the next
+        # group's backward fills the other (at most two gradient buffers in flight).
+        self._workspaces = [w for w in (self.workspace, buffers.get("grad_workspace_1")) if w is not None]
+        self._next_ws = 0
+        self._inflight: tuple | None = None
         self.grad_scratch = buffers.get("grad_scratch")
         self.tied = model.lm_head is None
         self._lr = 0.0
@@ -183,16 +190,42 @@ class InterleavedEngine(Engine):
         if group.own_grad is not None:
             buf = group.own_grad
         else:
-            buf = self.workspace[: group.numel]
+            buf = self._workspaces[self._next_ws][: group.numel]
+            if self._overlapping:
+                self._next_ws = (self._next_ws + 1) % len(self._workspaces)
             buf.zero_()
         group.bind_grads(buf)
         return buf
 
+    @property
+    def _overlapping(self) -> bool:
+        return self.dp is not None and not self.strategy.keeps_all_grads
+
     def _done(self, group: FlatGroup, buf: torch.Tensor, on_done) -> None:
         self._probe(group.name)
+        if self._overlapping:
+            # start averaging this group's gradient over the ranks, then finish the previous group
+            handle = self.dp.all_reduce_sum_async(buf)
+            previous, self._inflight = self._inflight, (group, buf, handle, on_done)
+            if previous is not None:
+                self._finish(previous)
+            return
         on_done(group, buf)
         if not self.strategy.keeps_all_grads:
             group.release_grads()  # the workspace now belongs to the next group
+
+    def _finish(self, item: tuple) -> None:
+        group, buf, handle, on_done = item
+        handle.wait()
+        buf.div_(self.dp.world_size)
+        on_done(group, buf)
+        group.release_grads()
+
+    def _drain(self) -> None:
+        if self._inflight is not None:
+            item, self._inflight = self._inflight, None
+            self._finish(item)
+        self._next_ws = 0
 
     def _walk(self, ids, targets, inputs, grad_mult: float, on_done, free_inputs: bool) -> torch.Tensor:
         """Backward from the loss to the embedding; ``on_done(group, grad)`` runs as soon as each
@@ -260,12 +293,14 @@ class InterleavedEngine(Engine):
         if not fresh:
             embed_grad.add_(lookup_grad)
         self._done(self.embed, buf, on_done)
+        self._drain()
         return loss_sum
 
     def _scratch(self, shape) -> torch.Tensor:
         """A zeroed float32 scratch of ``shape``: the accumulation scratch, else the free workspace."""
         n = shape[0] * shape[1]
-        buf = (self.grad_scratch if self.grad_scratch is not None else self.workspace)[:n]
+        # without a scratch: the workspace that is neither bound nor in flight
+        buf = (self.grad_scratch if self.grad_scratch is not None else self._workspaces[self._next_ws])[:n]
         return buf.zero_().view(shape)
 
     # --------------------------------------------------------------------------------- stepping
@@ -323,6 +358,11 @@ class InterleavedEngine(Engine):
             loss_sum = self._walk(ids, targets, inputs, self.scaler.scale / accum, lambda g, buf: None,
                                   free_inputs=True)
             loss += loss_sum / (targets.numel() * accum)
+        if self.dp is not None:  # average the accumulated gradients over the ranks, all groups at once
+            for handle in [self.dp.all_reduce_sum_async(g.own_grad) for g in self.groups]:
+                handle.wait()
+            for g in self.groups:
+                g.own_grad.div_(self.dp.world_size)
         sq = {g.name: self.backend.sq_norm(g.own_grad) for g in self.groups}
         norm, overflow = self._known_norm(sq)
         if not overflow:
@@ -439,6 +479,12 @@ class StandardEngine(Engine):
         for name, _ in self.groups:
             self._probe(name)
         grads = [p.grad for p in params]
+        if self.dp is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.dp.average_(flat)
+            parts = flat.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(parts, grads, strict=True)])
+            grads = [p.grad for p in params]
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
         # Norms group by group over the concatenated gradients: the same reduction as the interleaved
@@ -503,13 +549,17 @@ def allocate_buffers(config: AprConfig, device: torch.device) -> dict[str, torch
 
 def build_engine(
     config: AprConfig, device: torch.device | str | None = None, *, seed: int | None = None,
-    backend: KernelBackend | None = None,
+    backend: KernelBackend | None = None, dp: DataParallel | None = None,
 ) -> Engine:
-    """A freshly initialised model inside the engine ``training.engine`` names."""
+    """A freshly initialised model inside the engine ``training.engine`` names; ``dp``: average
+    gradients over the data-parallel ranks before every update."""
     tr = config.training
     device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
     backend = backend or get_backend(str(tr.kernels), device)
     model = build_model(config.model.architecture, tr.seed if seed is None else seed, device="cpu")
     if str(tr.engine) == "standard":
-        return StandardEngine(config, model.to(device), device, backend)
-    return InterleavedEngine(config, model, device, backend, allocate_buffers(config, device))
+        engine: Engine = StandardEngine(config, model.to(device), device, backend)
+    else:
+        engine = InterleavedEngine(config, model, device, backend, allocate_buffers(config, device))
+    engine.dp = dp
+    return engine

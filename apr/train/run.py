@@ -116,36 +116,49 @@ class Run:
     def __init__(self, *, config: AprConfig, config_hash: str, config_path: Path, options: ApplyOptions,
                  plan_doc: dict | None):
         from apr.data.loader import ShardLoader
+        from apr.train.dist import from_env
         from apr.train.engine import build_engine, resolve_device
         from apr.train.schedule import LRSchedule
 
+        self.device = resolve_device(str(config.training.device))
+        self.dp = from_env(self.device.type)
+        if self.dp is not None:
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.dp.local_rank)
+            if config.training.world_size != self.dp.world_size:
+                doc = config.model_dump(mode="json")
+                doc["training"]["world_size"] = self.dp.world_size
+                config = AprConfig.model_validate(doc)
+        self.is_main = self.dp is None or self.dp.is_main
+        rank, world = (0, 1) if self.dp is None else (self.dp.rank, self.dp.world_size)
         self.config, self.config_hash, self.config_path = config, config_hash, config_path
-        self.options, self.echo, self.plan_doc = options, options.echo, plan_doc
+        self.options, self.plan_doc = options, plan_doc
+        self.echo = options.echo if self.is_main else (lambda line: None)
         tr, data = config.training, config.data
         self.run_dir = Path(os.path.abspath(os.path.expanduser(tr.output_dir)))
-        self.device = resolve_device(str(tr.device))
 
         self.loader = ShardLoader(
             os.path.expanduser(data.train), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
-            gradient_accumulation=tr.gradient_accumulation, world_size=1, rank=0, shuffle=data.shuffle,
+            gradient_accumulation=tr.gradient_accumulation, world_size=world, rank=rank, shuffle=data.shuffle,
             input_column=data.input_column)
         if self.loader.steps_per_epoch == 0:
+            need = data.batch_size * tr.gradient_accumulation * world
             raise _data_error(
                 f"{data.train}: {self.loader.num_rows} sequences are fewer than one optimizer step needs "
-                f"({data.batch_size * tr.gradient_accumulation} = batch_size x gradient_accumulation)",
+                f"({need} = batch_size x gradient_accumulation x world_size)",
                 "data.train", file=str(data.train))
         self.val_loader = None
         if data.val is not None and tr.eval_interval > 0:
             self.val_loader = ShardLoader(
                 os.path.expanduser(data.val), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
-                shuffle=False, input_column=data.input_column)
+                shuffle=False, input_column=data.input_column, rank=rank, world_size=world)
         self.epoch_steps = tr.epochs * self.loader.steps_per_epoch
         self.total_steps = self.epoch_steps if tr.max_steps is None else min(tr.max_steps, self.epoch_steps)
-        self.tokens_per_step = data.batch_size * tr.gradient_accumulation * data.seq_len
+        self.tokens_per_step = data.batch_size * tr.gradient_accumulation * data.seq_len * world
         self.schedule = LRSchedule.from_config(config, self.total_steps)
 
         torch.manual_seed(tr.seed)
-        self.engine = build_engine(config, self.device)
+        self.engine = build_engine(config, self.device, dp=self.dp)
         self.start_step = 0
         self.best_val: float | None = None
         self.run_id: str | None = None
@@ -228,6 +241,9 @@ class Run:
             loss_sum, n = self.engine.eval_loss_sum(batch)
             total += loss_sum.double()
             count += n
+        if self.dp is not None:
+            both = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=self.device)])
+            total, count = self.dp.sum_(both)[0], int(both[1].item())
         if count == 0:
             return None
         return float(total.item() / count)
@@ -248,6 +264,8 @@ class Run:
         from apr.checkpoint.manager import TrainState
 
         state = TrainState(step=step, tensors=self.engine.train_state_tensors(), meta=self.checkpoint_meta(step))
+        if not self.is_main:  # only rank 0 writes; every rank can resume from what it wrote
+            return self.ckpt.step_paths(step)[0]
         path = self.ckpt.save(state, is_best=is_best)
         recorder.checkpoint(step, path, is_best=is_best)
         return path
@@ -260,11 +278,14 @@ class Run:
         from apr.train.engine import NonFiniteError
 
         tr = self.config.training
-        self._write_run_files()
-        recorder = RunRecorder(
-            self.run_dir, self.config, config_hash=self.config_hash, total_steps=self.total_steps,
-            tokens_per_step=self.tokens_per_step, run_id=self.run_id, apr_home=self.options.apr_home,
-            config_path=str(self.config_path), model_params=param_count(self.config.model.architecture))
+        if self.is_main:
+            self._write_run_files()
+            recorder = RunRecorder(
+                self.run_dir, self.config, config_hash=self.config_hash, total_steps=self.total_steps,
+                tokens_per_step=self.tokens_per_step, run_id=self.run_id, apr_home=self.options.apr_home,
+                config_path=str(self.config_path), model_params=param_count(self.config.model.architecture))
+        else:
+            recorder = _NullRecorder(self.run_id)
         self.run_id = recorder.run_id
         recorder.start(resume_step=self.start_step if self.resumed_from else None)
         self.echo(self._banner())
@@ -298,7 +319,8 @@ class Run:
                         break
                     is_last = step == self.total_steps
                     if step % tr.log_interval == 0 or is_last:
-                        loss_v = float(result.loss.item())
+                        loss_t = result.loss.detach().clone()
+                        loss_v = float((self.dp.average_(loss_t) if self.dp is not None else loss_t).item())
                         gn = float(result.grad_norm.item())
                         now = time.perf_counter()
                         rate = (step - step_log) * self.tokens_per_step / max(now - t_log, 1e-9)
@@ -327,6 +349,14 @@ class Run:
                         self.echo(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  val loss "
                                   f"{val_v:.4f} (ppl {math.exp(min(val_v, 700)):.1f})" + ("  best" if is_best else ""))
                         t_log = time.perf_counter()  # evaluation time is not training throughput
+                    if self.dp is not None:  # every rank stops at the same step: signal or alert on any
+                        flags = torch.tensor([signals.received or 0, status != "finished"], dtype=torch.float32,
+                                             device=self.device)
+                        sig_flag, alert_flag = (int(v) for v in self.dp.any_(flags).tolist())
+                        if sig_flag and signals.received is None:
+                            signals.received = sig_flag
+                        if alert_flag and status == "finished":
+                            status, reason = "stopped", "alert on rank 0"
                     stopping = status != "finished" or signals.received is not None
                     if step % tr.save_interval == 0 or is_last or is_best or stopping:
                         last_ckpt = self.save(step, is_best, recorder)
@@ -341,6 +371,9 @@ class Run:
             recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
             raise
         recorder.finish(status, reason)
+        if self.dp is not None:
+            self.dp.barrier()  # rank 0's checkpoint is complete before any rank exits
+            self.dp.close()
         exit_code = EXIT_CODES[status]
         if signals.received is not None and status == "stopped" and reason and "alert" not in reason:
             exit_code = SIGNAL_EXIT[signals.received]
@@ -361,6 +394,23 @@ class Run:
                 f"kernels {self.engine.backend.name}, {tr.mixed_precision} on {self.device}\n"
                 f"  {self.total_steps} steps x {self.tokens_per_step:,} tokens; {self.loader.steps_per_epoch} "
                 f"steps per epoch ({self.loader.num_rows:,} sequences), {tr.epochs} epoch(s)")
+
+
+class _NullRecorder:
+    """What ranks other than 0 record: nothing (rank 0 writes the state file and the stores)."""
+
+    def __init__(self, run_id: str | None):
+        self.run_id = run_id or "rank-local"
+        self.warnings: list[str] = []
+
+    def start(self, resume_step=None) -> None: ...
+    def log_step(self, step, metrics) -> None: ...
+    def log_eval(self, step, val_loss) -> None: ...
+    def checkpoint(self, step, path, is_best=False) -> None: ...
+    def finish(self, status, reason=None) -> None: ...
+
+    def check_alerts(self, metrics) -> list:
+        return []
 
 
 def prepare_run(config: AprConfig, *, config_hash: str, config_path: Path, options: ApplyOptions,

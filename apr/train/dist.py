@@ -1,0 +1,90 @@
+"""Data parallelism on torch.distributed, as ``torchrun`` launches it (DESIGN.md decision 8).
+
+``torchrun --nproc_per_node=K -m apr train apply CONFIG`` sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` and the rendezvous variables; ``from_env`` joins the process group (NCCL on CUDA,
+gloo on the CPU) with a timeout, so that a rank that dies or stalls ends the job with an error
+instead of a hang. Without those variables (a plain ``apr train apply``) there is no process group
+and ``DataParallel`` is not used at all.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class DataParallel:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum_async(self, tensor: torch.Tensor):
+        import torch.distributed as dist
+
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+
+    def average_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In place: the mean of ``tensor`` over all ranks."""
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.div_(self.world_size)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def any_(self, flags: torch.Tensor) -> torch.Tensor:
+        """In place: the element-wise maximum over ranks (a flag set on any rank is set on all)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def from_env(device_kind: str) -> DataParallel | None:
+    """Join the process group torchrun describes; None when this is a single process."""
+    world = env_world_size()
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "nccl" if device_kind == "cuda" else "gloo"
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+    timeout = float(os.environ.get("APR_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout))
+    return DataParallel(rank=rank, world_size=world, local_rank=local_rank, backend=backend)

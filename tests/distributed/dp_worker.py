@@ -1,0 +1,25 @@
+"""Run one apply from a JSON config document (argv[1]); launched by torchrun in the DP tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from apr.config import config_hash
+from apr.config.schema import AprConfig
+from apr.train.run import ApplyOptions, prepare_run
+
+
+def main() -> int:
+    doc = json.loads(Path(sys.argv[1]).read_text())
+    resume = sys.argv[2] if len(sys.argv) > 2 else None
+    cfg = AprConfig.model_validate(doc)
+    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
+                      options=ApplyOptions(resume=resume, handle_signals=False))
+    result = run.execute()
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Data parallelism on the CPU with gloo: K processes with per-rank batch b equal one with batch K*b."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
+from run_helpers import config_doc, make_dataset  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "dp_worker.py"
+
+
+def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None) -> subprocess.CompletedProcess:
+    path.write_text(json.dumps(doc))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(WORKER), str(path)] + ([resume] if resume else [])
+    if nproc == 1:
+        cmd = [sys.executable, str(WORKER), str(path)] + ([resume] if resume else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _final(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / f"checkpoint-step-{step}.safetensors"))
+
+
+def _assert_close(a: dict, b: dict, rtol: float) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        if name.startswith("optimizer."):
+            continue
+        # relative difference of the whole tensor (Frobenius norms), as torch.testing measures closeness
+        rel = ((a[name] - b[name]).norm() / b[name].norm().clamp_min(1e-30)).item()
+        assert rel <= rtol, f"{name}: relative difference {rel:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engine", "accum", "clip_mode"), [
+    ("interleaved", 1, "global"),
+    ("interleaved", 2, "global"),
+    ("interleaved", 1, "per_block"),
+    ("standard", 2, "global"),
+])
+def test_two_ranks_equal_one_process_with_twice_the_batch(tmp_path, engine, accum, clip_mode):
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "eval_interval": 5, "engine": engine,
+              "gradient_accumulation": accum, "grad_clip": 0.5, "clip_mode": clip_mode}
+    # lr 3e-3: Adam turns summation-order rounding (one mean of 4 rows vs the mean of two means of 2) into
+    # parameter differences that grow with the lr; at 1e-2 they reach ~1e-6 after 10 steps
+    opt = {"lr": 3e-3, "min_lr": 3e-4}
+    one = config_doc(tmp_path, data={"batch_size": 4}, optimizer=opt, training={**common, "output_dir": "one/"})
+    two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=opt, training={**common, "output_dir": "two/"})
+    _launch(one, tmp_path / "one.json", 1)
+    _launch(two, tmp_path / "two.json", 2)
+    _assert_close(_final(tmp_path / "two", 10), _final(tmp_path / "one", 10), rtol=1e-6)
+    state = json.loads((tmp_path / "two" / "training_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 10
+    # only rank 0 recorded: one run in the local store
+    with sqlite3.connect(tmp_path / "two" / ".apr" / "experiments.db") as db:
+        assert db.execute("select count(*) from runs").fetchone()[0] == 1
+
+
+@pytest.mark.slow
+def test_two_ranks_stopped_and_resumed_equal_an_uninterrupted_run(tmp_path):
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "save_interval": 4, "keep_last": 5, "eval_interval": 0}
+    full = config_doc(tmp_path, data={"batch_size": 2}, training={**common, "max_steps": 10, "output_dir": "full/"})
+    _launch(full, tmp_path / "full.json", 2)
+    # the interrupted run: only its first 4 steps' checkpoint survives, then it resumes
+    part = config_doc(tmp_path, data={"batch_size": 2}, training={**common, "max_steps": 10, "output_dir": "part/"})
+    (tmp_path / "part").mkdir()
+    for suffix in ("json", "safetensors"):
+        src = tmp_path / "full" / f"checkpoint-step-4.{suffix}"
+        (tmp_path / "part" / src.name).write_bytes(src.read_bytes())
+    _launch(part, tmp_path / "part.json", 2, resume="latest")
+    _assert_close(_final(tmp_path / "part", 10), _final(tmp_path / "full", 10), rtol=0.0)
