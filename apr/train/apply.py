@@ -8,6 +8,7 @@ config. Either way the plan is built again from the config as it is now, so the 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from apr.errors import AprError, Finding
@@ -37,8 +38,12 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
             gpu, vram = tgt.get("gpu"), tgt.get("vram")
     else:
         config_path = target
+    from apr.train.dist import env_world_size
+
     overrides = {k: v for k, v in (("seed", seed), ("device", device), ("max_steps", max_steps)) if v is not None}
-    plan = build_plan(config_path, gpu=gpu, vram=vram, overrides=overrides or None)
+    world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
+    plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
+                      overrides=overrides or None)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
     if plan_doc is None:
@@ -49,7 +54,8 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals)
     if echo is not None:
         options.echo = echo
-    for w in plan.warnings:
+    is_main = os.environ.get("RANK", "0") == "0"
+    for w in plan.warnings if is_main else []:
         options.echo(f"plan warning [{w.code}] {w.path + ': ' if w.path else ''}{w.message}")
     run = prepare_run(plan.config, config_hash=plan.config_hash, config_path=config_path, options=options,
                       plan_doc=plan_doc)
