@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "dp_worker.py"
+WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
 
 
 def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None) -> subprocess.CompletedProcess:

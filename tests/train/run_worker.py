@@ -1,4 +1,5 @@
-"""Run one apply from a JSON config document (argv[1]); launched by torchrun in the DP tests."""
+"""Run one apply from a JSON config document (argv[1]; argv[2]: a --resume value), without the plan:
+launched as a subprocess (or by torchrun) by the crash and data-parallel tests."""
 
 from __future__ import annotations
 

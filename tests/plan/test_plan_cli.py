@@ -1,0 +1,133 @@
+"""`apr train plan` through the CLI: exit codes, text and JSON output, -out, usage errors."""
+
+from __future__ import annotations
+
+import json
+
+from plan_helpers import apr_cli
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.plan.examples import materialize
+
+runner = CliRunner()
+
+
+def plan(*args):
+    return runner.invoke(app, ["train", "plan", *map(str, args)])
+
+
+def test_clean_run_exits_zero_with_terraform_like_text(example_dir):
+    r = plan(example_dir, "--gpu", "4090")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    for heading in ("Resolved run", "Resources per GPU (target: NVIDIA GeForce RTX 4090 24GB", "Time (estimate)"):
+        assert heading in out
+    assert "164,160 parameters" in out and "steps_per_epoch 32 x epochs 1 = 32; max_steps 20 -> 20 steps" in out
+    assert "kernels auto -> torch" in out  # device: cpu
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("Plan: ") and last.endswith(" passed, 0 warnings, 0 errors.")
+
+
+def test_errors_exit_one_and_name_contract_file_line(tmp_path):
+    cfg, _ = materialize({"config": {"training": {"gradient_accumulation": 4}}}, tmp_path)
+    r = plan(cfg)
+    assert r.exit_code == 1
+    line = next(ln for ln in r.stdout.splitlines() if "error[C-TRAINCFG-001]" in ln)
+    assert f"{cfg}:" in line and "training.max_steps" in line
+    assert "steps_per_epoch = 8" in r.stdout and "expected: epochs x steps_per_epoch >= max_steps = 20" in r.stdout
+    assert r.stdout.strip().splitlines()[-1].endswith(" 1 errors.")
+
+
+def test_warnings_fail_only_with_strict(tmp_path):
+    cfg, _ = materialize({"config": {"training": {"warmup_steps": 8}}}, tmp_path)  # warmup 40%
+    r = plan(cfg)
+    assert r.exit_code == 0 and "warning[C-TRAINCFG-004]" in r.stdout
+    assert plan(cfg, "--strict").exit_code == 1
+    info_only, _ = materialize({}, tmp_path / "info")  # info findings never fail, even with --strict
+    assert plan(info_only, "--strict").exit_code == 0
+
+
+def test_json_is_one_documented_object(example_dir):
+    from apr.plan.build import PLAN_KEYS
+
+    r = plan(example_dir, "--json", "--gpu", "h100", "--world-size", "2")
+    assert r.exit_code == 1, r.output  # 64 rows / (2 x 2) = 16 steps < max_steps 20
+    doc = json.loads(r.stdout)
+    assert tuple(doc) == PLAN_KEYS
+    assert doc["format"] == "apr-plan" and doc["world_size"] == 2
+    assert doc["facts"]["steps"]["steps_per_epoch"] == 16  # 64 rows / (2 x 1 x 2)
+    assert doc["memory"]["rows"][0]["component"] == "weights" and doc["memory"]["vram_bytes"] > 0
+    assert doc["time_estimate"]["gpus"] == 2 and doc["time_estimate"]["estimated_seconds"] > 0
+    assert doc["summary"]["errors"] == 1 and doc["summary"]["passed"] > 30
+    assert doc["findings"][0]["code"] == "C-TRAINCFG-001" and doc["findings"][0]["severity"] == "error"
+    assert {c["status"] for c in doc["contracts"]} <= {"passed", "failed", "skipped"}
+    assert all({"severity", "code", "message", "path", "file", "line"} <= set(f) for f in doc["findings"])
+    assert len(doc["config_hash"]) == 64 and len(doc["data_fingerprint"]["files"]) == 4
+    assert doc["run"]["execution"]["kernels_resolved"] == "torch"
+
+
+def test_json_with_errors_still_parses_and_exits_one(tmp_path):
+    cfg, _ = materialize({"train": {"missing": True}}, tmp_path)
+    r = plan(cfg, "--json")
+    assert r.exit_code == 1
+    doc = json.loads(r.stdout)
+    assert [f["code"] for f in doc["findings"] if f["severity"] == "error"] == ["C-DATA-001"]
+
+
+def test_config_errors_exit_one_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  architecture:\n    hidden_size: wide\n")
+    r = apr_cli("train", "plan", str(bad))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{bad}:3:" in r.stderr and "model.architecture.hidden_size" in r.stderr
+    missing = apr_cli("train", "plan", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 1 and "config file not found" in missing.stderr and "Traceback" not in missing.stderr
+    j = runner.invoke(app, ["train", "plan", str(bad), "--json"])
+    assert j.exit_code == 1
+    found = {f["path"]: f for f in json.loads(j.stdout)["findings"]}
+    assert found["model.architecture.hidden_size"]["line"] == 3 and "data" in found  # data: missing
+
+
+def test_usage_errors_exit_two(example_dir):
+    assert plan().exit_code == 2
+    assert plan(example_dir, "--bogus").exit_code == 2
+    r = plan(example_dir, "--gpu", "tpu-v9")
+    assert r.exit_code == 2 and "unknown GPU 'tpu-v9'" in r.output and "h100" in r.output
+    assert plan(example_dir, "--vram", "lots").exit_code == 2
+    assert plan(example_dir, "--world-size", "0").exit_code == 2
+
+
+def test_vram_and_world_size_options(example_dir):
+    r = plan(example_dir, "--vram", "515MiB")  # the base run needs ~515.8 MiB
+    assert r.exit_code == 1 and "error[C-MEM-001]" in r.stdout and "DOES NOT FIT" in r.stdout
+    r = plan(example_dir, "--world-size", "4")  # 64 rows / 8 per step = 8 < max_steps 20
+    assert r.exit_code == 1 and "world_size 4" in r.stdout
+
+
+def test_out_saves_a_plan_file_single_or_double_dash(example_dir, tmp_path):
+    from apr.plan.planfile import load_plan_file
+
+    for flag in ("-out", "--out"):
+        target = tmp_path / f"plan{flag}.json"
+        r = plan(example_dir, flag, target)
+        assert r.exit_code == 0, r.output
+        doc = load_plan_file(target)
+        assert doc["config_path"] == str(example_dir.resolve()) and doc["summary"]["errors"] == 0
+        assert f"apr train apply {target}" in r.stdout
+
+
+def test_out_is_not_written_when_the_plan_fails(tmp_path):
+    cfg, _ = materialize({"train": {"missing": True}}, tmp_path)
+    target = tmp_path / "plan.json"
+    r = plan(cfg, "-out", target)
+    assert r.exit_code == 1 and not target.exists() and "plan not saved" in r.output
+
+
+def test_plan_never_imports_torch_and_writes_nothing(example_dir):
+    before = sorted(p.relative_to(example_dir.parent) for p in example_dir.parent.rglob("*"))
+    r = apr_cli("train", "plan", str(example_dir), "--gpu", "4090", probe=True)
+    assert r.returncode == 0, r.stderr
+    assert "HEAVY []" in r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("Plan: ")
+    assert sorted(p.relative_to(example_dir.parent) for p in example_dir.parent.rglob("*")) == before
