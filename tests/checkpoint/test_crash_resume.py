@@ -116,4 +116,5 @@ def test_twenty_random_sigkills_never_leave_a_corrupt_checkpoint(tmp_path):
     assert kills >= 10, f"only {kills} kills landed before the run finished"
     if not (run_dir / "checkpoint-step-120.json").exists():
         _run_to_end(cfg, resume=_complete(run_dir))
-    _assert_same_state(run_dir / "checkpoint-step-120.safetensors", tmp_path / "full" / "checkpoint-step-120.safetensors")
+    _assert_same_state(run_dir / "checkpoint-step-120.safetensors",
+                       tmp_path / "full" / "checkpoint-step-120.safetensors")
