@@ -17,6 +17,11 @@ def _colour(stream) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
+def use_colour(stream) -> bool:
+    """Colour only on a terminal, and never with NO_COLOR set."""
+    return _colour(stream)
+
+
 def format_finding(f: Finding, colour: bool = False) -> str:
     where = f.file or ""
     if f.line is not None:

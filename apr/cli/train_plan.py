@@ -1,7 +1,79 @@
-"""Placeholder: the owning issue fills in this command module."""
+"""`apr train plan CONFIG`: prove, without a GPU, that a run is coherent and fits. Parse, call, render."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import typer
 
 
+def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
+             strict: bool, out: Path | None, verbose: bool = False) -> int:
+    """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
+    from apr.errors import AprError
+    from apr.plan.build import PlanUsageError, build_plan
+    from apr.plan.render import render_error_json, render_json, render_text
+
+    try:
+        plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size)
+    except PlanUsageError as err:
+        hint = {"plan.unknown_gpu": "'--gpu'", "plan.bad_vram": "'--vram'"}.get(
+            err.findings[0].code if err.findings else "", "'--world-size'")
+        raise typer.BadParameter(err.findings[0].message if err.findings else err.message, param_hint=hint) from None
+    except AprError as err:
+        if json_out:
+            sys.stdout.write(render_error_json(config, err))
+        else:
+            from apr.cli.render import print_findings
+
+            print(f"error: {err.message}", file=sys.stderr)
+            print_findings(err.findings)
+        return err.exit_code
+    code = plan.exit_code(strict)
+    if json_out:
+        sys.stdout.write(render_json(plan))
+    else:
+        from apr.cli.render import use_colour
+
+        sys.stdout.write(render_text(plan, colour=use_colour(sys.stdout), verbose=verbose))
+    if out is not None:
+        if code != 0:
+            why = "errors" if plan.errors else "warnings (--strict)"
+            print(f"plan not saved to {out}: it has {why}", file=sys.stderr)
+        else:
+            from apr.plan.planfile import save_plan
+
+            try:
+                save_plan(plan, out)
+            except AprError as err:
+                print(f"error: {err.message}", file=sys.stderr)
+                return 1
+            print(f"Saved the plan to {out}; run it with: apr train apply {out}",
+                  file=sys.stderr if json_out else sys.stdout)
+    return code
+
+
 def register(app: typer.Typer) -> None:
-    return None
+    @app.command("plan")
+    def plan(
+        config: Path = typer.Argument(..., help="Training config (YAML).", show_default=False),
+        gpu: str | None = typer.Option(
+            None, "--gpu", metavar="NAME",
+            help="Target GPU from the catalogue (4090, 3090, a10, l4, t4, v100, a6000, l40s, a100-40gb, "
+                 "a100-80gb, h100, h100-pcie, h200) for the memory check and time estimate."),
+        vram: str | None = typer.Option(
+            None, "--vram", metavar="SIZE", help="Target GPU memory, e.g. 24GiB (overrides --gpu's memory)."),
+        world_size: int | None = typer.Option(
+            None, "--world-size", min=1, metavar="N", help="Data-parallel GPUs (default: training.world_size)."),
+        json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+        strict: bool = typer.Option(False, "--strict", help="Fail (exit 1) on warnings too."),
+        out: Path | None = typer.Option(
+            None, "-out", "--out", metavar="PLAN.json",
+            help="Save the plan (with the config hash and data fingerprint) for `apr train apply PLAN.json`."),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="List skipped contracts and why."),
+    ) -> None:
+        """Check a run without a GPU: step algebra, architecture, data, tokenizer, memory and time.
+        Exit 0 no errors, 1 errors (or warnings with --strict), 2 usage."""
+        raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=json_out,
+                                  strict=strict, out=out, verbose=verbose))

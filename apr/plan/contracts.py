@@ -10,6 +10,7 @@ presentation only; every comparison lives in the rule.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -18,16 +19,17 @@ from typing import Any
 
 from apr.cel import CelError, compile_expr, evaluate
 from apr.config.numbers import format_bytes, format_count
-from apr.errors import AprError, Finding
+from apr.errors import ConfigError, Finding
 
 SEVERITIES = ("error", "warning", "info")
+SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 NEEDS = ("config", "data", "tokenizer")
 _ID_RE = re.compile(r"^C-[A-Z]+-[0-9]{3}$")
 _KEYS = {"id", "title", "severity", "needs", "path", "when", "requires", "rule", "message", "expected",
          "got", "rationale", "examples"}
 
 
-class ContractFileError(AprError):
+class ContractFileError(ConfigError):
     """A contract file is malformed (a bug in the shipped contracts, or in a user's own)."""
 
 
@@ -145,9 +147,13 @@ def _parse_contract(item: Any, i: int, family: str, file: str, source) -> Contra
 
 def load_contract_file(path: Path) -> tuple[dict, list[Contract]]:
     from apr.config.loader import read_yaml
+    from apr.errors import ConfigError
 
-    data, source, _ = read_yaml(path)
     file = str(path)
+    try:
+        data, source, _ = read_yaml(path)
+    except ConfigError as e:  # YAML syntax: the same line/column, reported as a contract-file problem
+        raise ContractFileError(f"invalid contract file {file}: {e.message}", e.findings) from None
     if not isinstance(data, dict) or not isinstance(data.get("contracts"), list):
         raise _bad(file, 1, "a contract file is a mapping with 'family' and a 'contracts' list")
     family = str(data.get("family") or path.stem)
@@ -156,19 +162,51 @@ def load_contract_file(path: Path) -> tuple[dict, list[Contract]]:
     return meta, [_parse_contract(item, i, family, file, source) for i, item in enumerate(data["contracts"])]
 
 
+COMPILED_NAME = "compiled.json"
+_COMPILED_FORMAT = 1
+
+
 def load_contracts(directory: Path | None = None) -> ContractSet:
-    """Every contract in ``directory`` (default: the shipped ``contracts/``), in file then list order."""
+    """Every contract in ``directory`` (default: the shipped ``contracts/``), in file then list order.
+
+    Parsing YAML with line numbers costs ~0.3 s, too much for `apr train validate`; so when the
+    folder holds a ``compiled.json`` written from exactly these files (same names and SHA-256),
+    contracts come from it instead. Any edit to a YAML file makes it stale and the YAML is parsed
+    (``python -m apr.plan.docgen`` rewrites it, with docs/contracts.md).
+    """
     return _load_cached(str(directory) if directory is not None else None)
+
+
+def contracts_folder(directory: Path | str | None = None) -> Path:
+    from apr.resources import resource_dir
+
+    return Path(directory) if directory else resource_dir("contracts")
+
+
+def _digest(files: list[Path]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 @lru_cache(maxsize=8)
 def _load_cached(directory: str | None) -> ContractSet:
-    from apr.resources import resource_dir
+    folder = contracts_folder(directory)
+    files = sorted(folder.glob("*.yaml"))
+    digest = _digest(files)
+    compiled = _read_compiled(folder, digest)
+    if compiled is not None:
+        return compiled
+    return _parse_folder(folder, files)
 
-    folder = Path(directory) if directory else resource_dir("contracts")
+
+def _parse_folder(folder: Path, files: list[Path]) -> ContractSet:
     contracts: list[Contract] = []
     families: dict[str, dict] = {}
-    for path in sorted(folder.glob("*.yaml")):
+    for path in files:
         meta, items = load_contract_file(path)
         families[items[0].family if items else path.stem] = meta
         contracts += items
@@ -178,6 +216,39 @@ def _load_cached(directory: str | None) -> ContractSet:
             raise _bad(c.file, c.line, f"duplicate contract id {c.id} (also in {seen[c.id]})")
         seen[c.id] = c.file
     return ContractSet(contracts, families)
+
+
+def _contract_dict(c: Contract) -> dict:
+    d = {k: getattr(c, k) for k in Contract.__dataclass_fields__}
+    d["file"] = Path(c.file).name
+    return json.loads(json.dumps(d))  # tuples become lists; examples must be JSON-able
+
+
+def _read_compiled(folder: Path, digest: str) -> ContractSet | None:
+    try:
+        doc = json.loads((folder / COMPILED_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != _COMPILED_FORMAT or doc.get("sha256") != digest:
+        return None
+    contracts = []
+    for d in doc["contracts"]:
+        d = dict(d, file=str(folder / d["file"]))
+        for key in ("needs", "requires", "examples"):
+            d[key] = tuple(d[key])
+        contracts.append(Contract(**d))
+    return ContractSet(contracts, doc["families"])
+
+
+def compile_contracts(directory: Path | str | None = None) -> str:
+    """The text of ``compiled.json`` for the YAML files in ``directory`` (parsed and checked)."""
+    folder = contracts_folder(directory)
+    files = sorted(folder.glob("*.yaml"))
+    parsed = _parse_folder(folder, files)
+    doc = {"format": _COMPILED_FORMAT, "generated_by": "python -m apr.plan.docgen",
+           "sha256": _digest(files), "families": parsed.families,
+           "contracts": [_contract_dict(c) for c in parsed.contracts]}
+    return json.dumps(doc, indent=1, sort_keys=False) + "\n"
 
 
 # ----------------------------------------------------------------------------------- templates

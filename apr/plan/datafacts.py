@@ -3,7 +3,8 @@
 Row counts, the token column's type and the largest token id (the leaf column's max statistic)
 all live in the Parquet footer. The row length is num_values / num_rows of the token column in
 each row group: exact when every row holds the same number of tokens, which the data module
-guarantees; ragged rows show up as a non-integer or varying ratio.
+guarantees; ragged rows show up as a non-integer or varying ratio. (Rows whose lengths average
+out to a whole number in every row group look uniform here; the loader checks the same total.)
 
 Relative paths are resolved against the current directory, as the trainer does.
 """
@@ -22,20 +23,23 @@ def resolve(path: str) -> Path:
 
 
 def shard_files(path: Path) -> list[Path]:
-    """The Parquet shards of a dataset: the file itself, or a folder's ``*.parquet`` (sorted)."""
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.suffix == ".parquet" and p.is_file())
-    return []
+    """The Parquet shards the trainer's loader will open: the loader's own listing (the file itself,
+    or a folder's ``*.parquet`` searched recursively), so plan and apply count the same rows."""
+    if not path.exists():
+        return []
+    from apr.data.shards import shard_files as loader_shard_files
+
+    return [p for p in loader_shard_files(path) if p.is_file()]
 
 
 def input_files(path: Path) -> list[Path]:
-    """Every file an input consists of, for the fingerprint (shards, manifest.json, ...)."""
+    """Every file an input consists of, for the fingerprint (shards, manifest.json, ...): the file
+    itself, or every non-hidden file under the folder, recursively, sorted."""
     if path.is_file():
         return [path]
     if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        return sorted(p for p in path.rglob("*")
+                      if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
     return []
 
 
@@ -104,10 +108,9 @@ def dataset_facts(path_text: str, column: str) -> dict:
         facts["column_missing_in"] = missing[0]
         return facts
 
-    types = {str(md.schema.to_arrow_schema().field(column).type) for _, md in metas}
-    arrow_type = metas[0][1].schema.to_arrow_schema().field(column).type
-    facts["column_type"] = " | ".join(sorted(types))
-    facts["column_is_int_list"] = len(types) == 1 and _is_int_list(arrow_type)
+    arrow_types = [md.schema.to_arrow_schema().field(column).type for _, md in metas]
+    facts["column_type"] = " | ".join(sorted({str(t) for t in arrow_types}))
+    facts["column_is_int_list"] = all(_is_int_list(t) for t in arrow_types)  # as the loader requires
 
     lengths: set = set()
     maxima: list[int] = []
@@ -146,9 +149,7 @@ def _signature(f: Path) -> tuple:
 
     try:
         md = pq.read_metadata(f)
-        stats = tuple(str(md.row_group(r).column(j).statistics)
-                      for r in range(md.num_row_groups) for j in range(md.num_columns))
-        return (f.stat().st_size, md.num_rows, stats)
+        return (f.stat().st_size, md.num_rows, repr(md.to_dict()))
     except Exception:
         return (f.stat().st_size, None, ())
 

@@ -19,7 +19,6 @@ class FactSheet:
     facts: dict
     memory: list[MemoryRow] = field(default_factory=list)
     time_estimate: dict | None = None
-    fingerprint_paths: list = field(default_factory=list)
 
 
 def model_facts(config: AprConfig) -> dict:
@@ -39,7 +38,7 @@ def memory_facts(config: AprConfig, target: Target | None) -> tuple[dict, list[M
     total = sum(r.bytes for r in rows)
     facts: dict = {"total_bytes": total, "by_component": {r.component: r.bytes for r in rows},
                    "calibrated": COEFFICIENTS.calibrated}
-    if target is not None and target.vram_bytes is not None:
+    if target is not None and target.vram_bytes:  # a zero size compares with nothing
         facts["vram_bytes"] = target.vram_bytes
         facts["usage_fraction"] = total / target.vram_bytes
         facts["max_micro_batch"] = max_micro_batch(config, target.vram_bytes)
@@ -59,6 +58,43 @@ def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precis
             "precision": precision, "estimated_seconds": seconds, "basis": basis}
 
 
+def execution_facts(config: AprConfig) -> dict:
+    """How apply will execute: engine, device, kernel backend, precision and clipping. Torch-free:
+    ``auto`` choices are described, since they are made on the machine that applies."""
+    from importlib.util import find_spec
+
+    from apr.train.strategy import step_strategy
+
+    tr = config.training
+    st = step_strategy(config)
+    device, kernels = str(tr.device), str(tr.kernels)
+    if kernels != "auto":
+        kernels_resolved = kernels
+    elif device == "cpu":
+        kernels_resolved = "torch"
+    else:
+        kernels_resolved = "cupy if the device is CUDA and CuPy is available at apply time, else torch"
+    device_resolved = "cuda if torch sees a CUDA device at apply time, else cpu" if device == "auto" else device
+    return {
+        "engine": st.engine, "device": device, "device_resolved": device_resolved, "kernels": kernels,
+        "kernels_resolved": kernels_resolved, "cupy_installed_here": find_spec("cupy") is not None,
+        "precision": str(tr.mixed_precision), "clip": st.clip, "keeps_all_grads": st.keeps_all_grads,
+        "norm_prepass": st.norm_prepass, "backward_walks": st.backward_walks, "loss_scaling": st.loss_scaling,
+        "strategy": st.describe(),
+    }
+
+
+def peak_lr_reached(config: AprConfig, total_steps: int) -> float:
+    """The highest learning rate the schedule reaches in ``total_steps`` steps (warmup may not end)."""
+    from apr.train.schedule import LRSchedule
+
+    if total_steps < 1:
+        return 0.0
+    schedule = LRSchedule.from_config(config, total_steps)
+    warmup = config.training.warmup_steps
+    return schedule(min(total_steps, warmup)) if warmup else schedule(1)
+
+
 def config_facts(config: AprConfig, *, world_size: int, target: Target | None) -> FactSheet:
     """Facts that need only the config (and the target): what `apr train validate` evaluates."""
     tr = config.training
@@ -67,8 +103,10 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None) -
         "world_size": world_size,
         "model": model_facts(config),
         "schedule": {"sequences_per_step": sequences_per_step,
-                     "tokens_per_step": sequences_per_step * config.data.seq_len},
+                     "tokens_per_step": sequences_per_step * config.data.seq_len,
+                     "min_lr": config.optimizer.resolved_min_lr},
     }
+    facts["execution"] = execution_facts(config)
     if target is not None:
         facts["target"] = target.to_facts(str(tr.mixed_precision))
     facts["memory"], rows = memory_facts(config, target)
@@ -77,24 +115,25 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None) -
 
 def all_facts(config: AprConfig, *, world_size: int, target: Target | None) -> FactSheet:
     """Config facts plus data (Parquet footers), tokenizer and step algebra, and the time estimate."""
-    from apr.plan.datafacts import dataset_facts, resolve, shared_shards
+    from apr.plan.datafacts import dataset_facts, shared_shards
     from apr.plan.steps import step_algebra
 
     sheet = config_facts(config, world_size=world_size, target=target)
     facts = sheet.facts
     data, tr = config.data, config.training
     data_facts: dict = {"train": dataset_facts(data.train, data.input_column)}
-    sheet.fingerprint_paths.append(resolve(data.train))
     if data.val is not None:
         data_facts["val"] = dataset_facts(data.val, data.input_column)
         data_facts["val_shared_shards"] = shared_shards(data.train, data.val)
-        sheet.fingerprint_paths.append(resolve(data.val))
+    maxima = [(d["max_token_id"], name) for name, d in (("train", data_facts["train"]), ("val", data_facts.get("val")))
+              if d and d.get("has_statistics")]
+    if maxima:
+        data_facts["max_token_id"], data_facts["max_token_id_in"] = max(maxima)
     facts["data"] = data_facts
     if data.tokenizer is not None:
         from apr.plan.tokfacts import tokenizer_facts
 
         facts["tokenizer"] = tokenizer_facts(data.tokenizer)
-        sheet.fingerprint_paths.append(resolve(data.tokenizer))
 
     train = data_facts["train"]
     if "sequences" in train:
@@ -105,9 +144,10 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None) -> F
             seq_len=data.seq_len)
         facts["steps"] = {k: v for k, v in steps.to_dict().items() if v is not None}
         facts["steps"]["tokens_per_param"] = steps.total_tokens / facts["model"]["params"]
-        tokens, basis = steps.total_tokens, "total_steps from the data"
+        facts["steps"]["peak_lr_reached"] = peak_lr_reached(config, steps.total_steps)
+        tokens, basis = steps.total_tokens, "the step algebra over the data"
     elif tr.max_steps is not None:
-        tokens, basis = tr.max_steps * facts["schedule"]["tokens_per_step"], "max_steps (data unreadable)"
+        tokens, basis = tr.max_steps * facts["schedule"]["tokens_per_step"], "max_steps (the data is unreadable)"
     else:
         tokens, basis = None, ""
     if tokens is not None:

@@ -23,6 +23,7 @@ class Gpu:
     tflops_bf16: float  # dense tensor-core peak for bf16/fp16 with fp32 accumulation
     tflops_fp32: float  # plain fp32 (no TF32) peak
     mfu: float  # assumed model-FLOPs utilisation for the time estimate
+    bf16: bool = True  # bfloat16 tensor cores (Ampere and newer); T4 and V100 only emulate bf16
 
     def peak_flops(self, precision: str) -> float:
         return (self.tflops_fp32 if precision == "fp32" else self.tflops_bf16) * _T
@@ -35,8 +36,8 @@ CATALOGUE: dict[str, Gpu] = {
         Gpu("3090", "NVIDIA GeForce RTX 3090 24GB", 24576 * _MIB, 71.0, 35.6, 0.30),
         Gpu("a10", "NVIDIA A10 24GB", 23028 * _MIB, 125.0, 31.2, 0.30),
         Gpu("l4", "NVIDIA L4 24GB", 23034 * _MIB, 121.0, 30.3, 0.30),
-        Gpu("t4", "NVIDIA T4 16GB", 15360 * _MIB, 65.0, 8.1, 0.25),
-        Gpu("v100", "NVIDIA V100 32GB", 32768 * _MIB, 125.0, 15.7, 0.30),
+        Gpu("t4", "NVIDIA T4 16GB", 15360 * _MIB, 65.0, 8.1, 0.25, bf16=False),
+        Gpu("v100", "NVIDIA V100 32GB", 32768 * _MIB, 125.0, 15.7, 0.30, bf16=False),
         Gpu("a6000", "NVIDIA RTX A6000 48GB", 49140 * _MIB, 154.8, 38.7, 0.30),
         Gpu("l40s", "NVIDIA L40S 48GB", 46068 * _MIB, 362.1, 91.6, 0.30),
         Gpu("a100-40gb", "NVIDIA A100 40GB", 40960 * _MIB, 312.0, 19.5, 0.40),
@@ -87,6 +88,7 @@ class Target:
             facts["label"] = self.gpu.label
             facts["peak_flops"] = self.gpu.peak_flops(precision)
             facts["mfu"] = self.gpu.mfu
+            facts["bf16"] = self.gpu.bf16
         if self.vram_bytes is not None:
             facts["vram_bytes"] = self.vram_bytes
         return facts

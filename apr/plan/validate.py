@@ -1,4 +1,9 @@
-"""Config-only checks used by `apr train validate`. Must stay free of torch, pyarrow and tokenizers."""
+"""Config-only checks used by `apr train validate`. Must stay free of torch, pyarrow and tokenizers.
+
+The contracts whose ``needs`` is only ``config`` are evaluated over the facts that follow from the
+config alone (model shapes, the memory budget against training.gpu / training.vram, the execution
+strategy): the same contracts, facts and messages `apr train plan` shows, without reading data.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,19 @@ from apr.config import LoadedConfig
 from apr.errors import Finding
 
 
-def config_findings(loaded: LoadedConfig) -> list[Finding]:
-    """Findings of every contract that needs only the config (filled in by the plan issue)."""
-    return []
+def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list[Finding]:
+    """Findings of every config-only contract, errors first. Info findings (observations such as
+    "no target GPU") are left out unless ``include_info``: validate reports problems only."""
+    from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
+    from apr.plan.facts import config_facts
+    from apr.plan.gpus import resolve_target
+
+    config = loaded.config
+    tr = config.training
+    target = resolve_target(None, None, config_gpu=tr.gpu, config_vram=tr.vram)
+    sheet = config_facts(config, world_size=tr.world_size, target=target)
+    contracts = [c for c in load_contracts().contracts if c.config_only]
+    results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
+    findings = [r.finding for r in results if r.finding is not None
+                and (include_info or r.finding.severity != "info")]
+    return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))

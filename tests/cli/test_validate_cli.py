@@ -61,3 +61,39 @@ def test_schema_command_prints_json_schema():
 def test_version_flag():
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.stdout.startswith("apr ")
+
+
+def test_config_only_contracts_run_in_validate_with_lines(tmp_path):
+    """validate runs the contracts that need only the config (architecture, warmup vs max_steps, ...)."""
+    cfg = tmp_path / "arch.yaml"
+    cfg.write_text(
+        "model:\n  architecture:\n    hidden_size: 66\n    num_hidden_layers: 2\n    num_attention_heads: 4\n"
+        "    intermediate_size: 200\n    vocab_size: 512\n    max_position_embeddings: 64\n"
+        "data:\n  train: t/\n  batch_size: 2\n  seq_len: 32\n"
+        "training:\n  max_steps: 10\n  warmup_steps: 10\n")
+    result = runner.invoke(app, ["train", "validate", str(cfg)])
+    assert result.exit_code == 1
+    err = result.stderr if result.stderr_bytes is not None else result.output
+    assert f"error[C-ARCH-001] {cfg}:3:5 model.architecture.hidden_size:" in err
+    assert f"error[C-TRAINCFG-008] {cfg}:15:3" in err
+    assert "warning[C-ARCH-007]" in err
+    assert "C-DATA-" not in err and "info[" not in err  # data contracts need plan; info is plan-only
+    doc = json.loads(runner.invoke(app, ["train", "validate", str(cfg), "--json"]).stdout)
+    codes = [f["code"] for f in doc["findings"]]
+    assert doc["valid"] is False and codes[:2] == ["C-ARCH-001", "C-TRAINCFG-008"]
+
+
+def test_validate_checks_memory_against_the_config_gpu(tmp_path):
+    cfg = tmp_path / "big.yaml"
+    cfg.write_text(
+        "model:\n  architecture:\n    hidden_size: 4096\n    num_hidden_layers: 32\n    num_attention_heads: 32\n"
+        "    intermediate_size: 11008\n    vocab_size: 32000\n    max_position_embeddings: 2048\n"
+        "data:\n  train: t/\n  batch_size: 1\n  seq_len: 2048\n"
+        "training:\n  gpu: t4\n")
+    result = runner.invoke(app, ["train", "validate", str(cfg)])
+    assert result.exit_code == 1
+    assert "error[C-MEM-001]" in result.output and "NVIDIA T4 16GB" in result.output
+    unknown = cfg.read_text().replace("gpu: t4", "gpu: tpu-v9")
+    cfg.write_text(unknown)
+    result = runner.invoke(app, ["train", "validate", str(cfg)])
+    assert result.exit_code == 1 and 'error[C-MEM-003]' in result.output and ":14:3" in result.output

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from apr.plan.examples import deep_merge, materialize
+from apr.plan.examples import materialize
 
 
 def plan_for(example: dict, folder: Path):

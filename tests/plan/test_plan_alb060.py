@@ -71,7 +71,6 @@ def test_v2_config_with_67977_sequences_and_38_epochs_passes(repo, v2_inputs):
 def test_plan_steps_agree_with_the_trainers_loader(tmp_path):
     """The plan's step algebra is the loader's: the same shard listing, the same floor."""
     from apr.data.loader import ShardLoader
-
     from apr.plan.examples import materialize
 
     for rows, batch, accum in ((64, 2, 1), (101, 4, 3), (50, 7, 2)):

@@ -1,0 +1,267 @@
+"""Build a Plan: load the config, derive facts from config + data + tokenizer, evaluate every contract.
+
+``build_plan`` is what `apr train plan` renders and what `apr train apply` runs before training. It
+never imports torch, never touches a GPU and writes nothing. Facts come from ``apr.plan.facts``
+(numbers only); verdicts come from the contract files in ``contracts/`` (CEL rules).
+
+``Plan.to_dict()`` is the one JSON object of `apr train plan --json` and of a plan file
+(``-out plan.json``); its keys are documented in docs/plan.md and by ``PLAN_KEYS`` below.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apr.config import AprConfig, LoadedConfig, config_hash, load_config
+from apr.errors import AprError, Finding
+from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
+from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
+from apr.plan.memory import MemoryRow, coefficients_dict
+
+PLAN_FORMAT = "apr-plan"
+PLAN_FORMAT_VERSION = "1"
+
+# Top-level keys of Plan.to_dict(), in order (docs/plan.md describes each).
+PLAN_KEYS = ("format", "format_version", "apr_version", "created", "config_path", "cwd", "config_hash",
+             "overrides", "world_size", "target", "config", "run", "facts", "memory", "time_estimate",
+             "contracts", "findings", "summary", "data_fingerprint")
+
+# Command-line overrides `apr train apply` may pass; bare names mean keys of the training section.
+OVERRIDABLE = ("training.seed", "training.device", "training.max_steps")
+
+
+class PlanUsageError(AprError):
+    """A bad command-line argument to plan (unknown --gpu, unparsable --vram, --world-size < 1)."""
+
+    exit_code = 2
+
+
+@dataclass
+class Plan:
+    loaded: LoadedConfig
+    config: AprConfig
+    config_path: Path
+    config_hash: str
+    world_size: int
+    target: Target | None
+    target_args: dict  # {"gpu": ..., "vram": ...} as given on the command line
+    overrides: dict
+    facts: dict
+    memory: list[MemoryRow]
+    time_estimate: dict | None
+    results: list[ContractResult]
+    findings: list[Finding]
+    data_fingerprint: dict
+    created: float = field(default_factory=time.time)
+    cwd: str = field(default_factory=os.getcwd)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    @property
+    def infos(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "info"]
+
+    @property
+    def execution(self) -> dict:
+        """Engine, device, kernel backend (``auto`` described), precision and clipping in force."""
+        return self.facts["execution"]
+
+    @property
+    def kernels(self) -> str:
+        return self.execution["kernels_resolved"]
+
+    def summary(self) -> dict:
+        count = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed", "skipped")}
+        return {**count, "contracts": len(self.results), "errors": len(self.errors),
+                "warnings": len(self.warnings), "info": len(self.infos)}
+
+    def exit_code(self, strict: bool = False) -> int:
+        """0 when no error finding (and, with ``strict``, no warning); else 1."""
+        return 1 if self.errors or (strict and self.warnings) else 0
+
+    def to_dict(self) -> dict:
+        from apr import __version__
+
+        memory_total = sum(r.bytes for r in self.memory)
+        doc: dict[str, Any] = {
+            "format": PLAN_FORMAT,
+            "format_version": PLAN_FORMAT_VERSION,
+            "apr_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
+            "config_path": str(Path(os.path.abspath(self.config_path))),
+            "cwd": self.cwd,
+            "config_hash": self.config_hash,
+            "overrides": dict(self.overrides),
+            "world_size": self.world_size,
+            "target": target_dict(self.target, self.target_args),
+            "config": self.config.model_dump(mode="json"),
+            "run": run_summary(self),
+            "facts": self.facts,
+            "memory": {
+                "rows": [r.to_dict() for r in self.memory],
+                "total_bytes": memory_total,
+                "vram_bytes": self.target.vram_bytes if self.target else None,
+                "usage_fraction": (memory_total / self.target.vram_bytes
+                                   if self.target and self.target.vram_bytes else None),
+                "max_micro_batch": self.facts["memory"].get("max_micro_batch"),
+                "coefficients": coefficients_dict(),
+            },
+            "time_estimate": self.time_estimate,
+            "contracts": [r.to_dict() for r in self.results],
+            "findings": [f.to_dict() for f in self.findings],
+            "summary": self.summary(),
+            "data_fingerprint": self.data_fingerprint,
+        }
+        return doc
+
+
+def target_dict(target: Target | None, args: dict) -> dict:
+    """The target as the plan file stores it: the command-line arguments (``gpu``, ``vram``, which
+    apply passes back to build_plan) plus what they resolved to."""
+    out: dict[str, Any] = {"gpu": args.get("gpu"), "vram": args.get("vram")}
+    if target is None:
+        return {**out, "name": None, "label": None, "vram_bytes": None, "source": None, "known": None}
+    return {**out, "name": target.name, "label": target.gpu.label if target.gpu else None,
+            "vram_bytes": target.vram_bytes, "source": target.source, "known": target.known,
+            "assumed_mfu": target.gpu.mfu if target.gpu else None}
+
+
+def run_summary(plan: Plan) -> dict:
+    """The resolved run in a few numbers: what the text output's first section shows."""
+    c, f = plan.config, plan.facts
+    arch = c.model.architecture
+    steps = f.get("steps") or {}
+    return {
+        "model": {"layers": arch.num_hidden_layers, "hidden_size": arch.hidden_size,
+                  "heads": arch.num_attention_heads, "kv_heads": arch.kv_heads,
+                  "head_dim": f["model"]["head_dim"], "intermediate_size": arch.intermediate_size,
+                  "vocab_size": arch.vocab_size, "tied_embeddings": arch.tie_word_embeddings,
+                  "params": f["model"]["params"], "non_embedding_params": f["model"]["non_embedding_params"]},
+        "data": {"train": c.data.train, "val": c.data.val, "tokenizer": c.data.tokenizer,
+                 "train_sequences": (f.get("data") or {}).get("train", {}).get("sequences"),
+                 "seq_len": c.data.seq_len},
+        "schedule": {"batch_size": c.data.batch_size, "gradient_accumulation": c.training.gradient_accumulation,
+                     "world_size": plan.world_size, "epochs": c.training.epochs, "max_steps": c.training.max_steps,
+                     "total_steps": steps.get("total_steps"), "warmup_steps": c.training.warmup_steps,
+                     "lr_scheduler": str(c.training.lr_scheduler), "lr": c.optimizer.lr,
+                     "min_lr": c.optimizer.resolved_min_lr, "total_tokens": steps.get("total_tokens")},
+        "execution": plan.execution,
+    }
+
+
+# ----------------------------------------------------------------------------------- inputs
+
+
+def apply_overrides(loaded: LoadedConfig, overrides: dict | None) -> LoadedConfig:
+    """The config with command-line overrides (``{"max_steps": 10}`` or ``{"training.seed": 1}``)
+    applied to the YAML data and validated again, so an override is checked like a file value."""
+    if not overrides:
+        return loaded
+    from apr.config.loader import validate_data
+
+    raw = copy.deepcopy(loaded.raw)
+    for key, value in overrides.items():
+        dotted = key if "." in key else f"training.{key}"
+        if dotted not in OVERRIDABLE:
+            raise PlanUsageError(f"cannot override {key!r}; overridable: {', '.join(OVERRIDABLE)}")
+        section, name = dotted.split(".", 1)
+        if not isinstance(raw.get(section), dict):
+            raw[section] = {}
+        raw[section][name] = value
+    config = validate_data(raw, loaded.source)
+    return LoadedConfig(config=config, path=loaded.path, raw=raw, source=loaded.source, text=loaded.text)
+
+
+def normalise_overrides(overrides: dict | None) -> dict:
+    return {(k if "." in k else f"training.{k}"): v for k, v in (overrides or {}).items() if v is not None}
+
+
+def resolve_plan_target(config: AprConfig, gpu: str | None, vram: str | int | None) -> Target | None:
+    """The memory/time target: --gpu / --vram, else training.gpu / training.vram. Bad arguments raise
+    PlanUsageError (exit 2); an unknown name in the config is left to contract C-MEM-003."""
+    tr = config.training
+    try:
+        target = resolve_target(gpu, vram, config_gpu=tr.gpu, config_vram=tr.vram)
+        if vram is not None and target is not None and not target.vram_bytes:
+            raise ValueError(f"expected a memory size above zero, got {vram!r}")
+        return target
+    except UnknownGpuError as e:
+        raise PlanUsageError(str(e), [Finding("error", "plan.unknown_gpu", str(e), path="--gpu",
+                                              expected="one of " + ", ".join(known_names()), got=repr(gpu))]) from None
+    except ValueError as e:
+        raise PlanUsageError(f"--vram: {e}", [Finding("error", "plan.bad_vram", str(e), path="--vram",
+                                                      expected="a size such as 24GiB or 80GB",
+                                                      got=repr(vram))]) from None
+
+
+def fingerprint_roots(config: AprConfig) -> list[dict]:
+    """The inputs whose files make up the data fingerprint: train, val and tokenizer."""
+    from apr.plan.datafacts import resolve
+
+    roots = [("train", config.data.train), ("val", config.data.val), ("tokenizer", config.data.tokenizer)]
+    return [{"role": role, "path": text, "resolved": str(resolve(text))} for role, text in roots if text is not None]
+
+
+def data_fingerprint(config: AprConfig) -> dict:
+    """Name, size and mtime of every file of the train and val datasets and the tokenizer.
+
+    ``apply`` recomputes it and refuses a plan file whose fingerprint differs. Stat calls only."""
+    from apr.plan.datafacts import fingerprint_entries
+
+    roots = fingerprint_roots(config)
+    files = []
+    for root in roots:
+        for entry in fingerprint_entries([Path(root["resolved"])]):
+            files.append({"role": root["role"], **entry})
+    digest = hashlib.sha256(json.dumps([[f["path"], f["size"], f["mtime_ns"]] for f in files]).encode()).hexdigest()
+    return {"roots": roots, "files": files, "sha256": digest}
+
+
+# ------------------------------------------------------------------------------------ build
+
+
+def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,
+               world_size: int | None = None, overrides: dict | None = None,
+               contracts_dir: Path | None = None) -> Plan:
+    """Plan a run from ``config_path``.
+
+    ``gpu``/``vram``: the target for the memory budget and time estimate (default: the config's
+    training.gpu / training.vram, else none). ``world_size``: data-parallel processes (default:
+    training.world_size). ``overrides``: apply's command-line overrides (``max_steps``, ``seed``,
+    ``device``). Raises ConfigError when the config does not load, PlanUsageError (exit code 2)
+    for a bad argument, ContractFileError for a malformed contract file.
+    """
+    from apr.plan.facts import all_facts
+
+    config_path = Path(config_path)
+    loaded = apply_overrides(load_config(config_path), normalise_overrides(overrides))
+    config = loaded.config
+    if world_size is None:
+        world_size = config.training.world_size
+    if world_size < 1:
+        raise PlanUsageError(f"--world-size must be at least 1, got {world_size}")
+    target = resolve_plan_target(config, gpu, vram)
+    sheet = all_facts(config, world_size=world_size, target=target)
+    contract_set = load_contracts(contracts_dir)
+    results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
+    findings = sorted((r.finding for r in results if r.finding is not None),
+                      key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
+    return Plan(
+        loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),
+        world_size=world_size, target=target, target_args={"gpu": gpu, "vram": vram},
+        overrides=normalise_overrides(overrides), facts=sheet.facts, memory=sheet.memory,
+        time_estimate=sheet.time_estimate, results=results, findings=findings,
+        data_fingerprint=data_fingerprint(config))

@@ -1,0 +1,186 @@
+"""Plan files: `apr train plan CONFIG -out plan.json` saves one, `apr train apply plan.json` reads it.
+
+A plan file is ``Plan.to_dict()``: besides the findings and facts it holds the resolved config, its
+SHA-256 and the data fingerprint (name, size and mtime of every file of the train and val data and
+the tokenizer). ``check_plan_fresh`` recomputes both and refuses a plan whose config or data
+changed since, saying exactly what changed, like Terraform refusing a stale saved plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from apr.errors import AprError, Finding
+from apr.plan.build import PLAN_FORMAT, PLAN_FORMAT_VERSION, Plan
+
+_REQUIRED = ("config_path", "config_hash", "data_fingerprint")
+_MAX_LISTED = 8
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> dict:
+    """Write ``plan.to_dict()`` to ``path`` atomically (temp file, fsync, rename); return the document."""
+    from apr.fsutil import atomic_write_json
+
+    doc = plan.to_dict()
+    path = Path(path)
+    try:
+        atomic_write_json(path, doc)
+    except OSError as e:
+        raise AprError(f"cannot write the plan file {path}: {e.strerror or e}", [Finding(
+            "error", "plan.unwritable", f"cannot write: {e.strerror or e}", file=str(path),
+            expected="a writable path in an existing folder")]) from None
+    return doc
+
+
+def _plan_error(path: str, code: str, message: str, **kw) -> AprError:
+    return AprError(message, [Finding("error", code, message, file=path, **kw)])
+
+
+def load_plan_file(path: str | os.PathLike) -> dict:
+    """Read a plan file saved by `apr train plan -out`. Raises AprError for a missing, unreadable,
+    malformed or foreign file, or one from an unsupported format version."""
+    path = Path(path)
+    file = str(path)
+    hint = f"make one with `apr train plan CONFIG -out {file}`"
+    if not path.is_file():
+        what = "a directory" if path.is_dir() else "nothing"
+        raise _plan_error(file, "plan.missing", f"plan file not found: {file} ({hint})",
+                          expected="a plan file (JSON)", got=what)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise _plan_error(file, "plan.unreadable", f"cannot read the plan file {file}: {e}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _plan_error(file, "plan.json", f"{file} is not a plan file: invalid JSON ({e.msg}) at line "
+                                             f"{e.lineno}, column {e.colno}", line=e.lineno, column=e.colno,
+                          expected="a JSON object") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+        got = f'"format": {json.dumps(doc.get("format"))}' if isinstance(doc, dict) else type(doc).__name__
+        raise _plan_error(file, "plan.foreign", f'{file} is not an apr plan file (no "format": "{PLAN_FORMAT}"); '
+                                                f"{hint}", expected=f'"format": "{PLAN_FORMAT}"', got=got)
+    if str(doc.get("format_version")) != PLAN_FORMAT_VERSION:
+        raise _plan_error(file, "plan.version", f"{file} has plan format version {doc.get('format_version')!r}; "
+                                                f"this apr reads version {PLAN_FORMAT_VERSION}; {hint}",
+                          expected=PLAN_FORMAT_VERSION, got=str(doc.get("format_version")))
+    missing = [k for k in _REQUIRED if k not in doc]
+    fp = doc.get("data_fingerprint")
+    if not missing and not (isinstance(fp, dict) and isinstance(fp.get("files"), list)):
+        missing.append("data_fingerprint.files")
+    if missing:
+        raise _plan_error(file, "plan.incomplete", f"{file} is an incomplete plan file: missing {', '.join(missing)}; "
+                                                   f"{hint}", expected=", ".join(_REQUIRED))
+    return doc
+
+
+# ---------------------------------------------------------------------------------- freshness
+
+
+def _flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(doc, dict):
+        out: dict[str, Any] = {}
+        for k, v in doc.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: doc}
+
+
+def config_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(key path, old value, new value) for every leaf that differs between two resolved configs."""
+    a, b = _flatten(old), _flatten(new)
+    missing = object()
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing)]
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if not isinstance(value, (str, int, float, bool, list, dict, type(None))) else json.dumps(value)
+
+
+def _when(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+
+
+def data_changes(old_files: list[dict], new_files: list[dict]) -> tuple[list[dict], list[dict], list[tuple]]:
+    """(added, removed, changed) files between two fingerprints; changed holds (old, new) pairs."""
+    old = {f["path"]: f for f in old_files}
+    new = {f["path"]: f for f in new_files}
+    added = [new[p] for p in sorted(set(new) - set(old))]
+    removed = [old[p] for p in sorted(set(old) - set(new))]
+    changed = [(old[p], new[p]) for p in sorted(set(old) & set(new))
+               if (old[p]["size"], old[p]["mtime_ns"]) != (new[p]["size"], new[p]["mtime_ns"])]
+    return added, removed, changed
+
+
+def _short(path: str) -> str:
+    """A data file as the user knows it: relative to the current directory when under it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _listed(items: list[str]) -> str:
+    more = len(items) - _MAX_LISTED
+    return ", ".join(items[:_MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def check_plan_fresh(doc: dict) -> Path:
+    """The config path to apply, after checking that neither the config nor the data changed since
+    the plan was made. Raises AprError listing what changed: the config keys (old -> new), and the
+    data files added, removed or changed (size, mtime). A config that no longer loads raises its
+    ConfigError."""
+    from apr.config import config_hash, load_config
+    from apr.plan.build import apply_overrides, data_fingerprint
+
+    config_path = Path(doc["config_path"])
+    loaded = apply_overrides(load_config(config_path), doc.get("overrides") or None)
+    config = loaded.config
+    findings: list[Finding] = []
+    parts: list[str] = []
+
+    if config_hash(config) != doc["config_hash"]:
+        changes = config_changes(doc.get("config") or {}, config.model_dump(mode="json")) if doc.get("config") else []
+        for key, before, after in changes:
+            line, column = loaded.source.locate(tuple(key.split(".")))
+            findings.append(Finding("error", "plan.stale.config", "changed since the plan was made",
+                                    path=key, file=str(config_path),
+                                    line=line, column=column, expected=_show(before), got=_show(after)))
+        if changes:
+            parts.append(f"the config changed ({_listed([k for k, _, _ in changes])})")
+        else:
+            parts.append("the config changed (its hash differs)")
+            findings.append(Finding("error", "plan.stale.config", "the config's hash differs from the plan's",
+                                    file=str(config_path), expected=doc["config_hash"], got=config_hash(config)))
+
+    fp = data_fingerprint(config)
+    added, removed, changed = data_changes(doc["data_fingerprint"]["files"], fp["files"])
+    for f in added:
+        findings.append(Finding("error", "plan.stale.data", f"added since the plan ({f['size']:,} bytes)",
+                                file=f["path"], path=f"data.{f.get('role', 'train')}"))
+    for f in removed:
+        findings.append(Finding("error", "plan.stale.data", "removed (or moved) since the plan",
+                                file=f["path"], path=f"data.{f.get('role', 'train')}"))
+    for before, after in changed:
+        what = []
+        if before["size"] != after["size"]:
+            what.append(f"size {before['size']:,} -> {after['size']:,} bytes")
+        if before["mtime_ns"] != after["mtime_ns"]:
+            what.append(f"modified {_when(before['mtime_ns'])} -> {_when(after['mtime_ns'])}")
+        findings.append(Finding("error", "plan.stale.data", "changed since the plan: " + ", ".join(what),
+                                file=after["path"], path=f"data.{after.get('role', 'train')}"))
+    if added or removed or changed:
+        counts = [f"{len(x)} {word}" for x, word in ((added, "added"), (removed, "removed"), (changed, "changed"))
+                  if x]
+        names = [_short(f["path"]) for f in added + removed] + [_short(a["path"]) for _, a in changed]
+        parts.append(f"the data changed ({', '.join(counts)}: {_listed(names)})")
+        if doc.get("cwd") and doc["cwd"] != os.getcwd():
+            parts.append(f"note: the plan was made in {doc['cwd']} and relative data paths now resolve from "
+                         f"{os.getcwd()}")
+    if findings:
+        raise AprError(f"the plan is stale: {'; '.join(parts)}. Make a new one with "
+                       f"`apr train plan {config_path} -out PLAN.json`", findings)
+    return config_path

@@ -1,0 +1,273 @@
+"""Render a Plan as Terraform-like text or as the one JSON object (``Plan.to_dict()``).
+
+Text sections, in order: the header (config, hashes), the resolved run (model, data, schedule,
+execution), resources per GPU (the memory table against the target), the time estimate, every
+finding with its contract id and file:line, and the last line ``Plan: N passed, W warnings, E
+errors.`` Presentation only: every number comes from the plan's facts.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Any
+
+from apr.config.numbers import format_bytes, format_count
+from apr.errors import AprError, Finding
+from apr.plan.contracts import format_duration
+
+WIDTH = 100
+_COLOURS = {"error": "31", "warning": "33", "info": "36", "ok": "32", "dim": "2", "bold": "1"}
+
+
+def _c(text: str, what: str, colour: bool) -> str:
+    return f"\x1b[{_COLOURS[what]}m{text}\x1b[0m" if colour else text
+
+
+def _n(value: Any) -> str:
+    if value is None:
+        return "?"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    return f"{value:,}"
+
+
+def _flops(value: float) -> str:
+    return f"{value:.3g} FLOP"
+
+
+def _giga(value: float) -> str:
+    """A count with SI prefixes for FLOPs (G, not B): 2.69G."""
+    return format_count(value).replace("B", "G")
+
+
+def _lr(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def _section(title: str, colour: bool) -> str:
+    return _c(title, "bold", colour)
+
+
+def _item(label: str, lines: list[str]) -> list[str]:
+    out = []
+    for i, line in enumerate(lines):
+        out.append(f"  {(label if i == 0 else ''):<11}{line}")
+    return out
+
+
+# ------------------------------------------------------------------------------------ sections
+
+
+def _model_lines(plan) -> list[str]:
+    arch = plan.config.model.architecture
+    m = plan.facts["model"]
+    head_dim = arch.hidden_size / arch.num_attention_heads
+    hd = f"{head_dim:g}"
+    return [
+        f"LLaMA-style decoder: {arch.num_hidden_layers} layers x hidden {arch.hidden_size:,}, "
+        f"{arch.num_attention_heads} heads ({arch.kv_heads} KV, head_dim {hd}), SwiGLU {arch.intermediate_size:,}, "
+        f"vocab {arch.vocab_size:,}",
+        f"{m['params']:,} parameters ({format_count(m['non_embedding_params'])} non-embedding; "
+        f"tied embeddings: {'yes' if arch.tie_word_embeddings else 'no'}); "
+        f"{_giga(m['flops_per_token'])} FLOP/token (6N + attention)",
+    ]
+
+
+def _dataset_line(name: str, d: dict | None, text: str | None) -> str:
+    if text is None:
+        return f"{name:<10} (not set)"
+    if d is None:
+        return f"{name:<10} {text}"
+    if not d.get("exists"):
+        return f"{name:<10} {text}  (does not exist)"
+    if not d.get("shards"):
+        return f"{name:<10} {text}  (no .parquet shards)"
+    if d.get("unreadable"):
+        return f"{name:<10} {text}  ({d['unreadable']} of {d['shards']} shards unreadable)"
+    parts = [f"{_n(d.get('sequences'))} sequences"]
+    if d.get("row_len") is not None:
+        parts[0] += f" x {_n(d['row_len'])} tokens"
+    elif d.get("row_len_uniform") is False:
+        parts[0] += " (ragged rows)"
+    parts.append(f"{d['shards']} shard{'s' if d['shards'] != 1 else ''}")
+    if d.get("bytes") is not None:
+        parts.append(format_bytes(d["bytes"]))
+    if d.get("has_statistics"):
+        parts.append(f"max token id {_n(d['max_token_id'])}")
+    elif d.get("column_present") and d.get("column_is_int_list"):
+        parts.append("no statistics")
+    return f"{name:<10} {text}  {', '.join(parts)}"
+
+
+def _data_lines(plan) -> list[str]:
+    data = plan.config.data
+    f = plan.facts.get("data") or {}
+    lines = [_dataset_line("train", f.get("train"), data.train),
+             _dataset_line("val", f.get("val"), data.val)]
+    tok = plan.facts.get("tokenizer")
+    if data.tokenizer is None:
+        lines.append(f"{'tokenizer':<10} (not set)")
+    elif tok and tok.get("loaded"):
+        lines.append(f"{'tokenizer':<10} {data.tokenizer}  {tok['vocab_size']:,} tokens "
+                     f"({tok['added_tokens']:,} added)")
+    else:
+        lines.append(f"{'tokenizer':<10} {data.tokenizer}  (cannot load: {(tok or {}).get('error', '?')})")
+    lines.append(f"{'column':<10} {data.input_column}, seq_len {data.seq_len:,} (rows of seq_len + 1 tokens)")
+    return lines
+
+
+def _schedule_lines(plan) -> list[str]:
+    c, f = plan.config, plan.facts
+    tr, sch = c.training, f["schedule"]
+    lines = [f"{_n(sch['sequences_per_step'])} sequences/step = batch_size {c.data.batch_size} x "
+             f"gradient_accumulation {tr.gradient_accumulation} x world_size {plan.world_size} "
+             f"({_n(sch['tokens_per_step'])} tokens)"]
+    steps = f.get("steps")
+    if steps is None:
+        lines.append(f"steps unknown without readable training data (epochs {tr.epochs}, max_steps "
+                     f"{_n(tr.max_steps)})")
+    else:
+        cap = f"max_steps {_n(tr.max_steps)}" if tr.max_steps is not None else "no max_steps"
+        lines.append(f"steps_per_epoch {_n(steps['steps_per_epoch'])} x epochs {tr.epochs} = "
+                     f"{_n(steps['epoch_steps'])}; {cap} -> {_n(steps['total_steps'])} steps "
+                     f"({steps['epochs_run']:.3g} epochs)")
+    total = steps["total_steps"] if steps else tr.max_steps
+    frac = f" ({tr.warmup_steps / total:.1%})" if total else ""
+    sched = str(tr.lr_scheduler)
+    after = (f"then constant at {_lr(c.optimizer.lr)}" if sched == "constant"
+             else f"then {sched} from {_lr(c.optimizer.lr)} to {_lr(c.optimizer.resolved_min_lr)}")
+    lines.append(f"warmup {tr.warmup_steps:,} steps{frac}, {after}")
+    if steps is not None:
+        lines.append(f"{format_count(steps['total_tokens'])} tokens ({steps['tokens_per_param']:.3g} per parameter); "
+                     f"checkpoint every {tr.save_interval:,} steps ({steps['checkpoints']:,} during the run)")
+    return lines
+
+
+def _execution_lines(plan) -> list[str]:
+    e = plan.execution
+    kernels = e["kernels"] if e["kernels"] == e["kernels_resolved"] else f"{e['kernels']} -> {e['kernels_resolved']}"
+    device = e["device"] if e["device"] == e["device_resolved"] else f"{e['device']} -> {e['device_resolved']}"
+    return [f"engine {e['engine']}, precision {e['precision']}, device {device}",
+            f"kernels {kernels}",
+            e["strategy"]]
+
+
+def _memory_lines(plan, colour: bool) -> list[str]:
+    t = plan.target
+    mem = plan.facts["memory"]
+    total = mem["total_bytes"]
+    if t is None:
+        head = "Resources per GPU (no target: pass --gpu NAME or --vram SIZE to compare)"
+    else:
+        what = [t.gpu.label if t.gpu else t.name, format_bytes(t.vram_bytes) if t.vram_bytes else None]
+        head = f"Resources per GPU (target: {', '.join(w for w in what if w)}, from {t.source})"
+    out = [_section(head, colour),
+           f"  {'component':<24}{'size':>12}  {'source':<20}what"]
+    for r in plan.memory:
+        src = f"buffer plan x{r.buffers}" if r.source == "buffer_plan" else r.source
+        out.append(f"  {r.component:<24}{format_bytes(r.bytes):>12}  {src:<20}{r.detail}")
+    tail = f"  {'total':<24}{format_bytes(total):>12}"
+    if mem.get("vram_bytes"):
+        share = mem["usage_fraction"]
+        fits = "fits" if total <= mem["vram_bytes"] else "DOES NOT FIT"
+        tail += f"  {share:.1%} of {format_bytes(mem['vram_bytes'])}: {fits}"
+        tail = _c(tail, "ok" if total <= mem["vram_bytes"] else "error", colour)
+    out.append(tail)
+    if mem.get("max_micro_batch") is not None:
+        mb = mem["max_micro_batch"]
+        out.append(f"  largest micro-batch that fits at seq_len {plan.config.data.seq_len:,}: "
+                   + (f"batch_size {mb:,}" if mb else "none (not even batch_size 1)"))
+    if not mem.get("calibrated"):
+        out.append(_c("  modelled rows use uncalibrated coefficients (apr/plan/memory.py)", "dim", colour))
+    return out
+
+
+def _time_lines(plan, colour: bool) -> list[str]:
+    te = plan.time_estimate
+    if te is None:
+        why = "no catalogue GPU (pass --gpu NAME)" if plan.target is None or plan.target.gpu is None \
+            else "the number of steps is unknown"
+        return [_section("Time (estimate)", colour), f"  not estimated: {why}"]
+    label = plan.target.gpu.label if plan.target and plan.target.gpu else "the target"
+    return [
+        _section("Time (estimate)", colour),
+        f"  {format_count(te['tokens'])} tokens x {_giga(te['flops_per_token'])} FLOP/token = "
+        f"{_flops(te['total_flops'])}; tokens from {te['basis']}",
+        f"  at an assumed {te['assumed_mfu']:.0%} MFU of {te['peak_flops_per_gpu'] / 1e12:,.1f} TFLOP/s "
+        f"({te['precision']} peak of {label}) x {te['gpus']} GPU{'s' if te['gpus'] != 1 else ''}: "
+        f"~{format_duration(te['estimated_seconds'])}",
+    ]
+
+
+def format_plan_finding(f: Finding, colour: bool = False) -> list[str]:
+    """``error[C-TRAINCFG-001] cfg.yaml:38:3 training.max_steps`` then the message, expected and got."""
+    where = f.file or ""
+    if f.line is not None:
+        where += f":{f.line}" + (f":{f.column}" if f.column is not None else "")
+    head = " ".join(p for p in (_c(f"{f.severity}[{f.code}]", f.severity if f.severity in _COLOURS else "dim",
+                                   colour), where, f.path) if p)
+    lines = ["  " + head]
+    lines += textwrap.wrap(f.message, WIDTH - 6, initial_indent="      ", subsequent_indent="      ")
+    if f.expected is not None:
+        lines.append(f"      expected: {f.expected}")
+    if f.got is not None:
+        lines.append(f"      got:      {f.got}")
+    return lines
+
+
+def summary_line(plan) -> str:
+    s = plan.summary()
+    return f"Plan: {s['passed']} passed, {s['warnings']} warnings, {s['errors']} errors."
+
+
+def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
+    s = plan.summary()
+    fp = plan.data_fingerprint
+    out = [
+        _section(f"apr train plan {plan.config_path}", colour),
+        f"  config sha256:{plan.config_hash[:16]}  data fingerprint sha256:{fp['sha256'][:16]} "
+        f"({len(fp['files'])} files)",
+        "",
+        _section("Resolved run", colour),
+        *_item("model", _model_lines(plan)),
+        *_item("data", _data_lines(plan)),
+        *_item("schedule", _schedule_lines(plan)),
+        *_item("execution", _execution_lines(plan)),
+        "",
+        *_memory_lines(plan, colour),
+        "",
+        *_time_lines(plan, colour),
+        "",
+    ]
+    if plan.findings:
+        out.append(_section(f"Findings ({s['errors']} errors, {s['warnings']} warnings, {s['info']} info)", colour))
+        for f in plan.findings:
+            out += format_plan_finding(f, colour)
+        out.append("")
+    skipped = [r for r in plan.results if r.status == "skipped"]
+    if skipped:
+        if verbose:
+            out.append(_section(f"Skipped ({len(skipped)})", colour))
+            out += [f"  {r.contract.id} {r.contract.title}: {r.reason}" for r in skipped]
+        else:
+            out.append(f"{len(skipped)} contracts skipped (their inputs are unknown or they do not apply); "
+                       f"--verbose lists them")
+        out.append("")
+    out.append(summary_line(plan))
+    return "\n".join(out) + "\n"
+
+
+def render_json(plan) -> str:
+    return json.dumps(plan.to_dict(), indent=2, allow_nan=False, default=str) + "\n"
+
+
+def render_error_json(config_path, err: AprError) -> str:
+    """The --json output when no plan could be built (the config does not load, a bad argument)."""
+    from apr.plan.build import PLAN_FORMAT, PLAN_FORMAT_VERSION
+
+    doc = {"format": PLAN_FORMAT, "format_version": PLAN_FORMAT_VERSION, "config_path": str(config_path),
+           "error": err.message, "findings": [f.to_dict() for f in err.findings],
+           "summary": {"passed": 0, "errors": max(1, sum(f.severity == "error" for f in err.findings)),
+                       "warnings": 0}}
+    return json.dumps(doc, indent=2, default=str) + "\n"
