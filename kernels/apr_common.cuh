@@ -1,4 +1,5 @@
-// Helpers shared by apr's kernels. Compiled by NVRTC (through cupy.RawModule) and, in CI, by nvcc.
+// Helpers shared by apr's kernels. Compiled by NVRTC (through cupy.RawModule) and, in CI, by nvcc
+// (and by g++ for the CPU emulation test, with APR_HOST_EMULATION defined).
 // No system or CUDA headers on purpose: NVRTC without a CUDA toolkit (pip-installed CuPy) has none,
 // so 16-bit floats are handled as raw bits and converted here.
 #pragma once
@@ -25,6 +26,10 @@ __device__ __forceinline__ float apr_bf16_bits_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }
 
+#ifdef APR_HOST_EMULATION
+// The CPU emulation in tests/kernels (g++, threads standing in for a block) has no PTX: its prelude
+// defines these two with the host's _Float16, which also rounds to nearest even.
+#else
 __device__ __forceinline__ unsigned short apr_f32_to_f16_bits(float f) {
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -36,6 +41,7 @@ __device__ __forceinline__ float apr_f16_bits_to_f32(unsigned short h) {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
+#endif
 
 // Scalar load/store as float32 for each storage type.
 __device__ __forceinline__ float apr_load(const float* p, long long i) { return p[i]; }

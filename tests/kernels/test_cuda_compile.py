@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from apr.kernels.cupy_backend import KERNEL_FILES, KERNEL_NAMES, NVRTC_OPTIONS, kernel_source, kernels_dir
 
@@ -97,3 +98,26 @@ def test_nvrtc_compiles_the_source_the_backend_loads(name, arch):
         nvrtc.destroyProgram(prog)
     for fn in KERNEL_NAMES[name]:
         assert f".entry {fn}(" in ptx
+
+
+# ------------------------------------------------------------------ the GPU scripts on a CPU machine
+
+REPO = Path(__file__).resolve().parents[2]
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+
+
+@no_cuda
+@pytest.mark.parametrize("script", ["benchmarks/bench_kernels.py", "benchmarks/vram_calibration.py"])
+def test_gpu_benchmarks_skip_cleanly_without_cuda(script):
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / script)], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "no CUDA device: skipped"
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+def test_gpu_check_script_parses():
+    proc = subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu-check.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -483,6 +483,37 @@ def test_engine_cupy_mixed_precision_tracks_torch_kernels(cb, precision):
     assert _worst_rel(w_cupy, w_torch) <= 2e-2
 
 
+# --------------------------------------------------------------------- backend choice without CUDA
+
+
+@pytest.fixture
+def fresh_kernel_choice(monkeypatch):
+    """apr.kernels with nothing tried yet (its CuPy verdict is cached per process)."""
+    import apr.kernels as K
+
+    monkeypatch.setattr(K, "_CACHE", {k: v for k, v in K._CACHE.items() if k != "cupy"})
+    monkeypatch.setattr(K, "_CUPY_FAILURE", [])
+    monkeypatch.setattr(K, "_WARNED", [])
+    return K
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
+def test_without_cuda_cupy_is_a_clear_error_and_auto_falls_back(fresh_kernel_choice):
+    K = fresh_kernel_choice
+    with pytest.raises(AprError, match="cupy"):
+        get_backend("cupy", "cuda")
+    reason = K.cupy_unavailable_reason()
+    assert reason and ("CUDA" in reason or "CuPy" in reason)
+    K._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="auto uses the torch kernels"):
+        assert K.resolve_backend_name("auto", "cuda") == "torch"
+    assert get_backend("auto", "cpu").name == "torch"
+    with pytest.raises(AprError, match="CUDA device"):
+        get_backend("cupy", "cpu")
+    with pytest.raises(AprError, match="unknown kernel backend"):
+        get_backend("triton", "cuda")
+
+
 # --------------------------------------------------------------------------------- CPU twins
 
 
@@ -613,23 +644,25 @@ def test_two_stage_norm_twin_matches_the_reference():
 
 # ------------------------------------------------------------- the real kernels, emulated on the CPU
 #
-# The .cu sources compiled by g++ for the host with a small prelude: every block runs as
-# blockDim.x std::threads (blocks one after another), __syncthreads is a std::barrier, a warp
-# shuffle is an exchange through a slot array between two barriers, __shared__ is static storage.
+# The .cu sources compiled by g++ for the host with a small prelude: the threads of a block are
+# fibers (ucontext) run in turn by one OS thread, blocks one after another; __syncthreads switches
+# to the scheduler, so the whole block meets there; a warp shuffle is an exchange through a slot
+# array between two barriers (stricter than a warp: it also synchronises the block); __shared__
+# is static storage.
 # The backend's own Python code (grids, alignment choices, argument lists) drives them through
 # ``EmulatedBackend``: its arguments are packed the way CuPy packs them (a pointer per tensor,
 # numpy scalars by their size) and checked against each kernel's parameter sizes and kinds, so an
 # argument-order or type slip fails here instead of as garbage on the first GPU run.
 
 EMU_PRELUDE = r"""
-#include <barrier>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <math.h>
-#include <thread>
 #include <type_traits>
+#include <ucontext.h>
 #include <utility>
-#include <vector>
 
 #define APR_HOST_EMULATION 1
 #define __global__
@@ -639,9 +672,17 @@ EMU_PRELUDE = r"""
 #define __shared__ static
 
 struct dim3 { unsigned int x = 1, y = 1, z = 1; };
-thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim, gridDim;
-static std::barrier<>* apr_emu_barrier = nullptr;
+static dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// Each CUDA thread of a block is a fiber (ucontext) run by one OS thread; a barrier switches back to
+// the scheduler, which resumes every fiber in turn: the whole block meets at each barrier.
+static const size_t APR_EMU_STACK = 64 * 1024;
+static ucontext_t apr_emu_sched;
+static ucontext_t apr_emu_ctx[1024];
+static bool apr_emu_done[1024];
+static char* apr_emu_stacks = nullptr;
+static int apr_emu_cur = 0;
+static std::function<void()> apr_emu_body;
 alignas(16) static double apr_emu_slots[1024];
 
 struct alignas(16) float4 { float x, y, z, w; };
@@ -652,20 +693,25 @@ inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); 
 inline unsigned int __float_as_uint(float f) { unsigned int i; std::memcpy(&i, &f, 4); return i; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
-inline void __syncthreads() { apr_emu_barrier->arrive_and_wait(); }
+inline void __syncthreads() { swapcontext(&apr_emu_ctx[apr_emu_cur], &apr_emu_sched); }
 template <class T> inline T __shfl_xor_sync(unsigned int, T v, int off) {
     static_assert(sizeof(T) <= sizeof(double), "slot size");
     T* slots = reinterpret_cast<T*>(apr_emu_slots);
     slots[threadIdx.x] = v;
-    apr_emu_barrier->arrive_and_wait();
+    __syncthreads();
     T r = slots[threadIdx.x ^ (unsigned int)off];
-    apr_emu_barrier->arrive_and_wait();
+    __syncthreads();
     return r;
 }
 inline unsigned short apr_f32_to_f16_bits(float f) {
     _Float16 h = (_Float16)f; unsigned short b; std::memcpy(&b, &h, 2); return b;
 }
 inline float apr_f16_bits_to_f32(unsigned short b) { _Float16 h; std::memcpy(&h, &b, 2); return (float)h; }
+
+static void apr_emu_entry() {
+    apr_emu_body();
+    apr_emu_done[apr_emu_cur] = true;  // returning resumes uc_link: the scheduler
+}
 
 template <class T> constexpr int apr_emu_code() {  // size * 10 + kind: 1 pointer, 2 floating, 3 integer
     return (int)sizeof(T) * 10 + (std::is_pointer_v<T> ? 1 : std::is_floating_point_v<T> ? 2 : 3);
@@ -675,21 +721,31 @@ void apr_emu_call(void (*k)(A...), void** args, std::index_sequence<I...>) {
     k(*static_cast<std::remove_cv_t<A>*>(args[I])...);
 }
 template <class... A> void apr_emu_launch(void (*k)(A...), int grid, int block, void** args) {
+    if (apr_emu_stacks == nullptr) apr_emu_stacks = static_cast<char*>(std::malloc(1024 * APR_EMU_STACK));
     gridDim.x = grid;
     blockDim.x = block;
-    std::barrier<> bar(block);
-    apr_emu_barrier = &bar;
-    std::vector<std::thread> threads;
-    for (int t = 0; t < block; ++t)
-        threads.emplace_back([=, &bar] {
-            threadIdx.x = t;
-            for (int b = 0; b < grid; ++b) {
-                blockIdx.x = b;
-                apr_emu_call(k, args, std::index_sequence_for<A...>{});
-                bar.arrive_and_wait();
+    apr_emu_body = [=] { apr_emu_call(k, args, std::index_sequence_for<A...>{}); };
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = b;
+        for (int t = 0; t < block; ++t) {
+            getcontext(&apr_emu_ctx[t]);
+            apr_emu_ctx[t].uc_stack.ss_sp = apr_emu_stacks + (size_t)t * APR_EMU_STACK;
+            apr_emu_ctx[t].uc_stack.ss_size = APR_EMU_STACK;
+            apr_emu_ctx[t].uc_link = &apr_emu_sched;
+            makecontext(&apr_emu_ctx[t], apr_emu_entry, 0);
+            apr_emu_done[t] = false;
+        }
+        for (bool live = true; live;) {
+            live = false;
+            for (int t = 0; t < block; ++t) {
+                if (apr_emu_done[t]) continue;
+                apr_emu_cur = t;
+                threadIdx.x = t;
+                swapcontext(&apr_emu_sched, &apr_emu_ctx[t]);
+                live = live || !apr_emu_done[t];
             }
-        });
-    for (auto& th : threads) th.join();
+        }
+    }
 }
 template <class... A> int apr_emu_signature(void (*)(A...), int* codes) {
     int i = 0;
@@ -701,7 +757,7 @@ template <class... A> int apr_emu_signature(void (*)(A...), int* codes) {
     extern "C" int sig_##NAME(int* codes) { return apr_emu_signature(&NAME, codes); }
 """
 
-_EMU_FLAGS = ["-std=c++20", "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-pthread"]
+_EMU_FLAGS = ["-std=c++20", "-O2", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
 @pytest.fixture(scope="module")
@@ -721,7 +777,7 @@ def emu_libs(tmp_path_factory):
     probe.write_text(EMU_PRELUDE + "int apr_probe() { return (int)apr_f16_bits_to_f32(0x3c00); }\n")
     proc = subprocess.run([cxx, *_EMU_FLAGS, str(probe), "-o", str(out / "probe.so")], capture_output=True, text=True)
     if proc.returncode != 0:
-        pytest.skip(f"this g++ cannot build the emulation prelude (C++20 <barrier>, _Float16): {proc.stderr[:300]}")
+        pytest.skip(f"this g++ cannot build the emulation prelude (C++20, ucontext, _Float16): {proc.stderr[:300]}")
     libs = {}
     for file in KERNEL_FILES:
         src = out / f"{file}.cpp"
@@ -918,5 +974,8 @@ def test_emulated_kernels_train_the_engine_like_the_reference(emu, engine, preci
         losses = [eng.train_step([b], lr=3e-3).loss.item() for b in data]
         runs.append((losses, {k: v.detach().clone() for k, v in eng.train_state_tensors().items()}))
     (l_emu, w_emu), (l_ref, w_ref) = runs
-    assert l_emu == pytest.approx(l_ref, rel=1e-5)
-    assert max(((w_emu[k] - w_ref[k]).norm() / w_ref[k].norm().clamp_min(1e-30)).item() for k in w_ref) <= 1e-4
+    # fp32: rounding-level differences (measured 6e-6 at worst). fp16: the float32 d_logits are
+    # rounded to fp16, where a last-bit difference is 1e-3 relative (measured 1.1e-3 in the moments).
+    loss_rel, state_rel = (1e-5, 1e-4) if precision == "fp32" else (1e-4, 3e-3)
+    assert l_emu == pytest.approx(l_ref, rel=loss_rel)
+    assert max(((w_emu[k] - w_ref[k]).norm() / w_ref[k].norm().clamp_min(1e-30)).item() for k in w_ref) <= state_rel

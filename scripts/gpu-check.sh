@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# One call for a session on a CUDA machine (docs/cuda.md): what the GPU is, the GPU tests, the
+# kernel microbenchmarks, the VRAM calibration and the end-to-end engine benchmark.
+#
+#   scripts/gpu-check.sh [STAGE ...]     stages: info tests bench vram engine  (default: all five)
+#
+# Installs nothing from the network: it expects torch (a CUDA build), CuPy and apr's pure-Python
+# dependencies to be importable already, and puts this checkout first on PYTHONPATH (set
+# APR_PIP_INSTALL=1 to `pip install -e . --no-deps` instead). Python: $PYTHON, else .venv/bin/python
+# when that one sees CUDA, else python3.
+#
+# Results: every stage's output goes to the terminal and to $OUT/<stage>.log when $OUT is set
+# (else ./gpu-check-out/), with JSON from the benchmarks, JUnit XML from pytest and summary.txt.
+# Each stage runs under `timeout` ($APR_STAGE_TIMEOUT seconds, default 540) so one call per stage
+# fits a 10-minute command limit. Exit status: 0 when every stage that ran passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT_DIR=${OUT:-$REPO/gpu-check-out}
+mkdir -p "$OUT_DIR"
+STAGE_TIMEOUT=${APR_STAGE_TIMEOUT:-540}
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export APR_HOME=${APR_HOME:-$OUT_DIR/apr-home}
+export PYTHONDONTWRITEBYTECODE=1
+
+if [[ -n "${PYTHON:-}" ]]; then
+  PY=$PYTHON
+elif [[ -x .venv/bin/python ]] && .venv/bin/python -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  PY=.venv/bin/python
+else
+  PY=python3
+fi
+
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(info tests bench vram engine)
+SUMMARY=$OUT_DIR/summary.txt
+: >"$SUMMARY"
+FAILED=0
+
+banner() { printf '\n==> %s\n' "$*"; }
+
+run_stage() {  # run_stage NAME COMMAND...: tee to $OUT_DIR/NAME.log, record pass/fail and duration
+  local name=$1; shift
+  banner "$name: $*"
+  local start=$SECONDS rc
+  if declare -F "$1" >/dev/null; then  # a shell function (quick): no timeout
+    "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  else
+    timeout --kill-after=20 "$STAGE_TIMEOUT" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  fi
+  rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - start))
+  if [[ $rc -eq 0 ]]; then
+    echo "$name: ok (${took}s)" | tee -a "$SUMMARY"
+  else
+    [[ $rc -eq 124 ]] && echo "$name: TIMED OUT after ${STAGE_TIMEOUT}s" | tee -a "$SUMMARY" \
+                      || echo "$name: FAILED rc=$rc (${took}s)" | tee -a "$SUMMARY"
+    FAILED=1
+  fi
+}
+
+stage_info() {
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+  else
+    echo "nvidia-smi not found"
+  fi
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  "$PY" - <<'EOF'
+import platform, sys
+print("python", platform.python_version(), sys.executable)
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if not torch.cuda.is_available():
+    sys.exit("torch sees no CUDA device")
+p = torch.cuda.get_device_properties(0)
+print("device", p.name, f"sm {p.major}.{p.minor}", p.multi_processor_count, "SMs", round(p.total_memory / 2**30, 1), "GiB")
+missing = []
+for mod in ("pydantic", "typer", "ruamel.yaml", "pyarrow", "safetensors", "numpy", "cel", "pytest"):
+    try:
+        __import__(mod)
+    except Exception as err:
+        missing.append(f"{mod} ({type(err).__name__})")
+if missing:
+    print("missing Python modules:", ", ".join(missing))
+try:
+    import cupy
+    from cupy.cuda import nvrtc
+    print("cupy", cupy.__version__, "nvrtc", nvrtc.getVersion())
+except Exception as err:
+    print("cupy: not usable:", type(err).__name__, err)
+import apr
+from apr.kernels import cupy_unavailable_reason, get_backend
+reason = cupy_unavailable_reason()
+print("apr", apr.__file__)
+print("CuPy backend:", "ready (kernels compiled)" if reason is None else f"UNAVAILABLE: {reason}")
+print("training.kernels: auto ->", get_backend("auto", "cuda").name)
+sys.exit(1 if reason is not None or missing else 0)
+EOF
+}
+
+if [[ "${APR_PIP_INSTALL:-0}" == 1 ]]; then
+  banner "pip install -e . --no-deps (no network needed)"
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install failed: using PYTHONPATH"
+fi
+
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    info) run_stage info stage_info ;;
+    tests) run_stage tests "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs \
+             --junitxml="$OUT_DIR/pytest-gpu.xml" tests ;;
+    bench) run_stage bench "$PY" benchmarks/bench_kernels.py --json "$OUT_DIR/bench_kernels.json" ;;
+    vram) run_stage vram "$PY" benchmarks/vram_calibration.py --json "$OUT_DIR/vram_calibration.json" ;;
+    engine)
+      if [[ -f benchmarks/bench_engine.py ]]; then
+        run_stage engine "$PY" benchmarks/bench_engine.py --device cuda
+      else
+        echo "engine: skipped (no benchmarks/bench_engine.py)" | tee -a "$SUMMARY"
+      fi ;;
+    *) echo "unknown stage $stage (info tests bench vram engine)" >&2; exit 2 ;;
+  esac
+done
+
+banner "summary (also in $SUMMARY)"
+cat "$SUMMARY"
+exit $FAILED
