@@ -43,6 +43,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {err.message}", err=True)
             print_findings(err.findings)
             raise typer.Exit(1) from None
+        if not result.is_main:  # under torchrun only rank 0 reports
+            raise typer.Exit(result.exit_code)
         lines = [f"run {result.run_id}: {result.status}" + (f" ({result.reason})" if result.reason else ""),
                  f"  steps {result.start_step} -> {result.final_step} of {result.total_steps}"]
         if result.loss is not None:

@@ -60,6 +60,7 @@ class RunResult:
     exit_code: int
     tokens_per_s: float | None = None
     warnings: list[str] = field(default_factory=list)
+    is_main: bool = True  # rank 0 (or a single process): the one that reports
 
 
 def _data_error(message: str, path: str, **kw) -> AprError:
@@ -381,7 +382,7 @@ class Run:
             status=status, reason=reason, run_dir=self.run_dir, run_id=self.run_id, start_step=self.start_step,
             final_step=step, total_steps=self.total_steps, loss=loss_v, val_loss=val_v if val_v is not None else None,
             first_val_loss=self.first_val, last_checkpoint=last_ckpt, exit_code=exit_code, tokens_per_s=rate,
-            warnings=recorder.warnings)
+            warnings=recorder.warnings, is_main=self.is_main)
 
     def _banner(self) -> str:
         from apr.model.spec import param_count
