@@ -23,7 +23,7 @@ def _plan_errors_error(plan, config_path: Path) -> AprError:
 
 def run_apply(target: Path, *, seed: int | None = None, device: str | None = None, max_steps: int | None = None,
               resume: str | None = None, force: bool = False, gpu: str | None = None, vram: str | None = None,
-              apr_home: Path | None = None, echo=None, handle_signals: bool = True):
+              apr_home: Path | None = None, echo=None, progress=None, handle_signals: bool = True):
     """Plan and run; returns ``apr.train.run.RunResult``. Raises AprError for anything a user can fix."""
     from apr.plan.build import build_plan
     from apr.plan.planfile import check_plan_fresh, load_plan_file
@@ -51,7 +51,8 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
 
     from apr.train.run import ApplyOptions, prepare_run
 
-    options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals)
+    options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
+                           progress=progress)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"

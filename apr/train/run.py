@@ -41,6 +41,7 @@ class ApplyOptions:
     force: bool = False  # resume although the config changed in a breaking way
     apr_home: Path | None = None
     echo: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    progress: Callable[[int, int], None] | None = None  # called after every step with (step, total_steps)
     handle_signals: bool = True
 
 
@@ -302,6 +303,7 @@ class Run:
                 if self.start_step == 0 and self.val_loader is not None:
                     val_v = self.evaluate()
                     self.first_val = val_v
+                    self.best_val = val_v  # a later checkpoint is "best" only if it beats the initial weights
                     recorder.log_eval(0, val_v)
                     self.echo(f"step {0:>{len(str(self.total_steps))}}/{self.total_steps}  val loss {val_v:.4f} "
                               f"(ppl {math.exp(min(val_v, 700)):.1f})")
@@ -319,6 +321,8 @@ class Run:
                             last_ckpt = self.save(step, False, recorder)
                         break
                     is_last = step == self.total_steps
+                    if self.options.progress is not None and self.is_main:
+                        self.options.progress(step, self.total_steps)
                     if step % tr.log_interval == 0 or is_last:
                         loss_t = result.loss.detach().clone()
                         loss_v = float((self.dp.average_(loss_t) if self.dp is not None else loss_t).item())
@@ -337,7 +341,10 @@ class Run:
                         w = len(str(self.total_steps))
                         self.echo(f"step {step:>{w}}/{self.total_steps}  loss {loss_v:.4f}  lr {lr:.2e}  "
                                   f"gnorm {gn:.3f}  {_fmt_rate(rate)} tok/s  eta {_fmt_eta(eta)}")
-                        stops = [a for a in recorder.check_alerts(metrics) if a.action == "stop"]
+                        fired = recorder.check_alerts(metrics)
+                        for alert in fired:
+                            self.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
+                        stops = [a for a in fired if a.action == "stop"]
                         if stops:
                             status, reason = "stopped", f"alert: {stops[0].message}"
                     is_best = False

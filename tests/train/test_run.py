@@ -121,3 +121,17 @@ def test_a_stop_alert_ends_the_run_with_a_checkpoint(root):
 def test_too_little_data_for_one_step_is_a_clear_error(root):
     with pytest.raises(AprError, match="fewer than one optimizer step"):
         _run(root, data={"batch_size": 64}, training={"gradient_accumulation": 2})
+
+
+def test_warn_alerts_are_printed_and_the_run_goes_on(root):
+    result, _, lines = _run(root, training={"max_steps": 6}, monitoring={"alerts": [
+        {"condition": "step == 4", "action": "warn", "message": "halfway"}]})
+    assert result.status == "finished" and result.final_step == 6
+    assert any(line.startswith("alert (warn) at step 4") and "halfway" in line for line in lines)
+
+
+def test_best_checkpoint_must_beat_the_initial_weights(root):
+    # lr 0: the loss never changes, so no evaluation is better than step 0's
+    result, run, _ = _run(root, optimizer={"lr": 1e-12, "min_lr": 0.0}, training={"max_steps": 8})
+    assert result.status == "finished" and run.best_val == result.first_val_loss
+    assert not (root / "run" / "checkpoint-best.json").exists()
