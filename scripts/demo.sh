@@ -16,7 +16,7 @@ apr data train-tokenizer --builtin stdlib --vocab-size 2048 --out "$OUT/tokenize
 
 step "2/6 Pretokenize the corpus into Parquet shards (seq_len 128)"
 apr data pretokenize --builtin stdlib --tokenizer "$OUT/tokenizer.json" --seq-len 128 \
-  --val-fraction 0.05 --seed 0 --out "$OUT/data"
+  --val-fraction 0.05 --seed 0 --overwrite --out "$OUT/data"
 
 step "3/6 Validate the config (schema and config-only contracts, no torch import)"
 apr train validate "$CONFIG"

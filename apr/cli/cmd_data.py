@@ -1,13 +1,15 @@
-"""`apr data train-tokenizer` and `apr data pretokenize`."""
+"""`apr data train-tokenizer` and `apr data pretokenize`: parse, call apr.data, render."""
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import typer
 
 
-def _render_error(err) -> None:
+def _fail(err) -> None:
     from apr.cli.render import print_findings
 
     typer.echo(f"error: {err.message}", err=True)
@@ -15,97 +17,164 @@ def _render_error(err) -> None:
     raise typer.Exit(1)
 
 
-def _files(inputs, builtin, glob, max_bytes):
+def _count(value: str, flag: str) -> int:
+    from apr.config.numbers import parse_count
+    from apr.errors import AprError, Finding
+
+    try:
+        return parse_count(value)
+    except ValueError as e:
+        raise AprError(f"{flag}: {e}", [Finding("error", "cli.value", str(e), path=flag)]) from None
+
+
+def _files(inputs: list[Path] | None, builtin: str | None, glob: str | None, builtin_max_bytes: str) -> list[Path]:
     from apr.data.corpus import builtin_corpus_files
     from apr.data.sources import expand_inputs
     from apr.errors import AprError, Finding
 
     if not inputs and not builtin:
-        raise AprError("no input given", [Finding("error", "data.input", "give INPUT paths or --builtin stdlib",
-                                                  expected="at least one input")])
-    files = list(expand_inputs(inputs, glob)) if inputs else []
+        raise AprError("no input given", [Finding("error", "data.input", "give INPUT files or folders, or --builtin "
+                                                  "stdlib", expected="at least one input")])
+    files = expand_inputs(list(inputs), glob) if inputs else []
     if builtin:
-        files += builtin_corpus_files(builtin, max_bytes)
+        files += builtin_corpus_files(builtin, _count(builtin_max_bytes, "--builtin-max-bytes"))
     return files
 
 
-def _source_names(files: list[Path]) -> list[str]:
-    import sysconfig
+def _split_tokens(values: list[str] | None) -> list[str]:
+    return [t.strip() for v in values or [] for t in v.split(",") if t.strip()]
 
-    root = Path(sysconfig.get_paths()["stdlib"])
-    names = []
-    for f in files:
-        try:
-            names.append("stdlib:" + str(f.relative_to(root)))
-        except ValueError:
-            names.append(str(f))
-    return names
+
+class ProgressLine:
+    """A one-line progress report on stderr: redrawn in place on a terminal (after half a second),
+    else printed as a plain line every ``log_every`` seconds once the work has taken that long."""
+
+    def __init__(self, label: str, stream=None, tty: bool | None = None, log_every: float = 10.0):
+        self.label, self.stream = label, stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.log_every = log_every
+        self.t0 = time.monotonic()
+        self.last = float("-inf")  # time of the last line drawn
+        self.drawn = False
+
+    def __call__(self, done: int, total: int, tokens: int) -> None:
+        now = time.monotonic()
+        elapsed = now - self.t0
+        if self.tty:
+            if elapsed < 0.5 or now - self.last < 0.1:
+                return
+        elif elapsed < self.log_every or now - self.last < self.log_every:
+            return
+        self.last = now
+        self._draw(done, total, tokens, elapsed, final=False)
+
+    def _draw(self, done: int, total: int, tokens: int, elapsed: float, final: bool) -> None:
+        frac = min(done / total, 1.0) if total else 0.0
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        eta = (elapsed / frac - elapsed) if 0 < frac < 1 else 0.0
+        text = (f"{self.label} {frac:4.0%} {done / 1e6:.1f}/{total / 1e6:.1f} MB, {tokens / 1e6:.2f}M tokens, "
+                f"{rate / 1e6:.2f}M tokens/s" + ("" if final else f", eta {eta:.0f}s"))
+        if self.tty:
+            bar = "#" * int(frac * 20)
+            self.stream.write(f"\r{self.label} [{bar:<20}] " + text[len(self.label) + 1:] + "\x1b[K")
+            self.drawn = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
 
 
 def register(app: typer.Typer) -> None:
     @app.command("train-tokenizer")
     def train_tokenizer_cmd(
-        inputs: list[Path] = typer.Argument(None, help="Files or folders of text.", show_default=False),
-        vocab_size: str = typer.Option(..., "--vocab-size", help="Vocabulary size incl. special tokens (32K ok)."),
-        out: Path = typer.Option(..., "--out", help="Where to write tokenizer.json."),
-        special_token: list[str] = typer.Option(None, "--special-token", help="Special tokens (default <|endoftext|>)."),
-        builtin: str = typer.Option(None, "--builtin", help="Use a built-in corpus: stdlib."),
-        glob: str = typer.Option("**/*", "--glob", help="File pattern inside folders."),
-        text_key: str = typer.Option("text", "--text-key", help="JSONL key holding the text."),
-        text_column: str = typer.Option("text", "--text-column", help="Parquet column holding the text."),
-        max_bytes: str = typer.Option("8M", "--max-bytes", help="Cap on the built-in corpus size."),
+        inputs: list[Path] = typer.Argument(
+            None, show_default=False,
+            help="Files or folders (.txt, .jsonl, .parquet; folders are searched recursively)."),
+        vocab_size: str = typer.Option(..., "--vocab-size", show_default=False,
+                                       help="Vocabulary size including special tokens (32768, 32_768, 32K)."),
+        out: Path = typer.Option(..., "--out", show_default=False, help="The tokenizer.json to write."),
+        special_tokens: list[str] = typer.Option(
+            None, "--special-tokens", "--special-token", show_default=False,
+            help="Extra special tokens, repeatable or comma-separated; <|endoftext|> is always id 0."),
+        min_frequency: int = typer.Option(2, "--min-frequency", min=1, help="Fewest occurrences of a merged pair."),
+        builtin: str = typer.Option(None, "--builtin", show_default=False,
+                                    help="Add a built-in corpus: stdlib (this Python's standard library)."),
+        builtin_max_bytes: str = typer.Option("4M", "--builtin-max-bytes", help="Size cap of the built-in corpus."),
+        glob: str = typer.Option(None, "--glob", show_default=False,
+                                 help="Files to take in folders, e.g. '**/*.md' (default: .txt .jsonl .parquet)."),
+        text_key: str = typer.Option("text", "--text-key", help="Key of the text in .jsonl objects."),
+        text_column: str = typer.Option("text", "--text-column", help="Column of the text in .parquet files."),
     ) -> None:
-        """Train a byte-level BPE tokenizer (reproducible for the same input)."""
-        from apr.config.numbers import parse_count
+        """Train a byte-level BPE tokenizer; the same input gives a byte-identical file. Exit 0 ok, 1 error."""
         from apr.data.sources import iter_documents
         from apr.data.tokenizer import train_tokenizer
         from apr.errors import AprError
 
+        t0 = time.monotonic()
         try:
-            files = _files(inputs, builtin, glob, parse_count(max_bytes))
-            info = train_tokenizer(iter_documents(files, text_key, text_column), parse_count(vocab_size), out,
-                                   special_token or None)
+            files = _files(inputs, builtin, glob, builtin_max_bytes)
+            info = train_tokenizer(iter_documents(files, text_key, text_column), _count(vocab_size, "--vocab-size"),
+                                   out, _split_tokens(special_tokens), min_frequency,
+                                   show_progress=sys.stderr.isatty())
         except AprError as err:
-            _render_error(err)
-        except ValueError as err:
-            typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(1) from None
-        typer.echo(f"tokenizer: {info['path']} (vocab {info['vocab_size']}, {len(files)} files)")
+            _fail(err)
+        if info["vocab_size"] < info["requested_vocab_size"]:
+            typer.echo(f"warning: the input allows only {info['vocab_size']} tokens, fewer than --vocab-size "
+                       f"{info['requested_vocab_size']}; give more text or a smaller size", err=True)
+        typer.echo(f"wrote {info['path']}: vocab {info['vocab_size']:,} ({', '.join(info['special_tokens'])}), "
+                   f"trained on {info['documents']:,} documents, {info['chars'] / 1e6:.1f}M characters "
+                   f"from {len(files):,} files in {time.monotonic() - t0:.1f} s")
+        typer.echo(f"  sha256 {info['sha256']}")
 
     @app.command("pretokenize")
     def pretokenize_cmd(
-        inputs: list[Path] = typer.Argument(None, help="Files or folders: .txt, .jsonl, .parquet, text files.",
-                                            show_default=False),
-        tokenizer: Path = typer.Option(..., "--tokenizer", help="tokenizer.json"),
-        seq_len: str = typer.Option(..., "--seq-len", help="Tokens per training sequence; rows hold seq_len + 1."),
-        out: Path = typer.Option(..., "--out", help="Output folder (train/, val/, manifest.json)."),
-        val_fraction: float = typer.Option(0.0, "--val-fraction", min=0.0, max=0.9, help="Rows held out for val."),
+        inputs: list[Path] = typer.Argument(
+            None, show_default=False,
+            help="Files or folders (.txt, .jsonl, .parquet; folders are searched recursively)."),
+        tokenizer: Path = typer.Option(..., "--tokenizer", show_default=False, help="A tokenizer.json."),
+        seq_len: str = typer.Option(..., "--seq-len", show_default=False,
+                                    help="Training sequence length; each row holds seq_len + 1 tokens."),
+        out: Path = typer.Option(..., "--out", show_default=False,
+                                 help="Folder to create: train/, val/, manifest.json."),
+        val_fraction: float = typer.Option(0.0, "--val-fraction", help="Share of rows held out in val/ (0 <= F < 1)."),
         shard_rows: int = typer.Option(4096, "--shard-rows", min=1, help="Rows per Parquet shard."),
-        seed: int = typer.Option(0, "--seed", help="Seed of the train/val split."),
-        builtin: str = typer.Option(None, "--builtin", help="Use a built-in corpus: stdlib."),
-        glob: str = typer.Option("**/*", "--glob", help="File pattern inside folders."),
-        text_key: str = typer.Option("text", "--text-key", help="JSONL key holding the text."),
-        text_column: str = typer.Option("text", "--text-column", help="Parquet column holding the text."),
-        input_column: str = typer.Option("input_ids", "--input-column", help="Name of the output token column."),
-        max_bytes: str = typer.Option("8M", "--max-bytes", help="Cap on the built-in corpus size."),
+        seed: int = typer.Option(0, "--seed", min=0, help="Seed of the train/val split."),
+        builtin: str = typer.Option(None, "--builtin", show_default=False,
+                                    help="Add a built-in corpus: stdlib (this Python's standard library)."),
+        builtin_max_bytes: str = typer.Option("4M", "--builtin-max-bytes", help="Size cap of the built-in corpus."),
+        glob: str = typer.Option(None, "--glob", show_default=False,
+                                 help="Files to take in folders, e.g. '**/*.md' (default: .txt .jsonl .parquet)."),
+        text_key: str = typer.Option("text", "--text-key", help="Key of the text in .jsonl objects."),
+        text_column: str = typer.Option("text", "--text-column", help="Column of the text in .parquet files."),
+        eot_token: str = typer.Option(None, "--eot-token", show_default=False,
+                                      help="Token appended after each document (default: <|endoftext|>, </s>, ...)."),
+        input_column: str = typer.Option("input_ids", "--input-column", help="Name of the token column written."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
     ) -> None:
-        """Tokenize documents, pack them into rows of seq_len + 1 tokens and write Parquet shards."""
-        import sys
-
-        from apr.config.numbers import parse_count
+        """Tokenize documents, pack them into rows of seq_len + 1 tokens, write Parquet shards. Exit 0 ok, 1 error."""
         from apr.data.pretokenize import pretokenize
-        from apr.data.sources import iter_documents
         from apr.errors import AprError
 
+        t0 = time.monotonic()
+        progress = ProgressLine("pretokenize")
         try:
-            files = _files(inputs, builtin, glob, parse_count(max_bytes))
-            manifest = pretokenize(iter_documents(files, text_key, text_column), _source_names(files), tokenizer,
-                                   parse_count(seq_len), out, val_fraction, shard_rows, seed, input_column,
-                                   progress=sys.stderr.isatty())
+            files = _files(inputs, builtin, glob, builtin_max_bytes)
+            manifest = pretokenize(files, tokenizer, _count(seq_len, "--seq-len"), out, val_fraction=val_fraction,
+                                   shard_rows=shard_rows, seed=seed, text_key=text_key, text_column=text_column,
+                                   column=input_column, eot_token=eot_token, overwrite=overwrite, progress=progress)
         except AprError as err:
-            _render_error(err)
-        except ValueError as err:
-            typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(1) from None
-        splits = ", ".join(f"{k} {v['rows']} rows" for k, v in manifest["splits"].items())
-        typer.echo(f"wrote {out}: {splits} of {manifest['seq_len'] + 1} tokens ({manifest['tokens_total']} tokens)")
+            progress.close()
+            _fail(err)
+        progress.close()
+        seconds = time.monotonic() - t0
+        splits = manifest["splits"]
+        parts = ", ".join(f"{name} {info['rows']:,} rows in {len(info['shards'])} shard"
+                          + ("" if len(info["shards"]) == 1 else "s") for name, info in splits.items())
+        typer.echo(f"wrote {out}: {parts} of {manifest['row_len']} tokens (seq_len {manifest['seq_len']})")
+        typer.echo(f"  {manifest['tokens_total']:,} tokens from {manifest['documents']:,} documents in "
+                   f"{len(files):,} files, {seconds:.1f} s ({manifest['tokens_total'] / max(seconds, 1e-9) / 1e6:.2f}M "
+                   f"tokens/s); {manifest['tokens_dropped']:,} tokens of the last partial row dropped")

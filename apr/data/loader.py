@@ -1,15 +1,34 @@
 """A resumable, deterministic loader over pretokenized shards.
 
-Shards are memory-mapped (Arrow IPC via pyarrow's memory_map) and viewed as one
-``[num_rows, seq_len + 1]`` uint32 array; nothing is copied into Python lists. Each epoch uses a
-permutation drawn from (seed, epoch). A global micro-batch is ``batch_size * world_size`` rows;
-rank r takes rows [r*batch_size, (r+1)*batch_size) of it, so ranks are disjoint. An epoch holds
-``steps_per_epoch * gradient_accumulation`` micro-batches; the remainder rows are dropped, exactly
-as the plan's step algebra counts.
+**Memory-mapping.** Parquet pages are compressed, so their values cannot be used in place. The
+first time a dataset is opened its shards' token columns are decoded once into one flat
+little-endian uint32 file in a cache folder (``$APR_HOME/cache/tokens``, default
+``~/.apr/cache/tokens``), keyed by the shards' paths, sizes and modification times, and from then
+on that file is memory-mapped: opening is instant, the operating system pages rows in and out,
+and data-parallel ranks on one machine share one copy in the page cache. With
+``cache_dir=False``, or when the cache folder cannot be written, the shards are decoded into
+process memory instead (4 bytes per token).
+
+**Order.** Epoch ``e`` visits the rows in the order of a permutation drawn from
+``numpy.random.default_rng([seed, e])`` (identity when ``shuffle`` is off). A global
+micro-batch is ``batch_size * world_size`` consecutive entries of that order; rank ``r`` takes
+entries ``[r * batch_size, (r + 1) * batch_size)`` of it, so ranks are disjoint and together
+cover every row used. An epoch holds ``steps_per_epoch * gradient_accumulation`` micro-batches,
+``steps_per_epoch = num_rows // (batch_size * gradient_accumulation * world_size)``; the rows
+left over are not used that epoch (a new permutation picks different ones next epoch), exactly as
+the plan's step algebra counts.
+
+**Cursor.** ``(epoch, position)``, position counting micro-batches taken in the epoch, is the
+whole state: the same on every rank. ``state_dict()`` saved with a checkpoint and
+``load_state_dict()`` on a fresh loader continue with exactly the batches an uninterrupted loader
+would have given.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,108 +36,237 @@ import numpy as np
 from apr.data.shards import shard_files
 from apr.errors import AprError, Finding
 
+STATE_VERSION = 1
 
-def _load_rows(path: Path, seq_len: int, column: str) -> np.ndarray:
+
+def default_cache_dir() -> Path:
+    home = os.environ.get("APR_HOME")
+    return (Path(home).expanduser() if home else Path.home() / ".apr") / "cache" / "tokens"
+
+
+def _shard_error(shard: Path, message: str, **kw) -> AprError:
+    return AprError(f"{shard}: {message}", [Finding("error", kw.pop("code", "data.shard"), message,
+                                                    file=str(shard), **kw)])
+
+
+def _check_shard(path: Path, column: str, width: int) -> int:
+    """Rows of one shard, from its footer; AprError when it is not a shard of this seq_len."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    files = shard_files(path)
-    if not files:
-        raise AprError(f"no Parquet shards under {path}", [Finding(
-            "error", "data.missing", "no .parquet files found", file=str(path), expected="pretokenized shards")])
-    arrays = []
-    for f in files:
-        try:
-            table = pq.read_table(f, columns=[column], memory_map=True)
-        except Exception as e:
-            raise AprError(f"cannot read shard {f}", [Finding(
-                "error", "data.shard", str(e).splitlines()[0][:200], file=str(f), path=column)]) from None
-        col = table.column(column).combine_chunks()
-        if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
-            raise AprError(f"{f}: column {column!r} is {col.type}", [Finding(
-                "error", "data.column_type", f"column {column!r} has type {col.type}", file=str(f), path=column,
-                expected="list<uint32>", got=str(col.type))])
-        if len(col) == 0:
+    try:
+        md = pq.read_metadata(path)
+    except Exception as e:
+        raise _shard_error(path, f"not a readable Parquet file: {(str(e).splitlines() or [''])[0][:200]}",
+                           expected="a Parquet shard") from None
+    schema = md.schema.to_arrow_schema()
+    if column not in schema.names:
+        raise _shard_error(path, f"no column {column!r}", code="data.column", path="data.input_column",
+                           expected=f"column {column!r}", got=", ".join(schema.names[:12]))
+    kind = schema.field(column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) \
+            or not pa.types.is_integer(kind.value_type):
+        raise _shard_error(path, f"column {column!r} is {kind}", code="data.column_type", path="data.input_column",
+                           expected="list<uint32>", got=str(kind))
+    if md.num_rows == 0:
+        return 0
+    leaf = next(j for j in range(md.num_columns) if md.schema.column(j).path.split(".")[0] == column)
+    values = sum(md.row_group(r).column(leaf).num_values for r in range(md.num_row_groups))
+    if values != md.num_rows * width:
+        raise _shard_error(path, f"rows are not seq_len + 1 = {width} tokens long", code="data.row_length",
+                           path="data.seq_len", expected=f"{width} tokens per row",
+                           got=f"{values / md.num_rows:g} on average")
+    return md.num_rows
+
+
+def _decode(path: Path, column: str, width: int, rows: int) -> np.ndarray:
+    """The shard's tokens as a ``[rows, width]`` uint32 array in memory."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path, columns=[column], memory_map=True)
+    except Exception as e:
+        raise _shard_error(path, f"cannot read: {(str(e).splitlines() or [''])[0][:200]}") from None
+    values = table.column(column).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    if values.size != rows * width:
+        raise _shard_error(path, f"holds {values.size} tokens, its footer says {rows * width}")
+    return values.astype(np.uint32, copy=False).reshape(rows, width)
+
+
+def _cached(source: Path, shards: list[Path], counts: list[int], column: str, width: int,
+            cache_dir: Path) -> np.ndarray:
+    """All shards' tokens as one ``[rows, width]`` array memory-mapped from the cache (one file, so
+    one mapping however many shards), decoding them into it on first use."""
+    real = os.path.realpath(source)
+    ident = [real, column, width] + [(os.path.realpath(f), f.stat().st_size, f.stat().st_mtime_ns) for f in shards]
+    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:32]
+    data = cache_dir / f"{key}.u32"
+    rows = sum(counts)
+    nbytes = rows * width * 4
+    if not (data.is_file() and data.stat().st_size == nbytes):
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _Lock(cache_dir / f"{key}.lock"):  # ranks on one machine decode the shards once
+            if not (data.is_file() and data.stat().st_size == nbytes):
+                tmp = data.with_name(f".{data.name}.{os.getpid()}.tmp")
+                try:
+                    with open(tmp, "wb") as f:
+                        for shard, n in zip(shards, counts, strict=True):
+                            if n:
+                                _decode(shard, column, width, n).astype("<u4", copy=False).tofile(f)
+                    os.replace(tmp, data)
+                finally:
+                    if tmp.exists():
+                        tmp.unlink()
+                _prune(cache_dir, real, key)
+                (cache_dir / f"{key}.json").write_text(json.dumps(
+                    {"source": real, "column": column, "row_len": width, "rows": rows,
+                     "shards": [str(f) for f in shards]}) + "\n")
+    return np.memmap(data, dtype="<u4", mode="r", shape=(rows, width))
+
+
+def _prune(cache_dir: Path, source: str, keep: str) -> None:
+    """Drop the cache entries of earlier versions of the same dataset."""
+    for meta in cache_dir.glob("*.json"):
+        if meta.stem == keep:
             continue
-        values = col.flatten().to_numpy(zero_copy_only=False)
-        width = seq_len + 1
-        if values.size != len(col) * width:
-            raise AprError(f"{f}: rows are not seq_len + 1 = {width} tokens", [Finding(
-                "error", "data.row_length", "row length does not match data.seq_len + 1", file=str(f),
-                path="data.seq_len", expected=f"{width} tokens per row", got=f"{values.size / len(col):g} on average")])
-        arrays.append(values.astype(np.uint32, copy=False).reshape(len(col), width))
-    if not arrays:
-        raise AprError(f"the shards under {path} hold no rows", [Finding("error", "data.empty", "no rows",
-                                                                            file=str(path))])
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        try:
+            if json.loads(meta.read_text()).get("source") != source:
+                continue
+        except (OSError, ValueError):
+            continue
+        for suffix in (".u32", ".lock", ".json"):
+            try:
+                (cache_dir / f"{meta.stem}{suffix}").unlink()
+            except OSError:
+                pass
+
+
+class _Lock:
+    def __init__(self, path: Path):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: ranks may each decode the shards; the rename keeps the file whole
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+        return False
 
 
 class ShardLoader:
+    """Batches of ``[batch_size, seq_len + 1]`` int64 CPU tensors from a folder of shards (or one shard)."""
+
     def __init__(self, path, *, seq_len: int, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 gradient_accumulation: int = 1, shuffle: bool = True, input_column: str = "input_ids"):
+                 gradient_accumulation: int = 1, shuffle: bool = True, input_column: str = "input_ids",
+                 cache_dir: str | Path | bool | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        if batch_size < 1 or gradient_accumulation < 1 or seq_len < 1:
+            raise ValueError("seq_len, batch_size and gradient_accumulation must be at least 1")
         self.path = Path(path)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.rank, self.world_size, self.gradient_accumulation = rank, world_size, gradient_accumulation
-        self.shuffle = shuffle
-        self._rows = _load_rows(self.path, seq_len, input_column)
-        self.num_rows = int(self._rows.shape[0])
+        self.shuffle, self.input_column = shuffle, input_column
+        self.shards = shard_files(self.path)
+        if not self.shards:
+            raise AprError(f"no Parquet shards under {self.path}", [Finding(
+                "error", "data.missing", "no .parquet files found", file=str(self.path),
+                expected="a folder of pretokenized shards (apr data pretokenize)")])
+        width = seq_len + 1
+        counts = [_check_shard(f, input_column, width) for f in self.shards]
+        if sum(counts) == 0:
+            raise AprError(f"the shards under {self.path} hold no rows", [Finding(
+                "error", "data.empty", "no rows", file=str(self.path), expected="at least one row", got="0")])
+        if cache_dir is None or cache_dir is True:
+            cache_dir = default_cache_dir()
+        self._rows: np.ndarray | None = None
+        if cache_dir is not False:
+            try:
+                self._rows = _cached(self.path, self.shards, counts, input_column, width, Path(cache_dir))
+            except OSError:  # a read-only or full cache folder: fall back to memory
+                pass
+        self.memory_mapped = self._rows is not None
+        if self._rows is None:
+            arrays = [_decode(f, input_column, width, n) for f, n in zip(self.shards, counts, strict=True) if n]
+            self._rows = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        self.num_rows = int(len(self._rows))
         self.steps_per_epoch = self.num_rows // (batch_size * gradient_accumulation * world_size)
         self.micro_batches_per_epoch = self.steps_per_epoch * gradient_accumulation
         self.epoch = 0
-        self.position = 0  # micro-batches consumed in the current epoch
+        self.position = 0  # micro-batches taken in the current epoch, counted globally (same on every rank)
         self._perm: np.ndarray | None = None
+        self._perm_epoch = -1
 
-    def _permutation(self) -> np.ndarray:
-        if self._perm is None:
-            self._perm = (np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
-                          if self.shuffle else np.arange(self.num_rows))
-        return self._perm
+    # ------------------------------------------------------------------------------ rows
 
-    def next_batch(self):
-        """The next ``[batch_size, seq_len + 1]`` int64 tensor of this rank; rolls into the next epoch."""
+    def _gather(self, indices: np.ndarray):
+        """Rows by index as one int64 tensor (a copy: the cache stays read-only)."""
         import torch
 
+        return torch.from_numpy(self._rows[indices].astype(np.int64))
+
+    def _order(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            # numpy seeds must be non-negative; a negative config seed maps to its 64-bit pattern
+            self._perm = (np.random.default_rng([self.seed % 2**64, self.epoch]).permutation(self.num_rows)
+                          if self.shuffle else np.arange(self.num_rows))
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    # ------------------------------------------------------------------------------ API
+
+    def next_batch(self):
+        """This rank's next ``[batch_size, seq_len + 1]`` int64 tensor; rolls into the next epoch."""
         if self.micro_batches_per_epoch == 0:
+            need = self.batch_size * self.gradient_accumulation * self.world_size
             raise AprError(f"{self.path}: {self.num_rows} rows are fewer than one optimizer step needs", [Finding(
                 "error", "data.too_small", "not enough rows for one step", file=str(self.path),
-                expected=f"at least {self.batch_size * self.gradient_accumulation * self.world_size} rows",
+                expected=f"at least {need} rows (batch_size x gradient_accumulation x world_size)",
                 got=str(self.num_rows))])
         if self.position >= self.micro_batches_per_epoch:
             self.epoch += 1
             self.position = 0
-            self._perm = None
-        g = self.batch_size * self.world_size
-        start = self.position * g + self.rank * self.batch_size
-        idx = self._permutation()[start:start + self.batch_size]
+        start = self.position * self.batch_size * self.world_size + self.rank * self.batch_size
+        indices = self._order()[start:start + self.batch_size]
         self.position += 1
-        return torch.from_numpy(self._rows[idx].astype(np.int64))
+        return self._gather(indices)
 
     def iter_sequential(self, max_batches: int | None = None):
-        """Fixed-order batches for validation (this rank's share); does not touch the cursor."""
-        import torch
-
+        """This rank's share of the rows in stored order, whole batches only (for validation); the
+        cursor is not touched, so evaluating never changes the training batches."""
         g = self.batch_size * self.world_size
         n = self.num_rows // g
         if max_batches is not None:
             n = min(n, max_batches)
         for b in range(n):
             start = b * g + self.rank * self.batch_size
-            yield torch.from_numpy(self._rows[start:start + self.batch_size].astype(np.int64))
+            yield self._gather(np.arange(start, start + self.batch_size))
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_rows": self.num_rows,
-                "batch_size": self.batch_size, "world_size": self.world_size,
+        """The cursor plus what it is only valid for; JSON-serialisable."""
+        return {"version": STATE_VERSION, "epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_rows": self.num_rows, "batch_size": self.batch_size, "world_size": self.world_size,
                 "gradient_accumulation": self.gradient_accumulation, "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved cursor; AprError when it was saved for other data or another layout."""
         for key in ("num_rows", "batch_size", "world_size", "gradient_accumulation", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
-                raise AprError(f"data cursor does not match this dataset: {key} was {state[key]}, "
+                raise AprError(f"the saved data cursor does not fit this loader: {key} was {state[key]}, "
                                f"now {getattr(self, key)}", [Finding(
                                    "error", "data.cursor", f"saved {key} differs", path=key,
                                    expected=str(getattr(self, key)), got=str(state[key]))])
+        position = int(state["position"])
+        if not 0 <= position <= self.micro_batches_per_epoch:
+            raise AprError(f"the saved data cursor position {position} is outside the epoch", [Finding(
+                "error", "data.cursor", "position out of range", path="position",
+                expected=f"0..{self.micro_batches_per_epoch}", got=str(position))])
         self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self._perm = None
+        self.position = position

@@ -25,6 +25,6 @@ def make_shards(out: str | Path, n_rows: int, seq_len: int, vocab_size: int, see
     splits = {"train": rows[:n_rows]}
     if val_rows:
         splits["val"] = rows[n_rows:]
-    manifest = {"seq_len": seq_len, "vocab_size": vocab_size, "source": "apr.data.testing.make_shards",
-                "seed": seed}
+    manifest = {"seq_len": seq_len, "row_len": seq_len + 1, "vocab_size": vocab_size, "seed": seed,
+                "sources": [{"path": "apr.data.testing.make_shards"}]}
     return write_dataset(Path(out), splits, manifest, rows_per_shard, column)

@@ -1,0 +1,1 @@
+"""Tests of apr.data and `apr data ...`."""

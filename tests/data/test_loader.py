@@ -1,0 +1,141 @@
+"""apr/data/loader.py: shapes, determinism, exact resume, disjoint ranks, the memory-mapped cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from apr.data.loader import ShardLoader
+from apr.data.shards import write_dataset
+from apr.errors import AprError
+
+SEQ = 7
+
+
+def numbered(path, n_rows: int, shard_rows: int = 10, seq_len: int = SEQ):
+    """Shards whose row i holds i, i+1, ...: a row's first token names it."""
+    rows = (np.arange(n_rows)[:, None] + np.arange(seq_len + 1)[None, :]).astype(np.uint32)
+    write_dataset(path, {"train": rows}, {"seq_len": seq_len}, shard_rows)
+    return path / "train"
+
+
+def first_ids(batch: torch.Tensor) -> list[int]:
+    return batch[:, 0].tolist()
+
+
+def test_batches_are_int64_rows_of_seq_len_plus_one(tmp_path):
+    loader = ShardLoader(numbered(tmp_path / "d", 53), seq_len=SEQ, batch_size=4, seed=1)
+    batch = loader.next_batch()
+    assert batch.dtype == torch.int64 and batch.device.type == "cpu" and tuple(batch.shape) == (4, SEQ + 1)
+    assert torch.equal(batch[:, 1:] - batch[:, :-1], torch.ones(4, SEQ, dtype=torch.int64))  # whole rows
+    assert loader.num_rows == 53 and loader.steps_per_epoch == 13 and loader.memory_mapped
+    assert len(loader.shards) == 6  # rows span shards: indices are global
+
+
+def test_each_epoch_is_a_seeded_permutation(tmp_path):
+    path = numbered(tmp_path / "d", 40)
+    loader = ShardLoader(path, seq_len=SEQ, batch_size=5, seed=3, gradient_accumulation=2)
+    assert loader.steps_per_epoch == 4 and loader.micro_batches_per_epoch == 8
+    epochs = [[i for _ in range(8) for i in first_ids(loader.next_batch())] for _ in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(40)) and epochs[0] != epochs[1]
+    assert loader.epoch == 1
+    again = ShardLoader(path, seq_len=SEQ, batch_size=5, seed=3, gradient_accumulation=2)
+    assert [i for _ in range(8) for i in first_ids(again.next_batch())] == epochs[0]
+    other = ShardLoader(path, seq_len=SEQ, batch_size=5, seed=4, gradient_accumulation=2)
+    assert [i for _ in range(8) for i in first_ids(other.next_batch())] != epochs[0]
+    plain = ShardLoader(path, seq_len=SEQ, batch_size=5, shuffle=False)
+    assert [i for _ in range(8) for i in first_ids(plain.next_batch())] == list(range(40))
+
+
+@pytest.mark.parametrize("stop_after", [0, 3, 8, 11, 16, 23])
+def test_a_restored_cursor_continues_exactly(tmp_path, stop_after):
+    path = numbered(tmp_path / "d", 43)  # 43 rows, 8 per step: 3 rows dropped per epoch
+    kw = dict(seq_len=SEQ, batch_size=4, seed=9, gradient_accumulation=2)
+    straight = ShardLoader(path, **kw)
+    expected = [straight.next_batch() for _ in range(30)]
+    first = ShardLoader(path, **kw)
+    for _ in range(stop_after):
+        first.next_batch()
+    state = first.state_dict()
+    import json
+
+    resumed = ShardLoader(path, **kw)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # it travels as JSON in a checkpoint
+    for want in expected[stop_after:]:
+        assert torch.equal(resumed.next_batch(), want)
+    assert resumed.state_dict() == straight.state_dict()
+
+
+def test_ranks_are_disjoint_and_cover_each_epoch(tmp_path):
+    path = numbered(tmp_path / "d", 50)
+    world = 3
+    loaders = [ShardLoader(path, seq_len=SEQ, batch_size=2, seed=5, rank=r, world_size=world,
+                           gradient_accumulation=2) for r in range(world)]
+    assert {ld.steps_per_epoch for ld in loaders} == {4} and loaders[0].micro_batches_per_epoch == 8
+    for epoch in range(2):
+        taken = [[i for _ in range(8) for i in first_ids(ld.next_batch())] for ld in loaders]
+        flat = [i for rank in taken for i in rank]
+        assert len(flat) == len(set(flat)) == 48  # disjoint; 2 of 50 rows left for this epoch
+        single = ShardLoader(path, seq_len=SEQ, batch_size=2 * world, seed=5, gradient_accumulation=2)
+        single.epoch = epoch
+        assert sorted(flat) == sorted(i for _ in range(8) for i in first_ids(single.next_batch()))
+    # the cursor is the same on every rank, so rank 0's saved state restores all of them
+    assert len({tuple(sorted(ld.state_dict().items())) for ld in loaders}) == 1
+
+
+def test_a_cursor_from_another_layout_is_refused(tmp_path):
+    path = numbered(tmp_path / "d", 40)
+    state = ShardLoader(path, seq_len=SEQ, batch_size=4).state_dict()
+    for change in (dict(batch_size=5), dict(seed=1), dict(world_size=2), dict(gradient_accumulation=2)):
+        loader = ShardLoader(path, seq_len=SEQ, **{"batch_size": 4, **change})
+        with pytest.raises(AprError, match=next(iter(change))):
+            loader.load_state_dict(state)
+    with pytest.raises(AprError, match="num_rows"):
+        ShardLoader(numbered(tmp_path / "e", 41), seq_len=SEQ, batch_size=4).load_state_dict(state)
+
+
+def test_sequential_iteration_leaves_the_cursor_alone(tmp_path):
+    path = numbered(tmp_path / "d", 23)
+    loader = ShardLoader(path, seq_len=SEQ, batch_size=4, seed=2)
+    loader.next_batch()
+    state = loader.state_dict()
+    assert [first_ids(b) for b in loader.iter_sequential()] == [list(range(i, i + 4)) for i in range(0, 20, 4)]
+    assert len(list(loader.iter_sequential(max_batches=2))) == 2
+    r1 = ShardLoader(path, seq_len=SEQ, batch_size=2, rank=1, world_size=2)
+    assert [first_ids(b) for b in r1.iter_sequential()][:2] == [[2, 3], [6, 7]]
+    assert loader.state_dict() == state
+
+
+def test_the_token_cache_is_reused_and_follows_rewritten_shards(tmp_path):
+    cache = tmp_path / "cache"
+    path = numbered(tmp_path / "d", 30, shard_rows=30)
+    first = ShardLoader(path, seq_len=SEQ, batch_size=2, shuffle=False, cache_dir=cache)
+    assert first.memory_mapped and isinstance(first._rows, np.memmap)
+    assert len(list(cache.glob("*.u32"))) == 1
+    assert first_ids(first.next_batch()) == [0, 1]
+    rows = (100 + np.arange(30)[:, None] + np.arange(SEQ + 1)[None, :]).astype(np.uint32)
+    write_dataset(tmp_path / "d", {"train": rows}, {}, 30)  # same path, new content
+    second = ShardLoader(path, seq_len=SEQ, batch_size=2, shuffle=False, cache_dir=cache)
+    assert first_ids(second.next_batch()) == [100, 101]
+    assert len(list(cache.glob("*.u32"))) == 1  # the stale entry was pruned
+    in_memory = ShardLoader(path, seq_len=SEQ, batch_size=2, shuffle=False, cache_dir=False)
+    assert not in_memory.memory_mapped and first_ids(in_memory.next_batch()) == [100, 101]
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    fallback = ShardLoader(path, seq_len=SEQ, batch_size=2, shuffle=False, cache_dir=blocked / "x")
+    assert not fallback.memory_mapped and first_ids(fallback.next_batch()) == [100, 101]
+
+
+def test_shards_of_another_seq_len_or_column_are_refused(tmp_path):
+    path = numbered(tmp_path / "d", 20)
+    with pytest.raises(AprError, match="seq_len \\+ 1 = 9"):
+        ShardLoader(path, seq_len=8, batch_size=2)
+    with pytest.raises(AprError, match="no column 'tokens'"):
+        ShardLoader(path, seq_len=SEQ, batch_size=2, input_column="tokens")
+    with pytest.raises(AprError, match="no Parquet shards"):
+        ShardLoader(tmp_path / "empty", seq_len=SEQ, batch_size=2)
+    small = ShardLoader(path, seq_len=SEQ, batch_size=32)
+    assert small.steps_per_epoch == 0
+    with pytest.raises(AprError, match="fewer than one optimizer step"):
+        small.next_batch()

@@ -1,0 +1,73 @@
+"""apr/data/tokenizer.py: training is reproducible, loading fails cleanly, documents may be cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from apr.data.pretokenize import document_pieces
+from apr.data.tokenizer import EOT, find_eot, load_tokenizer, splits_at_newlines, train_tokenizer
+from apr.errors import AprError
+
+from .conftest import make_docs
+
+
+def test_training_is_byte_identical_and_eot_is_id_0(tmp_path, docs):
+    a = train_tokenizer(docs, 350, tmp_path / "a.json", special_tokens=["<|pad|>", EOT])
+    b = train_tokenizer(iter(docs), 350, tmp_path / "b.json", special_tokens=["<|pad|>", EOT])
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert a["sha256"] == b["sha256"] and a["vocab_size"] == 350
+    assert a["special_tokens"] == [EOT, "<|pad|>"]  # EOT first, duplicates dropped
+    tok = load_tokenizer(tmp_path / "a.json")
+    assert tok.token_to_id(EOT) == 0 and tok.token_to_id("<|pad|>") == 1
+    text = "def main():\n    return 42  # ünïcödé 🙂\n"
+    assert tok.decode(tok.encode(text).ids) == text  # byte level: any text round-trips
+
+
+def test_vocab_too_small_and_empty_input(tmp_path):
+    with pytest.raises(AprError, match="too small"):
+        train_tokenizer(["some text"], 100, tmp_path / "t.json")
+    with pytest.raises(AprError, match="no text"):
+        train_tokenizer(["", ""], 300, tmp_path / "t.json")
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_load_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": "1.0", "model": 3}')
+    for path in (bad, tmp_path / "missing.json", tmp_path):
+        with pytest.raises(AprError) as info:
+            load_tokenizer(path)
+        assert info.value.findings[0].file == str(path)
+
+
+def test_find_eot(tokenizer, tokenizer_path):
+    assert find_eot(tokenizer, tokenizer_path) == (EOT, 0)
+    with pytest.raises(AprError, match="no end-of-text token"):
+        find_eot(tokenizer, tokenizer_path, "</s>")
+
+
+def test_cutting_documents_at_safe_newlines_keeps_the_token_ids(tokenizer):
+    """The pretokenizer encodes long documents in pieces: ids must equal the whole document's."""
+    assert splits_at_newlines(tokenizer)
+    texts = make_docs(6, seed=3, words=400) + [
+        "a\nb\n\nc \nd\n e\r\nf\n\tg\nh'\n's x\n1\n2\nü\n東京\n🙂\n\u00a0x\n\x1cy\nz",
+        "word\n" * 300, "  lead\nx  \n  y\n" * 50,
+    ]
+    for text in texts:
+        pieces = document_pieces(text, piece_chars=7)
+        assert "".join(pieces) == text
+        cut = [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False).ids]
+        assert cut == tokenizer.encode(text, add_special_tokens=False).ids
+    assert len(document_pieces(texts[0], piece_chars=7)) > 20
+
+
+def test_tokenizers_that_may_not_be_cut(tmp_path):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert not splits_at_newlines(tok)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFKC()
+    assert not splits_at_newlines(tok)
