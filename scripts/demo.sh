@@ -29,13 +29,14 @@ apr train apply "$OUT/plan.json"
 
 step "6/6 What the run recorded"
 apr runs ls --global
-apr monitor --json "$OUT/run" | python3 -c '
+apr monitor --json "$OUT/run" > "$OUT/state.json"
+python3 - "$OUT/state.json" <<'PY'
 import json, sys
-s = json.load(sys.stdin)
+s = json.load(open(sys.argv[1]))["state"]
 hist = s.get("val_loss_history") or []
-first = hist[0][1] if hist else None
-print(f"run {s[\"run_id\"]}: status {s[\"status\"]}, step {s[\"step\"]}/{s[\"total_steps\"]}, "
-      f"train loss {s[\"loss\"]:.3f}, val loss {first if first is None else round(first, 3)} -> {s[\"val_loss\"]:.3f}")
-'
+first = hist[0][1] if hist else float("nan")
+print(f"run {s['run_id']}: status {s['status']}, step {s['step']}/{s['total_steps']}, "
+      f"train loss {s['loss']:.3f}, val loss {first:.3f} -> {s['val_loss']:.3f}")
+PY
 echo
 echo "Checkpoints and records are in $OUT/run/. Watch a run live with: apr monitor $OUT/run"
