@@ -25,10 +25,27 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def make_ordinary(fd_or_path: int | str | os.PathLike, directory: bool = False) -> None:
+    """Give a temp file (0600) or temp folder (0700) the mode an ordinary ``open``/``mkdir`` would:
+    0666 / 0777 less the umask, so results are as readable as any other file the user writes."""
+    mode = (0o777 if directory else 0o666) & ~current_umask()
+    if isinstance(fd_or_path, int):
+        os.fchmod(fd_or_path, mode)
+    else:
+        os.chmod(fd_or_path, mode)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        make_ordinary(fd)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if fsync:

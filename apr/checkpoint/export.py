@@ -23,7 +23,7 @@ from pathlib import Path
 from apr.checkpoint import files
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
 from apr.errors import AprError, Finding
-from apr.fsutil import fsync_dir
+from apr.fsutil import fsync_dir, make_ordinary
 
 # Special tokens recognised by name, most specific first. A tokenizer made by `apr data
 # train-tokenizer` carries "<|endoftext|>"; the others cover tokenizers from elsewhere.
@@ -186,6 +186,14 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                               info.json_path, "not_apr") from None
     arch = config.model.architecture
 
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        if overwrite and not _is_previous_export(out):
+            raise AprError(
+                f"{out} is not an earlier export (no config.json + model.safetensors); --overwrite only "
+                "replaces a folder apr export wrote, never anything else", [Finding(
+                    "error", "export.out_not_export", "refusing to replace a folder apr did not write",
+                    file=str(out), expected="an empty or missing folder, or an earlier export",
+                    got=", ".join(sorted(p.name for p in out.iterdir())[:5]) if out.is_dir() else "a file")])
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise AprError(f"{out} already exists and is not empty; pass --overwrite to replace it",
                        [Finding("error", "export.out_exists", "output folder not empty", file=str(out))])
@@ -199,6 +207,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
+        make_ordinary(tmp, directory=True)
         weights = {k: v for k, v in state.tensors.items() if not k.startswith("optimizer.")}
         files.write_safetensors(tmp / "model.safetensors", weights, metadata={
             "format": "pt",  # transformers refuses safetensors without it
@@ -237,3 +246,11 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
 
 def _write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+
+
+def _is_previous_export(out: Path) -> bool:
+    """A folder ``apr export`` wrote: config.json and model.safetensors, and nothing but files."""
+    if not out.is_dir():
+        return False
+    names = {p.name for p in out.iterdir()}
+    return {"config.json", "model.safetensors"} <= names and all(p.is_file() for p in out.iterdir())

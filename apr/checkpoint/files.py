@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from apr.fsutil import fsync_dir
+from apr.fsutil import fsync_dir, make_ordinary
 
 STEP_PREFIX = "checkpoint-step-"
 BEST_STEM = "checkpoint-best"
@@ -79,6 +79,7 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any],
     digest = hashlib.sha256()
     size = 0
     try:
+        make_ordinary(fd)
         with os.fdopen(fd, "wb") as f:
             for part in (prefix, head):
                 f.write(part)

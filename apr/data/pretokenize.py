@@ -187,7 +187,8 @@ def pretokenize(inputs: list[str | Path], tokenizer_path: str | Path, seq_len: i
     files = expand_inputs(inputs, glob)
     tokenizer_path = Path(tokenizer_path)
     _check_options(seq_len, val_fraction)
-    check_destination(Path(out), overwrite)  # before any work: fail fast on an existing --out
+    # before any work: fail fast on an existing --out, or one that would swallow an input
+    check_destination(Path(out), overwrite, [Path(p) for p in inputs if isinstance(p, str | Path)] + [tokenizer_path])
     tok = load_tokenizer(tokenizer_path)
     eot, eot_id = find_eot(tok, tokenizer_path, eot_token)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)

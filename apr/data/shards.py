@@ -52,12 +52,27 @@ def _umask() -> int:
     return mask
 
 
-def check_destination(out: Path, overwrite: bool) -> None:
-    """Refuse an existing output unless ``overwrite``."""
-    if (out.exists() or out.is_symlink()) and not overwrite:
+def check_destination(out: Path, overwrite: bool, inputs: list[Path] | tuple[Path, ...] = ()) -> None:
+    """Refuse an existing output unless ``overwrite``, and even then unless it is an earlier output
+    (a folder with ``manifest.json``); refuse an output that is, or holds, one of the ``inputs``."""
+    target = Path(os.path.abspath(out))
+    for src in inputs:
+        src = Path(os.path.abspath(src))
+        if src == target or src.is_relative_to(target):
+            raise AprError(f"--out {out} would replace the input {src}", [Finding(
+                "error", "data.output", "the output folder is, or contains, an input", file=str(out),
+                expected="an --out outside every input", got=str(src))])
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
         raise AprError(f"output {out} already exists", [Finding(
             "error", "data.output", "already exists; choose another --out or pass --overwrite",
             file=str(out), expected="a path that does not exist yet")])
+    if out.is_symlink() or not out.is_dir() or not (out / MANIFEST).is_file():
+        raise AprError(f"{out} is not an earlier pretokenize output (no {MANIFEST}); --overwrite only replaces "
+                       "a folder apr wrote", [Finding(
+                           "error", "data.output", "refusing to replace something apr did not write",
+                           file=str(out), expected=f"a folder holding {MANIFEST}", got="something else")])
 
 
 class DatasetWriter:

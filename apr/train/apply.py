@@ -51,8 +51,11 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
 
     from apr.train.run import ApplyOptions, prepare_run
 
+    if force and resume is None:
+        raise AprError("--force only applies to a resume (--resume latest|PATH)", [Finding(
+            "error", "apply.usage", "--force without --resume", expected="--resume with --force", got="--force")])
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
-                           progress=progress)
+                           progress=progress, overrides=overrides)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"

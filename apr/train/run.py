@@ -43,6 +43,7 @@ class ApplyOptions:
     echo: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
     progress: Callable[[int, int], None] | None = None  # called after every step with (step, total_steps)
     handle_signals: bool = True
+    overrides: dict = field(default_factory=dict)  # --seed/--device/--max-steps given (recorded in checkpoints)
 
 
 @dataclass
@@ -68,6 +69,14 @@ def _data_error(message: str, path: str, **kw) -> AprError:
     return AprError(message, [Finding("error", "apply.data", message, path=path, **kw)])
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: stop at once, mid-step, without a checkpoint."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 class _Signals:
     """First SIGINT/SIGTERM: ask the loop to stop after this step. Second: exit at once."""
 
@@ -85,7 +94,7 @@ class _Signals:
 
     def _handle(self, signum, _frame) -> None:
         if self.received is not None:
-            os._exit(SIGNAL_EXIT.get(signum, 128 + signum))
+            raise Interrupted(signum)  # unwinds the step at once; the loop records it and exits
         self.received = signum
         self._echo(f"{signal.Signals(signum).name}: finishing this step and writing a checkpoint "
                    "(send it again to exit at once)")
@@ -197,14 +206,27 @@ class Run:
 
         state, json_path = self.ckpt.load(which)
         info = state.info
+        meta = state.meta
         diff = compare_configs(info.config, self.config)
-        diff.check(force=self.options.force, file=str(self.config_path))
+        try:
+            diff.check(force=self.options.force, file=str(self.config_path))
+        except AprError as err:
+            saved = meta.get("cli_overrides") or {}
+            if saved and saved != self.options.overrides:
+                flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in saved.items())
+                raise AprError(err.message + f"\n(the checkpoint's run was started with {flags}; pass them again "
+                               "to resume it)", err.findings) from None
+            raise
         for change in diff.changes:
             self.echo(f"resume: {'FORCED ' if change.breaking else ''}{change.line()}")
-        meta = state.meta
         self.engine.load_train_state_tensors(state.tensors)
         self.engine.load_meta_state(meta["engine"])
-        self.loader.load_state_dict(meta["data"])
+        try:
+            self.loader.load_state_dict(meta["data"])
+        except AprError:
+            if not self.options.force:
+                raise
+            self._remap_cursor(meta["data"])
         for note in restore_rng(meta["rng"]):
             self._warn(note)
         self.start_step = int(state.step)
@@ -213,6 +235,21 @@ class Run:
         self.run_id = meta.get("run_id")
         self.resumed_from = json_path
         self.echo(f"resumed from {json_path} (step {self.start_step}, epoch {self.loader.epoch})")
+
+    def _remap_cursor(self, saved: dict) -> None:
+        """A forced resume whose data layout changed (rows, batch, accumulation, ranks, seed or shuffle):
+        keep the saved epoch and the fraction of it already read, at the new layout. Not exact."""
+        ga = int(saved.get("gradient_accumulation", 1))
+        per_step = int(saved.get("batch_size", 1)) * ga * int(saved.get("world_size", 1))
+        old_micro_batches = int(saved.get("num_rows", 0)) // max(per_step, 1) * ga
+        done = int(saved.get("position", 0)) / max(old_micro_batches, 1)
+        accum = self.config.training.gradient_accumulation
+        position = min(int(done * self.loader.micro_batches_per_epoch) // accum * accum,
+                       self.loader.micro_batches_per_epoch)
+        self.loader.load_state_dict({"epoch": int(saved.get("epoch", 0)), "position": position})
+        self._warn(f"the data layout changed since the checkpoint; the data cursor was re-mapped to epoch "
+                   f"{self.loader.epoch}, micro-batch {position} of {self.loader.micro_batches_per_epoch} "
+                   "(the run is no longer exactly reproducible)")
 
     def _write_run_files(self) -> None:
         import io
@@ -254,7 +291,8 @@ class Run:
         from apr.checkpoint.rng import capture_rng
 
         return {
-            "run_id": self.run_id, "epoch": self.loader.epoch, "data": self.loader.state_dict(),
+            "run_id": self.run_id, "cli_overrides": self.options.overrides, "epoch": self.loader.epoch,
+            "data": self.loader.state_dict(),
             "rng": capture_rng(), "engine": self.engine.meta_state(),
             "schedule": {"step": step, "total_steps": self.total_steps, "lr_next": self.schedule(step + 1)
                          if step < self.total_steps else None},
@@ -323,7 +361,7 @@ class Run:
                     is_last = step == self.total_steps
                     if self.options.progress is not None and self.is_main:
                         self.options.progress(step, self.total_steps)
-                    if step % tr.log_interval == 0 or is_last:
+                    if step % tr.log_interval == 0 or is_last or signals.received is not None:
                         loss_t = result.loss.detach().clone()
                         loss_v = float((self.dp.average_(loss_t) if self.dp is not None else loss_t).item())
                         gn = float(result.grad_norm.item())
@@ -375,6 +413,18 @@ class Run:
                         name = signal.Signals(signals.received).name
                         status, reason = "stopped", f"{name} at step {step}; resume with --resume latest"
                         break
+        except Interrupted as err:
+            name = signal.Signals(err.signum).name
+            reason = f"second {name} during step {step}: stopped at once; resume from the last checkpoint"
+            recorder.finish("stopped", reason)
+            self.echo(reason)
+            if self.dp is not None:
+                self.dp.close()
+            return RunResult(status="stopped", reason=reason, run_dir=self.run_dir, run_id=self.run_id,
+                             start_step=self.start_step, final_step=step - 1, total_steps=self.total_steps,
+                             loss=loss_v, val_loss=val_v, first_val_loss=self.first_val, last_checkpoint=last_ckpt,
+                             exit_code=SIGNAL_EXIT.get(err.signum, 130), warnings=recorder.warnings,
+                             is_main=self.is_main)
         except BaseException as err:  # a crash: record it, then let it propagate
             recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
             raise
@@ -397,11 +447,12 @@ class Run:
         c, tr = self.config, self.config.training
         params = param_count(c.model.architecture)
         what = f"resuming at step {self.start_step + 1}" if self.resumed_from else "starting"
+        epochs = self.total_steps / self.loader.steps_per_epoch
         return (f"apply: {what}; run {self.run_id} -> {self.run_dir}\n"
-                f"  model {params / 1e6:.2f}M params, {tr.engine} engine ({self.engine.strategy.describe()}), "
+                f"  model {params / 1e6:.2f}M params; {self.engine.strategy.describe()}; "
                 f"kernels {self.engine.backend.name}, {tr.mixed_precision} on {self.device}\n"
-                f"  {self.total_steps} steps x {self.tokens_per_step:,} tokens; {self.loader.steps_per_epoch} "
-                f"steps per epoch ({self.loader.num_rows:,} sequences), {tr.epochs} epoch(s)")
+                f"  {self.total_steps:,} steps x {self.tokens_per_step:,} tokens = {epochs:.3g} epochs of "
+                f"{self.loader.steps_per_epoch:,} steps ({self.loader.num_rows:,} sequences)")
 
 
 class _NullRecorder:

@@ -167,9 +167,18 @@ def test_export_refusals(tmp_path, tokenizer_file):
     (out / "keep.txt").write_text("x")
     with pytest.raises(AprError, match="--overwrite"):
         export_hf(ckpt, out)
-    assert (out / "keep.txt").exists()
-    export_hf(ckpt, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    with pytest.raises(AprError, match="not an earlier export"):  # --overwrite never deletes foreign files
+        export_hf(ckpt, out, overwrite=True)
+    assert (out / "keep.txt").read_text() == "x"
+    out = tmp_path / "hf2"
+    export_hf(ckpt, out)
+    (out / "config.json").write_text("{}")
+    export_hf(ckpt, out, overwrite=True)  # an earlier export is replaced
+    assert json.loads((out / "config.json").read_text()) and (out / "model.safetensors").exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # as readable as any file
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
     with pytest.raises(AprError, match="not found"):
         export_hf(ckpt, tmp_path / "b", tokenizer=tmp_path / "nope.json")
     small_vocab = tmp_path / "t.json"
@@ -180,7 +189,7 @@ def test_export_refusals(tmp_path, tokenizer_file):
     weights_file.write_bytes(weights_file.read_bytes()[:-4])
     with pytest.raises(CheckpointError, match="truncated"):
         export_hf(ckpt, tmp_path / "d")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run", "t.json"]  # no temp folders left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "hf2", "run", "t.json"]  # no temp folders left
 
 
 def test_run_directory_exports_its_latest_good_checkpoint_with_a_relative_tokenizer(

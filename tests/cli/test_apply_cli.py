@@ -62,6 +62,13 @@ def test_max_steps_beyond_the_data_is_caught_by_the_plan(root):
     assert proc.returncode == 1 and "C-TRAINCFG-001" in proc.stderr and "24" in proc.stderr
 
 
+def test_force_without_resume_is_refused(root):
+    cfg = write_config(root, training={"max_steps": 2})
+    proc = apr("train", "apply", str(cfg), "--force", cwd=root)
+    assert proc.returncode == 1 and "--force only applies to a resume" in proc.stderr
+    assert not (root / "run").exists()
+
+
 def test_usage_errors_exit_2(root):
     assert apr("train", "apply", cwd=root).returncode == 2
     assert apr("train", "apply", "x.yaml", "--device", "tpu", cwd=root).returncode == 2

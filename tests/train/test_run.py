@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 
@@ -135,3 +136,44 @@ def test_best_checkpoint_must_beat_the_initial_weights(root):
     result, run, _ = _run(root, optimizer={"lr": 1e-12, "min_lr": 0.0}, training={"max_steps": 8})
     assert result.status == "finished" and run.best_val == result.first_val_loss
     assert not (root / "run" / "checkpoint-best.json").exists()
+
+
+def test_a_second_signal_stops_at_once_and_records_it(root):
+    lines: list[str] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        if line.startswith("step  3/12  loss"):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # raises in this frame: the loop unwinds at once
+
+    result, _, _ = _run(root, echo=echo, training={"log_interval": 1})
+    assert result.status == "stopped" and result.exit_code == 130 and "second SIGINT" in result.reason
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert state["status"] == "stopped" and "second SIGINT" in state["status_reason"]
+    assert not (root / "run" / "checkpoint-step-3.json").exists()  # no checkpoint: it stopped at once
+
+
+def test_the_state_file_shows_the_step_a_signal_stopped_at(root):
+    result, _, _ = _run(root, echo=signal_at("step  4/12  loss", signal.SIGTERM), training={"log_interval": 4})
+    assert result.final_step == 4
+    # the signal arrives during logging at step 4: the state, the checkpoint and the summary agree
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert state["step"] == 4 and state["last_checkpoint"]["step"] == 4
+
+
+def test_forced_resume_with_another_batch_size_remaps_the_data_cursor(root):
+    _run(root, training={"max_steps": 6, "eval_interval": 0})  # 24 micro-batches per epoch, stopped at 6
+    result, run, lines = _run(root, resume="latest", force=True, data={"batch_size": 8},
+                              training={"max_steps": 9, "eval_interval": 0})
+    assert run.start_step == 6 and result.final_step == 9 and result.status == "finished"
+    assert any("re-mapped" in line for line in lines)
+    assert run.loader.epoch == 0 and run.loader.position == 3 + 3  # 6/24 of an epoch = 3 of 12, then 3 steps
+
+
+def test_a_refused_resume_names_the_overrides_the_run_was_started_with(root):
+    cfg = AprConfig.model_validate(config_doc(root, training={"max_steps": 4, "seed": 5}))
+    opts = ApplyOptions(echo=lambda line: None, overrides={"seed": 5})
+    prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts).execute()
+    with pytest.raises(AprError, match="started with --seed 5"):
+        _run(root, resume="latest", training={"max_steps": 8})
