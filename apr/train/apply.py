@@ -28,6 +28,9 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     from apr.plan.build import build_plan
     from apr.plan.planfile import check_plan_fresh, load_plan_file
 
+    if force and resume is None:
+        raise AprError("--force only applies to a resume (--resume latest|PATH)", [Finding(
+            "error", "apply.usage", "--force without --resume", expected="--resume with --force", got="--force")])
     target = Path(target)
     plan_doc = None
     if target.suffix == ".json":
@@ -51,9 +54,6 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
 
     from apr.train.run import ApplyOptions, prepare_run
 
-    if force and resume is None:
-        raise AprError("--force only applies to a resume (--resume latest|PATH)", [Finding(
-            "error", "apply.usage", "--force without --resume", expected="--resume with --force", got="--force")])
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
                            progress=progress, overrides=overrides)
     if echo is not None:
