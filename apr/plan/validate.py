@@ -26,4 +26,22 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
+    findings += alert_config_findings(loaded)
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
+
+
+def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
+    """`monitoring.alerts` conditions that apply would reject (CEL syntax, unknown metric, not a
+    boolean), located at their line: caught by validate and plan instead of at the start of a run."""
+    from dataclasses import replace
+
+    from apr.track.alerts import alert_findings
+
+    out = []
+    for f in alert_findings(list(loaded.config.monitoring.alerts), file=str(loaded.path)):
+        index = int(f.path.split("[", 1)[1].split("]", 1)[0]) if "[" in f.path else None
+        line = column = None
+        if index is not None:
+            line, column = loaded.source.locate(("monitoring", "alerts", index, "condition"))
+        out.append(replace(f, line=line, column=column))
+    return out
