@@ -204,7 +204,20 @@ class Run:
         from apr.checkpoint.compat import compare_configs
         from apr.checkpoint.rng import restore_rng
 
-        state, json_path = self.ckpt.load(which)
+        from apr.checkpoint.manager import CheckpointError, read_info
+
+        try:
+            state, json_path = self.ckpt.load(which)
+        except CheckpointError as err:
+            if err.reason != "model_mismatch" or err.path is None:
+                raise
+            # another model: show what changed in the config rather than tensor by tensor
+            diff = compare_configs(read_info(err.path).config, self.config)
+            if diff.breaking:
+                raise AprError(f"{err.path} is a checkpoint of another model: the config changed in a way a "
+                               "resume cannot take, even with --force\n" + diff.render(),
+                               [f for f in diff.findings(str(self.config_path)) if f.severity == "error"]) from None
+            raise
         info = state.info
         meta = state.meta
         diff = compare_configs(info.config, self.config)

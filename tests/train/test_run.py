@@ -177,3 +177,12 @@ def test_a_refused_resume_names_the_overrides_the_run_was_started_with(root):
     prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts).execute()
     with pytest.raises(AprError, match="started with --seed 5"):
         _run(root, resume="latest", training={"max_steps": 8})
+
+
+def test_resuming_with_another_model_shows_the_config_diff(root):
+    _run(root, training={"max_steps": 2})
+    with pytest.raises(AprError, match="another model") as err:
+        _run(root, resume="latest", force=True, training={"max_steps": 4},
+             model={"architecture": {"hidden_size": 64}})
+    assert "hidden_size: 32 -> 64" in str(err.value)
+    assert any(f.path == "model.architecture.hidden_size" for f in err.value.findings)
