@@ -32,7 +32,7 @@ def _colour() -> bool:
 def register(app: typer.Typer) -> None:
     @app.command("view")
     def view(
-        db: Path = typer.Option(..., "--db", help="experiments.db, or a run folder holding .apr/experiments.db."),
+        db: Path = typer.Option(..., "--db", help="experiments.db, a run folder (.apr/experiments.db) or an APR_HOME."),
         runs: str | None = typer.Option(None, "--runs", help="Comma-separated run ids (or unique prefixes)."),
         metric: str = typer.Option("loss", "--metric", help="Metric to plot: loss, val_loss, lr, grad_norm, ..."),
         params: bool = typer.Option(False, "--params", help="Also print the hyperparameters that differ."),
@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("export")
     def export(
-        db: Path = typer.Option(..., "--db", help="experiments.db, or a run folder holding .apr/experiments.db."),
+        db: Path = typer.Option(..., "--db", help="experiments.db, a run folder (.apr/experiments.db) or an APR_HOME."),
         run: str = typer.Option(..., "--run", help="Run id (or a unique prefix)."),
         fmt: ExportFormat = typer.Option(..., "--format", help="parquet or csv."),
         output: Path = typer.Option(..., "--output", help="File to write (replaced atomically)."),

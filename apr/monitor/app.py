@@ -8,6 +8,7 @@ recorded state, so snapshots of a fixture are identical on every machine and eve
 
 from __future__ import annotations
 
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.screen import ModalScreen, Screen
 from textual.widget import Widget
@@ -107,7 +109,7 @@ class HeaderBar(Panel):
         label, style = status_label(view.status)
         if view.paused:
             label = "[paused] " + label
-        title = view.title[: max(0, width - len(label) - 1)]
+        title = view.fit_title(max(0, width - len(label) - 1))
         line1 = Text(title, style="bold")
         line1.append(" " * max(1, width - len(title) - len(label)))
         line1.append(label, style=_style(style))
@@ -193,13 +195,23 @@ class SparkPanel(Panel):
 
 
 class MessagesPanel(Panel):
+    """Messages, most important first, each wrapped to the panel's width; "…" ends the last line
+    shown when more did not fit."""
+
     def build(self, width: int, height: int) -> Text:
-        lines = self.value or ()
+        rows: list[tuple[str, str | None]] = []
+        for line, style in self.value or ():  # type: ignore[misc]
+            wrapped = textwrap.wrap(line, width, break_on_hyphens=False) or [""]
+            rows.extend((piece, style) for piece in wrapped)
+        if len(rows) > height:
+            rows = rows[:height]
+            last, style = rows[-1]
+            rows[-1] = ((last if len(last) < width else last[: width - 1]) + "…", style)
         text = Text()
-        for i, (line, style) in enumerate(lines[:height]):  # type: ignore[misc]
+        for i, (line, style) in enumerate(rows):
             if i:
                 text.append("\n")
-            text.append(line if len(line) <= width else line[: width - 1] + "…", style=_style(style))
+            text.append(line, style=_style(style))
         return text
 
 
@@ -280,6 +292,7 @@ class MonitorApp(App[None]):
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),  # what a terminal user tries first
         Binding("p", "toggle_pause", "Pause"),
         Binding("l", "toggle_log", "Log/linear"),
         Binding("question_mark", "help", "Help", key_display="?"),
@@ -354,8 +367,12 @@ class MonitorApp(App[None]):
     # ------------------------------------------------------------------ refresh
 
     def tick(self) -> None:
-        if not self.paused:
+        if self.paused:
+            return
+        try:
             self.poll()
+        except NoMatches:  # the refresh timer fired while the app was shutting down: nothing to draw
+            return
 
     @property
     def stale_after_s(self) -> float:

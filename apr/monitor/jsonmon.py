@@ -66,7 +66,7 @@ def snapshot(
     reading = read_once(run_dir)
     if not reading.ok:
         raise AprError(
-            reading.problem or f"no state in {run_dir}",
+            f"{run_dir}: {reading.problem or 'no state'}",
             [
                 Finding(
                     "error", f"monitor.state_{reading.kind}", reading.problem or "", file=str(reading.path)

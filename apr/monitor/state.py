@@ -22,7 +22,9 @@ SCHEMA_VERSION = 1
 ACTIVE_STATUSES = ("starting", "running")
 ENDED_STATUSES = ("finished", "failed", "stopped")
 KNOWN_STATUSES = ACTIVE_STATUSES + ENDED_STATUSES
-STALE_FLOOR_S = 30.0  # an active run whose heartbeat is older than this (at least) is shown as stale
+# An active run whose heartbeat is older than this (at least) is shown as stale: the same floor as
+# `apr runs ls` (apr.track.state.STALE_AFTER_S), so the two never disagree about a run.
+STALE_FLOOR_S = 120.0
 MAX_STATE_BYTES = 64 * 2**20  # the writer bounds its histories; anything bigger is not a state file
 
 HISTORY_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s")
@@ -238,11 +240,13 @@ def read_file(path: Path) -> Reading:
             )
         data = path.read_bytes()
     except FileNotFoundError:
+        # Problems name the file, not its (long) path: the dashboard's header and the JSON record
+        # already say which run folder this is.
         if path.parent.is_dir():
-            return Reading("missing", path, problem=f"{path} does not exist yet (the run has not started?)")
-        return Reading("missing", path, problem=f"{path.parent} does not exist (yet)")
+            return Reading("missing", path, problem=f"{path.name} does not exist yet (the run has not started?)")
+        return Reading("missing", path, problem="the run folder does not exist (yet)")
     except OSError as e:
-        return Reading("unreadable", path, problem=f"cannot read {path}: {e.strerror or e}")
+        return Reading("unreadable", path, problem=f"cannot read {path.name}: {e.strerror or e}")
     return parse_state(data, path)
 
 

@@ -45,6 +45,16 @@ class HeaderView:
     step: int | None
     total_steps: int | None
     epoch: float | None
+    keep_end: bool = False  # a title ending in a path: shorten it from the left (the run folder stays)
+
+    def fit_title(self, width: int) -> str:
+        """The title in at most ``width`` cells, "…" marking what was cut."""
+        title = self.title
+        if len(title) <= width:
+            return title
+        if width <= 1:
+            return "…"[:width]
+        return "…" + title[len(title) - width + 1 :] if self.keep_end else title[: width - 1] + "…"
 
     @property
     def fraction(self) -> float | None:
@@ -60,7 +70,7 @@ class HeaderView:
 
 def header_view(state: dict | None, status: str, paused: bool, run_dir: str) -> HeaderView:
     if state is None:
-        return HeaderView(f"apr monitor · {run_dir}", status, paused, None, None, None)
+        return HeaderView(f"apr monitor · {run_dir}", status, paused, None, None, None, keep_end=True)
     experiment = state.get("experiment") or "?"
     run_id = state.get("run_id") or "?"
     return HeaderView(

@@ -5,6 +5,7 @@ plotext and pyarrow are imported inside the functions that use them.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import tempfile
@@ -144,8 +145,16 @@ def param_table(view: ExperimentView, all_params: bool = False) -> tuple[list[st
         if not all_params and len(run_ids) > 1 and all(v == values[0] for v in values):
             hidden += 1
             continue
-        rows.append([key, *["" if v is None else str(v) for v in values]])
+        rows.append([key, *[_cell(v) for v in values]])
     return ["param", *run_ids], rows, hidden
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
 
 
 # -------------------------------------------------------------------------------------- export

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import math
 import os
 import socket
@@ -79,6 +80,35 @@ def _file_digest(path: Path) -> tuple[int | None, str | None]:
         return after.st_size, digest.hexdigest()
     except OSError:
         return None, None
+
+
+def _checkpoint_artifacts(run_id: str, path: Path, kind: str, step: int, t: float) -> list[dict]:
+    """Artifact rows for one written checkpoint. For an apr checkpoint (its JSON metadata names the
+    weights file and their SHA-256), the weights file is the ``kind`` row, with the size and hash
+    the checkpoint writer computed (trusted while the file's size still matches, so gigabytes are
+    not hashed twice), and the metadata file is a ``checkpoint_meta`` row. Any other path: one row."""
+
+    def row(p: Path, k: str, size: int | None, sha: str | None) -> dict:
+        return {"run_id": run_id, "path": str(p), "kind": k, "size": size, "sha256": sha, "step": step, "time": t}
+
+    doc = None
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = None
+    if not (isinstance(doc, dict) and doc.get("format") == "apr-checkpoint"
+            and isinstance(doc.get("weights_file"), str)):
+        return [row(path, kind, *_file_digest(path))]
+    weights = path.parent / Path(doc["weights_file"]).name
+    size, sha = doc.get("weights_size"), doc.get("weights_sha256")
+    try:
+        on_disk = weights.stat().st_size
+    except OSError:
+        on_disk = None
+    if on_disk is None or on_disk != size or not isinstance(sha, str):
+        size, sha = _file_digest(weights)
+    return [row(weights, kind, size, sha), row(path, "checkpoint_meta", *_file_digest(path))]
 
 
 class _Sink:
@@ -203,6 +233,7 @@ class RunRecorder:
                 _Sink("global", global_db_path(Path(apr_home) if apr_home is not None else None), busy_timeout_s),
             ]
         self._warnings: list[str] = []
+        self._unprinted: list[str] = []  # warnings not printed yet (see _warn)
         self._state_warned = False
         self._finished = False
         self._started = False
@@ -255,6 +286,7 @@ class RunRecorder:
         ``resume_step``: the step of the checkpoint a resumed run continues from; the state file's
         histories of the same run id are kept up to it and the stores drop metrics recorded after it.
         """
+        self._print_warnings()
         now = time.time()
         with self._lock:
             if resume_step is not None:
@@ -273,6 +305,7 @@ class RunRecorder:
 
     def log_step(self, step: int, metrics: dict) -> None:
         """Record one logged optimizer step: state fields, histories, metric rows, heartbeat."""
+        self._print_warnings()
         now = time.time()
         step = int(step)
         with self._lock:
@@ -303,6 +336,7 @@ class RunRecorder:
 
     def log_eval(self, step: int, val_loss: float) -> None:
         """Record a validation result: val_loss and val_ppl = exp(val_loss)."""
+        self._print_warnings()
         now = time.time()
         step = int(step)
         v = _num(val_loss)
@@ -322,6 +356,7 @@ class RunRecorder:
 
     def checkpoint(self, step: int, path: Path, is_best: bool = False) -> None:
         """Record a written checkpoint: the state's last_checkpoint and an artifact row (size, sha256)."""
+        self._print_warnings()
         now = time.time()
         path = Path(path).resolve()
         with self._lock:
@@ -332,6 +367,7 @@ class RunRecorder:
 
     def check_alerts(self, metrics: dict) -> list[Alert]:
         """Evaluate `monitoring.alerts` on this step's metrics; record and return the ones that fire."""
+        self._print_warnings()
         if not len(self._alerts):
             return []
         with self._lock:
@@ -379,6 +415,7 @@ class RunRecorder:
                 self._stopping = True
                 self._cv.notify_all()
             self._thread.join(timeout=5.0)
+        self._print_warnings()
         for sink in self._sinks:
             sink.close()
         try:
@@ -398,6 +435,7 @@ class RunRecorder:
                 self._cv.wait_for(lambda: self._done >= target, timeout=timeout)
         if not running:
             self._work()
+        self._print_warnings()
 
     # ----------------------------------------------------------------------------- internals
 
@@ -415,14 +453,29 @@ class RunRecorder:
             st["eta_s"] = None
 
     def _warn(self, message: str) -> None:
-        """Record a warning once: stderr, `warnings`, and the state file's `store_warnings`."""
+        """Record a warning once: stderr, `warnings`, and the state file's `store_warnings`.
+
+        Only the trainer's thread prints (a warning found by the writer thread waits for the
+        trainer's next call into the recorder), one whole line per write, so warnings never land in
+        the middle of the trainer's own console lines."""
         with self._lock:
             if message in self._warnings:
                 return
             self._warnings.append(message)
+            self._unprinted.append(message)
             self.state["store_warnings"] = list(self._warnings)
             self._state_dirty = True
-        print(f"apr: warning: {message}", file=sys.stderr, flush=True)
+        if threading.current_thread() is not self._thread:
+            self._print_warnings()
+
+    def _print_warnings(self) -> None:
+        if not self._unprinted:  # the common case, without the lock
+            return
+        with self._lock:
+            lines, self._unprinted = self._unprinted, []
+        for message in lines:
+            sys.stderr.write(f"apr: warning: {message}\n")
+        sys.stderr.flush()
 
     def _request(self, state: bool = False, fsync: bool = False, db: bool = False, force: bool = False) -> None:
         with self._cv:
@@ -480,11 +533,7 @@ class RunRecorder:
         if db_due and self._sinks:
             artifacts = []
             for path, kind, step, t in artifact_reqs:
-                size, sha = _file_digest(path)
-                artifacts.append(
-                    {"run_id": self.run_id, "path": str(path), "kind": kind, "size": size, "sha256": sha,
-                     "step": step, "time": t}
-                )
+                artifacts.extend(_checkpoint_artifacts(self.run_id, path, kind, step, t))
             register = {"params": self._params(), "resume_step": self._resume_step}
             for sink in self._sinks:
                 sink.add(metrics, status, alerts, artifacts)
@@ -508,8 +557,11 @@ class RunRecorder:
 
     def _write_state(self, data: bytes, fsync: bool) -> None:
         try:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.output_dir / STATE_FILE, data, fsync=fsync)
+            try:
+                atomic_write_bytes(self.output_dir / STATE_FILE, data, fsync=fsync)
+            except FileNotFoundError:  # the run folder is not there (yet, or any more): make it, once
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.output_dir / STATE_FILE, data, fsync=fsync)
         except OSError as e:
             if not self._state_warned:
                 self._state_warned = True

@@ -18,6 +18,7 @@ from apr.track.state import ACTIVE_STATUSES, STATUSES, is_stale
 
 RUNS_SCHEMA_VERSION = 1
 STATUS_FILTERS = (*STATUSES, "stale")
+CHECKPOINT_KINDS = ("checkpoint", "checkpoint_best")  # weights files; "checkpoint_meta" is their JSON
 DISCOVERY_DEPTH = 3  # <root>/.apr, <root>/*/.apr, ... down to <root>/*/*/*/.apr
 _MAX_DIRS = 20_000  # give up scanning a huge tree rather than hang
 
@@ -59,7 +60,7 @@ def find_local_stores(root: Path, depth: int = DISCOVERY_DEPTH) -> list[Path]:
 def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: float | None = None) -> dict:
     """A runs-table row as the documented `apr runs ls --json` object."""
     recorded = row.get("status")
-    status = "stale" if is_stale({**row, "status": recorded}, now, stale_after_s) else recorded
+    status = "stale" if recorded in ACTIVE_STATUSES and is_stale(row, now, stale_after_s) else recorded
     started, ended, heartbeat = row.get("started"), row.get("ended"), row.get("heartbeat")
     if started is None:
         duration = None
@@ -132,12 +133,14 @@ def list_runs(
                                                        expected=">= 0", got=str(limit))])
     now = time.time() if now is None else now
     # Stale-ness is decided after the query, so a filter on an active status reads all active rows.
+    # Any other query may stop at `limit` rows per store: a store's newest `limit` runs include every
+    # run of the merged newest `limit` that it holds (a run's start time is the same in every store).
     if status in ("stale", *ACTIVE_STATUSES):
         sql_statuses: tuple[str, ...] | None = ACTIVE_STATUSES
         sql_limit = None
     else:
         sql_statuses = (status,) if status else None
-        sql_limit = limit if status is not None else None
+        sql_limit = limit
     paths = _stores(global_, root, apr_home)
     listing = RunListing(runs=[], stores=[str(p) for p in paths])
     by_id: dict[str, dict] = {}
@@ -223,7 +226,7 @@ def show_run(
             "final_metrics": metrics,
             "best_val_loss": None if best is None else {"step": best[0], "value": best[1]},
             "artifacts": artifacts,
-            "checkpoints": [a for a in artifacts if str(a.get("kind", "")).startswith("checkpoint")],
+            "checkpoints": [a for a in artifacts if a.get("kind") in CHECKPOINT_KINDS],
             "status_history": store.status_history(conn, full_id),
             "alerts": store.alerts(conn, full_id),
         }

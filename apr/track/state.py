@@ -180,15 +180,39 @@ class RunState:
             self.fields["alerts"] = list(previous["alerts"])[-MAX_ALERTS:]
 
     def to_json_bytes(self) -> bytes:
-        """The document, one top-level key per line (readable with `cat`), histories compact."""
+        """The document, one top-level key per line (readable with `cat`), histories compact.
+        Rendered at every log step, so it avoids per-call `json.dumps` set-up (~0.1 ms a write)."""
         lines = []
         for key, value in self.fields.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                value = None
-            lines.append(f"{json.dumps(key)}: {json.dumps(value, default=str, allow_nan=False)}")
+            prefix = _KEY_PREFIX.get(key) or _KEY_PREFIX.setdefault(key, _encode(key) + ": ")
+            lines.append(prefix + _encode_value(value))
         for key in HISTORY_KEYS:
             lines.append(f'"{key}_history": {self.histories[key].to_json()}')
         return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
+
+
+_encode = json.JSONEncoder(default=str, allow_nan=False).encode
+_KEY_PREFIX: dict[str, str] = {}
+
+
+def _without_nan(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _without_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_nan(v) for v in value]
+    return value
+
+
+def _encode_value(value: Any) -> str:
+    """JSON text of one field; NaN and infinities anywhere inside become null (JSON has neither)."""
+    if value is None:
+        return "null"
+    try:
+        return _encode(value)
+    except ValueError:
+        return _encode(_without_nan(value))
 
 
 # ------------------------------------------------------------------------------------- reading

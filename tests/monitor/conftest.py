@@ -17,6 +17,18 @@ def fixed_clock() -> float:
     return FIXTURE_NOW
 
 
+def tiny_config(alerts: list | None = None):
+    """A valid config for driving a RunRecorder (no training happens)."""
+    from apr.config.schema import AprConfig
+
+    return AprConfig.model_validate({
+        "model": {"architecture": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "intermediate_size": 128, "vocab_size": 256, "max_position_embeddings": 64}},
+        "data": {"train": "data/train", "batch_size": 2, "seq_len": 32},
+        "monitoring": {"system": {"enabled": False}, "alerts": alerts or []},
+    })
+
+
 @pytest.fixture
 def run_dir(tmp_path) -> Path:
     """An empty run directory (no state file yet)."""

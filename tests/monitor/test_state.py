@@ -41,9 +41,10 @@ def test_mid_run_fields_are_typed():
 
 def test_missing_file_and_missing_folder_are_reported(tmp_path):
     r = read_once(tmp_path)
-    assert r.kind == "missing" and "does not exist yet" in r.problem
+    assert r.kind == "missing" and r.problem == "training_state.json does not exist yet (the run has not started?)"
     r = read_once(tmp_path / "not-yet")
-    assert r.kind == "missing" and "not-yet does not exist" in r.problem
+    assert r.kind == "missing" and r.problem == "the run folder does not exist (yet)"
+    assert r.path == tmp_path / "not-yet" / "training_state.json"
 
 
 @pytest.mark.parametrize(
@@ -140,9 +141,29 @@ def test_reader_waits_for_a_file_that_appears_later(run_dir):
 
 
 def test_stale_threshold_floor_refresh_and_writer_period():
-    assert stale_threshold(1.0) == STALE_FLOOR_S
-    assert stale_threshold(5.0) == 50.0
+    assert stale_threshold(1.0) == STALE_FLOOR_S == 120.0
+    assert stale_threshold(30.0) == 300.0
     assert stale_threshold(1.0, {"log_period_s": 20.0}) == 200.0
+
+
+def test_the_monitor_reads_what_the_tracker_writes():
+    """The monitor keeps its own copy of the format (it must read files of other apr versions);
+    the copy must agree with the writer."""
+    from apr.monitor import state as mon
+    from apr.track import state as track
+
+    assert (mon.STATE_FILE, mon.SCHEMA_VERSION, mon.HISTORY_KEYS) == (
+        track.STATE_FILE, track.SCHEMA_VERSION, track.HISTORY_KEYS)
+    assert mon.ACTIVE_STATUSES == track.ACTIVE_STATUSES
+    assert set(mon.KNOWN_STATUSES) == set(track.STATUSES)
+    assert mon.STALE_FLOOR_S == track.STALE_AFTER_S
+    written = set(track.RunState().fields) - {"schema_version"}
+    assert written == set(mon._FIELD_KINDS) | set(mon._OPTIONAL_FIELDS)
+    for now, state in ((1000.0, {"status": "running", "heartbeat": 800.0, "log_period_s": 1.0}),
+                       (1000.0, {"status": "running", "heartbeat": 950.0}),
+                       (5000.0, {"status": "running", "heartbeat": 1000.0, "log_period_s": 300.0})):
+        assert mon.effective_status(state, now, mon.stale_threshold(0.1, state)) == track.effective_status(
+            state, now)
 
 
 def test_effective_status_marks_old_heartbeats_of_active_runs_only():

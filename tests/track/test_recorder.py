@@ -301,3 +301,102 @@ def test_a_process_that_exits_without_finish_is_recorded_as_failed(tmp_path):
     conn = connect_readonly(run / ".apr" / "experiments.db")
     assert store.get_run(conn, st["run_id"])["status"] == "failed"
     conn.close()
+
+
+def test_a_registry_that_cannot_exist_and_a_full_disk_each_warn_once(tmp_path, recorder_factory, monkeypatch):
+    """The other best-effort cases of issue 8: a registry whose folder cannot be made (APR_HOME below
+    a regular file) and a local store on a full disk (SQLite's page limit: a real SQLITE_FULL)."""
+    from apr.track.store import StoreWriter
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    original_open = StoreWriter.open
+
+    def open_on_a_full_disk(self):
+        original_open(self)
+        if self.path.parent.name == ".apr":
+            pages = self.db.conn.execute("PRAGMA page_count").fetchone()[0]
+            self.db.conn.execute(f"PRAGMA max_page_count = {int(pages)}")
+
+    monkeypatch.setattr(StoreWriter, "open", open_on_a_full_disk)
+    rec = recorder_factory(apr_home=not_a_folder / "apr", flush_interval_s=0.0, background=False)
+    rec.start()
+    for step in range(1, 101):
+        rec.log_step(step, _metrics(step))  # every step is due for a store write
+    rec.finish("finished")
+    warnings = rec.warnings
+    assert len(warnings) == 2
+    (local_w,) = [w for w in warnings if w.startswith("local experiment store")]
+    (global_w,) = [w for w in warnings if w.startswith("global experiment store")]
+    assert "database or disk is full" in local_w
+    assert str(not_a_folder) in global_w
+    st = read_state(rec.output_dir)
+    assert (st["status"], st["step"], st["store_warnings"]) == ("finished", 100, warnings)
+    assert integrity_check(_local(rec)) == "ok"
+
+
+def test_an_apr_checkpoint_is_recorded_as_its_weights_and_its_metadata(tmp_path, recorder_factory):
+    from apr.track.runs import show_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def apr_checkpoint(step, weights_bytes, sha=None, size=None):
+        weights = run / f"checkpoint-step-{step}.safetensors"
+        weights.write_bytes(weights_bytes)
+        meta = run / f"checkpoint-step-{step}.json"
+        meta.write_text(json.dumps({"format": "apr-checkpoint", "weights_file": weights.name,
+                                    "weights_sha256": sha or hashlib.sha256(weights_bytes).hexdigest(),
+                                    "weights_size": len(weights_bytes) if size is None else size}))
+        return weights, meta
+
+    w4, m4 = apr_checkpoint(4, b"w" * 4096, sha="f" * 64)  # size matches: the writer's hash is trusted
+    w8, m8 = apr_checkpoint(8, b"x" * 10, sha="0" * 64, size=99)  # size differs: hashed again
+    rec = recorder_factory(run, background=False)
+    rec.start()
+    rec.checkpoint(4, m4, is_best=True)
+    rec.checkpoint(8, m8)
+    rec.finish("finished")
+    assert read_state(run)["last_checkpoint"]["path"] == str(m8)
+    conn = connect_readonly(_local(rec))
+    rows = {Path(a["path"]).name: a for a in store.artifacts(conn, rec.run_id)}
+    conn.close()
+    assert {n: (a["kind"], a["step"]) for n, a in rows.items()} == {
+        w4.name: ("checkpoint_best", 4), m4.name: ("checkpoint_meta", 4),
+        w8.name: ("checkpoint", 8), m8.name: ("checkpoint_meta", 8)}
+    assert (rows[w4.name]["size"], rows[w4.name]["sha256"]) == (4096, "f" * 64)
+    assert (rows[w8.name]["size"], rows[w8.name]["sha256"]) == (10, hashlib.sha256(b"x" * 10).hexdigest())
+    assert rows[m4.name]["sha256"] == hashlib.sha256(m4.read_bytes()).hexdigest()
+    detail = show_run(rec.run_id, root=tmp_path)
+    assert [Path(c["path"]).name for c in detail["checkpoints"]] == [w4.name, w8.name]
+    assert len(detail["artifacts"]) == 4
+
+
+def test_warnings_are_printed_by_the_training_thread_as_whole_lines(tmp_path, recorder_factory, read_only,
+                                                                      monkeypatch):
+    """The writer thread finds the failure; the trainer's thread prints it at its next call, in one
+    write, so it never lands in the middle of the trainer's own console lines."""
+    import threading
+
+    writes: list[tuple[str, str]] = []
+
+    class Stderr:
+        def write(self, text):
+            writes.append((threading.current_thread().name, text))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    (tmp_path / "run" / ".apr").mkdir(parents=True)
+    read_only(tmp_path / "run" / ".apr")
+    rec = recorder_factory(tmp_path / "run")
+    rec.start()
+    for step in range(1, 4):
+        rec.log_step(step, _metrics(step))
+    rec.finish("finished")
+    warned = [(t, w) for t, w in writes if "apr: warning:" in w]
+    assert len(warned) == 1 and any(w.startswith("local experiment store") for w in rec.warnings)
+    thread, text = warned[0]
+    assert thread == threading.main_thread().name
+    assert text.startswith("apr: warning: local experiment store") and text.endswith("\n") and text.count("\n") == 1

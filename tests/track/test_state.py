@@ -162,3 +162,10 @@ def test_reader_never_sees_a_torn_state_file_while_a_run_rewrites_it(tmp_path):
     final = read_state(run)
     assert final["status"] == "finished" and final["step"] == n
     assert len(final["loss_history"]) <= HISTORY_POINTS
+
+
+def test_non_finite_values_nested_in_a_field_become_null():
+    st = RunState(gpu={"utilization": math.nan, "power_w": math.inf, "name": "x"}, alerts=[{"time": math.nan}])
+    doc = json.loads(st.to_json_bytes())
+    assert doc["gpu"] == {"utilization": None, "power_w": None, "name": "x"}
+    assert doc["alerts"] == [{"time": None}]
