@@ -136,8 +136,13 @@ def test_existing_output_and_bad_numbers(tmp_path, cli, tokenizer_path, corpus):
     assert_clean_failure(pretok(cli, tokenizer_path, tmp_path / "o", corpus), str(tmp_path / "o"), "already exists",
                          "--overwrite")
     assert (tmp_path / "o" / "keep.txt").read_text() == "mine"
-    assert pretok(cli, tokenizer_path, tmp_path / "o", corpus, extra=("--overwrite",)).exit_code == 0
-    assert not (tmp_path / "o" / "keep.txt").exists() and (tmp_path / "o" / "manifest.json").exists()
+    # --overwrite replaces only an earlier output: a folder apr did not write is left alone
+    assert_clean_failure(pretok(cli, tokenizer_path, tmp_path / "o", corpus, extra=("--overwrite",)),
+                         "not an earlier pretokenize output")
+    assert (tmp_path / "o" / "keep.txt").read_text() == "mine"
+    assert pretok(cli, tokenizer_path, tmp_path / "p", corpus).exit_code == 0
+    assert pretok(cli, tokenizer_path, tmp_path / "p", corpus, extra=("--overwrite",)).exit_code == 0
+    assert (tmp_path / "p" / "manifest.json").exists()
     res = cli("data", "pretokenize", corpus, "--tokenizer", tokenizer_path, "--seq-len", "lots", "--out",
               tmp_path / "x")
     assert_clean_failure(res, "--seq-len")
