@@ -221,7 +221,7 @@ class TrackingBackend(StrEnum):
 class TrackingConfig(_Section):
     enabled: bool = True
     backend: TrackingBackend = TrackingBackend.sqlite
-    experiment: str | None = Field(None, description="Experiment name. Default: the config file's stem.")
+    experiment: str | None = Field(None, description="Experiment name. Default: the name of training.output_dir.")
     tags: dict[str, str] = Field(default_factory=dict)
 
 
