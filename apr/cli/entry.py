@@ -1,4 +1,4 @@
-"""Console-script entry point. Kept free of typer so `apr train validate` starts fast."""
+"""Console-script entry point. Kept free of typer so `apr train validate` and `apr runs ls` start fast."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ def run() -> None:
     from apr.cli.validate_cmd import fast_path
 
     code = fast_path(sys.argv[1:])
+    if code is None:  # `apr runs ls [--global] [--json]`, which agents poll, also skips typer
+        from apr.cli.cmd_runs import fast_path as runs_fast_path
+
+        code = runs_fast_path(sys.argv[1:])
     if code is not None:
         sys.exit(code)
     from apr.cli.main import run as run_full
