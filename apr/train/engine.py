@@ -227,7 +227,8 @@ class InterleavedEngine(Engine):
             self._finish(item)
         self._next_ws = 0
 
-    def _walk(self, ids, targets, inputs, grad_mult: float, on_done, free_inputs: bool) -> torch.Tensor:
+    def _walk(self, ids, targets, inputs, grad_mult: float, on_done, free_inputs: bool,
+              check_loss: bool = True) -> torch.Tensor:
         """Backward from the loss to the embedding; ``on_done(group, grad)`` runs as soon as each
         group's gradient is complete. Returns the loss sum (checked finite before any ``on_done``).
 
@@ -257,7 +258,8 @@ class InterleavedEngine(Engine):
             h, weight, targets, chunk_size=self.chunk_size, grad_scale=1.0 / targets.numel(),
             backend=self.backend, grad_weight=head_grad, compute_dtype=self.cdt,
         )
-        self._check_loss(loss_sum)
+        if check_loss:  # a host read; the stepping walk after a norm pre-pass already knows the loss
+            self._check_loss(loss_sum)
         if grad_mult != 1.0:
             grad_h.mul_(grad_mult)
             head_grad.mul_(grad_mult)
@@ -392,7 +394,7 @@ class InterleavedEngine(Engine):
         def step(g: FlatGroup, buf: torch.Tensor) -> None:
             self._apply(g, buf, coefs[g.name])
 
-        self._walk(ids, targets, inputs, grad_mult, step, free_inputs=True)
+        self._walk(ids, targets, inputs, grad_mult, step, free_inputs=True, check_loss=False)
         self._stepped()
         return StepResult(loss, norm)
 
