@@ -157,7 +157,10 @@ def _memory_lines(plan, colour: bool) -> list[str]:
     t = plan.target
     mem = plan.facts["memory"]
     total = mem["total_bytes"]
-    if t is None:
+    if t is None and str(plan.config.training.device) == "cpu":
+        head = ("Resources per GPU (this run trains on the CPU: the budget is what the same config needs "
+                "on a GPU)")
+    elif t is None:
         head = "Resources per GPU (no target: pass --gpu NAME or --vram SIZE to compare)"
     else:
         what = [t.gpu.label if t.gpu else t.name, format_bytes(t.vram_bytes) if t.vram_bytes else None]

@@ -202,9 +202,8 @@ class Run:
 
     def _restore(self, which: str) -> None:
         from apr.checkpoint.compat import compare_configs
-        from apr.checkpoint.rng import restore_rng
-
         from apr.checkpoint.manager import CheckpointError, read_info
+        from apr.checkpoint.rng import restore_rng
 
         try:
             state, json_path = self.ckpt.load(which)
