@@ -69,7 +69,7 @@ def register(app: typer.Typer) -> None:
         db: Path = typer.Option(..., "--db", help="experiments.db, a run folder (.apr/experiments.db) or an APR_HOME."),
         run: str = typer.Option(..., "--run", help="Run id (or a unique prefix)."),
         fmt: ExportFormat = typer.Option(..., "--format", help="parquet or csv."),
-        output: Path = typer.Option(..., "--output", help="File to write (replaced atomically)."),
+        output: Path = typer.Option(..., "--out", "--output", help="File to write (replaced atomically)."),
     ) -> None:
         """Write one run's metrics as a table: step, time, and one column per metric."""
         from apr.errors import AprError
