@@ -88,12 +88,22 @@ class ProgressLine:
             self.stream.flush()
 
 
+# The input options both commands share (typer option objects can serve as defaults of several commands).
+_INPUTS = typer.Argument(None, show_default=False,
+                         help="Files or folders (.txt, .jsonl, .parquet; folders are searched recursively).")
+_BUILTIN = typer.Option(None, "--builtin", show_default=False,
+                        help="Add a built-in corpus: stdlib (this Python's standard library).")
+_BUILTIN_MAX_BYTES = typer.Option("4M", "--builtin-max-bytes", help="Size cap of the built-in corpus.")
+_GLOB = typer.Option(None, "--glob", show_default=False,
+                     help="Files to take in folders, e.g. '**/*.md' (default: .txt .jsonl .parquet).")
+_TEXT_KEY = typer.Option("text", "--text-key", help="Key of the text in .jsonl objects.")
+_TEXT_COLUMN = typer.Option("text", "--text-column", help="Column of the text in .parquet files.")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("train-tokenizer")
     def train_tokenizer_cmd(
-        inputs: list[Path] = typer.Argument(
-            None, show_default=False,
-            help="Files or folders (.txt, .jsonl, .parquet; folders are searched recursively)."),
+        inputs: list[Path] = _INPUTS,
         vocab_size: str = typer.Option(..., "--vocab-size", show_default=False,
                                        help="Vocabulary size including special tokens (32768, 32_768, 32K)."),
         out: Path = typer.Option(..., "--out", show_default=False, help="The tokenizer.json to write."),
@@ -101,13 +111,11 @@ def register(app: typer.Typer) -> None:
             None, "--special-tokens", "--special-token", show_default=False,
             help="Extra special tokens, repeatable or comma-separated; <|endoftext|> is always id 0."),
         min_frequency: int = typer.Option(2, "--min-frequency", min=1, help="Fewest occurrences of a merged pair."),
-        builtin: str = typer.Option(None, "--builtin", show_default=False,
-                                    help="Add a built-in corpus: stdlib (this Python's standard library)."),
-        builtin_max_bytes: str = typer.Option("4M", "--builtin-max-bytes", help="Size cap of the built-in corpus."),
-        glob: str = typer.Option(None, "--glob", show_default=False,
-                                 help="Files to take in folders, e.g. '**/*.md' (default: .txt .jsonl .parquet)."),
-        text_key: str = typer.Option("text", "--text-key", help="Key of the text in .jsonl objects."),
-        text_column: str = typer.Option("text", "--text-column", help="Column of the text in .parquet files."),
+        builtin: str = _BUILTIN,
+        builtin_max_bytes: str = _BUILTIN_MAX_BYTES,
+        glob: str = _GLOB,
+        text_key: str = _TEXT_KEY,
+        text_column: str = _TEXT_COLUMN,
     ) -> None:
         """Train a byte-level BPE tokenizer; the same input gives a byte-identical file. Exit 0 ok, 1 error."""
         from apr.data.sources import iter_documents
@@ -132,9 +140,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("pretokenize")
     def pretokenize_cmd(
-        inputs: list[Path] = typer.Argument(
-            None, show_default=False,
-            help="Files or folders (.txt, .jsonl, .parquet; folders are searched recursively)."),
+        inputs: list[Path] = _INPUTS,
         tokenizer: Path = typer.Option(..., "--tokenizer", show_default=False, help="A tokenizer.json."),
         seq_len: str = typer.Option(..., "--seq-len", show_default=False,
                                     help="Training sequence length; each row holds seq_len + 1 tokens."),
@@ -143,13 +149,11 @@ def register(app: typer.Typer) -> None:
         val_fraction: float = typer.Option(0.0, "--val-fraction", help="Share of rows held out in val/ (0 <= F < 1)."),
         shard_rows: int = typer.Option(4096, "--shard-rows", min=1, help="Rows per Parquet shard."),
         seed: int = typer.Option(0, "--seed", min=0, help="Seed of the train/val split."),
-        builtin: str = typer.Option(None, "--builtin", show_default=False,
-                                    help="Add a built-in corpus: stdlib (this Python's standard library)."),
-        builtin_max_bytes: str = typer.Option("4M", "--builtin-max-bytes", help="Size cap of the built-in corpus."),
-        glob: str = typer.Option(None, "--glob", show_default=False,
-                                 help="Files to take in folders, e.g. '**/*.md' (default: .txt .jsonl .parquet)."),
-        text_key: str = typer.Option("text", "--text-key", help="Key of the text in .jsonl objects."),
-        text_column: str = typer.Option("text", "--text-column", help="Column of the text in .parquet files."),
+        builtin: str = _BUILTIN,
+        builtin_max_bytes: str = _BUILTIN_MAX_BYTES,
+        glob: str = _GLOB,
+        text_key: str = _TEXT_KEY,
+        text_column: str = _TEXT_COLUMN,
         eot_token: str = typer.Option(None, "--eot-token", show_default=False,
                                       help="Token appended after each document (default: <|endoftext|>, </s>, ...)."),
         input_column: str = typer.Option("input_ids", "--input-column", help="Name of the token column written."),

@@ -29,7 +29,6 @@ import torch
 from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
 
-EXIT_CODES = {"finished": 0, "failed": 1, "stopped": 1}
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
@@ -343,7 +342,7 @@ class Run:
         self.echo(self._banner())
 
         step = self.start_step
-        status, reason = "finished", None
+        status, reason, exit_code = "finished", None, 0
         last_ckpt: Path | None = self.resumed_from
         loss_v: float | None = None
         val_v: float | None = None
@@ -355,8 +354,7 @@ class Run:
                     self.first_val = val_v
                     self.best_val = val_v  # a later checkpoint is "best" only if it beats the initial weights
                     recorder.log_eval(0, val_v)
-                    self.echo(f"step {0:>{len(str(self.total_steps))}}/{self.total_steps}  val loss {val_v:.4f} "
-                              f"(ppl {math.exp(min(val_v, 700)):.1f})")
+                    self._echo_val(0, val_v, best=False)
                 t_log, step_log = time.perf_counter(), step
                 while step < self.total_steps:
                     step += 1
@@ -366,7 +364,7 @@ class Run:
                         result = self.engine.train_step(micro, lr)
                     except NonFiniteError as err:
                         step -= 1
-                        status, reason = "failed", f"non-finite {err.what} at step {step + 1}"
+                        status, reason, exit_code = "failed", f"non-finite {err.what} at step {step + 1}", 1
                         if err.state_is_last_good and step > self.start_step:
                             last_ckpt = self.save(step, False, recorder)
                         break
@@ -388,15 +386,14 @@ class Run:
                             metrics["skipped_steps"] = 1
                         recorder.log_step(step, metrics)
                         eta = (self.total_steps - step) * self.tokens_per_step / rate if rate else None
-                        w = len(str(self.total_steps))
-                        self.echo(f"step {step:>{w}}/{self.total_steps}  loss {loss_v:.4f}  lr {lr:.2e}  "
+                        self.echo(f"{self._step_label(step)}  loss {loss_v:.4f}  lr {lr:.2e}  "
                                   f"gnorm {gn:.3f}  {_fmt_rate(rate)} tok/s  eta {_fmt_eta(eta)}")
                         fired = recorder.check_alerts(metrics)
                         for alert in fired:
                             self.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
                         stops = [a for a in fired if a.action == "stop"]
                         if stops:
-                            status, reason = "stopped", f"alert: {stops[0].message}"
+                            status, reason, exit_code = "stopped", f"alert: {stops[0].message}", 1
                     is_best = False
                     if self.val_loader is not None and tr.eval_interval and (step % tr.eval_interval == 0 or is_last):
                         val_v = self.evaluate()
@@ -404,8 +401,7 @@ class Run:
                         is_best = val_v is not None and (self.best_val is None or val_v < self.best_val)
                         if is_best:
                             self.best_val = val_v
-                        self.echo(f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}  val loss "
-                                  f"{val_v:.4f} (ppl {math.exp(min(val_v, 700)):.1f})" + ("  best" if is_best else ""))
+                        self._echo_val(step, val_v, is_best)
                         t_log = time.perf_counter()  # evaluation time is not training throughput
                     if self.dp is not None:  # every rank stops at the same step: signal or alert on any
                         flags = torch.tensor([signals.received or 0, status != "finished"], dtype=torch.float32,
@@ -414,7 +410,7 @@ class Run:
                         if sig_flag and signals.received is None:
                             signals.received = sig_flag
                         if alert_flag and status == "finished":
-                            status, reason = "stopped", "alert on rank 0"
+                            status, reason, exit_code = "stopped", "alert on rank 0", 1
                     stopping = status != "finished" or signals.received is not None
                     if step % tr.save_interval == 0 or is_last or is_best or stopping:
                         last_ckpt = self.save(step, is_best, recorder)
@@ -424,6 +420,7 @@ class Run:
                     if signals.received is not None:
                         name = signal.Signals(signals.received).name
                         status, reason = "stopped", f"{name} at step {step}; resume with --resume latest"
+                        exit_code = SIGNAL_EXIT[signals.received]
                         break
         except Interrupted as err:
             name = signal.Signals(err.signum).name
@@ -433,10 +430,10 @@ class Run:
             if self.dp is not None:
                 self.dp.close()
             return RunResult(status="stopped", reason=reason, run_dir=self.run_dir, run_id=self.run_id,
-                             start_step=self.start_step, final_step=step - 1, total_steps=self.total_steps,
-                             loss=loss_v, val_loss=val_v, first_val_loss=self.first_val, last_checkpoint=last_ckpt,
-                             exit_code=SIGNAL_EXIT.get(err.signum, 130), warnings=recorder.warnings,
-                             is_main=self.is_main)
+                             start_step=self.start_step, final_step=max(step - 1, self.start_step),
+                             total_steps=self.total_steps, loss=loss_v, val_loss=val_v, first_val_loss=self.first_val,
+                             last_checkpoint=last_ckpt, exit_code=SIGNAL_EXIT.get(err.signum, 130),
+                             warnings=recorder.warnings, is_main=self.is_main)
         except BaseException as err:  # a crash: record it, then let it propagate
             recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
             raise
@@ -444,14 +441,18 @@ class Run:
         if self.dp is not None:
             self.dp.barrier()  # rank 0's checkpoint is complete before any rank exits
             self.dp.close()
-        exit_code = EXIT_CODES[status]
-        if signals.received is not None and status == "stopped" and reason and "alert" not in reason:
-            exit_code = SIGNAL_EXIT[signals.received]
         return RunResult(
             status=status, reason=reason, run_dir=self.run_dir, run_id=self.run_id, start_step=self.start_step,
-            final_step=step, total_steps=self.total_steps, loss=loss_v, val_loss=val_v if val_v is not None else None,
+            final_step=step, total_steps=self.total_steps, loss=loss_v, val_loss=val_v,
             first_val_loss=self.first_val, last_checkpoint=last_ckpt, exit_code=exit_code, tokens_per_s=rate,
             warnings=recorder.warnings, is_main=self.is_main)
+
+    def _step_label(self, step: int) -> str:
+        return f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"
+
+    def _echo_val(self, step: int, val: float, best: bool) -> None:
+        self.echo(f"{self._step_label(step)}  val loss {val:.4f} (ppl {math.exp(min(val, 700)):.1f})"
+                  + ("  best" if best else ""))
 
     def _banner(self) -> str:
         from apr.model.spec import param_count
