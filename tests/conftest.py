@@ -9,6 +9,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["home_guard"]
+
 
 def _has_cuda() -> bool:
     try:

@@ -21,7 +21,9 @@ from run_helpers import config_doc, make_dataset  # noqa: E402
 from apr.checkpoint.manager import read_checkpoint, scan  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _env() -> dict:
+    """Read at call time, after the fixture has set a private APR_HOME."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _cmd(cfg: Path, resume: bool) -> list[str]:
@@ -33,14 +35,14 @@ def _complete(run_dir: Path) -> bool:
 
 
 def _run_to_end(cfg: Path, resume: bool) -> None:
-    proc = subprocess.run(_cmd(cfg, resume), capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(_cmd(cfg, resume), capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _kill_at_line(cfg: Path, resume: bool, prefix: str) -> None:
     """Start the trainer and SIGKILL it as soon as it prints a line starting with ``prefix``."""
     proc = subprocess.Popen(_cmd(cfg, resume), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=ENV)
+                            env=_env())
     try:
         for line in proc.stderr:
             if line.startswith(prefix):
@@ -98,7 +100,7 @@ def test_twenty_random_sigkills_never_leave_a_corrupt_checkpoint(tmp_path):
     while kills < 20:
         resume = _complete(run_dir)
         proc = subprocess.Popen(_cmd(cfg, resume), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                text=True, env=ENV)
+                                text=True, env=_env())
         # wait for the first training step so that the kill lands in the loop (checkpoint writes included)
         for line in proc.stderr:
             if line.startswith("step ") and "loss" in line:

@@ -13,12 +13,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import make_dataset, write_config  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+def _env() -> dict:
+    """Read at call time, after the fixture has set a private APR_HOME."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
 
 
 def apr(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "apr", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=ENV)
+                          timeout=300, env=_env())
 
 
 @pytest.fixture
@@ -79,7 +81,7 @@ def test_torchrun_two_processes_through_the_cli(root):
     cfg = write_config(root, training={"max_steps": 4, "eval_interval": 2})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "-m", "apr", "train", "apply", str(cfg)], cwd=root, capture_output=True, text=True,
-                          timeout=300, env=ENV)
+                          timeout=300, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("finished") == 1  # only rank 0 reports
     state = json.loads((root / "run" / "training_state.json").read_text())
