@@ -8,29 +8,14 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from apr.cli.render import error_exit
+from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
+
 if TYPE_CHECKING:
     import typer
-
-
-def _fmt_time(t: float | None) -> str:
-    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
-
-
-def _fmt_duration(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(max(s, 0))
-    h, rem = divmod(s, 3600)
-    m, sec = divmod(rem, 60)
-    return f"{h}:{m:02d}:{sec:02d}"
-
-
-def _fmt_loss(v: float | None) -> str:
-    return "-" if v is None else f"{v:.4f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -43,13 +28,13 @@ def runs_table(runs: list[dict]) -> str:
     header = ["RUN ID", "EXPERIMENT", "STATUS", "STEP", "LOSS", "STARTED", "DURATION"]
     rows = [
         [
-            r["run_id"],
-            r["experiment"],
-            r["status"],
+            safe_text(r["run_id"]),
+            safe_text(r["experiment"]),
+            safe_text(r["status"]),
             f"{r['step'] if r['step'] is not None else '-'}/{r['total_steps'] if r['total_steps'] else '-'}",
-            _fmt_loss(r["last_loss"]),
-            _fmt_time(r["started_at"]),
-            _fmt_duration(r["duration_s"]),
+            fmt_loss(r["last_loss"]),
+            fmt_timestamp(r["started_at"]),
+            fmt_clock(r["duration_s"]),
         ]
         for r in runs
     ]
@@ -63,14 +48,6 @@ def runs_json(runs: list[dict]) -> str:
         return "[]\n"
     dumps = json.JSONEncoder(separators=(", ", ": ")).encode
     return "[\n" + ",\n".join(dumps(r) for r in runs) + "\n]\n"
-
-
-def _error(err) -> int:
-    from apr.cli.render import print_findings
-
-    print(f"error: {err.message}", file=sys.stderr)
-    print_findings(err.findings)
-    return err.exit_code
 
 
 def run_ls(
@@ -89,9 +66,9 @@ def run_ls(
             global_=global_, status=status, experiment=experiment, limit=limit, stale_after_s=stale_after
         )
     except AprError as err:
-        return _error(err)
+        return error_exit(err)
     for w in listing.warnings:
-        print(f"warning: {w}", file=sys.stderr)
+        print(f"warning: {safe_text(w)}", file=sys.stderr)
     if json_out:
         sys.stdout.write(runs_json(listing.runs))
     elif listing.runs:
@@ -104,38 +81,42 @@ def run_ls(
 
 def show_text(detail: dict) -> str:
     r = detail["run"]
+    t = safe_text
+    reason = f" ({t(r['status_reason'])})" if r["status_reason"] else ""
     out = [
-        f"run        {r['run_id']}",
-        f"experiment {r['experiment']}",
-        f"status     {r['status']}" + (f" ({r['status_reason']})" if r["status_reason"] else ""),
-        f"step       {r['step']}/{r['total_steps']}",
-        f"started    {_fmt_time(r['started_at'])}   duration {_fmt_duration(r['duration_s'])}",
-        f"host       {r['host']} (pid {r['pid']})",
-        f"output     {r['output_dir']}",
-        f"config     {r['config_path'] or '-'}  hash {str(r['config_hash'] or '-')[:12]}",
-        f"store      {r['store']}",
+        f"run        {t(r['run_id'])}",
+        f"experiment {t(r['experiment'])}",
+        f"status     {t(r['status'])}{reason}",
+        f"step       {fmt_value(r['step'])}/{fmt_value(r['total_steps'])}",
+        f"started    {fmt_timestamp(r['started_at'])}   duration {fmt_clock(r['duration_s'])}",
+        f"host       {t(r['host'])} (pid {fmt_value(r['pid'])})",
+        f"output     {t(r['output_dir'])}",
+        f"config     {t(r['config_path'] or '-')}  hash {t(str(r['config_hash'] or '-')[:12])}",
+        f"store      {t(r['store'])}",
         "",
         "final metrics:",
     ]
     for key, m in detail["final_metrics"].items():
-        out.append(f"  {key:<14} {m['value']!s:<22} (step {m['step']})")
+        out.append(f"  {t(key):<14} {fmt_value(m['value']):<12} (step {fmt_value(m['step'])})")
     if detail["best_val_loss"]:
         b = detail["best_val_loss"]
-        out.append(f"  best val_loss  {b['value']} (step {b['step']})")
+        out.append(f"  best val_loss  {fmt_value(b['value'])} (step {fmt_value(b['step'])})")
     out += ["", "checkpoints:"]
     for a in detail["checkpoints"] or []:
-        sha = (a["sha256"] or "-")[:16]
-        out.append(f"  step {a['step']:<8} {a['kind']:<16} {a['size'] or 0:>12} B  sha256 {sha}  {a['path']}")
+        sha = t((a["sha256"] or "-")[:16])
+        gone = "" if a.get("exists", True) else "  (deleted)"
+        out.append(f"  step {fmt_value(a['step']):<8} {t(a['kind']):<16} {fmt_value(a['size'] or 0):>12} B  "
+                   f"sha256 {sha}  {t(a['path'])}{gone}")
     if not detail["checkpoints"]:
         out.append("  (none)")
     out += ["", "status history:"]
-    out += [f"  {_fmt_time(s['time'])}  {s['status']}" + (f" ({s['reason']})" if s["reason"] else "")
+    out += [f"  {fmt_timestamp(s['time'])}  {t(s['status'])}" + (f" ({t(s['reason'])})" if s["reason"] else "")
             for s in detail["status_history"]]
     if detail["alerts"]:
         out += ["", "alerts:"]
-        out += [f"  step {a['step']}  {a['action']:<4}  {a['message']}" for a in detail["alerts"]]
+        out += [f"  step {fmt_value(a['step'])}  {t(a['action']):<4}  {t(a['message'])}" for a in detail["alerts"]]
     out += ["", "params:"]
-    out += [f"  {k} = {v}" for k, v in detail["params"].items()]
+    out += [f"  {t(k)} = {fmt_value(v)}" for k, v in detail["params"].items()]
     return "\n".join(out)
 
 
@@ -143,10 +124,13 @@ def run_show(run_id: str, global_: bool = False, json_out: bool = False) -> int:
     from apr.errors import AprError
     from apr.track.runs import show_run
 
+    warnings: list[str] = []
     try:
-        detail = show_run(run_id, global_=global_)
+        detail = show_run(run_id, global_=global_, warnings=warnings)
     except AprError as err:
-        return _error(err)
+        return error_exit(err)
+    for w in warnings:
+        print(f"warning: {safe_text(w)}", file=sys.stderr)
     if json_out:
         sys.stdout.write(json.dumps(detail, indent=2, default=str) + "\n")
     else:

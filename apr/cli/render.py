@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterable
 
-from apr.errors import Finding
+from apr.errors import AprError, Finding
 
 FORMAT_VERSION = "1"
 
 
 def _colour(stream) -> bool:
-    import os
-
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
@@ -51,6 +50,19 @@ def print_findings(findings: Iterable[Finding], stream=None) -> None:
     colour = _colour(stream)
     for f in findings:
         print(format_finding(f, colour), file=stream)
+
+
+def print_error(err: AprError, stream=None) -> None:
+    """The one place an AprError is shown to a person: ``error: message`` and its findings."""
+    stream = stream or sys.stderr
+    print(f"error: {err.message}", file=stream)
+    print_findings(err.findings, stream)
+
+
+def error_exit(err: AprError) -> int:
+    """Print ``err`` and return its exit code (for commands that return an exit status)."""
+    print_error(err)
+    return err.exit_code
 
 
 def findings_json(findings: Iterable[Finding], **extra) -> str:

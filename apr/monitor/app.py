@@ -462,7 +462,7 @@ class MonitorApp(App[None]):
         if isinstance(self.screen, HelpScreen):
             self.screen.dismiss(None)
             return
-        from apr.monitor.fmt import fmt_duration
+        from apr.fmt import fmt_duration
 
         self.push_screen(
             HelpScreen(

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apr.monitor.fmt import fmt_duration, fmt_int
+from apr.fmt import fmt_duration, fmt_int
 from apr.monitor.state import ACTIVE_STATUSES, heartbeat_age, read_once, stale_threshold
 
 MAX_CANDIDATES = 500  # registry rows looked at (newest first); each costs one small file read

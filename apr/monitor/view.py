@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apr.monitor.fmt import (
+from apr.fmt import (
     DASH,
     fmt_count,
     fmt_duration,

@@ -57,8 +57,33 @@ def find_local_stores(root: Path, depth: int = DISCOVERY_DEPTH) -> list[Path]:
     return found
 
 
+_NUMBER_COLUMNS = ("started", "ended", "heartbeat", "step", "total_steps", "last_loss", "last_val_loss",
+                   "tokens_seen", "pid", "model_params")
+_TEXT_COLUMNS = ("id", "experiment", "status", "status_reason", "host", "output_dir", "config_path", "config_hash")
+
+
+class DamagedStore(Exception):
+    """A store whose rows do not have the types apr wrote (hand-edited or corrupted)."""
+
+
+def _check_row(row: dict) -> None:
+    for col in _NUMBER_COLUMNS:
+        v = row.get(col)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise DamagedStore(f"run {str(row.get('id'))[:40]!r}: column {col!r} holds {type(v).__name__} {str(v)[:40]!r}, "
+                               "expected a number")
+    for col in _TEXT_COLUMNS:
+        v = row.get(col)
+        if v is not None and not isinstance(v, str):
+            raise DamagedStore(f"run {str(row.get('id'))[:40]!r}: column {col!r} holds {type(v).__name__}, expected text")
+    if row.get("id") is None:
+        raise DamagedStore("a run without an id")
+
+
 def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: float | None = None) -> dict:
-    """A runs-table row as the documented `apr runs ls --json` object."""
+    """A runs-table row as the documented `apr runs ls --json` object. Raises DamagedStore when the
+    row's values do not have the types apr writes."""
+    _check_row(row)
     recorded = row.get("status")
     status = "stale" if recorded in ACTIVE_STATUSES and is_stale(row, now, stale_after_s) else recorded
     started, ended, heartbeat = row.get("started"), row.get("ended"), row.get("heartbeat")
@@ -152,13 +177,13 @@ def list_runs(
             continue
         try:
             rows = store.query_runs(conn, statuses=sql_statuses, experiment=experiment, limit=sql_limit)
-        except sqlite3.Error as e:
-            listing.warnings.append(f"{path}: cannot read runs: {e}")
+            summaries = [summarize(row, path, now, stale_after_s) for row in rows]
+        except (sqlite3.Error, DamagedStore) as e:
+            listing.warnings.append(f"{path}: cannot read runs, store skipped: {e}")
             continue
         finally:
             conn.close()
-        for row in rows:
-            run = summarize(row, path, now, stale_after_s)
+        for run in summaries:
             if status is not None and run["status"] != status:
                 continue
             seen = by_id.get(run["run_id"])
@@ -177,9 +202,13 @@ def show_run(
     apr_home: Path | None = None,
     now: float | None = None,
     stale_after_s: float | None = None,
+    warnings: list[str] | None = None,
 ) -> dict:
     """Everything recorded about one run (a unique prefix of its id is enough). Without
-    ``global_`` the local stores are searched first, then the registry."""
+    ``global_`` the local stores are searched first, then the registry. Stores that cannot be
+    read are skipped and named in ``warnings``; a damaged store holding the run is an error.
+    Each checkpoint carries ``exists``: whether its file is still on disk (pruned ones are not)."""
+    warnings = [] if warnings is None else warnings
     validate_run_id(run_id)
     now = time.time() if now is None else now
     paths = _stores(global_, root, apr_home)
@@ -191,11 +220,14 @@ def show_run(
     for path in paths:
         try:
             conn = store.connect_readonly(path)
-        except AprError:
+        except AprError as e:
+            warnings.append(e.message)
             continue
         try:
             for found in store.find_run_ids(conn, run_id):
                 matches.setdefault(found, path)
+        except sqlite3.Error as e:
+            warnings.append(f"{path}: cannot read runs, store skipped: {e}")
         finally:
             conn.close()
         if run_id in matches:
@@ -220,15 +252,30 @@ def show_run(
             "ORDER BY value ASC, step ASC LIMIT 1",
             (full_id,),
         ).fetchone()
-        return {
+        detail = {
             "run": summarize(row, path, now, stale_after_s),
             "params": store.run_params(conn, full_id),
             "final_metrics": metrics,
             "best_val_loss": None if best is None else {"step": best[0], "value": best[1]},
             "artifacts": artifacts,
-            "checkpoints": [a for a in artifacts if a.get("kind") in CHECKPOINT_KINDS],
+            "checkpoints": [{**a, "exists": _exists(a.get("path"), path)} for a in artifacts
+                            if a.get("kind") in CHECKPOINT_KINDS],
             "status_history": store.status_history(conn, full_id),
             "alerts": store.alerts(conn, full_id),
         }
+    except (sqlite3.Error, DamagedStore) as e:
+        raise AprError(f"{path}: cannot read run {full_id}: {e}",
+                       [Finding("error", "track.store_damaged", f"cannot read run {full_id}: {e}", file=str(path),
+                                expected="an apr experiment store")]) from None
     finally:
         conn.close()
+    return detail
+
+
+def _exists(path, store_path: Path) -> bool:
+    """Whether a recorded file is still there. A relative path was relative to the folder apply ran
+    in, unknown here: it is also looked for in the run's output folder (the store's grandparent)."""
+    if not isinstance(path, str):
+        return False
+    p = Path(path)
+    return p.is_file() or (not p.is_absolute() and (store_path.parent.parent / p.name).is_file())

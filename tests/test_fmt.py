@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from apr.monitor.fmt import DASH, fmt_count, fmt_duration, fmt_gib, fmt_int, fmt_loss, fmt_percent, fmt_sci
+from apr.fmt import DASH, fmt_count, fmt_duration, fmt_gib, fmt_int, fmt_loss, fmt_percent, fmt_sci
 
 
 @pytest.mark.parametrize(

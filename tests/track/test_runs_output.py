@@ -1,0 +1,105 @@
+"""What `apr runs ls/show` print: formatted numbers, deleted checkpoints marked, control characters
+escaped, damaged stores skipped with a warning (issue 24 items 7, 20, 21)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.track.runs import list_runs
+
+runner = CliRunner()
+
+
+def _record(rec_factory, folder, run_id, experiment="exp", steps=3, checkpoints=()):
+    rec = rec_factory(folder, experiment=experiment, background=False, run_id=run_id)
+    rec.start()
+    for s in range(1, steps + 1):
+        rec.log_step(s, {"loss": 4.0 / s, "lr": 0.00010000000000000005, "epoch": 0.39867109634551495 * s,
+                         "tokens_seen": 163840.0 * s})
+    for step in checkpoints:
+        path = folder / f"checkpoint-step-{step}.safetensors"
+        path.write_bytes(b"x" * 10)
+        rec.checkpoint(step, path)
+    rec.finish("finished")
+    return rec
+
+
+@pytest.fixture
+def two_runs(tmp_path, recorder_factory, monkeypatch):
+    _record(recorder_factory, tmp_path / "runs" / "a", "20261122-000000-aaaa01", checkpoints=(1, 2))
+    _record(recorder_factory, tmp_path / "runs" / "b", "20261122-000000-aaaa02")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_show_formats_numbers_and_marks_deleted_checkpoints(two_runs):
+    (two_runs / "runs" / "a" / "checkpoint-step-1.safetensors").unlink()  # pruned
+    result = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa01"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "0.39867109634551495" not in out and "0.00010000000000000005" not in out
+    assert "1.19601" in out  # epoch at step 3, six significant digits
+    assert "lr             0.0001 " in out
+    assert "tokens_seen    491520 " in out  # an integral float prints as an integer (was 491520.0)
+    lines = {line.split()[1]: line for line in out.splitlines() if line.strip().startswith("step ")
+             and "sha256" in line}
+    assert lines["1"].endswith("(deleted)")
+    assert not lines["2"].endswith("(deleted)")
+    doc = json.loads(runner.invoke(app, ["runs", "show", "20261122-000000-aaaa01", "--json"]).output)
+    assert [c["exists"] for c in doc["checkpoints"]] == [False, True]
+
+
+def _tamper(db, sql, *args):
+    conn = sqlite3.connect(db)
+    conn.execute(sql, args)
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize("damage", [
+    ("UPDATE runs SET started = ?", "yesterday"),
+    ("UPDATE runs SET step = ?", "three"),
+    ("DROP TABLE runs",),
+])
+def test_a_damaged_store_is_a_warning_and_the_others_are_listed(two_runs, damage):
+    _tamper(two_runs / "runs" / "b" / ".apr" / "experiments.db", *damage)
+    listing = list_runs()
+    assert [r["run_id"] for r in listing.runs] == ["20261122-000000-aaaa01"]
+    assert len(listing.warnings) == 1 and "runs/b/.apr/experiments.db" in listing.warnings[0]
+    result = runner.invoke(app, ["runs", "ls"])
+    assert result.exit_code == 0, result.output
+    assert "aaaa01" in result.output and "warning:" in result.output and "Traceback" not in result.output
+    shown = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa01"])
+    assert shown.exit_code == 0, shown.output
+
+
+def test_show_of_a_run_in_a_damaged_store_is_a_clear_error(two_runs):
+    db = two_runs / "runs" / "a" / ".apr" / "experiments.db"
+    _tamper(db, "DROP TABLE status_history")
+    result = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa01"])
+    assert result.exit_code == 1
+    assert "error:" in result.output and str(db) in result.output and "Traceback" not in result.output
+
+
+def test_control_characters_in_records_are_escaped(two_runs):
+    db = two_runs / "runs" / "a" / ".apr" / "experiments.db"
+    _tamper(db, "UPDATE runs SET output_dir = ?, status_reason = ?, host = ?",
+            "/tmp/\x1b[2J\x1b]0;pwned\x07", "bye\x1b[2J", "h\x9bost")
+    conn = sqlite3.connect(db)
+    conn.execute("PRAGMA foreign_keys=OFF")
+    conn.execute("UPDATE experiments SET name = ?", ("ev\x1b[31mil",))
+    conn.execute("UPDATE runs SET experiment = ?", ("ev\x1b[31mil",))
+    conn.commit()
+    conn.close()
+    for args in (["runs", "ls"], ["runs", "show", "20261122-000000-aaaa01"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert "\x1b" not in result.output and "\x07" not in result.output and "\x9b" not in result.output
+        assert "ev\\x1b[31mil" in result.output
+    shown = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa01"]).output
+    assert "/tmp/\\x1b[2J\\x1b]0;pwned\\x07" in shown and "h\\x9bost" in shown
