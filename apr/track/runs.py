@@ -67,15 +67,16 @@ class DamagedStore(Exception):
 
 
 def _check_row(row: dict) -> None:
+    run = str(row.get("id"))[:40]
     for col in _NUMBER_COLUMNS:
         v = row.get(col)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise DamagedStore(f"run {str(row.get('id'))[:40]!r}: column {col!r} holds {type(v).__name__} {str(v)[:40]!r}, "
+            raise DamagedStore(f"run {run!r}: column {col!r} holds {type(v).__name__} {str(v)[:40]!r}, "
                                "expected a number")
     for col in _TEXT_COLUMNS:
         v = row.get(col)
         if v is not None and not isinstance(v, str):
-            raise DamagedStore(f"run {str(row.get('id'))[:40]!r}: column {col!r} holds {type(v).__name__}, expected text")
+            raise DamagedStore(f"run {run!r}: column {col!r} holds {type(v).__name__}, expected text")
     if row.get("id") is None:
         raise DamagedStore("a run without an id")
 
