@@ -21,6 +21,7 @@ from run_helpers import config_doc, make_dataset  # noqa: E402
 from apr.checkpoint.manager import read_checkpoint, scan  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
+
 def _env() -> dict:
     """Read at call time, after the fixture has set a private APR_HOME."""
     return {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import make_dataset, write_config  # noqa: E402
 
+
 def _env() -> dict:
     """Read at call time, after the fixture has set a private APR_HOME."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
