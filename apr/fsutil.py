@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from apr.errors import AprError, Finding
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -68,3 +72,49 @@ def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True) ->
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True, indent: int | None = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent, default=str, allow_nan=False) + "\n", fsync=fsync)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def check_output_file(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
+                      overwrite: bool = False, option: str = "--out") -> Path:
+    """Refuse an output file apr must not write: one that exists and is not a regular file (a
+    device such as /dev/null, a FIFO, a folder, a symlink; an atomic write would replace it with a
+    file), one that is one of the command's own ``inputs``, or one that
+    exists without ``overwrite``. Every command that writes a file calls this before any work."""
+    path = Path(out)
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise _output_error(path, option, f"cannot inspect {option} {path}: {e.strerror or e}",
+                            "a path apr can write", "an unreadable path") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
+                else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise _output_error(path, option, f"{option} {path} is {kind}; apr writes only regular files",
+                            "a regular file or a new path", kind)
+    for given in inputs:
+        source = Path(given)
+        if not source.exists():
+            continue
+        if st is not None and _same_file(path, source):
+            raise _output_error(path, option, f"{option} {path} is an input of this command ({source}); "
+                                "writing it would destroy the input", "a path that is not an input",
+                                f"the input {source}")
+    if st is not None and not overwrite:
+        raise _output_error(path, option, f"{option} {path} already exists; pass --overwrite to replace it",
+                            "a new path, or --overwrite", "an existing file")
+    return path
+
+
+def _output_error(path: Path, option: str, message: str, expected: str, got: str) -> AprError:
+    return AprError(message, [Finding("error", "output.refused", message, path=option, file=str(path),
+                                      expected=expected, got=got)])

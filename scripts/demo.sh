@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 
 step "1/6 Train a byte-level BPE tokenizer on the standard library's source"
-apr data train-tokenizer --builtin stdlib --vocab-size 2048 --out "$OUT/tokenizer.json"
+apr data train-tokenizer --builtin stdlib --vocab-size 2048 --overwrite --out "$OUT/tokenizer.json"
 
 step "2/6 Pretokenize the corpus into Parquet shards (seq_len 128)"
 apr data pretokenize --builtin stdlib --tokenizer "$OUT/tokenizer.json" --seq-len 128 \
@@ -22,7 +22,7 @@ step "3/6 Validate the config (schema and config-only contracts, no torch import
 apr train validate "$CONFIG"
 
 step "4/6 Plan: step algebra, memory and time budget, data and tokenizer contracts"
-apr train plan "$CONFIG" -out "$OUT/plan.json"
+apr train plan "$CONFIG" -out "$OUT/plan.json" --overwrite
 
 step "5/6 Apply the saved plan: train on the CPU"
 apr train apply "$OUT/plan.json"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 from apr.checkpoint import files
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
 from apr.errors import AprError, Finding
-from apr.fsutil import fsync_dir, make_ordinary
+from apr.fsutil import fsync_dir
 
 # Special tokens recognised by name, most specific first. A tokenizer made by `apr data
 # train-tokenizer` carries "<|endoftext|>"; the others cover tokenizers from elsewhere.
@@ -189,11 +188,12 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if overwrite and not _is_previous_export(out):
             raise AprError(
-                f"{out} is not an earlier export (no config.json + model.safetensors); --overwrite only "
+                f"{out} is not an earlier export, or holds files apr export did not write; --overwrite only "
                 "replaces a folder apr export wrote, never anything else", [Finding(
                     "error", "export.out_not_export", "refusing to replace a folder apr did not write",
-                    file=str(out), expected="an empty or missing folder, or an earlier export",
-                    got=", ".join(sorted(p.name for p in out.iterdir())[:5]) if out.is_dir() else "a file")])
+                    file=str(out), expected="an empty or missing folder, or an earlier export holding only "
+                    + ", ".join(sorted(EXPORT_FILES)),
+                    got=", ".join(sorted(p.name for p in out.iterdir())[:8]) if out.is_dir() else "a file")])
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise AprError(f"{out} already exists and is not empty; pass --overwrite to replace it",
                        [Finding("error", "export.out_exists", "output folder not empty", file=str(out))])
@@ -205,9 +205,11 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     cfg_doc, rope_form = hf_config(arch, specials, major)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    _remove_leftovers(out)
+    tmp = _temp_name(out, os.getpid())
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
-        make_ordinary(tmp, directory=True)
         weights = {k: v for k, v in state.tensors.items() if not k.startswith("optimizer.")}
         files.write_safetensors(tmp / "model.safetensors", weights, metadata={
             "format": "pt",  # transformers refuses safetensors without it
@@ -248,9 +250,41 @@ def _write_json(path: Path, doc: dict) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
+EXPORT_FILES = frozenset({"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+                          "tokenizer_config.json"})
+
+
 def _is_previous_export(out: Path) -> bool:
-    """A folder ``apr export`` wrote: config.json and model.safetensors, and nothing but files."""
-    if not out.is_dir():
+    """A folder ``apr export`` wrote and nobody added to: config.json and model.safetensors, and
+    nothing but the files an export writes (a file a user added there is never deleted)."""
+    if not out.is_dir() or out.is_symlink():
         return False
-    names = {p.name for p in out.iterdir()}
-    return {"config.json", "model.safetensors"} <= names and all(p.is_file() for p in out.iterdir())
+    entries = list(out.iterdir())
+    names = {p.name for p in entries}
+    return ({"config.json", "model.safetensors"} <= names and names <= EXPORT_FILES
+            and all(p.is_file() and not p.is_symlink() for p in entries))
+
+
+def _temp_name(out: Path, pid: int) -> Path:
+    return out.with_name(f".{out.name}.export-{pid}.tmp")
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Temp and replaced folders of an export into ``out`` whose process is gone (killed outright)."""
+    for prefix in (f".{out.name}.export-", f".{out.name}.old-"):
+        for p in out.parent.glob(f"{prefix}*"):
+            pid = p.name[len(prefix):].removesuffix(".tmp")
+            if pid.isdigit() and not _alive(int(pid)) and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

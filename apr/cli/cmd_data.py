@@ -8,13 +8,13 @@ from pathlib import Path
 
 import typer
 
+from apr.cli.render import print_error
+from apr.fsutil import check_output_file
+
 
 def _fail(err) -> None:
-    from apr.cli.render import print_findings
-
-    typer.echo(f"error: {err.message}", err=True)
-    print_findings(err.findings)
-    raise typer.Exit(1)
+    print_error(err)
+    raise typer.Exit(err.exit_code)
 
 
 def _count(value: str, flag: str) -> int:
@@ -116,6 +116,7 @@ def register(app: typer.Typer) -> None:
         glob: str = _GLOB,
         text_key: str = _TEXT_KEY,
         text_column: str = _TEXT_COLUMN,
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
     ) -> None:
         """Train a byte-level BPE tokenizer; the same input gives a byte-identical file. Exit 0 ok, 1 error."""
         from apr.data.sources import iter_documents
@@ -125,6 +126,7 @@ def register(app: typer.Typer) -> None:
         t0 = time.monotonic()
         try:
             files = _files(inputs, builtin, glob, builtin_max_bytes)
+            check_output_file(out, inputs=files, overwrite=overwrite)
             info = train_tokenizer(iter_documents(files, text_key, text_column), _count(vocab_size, "--vocab-size"),
                                    out, _split_tokens(special_tokens), min_frequency,
                                    show_progress=sys.stderr.isatty())

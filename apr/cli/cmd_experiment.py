@@ -11,18 +11,15 @@ from pathlib import Path
 
 import typer
 
+from apr.cli.render import error_exit
+from apr.cli.table import text_table
+from apr.errors import AprError
+from apr.fmt import safe_text
+
 
 class ExportFormat(StrEnum):
     parquet = "parquet"
     csv = "csv"
-
-
-def _error(err) -> int:
-    from apr.cli.render import print_findings
-
-    print(f"error: {err.message}", file=sys.stderr)
-    print_findings(err.findings)
-    return err.exit_code
 
 
 def _colour() -> bool:
@@ -41,26 +38,25 @@ def register(app: typer.Typer) -> None:
         height: int = typer.Option(24, "--height", min=10, help="Chart height in lines."),
     ) -> None:
         """Compare runs of one store: a terminal chart of a metric by step, and their params."""
-        from apr.cli.cmd_runs import _table
-        from apr.errors import AprError
         from apr.track.experiment import load_view, param_table, render_chart
 
         wanted = [r.strip() for r in runs.split(",") if r.strip()] if runs else None
         try:
             v = load_view(db, wanted, metric)
         except AprError as err:
-            raise typer.Exit(_error(err)) from None
+            raise typer.Exit(error_exit(err)) from None
         if not v.series:
             print(f"no runs in {v.db}", file=sys.stderr)
             raise typer.Exit(0)
         cols = width or min(shutil.get_terminal_size((100, 24)).columns, 160)
         print(render_chart(v, width=cols, height=height, colour=_colour()))
         for note in v.notes:
-            print(f"note: {note}", file=sys.stderr)
+            print(f"note: {safe_text(note)}", file=sys.stderr)
         if params or all_params:
             header, rows, hidden = param_table(v, all_params=all_params)
             print()
-            print(_table(header, rows) if rows else "(no params differ)")
+            cells = [[safe_text(c) for c in r] for r in rows]
+            print(text_table([safe_text(h) for h in header], cells) if rows else "(no params differ)")
             if hidden:
                 print(f"({hidden} params equal across these runs not shown; --all-params shows them)")
 
@@ -69,14 +65,20 @@ def register(app: typer.Typer) -> None:
         db: Path = typer.Option(..., "--db", help="experiments.db, a run folder (.apr/experiments.db) or an APR_HOME."),
         run: str = typer.Option(..., "--run", help="Run id (or a unique prefix)."),
         fmt: ExportFormat = typer.Option(..., "--format", help="parquet or csv."),
-        output: Path = typer.Option(..., "--out", "--output", help="File to write (replaced atomically)."),
+        output: Path | None = typer.Option(None, "--out", metavar="FILE", show_default=False,
+                                           help="File to write (a new path; written atomically)."),
+        output_alias: Path | None = typer.Option(None, "--output", hidden=True),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
     ) -> None:
         """Write one run's metrics as a table: step, time, and one column per metric."""
-        from apr.errors import AprError
         from apr.track.experiment import export_run
 
+        if output is not None and output_alias is not None:
+            raise typer.BadParameter("give --out once (--output is its old name)", param_hint="'--output'")
+        if output is None and output_alias is None:
+            raise typer.BadParameter("missing --out FILE", param_hint="'--out'")
         try:
-            result = export_run(db, run, fmt.value, output)
+            result = export_run(db, run, fmt.value, output or output_alias, overwrite=overwrite)
         except AprError as err:
-            raise typer.Exit(_error(err)) from None
+            raise typer.Exit(error_exit(err)) from None
         print(f"wrote {result.rows} rows x {len(result.columns)} columns to {result.path}")

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import typer
 
+from apr.cli.render import print_error
+from apr.errors import AprError
+
 
 class ExportFormat(StrEnum):
     hf = "hf"
@@ -22,19 +25,16 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", help="Folder to create.", show_default=False),
         tokenizer: Path | None = typer.Option(
             None, "--tokenizer", help="tokenizer.json to ship (default: the config's data.tokenizer)."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out folder."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier export in --out (only if it holds nothing else)."),
     ) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
-        from apr.cli.render import print_findings
-        from apr.errors import AprError
 
         try:
             result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite)
         except AprError as err:
-            typer.echo(f"error: {err.message}", err=True)
-            print_findings(err.findings)
-            raise typer.Exit(1) from None
+            print_error(err)
+            raise typer.Exit(err.exit_code) from None
         for w in result.warnings:
             typer.echo(f"warning: {w}", err=True)
         typer.echo(f"exported {result.checkpoint.name} (step {result.step}) to {result.out_dir}")

@@ -12,16 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from apr.cli.render import error_exit
+from apr.cli.table import text_table
 from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
 
 if TYPE_CHECKING:
     import typer
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=False)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
 
 
 def runs_table(runs: list[dict]) -> str:
@@ -38,7 +33,7 @@ def runs_table(runs: list[dict]) -> str:
         ]
         for r in runs
     ]
-    return _table(header, rows)
+    return text_table(header, rows)
 
 
 def runs_json(runs: list[dict]) -> str:

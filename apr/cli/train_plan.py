@@ -7,15 +7,20 @@ from pathlib import Path
 
 import typer
 
+from apr.cli.render import print_error
+from apr.errors import AprError
+from apr.fsutil import check_output_file
+
 
 def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
-             strict: bool, out: Path | None, verbose: bool = False) -> int:
+             strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
-    from apr.errors import AprError
     from apr.plan.build import PlanUsageError, build_plan
     from apr.plan.render import render_error_json, render_json, render_text
 
     try:
+        if out is not None:
+            check_output_file(out, inputs=[config], overwrite=overwrite, option="-out")
         plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size)
     except PlanUsageError as err:
         hint = {"plan.unknown_gpu": "'--gpu'", "plan.bad_vram": "'--vram'"}.get(
@@ -25,10 +30,7 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
         if json_out:
             sys.stdout.write(render_error_json(config, err))
         else:
-            from apr.cli.render import print_findings
-
-            print(f"error: {err.message}", file=sys.stderr)
-            print_findings(err.findings)
+            print_error(err)
         return err.exit_code
     code = plan.exit_code(strict)
     if json_out:
@@ -47,8 +49,8 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
             try:
                 save_plan(plan, out)
             except AprError as err:
-                print(f"error: {err.message}", file=sys.stderr)
-                return 1
+                print_error(err)
+                return err.exit_code
             print(f"Saved the plan to {out}; run it with: apr train apply {out}",
                   file=sys.stderr if json_out else sys.stdout)
     return code
@@ -72,8 +74,10 @@ def register(app: typer.Typer) -> None:
             None, "-out", "--out", metavar="PLAN.json",
             help="Save the plan (with the config hash and data fingerprint) for `apr train apply PLAN.json`."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="List skipped contracts and why."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing -out file."),
     ) -> None:
         """Check a run without a GPU: step algebra, architecture, data, tokenizer, memory and time.
         Exit 0 no errors, 1 errors (or warnings with --strict), 2 usage."""
         raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=json_out,
-                                  strict=strict, out=out, verbose=verbose))
+                                  strict=strict, out=out, verbose=verbose,
+                                  overwrite=overwrite))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from apr.errors import AprError, Finding
+from apr.fsutil import check_output_file, make_ordinary
 from apr.track import store
 from apr.track.names import validate_run_id
 
@@ -55,6 +56,12 @@ def resolve_db(path: Path | str) -> Path:
 def _open(db: Path | str) -> tuple[Path, sqlite3.Connection]:
     path = resolve_db(db)
     return path, store.connect_readonly(path)
+
+
+def _damaged(path: Path, err: Exception) -> AprError:
+    message = f"cannot read the experiment store {path}: {err}"
+    return AprError(message, [Finding("error", "track.store_damaged", message, file=str(path),
+                                      expected="an apr experiment store")])
 
 
 def _select_runs(conn: sqlite3.Connection, wanted: list[str] | None) -> tuple[list[str], int]:
@@ -100,11 +107,13 @@ def load_view(
         ids, omitted = _select_runs(conn, runs)
         series, params, notes = [], {}, []
         for run_id in ids:
-            points = [(s, v) for s, v in store.metric_series(conn, run_id, metric) if v is not None]
+            points = [(int(s), float(v)) for s, v in store.metric_series(conn, run_id, metric) if v is not None]
             if not points:
                 notes.append(f"run {run_id} has no {metric!r} values")
             series.append(Series(run_id, _decimate(points, max_points)))
             params[run_id] = store.run_params(conn, run_id)
+    except (sqlite3.Error, TypeError, ValueError) as e:  # a dropped table, text where a number belongs
+        raise _damaged(path, e) from None
     finally:
         conn.close()
     if omitted:
@@ -118,6 +127,7 @@ def render_chart(view: ExperimentView, width: int = 100, height: int = 24, colou
 
     fig = plt.figure
     fig.clear()
+    fig.parent().limit(False, False)  # the asked width wins over the terminal's (or the 80 of a pipe)
     fig.plot_size(max(width, 40), max(height, 10))
     fig.theme("default" if colour else "colorless")
     drawn = 0
@@ -167,18 +177,25 @@ class ExportResult:
     columns: list[str]
 
 
-def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str) -> ExportResult:
+def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str, overwrite: bool = False) -> ExportResult:
     """Write one run's metrics as a table: one row per step, columns ``step``, ``time`` (the
-    latest record time of that step) and one column per metric (null where not logged)."""
+    latest record time of that step) and one column per metric (null where not logged). The
+    output must be a new path (or an existing regular file with ``overwrite``), never the store."""
     if fmt not in EXPORT_FORMATS:
         raise AprError(f"unknown export format {fmt!r}",
                        [Finding("error", "experiment.invalid_format", f"unknown export format {fmt!r}",
                                 expected=" or ".join(EXPORT_FORMATS), got=fmt)])
     validate_run_id(run_id)
-    path, conn = _open(db)
+    path = resolve_db(db)
+    store_files = [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+    check_output_file(output, inputs=store_files, overwrite=overwrite)
+    conn = store.connect_readonly(path)
     try:
         (full_id,), _ = _select_runs(conn, [run_id])
-        rows = store.metric_rows(conn, full_id)
+        rows = [(int(s), str(k), None if v is None else float(v), float(t)) for s, k, v, t in
+                store.metric_rows(conn, full_id)]
+    except (sqlite3.Error, TypeError, ValueError) as e:
+        raise _damaged(path, e) from None
     finally:
         conn.close()
     import pyarrow as pa
@@ -197,6 +214,7 @@ def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str) -> Exp
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    make_ordinary(fd)
     os.close(fd)
     try:
         if fmt == "parquet":

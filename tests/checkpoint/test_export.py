@@ -205,3 +205,28 @@ def test_run_directory_exports_its_latest_good_checkpoint_with_a_relative_tokeni
     result = export_hf(tmp_path / "run", tmp_path / "hf")
     assert result.step == 5
     assert any("checkpoint-step-9" in w for w in result.warnings)
+
+
+def test_overwrite_refuses_an_export_folder_a_user_added_files_to(tmp_path, tokenizer_file):
+    _, _, ckpt = saved_checkpoint(tmp_path, tokenizer_file, tied=True)
+    out = tmp_path / "hf"
+    export_hf(ckpt, out)
+    (out / "README.md").write_text("my notes")  # next to the exported files
+    with pytest.raises(AprError, match="did not write"):
+        export_hf(ckpt, out, overwrite=True)
+    assert (out / "README.md").read_text() == "my notes" and (out / "model.safetensors").exists()
+
+
+def test_a_killed_exports_temp_folder_is_removed_by_the_next_export(tmp_path, tokenizer_file):
+    import subprocess
+    import sys
+
+    _, _, ckpt = saved_checkpoint(tmp_path, tokenizer_file, tied=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    leftover = tmp_path / f".hf.export-{pid}.tmp"  # what a SIGKILL mid-export leaves
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"partial")
+    export_hf(ckpt, tmp_path / "hf")
+    assert not leftover.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".hf")) == []

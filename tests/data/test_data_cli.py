@@ -183,3 +183,21 @@ def test_progress_line_on_a_terminal_and_in_a_log():
     log(3, 4, 30)  # not again within log_every
     assert log.stream.getvalue().startswith("pretokenize  50% ") and "\r" not in log.stream.getvalue()
     assert log.stream.getvalue().count("\n") == 1
+
+
+def test_train_tokenizer_never_writes_over_an_input_a_device_or_an_existing_file(tmp_path, cli, corpus):
+    corpus_file = sorted(p for p in corpus.rglob("*") if p.is_file())[0] if corpus.is_dir() else corpus
+    text = corpus_file.read_bytes()
+    res = cli("data", "train-tokenizer", corpus, "--vocab-size", "300", "--out", corpus_file, "--overwrite")
+    assert res.exit_code == 1 and "is an input of this command" in res.output and "Traceback" not in res.output
+    assert corpus_file.read_bytes() == text
+    inode = os.stat("/dev/null").st_ino
+    res = cli("data", "train-tokenizer", corpus, "--vocab-size", "300", "--out", "/dev/null", "--overwrite")
+    assert res.exit_code == 1 and "is a device" in res.output and os.stat("/dev/null").st_ino == inode
+    out = tmp_path / "tok.json"
+    out.write_text("mine")
+    res = cli("data", "train-tokenizer", corpus, "--vocab-size", "300", "--out", out)
+    assert res.exit_code == 1 and "--overwrite" in res.output and out.read_text() == "mine"
+    res = cli("data", "train-tokenizer", corpus, "--vocab-size", "300", "--out", out, "--overwrite")
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["model"]["type"] == "BPE"

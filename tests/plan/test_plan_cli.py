@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 from plan_helpers import apr_cli
 from typer.testing import CliRunner
 
 from apr.cli.main import app
 from apr.plan.examples import materialize
+from apr.plan.planfile import load_plan_file
 
 runner = CliRunner()
 
@@ -106,7 +108,6 @@ def test_vram_and_world_size_options(example_dir):
 
 
 def test_out_saves_a_plan_file_single_or_double_dash(example_dir, tmp_path):
-    from apr.plan.planfile import load_plan_file
 
     for flag in ("-out", "--out"):
         target = tmp_path / f"plan{flag}.json"
@@ -131,3 +132,22 @@ def test_plan_never_imports_torch_and_writes_nothing(example_dir):
     assert "HEAVY []" in r.stderr
     assert r.stdout.strip().splitlines()[-1].startswith("Plan: ")
     assert sorted(p.relative_to(example_dir.parent) for p in example_dir.parent.rglob("*")) == before
+
+
+def test_out_refuses_devices_inputs_and_existing_files(tmp_path, example_dir):
+    """-out never replaces a device node, the config it plans, or a file without --overwrite."""
+    before = os.stat("/dev/null")
+    r = plan(example_dir, "-out", "/dev/null")
+    assert r.exit_code == 1 and "is a device" in r.output and "Traceback" not in r.output
+    assert os.stat("/dev/null").st_ino == before.st_ino
+    config_text = example_dir.read_text()
+    r = plan(example_dir, "-out", example_dir, "--overwrite")
+    assert r.exit_code == 1 and "is an input of this command" in r.output
+    assert example_dir.read_text() == config_text
+    target = tmp_path / "plan.json"
+    target.write_text("mine")
+    r = plan(example_dir, "-out", target)
+    assert r.exit_code == 1 and "--overwrite" in r.output and target.read_text() == "mine"
+    r = plan(example_dir, "-out", target, "--overwrite")
+    assert r.exit_code == 0, r.output
+    assert load_plan_file(target)["summary"]["errors"] == 0
