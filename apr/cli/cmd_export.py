@@ -25,7 +25,8 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", help="Folder to create.", show_default=False),
         tokenizer: Path | None = typer.Option(
             None, "--tokenizer", help="tokenizer.json to ship (default: the config's data.tokenizer)."),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier export in --out (only if it holds nothing else)."),
+        overwrite: bool = typer.Option(
+            False, "--overwrite", help="Replace an earlier export in --out (only if it holds nothing else)."),,
     ) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
