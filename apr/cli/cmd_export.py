@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         tokenizer: Path | None = typer.Option(
             None, "--tokenizer", help="tokenizer.json to ship (default: the config's data.tokenizer)."),
         overwrite: bool = typer.Option(
-            False, "--overwrite", help="Replace an earlier export in --out (only if it holds nothing else)."),,
+            False, "--overwrite", help="Replace an earlier export in --out (only if it holds nothing else)."),
     ) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
