@@ -115,7 +115,8 @@ class OptimizerConfig(_Section):
 
     @property
     def resolved_min_lr(self) -> float:
-        return self.lr * 0.1 if self.min_lr is None else self.min_lr
+        # 15 significant digits: 3e-4 * 0.1 is 3e-05 here, not 2.9999999999999997e-05 in every plan
+        return float(f"{self.lr * 0.1:.15g}") if self.min_lr is None else self.min_lr
 
 
 # ------------------------------------------------------------------------------------- training

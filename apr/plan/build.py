@@ -84,8 +84,12 @@ class Plan:
         return self.execution["kernels_resolved"]
 
     def summary(self) -> dict:
+        # An info contract whose rule is false is a note, not a failure: `failed` counts errors and warnings.
+        noted = sum(r.status == "failed" and r.finding is not None and r.finding.severity == "info"
+                    for r in self.results)
         count = {s: sum(r.status == s for r in self.results) for s in ("passed", "failed", "skipped")}
-        return {**count, "contracts": len(self.results), "errors": len(self.errors),
+        count["failed"] -= noted
+        return {**count, "noted": noted, "contracts": len(self.results), "errors": len(self.errors),
                 "warnings": len(self.warnings), "info": len(self.infos)}
 
     def exit_code(self, strict: bool = False) -> int:

@@ -68,10 +68,19 @@ def _model_lines(plan) -> list[str]:
         f"LLaMA-style decoder: {arch.num_hidden_layers} layers x hidden {arch.hidden_size:,}, "
         f"{arch.num_attention_heads} heads ({arch.kv_heads} KV, head_dim {hd}), SwiGLU {arch.intermediate_size:,}, "
         f"vocab {arch.vocab_size:,}",
-        f"{m['params']:,} parameters ({format_count(m['non_embedding_params'])} non-embedding; "
-        f"tied embeddings: {'yes' if arch.tie_word_embeddings else 'no'}); "
+        f"{m['params']:,} parameters: {_params_split(plan)}; "
         f"{_giga(m['flops_per_token'])} FLOP/token (6N + attention)",
     ]
+
+
+def _params_split(plan) -> str:
+    """Where the parameters are: blocks, and the embedding (shared with the LM head when tied)."""
+    arch = plan.config.model.architecture
+    blocks = arch.num_hidden_layers * plan.facts["model"]["block_params"]
+    emb = arch.vocab_size * arch.hidden_size
+    if arch.tie_word_embeddings:
+        return f"{format_count(blocks)} in the blocks, {format_count(emb)} in the embedding tied to the LM head"
+    return f"{format_count(blocks)} in the blocks, {format_count(emb)} embedding + {format_count(emb)} LM head"
 
 
 def _dataset_line(name: str, d: dict | None, text: str | None) -> str:
