@@ -8,19 +8,12 @@ from pathlib import Path
 
 import typer
 
-from apr.cli.render import print_error
+from apr.config.numbers import parse_count
+from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file
 
 
-def _fail(err) -> None:
-    print_error(err)
-    raise typer.Exit(err.exit_code)
-
-
 def _count(value: str, flag: str) -> int:
-    from apr.config.numbers import parse_count
-    from apr.errors import AprError, Finding
-
     try:
         return parse_count(value)
     except ValueError as e:
@@ -30,7 +23,6 @@ def _count(value: str, flag: str) -> int:
 def _files(inputs: list[Path] | None, builtin: str | None, glob: str | None, builtin_max_bytes: str) -> list[Path]:
     from apr.data.corpus import builtin_corpus_files
     from apr.data.sources import expand_inputs
-    from apr.errors import AprError, Finding
 
     if not inputs and not builtin:
         raise AprError("no input given", [Finding("error", "data.input", "give INPUT files or folders, or --builtin "
@@ -121,17 +113,12 @@ def register(app: typer.Typer) -> None:
         """Train a byte-level BPE tokenizer; the same input gives a byte-identical file. Exit 0 ok, 1 error."""
         from apr.data.sources import iter_documents
         from apr.data.tokenizer import train_tokenizer
-        from apr.errors import AprError
 
         t0 = time.monotonic()
-        try:
-            files = _files(inputs, builtin, glob, builtin_max_bytes)
-            check_output_file(out, inputs=files, overwrite=overwrite)
-            info = train_tokenizer(iter_documents(files, text_key, text_column), _count(vocab_size, "--vocab-size"),
-                                   out, _split_tokens(special_tokens), min_frequency,
-                                   show_progress=sys.stderr.isatty())
-        except AprError as err:
-            _fail(err)
+        files = _files(inputs, builtin, glob, builtin_max_bytes)
+        check_output_file(out, inputs=files, overwrite=overwrite)
+        info = train_tokenizer(iter_documents(files, text_key, text_column), _count(vocab_size, "--vocab-size"),
+                               out, _split_tokens(special_tokens), min_frequency, show_progress=sys.stderr.isatty())
         if info["vocab_size"] < info["requested_vocab_size"]:
             typer.echo(f"warning: the input allows only {info['vocab_size']} tokens, fewer than --vocab-size "
                        f"{info['requested_vocab_size']}; give more text or a smaller size", err=True)
@@ -163,7 +150,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Tokenize documents, pack them into rows of seq_len + 1 tokens, write Parquet shards. Exit 0 ok, 1 error."""
         from apr.data.pretokenize import pretokenize
-        from apr.errors import AprError
 
         t0 = time.monotonic()
         progress = ProgressLine("pretokenize")
@@ -172,10 +158,8 @@ def register(app: typer.Typer) -> None:
             manifest = pretokenize(files, tokenizer, _count(seq_len, "--seq-len"), out, val_fraction=val_fraction,
                                    shard_rows=shard_rows, seed=seed, text_key=text_key, text_column=text_column,
                                    column=input_column, eot_token=eot_token, overwrite=overwrite, progress=progress)
-        except AprError as err:
+        finally:
             progress.close()
-            _fail(err)
-        progress.close()
         seconds = time.monotonic() - t0
         splits = manifest["splits"]
         parts = ", ".join(f"{name} {info['rows']:,} rows in {len(info['shards'])} shard"

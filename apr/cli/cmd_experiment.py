@@ -11,9 +11,7 @@ from pathlib import Path
 
 import typer
 
-from apr.cli.render import error_exit
 from apr.cli.table import text_table
-from apr.errors import AprError
 from apr.fmt import safe_text
 
 
@@ -41,10 +39,7 @@ def register(app: typer.Typer) -> None:
         from apr.track.experiment import load_view, param_table, render_chart
 
         wanted = [r.strip() for r in runs.split(",") if r.strip()] if runs else None
-        try:
-            v = load_view(db, wanted, metric)
-        except AprError as err:
-            raise typer.Exit(error_exit(err)) from None
+        v = load_view(db, wanted, metric)
         if not v.series:
             print(f"no runs in {v.db}", file=sys.stderr)
             raise typer.Exit(0)
@@ -77,8 +72,5 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter("give --out once (--output is its old name)", param_hint="'--output'")
         if output is None and output_alias is None:
             raise typer.BadParameter("missing --out FILE", param_hint="'--out'")
-        try:
-            result = export_run(db, run, fmt.value, output or output_alias, overwrite=overwrite)
-        except AprError as err:
-            raise typer.Exit(error_exit(err)) from None
+        result = export_run(db, run, fmt.value, output or output_alias, overwrite=overwrite)
         print(f"wrote {result.rows} rows x {len(result.columns)} columns to {result.path}")

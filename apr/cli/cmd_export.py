@@ -7,9 +7,6 @@ from pathlib import Path
 
 import typer
 
-from apr.cli.render import print_error
-from apr.errors import AprError
-
 
 class ExportFormat(StrEnum):
     hf = "hf"
@@ -31,11 +28,7 @@ def register(app: typer.Typer) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
 
-        try:
-            result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite)
-        except AprError as err:
-            print_error(err)
-            raise typer.Exit(err.exit_code) from None
+        result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite)
         for w in result.warnings:
             typer.echo(f"warning: {w}", err=True)
         typer.echo(f"exported {result.checkpoint.name} (step {result.step}) to {result.out_dir}")

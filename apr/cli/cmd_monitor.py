@@ -44,7 +44,6 @@ def register(app: typer.Typer) -> None:
 
         Exit 0 ok (with --follow: the run ended), 1 no state / no active run / timeout, 2 usage.
         """
-        from apr.errors import AprError
 
         if follow and not json_out:
             raise typer.BadParameter(
@@ -64,12 +63,6 @@ def register(app: typer.Typer) -> None:
                 code = launch.print_json_once(run_dir, refresh, not no_history)
             else:
                 code = launch.run_dashboard(run_dir, refresh, timeout)
-        except AprError as err:
-            from apr.cli.render import print_findings
-
-            typer.echo(f"error: {err.message}", err=True)
-            print_findings([f for f in err.findings if f.message != err.message])
-            raise typer.Exit(err.exit_code) from None
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         raise typer.Exit(code)

@@ -9,7 +9,7 @@ import sys
 def run() -> None:
     # We use no pydantic plugins; skipping their entry-point scan saves ~40 ms per start.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    from apr.cli.validate_cmd import fast_path
+    from apr.cli.cmd_train_validate import fast_path
 
     code = fast_path(sys.argv[1:])
     if code is None:  # `apr runs ls [--global] [--json]`, which agents poll, also skips typer

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from typer.core import TyperGroup
 
 from apr.cli import (
     cmd_data,
@@ -13,12 +14,32 @@ from apr.cli import (
     cmd_monitor,
     cmd_runs,
     cmd_schema,
-    train_apply,
-    train_plan,
-    train_validate,
+    cmd_train_apply,
+    cmd_train_plan,
+    cmd_train_validate,
 )
+from apr.cli.render import print_error
+from apr.errors import AprError
+
+_DEBUG = {"on": False}
+
+
+class AprGroup(TyperGroup):
+    """The root command group: the one place an AprError raised by any command is shown
+    (``error: ...`` and its findings on stderr) and turned into its exit code; --debug re-raises."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except AprError as err:
+            if _DEBUG["on"]:
+                raise
+            print_error(err)
+            ctx.exit(err.exit_code)
+
 
 app = typer.Typer(
+    cls=AprGroup,
     name="apr",
     help="Plan, apply and record language-model training from one YAML file.",
     no_args_is_help=True,
@@ -34,9 +55,6 @@ app.add_typer(train_app, name="train")
 app.add_typer(data_app, name="data")
 app.add_typer(runs_app, name="runs")
 app.add_typer(experiment_app, name="experiment")
-
-_DEBUG = {"on": False}
-
 
 def _print_version(value: bool) -> None:
     if value:
@@ -56,9 +74,9 @@ def _root(
     _DEBUG["on"] = debug
 
 
-train_validate.register(train_app)
-train_plan.register(train_app)
-train_apply.register(train_app)
+cmd_train_validate.register(train_app)
+cmd_train_plan.register(train_app)
+cmd_train_apply.register(train_app)
 cmd_data.register(data_app)
 cmd_runs.register(runs_app)
 cmd_experiment.register(experiment_app)
@@ -69,16 +87,5 @@ cmd_schema.register(app)
 
 def run() -> None:
     """Console-script entry point."""
-    from apr.errors import AprError
-
-    debug = "--debug" in sys.argv[1:]
-    try:
-        app(standalone_mode=True)
-    except AprError as err:  # raised outside a command's own handling
-        if debug:
-            raise
-        from apr.cli.render import print_findings
-
-        print(f"error: {err.message}", file=sys.stderr)
-        print_findings(err.findings)
-        sys.exit(err.exit_code)
+    _DEBUG["on"] = "--debug" in sys.argv[1:]
+    app(standalone_mode=True)

@@ -77,8 +77,6 @@ def _check_row(row: dict) -> None:
         v = row.get(col)
         if v is not None and not isinstance(v, str):
             raise DamagedStore(f"run {run!r}: column {col!r} holds {type(v).__name__}, expected text")
-    if row.get("id") is None:
-        raise DamagedStore("a run without an id")
 
 
 def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: float | None = None) -> dict:

@@ -1,14 +1,19 @@
-"""The body of `apr train validate`, importable without typer so the CI fast path stays quick."""
+"""`apr train validate CONFIG`: schema (and config-only contracts) check, no torch import.
+
+Importable without typer (typer is imported inside `register`), so the CI fast path stays quick."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import typer
 
 
 def run_validate(config: Path, json_out: bool) -> int:
     """Validate ``config``; print findings (text or JSON); return the exit code (0 valid, 1 invalid)."""
-    from apr.cli.render import findings_json, print_findings
+    from apr.cli.render import findings_json, print_error, print_findings
     from apr.config import load_config
     from apr.errors import ConfigError
     from apr.plan.validate import config_findings
@@ -20,8 +25,7 @@ def run_validate(config: Path, json_out: bool) -> int:
         if json_out:
             print(findings_json(err.findings, file=str(config), valid=False))
         else:
-            print(f"error: {err.message}", file=sys.stderr)
-            print_findings(err.findings)
+            print_error(err)
         return 1
     errors = [f for f in findings if f.severity == "error"]
     if json_out:
@@ -45,3 +49,15 @@ def fast_path(argv: list[str]) -> int | None:
     if len(paths) != 1 or paths[0].startswith("-"):
         return None  # let typer produce its usage errors and help
     return run_validate(Path(paths[0]), json_out)
+
+
+def register(app: typer.Typer) -> None:
+    import typer
+
+    @app.command("validate")
+    def validate(
+        config: Path = typer.Argument(..., metavar="CONFIG", help="Training config (YAML).", show_default=False),
+        json_out: bool = typer.Option(False, "--json", help="Print findings as JSON."),
+    ) -> None:
+        """Check a config's schema and its config-only contracts. Exit 0 valid, 1 invalid, 2 usage."""
+        raise typer.Exit(run_validate(config, json_out))

@@ -33,8 +33,6 @@ def register(app: typer.Typer) -> None:
         """Train. Runs the plan first and refuses on error findings. Exit 0 finished, 1 error, failure or
         stop by an alert, 130/143 stopped by SIGINT/SIGTERM (a checkpoint is written first)."""
         from apr.cli.progress import TerminalProgress
-        from apr.cli.render import print_findings
-        from apr.errors import AprError
         from apr.train.apply import run_apply
 
         progress = TerminalProgress()
@@ -42,12 +40,8 @@ def register(app: typer.Typer) -> None:
             result = run_apply(target, seed=seed, device=None if device is None else str(device),
                                max_steps=max_steps, resume=resume, force=force, gpu=gpu, vram=vram,
                                echo=progress.echo, progress=progress.update)
-        except AprError as err:
+        finally:
             progress.close()
-            typer.echo(f"error: {err.message}", err=True)
-            print_findings(err.findings)
-            raise typer.Exit(1) from None
-        progress.close()
         if not result.is_main:  # under torchrun only rank 0 reports
             raise typer.Exit(result.exit_code)
         lines = [f"run {result.run_id}: {result.status}" + (f" ({result.reason})" if result.reason else ""),
