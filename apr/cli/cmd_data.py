@@ -98,7 +98,8 @@ def register(app: typer.Typer) -> None:
         inputs: list[Path] = _INPUTS,
         vocab_size: str = typer.Option(..., "--vocab-size", show_default=False,
                                        help="Vocabulary size including special tokens (32768, 32_768, 32K)."),
-        out: Path = typer.Option(..., "--out", show_default=False, help="The tokenizer.json to write."),
+        out: Path = typer.Option(..., "--out", metavar="FILE", show_default=False,
+                                 help="The tokenizer.json to write."),
         special_tokens: list[str] = typer.Option(
             None, "--special-tokens", "--special-token", show_default=False,
             help="Extra special tokens, repeatable or comma-separated; <|endoftext|> is always id 0."),
@@ -133,7 +134,7 @@ def register(app: typer.Typer) -> None:
         tokenizer: Path = typer.Option(..., "--tokenizer", show_default=False, help="A tokenizer.json."),
         seq_len: str = typer.Option(..., "--seq-len", show_default=False,
                                     help="Training sequence length; each row holds seq_len + 1 tokens."),
-        out: Path = typer.Option(..., "--out", show_default=False,
+        out: Path = typer.Option(..., "--out", metavar="DIR", show_default=False,
                                  help="Folder to create: train/, val/, manifest.json."),
         val_fraction: float = typer.Option(0.0, "--val-fraction", help="Share of rows held out in val/ (0 <= F < 1)."),
         shard_rows: int = typer.Option(4096, "--shard-rows", min=1, help="Rows per Parquet shard."),

@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
             ..., show_default=False,
             help="checkpoint-*.json or .safetensors, or a run directory (its latest good checkpoint)."),
         fmt: ExportFormat = typer.Option(ExportFormat.hf, "--format", help="Output format (hf)."),
-        out: Path = typer.Option(..., "--out", help="Folder to create.", show_default=False),
+        out: Path = typer.Option(..., "--out", metavar="DIR", help="Folder to create.", show_default=False),
         tokenizer: Path | None = typer.Option(
             None, "--tokenizer", help="tokenizer.json to ship (default: the config's data.tokenizer)."),
         overwrite: bool = typer.Option(

@@ -18,6 +18,7 @@ from apr.cli import (
     cmd_train_plan,
     cmd_train_validate,
 )
+from apr.cli.help import tidy_help
 from apr.cli.render import print_error
 from apr.errors import AprError
 
@@ -26,7 +27,12 @@ _DEBUG = {"on": False}
 
 class AprGroup(TyperGroup):
     """The root command group: the one place an AprError raised by any command is shown
-    (``error: ...`` and its findings on stderr) and turned into its exit code; --debug re-raises."""
+    (``error: ...`` and its findings on stderr) and turned into its exit code; --debug re-raises.
+    Its help, and every subcommand's, uses readable metavars (apr.cli.help)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        tidy_help(self)
 
     def invoke(self, ctx):
         try:
