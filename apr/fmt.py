@@ -50,6 +50,11 @@ def fmt_sci(v) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def fmt_epoch(v) -> str:
+    """Epochs with two decimals: 0.0498339 -> '0.05'; 12 -> '12.00'."""
+    return f"{v:.2f}" if _ok(v) else DASH
+
+
 def fmt_duration(seconds) -> str:
     """42 -> '42s'; 724 -> '12m 04s'; 11100 -> '3h 05m'; 137000 -> '1d 14h 03m'."""
     if not _ok(seconds) or seconds < 0:

@@ -22,3 +22,9 @@ def test_numbers():
     assert fmt_loss(2.43121) == "2.4312" and fmt_loss(201.34) == "201.3" and fmt_loss(float("nan")) == DASH
     assert fmt_sci(0.0003) == "3.00e-4" and fmt_sci(0.42) == "0.420" and fmt_sci(0) == "0"
     assert fmt_gib(15_246_000_000) == "14.2" and fmt_percent(0.674) == "67.4%"
+
+
+def test_epoch_has_two_decimals():
+    from apr.fmt import fmt_epoch
+
+    assert fmt_epoch(0.0498339) == "0.05" and fmt_epoch(12) == "12.00" and fmt_epoch(None) == DASH

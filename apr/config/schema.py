@@ -204,7 +204,9 @@ class TrainingConfig(_Section):
 class ChartConfig(_Section):
     type: str = Field("loss_curve", description="Chart kind: loss_curve.")
     metric: str = Field("loss")
-    window: PositiveCount = Field(100, description="Smoothing window (EMA span).")
+    window: PositiveCount | None = Field(
+        None, description="Smoothing window (EMA span in steps). Default: from the run's length, "
+                          "total_steps / 50 between 1 and 100, so a short run's curve does not lag.")
     show_eta: bool = True
 
 

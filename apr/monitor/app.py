@@ -24,6 +24,7 @@ from textual.widget import Widget
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
+from apr.fmt import fmt_duration, fmt_epoch
 from apr.monitor.charts import Series, bar, ema, line_chart, sparkline
 from apr.monitor.discover import ActiveRun
 from apr.monitor.settings import MonitorSettings, load_settings
@@ -118,7 +119,7 @@ class HeaderBar(Panel):
         left = view.step_text + " "
         right = "" if view.fraction is None else f" {100 * view.fraction:.1f}%"
         if view.epoch is not None:
-            right += f"  ep {view.epoch:g}"
+            right += f"  ep {fmt_epoch(view.epoch)}"
         line2 = Text(left)
         bar_w = width - len(left) - len(right)
         if view.fraction is not None and bar_w >= 5:
@@ -407,7 +408,8 @@ class MonitorApp(App[None]):
     def _push_chart(self) -> None:
         state = self.reader.state if self.reader else None
         chart = self.query_one("#loss", LossChart)
-        chart.border_title = f"Loss (EMA {self.settings.ema_window})"
+        window = self._ema_window(state)
+        chart.border_title = f"Loss (EMA {window})"
         if state is None or not (state["loss_history"] or state["val_loss_history"]):
             chart.border_subtitle = ""
             chart.set_value(None)
@@ -417,7 +419,12 @@ class MonitorApp(App[None]):
         chart.border_subtitle = (
             "log" if log_used else ("linear (log needs loss > 0)" if self.log_scale else "linear")
         )
-        chart.set_value((train, val, self.settings.ema_window, log_used))
+        chart.set_value((train, val, window, log_used))
+
+    def _ema_window(self, state: dict | None) -> int:
+        state = state or {}
+        history = state.get("loss_history") or ()
+        return self.settings.window_for(state.get("total_steps"), history[-1][0] if history else None)
 
     def _push_header(self) -> None:
         state = self.reader.state if self.reader else None
@@ -462,12 +469,10 @@ class MonitorApp(App[None]):
         if isinstance(self.screen, HelpScreen):
             self.screen.dismiss(None)
             return
-        from apr.fmt import fmt_duration
-
         self.push_screen(
             HelpScreen(
                 HELP.format(
-                    window=self.settings.ema_window,
+                    window=self._ema_window(self.reader.state if self.reader else None),
                     refresh=self.settings.refresh_ms,
                     stale=fmt_duration(self.stale_after_s),
                 )

@@ -13,14 +13,14 @@ from pathlib import Path
 from apr.config.numbers import parse_count
 
 DEFAULT_REFRESH_MS = 1000
-DEFAULT_EMA_WINDOW = 100
+MAX_AUTO_EMA_WINDOW = 100
 MIN_REFRESH_MS = 50  # faster than this only burns CPU
 
 
 @dataclass(frozen=True)
 class MonitorSettings:
     refresh_ms: int = DEFAULT_REFRESH_MS
-    ema_window: int = DEFAULT_EMA_WINDOW  # EMA span in steps for the loss chart
+    ema_window: int | None = None  # EMA span in steps for the loss chart; None: from the run's length
     show_eta: bool = True
     source: str = "default"  # where refresh_ms came from: "option", "config.yaml" or "default"
     note: str | None = None  # why config.yaml was not used, when it exists but could not be read
@@ -29,8 +29,18 @@ class MonitorSettings:
     def refresh_s(self) -> float:
         return self.refresh_ms / 1000.0
 
+    def window_for(self, total_steps, last_step=None) -> int:
+        """The EMA span: the configured one, else total_steps / 50 within 1..100 (a 200-step run
+        smooths over 4 steps, not 100: its curve would lag the loss by most of the run)."""
+        if self.ema_window:
+            return self.ema_window
+        steps = total_steps if isinstance(total_steps, int) and total_steps > 0 else last_step
+        if not isinstance(steps, int) or steps <= 0:
+            return MAX_AUTO_EMA_WINDOW
+        return max(1, min(MAX_AUTO_EMA_WINDOW, round(steps / 50)))
 
-def _positive(value, default: int) -> int:
+
+def _positive(value, default: int | None) -> int | None:
     try:
         n = parse_count(value)
     except ValueError:
@@ -41,7 +51,7 @@ def _positive(value, default: int) -> int:
 def load_settings(run_dir: str | os.PathLike | None, refresh_ms: int | None = None) -> MonitorSettings:
     """Settings for watching ``run_dir``. An explicit ``refresh_ms`` (the --refresh option) wins
     over `monitoring.terminal.refresh_rate` in ``run_dir/config.yaml``, which wins over 1000 ms."""
-    refresh, window, show_eta, source, note = DEFAULT_REFRESH_MS, DEFAULT_EMA_WINDOW, True, "default", None
+    refresh, window, show_eta, source, note = DEFAULT_REFRESH_MS, None, True, "default", None
     path = Path(run_dir) / "config.yaml" if run_dir is not None else None
     if path is not None and path.is_file():
         try:
@@ -68,7 +78,7 @@ def load_settings(run_dir: str | os.PathLike | None, refresh_ms: int | None = No
                 else None
             )
             if loss_chart is not None:
-                window = _positive(loss_chart.get("window", DEFAULT_EMA_WINDOW), DEFAULT_EMA_WINDOW)
+                window = _positive(loss_chart["window"], None) if loss_chart.get("window") is not None else None
                 show_eta = loss_chart.get("show_eta", True) is not False
     if refresh_ms is not None:
         refresh, source = refresh_ms, "option"

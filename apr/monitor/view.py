@@ -110,14 +110,17 @@ def stats_lines(state: dict | None, show_eta: bool = True) -> tuple[tuple[str, s
 
 
 def checkpoint_text(state: dict) -> str:
-    """'step 12,000 @ 3h 02m' (run time at the save, not wall-clock: the same on every screen)."""
+    """'step 12,000 @ 3h 02m': the run's elapsed time at the save, on the same clock as the
+    ``elapsed`` row (never later than it, also after a resume), the same on every screen."""
     ckpt = state.get("last_checkpoint")
     if not ckpt or ckpt.get("step") is None:
         return "none yet"
     text = f"step {fmt_int(ckpt['step'])}"
-    started = num(state.get("started_at"))
-    if ckpt.get("time") is not None and started is not None and ckpt["time"] >= started:
-        text += f" @ {fmt_duration(ckpt['time'] - started)}"
+    saved, elapsed, heartbeat = num(ckpt.get("time")), num(state.get("elapsed_s")), num(state.get("heartbeat"))
+    if saved is not None and elapsed is not None and heartbeat is not None and saved <= heartbeat:
+        at = elapsed - (heartbeat - saved)
+        if at >= 0:
+            text += f" @ {fmt_duration(at)}"
     return text
 
 

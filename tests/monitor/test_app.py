@@ -56,7 +56,7 @@ EXPECTED = {
     "mid_run": {
         "header": ["● RUNNING", "step 12,847 / 19,073", "67.4%", "ep 25.59"],
         "stats": ["tok/s   18,432", "tokens  6.74B / 10B  67.4%", "elapsed 10h 33m", "ETA     5h 06m",
-                  "loss    1.7162  val 1.9155", "ckpt    step 12,000 @ 9h 51m"],
+                  "loss    1.7162  val 1.9155", "ckpt    step 12,000 @ 9h 18m"],
         "loss": ["┤", "•", "└1", "12.8K"],
         "gpu": ["util ", " 82%", "VRAM 14.2 / 24.0 GiB  59%", "72°C  312 W"],
         "lr": ["1.20e-6 → 9.82e-5  max 3.00e-4"],

@@ -90,6 +90,6 @@ def test_settings_come_from_the_option_then_the_run_config_then_defaults(tmp_pat
 def test_a_bad_run_config_falls_back_to_defaults(tmp_path, text):
     (tmp_path / "config.yaml").write_text(text)
     s = load_settings(tmp_path)
-    assert (s.refresh_ms, s.ema_window, s.show_eta) == (1000, 100, True)
+    assert (s.refresh_ms, s.ema_window, s.show_eta) == (1000, None, True)
     if text == "monitoring: [":
         assert s.note and "config.yaml not used" in s.note

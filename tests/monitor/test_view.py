@@ -1,0 +1,16 @@
+"""apr.monitor.view: what the run panel says (issue 24 item 9)."""
+
+from apr.monitor.view import checkpoint_text
+
+
+def test_checkpoint_time_is_on_the_elapsed_clock_after_a_resume():
+    # Started at t=0, stopped, resumed after an hour of downtime: elapsed (1000 s) is run time.
+    state = {"started_at": 0.0, "heartbeat": 5000.0, "elapsed_s": 1000.0,
+             "last_checkpoint": {"step": 40, "time": 4900.0}}
+    text = checkpoint_text(state)
+    assert text == "step 40 @ 15m 00s"  # 1000 - (5000 - 4900) s, never later than elapsed (was 1h 21m)
+
+
+def test_checkpoint_without_clock_fields_shows_only_its_step():
+    assert checkpoint_text({"last_checkpoint": {"step": 5, "time": 10.0}}) == "step 5"
+    assert checkpoint_text({}) == "none yet"
