@@ -24,7 +24,8 @@ def test_a_short_runs_smoothed_loss_follows_the_loss():
 
 
 def test_an_explicit_window_in_the_run_config_wins(tmp_path):
-    (tmp_path / "config.yaml").write_text("monitoring:\n  terminal:\n    charts:\n      - {type: loss_curve, window: 7}\n")
+    charts = "monitoring:\n  terminal:\n    charts:\n"
+    (tmp_path / "config.yaml").write_text(charts + "      - {type: loss_curve, window: 7}\n")
     assert load_settings(tmp_path).window_for(200) == 7
-    (tmp_path / "config.yaml").write_text("monitoring:\n  terminal:\n    charts:\n      - {type: loss_curve}\n")
+    (tmp_path / "config.yaml").write_text(charts + "      - {type: loss_curve}\n")
     assert load_settings(tmp_path).window_for(200) == 4
