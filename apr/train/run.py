@@ -28,6 +28,7 @@ import torch
 
 from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
+from apr.rate import RateMeter
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -356,6 +357,7 @@ class Run:
                     recorder.log_eval(0, val_v)
                     self._echo_val(0, val_v, best=False)
                 t_log, step_log = time.perf_counter(), step
+                meter = RateMeter()  # the printed tok/s and ETA: an EMA over wall time, not one interval
                 while step < self.total_steps:
                     step += 1
                     micro = [self.loader.next_batch() for _ in range(tr.gradient_accumulation)]
@@ -376,7 +378,8 @@ class Run:
                         loss_v = float((self.dp.average_(loss_t) if self.dp is not None else loss_t).item())
                         gn = float(result.grad_norm.item())
                         now = time.perf_counter()
-                        rate = (step - step_log) * self.tokens_per_step / max(now - t_log, 1e-9)
+                        tokens, seconds = (step - step_log) * self.tokens_per_step, max(now - t_log, 1e-9)
+                        rate = tokens / seconds
                         t_log, step_log = now, step
                         metrics = {"loss": loss_v, "lr": lr, "grad_norm": gn, "tokens_per_s": rate,
                                    "epoch": self.loader.epoch + self.loader.position
@@ -385,9 +388,10 @@ class Run:
                         if result.skipped:
                             metrics["skipped_steps"] = 1
                         recorder.log_step(step, metrics)
-                        eta = (self.total_steps - step) * self.tokens_per_step / rate if rate else None
+                        smooth = meter.add(tokens, seconds) or rate
+                        eta = meter.eta((self.total_steps - step) * self.tokens_per_step)
                         self.echo(f"{self._step_label(step)}  loss {loss_v:.4f}  lr {lr:.2e}  "
-                                  f"gnorm {gn:.3f}  {_fmt_rate(rate)} tok/s  eta {_fmt_eta(eta)}")
+                                  f"gnorm {gn:.3f}  {_fmt_rate(smooth)} tok/s  eta {_fmt_eta(eta)}")
                         fired = recorder.check_alerts(metrics)
                         for alert in fired:
                             self.echo(f"alert ({alert.action}) at step {step}: {alert.message}")

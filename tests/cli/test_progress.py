@@ -32,3 +32,26 @@ def test_no_bar_when_not_a_terminal():
     p.echo("a line")
     p.close()
     assert out.getvalue() == "a line\n"
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_bar_labels_elapsed_and_a_smoothed_eta():
+    out, clock = FakeTty(), FakeClock()
+    p = TerminalProgress(out, clock=clock)
+    p.update(0, 100)
+    assert "elapsed 0s  ETA –" in p._line  # no rate yet: no made-up ETA
+    for step in range(1, 51):  # 2 steps/s
+        clock.t += 0.5
+        p.update(step, 100)
+    assert "50/100" in p._line and "elapsed 25s  ETA 25s  2 steps/s" in p._line
+    clock.t += 3.0  # one slow step (another process took the CPU)
+    p.update(51, 100)
+    eta = p._line.split("ETA ")[1].split("  ")[0]
+    assert eta in ("26s", "27s", "28s", "29s"), p._line  # a per-step rate would say 2m 27s
