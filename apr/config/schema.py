@@ -6,12 +6,31 @@ rejected (``extra="forbid"``); counts accept ``32_768``, ``512K``, ``10B``, ``1.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 from apr.config.numbers import parse_bytes, parse_count
+
+# Experiment names and run ids: letters, digits, '.', '_' and '-'; starts with a letter or digit;
+# never '..'; at most 128 characters (they become folder names and SQL values, and are printed).
+SAFE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SAFE_NAME_RULE = "1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit, no '..'"
+
+
+def is_safe_name(value: object) -> bool:
+    return isinstance(value, str) and bool(SAFE_NAME_RE.match(value)) and ".." not in value
+
+
+def _safe_name(value: object) -> object:
+    if value is not None and not is_safe_name(value):
+        raise ValueError(f"invalid experiment name: expected {SAFE_NAME_RULE}, got {value!r}")
+    return value
+
+
+ExperimentName = Annotated[str | None, BeforeValidator(_safe_name)]
 
 _COUNT_SCHEMA = {
     "anyOf": [
@@ -224,7 +243,9 @@ class TrackingBackend(StrEnum):
 class TrackingConfig(_Section):
     enabled: bool = True
     backend: TrackingBackend = TrackingBackend.sqlite
-    experiment: str | None = Field(None, description="Experiment name. Default: the name of training.output_dir.")
+    experiment: ExperimentName = Field(
+        None, description="Experiment name (1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit, no "
+                          "'..'). Default: the name of training.output_dir.")
     tags: dict[str, str] = Field(default_factory=dict)
 
 

@@ -8,14 +8,12 @@ import secrets
 import time
 from pathlib import Path
 
+from apr.config.schema import SAFE_NAME_RULE, is_safe_name
 from apr.errors import AprError, Finding
-
-# Letters, digits, '.', '_' and '-'; starts with a letter or digit; never '..'; at most 128 chars.
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def _check(value: str, what: str, code: str) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value) or ".." in value:
+    if not is_safe_name(value):
         raise AprError(
             f"invalid {what} {value!r}",
             [
@@ -23,7 +21,7 @@ def _check(value: str, what: str, code: str) -> str:
                     "error",
                     code,
                     f"invalid {what} {value!r}",
-                    expected="1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit, no '..'",
+                    expected=SAFE_NAME_RULE,
                     got=repr(value),
                 )
             ],

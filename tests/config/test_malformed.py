@@ -95,6 +95,10 @@ MUTATIONS = [
     ("alert-no-cond", "monitoring.alerts", [{"action": "stop"}], "monitoring.alerts[0].condition"),
     ("tags-list", "monitoring.tracking", {"tags": ["a"]}, "monitoring.tracking.tags"),
     ("top-typo", "trainig", {"epochs": 1}, "trainig"),
+    # experiment names that apply's recorder refuses fail validate already (issue 24 item 21)
+    ("experiment-traversal", "monitoring.tracking", {"experiment": "evil/../x"}, "monitoring.tracking.experiment"),
+    ("experiment-escape", "monitoring.tracking", {"experiment": "a\x1b[2Jb"}, "monitoring.tracking.experiment"),
+    ("experiment-dotdot", "monitoring.tracking", {"experiment": "a..b"}, "monitoring.tracking.experiment"),
 ]
 
 
