@@ -169,3 +169,29 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"  {manifest['tokens_total']:,} tokens from {manifest['documents']:,} documents in "
                    f"{len(files):,} files, {seconds:.1f} s ({manifest['tokens_total'] / max(seconds, 1e-9) / 1e6:.2f}M "
                    f"tokens/s); {manifest['tokens_dropped']:,} tokens of the last partial row dropped")
+
+    @app.command("synth")
+    def synth_cmd(
+        like: Path = typer.Option(..., "--like", metavar="CONFIG", show_default=False,
+                                  help="The training config whose data to imitate."),
+        out: Path = typer.Option(..., "--out", metavar="DIR", show_default=False,
+                                 help="Folder under which the config's relative data paths are written."),
+        train_rows: int | None = typer.Option(None, "--train-rows", min=1, show_default=False,
+                                              help="Train sequences (default: what the config's run consumes)."),
+        val_rows: int | None = typer.Option(None, "--val-rows", min=1, show_default=False,
+                                            help="Val sequences (default: 16 batches)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier stand-in."),
+    ) -> None:
+        """Write stand-in data of a config's shape (shards + tokenizer) so `apr train plan` runs on a
+        fresh clone. Not text: do not train on it. Exit 0 ok, 1 error."""
+        from apr.data.standin import synth_like
+
+        t0 = time.monotonic()
+        s = synth_like(like, out, train_rows=train_rows, val_rows=val_rows, overwrite=overwrite)
+        typer.echo(f"wrote a stand-in for {like} under {s.out} in {time.monotonic() - t0:.1f} s:")
+        typer.echo(f"  train      {s.train}  {s.train_rows:,} sequences x {s.row_len:,} tokens")
+        if s.val is not None:
+            typer.echo(f"  val        {s.val}  {s.val_rows:,} sequences x {s.row_len:,} tokens")
+        if s.tokenizer is not None:
+            typer.echo(f"  tokenizer  {s.tokenizer}  {s.vocab_size:,} tokens")
+        typer.echo(f"plan it from that folder: cd {s.out} && apr train plan {Path(like).resolve()}")

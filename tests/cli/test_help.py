@@ -11,7 +11,7 @@ from apr.cli.main import app
 
 runner = CliRunner()
 COMMANDS = [["train", "validate"], ["train", "plan"], ["train", "apply"], ["data", "train-tokenizer"],
-            ["data", "pretokenize"], ["runs", "ls"], ["runs", "show"], ["experiment", "view"],
+            ["data", "pretokenize"], ["data", "synth"], ["runs", "ls"], ["runs", "show"], ["experiment", "view"],
             ["experiment", "export"], ["monitor"], ["export"], ["schema"]]
 
 
