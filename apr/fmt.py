@@ -7,9 +7,61 @@ import math
 import re
 import time
 
-from apr.config.numbers import format_count
-
 DASH = "–"
+
+
+def format_count(n: float) -> str:
+    """Short form for display: 1234567 -> '1.23M'."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
+
+
+def format_bytes(n: float) -> str:
+    for suffix, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {suffix}"
+    return f"{int(n)} B"
+
+
+def fmt_number(value) -> str:
+    """Counts in plan text: '67,977'; floats in 4 significant digits; '?' when unknown."""
+    if value is None:
+        return "?"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    return f"{value:,}"
+
+
+def fmt_giga(value: float) -> str:
+    """A FLOP count with SI prefixes (G, not B): 2.69G."""
+    return format_count(value).replace("B", "G")
+
+
+def fmt_flops(value: float) -> str:
+    return f"{value:.3g} FLOP"
+
+
+def fmt_lr(value: float) -> str:
+    """Learning rates in plan text: 3e-05, 0.0003."""
+    return f"{value:.3g}"
+
+
+def fmt_rate(v: float) -> str:
+    """Tokens per second in step lines: 412, 12.4k, 1.23M."""
+    return f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
+def fmt_estimate(seconds: float) -> str:
+    """A modelled duration, as rounded as the model behind it: '45 s', '18.5 min', '3.2 h', '4.1 days'."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 def _ok(v) -> bool:

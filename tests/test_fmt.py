@@ -28,3 +28,16 @@ def test_epoch_has_two_decimals():
     from apr.fmt import fmt_epoch
 
     assert fmt_epoch(0.0498339) == "0.05" and fmt_epoch(12) == "12.00" and fmt_epoch(None) == DASH
+
+
+def test_one_module_formats_numbers():
+    """No other module defines its own number formatter (issue 13 item 8)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "apr"
+    pattern = re.compile(r"^def _?(fmt|format)_?(n|count|bytes|rate|eta|lr|giga|flops|duration|time|loss)\b|"
+                         r"^def _(n|lr|giga|flops|fmt)\(", re.M)
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if p.name != "fmt.py" and pattern.search(p.read_text())]
+    assert offenders == []

@@ -52,18 +52,3 @@ def parse_bytes(value: object) -> int:
         if m and m.group(2).upper() in _BYTE_SUFFIX:
             return int(float(m.group(1).replace("_", "")) * _BYTE_SUFFIX[m.group(2).upper()])
     raise ValueError(f"expected a memory size such as 24GiB, 80GB or 16G, got {value!r}")
-
-
-def format_count(n: float) -> str:
-    """Short form for display: 1234567 -> '1.23M'."""
-    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return f"{n:g}"
-
-
-def format_bytes(n: float) -> str:
-    for suffix, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {suffix}"
-    return f"{int(n)} B"

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from apr.cel import CelError, compile_expr, evaluate
-from apr.config.numbers import format_bytes, format_count
 from apr.errors import ConfigError, Finding
+from apr.fmt import fmt_estimate, fmt_giga, format_bytes, format_count
 
 SEVERITIES = ("error", "warning", "info")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -279,16 +279,6 @@ def _split_format(body: str) -> tuple[str, str]:
     return (m.group(1).strip(), m.group(2)) if m else (body.strip(), "")
 
 
-def format_duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f} min"
-    if seconds < 2 * 86400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 86400:.1f} days"
-
-
 def format_value(value: Any, fmt: str = "") -> str:
     if fmt == "bytes":
         return format_bytes(value)
@@ -297,9 +287,9 @@ def format_value(value: Any, fmt: str = "") -> str:
     if fmt == "count":
         return format_count(value)
     if fmt == "flops":
-        return format_count(value).replace("B", "G") + "FLOP"
+        return fmt_giga(value) + "FLOP"
     if fmt == "duration":
-        return format_duration(value)
+        return fmt_estimate(value)
     if fmt == "raw":
         return str(value)
     if fmt == "float":

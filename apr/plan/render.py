@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import textwrap
-from typing import Any
 
-from apr.config.numbers import format_bytes, format_count
 from apr.errors import AprError, Finding
-from apr.plan.contracts import format_duration
+from apr.fmt import fmt_estimate, fmt_flops, fmt_giga, fmt_lr, fmt_number, format_bytes, format_count
 
 WIDTH = 100
 _COLOURS = {"error": "31", "warning": "33", "info": "36", "ok": "32", "dim": "2", "bold": "1"}
@@ -22,27 +20,6 @@ _COLOURS = {"error": "31", "warning": "33", "info": "36", "ok": "32", "dim": "2"
 
 def _c(text: str, what: str, colour: bool) -> str:
     return f"\x1b[{_COLOURS[what]}m{text}\x1b[0m" if colour else text
-
-
-def _n(value: Any) -> str:
-    if value is None:
-        return "?"
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    return f"{value:,}"
-
-
-def _flops(value: float) -> str:
-    return f"{value:.3g} FLOP"
-
-
-def _giga(value: float) -> str:
-    """A count with SI prefixes for FLOPs (G, not B): 2.69G."""
-    return format_count(value).replace("B", "G")
-
-
-def _lr(value: float) -> str:
-    return f"{value:.3g}"
 
 
 def _section(title: str, colour: bool) -> str:
@@ -69,7 +46,7 @@ def _model_lines(plan) -> list[str]:
         f"{arch.num_attention_heads} heads ({arch.kv_heads} KV, head_dim {hd}), SwiGLU {arch.intermediate_size:,}, "
         f"vocab {arch.vocab_size:,}",
         f"{m['params']:,} parameters: {_params_split(plan)}; "
-        f"{_giga(m['flops_per_token'])} FLOP/token (6N + attention)",
+        f"{fmt_giga(m['flops_per_token'])} FLOP/token (6N + attention)",
     ]
 
 
@@ -94,16 +71,16 @@ def _dataset_line(name: str, d: dict | None, text: str | None) -> str:
         return f"{name:<10} {text}  (no .parquet shards)"
     if d.get("unreadable"):
         return f"{name:<10} {text}  ({d['unreadable']} of {d['shards']} shards unreadable)"
-    parts = [f"{_n(d.get('sequences'))} sequences"]
+    parts = [f"{fmt_number(d.get('sequences'))} sequences"]
     if d.get("row_len") is not None:
-        parts[0] += f" x {_n(d['row_len'])} tokens"
+        parts[0] += f" x {fmt_number(d['row_len'])} tokens"
     elif d.get("row_len_uniform") is False:
         parts[0] += " (ragged rows)"
     parts.append(f"{d['shards']} shard{'s' if d['shards'] != 1 else ''}")
     if d.get("bytes") is not None:
         parts.append(format_bytes(d["bytes"]))
     if d.get("has_statistics"):
-        parts.append(f"max token id {_n(d['max_token_id'])}")
+        parts.append(f"max token id {fmt_number(d['max_token_id'])}")
     elif d.get("column_present") and d.get("column_is_int_list"):
         parts.append("no statistics")
     return f"{name:<10} {text}  {', '.join(parts)}"
@@ -129,23 +106,23 @@ def _data_lines(plan) -> list[str]:
 def _schedule_lines(plan) -> list[str]:
     c, f = plan.config, plan.facts
     tr, sch = c.training, f["schedule"]
-    lines = [f"{_n(sch['sequences_per_step'])} sequences/step = batch_size {c.data.batch_size} x "
+    lines = [f"{fmt_number(sch['sequences_per_step'])} sequences/step = batch_size {c.data.batch_size} x "
              f"gradient_accumulation {tr.gradient_accumulation} x world_size {plan.world_size} "
-             f"({_n(sch['tokens_per_step'])} tokens)"]
+             f"({fmt_number(sch['tokens_per_step'])} tokens)"]
     steps = f.get("steps")
     if steps is None:
         lines.append(f"steps unknown without readable training data (epochs {tr.epochs}, max_steps "
-                     f"{_n(tr.max_steps)})")
+                     f"{fmt_number(tr.max_steps)})")
     else:
-        cap = f"max_steps {_n(tr.max_steps)}" if tr.max_steps is not None else "no max_steps"
-        lines.append(f"steps_per_epoch {_n(steps['steps_per_epoch'])} x epochs {tr.epochs} = "
-                     f"{_n(steps['epoch_steps'])}; {cap} -> {_n(steps['total_steps'])} steps "
+        cap = f"max_steps {fmt_number(tr.max_steps)}" if tr.max_steps is not None else "no max_steps"
+        lines.append(f"steps_per_epoch {fmt_number(steps['steps_per_epoch'])} x epochs {tr.epochs} = "
+                     f"{fmt_number(steps['epoch_steps'])}; {cap} -> {fmt_number(steps['total_steps'])} steps "
                      f"({steps['epochs_run']:.3g} epochs)")
     total = steps["total_steps"] if steps else tr.max_steps
     frac = f" ({tr.warmup_steps / total:.1%})" if total else ""
     sched = str(tr.lr_scheduler)
-    after = (f"then constant at {_lr(c.optimizer.lr)}" if sched == "constant"
-             else f"then {sched} from {_lr(c.optimizer.lr)} to {_lr(c.optimizer.resolved_min_lr)}")
+    after = (f"then constant at {fmt_lr(c.optimizer.lr)}" if sched == "constant"
+             else f"then {sched} from {fmt_lr(c.optimizer.lr)} to {fmt_lr(c.optimizer.resolved_min_lr)}")
     lines.append(f"warmup {tr.warmup_steps:,} steps{frac}, {after}")
     if steps is not None:
         lines.append(f"{format_count(steps['total_tokens'])} tokens ({steps['tokens_per_param']:.3g} per parameter); "
@@ -204,11 +181,11 @@ def _time_lines(plan, colour: bool) -> list[str]:
     label = plan.target.gpu.label if plan.target and plan.target.gpu else "the target"
     return [
         _section("Time (estimate)", colour),
-        f"  {format_count(te['tokens'])} tokens x {_giga(te['flops_per_token'])} FLOP/token = "
-        f"{_flops(te['total_flops'])}; tokens from {te['basis']}",
+        f"  {format_count(te['tokens'])} tokens x {fmt_giga(te['flops_per_token'])} FLOP/token = "
+        f"{fmt_flops(te['total_flops'])}; tokens from {te['basis']}",
         f"  at an assumed {te['assumed_mfu']:.0%} MFU of {te['peak_flops_per_gpu'] / 1e12:,.1f} TFLOP/s "
         f"({te['precision']} peak of {label}) x {te['gpus']} GPU{'s' if te['gpus'] != 1 else ''}: "
-        f"~{format_duration(te['estimated_seconds'])}",
+        f"~{fmt_estimate(te['estimated_seconds'])}",
     ]
 
 

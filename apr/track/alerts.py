@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apr.errors import AprError, Finding
+from apr.fmt import fmt_float
 
 # Metric names a condition may use -> the metrics key they read.
 ALERT_VARIABLES: dict[str, str] = {
@@ -173,7 +174,7 @@ class AlertEvaluator:
                 was_active = self._active[i]
                 self._active[i] = result
                 if result and (action == "stop" or not was_active):
-                    shown = ", ".join(f"{k}={_fmt(v)}" for k, v in variables.items())
+                    shown = ", ".join(f"{k}={fmt_float(v)}" for k, v in variables.items())
                     text = (message or f"alert: {condition}") + (f" ({shown})" if shown else "")
                     fired.append(
                         Alert(
@@ -186,7 +187,3 @@ class AlertEvaluator:
                         )
                     )
         return fired
-
-
-def _fmt(value: Any) -> str:
-    return f"{value:.6g}" if isinstance(value, float) else str(value)

@@ -28,6 +28,7 @@ import torch
 
 from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
+from apr.fmt import fmt_duration, fmt_rate
 from apr.rate import RateMeter
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -108,17 +109,6 @@ def _in_main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
-
-
-def _fmt_rate(v: float) -> str:
-    return f"{v / 1e6:.2f}M" if v >= 1e6 else f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
-
-
-def _fmt_eta(s: float | None) -> str:
-    if s is None or not math.isfinite(s):
-        return "?"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 class Run:
@@ -391,7 +381,7 @@ class Run:
                         smooth = meter.add(tokens, seconds) or rate
                         eta = meter.eta((self.total_steps - step) * self.tokens_per_step)
                         self.echo(f"{self._step_label(step)}  loss {loss_v:.4f}  lr {lr:.2e}  "
-                                  f"gnorm {gn:.3f}  {_fmt_rate(smooth)} tok/s  eta {_fmt_eta(eta)}")
+                                  f"gnorm {gn:.3f}  {fmt_rate(smooth)} tok/s  eta {fmt_duration(eta)}")
                         fired = recorder.check_alerts(metrics)
                         for alert in fired:
                             self.echo(f"alert ({alert.action}) at step {step}: {alert.message}")

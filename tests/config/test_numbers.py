@@ -1,6 +1,7 @@
 import pytest
 
-from apr.config.numbers import format_bytes, format_count, parse_bytes, parse_count
+from apr.config.numbers import parse_bytes, parse_count
+from apr.fmt import format_bytes, format_count
 
 
 @pytest.mark.parametrize(
