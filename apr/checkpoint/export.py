@@ -175,16 +175,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
 
     out = Path(out)
     warnings: list[str] = []
-    state = _read_weights(checkpoint, warnings)
-    info = state.info
-    assert info is not None
-    try:
-        config = AprConfig.model_validate(info.config)
-    except Exception as err:  # pydantic ValidationError
-        raise CheckpointError(f"{info.json_path.name}: its stored config does not validate: {err}",
-                              info.json_path, "not_apr") from None
-    arch = config.model.architecture
-
+    # The output is checked before the checkpoint is read: a refusal is instant at any model size.
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if overwrite and not _is_previous_export(out):
             raise AprError(
@@ -197,6 +188,16 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise AprError(f"{out} already exists and is not empty; pass --overwrite to replace it",
                        [Finding("error", "export.out_exists", "output folder not empty", file=str(out))])
+    state = _read_weights(checkpoint, warnings)
+    info = state.info
+    assert info is not None
+    try:
+        config = AprConfig.model_validate(info.config)
+    except Exception as err:  # pydantic ValidationError
+        raise CheckpointError(f"{info.json_path.name}: its stored config does not validate: {err}",
+                              info.json_path, "not_apr") from None
+    arch = config.model.architecture
+
     tok_path = _resolve_tokenizer(tokenizer, config, info)
     specials = _special_tokens(tok_path, arch.vocab_size)
     if specials["eos"] is None:

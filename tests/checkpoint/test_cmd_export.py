@@ -36,3 +36,20 @@ def test_export_errors_and_usage(tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "o")])
     assert res.exit_code == 1 and "no checkpoint in" in res.output
+
+
+def test_export_never_replaces_a_device_or_a_fifo(tmp_path, tokenizer_file):  # noqa: F811
+    import os
+    import stat
+
+    config = make_config(**ARCH, **{"data.tokenizer": str(tokenizer_file)})
+    ckpt = CheckpointManager(tmp_path / "run", config).save(TrainState(3, make_tensors(config), {}))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    inode = os.stat("/dev/null").st_ino
+    for out in ("/dev/null", str(fifo)):
+        for extra in ([], ["--overwrite"]):
+            res = runner.invoke(app, ["export", str(ckpt), "--out", out, *extra])
+            assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and os.stat("/dev/null").st_ino == inode
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
