@@ -83,10 +83,17 @@ class Panel(Widget):
     def set_value(self, value: object) -> bool:
         if self._set and value == self.value:
             return False
+        # A relayout lands a frame later than a plain redraw: ask for one only when the height
+        # changes, so a panel's new text and the header's new step show in the same frame.
+        relayout = self.RESIZES and (not self._set or self.lines(value) != self.lines(self.value))
         self.value, self._set = value, True
         self.updates += 1
-        self.refresh(layout=self.RESIZES)
+        self.refresh(layout=relayout)
         return True
+
+    def lines(self, value: object) -> int | None:
+        """The height ``value`` needs (RESIZES panels); None when unknown (always relayout)."""
+        return None
 
     def build(self, width: int, height: int) -> Text:  # overridden
         return Text(str(self.value))
@@ -157,6 +164,9 @@ class LossChart(Panel):
 class StatsPanel(Panel):
     RESIZES = True
 
+    def lines(self, value: object) -> int | None:
+        return len(value) if isinstance(value, tuple) else None
+
     def build(self, width: int, height: int) -> Text:
         rows = self.value or ()
         text = Text()
@@ -170,6 +180,9 @@ class StatsPanel(Panel):
 
 class GpuPanel(Panel):
     RESIZES = True
+
+    def lines(self, value: object) -> int | None:
+        return 0 if value is None else 1 + len(value[2])  # type: ignore[index]
 
     def build(self, width: int, height: int) -> Text:
         if self.value is None:

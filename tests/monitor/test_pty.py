@@ -113,6 +113,14 @@ def test_the_monitor_shows_a_live_training_run_in_a_real_terminal(tmp_path, _pri
                     seen.append(shown)
             if "FINISHED" in screen.text and seen and seen[-1][0] == 300:
                 break
+        # The frame that showed FINISHED may have arrived in several reads (the header first): read
+        # until the terminal is quiet, then take the final screen.
+        for _ in range(5):
+            _read(monitor, screen, 0.1)
+        step = re.search(r"step ([\d,]+) / 300", screen.text)
+        loss = re.search(r"│loss\s+(\d+\.\d{4})", screen.text)
+        if step and loss and (int(step.group(1).replace(",", "")), loss.group(1)) != seen[-1]:
+            seen.append((int(step.group(1).replace(",", "")), loss.group(1)))
         assert trainer.wait(timeout=60) == 0, log.read_text()
         steps = [s for s, _ in seen]
         assert len(set(steps)) >= 3, seen  # the screen changed while the run went on
