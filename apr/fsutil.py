@@ -9,9 +9,10 @@ import json
 import os
 import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from apr.errors import AprError, Finding
 
@@ -45,15 +46,19 @@ def make_ordinary(fd_or_path: int | str | os.PathLike, directory: bool = False) 
         os.chmod(fd_or_path, mode)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
+@contextmanager
+def atomic_path(path: str | os.PathLike, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temp path beside ``path`` (ordinary mode) for a writer that wants a file name (pyarrow,
+    a library's ``save``); when the block ends cleanly the temp file is fsynced and renamed over
+    ``path`` and the folder fsynced; on any error it is removed and ``path`` is untouched."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         make_ordinary(fd)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
+        os.close(fd)
+        yield Path(tmp)
+        if fsync:
+            with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -64,6 +69,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True)
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, fsync: bool = True) -> Iterator[BinaryIO]:
+    """Yield a binary file to write ``path``'s new content into, with the guarantees of
+    :func:`atomic_path`: the one atomic write every apr writer uses (see docs/design.md)."""
+    with atomic_path(path, fsync=fsync) as tmp, open(tmp, "wb") as f:
+        yield f
+        f.flush()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
+    with atomic_open(path, fsync=fsync) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True) -> None:

@@ -17,12 +17,11 @@ import os
 import re
 import struct
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from apr.fsutil import fsync_dir, make_ordinary
+from apr.fsutil import atomic_open, fsync_dir
 
 STEP_PREFIX = "checkpoint-step-"
 BEST_STEM = "checkpoint-best"
@@ -75,37 +74,24 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any],
     head += b" " * (-len(head) % 8)
     prefix = struct.pack("<Q", len(head))
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     digest = hashlib.sha256()
     size = 0
-    try:
-        make_ordinary(fd)
-        with os.fdopen(fd, "wb") as f:
-            for part in (prefix, head):
-                f.write(part)
-                digest.update(part)
-                size += len(part)
-            for name in names:
-                t = tensors[name].detach()
-                if t.device.type != "cpu":
-                    t = t.to("cpu")
-                t = t.contiguous()
-                if t.numel() == 0:
-                    continue
-                buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                f.write(buf)
-                digest.update(buf)
-                size += buf.nbytes
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
+    with atomic_open(path) as f:
+        for part in (prefix, head):
+            f.write(part)
+            digest.update(part)
+            size += len(part)
+        for name in names:
+            t = tensors[name].detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            t = t.contiguous()
+            if t.numel() == 0:
+                continue
+            buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            f.write(buf)
+            digest.update(buf)
+            size += buf.nbytes
     return digest.hexdigest(), size
 
 

@@ -6,15 +6,13 @@ plotext and pyarrow are imported inside the functions that use them.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from apr.errors import AprError, Finding
-from apr.fsutil import check_output_file, make_ordinary
+from apr.fsutil import atomic_path, check_output_file
 from apr.track import store
 from apr.track.names import validate_run_id
 
@@ -213,10 +211,7 @@ def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str, overwr
     table = pa.table(columns)
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    make_ordinary(fd)
-    os.close(fd)
-    try:
+    with atomic_path(out) as tmp:
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
@@ -225,11 +220,4 @@ def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str, overwr
             import pyarrow.csv as pcsv
 
             pcsv.write_csv(table, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return ExportResult(path=out, rows=table.num_rows, columns=table.column_names)

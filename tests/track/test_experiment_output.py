@@ -95,3 +95,15 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_export_file_mode_follows_the_umask_like_a_plain_open(tmp_path, sweep):  # noqa: F811
+    old = os.umask(0o027)
+    try:
+        result = _export(sweep, tmp_path / "m.csv")
+        with open(tmp_path / "plain", "w"):
+            pass
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m.csv").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o640
