@@ -21,6 +21,7 @@ from pathlib import Path
 
 from apr.checkpoint import files
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
+from apr.checkpoint.names import is_optimizer_state
 from apr.errors import AprError, Finding
 from apr.fsutil import fsync_dir
 
@@ -211,7 +212,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        weights = {k: v for k, v in state.tensors.items() if not k.startswith("optimizer.")}
+        weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
         files.write_safetensors(tmp / "model.safetensors", weights, metadata={
             "format": "pt",  # transformers refuses safetensors without it
             "apr_step": str(info.step),

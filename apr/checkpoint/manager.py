@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from apr.checkpoint import files
+from apr.checkpoint.names import expected_tensors, is_optimizer_state, tensor_mismatches, torch_mismatches
 from apr.errors import AprError, Finding
 from apr.fsutil import atomic_write_json, fsync_dir
 
 FORMAT = "apr-checkpoint"
 FORMAT_VERSION = 1
-OPT_M = "optimizer.m."
-OPT_V = "optimizer.v."
 
 # Keys the manager writes into the JSON; the trainer's meta sits beside them and may not reuse them.
 RESERVED_KEYS = frozenset({
@@ -105,38 +104,6 @@ def _architecture(config: Any):
     if isinstance(config, Mapping):
         return Architecture.model_validate(config["model"]["architecture"])
     return config.model.architecture
-
-
-def expected_tensors(arch) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a checkpoint of this model holds: weights, AdamW m and v."""
-    from apr.model.spec import param_specs
-
-    out: dict[str, tuple[int, ...]] = {}
-    for p in param_specs(arch):
-        out[p.name] = p.shape
-    for p in param_specs(arch):
-        out[OPT_M + p.name] = p.shape
-        out[OPT_V + p.name] = p.shape
-    return out
-
-
-def tensor_mismatches(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, str],
-                      arch) -> list[str]:
-    """Human-readable differences between the tensors present and those the model needs."""
-    want = expected_tensors(arch)
-    problems = []
-    missing = [n for n in want if n not in shapes]
-    extra = [n for n in shapes if n not in want]
-    if missing:
-        problems.append(f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
-    if extra:
-        problems.append(f"{len(extra)} unexpected tensor(s), e.g. {', '.join(sorted(extra)[:3])}")
-    for name, shape in want.items():
-        if name in shapes and tuple(shapes[name]) != tuple(shape):
-            problems.append(f"{name} has shape {list(shapes[name])}, the model needs {list(shape)}")
-        if name in dtypes and dtypes[name] != "float32":
-            problems.append(f"{name} is {dtypes[name]}, checkpoints hold float32")
-    return problems
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -251,14 +218,14 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
     except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
         raise CheckpointError(f"{info.json_path.name}: its config has no valid model.architecture ({err})",
                               info.json_path, "not_apr") from None
-    problems = tensor_mismatches(shapes, dtypes, own_arch)
+    problems = tensor_mismatches(shapes, dtypes, expected_tensors(own_arch))
     if problems:
         raise CheckpointError(
             f"{info.weights_path.name} does not hold the model its JSON describes (foreign file): "
             + "; ".join(problems[:4]), info.weights_path, "foreign")
     if config is not None:
         arch = _architecture(config)
-        problems = tensor_mismatches(shapes, dtypes, arch)
+        problems = tensor_mismatches(shapes, dtypes, expected_tensors(arch))
         if problems:
             raise CheckpointError(
                 f"{info.json_path.name} was saved for a different model than the config describes: "
@@ -272,7 +239,7 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
     try:
         if weights_only:
             with safe_open(str(info.weights_path), framework="pt") as f:
-                tensors = {n: f.get_tensor(n) for n in f.keys() if not n.startswith(("optimizer.",))}
+                tensors = {n: f.get_tensor(n) for n in f.keys() if not is_optimizer_state(n)}
         else:
             tensors = load_file(str(info.weights_path))
     except Exception as err:  # safetensors raises its own SafetensorError
@@ -406,19 +373,7 @@ class CheckpointManager:
     # --------------------------------------------------------------------------------- save
 
     def _check_state(self, state: TrainState) -> None:
-        shapes = {n: tuple(t.shape) for n, t in state.tensors.items()}
-        dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in state.tensors.items()}
-        want = self._expected
-        problems = []
-        missing = [n for n in want if n not in shapes]
-        extra = [n for n in shapes if n not in want]
-        if missing:
-            problems.append(f"missing {missing[:3]}")
-        if extra:
-            problems.append(f"unexpected {sorted(extra)[:3]}")
-        problems += [f"{n}: shape {list(shapes[n])} != {list(s)}" for n, s in want.items()
-                     if n in shapes and shapes[n] != tuple(s)]
-        problems += [f"{n}: dtype {d} (want float32)" for n, d in dtypes.items() if d != "float32"]
+        problems = torch_mismatches(state.tensors, self._expected)
         if problems:
             raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
         clash = RESERVED_KEYS & set(state.meta)

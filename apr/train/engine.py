@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from apr.checkpoint import names
 from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels import KernelBackend, get_backend
@@ -135,18 +136,11 @@ class Engine:
     def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
-    def _expected_state_names(self) -> list[str]:
-        names = [s.name for _, specs in group_specs(self.config) for s in specs]
-        return names + [f"optimizer.m.{n}" for n in names] + [f"optimizer.v.{n}" for n in names]
-
     def _check_state_names(self, tensors: dict[str, torch.Tensor]) -> None:
-        expected = set(self._expected_state_names())
-        missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-        if missing or unexpected:
-            raise AprError(
-                f"checkpoint tensors do not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
-                f", unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-            )
+        want = names.state_shapes((s.name, s.shape) for _, specs in group_specs(self.config) for s in specs)
+        problems = names.torch_mismatches(tensors, want)
+        if problems:
+            raise AprError("checkpoint tensors do not match the model: " + "; ".join(problems[:5]))
 
 
 class InterleavedEngine(Engine):
@@ -430,18 +424,15 @@ class InterleavedEngine(Engine):
             ms, vs = g.views(g.exp_avg), g.views(g.exp_avg_sq)
             for s, p, m, v in zip(g.specs, g.params, ms, vs, strict=True):
                 out[s.name] = p.detach()
-                out[f"optimizer.m.{s.name}"] = m
-                out[f"optimizer.v.{s.name}"] = v
+                out[names.OPT_M + s.name] = m
+                out[names.OPT_V + s.name] = v
         return out
 
     @torch.no_grad()
     def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._check_state_names(tensors)
         for name, dst in self.train_state_tensors().items():
-            src = tensors[name]
-            if tuple(src.shape) != tuple(dst.shape):
-                raise AprError(f"checkpoint tensor {name}: shape {tuple(src.shape)}, model {tuple(dst.shape)}")
-            dst.copy_(src)
+            dst.copy_(tensors[name])
 
 
 class StandardEngine(Engine):
@@ -515,8 +506,8 @@ class StandardEngine(Engine):
         for name, p in self.named.items():
             state = self.optimizer.state.get(p, {})
             out[name] = p.detach()
-            out[f"optimizer.m.{name}"] = state.get("exp_avg", torch.zeros_like(p))
-            out[f"optimizer.v.{name}"] = state.get("exp_avg_sq", torch.zeros_like(p))
+            out[names.OPT_M + name] = state.get("exp_avg", torch.zeros_like(p))
+            out[names.OPT_V + name] = state.get("exp_avg_sq", torch.zeros_like(p))
         return out
 
     @torch.no_grad()
@@ -528,8 +519,8 @@ class StandardEngine(Engine):
             step_device = p.device if fused else "cpu"
             self.optimizer.state[p] = {
                 "step": torch.tensor(float(self.optimizer_steps), dtype=torch.float32, device=step_device),
-                "exp_avg": tensors[f"optimizer.m.{name}"].to(p.device, torch.float32).clone(),
-                "exp_avg_sq": tensors[f"optimizer.v.{name}"].to(p.device, torch.float32).clone(),
+                "exp_avg": tensors[names.OPT_M + name].to(p.device, torch.float32).clone(),
+                "exp_avg_sq": tensors[names.OPT_V + name].to(p.device, torch.float32).clone(),
             }
 
     def load_meta_state(self, meta: dict) -> None:

@@ -1,0 +1,66 @@
+"""The names of the tensors in a checkpoint, and the one check that a set of tensors is a model's.
+
+A checkpoint holds each parameter under its Hugging Face Llama name and its AdamW moments under
+``optimizer.m.<name>`` and ``optimizer.v.<name>``, all float32. The engines, the checkpoint manager
+and export spell these names only through this module (see docs/design.md, "Checkpoints").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+OPTIMIZER_PREFIX = "optimizer."
+OPT_M = "optimizer.m."  # AdamW first moment of a parameter
+OPT_V = "optimizer.v."  # AdamW second moment
+STORED_DTYPE = "float32"
+
+
+def moment_names(param: str) -> tuple[str, str]:
+    """(first-moment name, second-moment name) of a parameter."""
+    return OPT_M + param, OPT_V + param
+
+
+def is_optimizer_state(name: str) -> bool:
+    return name.startswith(OPTIMIZER_PREFIX)
+
+
+def state_shapes(params: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of these (name, shape) parameters holds: the
+    weights, then the first moments, then the second moments."""
+    params = [(n, tuple(s)) for n, s in params]
+    out = dict(params)
+    out.update((OPT_M + n, s) for n, s in params)
+    out.update((OPT_V + n, s) for n, s in params)
+    return out
+
+
+def expected_tensors(arch) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of this model (an ``Architecture``) holds."""
+    from apr.model.spec import param_specs
+
+    return state_shapes((p.name, p.shape) for p in param_specs(arch))
+
+
+def tensor_mismatches(shapes: Mapping[str, Iterable[int]], dtypes: Mapping[str, str],
+                      want: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Human-readable differences between the tensors present (name -> shape, name -> dtype name)
+    and those wanted: missing, unexpected, wrong shape, not float32. Empty when they match."""
+    problems = []
+    missing = [n for n in want if n not in shapes]
+    extra = sorted(n for n in shapes if n not in want)
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s), e.g. {', '.join(missing[:3])}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensor(s), e.g. {', '.join(extra[:3])}")
+    for name, shape in want.items():
+        if name in shapes and tuple(shapes[name]) != tuple(shape):
+            problems.append(f"{name} has shape {list(shapes[name])}, the model needs {list(shape)}")
+        if name in dtypes and dtypes[name] != STORED_DTYPE:
+            problems.append(f"{name} is {dtypes[name]}, checkpoints hold {STORED_DTYPE}")
+    return problems
+
+
+def torch_mismatches(tensors: Mapping[str, object], want: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """:func:`tensor_mismatches` for a dict of torch tensors."""
+    return tensor_mismatches({n: tuple(t.shape) for n, t in tensors.items()},
+                             {n: str(t.dtype).removeprefix("torch.") for n, t in tensors.items()}, want)

@@ -1,0 +1,63 @@
+"""apr/checkpoint/names.py: the checkpoint's tensor names and the one model check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apr.checkpoint.names import expected_tensors, is_optimizer_state, moment_names, tensor_mismatches, torch_mismatches
+from apr.model.spec import param_specs
+from tests.checkpoint.conftest import make_config, make_tensors
+
+
+def test_every_parameter_has_weights_and_two_moments_of_its_shape():
+    arch = make_config().model.architecture
+    want = expected_tensors(arch)
+    specs = param_specs(arch)
+    assert len(want) == 3 * len(specs)
+    for p in specs:
+        m, v = moment_names(p.name)
+        assert want[p.name] == want[m] == want[v] == tuple(p.shape)
+        assert is_optimizer_state(m) and is_optimizer_state(v) and not is_optimizer_state(p.name)
+
+
+def test_a_model_state_matches_and_each_kind_of_difference_is_named():
+    config = make_config()
+    want = expected_tensors(config.model.architecture)
+    tensors = make_tensors(config)
+    assert torch_mismatches(tensors, want) == []
+    name = "model.norm.weight"
+    m, _ = moment_names(name)
+    del tensors[m]
+    tensors["optimizer.w.stray"] = torch.zeros(1)
+    tensors[name] = torch.zeros(3)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].half()
+    problems = torch_mismatches(tensors, want)
+    assert any("missing 1" in p and m in p for p in problems)
+    assert any("1 unexpected" in p and "optimizer.w.stray" in p for p in problems)
+    assert any(p.startswith(name) and "shape [3]" in p for p in problems)
+    assert any(p.startswith("lm_head.weight") and "float16" in p for p in problems)
+
+
+@pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
+def test_both_engines_write_the_names_the_checkpoint_expects(engine_kind):
+    from apr.train.engine import build_engine
+
+    config = make_config(**{"training.engine": engine_kind})
+    engine = build_engine(config, torch.device("cpu"))
+    tensors = engine.train_state_tensors()
+    assert tensor_mismatches({n: tuple(t.shape) for n, t in tensors.items()}, {},
+                             expected_tensors(config.model.architecture)) == []
+
+
+@pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
+def test_both_engines_refuse_a_state_of_another_shape_naming_the_tensor(engine_kind):
+    from apr.errors import AprError
+    from apr.train.engine import build_engine
+
+    config = make_config(**{"training.engine": engine_kind})
+    engine = build_engine(config, torch.device("cpu"))
+    tensors = {n: t.clone() for n, t in engine.train_state_tensors().items()}
+    tensors["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(AprError, match=r"model\.norm\.weight has shape \[3\]"):
+        engine.load_train_state_tensors(tensors)
