@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 APPROACHES = ("interleaved/per_block", "interleaved/global", "standard", "baseline")
-# Step cost in forward-pass units F (apr/train/strategy.py): forward F, backward 2F, recompute F.
+# Step cost in forward-pass units F (apr/steps/strategy.py): forward F, backward 2F, recompute F.
 COST_F = {"interleaved/per_block": 4, "interleaved/global": 7, "standard": 3, "baseline": 3}
 LR = 3e-4
 SEED = 1234
@@ -309,7 +309,7 @@ def render(res: dict) -> str:
         out.append(line + f" {r['last_loss']:>8.4f}")
     out += ["", "step ms / tokens/s: median timed step; best: the fastest timed step (least disturbed on a shared",
             "machine). x base / x std: ratio to the baseline / to apr's standard engine (tokens/s: >1 is faster;",
-            "memory: <1 is less). cost: step cost in forward units F from apr/train/strategy.py (expected",
+            "memory: <1 is less). cost: step cost in forward units F from apr/steps/strategy.py (expected",
             "tokens/s ratio to the baseline ~ 3 / cost if every F took the same time). loss: last timed",
             "step's training loss (same data, same initial weights: a sanity check that all do the same work).",
             f"Logits: the baseline materialises [batch, seq, vocab] float32 = {res['full_logits_mib']:.1f} MiB "

@@ -32,8 +32,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train. Runs the plan first and refuses on error findings. Exit 0 finished, 1 error, failure or
         stop by an alert, 130/143 stopped by SIGINT/SIGTERM (a checkpoint is written first)."""
+        from apr.apply import run_apply
         from apr.cli.progress import TerminalProgress
-        from apr.train.apply import run_apply
 
         progress = TerminalProgress()
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from apr.config.schema import AprConfig, Architecture, MixedPrecision
+from apr.steps.strategy import step_strategy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
@@ -145,15 +146,14 @@ def buffer_plan(config: AprConfig) -> list[Buffer]:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32"))
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32"))
 
-    # Gradients (apr.train.strategy): the standard engine and gradient accumulation keep every
-    # group's gradient for the whole step; the interleaved engine then also has a scratch of the
+    # Gradients (apr.steps.strategy): when every group's gradient is kept for the whole step (the
+    # standard engine, gradient accumulation), the interleaved engine also has a scratch of the
     # embedding's size, where the LM head's and the embedding's gradient of one micro-batch are
     # formed before they are added (the same rounding as autograd's accumulation). Otherwise one
     # shared workspace sized for the largest group serves the head, each block and the embedding
     # in turn; a tied embedding keeps its own buffer (the LM head's gradient, first in the walk, and
     # the embedding's, last, both add into it) and forms its lookup gradient in the workspace.
-    keeps_all_grads = not interleaved or tr.gradient_accumulation > 1
-    if keeps_all_grads:
+    if step_strategy(config).keeps_all_grads:
         for name, numel in groups:
             bufs.append(Buffer(f"{name}.grad", "gradients", (numel,), "float32"))
         if interleaved:

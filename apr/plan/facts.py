@@ -12,6 +12,9 @@ from apr.config.schema import AprConfig
 from apr.model.spec import block_numel, flops_per_token, non_embedding_param_count, param_count
 from apr.plan.gpus import Target
 from apr.plan.memory import COEFFICIENTS, MemoryRow, max_micro_batch, memory_table
+from apr.steps.algebra import step_algebra
+from apr.steps.schedule import LRSchedule
+from apr.steps.strategy import step_strategy
 
 
 @dataclass
@@ -63,8 +66,6 @@ def execution_facts(config: AprConfig) -> dict:
     ``auto`` choices are described, since they are made on the machine that applies."""
     from importlib.util import find_spec
 
-    from apr.train.strategy import step_strategy
-
     tr = config.training
     st = step_strategy(config)
     device, kernels = str(tr.device), str(tr.kernels)
@@ -86,8 +87,6 @@ def execution_facts(config: AprConfig) -> dict:
 
 def peak_lr_reached(config: AprConfig, total_steps: int) -> float:
     """The highest learning rate the schedule reaches in ``total_steps`` steps (warmup may not end)."""
-    from apr.train.schedule import LRSchedule
-
     if total_steps < 1:
         return 0.0
     schedule = LRSchedule.from_config(config, total_steps)
@@ -116,7 +115,6 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None) -
 def all_facts(config: AprConfig, *, world_size: int, target: Target | None) -> FactSheet:
     """Config facts plus data (Parquet footers), tokenizer and step algebra, and the time estimate."""
     from apr.plan.datafacts import dataset_facts, shared_shards
-    from apr.plan.steps import step_algebra
 
     sheet = config_facts(config, world_size=world_size, target=target)
     facts = sheet.facts

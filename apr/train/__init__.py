@@ -1,4 +1,5 @@
-"""Training: the interleaved and standard engines, schedules, precision and the run loop.
+"""Training: the interleaved and standard engines, precision, flat buffers and the run loop.
 
-Only ``apr.train.schedule`` and ``apr.train.strategy`` are torch-free (the planner reads them).
+Everything here may import torch; the torch-free step algebra, strategy and schedules are in
+``apr.steps``.
 """

@@ -3,7 +3,7 @@
 ``InterleavedEngine`` (DESIGN.md decision 3): the forward keeps only each block's input; the
 backward walks from the LM head to the embedding, recomputing one block at a time from its saved
 input, backpropagating into one shared flat gradient workspace, and running AdamW over that
-block's flat buffers right away. ``apr.train.strategy`` says when gradients are kept instead
+block's flat buffers right away. ``apr.steps.strategy`` says when gradients are kept instead
 (accumulation) and when a norm-only walk comes first (exact global clipping, fp16 overflow check).
 
 ``StandardEngine``: the textbook loop (full autograd backward, ``clip_grad_norm_``,
@@ -29,10 +29,10 @@ from apr.kernels import KernelBackend, get_backend
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_fwd_bwd, linear_cross_entropy_sum
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM, build_model
+from apr.steps.strategy import step_strategy
 from apr.train.dist import DataParallel
 from apr.train.flat import FlatGroup, flatten_group
 from apr.train.precision import DynamicLossScaler, autocast, compute_dtype
-from apr.train.strategy import step_strategy
 
 
 @dataclass

@@ -117,9 +117,9 @@ class Run:
     def __init__(self, *, config: AprConfig, config_hash: str, config_path: Path, options: ApplyOptions,
                  plan_doc: dict | None):
         from apr.data.loader import ShardLoader
+        from apr.steps.schedule import LRSchedule
         from apr.train.dist import from_env
         from apr.train.engine import build_engine, resolve_device
-        from apr.train.schedule import LRSchedule
 
         self.device = resolve_device(str(config.training.device))
         self.dp = from_env(self.device.type)

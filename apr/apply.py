@@ -3,7 +3,8 @@ run the plan's contracts and refuse on errors, apply the command-line overrides,
 
 A target ending in ``.json`` is a plan file saved by ``apr train plan -out``; anything else is a
 config. Either way the plan is built again from the config as it is now, so the contracts that
-``apply`` enforces are exactly the ones ``plan`` shows.
+``apply`` enforces are exactly the ones ``plan`` shows. This module sits above both ``apr.plan`` and
+``apr.train``, which never import each other (docs/design.md, "Layers").
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import os
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.plan.build import build_plan
+from apr.plan.planfile import check_plan_fresh, load_plan_file
+from apr.train.dist import env_world_size
+from apr.train.run import ApplyOptions, prepare_run
 
 
 def _plan_errors_error(plan, config_path: Path) -> AprError:
@@ -25,9 +30,6 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
               resume: str | None = None, force: bool = False, gpu: str | None = None, vram: str | None = None,
               apr_home: Path | None = None, echo=None, progress=None, handle_signals: bool = True):
     """Plan and run; returns ``apr.train.run.RunResult``. Raises AprError for anything a user can fix."""
-    from apr.plan.build import build_plan
-    from apr.plan.planfile import check_plan_fresh, load_plan_file
-
     if force and resume is None:
         raise AprError("--force only applies to a resume (--resume latest|PATH)", [Finding(
             "error", "apply.usage", "--force without --resume", expected="--resume with --force", got="--force")])
@@ -41,8 +43,6 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
             gpu, vram = tgt.get("gpu"), tgt.get("vram")
     else:
         config_path = target
-    from apr.train.dist import env_world_size
-
     overrides = {k: v for k, v in (("seed", seed), ("device", device), ("max_steps", max_steps)) if v is not None}
     world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
     plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
@@ -51,8 +51,6 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
         raise _plan_errors_error(plan, config_path)
     if plan_doc is None:
         plan_doc = plan.to_dict()
-
-    from apr.train.run import ApplyOptions, prepare_run
 
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
                            progress=progress, overrides=overrides)
