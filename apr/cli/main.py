@@ -11,6 +11,7 @@ from apr.cli import (
     cmd_data,
     cmd_experiment,
     cmd_export,
+    cmd_generate,
     cmd_monitor,
     cmd_runs,
     cmd_schema,
@@ -88,6 +89,7 @@ cmd_runs.register(runs_app)
 cmd_experiment.register(experiment_app)
 cmd_monitor.register(app)
 cmd_export.register(app)
+cmd_generate.register(app)
 cmd_schema.register(app)
 
 

@@ -1,0 +1,88 @@
+"""`apr generate SOURCE --prompt TEXT`: continue prompts with a trained model (docs/generate.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("generate")
+    def generate_cmd(
+        source: Path = typer.Argument(..., show_default=False, help=(
+            "checkpoint-*.json or .safetensors, a run directory (its latest good checkpoint), or a "
+            "folder written by apr export.")),
+        prompt: list[str] = typer.Option([], "--prompt", "-p", help=(
+            "Text to continue; repeat for a batch; '-' reads all of stdin as one prompt.")),
+        prompt_file: str | None = typer.Option(None, "--prompt-file", metavar="FILE", help=(
+            "One prompt per line, all generated as one batch; '-' reads stdin.")),
+        max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="Tokens to generate at most."),
+        temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy; > 0 samples."),
+        top_k: int = typer.Option(0, "--top-k", help="Sample from the k most likely tokens (0: all)."),
+        top_p: float = typer.Option(1.0, "--top-p", help="Sample from the smallest set with this probability."),
+        repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeats."),
+        seed: int | None = typer.Option(None, "--seed", help="Seed of the sampler (default: random, printed)."),
+        stop: list[str] = typer.Option([], "--stop", help="End the text before this string (repeatable)."),
+        ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Go on past the end-of-text token."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON document instead of text."),
+        logprobs: bool = typer.Option(False, "--logprobs", help="With --json: each token's log-probability."),
+        device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+        tokenizer: Path | None = typer.Option(None, "--tokenizer", help="tokenizer.json (default: the source's)."),
+        no_cache: bool = typer.Option(False, "--no-cache", help="Recompute every position each token (slow)."),
+    ) -> None:
+        """Continue prompts with a trained model. Exit 0 ok, 1 error."""
+        from apr.generate.generate import GenerateOptions, generate
+        from apr.generate.load import load_for_inference
+        from apr.generate.prompts import read_prompts
+        from apr.generate.sampling import Sampling
+
+        prompts = read_prompts(prompt, prompt_file)
+        options = GenerateOptions(
+            max_new_tokens=max_new_tokens, seed=seed, stop=tuple(stop), use_cache=not no_cache,
+            logprobs=logprobs, stop_at_eos=not ignore_eos,
+            sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty))
+        if temperature == 0 and (top_k > 1 or top_p < 1 or seed is not None):
+            typer.echo("warning: --temperature is 0 (greedy): --top-k, --top-p and --seed have no effect; "
+                       "pass --temperature to sample", err=True)
+        loaded = load_for_inference(source, tokenizer=tokenizer, device=device)
+        for w in loaded.warnings:
+            typer.echo(f"warning: {w}", err=True)
+
+        stream = not json_out and len(prompts) == 1
+        if stream:
+            sys.stdout.write(prompts[0])
+            sys.stdout.flush()
+
+        def on_text(_i: int, text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        result = generate(loaded, prompts, options, on_text=on_text if stream else None)
+        rate = result.tokens_per_s
+        if json_out:
+            doc = {
+                "format_version": "1", "source": str(loaded.source), "kind": loaded.kind, "step": loaded.step,
+                "device": str(loaded.device), "seed": result.seed,
+                "settings": {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+                             "top_p": top_p, "repetition_penalty": repetition_penalty, "stop": list(stop),
+                             "greedy": options.sampling.is_greedy, "ignore_eos": ignore_eos},
+                "generations": [g.to_dict() for g in result.generations],
+                "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
+                "tokens_per_s": round(rate, 2) if rate else None,
+            }
+            typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
+            return
+        if stream:
+            sys.stdout.write("\n")
+        else:
+            for i, g in enumerate(result.generations):
+                typer.echo(f"--- prompt {i + 1} ({g.finish_reason}, {len(g.token_ids)} tokens) ---")
+                typer.echo(g.prompt + g.text)
+        done = result.generations[0]
+        how = f"{done.finish_reason}, {len(done.token_ids)} tokens" if stream else f"{len(prompts)} prompts"
+        sampled = "" if options.sampling.is_greedy else f", seed {result.seed}"
+        typer.echo(f"[{how}{sampled}, {rate:,.1f} tok/s]" if rate else f"[{how}{sampled}]", err=True)

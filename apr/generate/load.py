@@ -1,0 +1,226 @@
+"""Load a model and its tokenizer for inference from a checkpoint, a run directory (its latest
+good checkpoint) or a Hugging Face folder written by ``apr export``.
+
+The weights come back as a float32 ``LlamaForCausalLM`` in eval mode; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apr.checkpoint.export import EOS_NAMES  # end-of-text names, most specific first
+from apr.errors import AprError, Finding
+
+
+class LoadError(AprError):
+    """The model or tokenizer to generate or evaluate with cannot be loaded."""
+
+
+@dataclass
+class Loaded:
+    """A model ready for inference and what it was loaded from."""
+
+    model: Any  # apr.model.llama.LlamaForCausalLM, float32, eval mode
+    tokenizer: Any  # tokenizers.Tokenizer
+    tokenizer_path: Path
+    source: Path
+    kind: str  # "checkpoint" | "run" | "hf"
+    step: int | None
+    eos_id: int | None
+    config: Any = None  # the AprConfig of an apr checkpoint; None for a Hugging Face folder
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def arch(self):
+        return self.model.arch
+
+    @property
+    def context(self) -> int:
+        return self.model.arch.max_position_embeddings
+
+    @property
+    def device(self):
+        return self.model.model.embed_tokens.weight.device
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def load_for_inference(source: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
+                       device: str = "cpu") -> Loaded:
+    """Load ``source``: a checkpoint (.json or .safetensors), a run directory, or a Hugging Face
+    folder. ``tokenizer`` overrides the tokenizer the source names."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise LoadError(f"{path}: no such checkpoint, run directory or Hugging Face folder", [Finding(
+            "error", "generate.not_found", "path does not exist", file=str(path),
+            expected="checkpoint-*.json / .safetensors, a run directory, or an exported HF folder",
+            got="nothing")])
+    torch_device = _device(device)
+    if _is_hf_dir(path):
+        return _load_hf(path, tokenizer, torch_device)
+    return _load_apr(path, tokenizer, torch_device)
+
+
+def _device(device: str):
+    import torch
+
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise LoadError(f"unknown device {device!r}", [Finding(
+            "error", "generate.device", "unknown device", path="--device", expected="cpu or cuda", got=device)])
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LoadError("--device cuda was asked for but this torch sees no CUDA device", [Finding(
+            "error", "generate.device", "no CUDA device", path="--device", expected="cpu", got=device)])
+    return torch.device(device)
+
+
+def _build(arch, tensors: dict, device, where: Path):
+    import torch
+
+    from apr.model.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    weights = {k: v for k, v in tensors.items() if not k.startswith("optimizer.")}
+    try:
+        model.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as err:
+        first = str(err).splitlines()[0][:300]
+        raise LoadError(f"{where}: the weights do not fit the model its config describes: {first}", [Finding(
+            "error", "generate.weights", first, file=str(where))]) from None
+    model = model.to(device=device, dtype=torch.float32)
+    model._rope.clear()
+    return model.eval()
+
+
+def _load_apr(path: Path, tokenizer, device) -> Loaded:
+    from apr.checkpoint.manager import load_latest, read_checkpoint
+    from apr.config.schema import AprConfig
+
+    warnings: list[str] = []
+    if path.is_dir():
+        state = load_latest(path, warn=warnings.append, weights_only=True)
+        kind = "run"
+    else:
+        state = read_checkpoint(path, weights_only=True)
+        kind = "checkpoint"
+    info = state.info
+    try:
+        config = AprConfig.model_validate(info.config)
+    except Exception as err:  # pydantic ValidationError: a stored config from another apr version
+        raise LoadError(f"{info.json_path}: its stored config does not validate: {err}", [Finding(
+            "error", "generate.config", "stored config does not validate", file=str(info.json_path))]) from None
+    model = _build(config.model.architecture, state.tensors, device, info.weights_path)
+    tok_path = _checkpoint_tokenizer(tokenizer, config, info)
+    tok = _open_tokenizer(tok_path, config.model.architecture.vocab_size)
+    return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind=kind, step=state.step,
+                  eos_id=_eos_id(tok), config=config, warnings=warnings)
+
+
+def _checkpoint_tokenizer(given, config, info) -> Path:
+    if given is not None:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise LoadError(f"tokenizer {path} not found", [Finding(
+                "error", "generate.tokenizer_missing", "no such file", path="--tokenizer", file=str(path))])
+        return path
+    named = config.data.tokenizer
+    if named is None:
+        raise LoadError(f"{info.json_path}: the checkpoint's config names no tokenizer (data.tokenizer); "
+                        "pass --tokenizer PATH", [Finding(
+                            "error", "generate.no_tokenizer", "no tokenizer to decode with",
+                            path="data.tokenizer", file=str(info.json_path), expected="a tokenizer.json",
+                            got="none")])
+    path = Path(named).expanduser()
+    candidates = [path]
+    if not path.is_absolute():
+        if info.cwd:  # config paths are relative to where the run started, which the checkpoint records
+            candidates.append(Path(info.cwd) / path)
+        candidates.append(info.json_path.parent / path)
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise LoadError(f"tokenizer {named} (data.tokenizer of {info.json_path.name}) not found; looked at "
+                    + ", ".join(str(c) for c in candidates) + "; pass --tokenizer PATH", [Finding(
+                        "error", "generate.tokenizer_missing", "tokenizer file not found", path="data.tokenizer",
+                        file=str(info.json_path), expected="an existing tokenizer.json", got=str(named))])
+
+
+def _load_hf(path: Path, tokenizer, device) -> Loaded:
+    from safetensors.torch import load_file
+
+    cfg_path = path / "config.json"
+    try:
+        doc = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LoadError(f"{cfg_path}: not a readable JSON file: {err}", [Finding(
+            "error", "generate.hf_config", str(err), file=str(cfg_path))]) from None
+    arch = hf_architecture(doc, cfg_path)
+    try:
+        tensors = load_file(str(path / "model.safetensors"))
+    except Exception as err:  # SafetensorError
+        raise LoadError(f"{path / 'model.safetensors'} cannot be read: {err}", [Finding(
+            "error", "generate.weights", str(err), file=str(path / "model.safetensors"))]) from None
+    model = _build(arch, tensors, device, path / "model.safetensors")
+    tok_path = Path(tokenizer).expanduser() if tokenizer is not None else path / "tokenizer.json"
+    if not tok_path.is_file():
+        raise LoadError(f"{path} has no tokenizer.json; pass --tokenizer PATH", [Finding(
+            "error", "generate.no_tokenizer", "no tokenizer to decode with", file=str(tok_path),
+            expected="a tokenizer.json", got="none")])
+    tok = _open_tokenizer(tok_path, arch.vocab_size)
+    eos = doc.get("eos_token_id")
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.is_file():
+        try:
+            eos = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id", eos)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind="hf", step=None,
+                  eos_id=eos if isinstance(eos, int) else _eos_id(tok))
+
+
+def hf_architecture(doc: dict, where: Path):
+    """The Architecture a Hugging Face Llama config.json describes (either RoPE form)."""
+    from apr.config.schema import Architecture
+
+    if doc.get("model_type") not in (None, "llama"):
+        raise LoadError(f"{where}: model_type {doc.get('model_type')!r} is not a Llama model", [Finding(
+            "error", "generate.hf_config", "unsupported model type", path="model_type", file=str(where),
+            expected="llama", got=str(doc.get("model_type")))])
+    rope = doc.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", doc.get("rope_theta", 10000.0))
+    fields = {k: doc[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                   "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                                   "tie_word_embeddings", "initializer_range") if doc.get(k) is not None}
+    try:
+        return Architecture.model_validate({**fields, "rope_theta": theta})
+    except Exception as err:  # pydantic ValidationError
+        raise LoadError(f"{where}: not a Llama config apr can run: {err}", [Finding(
+            "error", "generate.hf_config", str(err).splitlines()[0], file=str(where))]) from None
+
+
+def _open_tokenizer(path: Path, vocab_size: int):
+    from apr.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok.get_vocab_size() > vocab_size:
+        raise LoadError(f"the tokenizer {path} has {tok.get_vocab_size()} tokens but the model's vocab_size is "
+                        f"{vocab_size}", [Finding("error", "generate.vocab_mismatch", "tokenizer larger than the model",
+                                                 file=str(path), expected=f"<= {vocab_size}",
+                                                 got=str(tok.get_vocab_size()))])
+    return tok
+
+
+def _eos_id(tok) -> int | None:
+    for name in EOS_NAMES:
+        idx = tok.token_to_id(name)
+        if idx is not None:
+            return int(idx)
+    return None

@@ -1,0 +1,41 @@
+"""Where prompts come from: ``--prompt`` (repeatable; ``-`` reads all of stdin as one prompt) and
+``--prompt-file`` (one prompt per line; ``-`` reads stdin). Blank lines of a file are skipped."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from apr.errors import AprError, Finding
+
+
+def read_prompts(prompts: list[str], prompt_file: str | None, stdin=None) -> list[str]:
+    stdin = stdin if stdin is not None else sys.stdin
+    out: list[str] = []
+    for p in prompts:
+        out.append(stdin.read() if p == "-" else p)
+    if prompt_file is not None:
+        if prompt_file == "-":
+            text = stdin.read()
+        else:
+            path = Path(prompt_file).expanduser()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except FileNotFoundError:
+                raise AprError(f"prompt file {path} not found", [Finding(
+                    "error", "generate.prompt_file", "no such file", path="--prompt-file", file=str(path))]) from None
+            except (OSError, UnicodeDecodeError) as err:
+                raise AprError(f"cannot read prompt file {path}: {err}", [Finding(
+                    "error", "generate.prompt_file", str(err), path="--prompt-file", file=str(path),
+                    expected="UTF-8 text, one prompt per line")]) from None
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise AprError(f"the prompt file {prompt_file} holds no prompt", [Finding(
+                "error", "generate.empty_prompt", "no non-blank line", path="--prompt-file", file=prompt_file,
+                expected="one prompt per line", got="nothing")])
+        out += lines
+    if not out:
+        raise AprError("no prompt given: pass --prompt TEXT or --prompt-file FILE", [Finding(
+            "error", "generate.no_prompt", "no prompt", path="--prompt", expected="--prompt or --prompt-file",
+            got="neither")])
+    return out
