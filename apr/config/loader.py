@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,10 +52,37 @@ def config_hash(config: AprConfig) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _plain(node: Any, loc: tuple, positions: dict) -> Any:
-    """Convert ruamel's round-trip nodes to plain Python, recording where every key sits."""
+# Bounds on a YAML document, checked before and while it is turned into plain Python (see
+# docs/design.md, "Bounded reading"): a real config has a few hundred values and nests 4 deep.
+MAX_YAML_DEPTH = 32  # nesting levels (flow brackets and block indentation alike)
+MAX_YAML_VALUES = 2_000  # values, counted before parsing (ruamel parses ~5k values a second) and
+#                          again after expanding aliases: a few hundred bytes of nested aliases
+#                          can otherwise expand to billions ("billion laughs")
+
+
+class _TooMuchYaml(Exception):
+    def __init__(self, code: str, message: str, loc: tuple, expected: str, got: str):
+        super().__init__(message)
+        self.code, self.message, self.loc, self.expected, self.got = code, message, loc, expected, got
+
+
+def _plain(node: Any, loc: tuple, positions: dict, budget: list | None = None) -> Any:
+    """Convert ruamel's round-trip nodes to plain Python, recording where every key sits.
+
+    ``budget`` counts the values made (aliases are expanded here, so this is where an alias bomb
+    would blow up); past MAX_YAML_VALUES values or MAX_YAML_DEPTH levels it raises _TooMuchYaml."""
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
+    if budget is None:
+        budget = [0]
+    budget[0] += 1
+    if budget[0] > MAX_YAML_VALUES:
+        raise _TooMuchYaml("yaml.too_large", f"the document expands to more than {MAX_YAML_VALUES:,} values "
+                           "(nested aliases?)", loc, f"at most {MAX_YAML_VALUES:,} values after expanding aliases",
+                           f"more than {MAX_YAML_VALUES:,}")
+    if isinstance(node, (CommentedMap, CommentedSeq)) and len(loc) >= MAX_YAML_DEPTH:
+        raise _TooMuchYaml("yaml.too_deep", f"the document nests more than {MAX_YAML_DEPTH} levels deep", loc,
+                           f"at most {MAX_YAML_DEPTH} levels of nesting", "deeper nesting")
     if isinstance(node, CommentedMap):
         positions.setdefault(loc, (node.lc.line + 1, node.lc.col + 1))
         out = {}
@@ -64,7 +92,7 @@ def _plain(node: Any, loc: tuple, positions: dict) -> Any:
                 positions[loc + (key,)] = (kl + 1, kc + 1)
             except (KeyError, TypeError, AttributeError):
                 pass
-            out[key] = _plain(value, loc + (key,), positions)
+            out[key] = _plain(value, loc + (key,), positions, budget)
         return out
     if isinstance(node, CommentedSeq):
         positions.setdefault(loc, (node.lc.line + 1, node.lc.col + 1))
@@ -75,7 +103,7 @@ def _plain(node: Any, loc: tuple, positions: dict) -> Any:
                 positions[loc + (i,)] = (il + 1, ic + 1)
             except (KeyError, TypeError, AttributeError, IndexError):
                 pass
-            out_list.append(_plain(value, loc + (i,), positions))
+            out_list.append(_plain(value, loc + (i,), positions, budget))
         return out_list
     if isinstance(node, bool) or node is None:
         return node
@@ -88,26 +116,56 @@ def _plain(node: Any, loc: tuple, positions: dict) -> Any:
     return node
 
 
-def read_yaml(path: Path) -> tuple[Any, SourceMap, str]:
-    """Read and parse ``path``. Raises ConfigError (with line and column) on any failure."""
+_VALUE_START = re.compile(r"[,\[{]|^[ \t]*-(?=\s|$)|:(?=\s|$)", re.MULTILINE)
+
+
+def _values_exceeded(text: str) -> int | None:
+    """1-based line where a cheap count of value starts (``,``, ``[``, ``{``, ``- ``, ``: ``) passes
+    MAX_YAML_VALUES, else None: an upper bound of what ruamel would build, so a dense file is
+    refused before its parse alone takes seconds."""
+    for n, m in enumerate(_VALUE_START.finditer(text), 1):
+        if n > MAX_YAML_VALUES:
+            return text.count("\n", 0, m.start()) + 1
+    return None
+
+
+def _flow_depth_exceeded(text: str) -> int | None:
+    """1-based line where flow brackets (``[``/``{``) first nest deeper than MAX_YAML_DEPTH, else None.
+
+    ruamel's scanner is quadratic in flow depth and its composer recursive, so ``[[[[...]]]]`` must
+    be refused before parsing. Brackets inside quoted strings count too: a config never holds 32."""
+    depth = 0
+    for m in re.finditer(r"[\[\]{}]", text):
+        if m.group() in "[{":
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                return text.count("\n", 0, m.start()) + 1
+        elif depth:
+            depth -= 1
+    return None
+
+
+def read_yaml(path: Path, kind: str = "config", what: str = "config file") -> tuple[Any, SourceMap, str]:
+    """Read and parse ``path``. Raises ConfigError (with line and column) on any failure.
+
+    Bounded (docs/design.md, "Bounded reading"): only a regular file of at most LIMITS[kind]
+    bytes is read; nesting and alias expansion are capped before they can cost time or memory."""
+    from apr.readers import read_text
+
     file = str(path)
-    if not path.exists():
-        raise ConfigError(f"config file not found: {file}", [
-            Finding("error", "file.missing", f"no such file: {file}", file=file, expected="a YAML file",
-                    got="nothing at this path")])
-    if path.is_dir():
-        raise ConfigError(f"config path is a directory: {file}", [
-            Finding("error", "file.directory", f"{file} is a directory", file=file, expected="a YAML file",
-                    got="a directory")])
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config is not UTF-8: {file}", [
-            Finding("error", "file.encoding", f"invalid UTF-8 at byte {e.start}", file=file,
-                    expected="UTF-8 text", got="undecodable bytes")]) from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {file}", [
-            Finding("error", "file.unreadable", f"cannot read: {e.strerror}", file=file)]) from None
+    text = read_text(path, kind, what, error=ConfigError)
+    line = _flow_depth_exceeded(text)
+    if line is not None:
+        raise ConfigError(f"{what} nests too deeply: {file}", [
+            Finding("error", "yaml.too_deep", f"brackets nest more than {MAX_YAML_DEPTH} levels deep", file=file,
+                    line=line, expected=f"at most {MAX_YAML_DEPTH} levels of nesting",
+                    got=f"more than {MAX_YAML_DEPTH}")])
+    line = _values_exceeded(text)
+    if line is not None:
+        raise ConfigError(f"{what} holds too many values: {file}", [
+            Finding("error", "yaml.too_large", f"the document holds more than {MAX_YAML_VALUES:,} values",
+                    file=file, line=line, expected=f"at most {MAX_YAML_VALUES:,} values",
+                    got=f"more than {MAX_YAML_VALUES:,} (counted up to line {line})")])
 
     from ruamel.yaml import YAML
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
@@ -128,8 +186,21 @@ def read_yaml(path: Path) -> tuple[Any, SourceMap, str]:
         raise ConfigError(f"YAML error in {file}", [
             Finding("error", "yaml.syntax", str(e).splitlines()[0] if str(e) else "invalid YAML",
                     file=file)]) from None
+    except RecursionError:  # block nesting ("- - - - ...") deep enough to exhaust the parser's stack
+        raise ConfigError(f"{what} nests too deeply: {file}", [
+            Finding("error", "yaml.too_deep", f"the document nests more than {MAX_YAML_DEPTH} levels deep",
+                    file=file, expected=f"at most {MAX_YAML_DEPTH} levels of nesting",
+                    got="far deeper nesting")]) from None
     positions: dict = {}
-    data = _plain(doc, (), positions)
+    try:
+        data = _plain(doc, (), positions)
+    except _TooMuchYaml as e:
+        path_text = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in e.loc).replace(".[", "[")
+        line, col = SourceMap(file, positions).locate(e.loc)
+        raise ConfigError(f"{what} is too large once parsed: {file}" if e.code == "yaml.too_large"
+                          else f"{what} nests too deeply: {file}", [
+            Finding("error", e.code, e.message, path=path_text, file=file, line=line, column=col,
+                    expected=e.expected, got=e.got)]) from None
     return data, SourceMap(file, positions), text
 
 

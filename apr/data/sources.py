@@ -129,6 +129,11 @@ def _read_jsonl(path: Path, text_key: str, on_bytes: OnBytes | None) -> Iterator
                 raise DataInputError(f"{path}:{n}: invalid JSON", [Finding(
                     "error", "data.input", f"invalid JSON: {e.msg}", file=str(path), line=n,
                     column=e.colno, expected="one JSON object per line")]) from None
+            except RecursionError:
+                raise DataInputError(f"{path}:{n}: JSON nested too deeply", [Finding(
+                    "error", "data.input", "JSON nested too deeply to parse", file=str(path), line=n,
+                    expected="one JSON object per line, with its text at the top level",
+                    got="deeply nested arrays or objects")]) from None
             if not isinstance(obj, dict) or text_key not in obj:
                 got = ("keys " + ", ".join(map(repr, list(obj)[:8]))) if isinstance(obj, dict) \
                     else f"a JSON {type(obj).__name__}"

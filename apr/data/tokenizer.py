@@ -67,15 +67,12 @@ def load_tokenizer(path: str | Path):
     """A ``tokenizers.Tokenizer`` from a tokenizer.json; AprError naming the file when it cannot load."""
     from tokenizers import Tokenizer
 
+    from apr.readers import read_text
+
     path = Path(path)
-    if not path.exists():
-        raise AprError(f"tokenizer not found: {path}", [Finding(
-            "error", "data.tokenizer", "no such file", file=str(path), expected="a tokenizer.json")])
-    if path.is_dir():
-        raise AprError(f"tokenizer {path} is a folder", [Finding(
-            "error", "data.tokenizer", "a folder, not a file", file=str(path), expected="a tokenizer.json")])
+    text = read_text(path, "tokenizer", "tokenizer", error=AprError)  # bounded: size, FIFOs, devices
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text)
     except Exception as e:  # the Rust side raises plain Exception with a serde message, or OSError
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
         raise AprError(f"cannot load tokenizer {path}", [Finding(

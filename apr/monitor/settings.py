@@ -54,12 +54,14 @@ def load_settings(run_dir: str | os.PathLike | None, refresh_ms: int | None = No
     refresh, window, show_eta, source, note = DEFAULT_REFRESH_MS, None, True, "default", None
     path = Path(run_dir) / "config.yaml" if run_dir is not None else None
     if path is not None and path.is_file():
-        try:
-            import yaml
+        from apr.config.loader import read_yaml
+        from apr.errors import AprError
 
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except Exception as e:  # any YAML or I/O error: defaults, and say why
-            doc, note = None, f"config.yaml not used: {type(e).__name__}"
+        try:
+            doc, _, _ = read_yaml(path, kind="settings")  # bounded: size, aliases, nesting, FIFOs
+        except AprError as e:  # any YAML or I/O error: defaults, and say why
+            f = e.findings[0] if e.findings else None
+            doc, note = None, f"config.yaml not used: {f.message if f else e.message}"
         terminal = ((doc or {}).get("monitoring") or {}).get("terminal") if isinstance(doc, dict) else None
         if isinstance(terminal, dict):
             if "refresh_rate" in terminal:

@@ -25,7 +25,7 @@ KNOWN_STATUSES = ACTIVE_STATUSES + ENDED_STATUSES
 # An active run whose heartbeat is older than this (at least) is shown as stale: the same floor as
 # `apr runs ls` (apr.track.state.STALE_AFTER_S), so the two never disagree about a run.
 STALE_FLOOR_S = 120.0
-MAX_STATE_BYTES = 64 * 2**20  # the writer bounds its histories; anything bigger is not a state file
+MAX_STATE_BYTES = 16 * 2**20  # apr.readers.LIMITS['state']: the writer bounds its histories
 
 HISTORY_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s")
 
@@ -210,6 +210,10 @@ def parse_state(text: str | bytes, path: Path) -> Reading:
         return Reading("malformed", path, problem=f"{path.name} is not valid JSON{where}: {msg}")
     if not isinstance(doc, dict):
         return Reading("malformed", path, problem=f"{path.name} is not a JSON object")
+    from apr.readers import MAX_JSON_DEPTH, too_deep_at
+
+    if too_deep_at(doc) is not None:
+        return Reading("malformed", path, problem=f"{path.name} nests more than {MAX_JSON_DEPTH} levels deep")
     version = doc.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         return Reading(
@@ -232,13 +236,15 @@ def read_once(run_dir: str | os.PathLike) -> Reading:
 
 def read_file(path: Path) -> Reading:
     """Read and parse one state file (never raises)."""
+    from apr.readers import InputError, read_bytes
+
     try:
-        size = path.stat().st_size
-        if size > MAX_STATE_BYTES:
-            return Reading(
-                "unreadable", path, problem=f"{path.name} is {size} bytes: too large for a state file"
-            )
-        data = path.read_bytes()
+        if not os.path.lexists(path):
+            raise FileNotFoundError(path)
+        # bounded: a FIFO or device is refused without opening it (no hang), size capped
+        data = read_bytes(path, "state", "state file", limit=MAX_STATE_BYTES)
+    except InputError as e:
+        return Reading("unreadable", path, problem=f"{path.name}: " + e.message.replace(f"state file {path} ", ""))
     except FileNotFoundError:
         # Problems name the file, not its (long) path: the dashboard's header and the JSON record
         # already say which run folder this is.

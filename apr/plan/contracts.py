@@ -151,7 +151,7 @@ def load_contract_file(path: Path) -> tuple[dict, list[Contract]]:
 
     file = str(path)
     try:
-        data, source, _ = read_yaml(path)
+        data, source, _ = read_yaml(path, what="contract file")
     except ConfigError as e:  # YAML syntax: the same line/column, reported as a contract-file problem
         raise ContractFileError(f"invalid contract file {file}: {e.message}", e.findings) from None
     if not isinstance(data, dict) or not isinstance(data.get("contracts"), list):

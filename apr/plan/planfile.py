@@ -36,8 +36,8 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> dict:
     return doc
 
 
-def _plan_error(path: str, code: str, message: str, **kw) -> AprError:
-    return AprError(message, [Finding("error", code, message, file=path, **kw)])
+def _plan_error(file: str, code: str, message: str, **kw) -> AprError:
+    return AprError(message, [Finding("error", code, message, file=file, **kw)])
 
 
 def load_plan_file(path: str | os.PathLike) -> dict:
@@ -46,20 +46,12 @@ def load_plan_file(path: str | os.PathLike) -> dict:
     path = Path(path)
     file = str(path)
     hint = f"make one with `apr train plan CONFIG -out {file}`"
-    if not path.is_file():
-        what = "a directory" if path.is_dir() else "nothing"
+    from apr.readers import load_json
+
+    if not os.path.lexists(path):
         raise _plan_error(file, "plan.missing", f"plan file not found: {file} ({hint})",
-                          expected="a plan file (JSON)", got=what)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise _plan_error(file, "plan.unreadable", f"cannot read the plan file {file}: {e}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _plan_error(file, "plan.json", f"{file} is not a plan file: invalid JSON ({e.msg}) at line "
-                                             f"{e.lineno}, column {e.colno}", line=e.lineno, column=e.colno,
-                          expected="a JSON object") from None
+                          expected="a plan file (JSON)", got="nothing")
+    doc = load_json(path, "plan", "plan file", error=AprError)  # bounded: size, nesting, FIFOs
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         got = f'"format": {json.dumps(doc.get("format"))}' if isinstance(doc, dict) else type(doc).__name__
         raise _plan_error(file, "plan.foreign", f'{file} is not an apr plan file (no "format": "{PLAN_FORMAT}"); '
@@ -75,7 +67,35 @@ def load_plan_file(path: str | os.PathLike) -> dict:
     if missing:
         raise _plan_error(file, "plan.incomplete", f"{file} is an incomplete plan file: missing {', '.join(missing)}; "
                                                    f"{hint}", expected=", ".join(_REQUIRED))
+    for key, expected, ok in _field_checks(doc):
+        if not ok:
+            value = _get(doc, key)
+            raise _plan_error(file, "plan.field", f"{file} is not a valid plan file: {key} is not {expected}; {hint}",
+                              path=key, expected=expected, got=_show(value)[:80])
     return doc
+
+
+def _get(doc: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        doc = doc.get(part) if isinstance(doc, dict) else None
+    return doc
+
+
+def _field_checks(doc: dict):
+    """(key, expected, holds) for every field `apply` reads from a plan file, in reading order."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    yield "config_path", "a path (string)", isinstance(doc["config_path"], str) and 0 < len(doc["config_path"]) < 4096 \
+        and "\0" not in doc["config_path"]
+    yield "config_hash", "a SHA-256 (string)", isinstance(doc["config_hash"], str)
+    yield "config", "a mapping", isinstance(doc.get("config") or {}, dict)
+    yield "overrides", "a mapping", isinstance(doc.get("overrides") or {}, dict)
+    yield "cwd", "a path (string)", isinstance(doc.get("cwd") or "", str)
+    files = doc["data_fingerprint"]["files"]
+    yield "data_fingerprint.files", "a list of {path, size, mtime_ns}", all(
+        isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))
+        and is_int(f.get("mtime_ns")) for f in files)
 
 
 # ---------------------------------------------------------------------------------- freshness

@@ -11,12 +11,25 @@ def tokenizer_facts(path_text: str) -> dict:
     facts: dict = {"path": path_text, "resolved": str(path), "exists": path.is_file()}
     if not facts["exists"]:
         facts["loaded"] = False
-        facts["error"] = "a folder, not a tokenizer.json file" if path.is_dir() else "no such file"
+        from apr.readers import InputError, check_regular
+
+        try:
+            check_regular(path, "tokenizer")
+            facts["error"] = "no such file"
+        except InputError as e:  # says what is there instead: a folder, a FIFO, a symlink loop...
+            facts["error"] = e.findings[0].got or e.message
         return facts
     from tokenizers import Tokenizer
 
+    from apr.errors import AprError
+    from apr.readers import read_text
+
     try:
-        tok = Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_str(read_text(path, "tokenizer", "tokenizer"))  # bounded: size, FIFOs, devices
+    except AprError as e:
+        facts["loaded"] = False
+        facts["error"] = e.findings[0].message if e.findings else e.message
+        return facts
     except Exception as e:  # the Rust side raises plain Exception subclasses with a parse message
         facts["loaded"] = False
         facts["error"] = (str(e).splitlines() or [type(e).__name__])[0][:200]

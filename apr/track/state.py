@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -226,42 +227,21 @@ def state_path(run_dir: str | Path) -> Path:
 
 def read_state(run_dir: str | Path) -> dict:
     """Parse a run's ``training_state.json``. Raises AprError when it is missing or malformed."""
+    from apr.readers import load_json
+
     path = state_path(run_dir)
+    if not os.path.lexists(path):
+        raise AprError(f"no {STATE_FILE} in {path.parent}", [Finding(
+            "error", "track.state_missing",
+            f"{path} does not exist: not a run directory, or the run has not started yet", file=str(path))])
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise AprError(
-            f"no {STATE_FILE} in {path.parent}",
-            [
-                Finding(
-                    "error",
-                    "track.state_missing",
-                    f"{path} does not exist: not a run directory, or the run has not started yet",
-                    file=str(path),
-                )
-            ],
-        ) from None
-    except OSError as e:
-        raise AprError(
-            f"cannot read {path}: {e.strerror}",
-            [Finding("error", "track.state_unreadable", f"cannot read {path}: {e.strerror}", file=str(path))],
-        ) from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise AprError(
-            f"{path} is not valid JSON",
-            [
-                Finding(
-                    "error",
-                    "track.state_malformed",
-                    f"not valid JSON: {e.msg}",
-                    file=str(path),
-                    line=e.lineno,
-                    column=e.colno,
-                )
-            ],
-        ) from None
+        doc = load_json(path, "state", "state file", error=AprError)  # bounded: size, nesting, FIFOs
+    except AprError as e:
+        f = e.findings[0]
+        code = "track.state_malformed" if f.code in ("file.json", "file.too_deep", "file.encoding") \
+            else "track.state_unreadable"
+        raise AprError(e.message, [Finding(f.severity, code, f.message, path=f.path, file=f.file, line=f.line,
+                                           column=f.column, expected=f.expected, got=f.got)]) from None
     if not isinstance(doc, dict):
         raise AprError(
             f"{path} is not a JSON object",

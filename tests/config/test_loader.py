@@ -104,3 +104,60 @@ def test_config_hash_ignores_key_order_and_comments(tmp_path):
     assert a.config_hash == b.config_hash == config_hash(b.config)
     c = load_config(write(tmp_path, MINIMAL.replace("seq_len: 32", "seq_len: 64"), "c.yaml"))
     assert c.config_hash != a.config_hash
+
+
+# ------------------------------------------------------------------ bounded YAML (issue 24 items 4, 22)
+
+def _refused(path: Path, code: str) -> ConfigError:
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert time.monotonic() - start < 5  # a hang guard, not a benchmark: each case takes ~0.1 s
+    assert e.value.findings[0].code == code, e.value.findings
+    assert e.value.findings[0].file == str(path)
+    return e.value
+
+
+def test_billion_laughs_is_refused_fast(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 10):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    err = _refused(write(tmp_path, "\n".join(lines) + "\n"), "yaml.too_large")
+    assert "aliases" in err.findings[0].message and err.findings[0].line is not None
+
+
+def test_deep_flow_nesting_is_refused_before_parsing(tmp_path):
+    err = _refused(write(tmp_path, "model:\n  a: " + "[" * 20_000 + "]" * 20_000 + "\n"), "yaml.too_deep")
+    assert err.findings[0].line == 2
+
+
+def test_deep_block_nesting_is_refused(tmp_path):
+    _refused(write(tmp_path, "model:\n  " + "- " * 20_000 + "1\n"), "yaml.too_deep")
+    nested = "".join(" " * i + f"k{i}:\n" for i in range(40)) + " " * 40 + "v: 1\n"
+    err = _refused(write(tmp_path, nested), "yaml.too_deep")
+    assert err.findings[0].path.startswith("k0.k1.k2")
+
+
+def test_dense_config_is_refused_before_a_slow_parse(tmp_path):
+    _refused(write(tmp_path, "a: [" + "1," * 30_000 + "1]\n"), "yaml.too_large")
+
+
+def test_oversized_config_is_refused_by_size(tmp_path):
+    err = _refused(write(tmp_path, MINIMAL + "# " + "x" * 200_000 + "\n"), "file.too_large")
+    assert "64 KiB" in err.findings[0].expected
+
+
+def test_fifo_and_device_configs_are_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    _refused(fifo, "file.not_regular")
+    _refused(Path("/dev/zero"), "file.not_regular")
+
+
+def test_aliases_within_bounds_still_work(tmp_path):
+    text = MINIMAL.replace("  batch_size: 2", "  batch_size: &b 2") + "training:\n  eval_batches: *b\n"
+    assert load_config(write(tmp_path, text)).config.training.eval_batches == 2

@@ -40,6 +40,27 @@ def test_load_errors_name_the_file(tmp_path):
         assert info.value.findings[0].file == str(path)
 
 
+def test_hostile_tokenizer_files_are_clear_errors(tmp_path):
+    import os
+
+    from apr.plan.tokfacts import tokenizer_facts
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # opening it for reading would block forever
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(2**30)
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    for path, code in ((fifo, "file.not_regular"), (huge, "file.too_large"), (deep, "data.tokenizer")):
+        with pytest.raises(AprError) as info:
+            load_tokenizer(path)
+        assert info.value.findings[0].code == code and info.value.findings[0].file == str(path)
+        facts = tokenizer_facts(str(path))
+        assert facts["loaded"] is False and facts["error"]
+    assert "FIFO" in tokenizer_facts(str(fifo))["error"]
+
+
 def test_find_eot(tokenizer, tokenizer_path):
     assert find_eot(tokenizer, tokenizer_path) == (EOT, 0)
     with pytest.raises(AprError, match="no end-of-text token"):

@@ -181,3 +181,21 @@ def test_effective_status_marks_old_heartbeats_of_active_runs_only():
 def test_fixture_statuses_at_the_fixture_clock(name, expected):
     state = read_once(FIXTURES / name).state
     assert effective_status(state, FIXTURE_NOW, stale_threshold(1.0, state)) == expected
+
+
+def test_a_fifo_or_device_in_place_of_the_file_is_unreadable_without_hanging(run_dir):
+    import os
+
+    os.mkfifo(run_dir / "training_state.json")
+    reading = read_once(run_dir)  # would block forever in open() on a FIFO
+    assert reading.kind == "unreadable" and "FIFO" in reading.problem
+    (run_dir / "training_state.json").unlink()
+    (run_dir / "training_state.json").symlink_to("/dev/zero")
+    reading = read_once(run_dir)
+    assert reading.kind == "unreadable" and "device" in reading.problem
+
+
+def test_deeply_nested_state_is_malformed(run_dir):
+    (run_dir / "training_state.json").write_text('{"schema_version": 1, "x": ' + "[" * 100 + "]" * 100 + "}")
+    reading = read_once(run_dir)
+    assert reading.kind == "malformed" and "levels deep" in reading.problem

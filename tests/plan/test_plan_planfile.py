@@ -131,3 +131,27 @@ def test_cli_out_then_stale_detection_end_to_end(saved, tmp_path):
     assert doc["format"] == "apr-plan" and check_plan_fresh(doc) == cfg.resolve()
     cfg.write_text(cfg.read_text().replace("batch_size: 2", "batch_size: 1"))
     assert "data.batch_size" in _refusal(load_plan_file(path)).message
+
+
+def test_hostile_plan_files_are_clear_errors(tmp_path, saved):
+    """A FIFO, a huge file, deep nesting and wrong field types: each a clean AprError naming the file."""
+    _, good = saved
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(2**31)
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"format": "apr-plan", "x": ' + "[" * 50_000 + "]" * 50_000 + "}")
+    doc = json.loads(good.read_text())
+    typed = {}
+    for key, value in (("config_path", 5), ("config_hash", ["x"]), ("overrides", "max_steps"),
+                       ("data_fingerprint", {"files": [{"path": 1, "size": "big", "mtime_ns": 0}]})):
+        typed[key] = tmp_path / f"typed-{key}.json"
+        typed[key].write_text(json.dumps({**doc, key: value}))
+    cases = [(fifo, "file.not_regular"), (huge, "file.too_large"), (deep, "file.too_deep")] + \
+        [(p, "plan.field") for p in typed.values()]
+    for path, code in cases:
+        with pytest.raises(AprError) as info:
+            load_plan_file(path)
+        assert info.value.findings[0].code == code and info.value.findings[0].file == str(path), path
