@@ -100,7 +100,8 @@ def check_regular(path: str | os.PathLike, what: str = "file", *, error: type[Ap
                     expected=expected) from None
     if not stat.S_ISREG(st.st_mode):
         kind = file_kind(st.st_mode)
-        raise _fail(error, file, "file.directory" if stat.S_ISDIR(st.st_mode) else "file.not_regular", f"{what} {file} is {kind}, not a regular file",
+        code = "file.directory" if stat.S_ISDIR(st.st_mode) else "file.not_regular"
+        raise _fail(error, file, code, f"{what} {file} is {kind}, not a regular file",
                     expected=expected, got=kind)
     return st
 
