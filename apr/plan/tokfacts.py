@@ -17,7 +17,8 @@ def tokenizer_facts(path_text: str) -> dict:
             check_regular(path, "tokenizer")
             facts["error"] = "no such file"
         except InputError as e:  # says what is there instead: a folder, a FIFO, a symlink loop...
-            facts["error"] = e.findings[0].got or e.message
+            f = e.findings[0]
+            facts["error"] = "no such file" if f.code == "file.missing" else (f.got or e.message)
         return facts
     from tokenizers import Tokenizer
 
