@@ -92,9 +92,9 @@ def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
         except CelError as e:
             findings.append(Finding("error", "alert.invalid_condition", e.message, path=path, file=file))
             continue
-        from apr.cel import variables_of
+        from apr.cel import free_variables
 
-        unknown = sorted(set(variables_of(condition)) - set(ALERT_VARIABLES))
+        unknown = sorted(set(free_variables(condition)) - set(ALERT_VARIABLES))
         if unknown:
             findings.append(
                 Finding(
@@ -135,10 +135,10 @@ class AlertEvaluator:
         findings = alert_findings(alerts)
         if findings:
             raise AprError("invalid monitoring.alerts", findings)
-        from apr.cel import variables_of
+        from apr.cel import free_variables
 
         self._alerts = [
-            (a.condition, str(getattr(a.action, "value", a.action)), a.message, variables_of(a.condition))
+            (a.condition, str(getattr(a.action, "value", a.action)), a.message, free_variables(a.condition))
             for a in alerts
         ]
         self._active = [False] * len(self._alerts)

@@ -75,3 +75,28 @@ def test_nonfinite_detection():
     import torch
 
     assert is_nonfinite({"loss": torch.tensor(float("nan"))})
+
+
+def test_cel_macros_are_accepted_and_fire():
+    from apr.track.alerts import AlertEvaluator, alert_findings
+
+    class A:
+        def __init__(self, condition, action="stop", message=None):
+            self.condition, self.action, self.message = condition, action, message
+
+    alerts = [A("[loss, grad_norm].exists(x, x > 10)"), A("[loss].all(v, v < 0)")]
+    assert alert_findings(alerts) == []
+    fired = AlertEvaluator(alerts).check({"loss": 11.0, "grad_norm": 1.0}, step=3)
+    assert [a.condition for a in fired] == ["[loss, grad_norm].exists(x, x > 10)"]
+    bad = alert_findings([A("[loss].exists(x, x > nonsense)")])
+    assert [f.code for f in bad] == ["alert.unknown_metric"] and bad[0].got == "nonsense"
+
+
+def test_hostile_conditions_are_findings_not_crashes():
+    from apr.track.alerts import alert_findings
+
+    class A:
+        condition, action, message = "(" * 2_000 + "loss > 1" + ")" * 2_000, "stop", None
+
+    findings = alert_findings([A()])
+    assert [f.code for f in findings] == ["alert.invalid_condition"] and "levels deep" in findings[0].message
