@@ -25,13 +25,16 @@ def lr_at(
 ) -> float:
     """Learning rate of optimizer update ``step`` (1-based) of ``total_steps``.
 
-    - warmup (step <= warmup_steps): ``peak * step / warmup_steps``;
+    - warmup (step <= warmup_steps): ``peak * (step / warmup_steps)``;
     - cosine: ``min + (peak - min) * (1 + cos(pi * p)) / 2`` with
       ``p = (step - warmup) / (total - warmup)``, so p = 1 on the last step;
-    - linear: ``peak - (peak - min) * p``;
+    - linear: ``min + (peak - min) * (1 - p)``;
     - constant: ``peak`` (min_lr unused);
     - wsd (warmup-stable-decay): ``peak`` until the last ``D = round(decay_fraction * total)``
       steps (at least 1, at most total - warmup), then linear to ``min`` over those D steps.
+
+    Each decay is written as ``min + (peak - min) * r`` with ``r`` exactly 0 on the last step, so
+    the run ends at exactly ``min_lr`` (``peak - (peak - min)`` would round: 0.0999.. for 0.1).
     """
     kind = str(kind)
     if kind not in KINDS:
@@ -39,7 +42,7 @@ def lr_at(
     if step < 1:
         raise ValueError("steps count from 1")
     if step <= warmup_steps:
-        return peak * step / warmup_steps
+        return peak * (step / warmup_steps)  # exactly peak at step == warmup_steps
     if kind == "constant":
         return peak
     step = min(step, total_steps)
@@ -48,11 +51,11 @@ def lr_at(
         decay_start = total_steps - decay_steps
         if step <= decay_start:
             return peak
-        return peak - (peak - min_lr) * (step - decay_start) / decay_steps
+        return min_lr + (peak - min_lr) * ((total_steps - step) / decay_steps)
     p = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
     if kind == "cosine":
         return min_lr + (peak - min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
-    return peak - (peak - min_lr) * p
+    return min_lr + (peak - min_lr) * (1.0 - p)
 
 
 @dataclass(frozen=True)
