@@ -45,15 +45,17 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
         config_path = target
     overrides = {k: v for k, v in (("seed", seed), ("device", device), ("max_steps", max_steps)) if v is not None}
     world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
+    from apr.train.devicemem import device_budget
+
     plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
-                      overrides=overrides or None)
+                      overrides=overrides or None, device_budget=device_budget)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
     if plan_doc is None:
         plan_doc = plan.to_dict()
 
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
-                           progress=progress, overrides=overrides)
+                           progress=progress, overrides=overrides, execution=plan.execution["policy"])
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"

@@ -29,6 +29,8 @@ HARMLESS: dict[str, str] = {
     "training.eval_batches": "how many batches validation averages",
     "training.output_dir": "where records and checkpoints go",
     "training.gpu": "the plan's hardware target only",
+    "training.execution.activations": "what is kept or recomputed; every policy trains the same weights",
+    "training.execution.gradients": "where gradients live; every policy trains the same weights",
     "training.vram": "the plan's hardware target only",
     "model.path": "initial weights; a resumed run takes its weights from the checkpoint",
     "model.architecture.initializer_range": "initialisation only; a resumed run does not initialise",

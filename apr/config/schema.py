@@ -163,6 +163,39 @@ class ClipMode(StrEnum):
     per_block = "per_block"
 
 
+_ACTIVATIONS_RE = re.compile(r"^(auto|keep|selective|recompute|keep_first:[0-9]+)$")
+
+
+def _activations(value: object) -> object:
+    if not isinstance(value, str) or not _ACTIVATIONS_RE.match(value):
+        raise ValueError(f"expected auto, keep, keep_first:K (K a block count), selective or recompute, got {value!r}")
+    return value
+
+
+ActivationsPolicy = Annotated[str, BeforeValidator(_activations),
+                              WithJsonSchema({"type": "string", "pattern": _ACTIVATIONS_RE.pattern})]
+
+
+class GradientsPolicy(StrEnum):
+    auto = "auto"
+    kept = "kept"
+    workspace = "workspace"
+
+
+class ExecutionConfig(_Section):
+    """What the interleaved engine keeps and what it recomputes (docs/training.md, "Execution")."""
+
+    activations: ActivationsPolicy = Field(
+        "auto", description="auto (the plan picks the fastest that fits the memory budget), keep (every "
+        "block's autograd graph, no recompute), keep_first:K (the first K blocks kept, the rest recomputed), "
+        "selective (keep matmul and attention outputs, recompute norms, activations, rope) or recompute "
+        "(only each block's input kept).")
+    gradients: GradientsPolicy = Field(
+        GradientsPolicy.auto, description="auto, kept (every group's gradient for the whole step: global "
+        "clipping costs no extra walk) or workspace (one shared buffer of the largest group's size).")
+    compile: bool = Field(False, description="torch.compile each decoder block (needs a working compiler).")
+
+
 class Engine(StrEnum):
     interleaved = "interleaved"
     standard = "standard"
@@ -195,9 +228,10 @@ class TrainingConfig(_Section):
     grad_clip: float | None = Field(1.0, gt=0, description="Clip gradients to this norm; null disables.")
     clip_mode: ClipMode = Field(
         ClipMode.global_norm,
-        description="global: exact global-norm clipping (one extra backward pass in the interleaved "
-        "engine without accumulation); per_block: clip each block's gradient on its own (free).",
+        description="global: exact global-norm clipping (one extra backward walk in the interleaved "
+        "engine when gradients are not kept); per_block: clip each block's gradient on its own (free).",
     )
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     mixed_precision: MixedPrecision = Field(MixedPrecision.bf16, description="Compute precision.")
     output_dir: str = Field("checkpoints/run", description="Run directory: checkpoints and records.")
     save_interval: PositiveCount = Field(1000, description="Checkpoint every N optimizer steps.")

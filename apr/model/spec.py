@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from apr.config.schema import AprConfig, Architecture, MixedPrecision
+from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
@@ -122,9 +123,11 @@ def compute_dtype(precision: MixedPrecision | str) -> str:
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[str(precision)]
 
 
-def buffer_plan(config: AprConfig) -> list[Buffer]:
+def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[Buffer]:
     """The trainer's persistent device buffers, as allocated by the engine (``apr.train.engine``
-    allocates weights, AdamW state and gradient buffers from this list by name).
+    allocates weights, AdamW state and gradient buffers from this list by name). ``execution``: the
+    resolved policy (apr/steps/execution.py); default: the config's, ``auto`` as if memory were
+    unlimited.
 
     Weights, optimizer state and gradient buffers are float32 (master weights); activation
     checkpoints are kept in the compute dtype. Activations inside one block and allocator slack are
@@ -146,17 +149,18 @@ def buffer_plan(config: AprConfig) -> list[Buffer]:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32"))
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32"))
 
-    # Gradients (apr.steps.strategy): when every group's gradient is kept for the whole step (the
-    # standard engine, gradient accumulation), the interleaved engine also has a scratch of the
-    # embedding's size, where the LM head's and the embedding's gradient of one micro-batch are
+    # Gradients (apr.steps.strategy, under the execution policy's ``gradients``): when every
+    # group's gradient is kept for the whole step (the standard engine, gradient accumulation,
+    # ``kept``), the interleaved engine also has a scratch of the embedding's size where a later
+    # micro-batch's LM-head and embedding gradients (or a tied embedding's lookup gradient) are
     # formed before they are added (the same rounding as autograd's accumulation). Otherwise one
     # shared workspace sized for the largest group serves the head, each block and the embedding
     # in turn; a tied embedding keeps its own buffer (the LM head's gradient, first in the walk, and
     # the embedding's, last, both add into it) and forms its lookup gradient in the workspace.
-    if step_strategy(config).keeps_all_grads:
+    if step_strategy(config, execution).keeps_all_grads:
         for name, numel in groups:
             bufs.append(Buffer(f"{name}.grad", "gradients", (numel,), "float32"))
-        if interleaved:
+        if interleaved and (tr.gradient_accumulation > 1 or arch.tie_word_embeddings):
             bufs.append(Buffer("grad_scratch", "gradients", (v * h,), "float32"))
     else:
         if arch.tie_word_embeddings:

@@ -239,13 +239,14 @@ def data_fingerprint(config: AprConfig) -> dict:
 
 def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,
                world_size: int | None = None, overrides: dict | None = None,
-               contracts_dir: Path | None = None) -> Plan:
+               contracts_dir: Path | None = None, device_budget=None) -> Plan:
     """Plan a run from ``config_path``.
 
     ``gpu``/``vram``: the target for the memory budget and time estimate (default: the config's
     training.gpu / training.vram, else none). ``world_size``: data-parallel processes (default:
     training.world_size). ``overrides``: apply's command-line overrides (``max_steps``, ``seed``,
-    ``device``). Raises ConfigError when the config does not load, PlanUsageError (exit code 2)
+    ``device``). ``device_budget``: apply's ``config -> (bytes, source)``, the device's memory the
+    execution policy must fit when no target is given. Raises ConfigError when the config does not load, PlanUsageError (exit code 2)
     for a bad argument, ContractFileError for a malformed contract file.
     """
     from apr.plan.facts import all_facts
@@ -258,7 +259,8 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     if world_size < 1:
         raise PlanUsageError(f"--world-size must be at least 1, got {world_size}")
     target = resolve_plan_target(config, gpu, vram)
-    sheet = all_facts(config, world_size=world_size, target=target)
+    budget = device_budget(config) if device_budget is not None and (target is None or not target.vram_bytes) else None
+    sheet = all_facts(config, world_size=world_size, target=target, device_budget=budget)
     contract_set = load_contracts(contracts_dir)
     results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
     from apr.plan.validate import alert_config_findings

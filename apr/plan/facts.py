@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from apr.config.schema import AprConfig
 from apr.model.spec import block_numel, flops_per_token, non_embedding_param_count, param_count
 from apr.plan.gpus import Target
-from apr.plan.memory import COEFFICIENTS, MemoryRow, max_micro_batch, memory_table
+from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
 from apr.steps.algebra import step_algebra
 from apr.steps.schedule import LRSchedule
 from apr.steps.strategy import step_strategy
@@ -36,8 +36,16 @@ def model_facts(config: AprConfig) -> dict:
     }
 
 
-def memory_facts(config: AprConfig, target: Target | None) -> tuple[dict, list[MemoryRow]]:
-    rows = memory_table(config)
+def memory_facts(config: AprConfig, target: Target | None,
+                 device_budget: tuple[int, str] | None = None) -> tuple[dict, list[MemoryRow], ExecutionChoice]:
+    """Memory facts and rows under the execution policy the plan chooses, and that choice's facts.
+    The budget: the target's memory, else ``device_budget`` (apply: the device's real memory)."""
+    if target is not None and target.vram_bytes:
+        budget: tuple[int | None, str | None] = (target.vram_bytes, target.source)
+    else:
+        budget = device_budget or (None, None)
+    choice = choose_execution(config, *budget)
+    rows = memory_table(config, execution=choice.execution)
     total = sum(r.bytes for r in rows)
     facts: dict = {"total_bytes": total, "by_component": {r.component: r.bytes for r in rows},
                    "calibrated": COEFFICIENTS.calibrated}
@@ -45,7 +53,7 @@ def memory_facts(config: AprConfig, target: Target | None) -> tuple[dict, list[M
         facts["vram_bytes"] = target.vram_bytes
         facts["usage_fraction"] = total / target.vram_bytes
         facts["max_micro_batch"] = max_micro_batch(config, target.vram_bytes)
-    return facts, rows
+    return facts, rows, choice
 
 
 def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precision: str,
@@ -61,13 +69,13 @@ def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precis
             "precision": precision, "estimated_seconds": seconds, "basis": basis}
 
 
-def execution_facts(config: AprConfig) -> dict:
+def execution_facts(config: AprConfig, execution=None) -> dict:
     """How apply will execute: engine, device, kernel backend, precision and clipping. Torch-free:
     ``auto`` choices are described, since they are made on the machine that applies."""
     from importlib.util import find_spec
 
     tr = config.training
-    st = step_strategy(config)
+    st = step_strategy(config, execution)
     device, kernels = str(tr.device), str(tr.kernels)
     if kernels != "auto":
         kernels_resolved = kernels
@@ -94,7 +102,8 @@ def peak_lr_reached(config: AprConfig, total_steps: int) -> float:
     return schedule(min(total_steps, warmup)) if warmup else schedule(1)
 
 
-def config_facts(config: AprConfig, *, world_size: int, target: Target | None) -> FactSheet:
+def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
+                 device_budget: tuple[int, str] | None = None) -> FactSheet:
     """Facts that need only the config (and the target): what `apr train validate` evaluates."""
     tr = config.training
     sequences_per_step = config.data.batch_size * tr.gradient_accumulation * world_size
@@ -105,18 +114,19 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None) -
                      "tokens_per_step": sequences_per_step * config.data.seq_len,
                      "min_lr": config.optimizer.resolved_min_lr},
     }
-    facts["execution"] = execution_facts(config)
     if target is not None:
         facts["target"] = target.to_facts(str(tr.mixed_precision))
-    facts["memory"], rows = memory_facts(config, target)
+    facts["memory"], rows, choice = memory_facts(config, target, device_budget)
+    facts["execution"] = {**execution_facts(config, choice.execution), **choice.facts(config)}
     return FactSheet(facts=facts, memory=rows)
 
 
-def all_facts(config: AprConfig, *, world_size: int, target: Target | None) -> FactSheet:
+def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
+              device_budget: tuple[int, str] | None = None) -> FactSheet:
     """Config facts plus data (Parquet footers), tokenizer and step algebra, and the time estimate."""
     from apr.plan.datafacts import dataset_facts, shared_shards
 
-    sheet = config_facts(config, world_size=world_size, target=target)
+    sheet = config_facts(config, world_size=world_size, target=target, device_budget=device_budget)
     facts = sheet.facts
     data, tr = config.data, config.training
     data_facts: dict = {"train": dataset_facts(data.train, data.input_column)}

@@ -1,10 +1,11 @@
 """The per-GPU memory budget: the trainer's buffer plan plus the few things it cannot list.
 
 Everything the trainer allocates up front comes from ``apr.model.spec.buffer_plan`` (DESIGN.md
-decision 1): the plan sums exactly what ``apply`` allocates. Only three things are modelled, and
+decision 1): the plan sums exactly what ``apply`` allocates. Only four things are modelled, and
 their coefficients live in ``COEFFICIENTS`` below and nowhere else, so that a calibration against
 measured peaks on a real GPU changes one place:
 
+* the autograd graphs the execution policy keeps from the forward to the backward,
 * the activations that exist inside one block while it is recomputed and backpropagated,
 * the CUDA context (driver, cuBLAS workspaces; visible in nvidia-smi, not in torch's counters),
 * the caching allocator's slack (fragmentation and rounding).
@@ -12,9 +13,11 @@ measured peaks on a real GPU changes one place:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from apr.config.schema import AprConfig
+from apr.steps import execution as policy
+from apr.steps.execution import Execution
 from apr.model.spec import DTYPE_BYTES, block_numel, buffer_plan, compute_dtype
 
 _MIB = 2**20
@@ -33,6 +36,18 @@ class MemoryCoefficients:
     block_weight_cast_copies: float = 2.0
     # float32 softmax temporaries of one logits chunk, beyond the chunk and its gradient buffers.
     logits_extra_copies: float = 1.0
+    # Per token, in compute-dtype elements: what autograd saves for a block whose graph is kept
+    # (beyond its input, which is an activation checkpoint anyway). Counted with
+    # torch.autograd.graph.saved_tensors_hooks on the CPU (2026-11-24): norm outputs and the residual
+    # (hidden), q/k/v after rope, attention output, SwiGLU gate, up, silu and product (intermediate).
+    keep_hidden_widths: float = 8.0
+    keep_kv_widths: float = 2.0
+    keep_intermediate_widths: float = 4.0
+    # Selective recompute keeps only the matmul and attention outputs: q, o_proj, down_proj and the
+    # attention output (hidden), k and v, gate and up (intermediate); counted from the op list.
+    selective_hidden_widths: float = 4.0
+    selective_kv_widths: float = 2.0
+    selective_intermediate_widths: float = 2.0
     cuda_context_bytes: int = 512 * _MIB
     allocator_slack_fraction: float = 0.10  # of everything torch allocates
     calibrated: bool = False
@@ -42,15 +57,16 @@ class MemoryCoefficients:
 COEFFICIENTS = MemoryCoefficients()
 
 # Row order of the table; components the buffer plan adds later are appended after these.
-_ORDER = ["weights", "adamw_m", "adamw_v", "gradients", "activation_checkpoints", "block_activations",
-          "logits_chunk", "inputs", "cuda_context", "allocator_slack"]
+_ORDER = ["weights", "adamw_m", "adamw_v", "gradients", "activation_checkpoints", "kept_activations",
+          "block_activations", "logits_chunk", "inputs", "cuda_context", "allocator_slack"]
 
 DESCRIPTIONS = {
     "weights": "fp32 master weights, one flat buffer per block",
     "adamw_m": "AdamW first moment (fp32)",
     "adamw_v": "AdamW second moment (fp32)",
-    "gradients": "gradient workspace (one block) or per-group gradients under accumulation",
+    "gradients": "one gradient workspace (the largest group) or every group's gradient (kept)",
     "activation_checkpoints": "each block's input, kept for the recompute",
+    "kept_activations": "autograd graphs kept from forward to backward (execution policy; modelled)",
     "block_activations": "activations inside one block during recompute + backward (modelled)",
     "logits_chunk": "one LM-head chunk of logits and its gradient (never full logits)",
     "inputs": "token ids of one micro-batch",
@@ -86,15 +102,34 @@ def _block_activation_bytes(config: AprConfig, c: MemoryCoefficients) -> int:
     return int((b * s * per_token + scores + weight_casts) * elt + logits_tmp)
 
 
-def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS) -> list[MemoryRow]:
-    """Per-GPU bytes by component: buffer-plan sums, then the modelled rows."""
+def _kept_activation_bytes(config: AprConfig, execution: Execution, c: MemoryCoefficients) -> int:
+    if str(config.training.engine) != "interleaved":
+        return 0
+    arch = config.model.architecture
+    b, s = config.data.batch_size, config.data.seq_len
+    elt = DTYPE_BYTES[compute_dtype(config.training.mixed_precision)]
+    kv = arch.kv_heads * (arch.hidden_size // arch.num_attention_heads)
+    keep = c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * kv + c.keep_intermediate_widths * arch.intermediate_size
+    sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
+           + c.selective_intermediate_widths * arch.intermediate_size)
+    selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
+    return int(b * s * (execution.kept_blocks * keep + selective_blocks * sel) * elt)
+
+
+def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS,
+                 execution: Execution | None = None) -> list[MemoryRow]:
+    """Per-GPU bytes by component under ``execution`` (default: the config's policy, ``auto`` as if
+    memory were unlimited): buffer-plan sums, then the modelled rows."""
+    execution = execution or policy.from_config(config)
     sums: dict[str, list[int]] = {}
-    for buf in buffer_plan(config):
+    for buf in buffer_plan(config, execution):
         entry = sums.setdefault(buf.component, [0, 0])
         entry[0] += buf.nbytes
         entry[1] += 1
     rows = {name: MemoryRow(name, total, "buffer_plan", n, DESCRIPTIONS.get(name, "from the buffer plan"))
             for name, (total, n) in sums.items()}
+    rows["kept_activations"] = MemoryRow("kept_activations", _kept_activation_bytes(config, execution, coefficients),
+                                         "modelled", 0, DESCRIPTIONS["kept_activations"])
     rows["block_activations"] = MemoryRow("block_activations", _block_activation_bytes(config, coefficients),
                                           "modelled", 0, DESCRIPTIONS["block_activations"])
     allocated = sum(r.bytes for r in rows.values())
@@ -106,8 +141,9 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
     return [rows[c] for c in order]
 
 
-def total_bytes(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS) -> int:
-    return sum(r.bytes for r in memory_table(config, coefficients))
+def total_bytes(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS,
+                execution: Execution | None = None) -> int:
+    return sum(r.bytes for r in memory_table(config, coefficients, execution))
 
 
 def with_batch_size(config: AprConfig, batch_size: int) -> AprConfig:
@@ -116,10 +152,12 @@ def with_batch_size(config: AprConfig, batch_size: int) -> AprConfig:
 
 def max_micro_batch(config: AprConfig, vram_bytes: int, limit: int = 1 << 16,
                     coefficients: MemoryCoefficients = COEFFICIENTS) -> int:
-    """The largest micro-batch (at this seq_len) whose total fits in ``vram_bytes``; 0 if none does."""
+    """The largest micro-batch (at this seq_len) whose total fits in ``vram_bytes`` under the leanest
+    policy the config allows; 0 if none does."""
 
     def fits(b: int) -> bool:
-        return total_bytes(with_batch_size(config, b), coefficients) <= vram_bytes
+        cfg = with_batch_size(config, b)
+        return min(total_bytes(cfg, coefficients, e) for e in _lean_candidates(cfg)) <= vram_bytes
 
     if not fits(1):
         return 0
@@ -135,3 +173,92 @@ def max_micro_batch(config: AprConfig, vram_bytes: int, limit: int = 1 << 16,
 
 def coefficients_dict(coefficients: MemoryCoefficients = COEFFICIENTS) -> dict:
     return asdict(coefficients)
+
+
+# ------------------------------------------------------------------------------ execution choice
+
+
+def _lean_candidates(config: AprConfig) -> list[Execution]:
+    """The leanest policies the config allows: the most blocks recomputed in full, each gradient choice."""
+    all_ = policy.candidates(config)
+    most = max(e.recomputed_blocks for e in all_)
+    pool = [e for e in all_ if e.recomputed_blocks == most]
+    return [e for e in pool if e.rest == "recompute"] or pool
+
+
+@dataclass
+class ExecutionChoice:
+    """The policy the plan hands to the engine, why, and what the alternatives would cost."""
+
+    execution: Execution
+    auto: bool  # some part of the policy was ``auto``
+    budget_bytes: int | None  # what the choice had to fit in; None: no budget (the fastest policy)
+    budget_source: str | None
+    cost_f: float
+    total_bytes: int
+    fits: bool | None  # None without a budget
+    fastest_fitting: Execution | None  # the fastest policy of any kind that fits the budget
+    alternatives: list[dict] = field(default_factory=list)
+
+    def facts(self, config: AprConfig) -> dict:
+        fit = self.fastest_fitting
+        out = {"policy": self.execution.to_dict(), "policy_auto": self.auto, "cost_f": self.cost_f,
+               "policy_line": policy.describe(config, self.execution), "policy_bytes": self.total_bytes,
+               "alternatives": self.alternatives}
+        if self.budget_bytes is not None:
+            out.update(budget_bytes=self.budget_bytes, budget_source=self.budget_source, policy_fits=bool(self.fits),
+                       policy_cost=policy.fmt_f(self.cost_f))
+            if fit is not None:
+                out["fastest_fitting"] = {"activations": fit.activations, "gradients": fit.gradients,
+                                          "cost_f": policy.step_cost_f(config, fit),
+                                          "cost": policy.fmt_f(policy.step_cost_f(config, fit)),
+                                          "total_bytes": total_bytes(config, execution=fit)}
+        return out
+
+
+def choose_execution(config: AprConfig, budget_bytes: int | None = None, budget_source: str | None = None,
+                     coefficients: MemoryCoefficients = COEFFICIENTS) -> ExecutionChoice:
+    """Resolve ``training.execution``: stated parts are kept; each ``auto`` part takes the fastest
+    value (fewest forward-equivalents, then the least memory) whose total fits ``budget_bytes``;
+    with no budget, the fastest; when nothing fits, the leanest (the memory contract then fails)."""
+    ex = config.training.execution
+    auto = ex.activations == "auto" or str(ex.gradients) == "auto"
+
+    def key(e: Execution) -> tuple:
+        return (policy.step_cost_f(config, e), total_bytes(config, coefficients, e))
+
+    ranked = sorted(((key(e), e) for e in policy.candidates(config)), key=lambda t: t[0])
+    fits = [e for (_, b), e in ranked if budget_bytes is None or b <= budget_bytes]
+    chosen = fits[0] if fits else min(ranked, key=lambda t: t[0][1])[1]
+    # the fastest policy of any kind that fits: what a finding suggests instead of a stated misfit
+    free = config.model_copy(update={"training": config.training.model_copy(
+        update={"execution": ex.model_copy(update={"activations": "auto", "gradients": "auto"})})})
+    fastest_fitting = None
+    if budget_bytes is not None:
+        any_fit = sorted((key(e), e) for e in policy.candidates(free))
+        fastest_fitting = next((e for (_, b), e in any_fit if b <= budget_bytes), None)
+    cost, total = key(chosen)
+    return ExecutionChoice(
+        execution=chosen, auto=auto, budget_bytes=budget_bytes, budget_source=budget_source, cost_f=cost,
+        total_bytes=total, fits=None if budget_bytes is None else total <= budget_bytes,
+        fastest_fitting=fastest_fitting, alternatives=alternatives(free, chosen, budget_bytes, coefficients))
+
+
+def alternatives(config: AprConfig, chosen: Execution, budget_bytes: int | None,
+                 coefficients: MemoryCoefficients = COEFFICIENTS) -> list[dict]:
+    """The named policies (keep, selective, recompute, and the chosen keep_first:K), each gradient
+    choice the config allows, with cost and memory: the plan's table of alternatives."""
+    rows, seen = [], set()
+    for e in policy.candidates(config):
+        if e.activations.startswith("keep_first:") and e.activations != chosen.activations:
+            continue
+        label = (e.activations, e.gradients)
+        if label in seen:
+            continue
+        seen.add(label)
+        total = total_bytes(config, coefficients, e)
+        rows.append({"activations": e.activations, "gradients": e.gradients,
+                     "cost_f": policy.step_cost_f(config, e), "total_bytes": total,
+                     "fits": None if budget_bytes is None else total <= budget_bytes,
+                     "chosen": label == (chosen.activations, chosen.gradients)})
+    return sorted(rows, key=lambda r: (r["cost_f"], r["total_bytes"]))

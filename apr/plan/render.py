@@ -13,6 +13,7 @@ import textwrap
 
 from apr.errors import AprError, Finding
 from apr.fmt import fmt_estimate, fmt_flops, fmt_giga, fmt_lr, fmt_number, format_bytes, format_count
+from apr.steps.execution import fmt_f
 
 WIDTH = 100
 _COLOURS = {"error": "31", "warning": "33", "info": "36", "ok": "32", "dim": "2", "bold": "1"}
@@ -136,7 +137,29 @@ def _execution_lines(plan) -> list[str]:
     device = e["device"] if e["device"] == e["device_resolved"] else f"{e['device']} -> {e['device_resolved']}"
     return [f"engine {e['engine']}, precision {e['precision']}, device {device}",
             f"kernels {kernels}",
-            e["strategy"]]
+            e["strategy"], *_policy_lines(e)]
+
+
+def _policy_lines(e: dict) -> list[str]:
+    """The execution policy the engine will run, why, and the alternatives' cost and memory."""
+    p = e.get("policy")
+    if p is None:
+        return []
+    if not e.get("policy_auto"):
+        why = "as stated in training.execution"
+    elif e.get("budget_bytes") is None:
+        why = "auto, no memory budget: the fastest; apply re-decides from the device's memory"
+    else:
+        why = f"auto: the fastest that fits {format_bytes(e['budget_bytes'])} ({e['budget_source']})"
+    out = [f"policy: activations {p['activations']}, gradients {p['gradients']} ({why})",
+           f"  {e['policy_line']} (F = one forward pass of the model)",
+           f"  {'activations':<16}{'gradients':<11}{'cost':>6}{'memory':>12}"]
+    for a in e.get("alternatives", []):
+        fits = "" if a["fits"] is None else ("  fits" if a["fits"] else "  does not fit")
+        mark = "  <- chosen" if a["chosen"] else ""
+        out.append(f"  {a['activations']:<16}{a['gradients']:<11}{fmt_f(a['cost_f']):>6}"
+                   f"{format_bytes(a['total_bytes']):>12}{fits}{mark}")
+    return out
 
 
 def _memory_lines(plan, colour: bool) -> list[str]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StepStrategy:
     engine: str  # "interleaved" | "standard"
-    clip: str  # "global" | "per_block" | "off"
+    clip: str  # "global" | "per_block" | "adagc" | "off"
     keeps_all_grads: bool  # every group's gradient lives for the whole step
     norm_prepass: bool  # interleaved: a norm-only backward walk before the stepping walk
     loss_scaling: bool  # fp16 dynamic loss scaling
@@ -33,11 +33,11 @@ class StepStrategy:
 
     def describe(self) -> str:
         clip = {"global": "exact global-norm clipping", "per_block": "per-block clipping",
-                "off": "no clipping"}[self.clip]
+                "adagc": "AdaGC per-tensor clipping", "off": "no clipping"}[self.clip]
         if self.engine == "standard":
             how = "standard engine: full backward, then torch AdamW; all gradients held"
         elif self.keeps_all_grads:
-            how = "interleaved engine; gradients kept across micro-batches (global norm is free)"
+            how = "interleaved engine; every gradient kept for the step (global norm is free)"
         elif self.norm_prepass:
             why = "fp16 overflow check" if self.clip != "global" else "global norm"
             how = f"interleaved engine; norm-only backward pre-pass for the {why} (+1 backward walk)"
@@ -46,12 +46,16 @@ class StepStrategy:
         return f"{clip}; {how}"
 
 
-def step_strategy(config) -> StepStrategy:
-    """The strategy for an ``AprConfig``."""
+def step_strategy(config, execution=None) -> StepStrategy:
+    """The strategy for an ``AprConfig`` under a resolved ``apr.steps.execution.Execution`` (default:
+    the config's, ``auto`` as if memory were unlimited)."""
+    from apr.steps.execution import from_config
+
     tr = config.training
     engine = str(tr.engine)
     clip = "off" if tr.grad_clip is None else str(tr.clip_mode)
     loss_scaling = str(tr.mixed_precision) == "fp16"
-    keeps_all = engine == "standard" or tr.gradient_accumulation > 1
+    execution = execution or from_config(config)
+    keeps_all = engine == "standard" or tr.gradient_accumulation > 1 or execution.gradients == "kept"
     prepass = engine == "interleaved" and not keeps_all and (clip == "global" or loss_scaling)
     return StepStrategy(engine, clip, keeps_all, prepass, loss_scaling)

@@ -1,10 +1,13 @@
 """The training engines.
 
-``InterleavedEngine`` (DESIGN.md decision 3): the forward keeps only each block's input; the
-backward walks from the LM head to the embedding, recomputing one block at a time from its saved
-input, backpropagating into one shared flat gradient workspace, and running AdamW over that
-block's flat buffers right away. ``apr.steps.strategy`` says when gradients are kept instead
-(accumulation) and when a norm-only walk comes first (exact global clipping, fp16 overflow check).
+``InterleavedEngine`` (DESIGN.md decisions 3 and 9): the backward walks from the LM head to the
+embedding one block at a time, backpropagating into the block's gradient buffer and running AdamW
+over that block's flat buffers as soon as its gradient is complete. The resolved execution policy
+(apr/steps/execution.py, chosen by the plan) says, per block, whether the forward keeps the block's
+autograd graph (``keep``), keeps only its matmul and attention outputs (``selective``: norms,
+activations and rope are recomputed) or only its input (``recompute``); and whether gradients go to
+one shared workspace or stay kept for the whole step. ``apr.steps.strategy`` says when a norm-only
+walk comes first (exact global clipping or the fp16 overflow check with one workspace).
 
 ``StandardEngine``: the textbook loop (full autograd backward, ``clip_grad_norm_``,
 ``torch.optim.AdamW``) over the same model, loss and precision: the baseline and the reference the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -27,7 +31,9 @@ from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels import KernelBackend, get_backend
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_fwd_bwd, linear_cross_entropy_sum
+from apr.steps import execution as execution_policy
 from apr.model import spec
+from apr.steps.execution import Execution
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.steps.strategy import step_strategy
 from apr.train.dist import DataParallel
@@ -74,13 +80,15 @@ class Engine:
 
     kind = "abstract"
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend):
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                 execution: Execution | None = None):
         tr, opt = config.training, config.optimizer
         self.config = config
         self.model = model
         self.device = device
         self.backend = backend
-        self.strategy = step_strategy(config)
+        self.execution = execution or execution_policy.from_config(config)
+        self.strategy = step_strategy(config, self.execution)
         self.cdt = compute_dtype(tr.mixed_precision)
         self.scaler = DynamicLossScaler(enabled=self.strategy.loss_scaling)
         self.chunk_size = tr.loss_chunk_size
@@ -147,8 +155,8 @@ class InterleavedEngine(Engine):
     kind = "interleaved"
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                 buffers: dict[str, torch.Tensor]):
-        super().__init__(config, model, device, backend)
+                 buffers: dict[str, torch.Tensor], execution: Execution | None = None):
+        super().__init__(config, model, device, backend, execution)
         self.groups: list[FlatGroup] = [
             flatten_group(model, name, specs, buffers[f"{name}.flat_params"], buffers[f"{name}.adam_m"],
                           buffers[f"{name}.adam_v"], buffers.get(f"{name}.grad"))
@@ -167,17 +175,30 @@ class InterleavedEngine(Engine):
 
     # ---------------------------------------------------------------- forward and the backward walk
 
-    @torch.no_grad()
-    def _forward(self, ids: torch.Tensor) -> list[torch.Tensor | None]:
-        """Each block's input (in the compute dtype) and the last block's output."""
+    def _forward(self, ids: torch.Tensor) -> tuple[list[torch.Tensor | None], list[tuple | None]]:
+        """Each block's input (in the compute dtype) and the last block's output; and, for each block
+        the policy keeps (``keep`` or ``selective``), its ``(input, output)`` autograd graph."""
         cos, sin = self.model.rope(ids.shape[1], ids.device)
+        graphs: list[tuple | None] = []
         with self.autocast():
-            x = self.model.model.embed_tokens(ids).to(self.cdt)
+            with torch.no_grad():
+                x = self.model.model.embed_tokens(ids).to(self.cdt)
             inputs: list[torch.Tensor | None] = [x]
-            for layer in self.model.model.layers:
-                x = layer(x, cos, sin).to(self.cdt)
+            for i, layer in enumerate(self.model.model.layers):
+                mode = self.execution.block_mode(i)
+                if mode == "recompute":
+                    with torch.no_grad():
+                        x = layer(x, cos, sin).to(self.cdt)
+                    graphs.append(None)
+                else:
+                    x_in = x.detach().requires_grad_()
+                    with torch.enable_grad():
+                        out = (layer(x_in, cos, sin) if mode == "keep" else _selective(layer, x_in, cos, sin))
+                        out = out.to(self.cdt)
+                    graphs.append((x_in, out))
+                    x = out.detach()
                 inputs.append(x)
-        return inputs
+        return inputs, graphs
 
     def _grad_buffer(self, group: FlatGroup) -> torch.Tensor:
         """Bind the group's gradients: to its own buffer, or to the zeroed shared workspace."""
@@ -221,18 +242,20 @@ class InterleavedEngine(Engine):
             self._finish(item)
         self._next_ws = 0
 
-    def _walk(self, ids, targets, inputs, grad_mult: float, on_done, free_inputs: bool,
-              check_loss: bool = True) -> torch.Tensor:
+    def _walk(self, ids, targets, inputs, graphs, grad_mult: float, on_done, free_inputs: bool,
+              check_loss: bool = True, accumulate: bool = False) -> torch.Tensor:
         """Backward from the loss to the embedding; ``on_done(group, grad)`` runs as soon as each
         group's gradient is complete. Returns the loss sum (checked finite before any ``on_done``).
+        ``free_inputs``: the last walk over this forward (kept graphs are released as it goes);
+        ``accumulate``: kept gradient buffers already hold earlier micro-batches.
 
         The gradient is that of ``grad_mult * mean loss`` (loss scale / micro-batches), formed in the
         same order of float operations as autograd in the standard engine, so both agree bitwise.
         """
         model, n_layers = self.model, len(self.block_groups)
-        kept = self.strategy.keeps_all_grads
+        kept = accumulate
         cos, sin = model.rope(ids.shape[1], ids.device)
-        if not kept:
+        if not self.strategy.keeps_all_grads:
             for g in self.groups:
                 if g.own_grad is not None:  # a tied embedding's buffer: fresh for every walk
                     g.own_grad.zero_()
@@ -266,18 +289,26 @@ class InterleavedEngine(Engine):
             inputs[n_layers] = None
         self._done(self.head, head_buf, on_done)
 
-        # Blocks, last to first: recompute from the saved input, backprop, hand over.
+        # Blocks, last to first: backprop through the kept graph (or recompute it from the saved
+        # input), hand over.
         for i in reversed(range(n_layers)):
             group = self.block_groups[i]
             buf = self._grad_buffer(group)
-            x = inputs[i].detach().requires_grad_()
-            with self.autocast():
-                out = model.model.layers[i](x, cos, sin).to(self.cdt)
-            out.backward(grad_x)
+            # a selective graph can be backpropagated once only: the norm-only walk recomputes it
+            if graphs[i] is not None and (free_inputs or self.execution.block_mode(i) == "keep"):
+                x, out = graphs[i]
+                x.grad = None
+                out.backward(grad_x, retain_graph=not free_inputs)
+            else:
+                x = inputs[i].detach().requires_grad_()
+                with self.autocast():
+                    out = model.model.layers[i](x, cos, sin).to(self.cdt)
+                out.backward(grad_x)
             grad_x = x.grad
+            x.grad = None
             del out, x
             if free_inputs:
-                inputs[i] = None
+                inputs[i] = graphs[i] = None
             self._done(group, buf, on_done)
 
         # Embedding: scatter the input gradient into the rows looked up (no dense autograd temporary).
@@ -337,22 +368,23 @@ class InterleavedEngine(Engine):
         if st.keeps_all_grads:
             return self._step_kept(micro_batches)
         ids, targets = self.split(micro_batches[0])
-        inputs = self._forward(ids)
+        inputs, graphs = self._forward(ids)
         if st.norm_prepass:
-            return self._step_prepass(ids, targets, inputs, self.scaler.scale)
-        return self._step_single_walk(ids, targets, inputs)
+            return self._step_prepass(ids, targets, inputs, graphs, self.scaler.scale)
+        return self._step_single_walk(ids, targets, inputs, graphs)
 
     def _step_kept(self, micro_batches: list[torch.Tensor]) -> StepResult:
-        """Accumulation: every group keeps its gradient across micro-batches, then all step."""
+        """Kept gradients: every group keeps its gradient across the step's micro-batches (one backward
+        walk each), then the exact global norm is known and all groups step."""
         for g in self.groups:
             g.own_grad.zero_()
         loss = torch.zeros((), device=self.device)
         accum = len(micro_batches)
-        for batch in micro_batches:
+        for k, batch in enumerate(micro_batches):
             ids, targets = self.split(batch)
-            inputs = self._forward(ids)
-            loss_sum = self._walk(ids, targets, inputs, self.scaler.scale / accum, lambda g, buf: None,
-                                  free_inputs=True)
+            inputs, graphs = self._forward(ids)
+            loss_sum = self._walk(ids, targets, inputs, graphs, self.scaler.scale / accum, lambda g, buf: None,
+                                  free_inputs=True, accumulate=k > 0)
             loss += loss_sum / (targets.numel() * accum)
         if self.dp is not None:  # average the accumulated gradients over the ranks, all groups at once
             for handle in [self.dp.all_reduce_sum_async(g.own_grad) for g in self.groups]:
@@ -370,7 +402,7 @@ class InterleavedEngine(Engine):
             g.release_grads()
         return StepResult(loss, norm, skipped=overflow)
 
-    def _step_prepass(self, ids, targets, inputs, grad_mult: float) -> StepResult:
+    def _step_prepass(self, ids, targets, inputs, graphs, grad_mult: float) -> StepResult:
         """Exact global clipping (or the fp16 overflow check) in O(one block) gradient memory: a
         norm-only walk, then the stepping walk over the same saved block inputs."""
         sq: dict[str, torch.Tensor] = {}
@@ -378,7 +410,7 @@ class InterleavedEngine(Engine):
         def record(g: FlatGroup, buf: torch.Tensor) -> None:
             sq[g.name] = self.backend.sq_norm(buf)
 
-        loss_sum = self._walk(ids, targets, inputs, grad_mult, record, free_inputs=False)
+        loss_sum = self._walk(ids, targets, inputs, graphs, grad_mult, record, free_inputs=False)
         loss = loss_sum / targets.numel()
         norm, overflow = self._known_norm(sq)
         if overflow:
@@ -388,11 +420,11 @@ class InterleavedEngine(Engine):
         def step(g: FlatGroup, buf: torch.Tensor) -> None:
             self._apply(g, buf, coefs[g.name])
 
-        self._walk(ids, targets, inputs, grad_mult, step, free_inputs=True, check_loss=False)
+        self._walk(ids, targets, inputs, graphs, grad_mult, step, free_inputs=True, check_loss=False)
         self._stepped()
         return StepResult(loss, norm)
 
-    def _step_single_walk(self, ids, targets, inputs) -> StepResult:
+    def _step_single_walk(self, ids, targets, inputs, graphs) -> StepResult:
         """No clipping or per-block clipping: each group steps as soon as its gradient is complete."""
         sq: dict[str, torch.Tensor] = {}
         per_block = self.strategy.clip == "per_block"
@@ -403,7 +435,7 @@ class InterleavedEngine(Engine):
             # a non-finite gradient must not reach the weights; the run stops after this step
             self._apply(g, buf, coef, found_inf=~torch.isfinite(s))
 
-        loss_sum = self._walk(ids, targets, inputs, 1.0, step, free_inputs=True)
+        loss_sum = self._walk(ids, targets, inputs, graphs, 1.0, step, free_inputs=True)
         norm = torch.stack([sq[g.name] for g in self.groups]).sum().sqrt()
         if not bool(torch.isfinite(norm).item()):
             raise NonFiniteError("gradients", state_is_last_good=False)  # finite groups already stepped
@@ -529,23 +561,25 @@ class StandardEngine(Engine):
             state["step"].fill_(float(self.optimizer_steps))
 
 
-def allocate_buffers(config: AprConfig, device: torch.device) -> dict[str, torch.Tensor]:
+def allocate_buffers(config: AprConfig, device: torch.device,
+                     execution: Execution | None = None) -> dict[str, torch.Tensor]:
     """The engine's parameter, optimizer and gradient buffers, allocated from the buffer plan."""
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     wanted = {"weights", "adamw_m", "adamw_v", "gradients"}
     return {
         b.name: torch.empty(b.shape, dtype=dtypes[b.dtype], device=device)
-        for b in spec.buffer_plan(config)
+        for b in spec.buffer_plan(config, execution)
         if b.component in wanted and b.name != "head_saved_grad"
     }
 
 
 def build_engine(
     config: AprConfig, device: torch.device | str | None = None, *, seed: int | None = None,
-    backend: KernelBackend | None = None, dp: DataParallel | None = None,
+    backend: KernelBackend | None = None, dp: DataParallel | None = None, execution: Execution | None = None,
 ) -> Engine:
     """A freshly initialised model inside the engine ``training.engine`` names; ``dp``: average
-    gradients over the data-parallel ranks before every update."""
+    gradients over the data-parallel ranks before every update; ``execution``: the plan's resolved
+    policy (default: the config's, ``auto`` as if memory were unlimited)."""
     tr = config.training
     device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
     backend = backend or get_backend(str(tr.kernels), device)
@@ -553,6 +587,39 @@ def build_engine(
     if str(tr.engine) == "standard":
         engine: Engine = StandardEngine(config, model.to(device), device, backend)
     else:
-        engine = InterleavedEngine(config, model, device, backend, allocate_buffers(config, device))
+        execution = execution or execution_policy.from_config(config)
+        engine = InterleavedEngine(config, model, device, backend, allocate_buffers(config, device, execution),
+                                   execution)
     engine.dp = dp
     return engine
+
+
+# ------------------------------------------------------------------------- selective recompute
+
+# Ops whose outputs a selectively recomputed block keeps: the matmuls and attention (the expensive
+# ops); everything else (norms, rope, silu, products, residual adds) is recomputed in the backward.
+_SAVED_OPS = None
+
+
+def _saved_ops() -> set:
+    global _SAVED_OPS
+    if _SAVED_OPS is None:
+        aten = torch.ops.aten
+        names = ["mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_cudnn_attention"]
+        _SAVED_OPS = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    return _SAVED_OPS
+
+
+def _sac_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(layer, x, cos, sin):
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    return checkpoint(layer, x, cos, sin, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))

@@ -45,6 +45,7 @@ class ApplyOptions:
     progress: Callable[[int, int], None] | None = None  # called after every step with (step, total_steps)
     handle_signals: bool = True
     overrides: dict = field(default_factory=dict)  # --seed/--device/--max-steps given (recorded in checkpoints)
+    execution: dict | None = None  # the plan's resolved execution policy (facts.execution.policy)
 
 
 @dataclass
@@ -159,7 +160,11 @@ class Run:
         self.schedule = LRSchedule.from_config(config, self.total_steps)
 
         torch.manual_seed(tr.seed)
-        self.engine = build_engine(config, self.device, dp=self.dp)
+        from apr.steps.execution import Execution
+
+        execution = (None if options.execution is None
+                     else Execution.from_dict(options.execution, config.model.architecture.num_hidden_layers))
+        self.engine = build_engine(config, self.device, dp=self.dp, execution=execution)
         self.start_step = 0
         self.best_val: float | None = None
         self.run_id: str | None = None

@@ -94,6 +94,7 @@ def test_nested_shards_are_counted_like_the_loader(tmp_path):
 
 
 def test_largest_micro_batch_is_the_boundary(tmp_path):
+    from apr.steps.execution import parse
     from apr.plan.examples import materialize
     from apr.plan.memory import total_bytes, with_batch_size
 
@@ -101,5 +102,7 @@ def test_largest_micro_batch_is_the_boundary(tmp_path):
     plan = build_plan(cfg, vram="700MiB")
     best = plan.facts["memory"]["max_micro_batch"]
     assert best > 1
-    assert total_bytes(with_batch_size(plan.config, best)) <= 700 * 2**20
-    assert total_bytes(with_batch_size(plan.config, best + 1)) > 700 * 2**20
+    # the boundary under the leanest policy (full recompute, one gradient workspace)
+    lean = parse("recompute", "workspace", plan.config.model.architecture.num_hidden_layers)
+    assert total_bytes(with_batch_size(plan.config, best), execution=lean) <= 700 * 2**20
+    assert total_bytes(with_batch_size(plan.config, best + 1), execution=lean) > 700 * 2**20

@@ -96,7 +96,8 @@ def _live_grad_bytes(engine) -> int:
 def test_peak_live_gradient_bytes_are_one_blocks(clip_mode):
     # A wide block and a small vocabulary: a block is the largest group.
     arch = {"hidden_size": 48, "intermediate_size": 192, "vocab_size": 40, "num_hidden_layers": 4}
-    config = make_config(model={"architecture": arch}, training={"clip_mode": clip_mode})
+    lean = {"activations": "recompute", "gradients": "workspace"}
+    config = make_config(model={"architecture": arch}, training={"clip_mode": clip_mode, "execution": lean})
     engine = build_engine(config)
     block_bytes = engine.block_groups[0].numel * 4
     assert block_bytes > max(engine.embed.numel, engine.head.numel) * 4

@@ -1,0 +1,164 @@
+"""The execution policy of the interleaved engine: what each step keeps and what it recomputes.
+
+Torch-free. ``training.execution`` states it (``activations``, ``gradients``, ``compile``); ``auto``
+is resolved by the plan (apr/plan/memory.py picks the fastest policy whose memory fits the budget)
+and the engine runs exactly the resolved ``Execution`` (DESIGN.md decision 9). The buffer plan
+(apr/model/spec.py) allocates the gradient buffers it names; docs/design.md, "Execution policy".
+
+Cost is counted in forward-equivalents F of the whole model (a backward is 2F):
+
+* forward 1F, backward 2F;
+* a recomputed block adds its forward again (1F over all blocks when every block is recomputed); a
+  selectively recomputed block adds only its cheap ops (norms, activations, rope; SELECTIVE_F);
+* a norm-only pre-pass walk (exact global clipping or the fp16 overflow check with one gradient
+  workspace) adds another backward plus the recompute it needs (in full for selective blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Share of a block's forward time that selective recompute repeats (norms, SwiGLU's silu and
+# product, rope, residual adds). Measured on the CPU (benchmarks/bench_engine.py, docs/performance.md).
+SELECTIVE_F = 0.25
+
+ACTIVATION_KINDS = ("keep", "keep_first", "selective", "recompute")
+
+
+@dataclass(frozen=True)
+class Execution:
+    """A resolved policy. ``kept_blocks``: the first blocks whose autograd graph the forward keeps
+    (no recompute); ``rest``: how the other blocks are recomputed in the backward."""
+
+    layers: int
+    kept_blocks: int
+    rest: str  # "selective" | "recompute"
+    gradients: str  # "kept" | "workspace"
+    compile: bool = False
+
+    @property
+    def activations(self) -> str:
+        """The config spelling: keep, keep_first:K, selective or recompute."""
+        if self.kept_blocks >= self.layers:
+            return "keep"
+        if self.kept_blocks == 0:
+            return self.rest
+        return f"keep_first:{self.kept_blocks}"
+
+    def block_mode(self, i: int) -> str:
+        """How block ``i`` is handled: keep, selective or recompute."""
+        return "keep" if i < self.kept_blocks else self.rest
+
+    @property
+    def recomputed_blocks(self) -> int:
+        return self.layers - self.kept_blocks
+
+    def recompute_f(self) -> float:
+        """Forward-equivalents one backward walk spends recomputing."""
+        per_block = 1.0 if self.rest == "recompute" else SELECTIVE_F
+        return per_block * self.recomputed_blocks / self.layers
+
+    def cost_f(self, norm_prepass: bool) -> float:
+        """Forward-equivalents of one micro-batch's step (forward, backward walk(s), recompute). A
+        selectively kept graph can be backpropagated only once, so a norm-only pre-pass recomputes
+        those blocks in full."""
+        walk = 2.0 + self.recompute_f()
+        prepass = 2.0 + self.recomputed_blocks / self.layers if norm_prepass else 0.0
+        return 1.0 + walk + prepass
+
+    def to_dict(self) -> dict:
+        return {"activations": self.activations, "gradients": self.gradients, "compile": self.compile,
+                "kept_blocks": self.kept_blocks, "recomputed_blocks": self.recomputed_blocks,
+                "recompute": self.rest if self.recomputed_blocks else "none"}
+
+    @classmethod
+    def from_dict(cls, doc: dict, layers: int) -> Execution:
+        """The inverse of ``to_dict`` (a plan file's choice)."""
+        return parse(doc["activations"], doc["gradients"], layers, bool(doc.get("compile", False)))
+
+
+def parse(activations: str, gradients: str, layers: int, compile: bool = False) -> Execution:
+    """A stated (non-auto) policy; K of keep_first:K is capped at the number of blocks."""
+    if activations == "keep":
+        kept, rest = layers, "recompute"
+    elif activations.startswith("keep_first:"):
+        kept, rest = min(int(activations.split(":", 1)[1]), layers), "recompute"
+    elif activations in ("selective", "recompute"):
+        kept, rest = 0, activations
+    else:
+        raise ValueError(f"not a resolved activations policy: {activations!r}")
+    if gradients not in ("kept", "workspace"):
+        raise ValueError(f"not a resolved gradients policy: {gradients!r}")
+    return Execution(layers, kept, rest, gradients, compile)
+
+
+def gradients_forced(config) -> str | None:
+    """``kept`` when the config leaves no choice (the standard engine, gradient accumulation)."""
+    tr = config.training
+    if str(tr.engine) == "standard" or tr.gradient_accumulation > 1:
+        return "kept"
+    return None
+
+
+def candidates(config) -> list[Execution]:
+    """Every policy the config allows: the stated parts fixed, each ``auto`` part free."""
+    ex = config.training.execution
+    layers = config.model.architecture.num_hidden_layers
+    forced = gradients_forced(config)
+    grads = [str(ex.gradients)] if str(ex.gradients) != "auto" else ([forced] if forced else ["kept", "workspace"])
+    if ex.activations != "auto":
+        acts = [ex.activations]
+    else:
+        acts = ["keep", "selective", "recompute"] + [f"keep_first:{k}" for k in range(1, layers)]
+    return [parse(a, g, layers, ex.compile) for a in acts for g in grads]
+
+
+def needs_prepass(config, execution: Execution) -> bool:
+    """A norm-only walk before the stepping walk: exact global clipping or fp16's overflow check
+    with one gradient workspace (kept gradients know the norm after one walk)."""
+    tr = config.training
+    if str(tr.engine) == "standard" or execution.gradients == "kept":
+        return False
+    clip = "off" if tr.grad_clip is None else str(tr.clip_mode)
+    return clip == "global" or str(tr.mixed_precision) == "fp16"
+
+
+def step_cost_f(config, execution: Execution) -> float:
+    if str(config.training.engine) == "standard":
+        return 3.0
+    return execution.cost_f(needs_prepass(config, execution))
+
+
+def fastest(config) -> Execution:
+    """What ``auto`` means without a memory budget: the cheapest allowed policy (keep everything)."""
+    return min(candidates(config), key=lambda e: (step_cost_f(config, e), e.gradients != "kept"))
+
+
+def from_config(config) -> Execution:
+    """The config's policy with every ``auto`` resolved as if memory were unlimited. The plan
+    resolves ``auto`` against a budget instead and hands its choice to the engine."""
+    ex = config.training.execution
+    if ex.activations != "auto" and str(ex.gradients) != "auto":
+        return parse(ex.activations, str(ex.gradients), config.model.architecture.num_hidden_layers, ex.compile)
+    return fastest(config)
+
+
+def describe(config, execution: Execution) -> str:
+    """One line: cost and what is kept, e.g. "3F: nothing recomputed, gradients kept"."""
+    cost = step_cost_f(config, execution)
+    if str(config.training.engine) == "standard":
+        return f"{fmt_f(cost)}: standard engine (full autograd backward, every gradient kept)"
+    n = execution.recomputed_blocks
+    if n == 0:
+        what = "nothing recomputed"
+    elif execution.rest == "selective":
+        what = f"{n} of {execution.layers} blocks selectively recomputed (norms, activations, rope)"
+    else:
+        what = f"{n} of {execution.layers} blocks recomputed"
+    grads = "gradients kept" if execution.gradients == "kept" else "one gradient workspace"
+    prepass = "; a norm-only pre-pass walk" if needs_prepass(config, execution) else ""
+    return f"{fmt_f(cost)}: {what}, {grads}{prepass}{'; blocks compiled' if execution.compile else ''}"
+
+
+def fmt_f(cost: float) -> str:
+    return f"{cost:.2f}".rstrip("0").rstrip(".") + "F"

@@ -1,0 +1,36 @@
+"""Execution policies: parsing, cost in forward-equivalents, what auto means without a budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from apr.steps.execution import describe, from_config, parse, step_cost_f
+from tests.train.tiny import make_config
+
+
+@pytest.mark.parametrize(("activations", "gradients", "clip", "cost"), [
+    ("keep", "kept", "global", 3.0),  # a plain loop's 3F
+    ("recompute", "workspace", "per_block", 4.0),  # today's lean walk
+    ("recompute", "workspace", "global", 7.0),  # plus a norm-only pre-pass walk
+    ("keep", "workspace", "global", 5.0),  # the pre-pass walk reuses the kept graphs
+    ("recompute", "kept", "global", 4.0),  # kept gradients know the global norm after one walk
+    ("keep_first:1", "workspace", "per_block", 3.0 + 2 / 3),
+])
+def test_cost_in_forward_equivalents(activations, gradients, clip, cost):
+    config = make_config(training={"clip_mode": clip})
+    assert step_cost_f(config, parse(activations, gradients, 3)) == pytest.approx(cost)
+
+
+def test_auto_without_a_budget_is_the_fastest_and_says_so():
+    config = make_config()
+    ex = from_config(config)
+    assert (ex.activations, ex.gradients) == ("keep", "kept")
+    assert describe(config, ex) == "3F: nothing recomputed, gradients kept"
+    lean = parse("keep_first:1", "workspace", 3)
+    assert describe(make_config(training={"clip_mode": "per_block"}), lean) == \
+        "3.67F: 2 of 3 blocks recomputed, one gradient workspace"
+
+
+def test_keep_first_is_capped_at_the_block_count():
+    assert parse("keep_first:9", "kept", 3).activations == "keep"
+    assert parse("keep_first:0", "kept", 3).activations == "recompute"

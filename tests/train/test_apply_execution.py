@@ -1,0 +1,53 @@
+"""apply runs exactly the execution policy its plan chose."""
+
+from __future__ import annotations
+
+from run_helpers import make_dataset, write_config
+
+from apr.plan.build import build_plan
+from apr.train import engine as engine_module
+from apr.apply import run_apply
+
+
+def _capture(monkeypatch) -> list:
+    built = []
+    real = engine_module.build_engine
+
+    def spy(*args, **kwargs):
+        e = real(*args, **kwargs)
+        built.append(e)
+        return e
+
+    monkeypatch.setattr(engine_module, "build_engine", spy)
+    return built
+
+
+def test_apply_runs_the_policy_the_plan_chose_for_the_budget(tmp_path, monkeypatch):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 3, "eval_interval": 0, "save_interval": 1000})
+    roomy = build_plan(cfg)
+    alts = {(a["activations"], a["gradients"]): a for a in roomy.execution["alternatives"]}
+    assert roomy.execution["policy"]["activations"] == "keep" and roomy.execution["policy"]["gradients"] == "kept"
+    lean = alts[("recompute", "workspace")]
+    assert lean["total_bytes"] == min(a["total_bytes"] for a in alts.values())
+    vram = lean["total_bytes"] + 1  # only the leanest policy fits
+    plan = build_plan(cfg, vram=vram)
+    assert plan.execution["policy"]["activations"] == "recompute"
+    assert plan.execution["policy"]["gradients"] == "workspace" and not plan.errors
+    built = _capture(monkeypatch)
+    result = run_apply(cfg, vram=str(vram), apr_home=tmp_path / "home", echo=lambda line: None)
+    assert result.status == "finished"
+    (engine,) = built
+    assert engine.execution.activations == "recompute" and engine.execution.gradients == "workspace"
+    assert engine.workspace is not None and engine.block_groups[0].own_grad is None
+
+
+def test_apply_without_a_target_decides_from_the_devices_memory(tmp_path, monkeypatch):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 3, "eval_interval": 0, "save_interval": 1000})
+    monkeypatch.setattr("apr.train.devicemem._meminfo_available", lambda: 600 * 2**20)
+    built = _capture(monkeypatch)
+    run_apply(cfg, apr_home=tmp_path / "home", echo=lambda line: None)
+    plan = build_plan(cfg, vram=600 * 2**20)
+    (engine,) = built
+    assert engine.execution.to_dict() == plan.execution["policy"]
