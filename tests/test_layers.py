@@ -1,0 +1,144 @@
+"""The import rule of docs/design.md ("Layers"): a package imports only packages in lower layers;
+packages in one layer (plan and train above all) never import each other; `apr train validate`
+never loads torch or apr.train."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Lowest first. "apr" is the package root (apr/__init__.py: the version). A new package or
+# top-level module goes in the lowest layer above everything it imports.
+LAYERS: list[set[str]] = [
+    {"apr", "errors"},
+    {"fmt", "fsutil", "rate", "resources", "cel", "readers"},
+    {"config"},
+    {"steps"},  # torch-free step algebra, step strategy, LR schedules
+    {"data", "kernels", "track"},
+    {"model"},
+    {"checkpoint"},
+    {"plan", "train", "monitor", "generate"},
+    {"apply"},  # plan-then-apply: above both plan and train
+    {"cli"},
+    {"__main__"},
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def unit_of(module: str) -> str:
+    """``apr.plan.facts`` -> ``plan``; ``apr`` -> ``apr``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def module_name(path: Path, package_root: Path) -> str:
+    parts = list(path.relative_to(package_root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, package_root: Path) -> list[tuple[str, int]]:
+    """Every ``apr`` module ``path`` imports (function-local and TYPE_CHECKING ones too), with its line."""
+    name = module_name(path, package_root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against the importing package
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((target, node.lineno))
+            if target == "apr":  # from apr import plan
+                found += [(f"apr.{a.name}", node.lineno) for a in node.names
+                          if (package_root / a.name).is_dir() or (package_root / f"{a.name}.py").is_file()]
+    return [(t, line) for t, line in found if t == "apr" or t.startswith("apr.")]
+
+
+def layer_violations(package_root: Path, layers: list[set[str]]) -> list[str]:
+    """One line per import that breaks the rule; an unlisted package is a violation too."""
+    rank = {unit: i for i, layer in enumerate(layers) for unit in layer}
+    problems, unplaced = [], set()
+    for path in sorted(package_root.rglob("*.py")):
+        src = unit_of(module_name(path, package_root))
+        if src not in rank:
+            if src not in unplaced:
+                unplaced.add(src)
+                problems.append(f"{path}: package {src!r} has no layer: add it to LAYERS in tests/test_layers.py "
+                                "and to docs/design.md")
+            continue
+        for target, line in imports_of(path, package_root):
+            dst = unit_of(target)
+            if dst == src or dst not in rank:
+                continue
+            if rank[dst] > rank[src]:
+                problems.append(f"{path}:{line}: {src} imports {target}, a higher layer")
+            elif rank[dst] == rank[src] and src != "apr" and dst != "apr":
+                problems.append(f"{path}:{line}: {src} imports {target}, a sibling in the same layer")
+    return problems
+
+
+def test_apr_follows_the_layers():
+    assert layer_violations(ROOT / "apr", LAYERS) == []
+
+
+def test_every_layer_is_a_real_package():
+    for unit in set().union(*LAYERS) - {"apr"}:
+        assert (ROOT / "apr" / unit).is_dir() or (ROOT / "apr" / f"{unit}.py").is_file(), unit
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / "apr" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return tmp_path / "apr"
+
+
+@pytest.mark.parametrize("source", [
+    "from apr.train.engine import Engine\n",
+    "import apr.train.run\n",
+    "from apr import train\n",
+    "def f():\n    from ..train import engine\n",
+])
+def test_the_check_catches_plan_importing_train_in_any_spelling(tmp_path, source):
+    root = _tree(tmp_path, {"__init__.py": "", "plan/__init__.py": "", "plan/facts.py": source,
+                            "train/__init__.py": "", "train/engine.py": "", "train/run.py": ""})
+    problems = layer_violations(root, LAYERS)
+    assert len(problems) == 1 and "plan imports apr.train" in problems[0] and "sibling" in problems[0]
+    assert "facts.py:" in problems[0]
+
+
+def test_the_check_catches_an_upward_import_and_an_unlisted_package(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "steps/__init__.py": "",
+                            "steps/algebra.py": "import os\n\nfrom apr.model.spec import param_count\n",
+                            "model/__init__.py": "", "model/spec.py": "from apr.steps import algebra\n",
+                            "newpkg/__init__.py": ""})
+    problems = layer_violations(root, LAYERS)
+    assert any("algebra.py:3: steps imports apr.model.spec, a higher layer" in p for p in problems)
+    assert any("'newpkg' has no layer" in p for p in problems)
+    assert len(problems) == 2  # model -> steps is downward: allowed
+
+
+def test_validate_loads_neither_torch_nor_the_trainer(repo, tmp_path):
+    probe = (
+        "import sys; from apr.cli.entry import run; sys.argv = ['apr', 'train', 'validate', sys.argv[1]]\n"
+        "try:\n    run()\nexcept SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+        "heavy = ('torch', 'apr.train', 'apr.apply')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(heavy))\n"
+        "print('LOADED', loaded, 'STEPS', 'apr.steps.strategy' in sys.modules, 'EXIT', code)\n"
+    )
+    for cfg in ("demo-tiny.yaml", "pretrain-350m-v2.yaml"):
+        out = subprocess.run([sys.executable, "-c", probe, str(repo / "configs/train" / cfg)],
+                             capture_output=True, text=True, cwd=tmp_path)
+        # validate reads the step strategy (facts.execution) from apr.steps, not from apr.train
+        assert "LOADED [] STEPS True EXIT 0" in out.stdout, out.stdout + out.stderr
