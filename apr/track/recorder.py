@@ -294,6 +294,8 @@ class RunRecorder:
                 for history in self.state.histories.values():
                     history.truncate_after(self._resume_step)
                 self.state["step"] = self._resume_step
+                self.state["tokens_seen"] = self._resume_step * self.tokens_per_step
+                self._restore_latest_values()
             self._session_t0 = now
             self._session_step0 = self.state["step"]
             self._started = True
@@ -302,6 +304,16 @@ class RunRecorder:
             self.state["heartbeat"] = now
             self._out_status.append((self.run_id, "running", None, now))
         self._request(state=True, fsync=True, db=True)
+
+    def _restore_latest_values(self) -> None:
+        """A resumed run shows its last recorded values (up to its checkpoint) until it logs new ones."""
+        st = self.state
+        for key, history in st.histories.items():
+            points = history.points()
+            if points:
+                st[key] = points[-1][1]
+        if st["val_loss"] is not None:
+            st["val_ppl"] = math.exp(st["val_loss"]) if st["val_loss"] < 700 else None
 
     def log_step(self, step: int, metrics: dict) -> None:
         """Record one logged optimizer step: state fields, histories, metric rows, heartbeat."""

@@ -241,7 +241,18 @@ class Run:
         self.first_val = meta.get("first_val_loss")
         self.run_id = meta.get("run_id")
         self.resumed_from = json_path
+        if self.start_step > self.total_steps:
+            self._refuse_past_the_end(json_path)
         self.echo(f"resumed from {json_path} (step {self.start_step}, epoch {self.loader.epoch})")
+
+    def _refuse_past_the_end(self, json_path: Path) -> None:
+        tr = self.config.training
+        key = "training.max_steps" if tr.max_steps is not None and tr.max_steps < self.epoch_steps else "training.epochs"
+        message = (f"{json_path} is at step {self.start_step}, past the {self.total_steps} steps this config runs; "
+                   f"raise {key} to continue that run")
+        raise AprError(message, [Finding("error", "resume.past_the_end", message, path=key,
+                                         file=str(self.config_path), expected=f">= {self.start_step} steps",
+                                         got=f"{self.total_steps} steps")])
 
     def _remap_cursor(self, saved: dict) -> None:
         """A forced resume whose data layout changed (rows, batch, accumulation, ranks, seed or shuffle):
@@ -325,6 +336,8 @@ class Run:
         from apr.train.engine import NonFiniteError
 
         tr = self.config.training
+        if self.resumed_from is not None and self.start_step >= self.total_steps:
+            return self._already_finished()
         if self.is_main:
             self._write_run_files()
             recorder = RunRecorder(
@@ -445,6 +458,18 @@ class Run:
             final_step=step, total_steps=self.total_steps, loss=loss_v, val_loss=val_v,
             first_val_loss=self.first_val, last_checkpoint=last_ckpt, exit_code=exit_code, tokens_per_s=rate,
             warnings=recorder.warnings, is_main=self.is_main)
+
+    def _already_finished(self) -> RunResult:
+        """A resume of a run whose checkpoint is at its last step: nothing to train, nothing rewritten."""
+        reason = (f"already finished at step {self.start_step} of {self.total_steps}; nothing to do (raise "
+                  "training.max_steps or training.epochs to train on)")
+        self.echo(f"apply: run {self.run_id} {reason}")
+        if self.dp is not None:
+            self.dp.close()
+        return RunResult(status="finished", reason=reason, run_dir=self.run_dir, run_id=self.run_id or "",
+                         start_step=self.start_step, final_step=self.start_step, total_steps=self.total_steps,
+                         loss=None, val_loss=None, first_val_loss=self.first_val,
+                         last_checkpoint=self.resumed_from, exit_code=0, is_main=self.is_main)
 
     def _step_label(self, step: int) -> str:
         return f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"

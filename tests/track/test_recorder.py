@@ -205,6 +205,26 @@ def test_resume_keeps_history_up_to_the_checkpoint_and_drops_replayed_metrics(tm
     conn.close()
 
 
+def test_a_resumed_run_shows_its_last_values_up_to_the_checkpoint_until_it_logs(tmp_path, recorder_factory):
+    first = recorder_factory(background=False)
+    first.start()
+    for step in range(1, 11):
+        first.log_step(step, _metrics(step))
+        if step % 4 == 0:
+            first.log_eval(step, 4.0 - step / 10)
+    first.finish("stopped", "SIGINT")
+
+    again = recorder_factory(run_id=first.run_id, background=False)
+    again.start(resume_step=8)
+    again.flush()
+    st = read_state(again.output_dir)  # as a monitor sees it before the resumed process logs a step
+    assert st["step"] == 8 and st["tokens_seen"] == 8 * 64
+    assert st["loss"] == pytest.approx(5.0 / 8) and st["val_loss"] == pytest.approx(3.2)
+    assert st["val_ppl"] == pytest.approx(math.exp(3.2)) and st["lr"] == pytest.approx(1e-3)
+    again.finish("stopped", "SIGINT again")
+    assert read_state(again.output_dir)["loss"] == pytest.approx(5.0 / 8)
+
+
 def test_read_only_registry_and_unwritable_local_store_warn_once_and_training_goes_on(
     tmp_path, recorder_factory, read_only, _private_apr_home, capsys
 ):

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 from run_helpers import config_doc, make_dataset, signal_at
@@ -186,3 +187,61 @@ def test_resuming_with_another_model_shows_the_config_diff(root):
              model={"architecture": {"hidden_size": 64}})
     assert "hidden_size: 32 -> 64" in str(err.value)
     assert any(f.path == "model.architecture.hidden_size" for f in err.value.findings)
+
+
+def _records(root) -> dict:
+    """Everything a run records: the state file's bytes and a dump of both stores."""
+    import sqlite3
+
+    out = {"state": (root / "run" / "training_state.json").read_bytes()}
+    for name, db in (("local", root / "run" / ".apr" / "experiments.db"),
+                     ("global", Path(os.environ["APR_HOME"]) / "experiments.db")):
+        conn = sqlite3.connect(db)
+        try:
+            out[name] = list(conn.iterdump())
+        finally:
+            conn.close()
+    return out
+
+
+def test_resuming_a_finished_run_says_so_and_rewrites_nothing(root):
+    first, _, _ = _run(root, training={"max_steps": 8})
+    assert first.status == "finished"
+    before = _records(root)
+    config_mtime = (root / "run" / "config.yaml").stat().st_mtime_ns
+    result, run, lines = _run(root, resume="latest", training={"max_steps": 8})
+    assert result.exit_code == 0 and result.status == "finished" and result.final_step == 8
+    assert any("already finished" in line and "8 of 8" in line for line in lines)
+    assert not any("resuming at step" in line for line in lines)
+    assert _records(root) == before
+    assert (root / "run" / "config.yaml").stat().st_mtime_ns == config_mtime
+
+
+def test_raising_max_steps_continues_a_finished_run_and_keeps_its_records(root):
+    _run(root, training={"max_steps": 8})
+    old = json.loads((root / "run" / "training_state.json").read_text())
+    result, run, lines = _run(root, resume="latest", training={"max_steps": 12})
+    assert run.start_step == 8 and result.final_step == 12 and result.status == "finished"
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert state["run_id"] == old["run_id"] and state["started_at"] == old["started_at"]
+    assert [s for s, _ in state["val_loss_history"]] == [0, 4, 8, 12]
+    assert state["loss_history"][: len(old["loss_history"])] == old["loss_history"]
+    assert state["elapsed_s"] > old["elapsed_s"]
+    import sqlite3
+
+    for db in (root / "run" / ".apr" / "experiments.db", Path(os.environ["APR_HOME"]) / "experiments.db"):
+        conn = sqlite3.connect(db)
+        statuses = [s for (s,) in conn.execute("SELECT status FROM status_history ORDER BY rowid")]
+        steps = {s for (s,) in conn.execute("SELECT step FROM metrics WHERE key = 'val_loss'")}
+        conn.close()
+        assert statuses[:3] == ["starting", "running", "finished"] and statuses[-1] == "finished"
+        assert steps == {0, 4, 8, 12}
+
+
+def test_a_checkpoint_beyond_the_configs_last_step_is_refused(root):
+    _run(root, training={"max_steps": 8})
+    before = _records(root)
+    with pytest.raises(AprError, match="step 8.*6 steps") as err:
+        _run(root, resume="latest", training={"max_steps": 6})
+    assert err.value.findings[0].path == "training.max_steps"
+    assert _records(root) == before
