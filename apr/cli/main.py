@@ -10,6 +10,7 @@ from typer.core import TyperGroup
 from apr.cli import (
     cmd_data,
     cmd_experiment,
+    cmd_eval,
     cmd_export,
     cmd_generate,
     cmd_monitor,
@@ -90,6 +91,7 @@ cmd_experiment.register(experiment_app)
 cmd_monitor.register(app)
 cmd_export.register(app)
 cmd_generate.register(app)
+cmd_eval.register(app)
 cmd_schema.register(app)
 
 

@@ -238,9 +238,10 @@ class ShardLoader:
         self.position += 1
         return self._gather(indices)
 
-    def iter_sequential(self, max_batches: int | None = None):
+    def iter_sequential(self, max_batches: int | None = None, keep_tail: bool = False):
         """This rank's share of the rows in stored order, whole batches only (for validation); the
-        cursor is not touched, so evaluating never changes the training batches."""
+        cursor is not touched, so evaluating never changes the training batches. ``keep_tail``
+        (one process only) adds the rows after the last whole batch as a smaller last batch."""
         g = self.batch_size * self.world_size
         n = self.num_rows // g
         if max_batches is not None:
@@ -248,6 +249,8 @@ class ShardLoader:
         for b in range(n):
             start = b * g + self.rank * self.batch_size
             yield self._gather(np.arange(start, start + self.batch_size))
+        if keep_tail and self.world_size == 1 and n * g < self.num_rows and (max_batches is None or n < max_batches):
+            yield self._gather(np.arange(n * g, self.num_rows))
 
     def state_dict(self) -> dict:
         """The cursor plus what it is only valid for; JSON-serialisable."""

@@ -25,8 +25,8 @@ class Loaded:
     """A model ready for inference and what it was loaded from."""
 
     model: Any  # apr.model.llama.LlamaForCausalLM, float32, eval mode
-    tokenizer: Any  # tokenizers.Tokenizer
-    tokenizer_path: Path
+    tokenizer: Any  # tokenizers.Tokenizer (None only when loaded with need_tokenizer=False)
+    tokenizer_path: Path | None
     source: Path
     kind: str  # "checkpoint" | "run" | "hf"
     step: int | None
@@ -52,9 +52,10 @@ def _is_hf_dir(path: Path) -> bool:
 
 
 def load_for_inference(source: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
-                       device: str = "cpu") -> Loaded:
+                       device: str = "cpu", need_tokenizer: bool = True) -> Loaded:
     """Load ``source``: a checkpoint (.json or .safetensors), a run directory, or a Hugging Face
-    folder. ``tokenizer`` overrides the tokenizer the source names."""
+    folder. ``tokenizer`` overrides the tokenizer the source names. Without ``need_tokenizer`` a
+    missing tokenizer leaves ``Loaded.tokenizer`` None instead of failing (loss needs only ids)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise LoadError(f"{path}: no such checkpoint, run directory or Hugging Face folder", [Finding(
@@ -63,8 +64,8 @@ def load_for_inference(source: str | os.PathLike, tokenizer: str | os.PathLike |
             got="nothing")])
     torch_device = _device(device)
     if _is_hf_dir(path):
-        return _load_hf(path, tokenizer, torch_device)
-    return _load_apr(path, tokenizer, torch_device)
+        return _load_hf(path, tokenizer, torch_device, need_tokenizer)
+    return _load_apr(path, tokenizer, torch_device, need_tokenizer)
 
 
 def _device(device: str):
@@ -98,7 +99,7 @@ def _build(arch, tensors: dict, device, where: Path):
     return model.eval()
 
 
-def _load_apr(path: Path, tokenizer, device) -> Loaded:
+def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
     from apr.checkpoint.manager import load_latest, read_checkpoint
     from apr.config.schema import AprConfig
 
@@ -116,7 +117,13 @@ def _load_apr(path: Path, tokenizer, device) -> Loaded:
         raise LoadError(f"{info.json_path}: its stored config does not validate: {err}", [Finding(
             "error", "generate.config", "stored config does not validate", file=str(info.json_path))]) from None
     model = _build(config.model.architecture, state.tensors, device, info.weights_path)
-    tok_path = _checkpoint_tokenizer(tokenizer, config, info)
+    try:
+        tok_path = _checkpoint_tokenizer(tokenizer, config, info)
+    except LoadError:
+        if need_tokenizer:
+            raise
+        return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind=kind, step=state.step,
+                      eos_id=None, config=config, warnings=warnings)
     tok = _open_tokenizer(tok_path, config.model.architecture.vocab_size)
     return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind=kind, step=state.step,
                   eos_id=_eos_id(tok), config=config, warnings=warnings)
@@ -151,7 +158,7 @@ def _checkpoint_tokenizer(given, config, info) -> Path:
                         file=str(info.json_path), expected="an existing tokenizer.json", got=str(named))])
 
 
-def _load_hf(path: Path, tokenizer, device) -> Loaded:
+def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
     from safetensors.torch import load_file
 
     cfg_path = path / "config.json"
@@ -168,6 +175,9 @@ def _load_hf(path: Path, tokenizer, device) -> Loaded:
             "error", "generate.weights", str(err), file=str(path / "model.safetensors"))]) from None
     model = _build(arch, tensors, device, path / "model.safetensors")
     tok_path = Path(tokenizer).expanduser() if tokenizer is not None else path / "tokenizer.json"
+    if not tok_path.is_file() and not need_tokenizer:
+        return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind="hf", step=None,
+                      eos_id=None)
     if not tok_path.is_file():
         raise LoadError(f"{path} has no tokenizer.json; pass --tokenizer PATH", [Finding(
             "error", "generate.no_tokenizer", "no tokenizer to decode with", file=str(tok_path),

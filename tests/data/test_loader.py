@@ -102,6 +102,9 @@ def test_sequential_iteration_leaves_the_cursor_alone(tmp_path):
     state = loader.state_dict()
     assert [first_ids(b) for b in loader.iter_sequential()] == [list(range(i, i + 4)) for i in range(0, 20, 4)]
     assert len(list(loader.iter_sequential(max_batches=2))) == 2
+    # keep_tail: the 3 rows after the last whole batch come as a smaller last batch
+    assert [first_ids(b) for b in loader.iter_sequential(keep_tail=True)][-1] == [20, 21, 22]
+    assert len(list(loader.iter_sequential(max_batches=5, keep_tail=True))) == 5
     r1 = ShardLoader(path, seq_len=SEQ, batch_size=2, rank=1, world_size=2)
     assert [first_ids(b) for b in r1.iter_sequential()][:2] == [[2, 3], [6, 7]]
     assert loader.state_dict() == state

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.generate.tiny_lm import build
+from tests.generate.tiny_lm import session_tiny_lm
 
 
 @pytest.fixture(scope="session")
 def tiny_lm(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("tiny_lm"))
+    return session_tiny_lm(tmp_path_factory)

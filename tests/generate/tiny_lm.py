@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CONTEXT = 96
-SEQ = 48
+SEQ = 96  # the whole context: positions the model never trained on would score badly
 
 
 @dataclass
@@ -58,7 +58,7 @@ def config_doc(tokenizer: Path) -> dict:
     }
 
 
-def build(root: Path, steps: int = 120) -> TinyLM:
+def build(root: Path, steps: int = 200) -> TinyLM:
     import torch
     from tokenizers import Tokenizer
 
@@ -72,9 +72,14 @@ def build(root: Path, steps: int = 120) -> TinyLM:
     tok = Tokenizer.from_file(str(tok_path))
     config = AprConfig.model_validate(config_doc(tok_path))
     lines = training_lines()
-    stream = tok.encode("\n".join(lines) + "\n").ids
-    # overlapping windows so every line is seen with its preceding lines
-    rows = torch.tensor([stream[i:i + SEQ + 1] for i in range(0, len(stream) - SEQ - 1, SEQ // 2)])
+    text = "\n".join(lines) + "\n"
+    stream = tok.encode(text + text).ids  # twice, so a window from any line start is full
+    # one window from the start of each line: every line is memorised from any earlier line on
+    starts, pos = [], 0
+    for line in lines:
+        starts.append(len(tok.encode(text[:pos]).ids) if pos else 0)
+        pos += len(line) + 1
+    rows = torch.tensor([stream[i:i + SEQ + 1] for i in starts])
     torch.manual_seed(0)
     model = build_model(config.model.architecture, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -96,3 +101,13 @@ def build(root: Path, steps: int = 120) -> TinyLM:
     ckpt = CheckpointManager(root / "run", config).save(TrainState(steps, tensors, {"final_loss": loss.item()}))
     hf = export_hf(ckpt, root / "hf").out_dir
     return TinyLM(tokenizer=tok_path, run_dir=root / "run", checkpoint=ckpt, hf_dir=hf, lines=lines, config=config)
+
+
+_BUILT: dict[str, TinyLM] = {}
+
+
+def session_tiny_lm(tmp_path_factory) -> TinyLM:
+    """One TinyLM per test process, shared by every folder's session fixture."""
+    if "lm" not in _BUILT:
+        _BUILT["lm"] = build(tmp_path_factory.mktemp("tiny_lm"))
+    return _BUILT["lm"]
