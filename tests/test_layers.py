@@ -21,7 +21,9 @@ LAYERS: list[set[str]] = [
     {"data", "kernels", "track"},
     {"model"},
     {"checkpoint"},
-    {"plan", "train", "monitor", "generate"},
+    {"generate"},  # loading a model for inference, KV-cache decoding, sampling
+    {"evaluate"},  # loss over shards, multiple-choice scoring (in-loop evaluation calls it from train)
+    {"plan", "train", "monitor"},
     {"apply"},  # plan-then-apply: above both plan and train
     {"cli"},
     {"__main__"},
