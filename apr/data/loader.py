@@ -14,9 +14,8 @@ process memory instead (4 bytes per token).
 micro-batch is ``batch_size * world_size`` consecutive entries of that order; rank ``r`` takes
 entries ``[r * batch_size, (r + 1) * batch_size)`` of it, so ranks are disjoint and together
 cover every row used. An epoch holds ``steps_per_epoch * gradient_accumulation`` micro-batches,
-``steps_per_epoch = num_rows // (batch_size * gradient_accumulation * world_size)``; the rows
-left over are not used that epoch (a new permutation picks different ones next epoch), exactly as
-the plan's step algebra counts.
+``steps_per_epoch`` from ``apr.steps.algebra.step_count``, the plan's own formula; the rows left
+over are not used that epoch (a new permutation picks different ones next epoch).
 
 **Cursor.** ``(epoch, position)``, position counting micro-batches taken in the epoch, is the
 whole state: the same on every rank. ``state_dict()`` saved with a checkpoint and
@@ -35,6 +34,7 @@ import numpy as np
 
 from apr.data.shards import shard_files
 from apr.errors import AprError, Finding
+from apr.steps.algebra import step_count
 
 STATE_VERSION = 1
 
@@ -197,7 +197,9 @@ class ShardLoader:
             arrays = [_decode(f, input_column, width, n) for f, n in zip(self.shards, counts, strict=True) if n]
             self._rows = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         self.num_rows = int(len(self._rows))
-        self.steps_per_epoch = self.num_rows // (batch_size * gradient_accumulation * world_size)
+        count = step_count(num_sequences=self.num_rows, batch_size=batch_size,
+                           gradient_accumulation=gradient_accumulation, world_size=world_size)
+        self.sequences_per_step, self.steps_per_epoch = count.sequences_per_step, count.steps_per_epoch
         self.micro_batches_per_epoch = self.steps_per_epoch * gradient_accumulation
         self.epoch = 0
         self.position = 0  # micro-batches taken in the current epoch, counted globally (same on every rank)
@@ -225,7 +227,7 @@ class ShardLoader:
     def next_batch(self):
         """This rank's next ``[batch_size, seq_len + 1]`` int64 tensor; rolls into the next epoch."""
         if self.micro_batches_per_epoch == 0:
-            need = self.batch_size * self.gradient_accumulation * self.world_size
+            need = self.sequences_per_step
             raise AprError(f"{self.path}: {self.num_rows} rows are fewer than one optimizer step needs", [Finding(
                 "error", "data.too_small", "not enough rows for one step", file=str(self.path),
                 expected=f"at least {need} rows (batch_size x gradient_accumulation x world_size)",

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from apr.errors import AprError, Finding
+from apr.steps.algebra import sequences_per_step
 
 VAL_STEPS = 16  # val rows = 16 steps' worth, enough for the default evaluation
 
@@ -86,7 +87,7 @@ def synth_like(config_path: str | Path, out: str | Path, *, train_rows: int | No
     config = load_config(config_path).config
     out = Path(out)
     data, arch, tr = config.data, config.model.architecture, config.training
-    per_step = data.batch_size * tr.gradient_accumulation * tr.world_size
+    per_step = sequences_per_step(data.batch_size, tr.gradient_accumulation, tr.world_size)
     if train_rows is None:
         steps = tr.max_steps if tr.max_steps else 1000
         train_rows = per_step * math.ceil(steps / max(tr.epochs, 1))

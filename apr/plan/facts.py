@@ -12,7 +12,7 @@ from apr.config.schema import AprConfig
 from apr.model.spec import block_numel, flops_per_token, non_embedding_param_count, param_count
 from apr.plan.gpus import Target
 from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
-from apr.steps.algebra import step_algebra
+from apr.steps.algebra import sequences_per_step, step_algebra
 from apr.steps.schedule import LRSchedule
 from apr.steps.strategy import step_strategy
 
@@ -106,12 +106,12 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
                  device_budget: tuple[int, str] | None = None) -> FactSheet:
     """Facts that need only the config (and the target): what `apr train validate` evaluates."""
     tr = config.training
-    sequences_per_step = config.data.batch_size * tr.gradient_accumulation * world_size
+    per_step = sequences_per_step(config.data.batch_size, tr.gradient_accumulation, world_size)
     facts: dict = {
         "world_size": world_size,
         "model": model_facts(config),
-        "schedule": {"sequences_per_step": sequences_per_step,
-                     "tokens_per_step": sequences_per_step * config.data.seq_len,
+        "schedule": {"sequences_per_step": per_step,
+                     "tokens_per_step": per_step * config.data.seq_len,
                      "min_lr": config.optimizer.resolved_min_lr},
     }
     if target is not None:

@@ -1,13 +1,43 @@
 """Step algebra: how many optimizer steps a config runs on a given amount of data.
 
-The trainer runs exactly ``total_steps`` optimizer steps and drops the remainder of each epoch that
-does not fill a whole step, so these formulas are the schedule, not an approximation of it.
+``step_count`` is the one formula: the plan (``step_algebra``), the data loader and the run all
+call it. The trainer runs exactly ``total_steps`` optimizer steps and drops the remainder of each
+epoch that does not fill a whole step, so these formulas are the schedule, not an approximation of it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+
+def sequences_per_step(batch_size: int, gradient_accumulation: int, world_size: int) -> int:
+    """Rows one optimizer step consumes, over all micro-batches and data-parallel ranks."""
+    return batch_size * gradient_accumulation * world_size
+
+
+@dataclass(frozen=True)
+class StepCount:
+    num_sequences: int
+    sequences_per_step: int
+    steps_per_epoch: int  # floor(num_sequences / sequences_per_step): the remainder is dropped
+    epoch_steps: int  # epochs * steps_per_epoch
+    total_steps: int  # min(max_steps, epoch_steps); epoch_steps when max_steps is None
+
+    @property
+    def dropped_sequences_per_epoch(self) -> int:
+        return self.num_sequences - self.steps_per_epoch * self.sequences_per_step
+
+
+def step_count(*, num_sequences: int, batch_size: int, gradient_accumulation: int = 1, world_size: int = 1,
+               epochs: int = 1, max_steps: int | None = None) -> StepCount:
+    """The optimizer steps ``num_sequences`` rows give. Each epoch drops the rows that do not fill a
+    whole step (a new shuffle picks other ones next epoch)."""
+    per_step = sequences_per_step(batch_size, gradient_accumulation, world_size)
+    per_epoch = num_sequences // per_step
+    epoch_steps = epochs * per_epoch
+    total = epoch_steps if max_steps is None else min(max_steps, epoch_steps)
+    return StepCount(num_sequences, per_step, per_epoch, epoch_steps, total)
 
 
 @dataclass(frozen=True)
@@ -45,11 +75,13 @@ def step_algebra(
     save_interval: int,
     seq_len: int,
 ) -> StepFacts:
-    """The step counts of a run. Pure integer arithmetic; all arguments are counts."""
-    sequences_per_step = batch_size * gradient_accumulation * world_size
-    steps_per_epoch = num_sequences // sequences_per_step
-    epoch_steps = epochs * steps_per_epoch
-    total_steps = epoch_steps if max_steps is None else min(max_steps, epoch_steps)
+    """The step counts of a run and what follows from them (tokens, warmup share, checkpoints, the
+    data or epochs ``max_steps`` needs). Pure integer arithmetic; all arguments are counts."""
+    count = step_count(num_sequences=num_sequences, batch_size=batch_size,
+                       gradient_accumulation=gradient_accumulation, world_size=world_size, epochs=epochs,
+                       max_steps=max_steps)
+    sequences_per_step, steps_per_epoch = count.sequences_per_step, count.steps_per_epoch
+    total_steps = count.total_steps
     tokens_per_step = sequences_per_step * seq_len
     epochs_needed = sequences_needed = None
     if max_steps is not None:
@@ -61,11 +93,11 @@ def step_algebra(
         num_sequences=num_sequences,
         sequences_per_step=sequences_per_step,
         steps_per_epoch=steps_per_epoch,
-        epoch_steps=epoch_steps,
+        epoch_steps=count.epoch_steps,
         max_steps=max_steps,
         total_steps=total_steps,
         epochs_run=total_steps / steps_per_epoch if steps_per_epoch else 0.0,
-        dropped_sequences_per_epoch=num_sequences - steps_per_epoch * sequences_per_step,
+        dropped_sequences_per_epoch=count.dropped_sequences_per_epoch,
         tokens_per_step=tokens_per_step,
         total_tokens=total_steps * tokens_per_step,
         warmup_steps=warmup_steps,

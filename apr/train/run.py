@@ -5,9 +5,7 @@ restored from a checkpoint, the loaders with their cursors, the step algebra, th
 execute`` then runs optimizer steps ``start_step + 1 .. total_steps``. The loop's only host reads
 are the engine's finiteness checks and the loss / norm read at log intervals.
 
-The number of steps is the plan's step algebra, computed again from the loader:
-``total_steps = min(max_steps, epochs * steps_per_epoch)``, ``steps_per_epoch = floor(rows /
-(batch_size * gradient_accumulation * world_size))``.
+The number of steps is ``apr.steps.algebra.step_count`` over the loader's rows: the plan's formula.
 
 Signals: the first SIGINT / SIGTERM lets the current step finish, writes a checkpoint and ends the
 run as ``stopped`` (exit 130 / 143); a second one exits at once.
@@ -30,6 +28,7 @@ from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
 from apr.fmt import fmt_duration, fmt_rate
 from apr.rate import RateMeter
+from apr.steps.algebra import step_count
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -144,7 +143,7 @@ class Run:
             gradient_accumulation=tr.gradient_accumulation, world_size=world, rank=rank, shuffle=data.shuffle,
             input_column=data.input_column)
         if self.loader.steps_per_epoch == 0:
-            need = data.batch_size * tr.gradient_accumulation * world
+            need = self.loader.sequences_per_step
             raise _data_error(
                 f"{data.train}: {self.loader.num_rows} sequences are fewer than one optimizer step needs "
                 f"({need} = batch_size x gradient_accumulation x world_size)",
@@ -154,9 +153,11 @@ class Run:
             self.val_loader = ShardLoader(
                 os.path.expanduser(data.val), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
                 shuffle=False, input_column=data.input_column, rank=rank, world_size=world)
-        self.epoch_steps = tr.epochs * self.loader.steps_per_epoch
-        self.total_steps = self.epoch_steps if tr.max_steps is None else min(tr.max_steps, self.epoch_steps)
-        self.tokens_per_step = data.batch_size * tr.gradient_accumulation * data.seq_len * world
+        steps = step_count(num_sequences=self.loader.num_rows, batch_size=data.batch_size,
+                           gradient_accumulation=tr.gradient_accumulation, world_size=world, epochs=tr.epochs,
+                           max_steps=tr.max_steps)
+        self.epoch_steps, self.total_steps = steps.epoch_steps, steps.total_steps
+        self.tokens_per_step = steps.sequences_per_step * data.seq_len
         self.schedule = LRSchedule.from_config(config, self.total_steps)
 
         torch.manual_seed(tr.seed)

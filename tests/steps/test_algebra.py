@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from apr.steps.algebra import step_algebra
+from apr.steps.algebra import sequences_per_step, step_algebra, step_count
 
 
 def algebra(num_sequences, *, batch=4, accum=2, world=3, epochs=3, max_steps=None, warmup=2, save=5, seq=16):
@@ -50,3 +50,21 @@ def test_to_dict_holds_every_fact():
     d = algebra(100, max_steps=5).to_dict()
     assert d["total_steps"] == 5 and d["sequences_per_step"] == 24 and d["max_steps"] == 5
     assert len(d) == 16
+
+
+def test_step_count_defaults_to_one_epoch_on_one_rank_without_accumulation():
+    c = step_count(num_sequences=103, batch_size=4)
+    assert (c.sequences_per_step, c.steps_per_epoch, c.epoch_steps, c.total_steps) == (4, 25, 25, 25)
+    assert c.dropped_sequences_per_epoch == 3
+    assert sequences_per_step(4, 2, 3) == 24
+
+
+@pytest.mark.parametrize("rows,batch,accum,world,epochs,max_steps", [
+    (100, 4, 2, 3, 3, None), (100, 4, 2, 3, 3, 5), (23, 4, 2, 3, 1, 10), (67_977, 4, 1, 1, 38, 5000)])
+def test_the_plans_facts_are_the_step_count(rows, batch, accum, world, epochs, max_steps):
+    c = step_count(num_sequences=rows, batch_size=batch, gradient_accumulation=accum, world_size=world,
+                   epochs=epochs, max_steps=max_steps)
+    s = algebra(rows, batch=batch, accum=accum, world=world, epochs=epochs, max_steps=max_steps)
+    assert (s.sequences_per_step, s.steps_per_epoch, s.epoch_steps, s.total_steps,
+            s.dropped_sequences_per_epoch) == (c.sequences_per_step, c.steps_per_epoch, c.epoch_steps,
+                                               c.total_steps, c.dropped_sequences_per_epoch)
