@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from apr.config.numbers import parse_count
+from apr.config.numbers import parse_bytes, parse_count
 from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file
 
@@ -20,6 +20,14 @@ def _count(value: str, flag: str) -> int:
         raise AprError(f"{flag}: {e}", [Finding("error", "cli.value", str(e), path=flag)]) from None
 
 
+def _size(value: str, flag: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise AprError(f"{flag}: {e}", [Finding("error", "cli.value", str(e), path=flag, expected="a size such as "
+                                                "4MB or 512KiB", got=repr(value))]) from None
+
+
 def _files(inputs: list[Path] | None, builtin: str | None, glob: str | None, builtin_max_bytes: str) -> list[Path]:
     from apr.data.corpus import builtin_corpus_files
     from apr.data.sources import expand_inputs
@@ -29,7 +37,7 @@ def _files(inputs: list[Path] | None, builtin: str | None, glob: str | None, bui
                                                   "stdlib", expected="at least one input")])
     files = expand_inputs(list(inputs), glob) if inputs else []
     if builtin:
-        files += builtin_corpus_files(builtin, _count(builtin_max_bytes, "--builtin-max-bytes"))
+        files += builtin_corpus_files(builtin, _size(builtin_max_bytes, "--builtin-max-bytes"))
     return files
 
 
@@ -85,7 +93,8 @@ _INPUTS = typer.Argument(None, show_default=False,
                          help="Files or folders (.txt, .jsonl, .parquet; folders are searched recursively).")
 _BUILTIN = typer.Option(None, "--builtin", show_default=False,
                         help="Add a built-in corpus: stdlib (this Python's standard library).")
-_BUILTIN_MAX_BYTES = typer.Option("4M", "--builtin-max-bytes", help="Size cap of the built-in corpus.")
+_BUILTIN_MAX_BYTES = typer.Option("4MB", "--builtin-max-bytes", metavar="SIZE",
+                                  help="Size cap of the built-in corpus (4MB, 512KiB, 1GiB).")
 _GLOB = typer.Option(None, "--glob", show_default=False,
                      help="Files to take in folders, e.g. '**/*.md' (default: .txt .jsonl .parquet).")
 _TEXT_KEY = typer.Option("text", "--text-key", help="Key of the text in .jsonl objects.")

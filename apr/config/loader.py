@@ -257,7 +257,9 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
                        got="nothing")
     expected = None
     msg = err["msg"]
-    if etype == "enum":
+    if etype == "finite_number":
+        expected = "a finite number (not .inf, .nan or beyond ±1.8e308)"
+    elif etype == "enum":
         expected = "one of " + err.get("ctx", {}).get("expected", "")
     elif etype == "value_error":
         msg = msg.removeprefix("Value error, ")

@@ -16,11 +16,25 @@ _BYTE_SUFFIX = {
 _BYTES_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_count(value: object) -> int:
+# Upper bounds shared by every count and size: beyond them a value is a typo (``1e20``), and
+# arithmetic on it would overflow floats or lose precision in JSON.
+MAX_COUNT = 2**53  # every integer up to here is exact as a float and in JSON
+MAX_BYTES = 2**60  # 1 EiB
+MIN_BARE_BYTES = 2**20  # a unitless memory size below 1 MiB is a missing unit, not a size
+
+
+def parse_count(value: object, *, maximum: int = MAX_COUNT) -> int:
     """Parse a count. Integers pass; strings may use ``_`` separators and K/M/B/T suffixes.
 
     Raises ValueError with a message naming what was expected.
     """
+    n = _count(value)
+    if abs(n) > maximum:
+        raise ValueError(f"expected a count of at most {maximum:,}, got {value!r}")
+    return n
+
+
+def _count(value: object) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a count (integer such as 32768, 32_768 or 512K), got a boolean")
     if isinstance(value, int):
@@ -42,13 +56,23 @@ def parse_count(value: object) -> int:
 
 
 def parse_bytes(value: object) -> int:
-    """Parse a memory size: ``24GiB``, ``80GB``, ``24G`` (binary), or a plain byte count."""
+    """Parse a memory size: ``24GiB``, ``80GB``, ``24G`` (binary), ``512B``, or a plain byte count of
+    at least 1 MiB. A bare number below 1 MiB (``24``) is refused: it is a size missing its unit."""
     if isinstance(value, bool):
         raise ValueError("expected a size such as 24GiB, got a boolean")
+    unit = ""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        m = _BYTES_RE.match(value)
-        if m and m.group(2).upper() in _BYTE_SUFFIX:
-            return int(float(m.group(1).replace("_", "")) * _BYTE_SUFFIX[m.group(2).upper()])
-    raise ValueError(f"expected a memory size such as 24GiB, 80GB or 16G, got {value!r}")
+        n = value
+    elif isinstance(value, str) and (m := _BYTES_RE.match(value)) and m.group(2).upper() in _BYTE_SUFFIX:
+        unit = m.group(2)
+        n = int(float(m.group(1).replace("_", "")) * _BYTE_SUFFIX[unit.upper()])
+    else:
+        raise ValueError(f"expected a memory size such as 24GiB, 80GB or 16G, got {value!r}")
+    if not unit and 0 <= n < MIN_BARE_BYTES:
+        raise ValueError(f"expected a memory size with a unit such as {n}GiB or {n}GB, got {value!r} "
+                         f"(a bare number is bytes: {value!r} would mean {n} bytes)")
+    if n <= 0 or n > MAX_BYTES:
+        raise ValueError(f"expected a memory size between 1 byte and 1 EiB, got {value!r}")
+    return n

@@ -60,7 +60,8 @@ ByteSize = Annotated[
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True)
+    # allow_inf_nan=False: `lr: 1e400`, `.inf`, `.nan` fail validate at their line (issue 24 item 14)
+    model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -80,7 +81,8 @@ class Architecture(_Section):
         None, description="Key/value heads (GQA). Defaults to num_attention_heads (plain MHA)."
     )
     intermediate_size: PositiveCount = Field(description="SwiGLU hidden width (gate/up/down).")
-    vocab_size: PositiveCount = Field(description="Embedding rows and LM-head outputs.")
+    vocab_size: PositiveCount = Field(
+        le=2**32, description="Embedding rows and LM-head outputs (token ids are uint32, so at most 2**32).")
     max_position_embeddings: PositiveCount = Field(description="Longest sequence RoPE is built for.")
     rms_norm_eps: float = Field(1.0e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
@@ -239,7 +241,8 @@ class TrainingConfig(_Section):
     log_interval: PositiveCount = Field(10, description="Log and record metrics every N steps.")
     eval_interval: NonNegCount = Field(500, description="Validate every N steps; 0 disables.")
     eval_batches: PositiveCount = Field(20, description="Validation micro-batches per evaluation.")
-    seed: int = Field(42, description="Seed of init, data order and dropout-free RNG use.")
+    seed: int = Field(42, ge=0, le=2**64 - 1,
+                      description="Seed of init, data order and dropout-free RNG use (0 to 2**64 - 1).")
     engine: Engine = Field(Engine.interleaved, description="interleaved (per-block backward+AdamW) or standard.")
     kernels: KernelBackend = Field(KernelBackend.auto, description="Fused-op backend: auto, cupy or torch.")
     device: Device = Field(Device.auto, description="Where to train: auto picks cuda when available.")

@@ -15,6 +15,8 @@ EOT = "<|endoftext|>"
 EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
 
 
+MAX_VOCAB_SIZE = 2**32  # token ids are uint32 in shards and caches
+
 def train_tokenizer(documents: Iterable[str], vocab_size: int, out: str | Path,
                     special_tokens: list[str] | None = None, min_frequency: int = 2,
                     show_progress: bool = False) -> dict:
@@ -32,6 +34,10 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, out: str | Path,
         raise AprError(f"--vocab-size {vocab_size} is too small", [Finding(
             "error", "data.vocab_size", "a byte-level BPE needs the 256 byte tokens plus the special tokens",
             path="--vocab-size", expected=f"at least {256 + len(specials)}", got=str(vocab_size))])
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise AprError(f"--vocab-size {vocab_size:,} is too large", [Finding(
+            "error", "data.vocab_size", "token ids are stored as uint32", path="--vocab-size",
+            expected=f"at most {MAX_VOCAB_SIZE:,}", got=f"{vocab_size:,}")])
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

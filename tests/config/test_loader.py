@@ -161,3 +161,36 @@ def test_fifo_and_device_configs_are_refused(tmp_path):
 def test_aliases_within_bounds_still_work(tmp_path):
     text = MINIMAL.replace("  batch_size: 2", "  batch_size: &b 2") + "training:\n  eval_batches: *b\n"
     assert load_config(write(tmp_path, text)).config.training.eval_batches == 2
+
+
+# ------------------------------------------------------------------ non-finite and unbounded values (24.14)
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("optimizer.lr", "1e400"), ("optimizer.eps", ".inf"), ("optimizer.weight_decay", ".nan"),
+    ("optimizer.min_lr", ".inf"), ("optimizer.beta1", ".nan"), ("model.architecture.rms_norm_eps", ".inf"),
+    ("model.architecture.initializer_range", ".nan"), ("model.architecture.rope_theta", ".inf"),
+    ("training.grad_clip", ".inf"), ("training.decay_fraction", ".nan"),
+    ("training.seed", "18446744073709551616"), ("training.seed", "-1"),
+    ("model.architecture.vocab_size", "1e20"), ("model.architecture.hidden_size", "1e400"),
+    ("training.vram", "24"), ("training.vram", "2EiB"),
+])
+def test_non_finite_and_unbounded_values_fail_at_their_line(tmp_path, key, value):
+    from ruamel.yaml import YAML
+
+    doc = YAML(typ="safe").load(MINIMAL)
+    *parents, last = key.split(".")
+    node = doc
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = "@@"
+    import io
+
+    buf = io.StringIO()
+    YAML(typ="safe").dump(doc, buf)
+    text = buf.getvalue().replace("'@@'", value)
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    f = e.value.findings[0]
+    assert f.path == key and f.line is not None and f.file == str(path)
+    assert f.line == text.splitlines().index(next(ln for ln in text.splitlines() if value in ln)) + 1

@@ -201,3 +201,13 @@ def test_train_tokenizer_never_writes_over_an_input_a_device_or_an_existing_file
     res = cli("data", "train-tokenizer", corpus, "--vocab-size", "300", "--out", out, "--overwrite")
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["model"]["type"] == "BPE"
+
+
+def test_sizes_without_units_and_absurd_counts_are_refused(tmp_path, cli, corpus):
+    res = cli("data", "train-tokenizer", "--builtin", "stdlib", "--builtin-max-bytes", "4", "--vocab-size", "300",
+              "--out", tmp_path / "tok.json")
+    assert_clean_failure(res, "--builtin-max-bytes")
+    assert "4GiB" in res.output
+    res = cli("data", "train-tokenizer", corpus, "--vocab-size", "1e20", "--out", tmp_path / "tok.json")
+    assert_clean_failure(res, "--vocab-size")
+    assert not (tmp_path / "tok.json").exists()

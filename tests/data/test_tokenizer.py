@@ -92,3 +92,10 @@ def test_tokenizers_that_may_not_be_cut(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.normalizer = normalizers.NFKC()
     assert not splits_at_newlines(tok)
+
+
+def test_vocab_size_beyond_uint32_is_refused(tmp_path):
+    with pytest.raises(AprError, match="too large") as info:
+        train_tokenizer(["some text"], 10**20, tmp_path / "t.json")
+    assert info.value.findings[0].expected == "at most 4,294,967,296"
+    assert not (tmp_path / "t.json").exists()

@@ -97,6 +97,8 @@ def test_usage_errors_exit_two(example_dir):
     r = plan(example_dir, "--gpu", "tpu-v9")
     assert r.exit_code == 2 and "unknown GPU 'tpu-v9'" in r.output and "h100" in r.output
     assert plan(example_dir, "--vram", "lots").exit_code == 2
+    r = plan(example_dir, "--vram", "24")  # once read as 24 bytes ("2813885733.3% of 24 B")
+    assert r.exit_code == 2 and "24GiB" in r.output and "%" not in r.output
     assert plan(example_dir, "--world-size", "0").exit_code == 2
 
 
