@@ -31,10 +31,12 @@ def register(app: typer.Typer) -> None:
         vram: str | None = typer.Option(None, "--vram", help="Target VRAM for the plan's memory check."),
     ) -> None:
         """Train. Runs the plan first and refuses on error findings. Exit 0 finished, 1 error, failure or
-        stop by an alert, 130/143 stopped by SIGINT/SIGTERM (a checkpoint is written first)."""
+        stop by an alert, 130/143/129 stopped by SIGINT/SIGTERM/SIGHUP (a checkpoint is written first)."""
         from apr.apply import run_apply
         from apr.cli.progress import TerminalProgress
+        from apr.cli.streams import guard_std_streams
 
+        guard_std_streams()  # a closed pipe or a hung-up terminal must not cost the run (apr.cli.streams)
         progress = TerminalProgress()
         try:
             result = run_apply(target, seed=seed, device=None if device is None else str(device),

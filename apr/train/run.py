@@ -7,8 +7,9 @@ are the engine's finiteness checks and the loss / norm read at log intervals.
 
 The number of steps is ``apr.steps.algebra.step_count`` over the loader's rows: the plan's formula.
 
-Signals: the first SIGINT / SIGTERM lets the current step finish, writes a checkpoint and ends the
-run as ``stopped`` (exit 130 / 143); a second one exits at once.
+Signals: the first SIGINT / SIGTERM / SIGHUP lets the current step finish, writes a checkpoint and
+ends the run as ``stopped`` (exit 130 / 143 / 129); a second one exits at once. SIGHUP is left
+alone when it is ignored at start (nohup).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from apr.fmt import fmt_duration, fmt_rate
 from apr.rate import RateMeter
 from apr.steps.algebra import step_count
 
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 
 @dataclass
@@ -71,7 +72,7 @@ def _data_error(message: str, path: str, **kw) -> AprError:
 
 
 class Interrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM: stop at once, mid-step, without a checkpoint."""
+    """A second SIGINT/SIGTERM/SIGHUP: stop at once, mid-step, without a checkpoint."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -79,10 +80,11 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _Signals:
-    """First SIGINT/SIGTERM: ask the loop to stop after this step. Second: exit at once."""
+    """First SIGINT/SIGTERM/SIGHUP: ask the loop to stop after this step. Second: exit at once."""
 
     def __init__(self, enabled: bool, echo: Callable[[str], None]):
         self.received: int | None = None
+        self.announced = False
         self._echo = echo
         self._old: dict[int, object] = {}
         self.enabled = enabled and _in_main_thread()
@@ -90,15 +92,22 @@ class _Signals:
     def __enter__(self) -> _Signals:
         if self.enabled:
             for sig in SIGNAL_EXIT:
+                if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+                    continue  # started under nohup: a hang-up is not meant for this run
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, _frame) -> None:
         if self.received is not None:
             raise Interrupted(signum)  # unwinds the step at once; the loop records it and exits
-        self.received = signum
-        self._echo(f"{signal.Signals(signum).name}: finishing this step and writing a checkpoint "
-                   "(send it again to exit at once)")
+        self.received = signum  # no printing here: the handler may run inside a write to the same stream
+
+    def announce(self) -> None:
+        """Say, once, from the loop, that a signal is stopping the run."""
+        if self.received is not None and not self.announced:
+            self.announced = True
+            self._echo(f"{signal.Signals(self.received).name}: finishing this step and writing a checkpoint "
+                       "(send it again to exit at once)")
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
@@ -379,6 +388,7 @@ class Run:
                         if err.state_is_last_good and step > self.start_step:
                             last_ckpt = self.save(step, False, recorder)
                         break
+                    signals.announce()
                     is_last = step == self.total_steps
                     if self.options.progress is not None and self.is_main:
                         self.options.progress(step, self.total_steps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,64 @@ def test_torchrun_two_processes_through_the_cli(root):
     # 96 rows / (4 x 2 ranks) = 12 steps per epoch: the plan divided by the real world size
     plan = json.loads((root / "run" / "plan.json").read_text())
     assert plan["facts"]["steps"]["steps_per_epoch"] == 12
+
+
+def _records_status(root: Path) -> list[str]:
+    """The run's last status in the state file and in both stores."""
+    import sqlite3
+
+    out = [json.loads((root / "run" / "training_state.json").read_text())["status"]]
+    for db in (root / "run" / ".apr" / "experiments.db", Path(os.environ["APR_HOME"]) / "experiments.db"):
+        conn = sqlite3.connect(db)
+        out.append(conn.execute("SELECT status FROM runs").fetchone()[0])
+        conn.close()
+    return out
+
+
+def _start_piped(root: Path, cfg: Path) -> subprocess.Popen:
+    """apply with stdout and stderr into one pipe (as `2>&1 | tee log`), in its own process group."""
+    return subprocess.Popen([sys.executable, "-m", "apr", "train", "apply", str(cfg)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                            start_new_session=True)
+
+
+def _read_until_step(proc: subprocess.Popen, step: int) -> None:
+    for line in proc.stdout:
+        if line.startswith("step ") and "loss" in line and int(line.split()[1].split("/")[0]) >= step:
+            return
+    raise AssertionError(f"apply ended ({proc.wait()}) before step {step}")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
+def test_a_signal_after_the_pipe_reader_died_still_checkpoints_and_records_stopped(root, sig, code):
+    # Ctrl-C on `apr train apply cfg.yaml 2>&1 | tee log`: the group gets SIGINT and tee dies first
+    cfg = write_config(root, training={"epochs": 20, "max_steps": 400, "log_interval": 1, "save_interval": 1000,
+                                       "eval_interval": 0})
+    proc = _start_piped(root, cfg)
+    try:
+        _read_until_step(proc, 2)
+        proc.stdout.close()  # the reader is gone: apr's next write meets EPIPE
+        os.killpg(proc.pid, sig)
+        assert proc.wait(timeout=120) == code
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert _records_status(root) == ["stopped"] * 3
+    assert sig.name in state["status_reason"] and "BrokenPipe" not in state["status_reason"]
+    step = state["last_checkpoint"]["step"]
+    assert 2 <= step < 400 and (root / "run" / f"checkpoint-step-{step}.json").is_file()
+
+
+def test_a_reader_that_goes_away_without_a_signal_does_not_stop_the_run(root):
+    cfg = write_config(root, training={"max_steps": 10, "log_interval": 1, "eval_interval": 0})
+    proc = _start_piped(root, cfg)
+    try:
+        _read_until_step(proc, 1)
+        proc.stdout.close()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _records_status(root) == ["finished"] * 3
+    assert (root / "run" / "checkpoint-step-10.json").is_file()
