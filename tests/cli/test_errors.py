@@ -34,6 +34,7 @@ def test_only_render_formats_error_lines():
 
 
 def test_cli_files_follow_one_naming_scheme():
-    helpers = {"__init__.py", "main.py", "entry.py", "help.py", "render.py", "table.py", "progress.py"}
+    helpers = {"__init__.py", "main.py", "entry.py", "help.py", "render.py", "table.py", "progress.py",
+               "streams.py"}
     names = {p.name for p in CLI.glob("*.py")} - helpers
     assert all(n.startswith("cmd_") for n in names), sorted(names)
