@@ -116,7 +116,7 @@ def hf_config(arch, specials: dict, transformers_major: int | None) -> tuple[dic
         "num_hidden_layers": arch.num_hidden_layers,
         "num_attention_heads": arch.num_attention_heads,
         "num_key_value_heads": arch.kv_heads,
-        "head_dim": arch.hidden_size // arch.num_attention_heads,
+        "head_dim": arch.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": arch.max_position_embeddings,
         "initializer_range": arch.initializer_range,

@@ -94,8 +94,10 @@ class Architecture(_Section):
         return self.num_key_value_heads or self.num_attention_heads
 
     @property
-    def head_dim(self) -> float:
-        return self.hidden_size / self.num_attention_heads
+    def head_dim(self) -> int:
+        """Width of one attention head, the one definition every module reads. C-ARCH-001 refuses a
+        hidden_size that heads do not divide, so the floor loses nothing in a valid config."""
+        return self.hidden_size // self.num_attention_heads
 
 
 class ModelConfig(_Section):

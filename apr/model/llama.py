@@ -61,7 +61,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = arch.num_attention_heads
         self.n_kv_heads = arch.kv_heads
-        self.head_dim = spec.head_dim(arch)
+        self.head_dim = arch.head_dim
         h = arch.hidden_size
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
@@ -135,7 +135,7 @@ class LlamaForCausalLM(nn.Module):
         """cos/sin tables for ``seq_len`` positions, cached per device."""
         key = (seq_len, str(device))
         if key not in self._rope:
-            self._rope[key] = rope_cos_sin(spec.head_dim(self.arch), seq_len, self.arch.rope_theta, device)
+            self._rope[key] = rope_cos_sin(self.arch.head_dim, seq_len, self.arch.rope_theta, device)
         return self._rope[key]
 
     def hidden_states(self, input_ids: torch.Tensor, residual_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -29,13 +29,9 @@ class ParamSpec:
         return n
 
 
-def head_dim(arch: Architecture) -> int:
-    return arch.hidden_size // arch.num_attention_heads
-
-
 def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
     """Parameters of block ``i`` in the order they sit in the block's flat buffer."""
-    h, hd, inter = arch.hidden_size, head_dim(arch), arch.intermediate_size
+    h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
     nq, nkv = arch.num_attention_heads, arch.kv_heads
     p = f"model.layers.{i}."
     g = f"block.{i}"
@@ -119,7 +115,9 @@ class Buffer:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
-def compute_dtype(precision: MixedPrecision | str) -> str:
+def compute_dtype_name(precision: MixedPrecision | str) -> str:
+    """The compute dtype's name ("bfloat16") for ``training.mixed_precision`` ("bf16");
+    ``apr.train.precision.torch_dtype`` turns it into the torch dtype."""
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[str(precision)]
 
 
@@ -136,7 +134,7 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
     arch = config.model.architecture
     tr = config.training
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
-    cdt = compute_dtype(tr.mixed_precision)
+    cdt = compute_dtype_name(tr.mixed_precision)
     interleaved = str(tr.engine) == "interleaved"
     bufs: list[Buffer] = []
 

@@ -30,7 +30,7 @@ def model_facts(config: AprConfig) -> dict:
         "params": param_count(arch),
         "non_embedding_params": non_embedding_param_count(arch),
         "block_params": block_numel(arch),
-        "head_dim": arch.hidden_size // arch.num_attention_heads,
+        "head_dim": arch.head_dim,
         "kv_heads": arch.kv_heads,
         "flops_per_token": flops_per_token(arch, config.data.seq_len),
     }

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from apr.config.schema import AprConfig
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
-from apr.model.spec import DTYPE_BYTES, block_numel, buffer_plan, compute_dtype
+from apr.model.spec import DTYPE_BYTES, block_numel, buffer_plan, compute_dtype_name
 
 _MIB = 2**20
 
@@ -91,9 +91,8 @@ def _block_activation_bytes(config: AprConfig, c: MemoryCoefficients) -> int:
     arch = config.model.architecture
     tr = config.training
     b, s = config.data.batch_size, config.data.seq_len
-    elt = DTYPE_BYTES[compute_dtype(tr.mixed_precision)]
-    hd = arch.hidden_size // arch.num_attention_heads
-    per_token = (c.block_hidden_widths * arch.hidden_size + c.block_kv_widths * arch.kv_heads * hd
+    elt = DTYPE_BYTES[compute_dtype_name(tr.mixed_precision)]
+    per_token = (c.block_hidden_widths * arch.hidden_size + c.block_kv_widths * arch.kv_heads * arch.head_dim
                  + c.block_intermediate_widths * arch.intermediate_size)
     scores = c.attention_score_copies * b * arch.num_attention_heads * s * s
     weight_casts = c.block_weight_cast_copies * block_numel(arch) if str(tr.mixed_precision) != "fp32" else 0
@@ -107,8 +106,8 @@ def _kept_activation_bytes(config: AprConfig, execution: Execution, c: MemoryCoe
         return 0
     arch = config.model.architecture
     b, s = config.data.batch_size, config.data.seq_len
-    elt = DTYPE_BYTES[compute_dtype(config.training.mixed_precision)]
-    kv = arch.kv_heads * (arch.hidden_size // arch.num_attention_heads)
+    elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
+    kv = arch.kv_heads * arch.head_dim
     keep = c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * kv + c.keep_intermediate_widths * arch.intermediate_size
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * arch.intermediate_size)

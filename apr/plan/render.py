@@ -40,8 +40,9 @@ def _item(label: str, lines: list[str]) -> list[str]:
 def _model_lines(plan) -> list[str]:
     arch = plan.config.model.architecture
     m = plan.facts["model"]
-    head_dim = arch.hidden_size / arch.num_attention_heads
-    hd = f"{head_dim:g}"
+    hd = str(arch.head_dim)
+    if arch.hidden_size % arch.num_attention_heads:  # C-ARCH-001 fails: show the fraction it complains of
+        hd = f"{arch.hidden_size / arch.num_attention_heads:g}"
     return [
         f"LLaMA-style decoder: {arch.num_hidden_layers} layers x hidden {arch.hidden_size:,}, "
         f"{arch.num_attention_heads} heads ({arch.kv_heads} KV, head_dim {hd}), SwiGLU {arch.intermediate_size:,}, "

@@ -38,7 +38,7 @@ from apr.model.llama import LlamaForCausalLM, build_model
 from apr.steps.strategy import step_strategy
 from apr.train.dist import DataParallel
 from apr.train.flat import FlatGroup, flatten_group
-from apr.train.precision import DynamicLossScaler, autocast, compute_dtype
+from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Engine:
         self.backend = backend
         self.execution = execution or execution_policy.from_config(config)
         self.strategy = step_strategy(config, self.execution)
-        self.cdt = compute_dtype(tr.mixed_precision)
+        self.cdt = torch_dtype(tr.mixed_precision)
         self.scaler = DynamicLossScaler(enabled=self.strategy.loss_scaling)
         self.chunk_size = tr.loss_chunk_size
         self.grad_clip = tr.grad_clip

@@ -11,11 +11,12 @@ import math
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from apr.model.spec import compute_dtype_name
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    return DTYPES[str(precision)]
+def torch_dtype(precision: str) -> torch.dtype:
+    """The torch dtype of ``training.mixed_precision`` (bf16 -> torch.bfloat16)."""
+    return getattr(torch, compute_dtype_name(precision))
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

@@ -71,3 +71,12 @@ def test_init_is_deterministic_from_seed():
             assert abs(pa.std().item() - arch.initializer_range) < 0.2 * arch.initializer_range
         else:
             assert torch.equal(pa, torch.ones_like(pa)), name
+
+
+
+def test_attention_heads_take_the_architectures_head_dim():
+    arch = _arch()
+    attn = build_model(arch, seed=0).model.layers[0].self_attn
+    assert attn.head_dim == arch.head_dim == 16
+    assert attn.q_proj.weight.shape == (arch.num_attention_heads * 16, arch.hidden_size)
+    assert attn.k_proj.weight.shape == (arch.kv_heads * 16, arch.hidden_size)

@@ -7,11 +7,11 @@ import contextlib
 import pytest
 import torch
 
-from apr.train.precision import DynamicLossScaler, autocast, compute_dtype
+from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
 
 
 def test_each_precision_names_its_torch_dtype():
-    assert [compute_dtype(p) for p in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16, torch.float16]
+    assert [torch_dtype(p) for p in ("fp32", "bf16", "fp16")] == [torch.float32, torch.bfloat16, torch.float16]
 
 
 def test_autocast_is_a_no_op_in_float32_and_casts_matmuls_otherwise():
