@@ -1,5 +1,5 @@
 """Measured GPU memory of real training steps next to the plan's memory model, for calibrating the
-coefficients in apr/plan/memory.py (DESIGN.md decision 1).
+coefficients in apr/plan/memory.py (docs/design.md, "The buffer plan").
 
 For each (config, batch, seq) case it builds the engine on CUDA the way `apr train apply` does
 (apr.train.engine.build_engine), runs --warmup + --steps training steps on random token ids, and

@@ -1,4 +1,4 @@
-"""Fused ops behind one interface (DESIGN.md decision 4).
+"""Fused ops behind one interface (docs/design.md, "Kernels").
 
 ``get_backend(name, device)`` returns a ``KernelBackend``: ``torch`` (the reference, any device)
 or ``cupy`` (``apr.kernels.cupy_backend``, CUDA only, compiled from ``kernels/*.cu``). ``auto``

@@ -1,4 +1,4 @@
-"""The CuPy backend: the fused ops as CUDA kernels from ``kernels/*.cu`` (DESIGN.md decision 4).
+"""The CuPy backend: the fused ops as CUDA kernels from ``kernels/*.cu`` (docs/design.md, "Kernels").
 
 * Each ``kernels/<name>.cu`` is compiled once per process and device with NVRTC through
   ``cupy.RawModule`` (CuPy also keeps the binary in its on-disk kernel cache). Quoted includes

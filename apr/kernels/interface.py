@@ -1,4 +1,4 @@
-"""The fused-op interface every kernel backend implements (DESIGN.md decision 4).
+"""The fused-op interface every kernel backend implements (docs/design.md, "Kernels").
 
 Conventions shared by all backends:
 - Buffers are flat, contiguous float32 device tensors unless said otherwise.

@@ -1,4 +1,4 @@
-"""LM head + cross-entropy over sequence chunks (DESIGN.md decision 5).
+"""LM head + cross-entropy over sequence chunks (docs/design.md, "Kernels").
 
 For each chunk of ``chunk_size`` positions: logits = h_chunk @ W^T in float32 (``[batch, chunk,
 vocab]``, the only logits that ever exist), then the backend's fused cross-entropy turns them into

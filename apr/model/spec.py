@@ -1,6 +1,6 @@
 """The model's shapes and what follows from them, without torch: parameter names and counts,
-FLOPs per token, and the buffer plan the trainer allocates from and the plan sums (DESIGN.md
-decision 1). One source of truth for `apr train plan` and `apr train apply`.
+FLOPs per token, and the buffer plan the trainer allocates from and the plan sums (docs/design.md,
+"The buffer plan"). One source of truth for `apr train plan` and `apr train apply`.
 """
 
 from __future__ import annotations
@@ -122,8 +122,11 @@ def compute_dtype_name(precision: MixedPrecision | str) -> str:
 
 
 def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[Buffer]:
-    """The trainer's persistent device buffers, as allocated by the engine (``apr.train.engine``
-    allocates weights, AdamW state and gradient buffers from this list by name). ``execution``: the
+    """The trainer's persistent device buffers. The engine allocates the weights, AdamW state and
+    gradient buffers from this list by name (``apr.train.engine.allocate_buffers``); the other rows
+    (activation checkpoints, logits chunk, head hidden states, token ids, the standard engine's saved
+    head gradient) are tensors the engine creates during a step, listed at the shapes it creates
+    them so that the plan counts them. ``execution``: the
     resolved policy (apr/steps/execution.py); default: the config's, ``auto`` as if memory were
     unlimited.
 

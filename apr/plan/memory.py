@@ -1,7 +1,7 @@
 """The per-GPU memory budget: the trainer's buffer plan plus the few things it cannot list.
 
-Everything the trainer allocates up front comes from ``apr.model.spec.buffer_plan`` (DESIGN.md
-decision 1): the plan sums exactly what ``apply`` allocates. Only four things are modelled, and
+Everything the trainer allocates up front comes from ``apr.model.spec.buffer_plan`` (docs/design.md,
+"The buffer plan"): the plan sums exactly what ``apply`` allocates. Only four things are modelled, and
 their coefficients live in ``COEFFICIENTS`` below and nowhere else, so that a calibration against
 measured peaks on a real GPU changes one place:
 

@@ -2,7 +2,7 @@
 
 Torch-free. ``training.execution`` states it (``activations``, ``gradients``, ``compile``); ``auto``
 is resolved by the plan (apr/plan/memory.py picks the fastest policy whose memory fits the budget)
-and the engine runs exactly the resolved ``Execution`` (DESIGN.md decision 9). The buffer plan
+and the engine runs exactly the resolved ``Execution``. The buffer plan
 (apr/model/spec.py) allocates the gradient buffers it names; docs/design.md, "Execution policy".
 
 Cost is counted in forward-equivalents F of the whole model (a backward is 2F):

@@ -1,4 +1,4 @@
-"""Data parallelism on torch.distributed, as ``torchrun`` launches it (DESIGN.md decision 8).
+"""Data parallelism on torch.distributed, as ``torchrun`` launches it (docs/design.md, "Data parallelism").
 
 ``torchrun --nproc_per_node=K -m apr train apply CONFIG`` sets ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK`` and the rendezvous variables; ``from_env`` joins the process group (NCCL on CUDA,

@@ -1,6 +1,6 @@
 """The training engines.
 
-``InterleavedEngine`` (DESIGN.md decisions 3 and 9): the backward walks from the LM head to the
+``InterleavedEngine`` (docs/design.md, "The engines" and "Execution policy"): the backward walks from the LM head to the
 embedding one block at a time, backpropagating into the block's gradient buffer and running AdamW
 over that block's flat buffers as soon as its gradient is complete. The resolved execution policy
 (apr/steps/execution.py, chosen by the plan) says, per block, whether the forward keeps the block's

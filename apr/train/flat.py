@@ -1,5 +1,5 @@
 """Per-group flat parameter buffers: each block's parameters are views into one float32 buffer,
-with AdamW m and v beside it (DESIGN.md decision 3)."""
+with AdamW m and v beside it (docs/design.md, "The engines")."""
 
 from __future__ import annotations
 
