@@ -100,8 +100,21 @@ class Architecture(_Section):
         return self.hidden_size // self.num_attention_heads
 
 
+def _from_scratch_only(value: object) -> object:
+    # A path here used to be accepted and ignored (the run trained from scratch): refuse it until
+    # loading initial weights exists (issue 18 plans `model.init_from`).
+    if value not in (".", None):
+        raise ValueError(
+            'loading initial weights from model.path is not supported: expected "." (train from scratch), '
+            f"got {value!r}. To continue a run, keep its output_dir and use `apr train apply CONFIG --resume latest` "
+            "(or --resume CHECKPOINT.json); starting from other weights will be `model.init_from` (issue 18)")
+    return "." if value is None else value
+
+
 class ModelConfig(_Section):
-    path: str = Field(".", description='Where initial weights come from; "." trains from scratch.')
+    path: Annotated[str, BeforeValidator(_from_scratch_only)] = Field(
+        ".", description='Only "." (train from scratch, randomly initialised). Continue a run with '
+                         "`--resume`; loading other weights is not supported yet.")
     mode: ModelMode = Field(ModelMode.transformer, description="Model family. Only transformer for now.")
     architecture: Architecture
 

@@ -263,9 +263,10 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     sheet = all_facts(config, world_size=world_size, target=target, device_budget=budget)
     contract_set = load_contracts(contracts_dir)
     results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
-    from apr.plan.validate import alert_config_findings
+    from apr.plan.validate import alert_config_findings, output_dir_findings
 
-    findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded)],
+    findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
+                       *output_dir_findings(loaded)],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

@@ -26,7 +26,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
-    findings += alert_config_findings(loaded)
+    findings += alert_config_findings(loaded) + output_dir_findings(loaded)
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -45,3 +45,14 @@ def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
             line, column = loaded.source.locate(("monitoring", "alerts", index, "condition"))
         out.append(replace(f, line=line, column=column))
     return out
+
+
+def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
+    """`training.output_dir` a run must not write into (a filesystem root, the home folder, the data or
+    the tokenizer), located at the key's line."""
+    from apr.config.paths import output_dir_problems
+
+    line, column = loaded.source.locate(("training", "output_dir"))
+    return [Finding("error", "config.output_dir", message, path="training.output_dir", file=str(loaded.path),
+                    line=line, column=column, expected="a folder of the run's own, apart from its data", got=got)
+            for message, got in output_dir_problems(loaded.config)]

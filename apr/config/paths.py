@@ -1,0 +1,49 @@
+"""Where a run may write: checks on ``training.output_dir`` against the machine and the run's inputs.
+
+A run writes checkpoints, records and a resolved config into its output folder and, on a fresh
+run, treats what is there as its own. A filesystem root, the home folder itself, or a folder that
+is, holds or lies inside the data or the tokenizer would mix the run's files with the user's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from apr.config.schema import AprConfig
+
+
+def _resolve(path: str) -> Path:
+    """As the trainer opens it: ``~`` expanded, relative to the current directory, symlinks followed."""
+    return Path(os.path.realpath(os.path.expanduser(path)))
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def output_dir_problems(config: AprConfig) -> list[tuple[str, str]]:
+    """(message, what was found) for every reason ``training.output_dir`` must not be written to."""
+    text = config.training.output_dir
+    out = _resolve(text)
+    problems: list[tuple[str, str]] = []
+    if out == Path(out.anchor) or os.path.ismount(out):
+        problems.append((f"output_dir {text!r} is a filesystem root ({out}): a run's checkpoints and records need a "
+                         "folder of their own", f"{out} (a filesystem root)"))
+    home = _resolve("~")
+    if out == home:
+        problems.append((f"output_dir {text!r} is your home folder itself: a run's checkpoints and records need a "
+                         "folder of their own", f"{out} (the home folder)"))
+    inputs = [("data.train", config.data.train), ("data.val", config.data.val), ("data.tokenizer", config.data.tokenizer)]
+    for key, value in inputs:
+        if not value:
+            continue
+        target = _resolve(value)
+        if _within(target, out):
+            how = "is" if target == out else "holds"
+            problems.append((f"output_dir {text!r} {how} {key} ({value}): the run would write among its own inputs",
+                             f"{out}, which {how} {target}"))
+        elif _within(out, target) and key != "data.tokenizer":
+            problems.append((f"output_dir {text!r} is inside {key} ({value}): the run's files would become data",
+                             f"{out}, inside {target}"))
+    return problems
