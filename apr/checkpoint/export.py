@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -210,42 +213,88 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     _remove_leftovers(out)
     tmp = _temp_name(out, os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
-        files.write_safetensors(tmp / "model.safetensors", weights, metadata={
-            "format": "pt",  # transformers refuses safetensors without it
-            "apr_step": str(info.step),
-            "apr_config_hash": str(info.config_hash),
-        })
-        del state, weights
-        _write_json(tmp / "config.json", cfg_doc)
-        gen = {k: cfg_doc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        if gen["pad_token_id"] is None:
-            gen["pad_token_id"] = gen["eos_token_id"]  # generate() would warn and do this itself
-        if "transformers_version" in cfg_doc:
-            gen["transformers_version"] = cfg_doc["transformers_version"]
-        _write_json(tmp / "generation_config.json", gen)
-        shutil.copyfile(tok_path, tmp / "tokenizer.json")
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(specials, arch.max_position_embeddings))
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    old = None
+    with _signals_raise():  # SIGTERM/SIGHUP unwind through the cleanup below, as Ctrl-C does
+        tmp.mkdir()
+        try:
+            _write_export(tmp, state, info, cfg_doc, tok_path, specials, arch)
+            if out.exists():
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                os.replace(out, old)
+            os.replace(tmp, out)
+            old_done, old = old, None
+            if old_done is not None:
+                shutil.rmtree(old_done, ignore_errors=True)
+            fsync_dir(out.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old is not None and not out.exists():  # interrupted between the two renames
+                os.replace(old, out)
+            raise
     return ExportResult(out_dir=out, step=info.step, checkpoint=info.json_path,
                         files=sorted(p.name for p in out.iterdir()),
                         eos_token=specials["eos"][0] if specials["eos"] else None, tokenizer=tok_path,
                         rope_form=rope_form, warnings=warnings)
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM/SIGHUP during an export, so its temp folder is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _signals_raise():
+    """While exporting, SIGTERM and SIGHUP raise (the temp folder is removed on the way out) and the
+    process then dies of the same signal, as it would have; SIGINT already raises KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wanted = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.getsignal(s) for s in wanted}
+
+    def handler(signum, frame):
+        raise _Terminated(signum)
+
+    for s in wanted:
+        if previous[s] in (signal.SIG_DFL, None):
+            signal.signal(s, handler)
+    try:
+        yield
+    except _Terminated as t:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        signal.signal(t.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), t.signum)  # die of the signal (exit status 128 + N), cleanup done
+        raise
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def _write_export(tmp: Path, state, info, cfg_doc: dict, tok_path: Path, specials: dict, arch) -> None:
+    """The export's files, written and fsynced into ``tmp``."""
+    weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
+    files.write_safetensors(tmp / "model.safetensors", weights, metadata={
+        "format": "pt",  # transformers refuses safetensors without it
+        "apr_step": str(info.step),
+        "apr_config_hash": str(info.config_hash),
+    })
+    del state, weights
+    _write_json(tmp / "config.json", cfg_doc)
+    gen = {k: cfg_doc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if gen["pad_token_id"] is None:
+        gen["pad_token_id"] = gen["eos_token_id"]  # generate() would warn and do this itself
+    if "transformers_version" in cfg_doc:
+        gen["transformers_version"] = cfg_doc["transformers_version"]
+    _write_json(tmp / "generation_config.json", gen)
+    shutil.copyfile(tok_path, tmp / "tokenizer.json")
+    _write_json(tmp / "tokenizer_config.json", tokenizer_config(specials, arch.max_position_embeddings))
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def _write_json(path: Path, doc: dict) -> None:

@@ -230,3 +230,37 @@ def test_a_killed_exports_temp_folder_is_removed_by_the_next_export(tmp_path, to
     export_hf(ckpt, tmp_path / "hf")
     assert not leftover.exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".hf")) == []
+
+
+@pytest.mark.parametrize(("signame", "code"), [("SIGTERM", -15), ("SIGHUP", -1), ("SIGINT", 1)])
+def test_an_export_killed_by_a_signal_leaves_no_temp_folder(tmp_path, tokenizer_file, signame, code):
+    """The signal arrives mid-write (from inside write_safetensors); the export unwinds, removes its
+    temp folder, keeps an earlier export in place, and the process still ends by that signal."""
+    import subprocess
+    import sys
+
+    _, _, ckpt = saved_checkpoint(tmp_path, tokenizer_file, tied=True)
+    out = tmp_path / "hf"
+    export_hf(ckpt, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    script = f"""
+import os, signal
+from apr.checkpoint import export, files
+real = files.write_safetensors
+def interrupted(path, *a, **k):
+    real(path, *a, **k)
+    os.kill(os.getpid(), signal.{signame})
+files.write_safetensors = interrupted
+try:
+    export.export_hf({str(ckpt)!r}, {str(out)!r}, overwrite=True)
+except KeyboardInterrupt:
+    raise SystemExit(1)
+raise SystemExit(0)
+"""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": repo})
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr or signame == "SIGINT"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".hf")) == []
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
