@@ -90,6 +90,16 @@ def _decode(path: Path, column: str, width: int, rows: int) -> np.ndarray:
     values = table.column(column).combine_chunks().flatten().to_numpy(zero_copy_only=False)
     if values.size != rows * width:
         raise _shard_error(path, f"holds {values.size} tokens, its footer says {rows * width}")
+    if values.dtype.kind == "i" and values.size and values.min() < 0:  # a signed column: uint32 would wrap
+        first = int(np.argmax(values < 0))
+        raise _shard_error(path, f"row {first // width} holds the negative token id {int(values[first])}",
+                           code="data.token_id", expected="token ids >= 0",
+                           got=f"{int(values[first])} at row {first // width}, position {first % width}")
+    if values.dtype.itemsize > 4 and values.size and values.max() >= 2**32:
+        first = int(np.argmax(values >= 2**32))
+        raise _shard_error(path, f"row {first // width} holds the token id {int(values[first])}, beyond uint32",
+                           code="data.token_id", expected="token ids < 2**32",
+                           got=f"{int(values[first])} at row {first // width}, position {first % width}")
     return values.astype(np.uint32, copy=False).reshape(rows, width)
 
 
@@ -165,7 +175,7 @@ class ShardLoader:
 
     def __init__(self, path, *, seq_len: int, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  gradient_accumulation: int = 1, shuffle: bool = True, input_column: str = "input_ids",
-                 cache_dir: str | Path | bool | None = None):
+                 cache_dir: str | Path | bool | None = None, vocab_size: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         if batch_size < 1 or gradient_accumulation < 1 or seq_len < 1:
@@ -174,6 +184,9 @@ class ShardLoader:
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.rank, self.world_size, self.gradient_accumulation = rank, world_size, gradient_accumulation
         self.shuffle, self.input_column = shuffle, input_column
+        # with vocab_size, every batch's ids are checked (one max per batch): the plan cannot see
+        # them in shards written without Parquet statistics (contract C-DATA-007)
+        self.vocab_size = vocab_size
         self.shards = shard_files(self.path)
         if not self.shards:
             raise AprError(f"no Parquet shards under {self.path}", [Finding(
@@ -181,6 +194,7 @@ class ShardLoader:
                 expected="a folder of pretokenized shards (apr data pretokenize)")])
         width = seq_len + 1
         counts = [_check_shard(f, input_column, width) for f in self.shards]
+        self._shard_ends = np.cumsum(counts)
         if sum(counts) == 0:
             raise AprError(f"the shards under {self.path} hold no rows", [Finding(
                 "error", "data.empty", "no rows", file=str(self.path), expected="at least one row", got="0")])
@@ -212,7 +226,23 @@ class ShardLoader:
         """Rows by index as one int64 tensor (a copy: the cache stays read-only)."""
         import torch
 
-        return torch.from_numpy(self._rows[indices].astype(np.int64))
+        rows = self._rows[indices]
+        if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:
+            self._bad_id(indices, rows)
+        return torch.from_numpy(rows.astype(np.int64))
+
+    def _bad_id(self, indices: np.ndarray, rows: np.ndarray):
+        """Raise the error naming the shard, row and position of the first id >= vocab_size in ``rows``."""
+        at = int(np.argmax((rows >= self.vocab_size).any(axis=1)))
+        pos = int(np.argmax(rows[at] >= self.vocab_size))
+        index = int(indices[at])
+        shard = int(np.searchsorted(self._shard_ends, index, side="right"))
+        row = index - (int(self._shard_ends[shard - 1]) if shard else 0)
+        token = int(rows[at, pos])
+        raise _shard_error(self.shards[shard], f"row {row} holds token id {token}, not below vocab_size "
+                                               f"{self.vocab_size} (were the shards made with another tokenizer?)",
+                           code="data.token_id", path="model.architecture.vocab_size",
+                           expected=f"token ids < {self.vocab_size}", got=f"{token} at row {row}, position {pos}")
 
     def _order(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:

@@ -142,3 +142,46 @@ def test_shards_of_another_seq_len_or_column_are_refused(tmp_path):
     assert small.steps_per_epoch == 0
     with pytest.raises(AprError, match="fewer than one optimizer step"):
         small.next_batch()
+
+
+def _unstatted_shard(path, rows: np.ndarray, type_):
+    """One shard written without Parquet statistics (the plan cannot see its ids)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.mkdir(parents=True)
+    n, width = rows.shape
+    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32))
+    col = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1), type=type_))
+    pq.write_table(pa.table({"input_ids": col}), path / "a.parquet", write_statistics=False)
+    return path
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_ids_beyond_vocab_size_fail_naming_shard_and_row(tmp_path, cache):
+    import pyarrow as pa
+
+    rows = np.ones((12, SEQ + 1), dtype=np.uint32)
+    rows[9, 3] = 5000  # was an IndexError in the embedding, mid-run
+    path = _unstatted_shard(tmp_path / "d", rows, pa.uint32())
+    loader = ShardLoader(path, seq_len=SEQ, batch_size=12, vocab_size=4096, shuffle=False,
+                         cache_dir=(tmp_path / "cache") if cache else False)
+    with pytest.raises(AprError) as e:
+        loader.next_batch()
+    f = e.value.findings[0]
+    assert f.code == "data.token_id" and f.file.endswith("a.parquet") and "row 9" in f.message
+    assert f.got == "5000 at row 9, position 3" and f.expected == "token ids < 4096"
+    ok = ShardLoader(path, seq_len=SEQ, batch_size=12, vocab_size=8192, shuffle=False, cache_dir=False)
+    assert ok.next_batch().max().item() == 5000
+
+
+def test_negative_ids_in_a_signed_column_fail_naming_shard_and_row(tmp_path):
+    import pyarrow as pa
+
+    rows = np.ones((6, SEQ + 1), dtype=np.int64)
+    rows[4, 0] = -3  # would wrap to 4294967293 as uint32
+    path = _unstatted_shard(tmp_path / "d", rows, pa.int64())
+    with pytest.raises(AprError) as e:
+        ShardLoader(path, seq_len=SEQ, batch_size=2, vocab_size=4096, cache_dir=False)
+    f = e.value.findings[0]
+    assert f.code == "data.token_id" and "row 4" in f.message and f.got.startswith("-3 at row 4")
