@@ -34,7 +34,8 @@ def output_dir_problems(config: AprConfig) -> list[tuple[str, str]]:
     if out == home:
         problems.append((f"output_dir {text!r} is your home folder itself: a run's checkpoints and records need a "
                          "folder of their own", f"{out} (the home folder)"))
-    inputs = [("data.train", config.data.train), ("data.val", config.data.val), ("data.tokenizer", config.data.tokenizer)]
+    data = config.data
+    inputs = [("data.train", data.train), ("data.val", data.val), ("data.tokenizer", data.tokenizer)]
     for key, value in inputs:
         if not value:
             continue

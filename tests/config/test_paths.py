@@ -62,7 +62,8 @@ def test_an_ordinary_output_dir_is_fine(tmp_path, monkeypatch):
 
 def test_model_path_other_than_scratch_is_refused_with_the_way_to_resume(tmp_path):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(_config(tmp_path, "runs/a").read_text().replace("model:\n", "model:\n  path: runs/old/checkpoint-best.json\n"))
+    text = _config(tmp_path, "runs/a").read_text()
+    cfg.write_text(text.replace("model:\n", "model:\n  path: runs/old/checkpoint-best.json\n"))
     with pytest.raises(ConfigError) as e:
         load_config(cfg)
     f = e.value.findings[0]
