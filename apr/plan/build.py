@@ -201,6 +201,10 @@ def resolve_plan_target(config: AprConfig, gpu: str | None, vram: str | int | No
         target = resolve_target(gpu, vram, config_gpu=tr.gpu, config_vram=tr.vram)
         if vram is not None and target is not None and not target.vram_bytes:
             raise ValueError(f"expected a memory size above zero, got {vram!r}")
+        if target is None and str(tr.device) == "cpu":  # a CPU run must fit in this machine's RAM
+            from apr.plan.gpus import host_target
+
+            target = host_target()
         return target
     except UnknownGpuError as e:
         raise PlanUsageError(str(e), [Finding("error", "plan.unknown_gpu", str(e), path="--gpu",

@@ -7,6 +7,7 @@ peak. The MFU is an assumption for the time estimate, not a measurement: the ref
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from apr.config.numbers import parse_bytes
@@ -100,6 +101,21 @@ class Target:
 
 class UnknownGpuError(ValueError):
     """A GPU name given on the command line is not in the catalogue (a usage error)."""
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (torch-free, no psutil): the budget of a CPU run."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_target() -> Target | None:
+    """The target of a plan for ``training.device: cpu`` with no GPU or VRAM given: this machine's RAM."""
+    ram = host_memory_bytes()
+    return None if not ram else Target(name=None, gpu=None, vram_bytes=ram,
+                                       source="this machine's RAM, training.device: cpu")
 
 
 def resolve_target(
