@@ -121,7 +121,10 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
         head = f.read(n)
         if len(head) != n:
             raise ValueError("header cut short")
-    doc = json.loads(head.decode("utf-8"))
+    try:
+        doc = json.loads(head.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("header nests too deeply") from None
     if not isinstance(doc, dict):
         raise ValueError("header is not a JSON object")
     return doc

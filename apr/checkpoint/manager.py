@@ -18,7 +18,6 @@ that the tensors are exactly the parameters (and AdamW state) of the config's mo
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -117,13 +116,17 @@ def _json_for(path: Path) -> Path:
 
 def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
     """Parse and sanity-check a checkpoint's JSON (no tensors are read)."""
+    from apr.readers import InputError, load_json
+
     json_path = Path(json_path)
-    try:
-        doc = json.loads(json_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{json_path.name} does not exist", json_path, "missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{json_path.name} is not readable JSON: {err}", json_path, "unreadable") from None
+    try:  # bounded: a FIFO, device, huge or deeply nested file is refused, never read (docs/design.md)
+        doc = load_json(json_path, "checkpoint", "checkpoint")
+    except InputError as err:
+        f = err.findings[0]
+        if f.code == "file.missing":
+            raise CheckpointError(f"{json_path.name} does not exist", json_path, "missing") from None
+        raise CheckpointError(f"{json_path.name} is not readable JSON: {f.message}", json_path, "unreadable",
+                              expected=f.expected, got=f.got) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise CheckpointError(f"{json_path.name} is not an apr checkpoint", json_path, "not_apr",
@@ -184,8 +187,13 @@ def _header_shapes(path: Path) -> tuple[dict, dict]:
 
     rev = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+    from apr.readers import InputError, check_regular
+
     try:
+        check_regular(path, "checkpoint weights")  # a FIFO would block the open below
         header = read_safetensors_header(path)
+    except InputError as err:
+        raise CheckpointError(err.findings[0].message, path, "bad_weights") from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path.name} is not a readable safetensors file: {err}", path,
                               "bad_weights") from None

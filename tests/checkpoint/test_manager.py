@@ -235,3 +235,26 @@ def test_tied_embeddings_have_no_lm_head(tmp_path):
     mgr.save(TrainState(3, tensors, {}))
     s, _ = mgr.load("latest")
     assert set(s.tensors) == set(tensors)
+
+
+def test_hostile_checkpoint_files_are_checkpoint_errors_not_hangs_or_tracebacks(tmp_path):
+    import os
+
+    from apr.checkpoint.manager import read_info
+
+    fifo = tmp_path / "checkpoint-step-1.json"
+    os.mkfifo(fifo)  # reading it would block forever
+    deep = tmp_path / "checkpoint-step-2.json"
+    deep.write_text('{"format": "apr-checkpoint", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    huge = tmp_path / "checkpoint-step-3.json"
+    with open(huge, "wb") as f:
+        f.truncate(2**31)
+    loop = tmp_path / "checkpoint-step-4.json"
+    loop.symlink_to(loop)
+    for path, needle in ((fifo, "FIFO"), (deep, "levels deep"), (huge, "2 GiB"), (loop, "symlink loop")):
+        with pytest.raises(CheckpointError) as e:
+            read_info(path)
+        assert needle in e.value.message and e.value.findings[0].code == "checkpoint.unreadable"
+    with pytest.raises(CheckpointError) as e:
+        read_info(tmp_path / "checkpoint-step-5.json")
+    assert e.value.findings[0].code == "checkpoint.missing"
