@@ -34,6 +34,7 @@ import numpy as np
 
 from apr.data.shards import shard_files
 from apr.errors import AprError, Finding
+from apr.readers import load_json
 from apr.steps.algebra import step_count
 
 STATE_VERSION = 1
@@ -139,10 +140,11 @@ def _prune(cache_dir: Path, source: str, keep: str) -> None:
     for meta in cache_dir.glob("*.json"):
         if meta.stem == keep:
             continue
-        try:
-            if json.loads(meta.read_text()).get("source") != source:
-                continue
-        except (OSError, ValueError):
+        try:  # bounded: a FIFO or junk among the cache's files is skipped, never read or trusted
+            doc = load_json(meta, "manifest", "token-cache metadata")
+        except AprError:
+            continue
+        if not isinstance(doc, dict) or doc.get("source") != source:
             continue
         for suffix in (".u32", ".lock", ".json"):
             try:

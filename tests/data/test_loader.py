@@ -185,3 +185,16 @@ def test_negative_ids_in_a_signed_column_fail_naming_shard_and_row(tmp_path):
         ShardLoader(path, seq_len=SEQ, batch_size=2, vocab_size=4096, cache_dir=False)
     f = e.value.findings[0]
     assert f.code == "data.token_id" and "row 4" in f.message and f.got.startswith("-3 at row 4")
+
+
+def test_junk_in_the_cache_folder_is_skipped_not_read(tmp_path):
+    import os
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.mkfifo(cache / "fifo.json")  # reading it would block the loader forever
+    (cache / "list.json").write_text("[1, 2]")
+    (cache / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    loader = ShardLoader(numbered(tmp_path / "d", 20), seq_len=SEQ, batch_size=4, cache_dir=cache)
+    assert loader.memory_mapped and loader.next_batch().shape == (4, SEQ + 1)
+    assert (cache / "list.json").exists() and (cache / "fifo.json").exists()
