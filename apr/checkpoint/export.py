@@ -81,8 +81,11 @@ def _resolve_tokenizer(tokenizer: str | os.PathLike | None, config, info: Checkp
 def _special_tokens(tokenizer_path: Path, vocab_size: int) -> dict[str, tuple[str, int] | None]:
     from tokenizers import Tokenizer
 
+    from apr.readers import read_text
+
+    text = read_text(tokenizer_path, "tokenizer", "tokenizer", error=AprError)  # bounded size
     try:
-        tok = Tokenizer.from_file(str(tokenizer_path))
+        tok = Tokenizer.from_str(text)
     except Exception as err:  # tokenizers raises a bare Exception on a bad file
         raise AprError(f"{tokenizer_path} is not a tokenizers tokenizer.json: {err}",
                        [Finding("error", "export.tokenizer_invalid", str(err), file=str(tokenizer_path))]
