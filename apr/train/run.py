@@ -30,6 +30,13 @@ from apr.errors import AprError, Finding
 from apr.fmt import fmt_duration, fmt_rate
 from apr.rate import RateMeter
 from apr.steps.algebra import step_count
+from apr.train.outdir import (
+    RESOLVED_CONFIG,
+    RESOLVED_CONFIG_HEADER,
+    OutputDirLock,
+    refuse_foreign_files,
+    refuse_user_config,
+)
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
@@ -185,26 +192,23 @@ class Run:
         from apr.checkpoint.manager import CheckpointManager
 
         self.ckpt = CheckpointManager(self.run_dir, config, config_hash=config_hash, on_warning=self._warn)
-        if options.resume is not None:
-            self._restore(options.resume)
-        else:
-            self._refuse_foreign_run_dir()
+        self.lock = OutputDirLock(self.run_dir)
+        try:
+            if self.is_main:  # only rank 0 writes the folder
+                self.lock.acquire(config_path)
+            if options.resume is not None:
+                refuse_user_config(self.run_dir, config_path)
+                self._restore(options.resume)
+            else:
+                refuse_foreign_files(self.run_dir, config_path)
+        except BaseException:
+            self.lock.release()
+            raise
 
     # ------------------------------------------------------------------------------ set-up
 
     def _warn(self, message: str) -> None:
         self.echo(f"warning: {message}")
-
-    def _refuse_foreign_run_dir(self) -> None:
-        from apr.checkpoint.manager import scan
-
-        if self.run_dir.is_dir() and any(e.complete for e in scan(self.run_dir)):
-            raise AprError(
-                f"{self.run_dir} already holds checkpoints of an earlier run",
-                [Finding("error", "apply.output_dir_in_use",
-                         "the output directory holds checkpoints; continue that run with --resume latest, "
-                         "or choose another training.output_dir (or remove the folder)",
-                         path="training.output_dir", file=str(self.config_path))])
 
     def _restore(self, which: str) -> None:
         from apr.checkpoint.compat import compare_configs
@@ -258,7 +262,8 @@ class Run:
 
     def _refuse_past_the_end(self, json_path: Path) -> None:
         tr = self.config.training
-        key = "training.max_steps" if tr.max_steps is not None and tr.max_steps < self.epoch_steps else "training.epochs"
+        by_steps = tr.max_steps is not None and tr.max_steps < self.epoch_steps
+        key = "training.max_steps" if by_steps else "training.epochs"
         message = (f"{json_path} is at step {self.start_step}, past the {self.total_steps} steps this config runs; "
                    f"raise {key} to continue that run")
         raise AprError(message, [Finding("error", "resume.past_the_end", message, path=key,
@@ -292,8 +297,8 @@ class Run:
         yaml = YAML()
         yaml.default_flow_style = False
         yaml.dump(self.config.model_dump(mode="json"), buf)
-        atomic_write_text(self.run_dir / "config.yaml",
-                          f"# resolved config of this run (from {self.config_path}); hash {self.config_hash}\n"
+        atomic_write_text(self.run_dir / RESOLVED_CONFIG,
+                          f"{RESOLVED_CONFIG_HEADER} (from {self.config_path}); hash {self.config_hash}\n"
                           + buf.getvalue())
         if self.plan_doc is not None:
             atomic_write_json(self.run_dir / "plan.json", self.plan_doc)
@@ -342,6 +347,13 @@ class Run:
     # -------------------------------------------------------------------------------- loop
 
     def execute(self) -> RunResult:
+        """Run the loop; the output folder's lock is released however it ends."""
+        try:
+            return self._execute()
+        finally:
+            self.lock.release()
+
+    def _execute(self) -> RunResult:
         from apr.model.spec import param_count
         from apr.track.recorder import RunRecorder
         from apr.train.engine import NonFiniteError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,26 @@ def test_a_reader_that_goes_away_without_a_signal_does_not_stop_the_run(root):
             proc.kill()
     assert _records_status(root) == ["finished"] * 3
     assert (root / "run" / "checkpoint-step-10.json").is_file()
+
+
+def test_a_second_apply_on_a_busy_output_dir_is_refused_and_kill_9_frees_it(root):
+    # a long run; once its unread pipe is full it waits in a write, still holding the folder
+    cfg = write_config(root, training={"epochs": 5000, "max_steps": 100_000, "log_interval": 1,
+                                       "save_interval": 100_000, "eval_interval": 0})
+    first = _start_piped(root, cfg)
+    try:
+        _read_until_step(first, 1)
+        for extra in ([], ["--resume", "latest"]):
+            second = apr("train", "apply", str(cfg), *extra, cwd=root)
+            assert second.returncode == 1 and "Traceback" not in second.stderr
+            assert f"in use by another apr run (pid {first.pid} on host {socket.gethostname()}" in second.stderr
+        assert first.poll() is None  # the first run goes on
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    # no lock outlives its process: a new run into the folder (no checkpoint was written) starts
+    cfg = write_config(root, training={"max_steps": 3, "eval_interval": 0})
+    proc = apr("train", "apply", str(cfg), cwd=root)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,124 @@
+"""A run's output folder: one writer at a time, and never over another run's files.
+
+``OutputDirLock`` holds an exclusive ``flock`` on ``<output_dir>/.apr/run.lock`` for the life of a
+run (apply and resume alike). The kernel drops it when the process ends, however it ends, so a
+``kill -9`` never leaves a stale lock; the file itself stays (removing it would let two writers
+lock two different files). It holds the holder's pid, host and start time, which a refused second
+writer names. ``refuse_foreign_files`` keeps a fresh run out of a folder holding another run's
+checkpoints, or a ``config.yaml`` that apr did not write. docs/training.md, "The output folder".
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+from apr.errors import AprError, Finding
+
+LOCK_FILE = Path(".apr") / "run.lock"
+RESOLVED_CONFIG = "config.yaml"
+RESOLVED_CONFIG_HEADER = "# resolved config of this run"  # the first line of every config.yaml apr writes
+CHECKPOINT_FILE_RE = re.compile(r"^checkpoint-(step-\d+|best)\.(json|safetensors)$")
+
+
+def _in_use(message: str, config_path: Path, code: str, detail: str) -> AprError:
+    return AprError(message, [Finding("error", code, detail, path="training.output_dir", file=str(config_path))])
+
+
+class OutputDirLock:
+    """An exclusive, process-lifetime lock on one output folder."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self._file = None
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def acquire(self, config_path: Path) -> None:
+        """Take the lock or raise AprError naming the process that holds it."""
+        if self._file is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+", encoding="utf-8")  # never truncates another holder's record
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = _describe(f.read(4096))
+            f.close()
+            raise _in_use(
+                f"{self.run_dir} is in use by another apr run ({holder}); one output folder takes one "
+                "writer at a time", config_path, "apply.output_dir_locked",
+                f"locked by {holder}: wait for that run to end (or stop it), or choose another "
+                "training.output_dir") from None
+        except BaseException:
+            f.close()
+            raise
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}) + "\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.close()  # closing the descriptor drops the flock
+            finally:
+                self._file = None
+
+
+def _describe(text: str) -> str:
+    try:
+        doc = json.loads(text)
+        since = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(float(doc["since"])))
+        return f"pid {int(doc['pid'])} on host {doc['host']}, since {since}"
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return "a process that has not recorded its pid yet"
+
+
+def refuse_foreign_files(run_dir: Path, config_path: Path) -> None:
+    """A fresh run must not write into a folder that holds another run's checkpoints (any step, best,
+    complete or not) or a ``config.yaml`` of the user's, which apr would overwrite."""
+    try:
+        names = sorted(os.listdir(run_dir))
+    except FileNotFoundError:
+        return
+    found = [n for n in names if CHECKPOINT_FILE_RE.match(n)]
+    if found:
+        shown = ", ".join(found[:3]) + (f" (+{len(found) - 3} more)" if len(found) > 3 else "")
+        raise _in_use(
+            f"{run_dir} already holds checkpoints of an earlier run ({shown})", config_path,
+            "apply.output_dir_in_use",
+            "the output directory holds checkpoints; continue that run with --resume latest, or choose "
+            "another training.output_dir (or move those files away)")
+    refuse_user_config(run_dir, config_path)
+
+
+def refuse_user_config(run_dir: Path, config_path: Path) -> None:
+    """apr writes the resolved config to ``<output_dir>/config.yaml``; refuse if a file of that name is
+    there that apr did not write (its first line is not apr's header)."""
+    target = run_dir / RESOLVED_CONFIG
+    if not target.exists() and not target.is_symlink():
+        return
+    first = ""
+    if target.is_file() and not target.is_symlink():
+        try:
+            with open(target, encoding="utf-8", errors="replace") as f:
+                first = f.readline(200)
+        except OSError:
+            first = ""
+    if first.startswith(RESOLVED_CONFIG_HEADER):
+        return
+    raise _in_use(
+        f"{target} is not a config apr wrote; apr records the resolved config of a run under that name and "
+        "will not overwrite yours", config_path, "apply.output_dir_config",
+        f"move {target.name} out of the output directory, or choose another training.output_dir")
