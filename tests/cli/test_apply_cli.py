@@ -120,6 +120,7 @@ def _read_until_step(proc: subprocess.Popen, step: int) -> None:
     raise AssertionError(f"apply ended ({proc.wait()}) before step {step}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGHUP, 129)])
 def test_a_signal_after_the_pipe_reader_died_still_checkpoints_and_records_stopped(root, sig, code):
     # Ctrl-C on `apr train apply cfg.yaml 2>&1 | tee log`: the group gets SIGINT and tee dies first
@@ -141,6 +142,7 @@ def test_a_signal_after_the_pipe_reader_died_still_checkpoints_and_records_stopp
     assert 2 <= step < 400 and (root / "run" / f"checkpoint-step-{step}.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_reader_that_goes_away_without_a_signal_does_not_stop_the_run(root):
     cfg = write_config(root, training={"max_steps": 10, "log_interval": 1, "eval_interval": 0})
     proc = _start_piped(root, cfg)
@@ -155,6 +157,7 @@ def test_a_reader_that_goes_away_without_a_signal_does_not_stop_the_run(root):
     assert (root / "run" / "checkpoint-step-10.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_second_apply_on_a_busy_output_dir_is_refused_and_kill_9_frees_it(root):
     # a long run; once its unread pipe is full it waits in a write, still holding the folder
     cfg = write_config(root, training={"epochs": 5000, "max_steps": 100_000, "log_interval": 1,
