@@ -1,7 +1,8 @@
 """A run's output folder: one writer at a time, and never over another run's files.
 
-``OutputDirLock`` holds an exclusive ``flock`` on ``<output_dir>/.apr/run.lock`` for the life of a
-run (apply and resume alike). The kernel drops it when the process ends, however it ends, so a
+``OutputDirLock`` holds an exclusive ``flock`` on ``<output_dir>/.apr-run.lock`` for the life of a
+run (apply and resume alike). It sits in the output folder itself, which a run must be able to
+write, not in ``.apr/``, whose store is best-effort and may be unwritable. The kernel drops it when the process ends, however it ends, so a
 ``kill -9`` never leaves a stale lock; the file itself stays (removing it would let two writers
 lock two different files). It holds the holder's pid, host and start time, which a refused second
 writer names. ``refuse_foreign_files`` keeps a fresh run out of a folder holding another run's
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from apr.errors import AprError, Finding
 
-LOCK_FILE = Path(".apr") / "run.lock"
+LOCK_FILE = Path(".apr-run.lock")
 RESOLVED_CONFIG = "config.yaml"
 RESOLVED_CONFIG_HEADER = "# resolved config of this run"  # the first line of every config.yaml apr writes
 CHECKPOINT_FILE_RE = re.compile(r"^checkpoint-(step-\d+|best)\.(json|safetensors)$")
@@ -46,8 +47,13 @@ class OutputDirLock:
         """Take the lock or raise AprError naming the process that holds it."""
         if self._file is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+", encoding="utf-8")  # never truncates another holder's record
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(self.path, "a+", encoding="utf-8")  # never truncates another holder's record
+        except OSError as err:
+            raise _in_use(f"cannot lock the output folder: {self.path}: {err.strerror or err}", config_path,
+                          "apply.output_dir_unwritable",
+                          "training.output_dir must be a folder this user can write") from None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
