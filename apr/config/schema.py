@@ -325,6 +325,37 @@ class MonitoringConfig(_Section):
     alerts: list[AlertConfig] = Field(default_factory=list)
 
 
+# ------------------------------------------------------------------------------------ evaluation
+
+BUILTIN_TASKS = ("stdlib-nextline",)  # apr.evaluate.stdlib_task.BUILTIN_TASKS (kept torch-free here)
+
+
+def _task_spec(value):
+    if isinstance(value, str) and (value in BUILTIN_TASKS or value.endswith(".jsonl")):
+        return value
+    raise ValueError(f"expected a built-in task ({', '.join(BUILTIN_TASKS)}) or a .jsonl file, got {value!r}")
+
+
+TaskSpec = Annotated[str, BeforeValidator(_task_spec)]
+
+
+class SamplesConfig(_Section):
+    prompts: list[Annotated[str, Field(min_length=1)]] = Field(
+        min_length=1, description="Prompts continued (greedy) at each task evaluation; the text is recorded.")
+    max_new_tokens: PositiveCount = Field(32, description="Tokens generated per prompt.")
+
+
+class EvaluationConfig(_Section):
+    """Evaluation during training (docs/eval.md): multiple-choice tasks and sample generations."""
+
+    tasks: list[TaskSpec] = Field(
+        default_factory=list, description="Multiple-choice tasks scored during training: stdlib-nextline or "
+        "a .jsonl file (docs/eval.md). Needs data.tokenizer.")
+    interval: NonNegCount = Field(0, description="Steps between task evaluations; 0 uses training.eval_interval.")
+    limit: PositiveCount = Field(50, description="Examples per task at each evaluation.")
+    samples: SamplesConfig | None = Field(None, description="Sample generations at each task evaluation.")
+
+
 # ------------------------------------------------------------------------------------------ root
 
 
@@ -336,3 +367,4 @@ class AprConfig(_Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)

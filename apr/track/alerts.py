@@ -11,6 +11,7 @@ alert: the trainer stops on them itself (`is_nonfinite`).
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,10 @@ ALERT_VARIABLES: dict[str, str] = {
     "tokens_per_s": "tokens_per_s",
 }
 _INT_VARIABLES = {"step"}
+# In-training task scores (evaluation.tasks): `eval.<task>.acc` and `eval.<task>.acc_norm`, a map
+# that exists once the first task evaluation has run (docs/eval.md).
+EVAL_VARIABLE = "eval"
+_EVAL_REF = re.compile(r"\beval\.([A-Za-z_][A-Za-z0-9_]*)\.(acc_norm|acc)\b")
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,11 @@ def nonfinite_keys(metrics: dict) -> list[str]:
     return out
 
 
-def _sample_variables() -> dict[str, Any]:
-    return {name: (1 if name in _INT_VARIABLES else 1.0) for name in ALERT_VARIABLES}
+def _sample_variables(condition: str = "") -> dict[str, Any]:
+    sample: dict[str, Any] = {name: (1 if name in _INT_VARIABLES else 1.0) for name in ALERT_VARIABLES}
+    tasks = {task for task, _ in _EVAL_REF.findall(condition)}
+    sample[EVAL_VARIABLE] = {task: {"acc": 0.5, "acc_norm": 0.5} for task in tasks}
+    return sample
 
 
 def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
@@ -94,7 +102,7 @@ def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
             continue
         from apr.cel import free_variables
 
-        unknown = sorted(set(free_variables(condition)) - set(ALERT_VARIABLES))
+        unknown = sorted(set(free_variables(condition)) - set(ALERT_VARIABLES) - {EVAL_VARIABLE})
         if unknown:
             findings.append(
                 Finding(
@@ -103,13 +111,13 @@ def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
                     f"alert condition {condition!r} uses unknown metric(s) {', '.join(unknown)}",
                     path=path,
                     file=file,
-                    expected="names among " + ", ".join(ALERT_VARIABLES),
+                    expected="names among " + ", ".join(ALERT_VARIABLES) + ", eval.<task>.acc, eval.<task>.acc_norm",
                     got=", ".join(unknown),
                 )
             )
             continue
         try:
-            result = evaluate(condition, _sample_variables())
+            result = evaluate(condition, _sample_variables(condition))
         except CelError as e:
             findings.append(Finding("error", "alert.invalid_condition", e.message, path=path, file=file))
             continue
@@ -154,6 +162,11 @@ class AlertEvaluator:
         for i, (condition, action, message, names) in enumerate(self._alerts):
             variables = {}
             for name in names:
+                if name == EVAL_VARIABLE:  # a map of task scores, known after the first task evaluation
+                    if not values.get(EVAL_VARIABLE):
+                        break
+                    variables[name] = values[EVAL_VARIABLE]
+                    continue
                 value = values.get(ALERT_VARIABLES[name])
                 if value is None or isinstance(value, bool):
                     break
@@ -174,7 +187,11 @@ class AlertEvaluator:
                 was_active = self._active[i]
                 self._active[i] = result
                 if result and (action == "stop" or not was_active):
-                    shown = ", ".join(f"{k}={fmt_float(v)}" for k, v in variables.items())
+                    flat = {k: v for k, v in variables.items() if k != EVAL_VARIABLE}
+                    flat.update({f"eval.{t}.{m}": variables[EVAL_VARIABLE][t][m]
+                                 for t, m in _EVAL_REF.findall(condition) if EVAL_VARIABLE in variables
+                                 and m in variables[EVAL_VARIABLE].get(t, {})})
+                    shown = ", ".join(f"{k}={fmt_float(v)}" for k, v in flat.items())
                     text = (message or f"alert: {condition}") + (f" ({shown})" if shown else "")
                     fired.append(
                         Alert(
@@ -183,7 +200,7 @@ class AlertEvaluator:
                             message=text,
                             step=step,
                             time=time.time() if now is None else now,
-                            values=variables,
+                            values=flat,
                         )
                     )
         return fired

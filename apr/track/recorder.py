@@ -366,6 +366,27 @@ class RunRecorder:
             self._update_clock(now)
         self._request(state=True, db=True)
 
+    def log_task_evals(self, step: int, result: dict) -> None:
+        """Record an in-training evaluation (apr.evaluate.during_training): metric rows
+        ``eval.<task>.acc`` / ``acc_norm``, and the state's ``evals`` (latest score per task) and
+        ``samples`` (the latest sample generations)."""
+        self._print_warnings()
+        now = time.time()
+        step = int(step)
+        with self._lock:
+            for key, value in result.get("metrics", {}).items():
+                v = _num(value)
+                if v is not None:
+                    self._out_metrics.append((self.run_id, step, str(key), v, now))
+            evals = dict(self.state.fields.get("evals") or {})
+            for name, score in result.get("tasks", {}).items():
+                evals[name] = {"step": step, **score}
+            self.state["evals"] = evals
+            if result.get("samples"):
+                self.state["samples"] = {"step": step, "items": result["samples"]}
+            self._update_clock(now)
+        self._request(state=True, db=True)
+
     def checkpoint(self, step: int, path: Path, is_best: bool = False) -> None:
         """Record a written checkpoint: the state's last_checkpoint and an artifact row (size, sha256)."""
         self._print_warnings()
@@ -388,6 +409,10 @@ class RunRecorder:
                 "val_loss": self.state["val_loss"],
                 "epoch": self.state["epoch"],
             }
+            evals = self.state.fields.get("evals")
+            if evals:  # in-training task scores: eval.<task>.acc in a condition
+                values["eval"] = {name: {k: v for k, v in score.items() if k in ("acc", "acc_norm")}
+                                  for name, score in evals.items()}
         values.update({k: v for k, v in metrics.items() if v is not None})
         step = values.get("step")
         fired = self._alerts.check(values, step=int(step) if _num(step) is not None else None)

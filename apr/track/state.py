@@ -151,6 +151,8 @@ class RunState:
             "config_path": None,
             "model_params": None,
             "log_period_s": None,
+            "evals": None,  # in-training task scores (evaluation.tasks), latest per task
+            "samples": None,  # the latest sample generations (evaluation.samples)
         }
         self.fields.update(fields)
         self.histories = {key: History() for key in HISTORY_KEYS}

@@ -190,7 +190,9 @@ class Run:
         self.resumed_from: Path | None = None
 
         from apr.checkpoint.manager import CheckpointManager
+        from apr.evaluate.during_training import TrainingEvaluator
 
+        self.evaluator = TrainingEvaluator(config, seed=tr.seed)  # reads the task files: a bad one fails now
         self.ckpt = CheckpointManager(self.run_dir, config, config_hash=config_hash, on_warning=self._warn)
         self.lock = OutputDirLock(self.run_dir)
         try:
@@ -321,6 +323,24 @@ class Run:
             return None
         return float(total.item() / count)
 
+    def _evaluate_tasks(self, step: int, recorder) -> list:
+        """evaluation.tasks / samples on the model in training (apr.evaluate.during_training);
+        returns the alerts the new scores fire (``eval.<task>.acc`` conditions)."""
+        if self.dp is not None and self.dp.rank != 0:
+            return []
+        result = self.evaluator.run(self.engine.model, step)
+        recorder.log_task_evals(step, result)
+        scores = "  ".join(f"{name} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}"
+                           for name, s in result["tasks"].items())
+        self.echo(f"{self._step_label(step)}  eval {scores}  ({result['seconds']:.1f} s)".replace("  (", " (")
+                  if scores else f"{self._step_label(step)}  samples ({result['seconds']:.1f} s)")
+        for sample in result["samples"]:
+            self.echo(f"  sample: {sample['prompt']!r} -> {sample['text']!r}")
+        fired = recorder.check_alerts({"step": step}) if result["tasks"] else []
+        for alert in fired:
+            self.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
+        return fired
+
     def checkpoint_meta(self, step: int) -> dict:
         from apr.checkpoint.rng import capture_rng
 
@@ -439,6 +459,11 @@ class Run:
                             self.best_val = val_v
                         self._echo_val(step, val_v, is_best)
                         t_log = time.perf_counter()  # evaluation time is not training throughput
+                    if self.evaluator.due(step, is_last):
+                        stops = [a for a in self._evaluate_tasks(step, recorder) if a.action == "stop"]
+                        if stops and status == "finished":
+                            status, reason, exit_code = "stopped", f"alert: {stops[0].message}", 1
+                        t_log = time.perf_counter()
                     if self.dp is not None:  # every rank stops at the same step: signal or alert on any
                         flags = torch.tensor([signals.received or 0, status != "finished"], dtype=torch.float32,
                                              device=self.device)
@@ -526,6 +551,7 @@ class _NullRecorder:
     def start(self, resume_step=None) -> None: ...
     def log_step(self, step, metrics) -> None: ...
     def log_eval(self, step, val_loss) -> None: ...
+    def log_task_evals(self, step, result) -> None: ...
     def checkpoint(self, step, path, is_best=False) -> None: ...
     def finish(self, status, reason=None) -> None: ...
 

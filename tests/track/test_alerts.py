@@ -100,3 +100,18 @@ def test_hostile_conditions_are_findings_not_crashes():
 
     findings = alert_findings([A()])
     assert [f.code for f in findings] == ["alert.invalid_condition"] and "levels deep" in findings[0].message
+
+
+def test_alert_conditions_on_in_training_task_scores():
+    from apr.config.schema import AlertConfig
+    from apr.track.alerts import AlertEvaluator, alert_findings
+
+    ok = [AlertConfig(condition="eval.stdlib_nextline.acc < 0.3 || eval.mine.acc_norm < 0.2", action="stop")]
+    assert alert_findings(ok) == []
+    (bad,) = alert_findings([AlertConfig(condition="eval.stdlib_nextline.loss < 0.3")])
+    assert bad.code == "alert.invalid_condition"
+    ev = AlertEvaluator([AlertConfig(condition="eval.t.acc < 0.3", action="stop")])
+    assert ev.check({"loss": 1.0}, step=1) == []  # no task evaluation yet: skipped
+    (fired,) = ev.check({"eval": {"t": {"acc": 0.25, "acc_norm": 0.5}}}, step=2)
+    assert fired.values == {"eval.t.acc": 0.25} and "eval.t.acc=0.25" in fired.message
+    assert ev.check({"eval": {"t": {"acc": 0.5, "acc_norm": 0.5}}}, step=3) == []
