@@ -62,7 +62,7 @@ _FIELD_KINDS: dict[str, str] = {
     "model_params": "num",
 }
 # Written by the tracker but not part of the fields every version-1 writer must provide.
-_OPTIONAL_FIELDS = {"log_period_s": "num"}
+_OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -140,6 +140,24 @@ def _history(value: Any) -> tuple[tuple[int, float], ...]:
     return tuple(points)
 
 
+def _evals(value: Any) -> dict | None:
+    """In-training task scores: {task: {"step", "acc", "acc_norm"}} (docs/eval.md)."""
+    if not isinstance(value, dict):
+        return None
+    out = {name: {k: num(score.get(k)) for k in ("step", "acc", "acc_norm")}
+           for name, score in value.items() if isinstance(name, str) and isinstance(score, dict)}
+    return out or None
+
+
+def _samples(value: Any) -> dict | None:
+    """The latest sample generations: {"step", "items": [{"prompt", "text"}]}."""
+    if not isinstance(value, dict) or not isinstance(value.get("items"), list):
+        return None
+    items = [{"prompt": i["prompt"], "text": i["text"]} for i in value["items"]
+             if isinstance(i, dict) and isinstance(i.get("prompt"), str) and isinstance(i.get("text"), str)]
+    return {"step": num(value.get("step")), "items": items}
+
+
 _CONVERT = {
     "str": _str,
     "int": _int,
@@ -148,6 +166,8 @@ _CONVERT = {
     "gpu": _gpu,
     "alerts": _alerts,
     "strings": _strings,
+    "evals": _evals,
+    "samples": _samples,
 }
 
 

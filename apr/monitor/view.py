@@ -105,6 +105,8 @@ def stats_lines(state: dict | None, show_eta: bool = True) -> tuple[tuple[str, s
         eta = state.get("eta_s")
         rows.append(("ETA", fmt_duration(eta) if state.get("status") in ("starting", "running") else DASH))
     rows.append(("loss", loss))
+    if state.get("evals"):  # in-training task scores (evaluation.tasks)
+        rows.append(("eval", "  ".join(f"{name} {fmt_percent(s.get('acc'))}" for name, s in state["evals"].items())))
     rows.append(("ckpt", checkpoint_text(state)))
     return tuple(rows)
 

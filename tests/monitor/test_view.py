@@ -14,3 +14,16 @@ def test_checkpoint_time_is_on_the_elapsed_clock_after_a_resume():
 def test_checkpoint_without_clock_fields_shows_only_its_step():
     assert checkpoint_text({"last_checkpoint": {"step": 5, "time": 10.0}}) == "step 5"
     assert checkpoint_text({}) == "none yet"
+
+
+def test_the_run_panel_shows_in_training_task_scores():
+    from apr.monitor.state import normalize
+    from apr.monitor.view import stats_lines
+
+    doc = {"status": "running", "step": 500, "heartbeat": 1.0, "loss": 2.5,
+           "evals": {"stdlib_nextline": {"step": 500, "acc": 0.41, "acc_norm": 0.44}, "bad": "x"}}
+    state, _ = normalize(doc)
+    assert state["evals"] == {"stdlib_nextline": {"step": 500.0, "acc": 0.41, "acc_norm": 0.44}}
+    assert ("eval", "stdlib_nextline 41.0%") in stats_lines(state)
+    state, _ = normalize({**doc, "evals": None})
+    assert all(label != "eval" for label, _ in stats_lines(state))
