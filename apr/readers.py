@@ -35,6 +35,7 @@ LIMITS: dict[str, int] = {
     "checkpoint": 1 * MiB,  # checkpoint JSON sidecars
     "manifest": 16 * MiB,  # data manifests, cache metadata
     "tokenizer": 64 * MiB,  # tokenizer.json (vocab and merges of large vocabularies)
+    "task": 512 * MiB,  # multiple-choice task JSONL and prompt files (apr eval, apr generate)
 }
 MAX_JSON_DEPTH = 64  # nesting levels of any JSON document apr reads (ours use fewer than 8)
 

@@ -8,7 +8,6 @@ val loss the run recorded (float32 weights; a run trained in bf16 evaluated in b
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,19 +88,21 @@ def row_width(path: Path, column: str) -> int:
 def bytes_per_token(path: Path) -> float | None:
     """Raw text bytes per token of the dataset ``path`` belongs to (manifest.json in it or its
     parent): the corpus average, known only when every source is a plain text file."""
+    from apr.readers import load_json
+
     for folder in (path, path.parent):
         manifest = folder / "manifest.json"
         if manifest.is_file():
             try:
-                doc = json.loads(manifest.read_text(encoding="utf-8"))
+                doc = load_json(manifest, "manifest", "dataset manifest")
                 sources = doc["sources"]
                 tokens = int(doc["tokens_total"])
                 if not sources or tokens <= 0 or any(
                         str(s["path"]).lower().endswith(TEXT_SUFFIXES_NOT_RAW) for s in sources):
                     return None
                 return sum(int(s["bytes"]) for s in sources) / tokens
-            except (OSError, ValueError, KeyError, TypeError):
-                return None
+            except (AprError, ValueError, KeyError, TypeError):
+                return None  # no usable manifest: bits per byte unknown
     return None
 
 

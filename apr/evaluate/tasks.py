@@ -78,15 +78,13 @@ def read_task(path: str | Path, on_error: str = "stop", limit: int | None = None
     if on_error not in ON_ERROR:
         raise AprError(f"--on-error must be stop or skip, not {on_error!r}", [Finding(
             "error", "eval.option", "unknown --on-error", path="--on-error", expected="stop or skip", got=on_error)])
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    if not path.exists():
         raise AprError(f"task file {path} not found", [Finding(
             "error", "eval.task_missing", "no such file", path="--task", file=str(path),
-            expected="a JSONL file or a built-in task (stdlib-nextline)")]) from None
-    except OSError as err:
-        raise AprError(f"cannot read task file {path}: {err.strerror}", [Finding(
-            "error", "eval.task_unreadable", str(err.strerror), path="--task", file=str(path))]) from None
+            expected="a JSONL file or a built-in task (stdlib-nextline)")])
+    from apr.readers import read_bytes
+
+    raw = read_bytes(path, "task", "task file")  # a regular file of bounded size, or a clean error
     examples: list[Example] = []
     skipped: list[Finding] = []
     for number, line_bytes in enumerate(raw.splitlines(), start=1):

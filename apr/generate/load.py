@@ -6,7 +6,6 @@ The weights come back as a float32 ``LlamaForCausalLM`` in eval mode; nothing is
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,12 +160,14 @@ def _checkpoint_tokenizer(given, config, info) -> Path:
 def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
     from safetensors.torch import load_file
 
+    from apr.readers import load_json
+
     cfg_path = path / "config.json"
-    try:
-        doc = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise LoadError(f"{cfg_path}: not a readable JSON file: {err}", [Finding(
-            "error", "generate.hf_config", str(err), file=str(cfg_path))]) from None
+    doc = load_json(cfg_path, "checkpoint", "Hugging Face config.json", error=LoadError)
+    if not isinstance(doc, dict):
+        raise LoadError(f"{cfg_path}: not a JSON object", [Finding(
+            "error", "generate.hf_config", "not a JSON object", file=str(cfg_path), expected="an object",
+            got=type(doc).__name__)])
     arch = hf_architecture(doc, cfg_path)
     try:
         tensors = load_file(str(path / "model.safetensors"))
@@ -187,9 +188,10 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
     gen_cfg = path / "generation_config.json"
     if gen_cfg.is_file():
         try:
-            eos = json.loads(gen_cfg.read_text(encoding="utf-8")).get("eos_token_id", eos)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            pass
+            gen_doc = load_json(gen_cfg, "checkpoint", "generation_config.json", error=LoadError)
+            eos = gen_doc.get("eos_token_id", eos) if isinstance(gen_doc, dict) else eos
+        except AprError:
+            pass  # optional: the tokenizer's end-of-text token is used instead
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind="hf", step=None,

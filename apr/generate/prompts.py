@@ -19,15 +19,12 @@ def read_prompts(prompts: list[str], prompt_file: str | None, stdin=None) -> lis
             text = stdin.read()
         else:
             path = Path(prompt_file).expanduser()
-            try:
-                text = path.read_text(encoding="utf-8")
-            except FileNotFoundError:
+            if not path.exists():
                 raise AprError(f"prompt file {path} not found", [Finding(
-                    "error", "generate.prompt_file", "no such file", path="--prompt-file", file=str(path))]) from None
-            except (OSError, UnicodeDecodeError) as err:
-                raise AprError(f"cannot read prompt file {path}: {err}", [Finding(
-                    "error", "generate.prompt_file", str(err), path="--prompt-file", file=str(path),
-                    expected="UTF-8 text, one prompt per line")]) from None
+                    "error", "generate.prompt_file", "no such file", path="--prompt-file", file=str(path))])
+            from apr.readers import read_text
+
+            text = read_text(path, "task", "prompt file")
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise AprError(f"the prompt file {prompt_file} holds no prompt", [Finding(

@@ -62,3 +62,12 @@ def test_a_file_with_no_valid_example_is_an_error(tmp_path):
     with pytest.raises(AprError, match="not UTF-8") as err:
         read_task(tmp_path / "bytes.jsonl")
     assert err.value.findings[0].line == 1
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(AprError, match="FIFO"):
+        read_task(fifo)
