@@ -178,6 +178,7 @@ class MixedPrecision(StrEnum):
 class ClipMode(StrEnum):
     global_norm = "global"
     per_block = "per_block"
+    adagc = "adagc"
 
 
 _ACTIVATIONS_RE = re.compile(r"^(auto|keep|selective|recompute|keep_first:[0-9]+)$")
@@ -213,6 +214,15 @@ class ExecutionConfig(_Section):
     compile: bool = Field(False, description="torch.compile each decoder block (needs a working compiler).")
 
 
+class AdaGCConfig(_Section):
+    """Adaptive per-tensor gradient clipping (clip_mode: adagc)."""
+
+    beta: float = Field(0.98, gt=0, lt=1, description="EMA decay of each tensor's clipped gradient norm.")
+    threshold: float = Field(1.05, gt=0, description="Clip a tensor's gradient to threshold x its norm EMA.")
+    warmup_steps: NonNegCount = Field(
+        100, description="Steps clipping each tensor to grad_clip (absolute) while the EMAs settle.")
+
+
 class Engine(StrEnum):
     interleaved = "interleaved"
     standard = "standard"
@@ -246,8 +256,10 @@ class TrainingConfig(_Section):
     clip_mode: ClipMode = Field(
         ClipMode.global_norm,
         description="global: exact global-norm clipping (one extra backward walk in the interleaved "
-        "engine when gradients are not kept); per_block: clip each block's gradient on its own (free).",
+        "engine when gradients are not kept); per_block: clip each block's gradient on its own (free); "
+        "adagc: clip each tensor against an EMA of its own gradient norm (free; see training.adagc).",
     )
+    adagc: AdaGCConfig = Field(default_factory=AdaGCConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     mixed_precision: MixedPrecision = Field(MixedPrecision.bf16, description="Compute precision.")
     output_dir: str = Field("checkpoints/run", description="Run directory: checkpoints and records.")

@@ -57,14 +57,20 @@ def memory_facts(config: AprConfig, target: Target | None,
 
 
 def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precision: str,
-                  world_size: int, basis: str) -> dict | None:
-    """Wall time at the catalogue GPU's assumed MFU. An estimate: it says so in every field name."""
+                  world_size: int, basis: str, cost_f: float = 3.0) -> dict | None:
+    """Wall time at the catalogue GPU's assumed MFU. An estimate: it says so in every field name.
+
+    ``cost_f``: forward-equivalents per step of the chosen execution (apr/model/execution.py). The
+    model FLOPs (6N + attention) are a plain loop's 3F; recompute and a norm-only pre-pass walk add
+    work the GPU runs at the same rate, so the time scales by ``cost_f / 3``."""
     if target is None or target.gpu is None:
         return None
     peak = target.gpu.peak_flops(precision)
     total_flops = tokens * flops_per_tok
-    seconds = total_flops / (peak * target.gpu.mfu * world_size)
+    executed_flops = total_flops * cost_f / 3.0
+    seconds = executed_flops / (peak * target.gpu.mfu * world_size)
     return {"tokens": tokens, "flops_per_token": flops_per_tok, "total_flops": total_flops,
+            "execution_cost_f": cost_f, "executed_flops": executed_flops,
             "peak_flops_per_gpu": peak, "assumed_mfu": target.gpu.mfu, "gpus": world_size,
             "precision": precision, "estimated_seconds": seconds, "basis": basis}
 
@@ -160,7 +166,8 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
         tokens, basis = None, ""
     if tokens is not None:
         sheet.time_estimate = time_estimate(tokens, facts["model"]["flops_per_token"], target,
-                                            str(tr.mixed_precision), world_size, basis)
+                                            str(tr.mixed_precision), world_size, basis,
+                                            cost_f=facts["execution"]["cost_f"])
         if sheet.time_estimate is not None:
             facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
                              "total_flops": sheet.time_estimate["total_flops"]}

@@ -207,6 +207,8 @@ def _time_lines(plan, colour: bool) -> list[str]:
         _section("Time (estimate)", colour),
         f"  {format_count(te['tokens'])} tokens x {fmt_giga(te['flops_per_token'])} FLOP/token = "
         f"{fmt_flops(te['total_flops'])}; tokens from {te['basis']}",
+        f"  x {fmt_f(te['execution_cost_f'])} / 3F: the chosen execution's compute per step against a plain "
+        f"loop's (forward 1F + backward 2F), = {fmt_flops(te['executed_flops'])} executed",
         f"  at an assumed {te['assumed_mfu']:.0%} MFU of {te['peak_flops_per_gpu'] / 1e12:,.1f} TFLOP/s "
         f"({te['precision']} peak of {label}) x {te['gpus']} GPU{'s' if te['gpus'] != 1 else ''}: "
         f"~{fmt_estimate(te['estimated_seconds'])}",

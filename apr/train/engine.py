@@ -95,6 +95,12 @@ class Engine:
         self.grad_clip = tr.grad_clip
         self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
         self.optimizer_steps = 0  # updates applied (fp16 overflow steps are not counted)
+        self.adagc = tr.adagc
+        # AdaGC: per tensor, an EMA of its clipped gradient norm (float32, on the device), one vector
+        # per group in buffer-plan order; checkpointed in the engine's metadata (``adagc_ema``).
+        self.adagc_ema: dict[str, torch.Tensor] = {}
+        if self.strategy.clip == "adagc":
+            self.adagc_ema = {name: torch.zeros(len(specs), device=device) for name, specs in group_specs(config)}
         self.dp: DataParallel | None = None  # set by ``build_engine`` under torchrun
         # Test/diagnostic hook, called with a group name once that group's gradient is complete.
         self.grad_probe: Callable[[str], None] | None = None
@@ -124,16 +130,45 @@ class Engine:
         # exactly torch.nn.utils.clip_grad_norm_'s coefficient
         return torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
 
+    @torch.no_grad()
+    def _adagc_clip(self, name: str, grads: list[torch.Tensor], unscale: float = 1.0) -> None:
+        """AdaGC (adaptive per-tensor clipping) of one group's gradients, in place and on the device.
+
+        Each tensor's norm n (``unscale`` removes the fp16 loss scale) is clipped to ``grad_clip``
+        during ``adagc.warmup_steps`` and to ``threshold x ema`` after; the EMA of the clipped norm
+        follows with decay ``beta`` (started at the first step's clipped norm). A non-finite norm
+        leaves the EMA as it was. Local to the tensor, so it fits the one-group walk."""
+        ema, cfg = self.adagc_ema[name], self.adagc
+        step = self.optimizer_steps + 1
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        if unscale != 1.0:
+            norms = norms * unscale
+        limit = ema * cfg.threshold if step > cfg.warmup_steps else torch.full_like(ema, self.grad_clip)
+        coef = torch.clamp(limit / (norms + 1e-6), max=1.0)
+        clipped = norms * coef
+        new = clipped if step == 1 else ema * cfg.beta + clipped * (1.0 - cfg.beta)
+        ema.copy_(torch.where(torch.isfinite(new), new, ema))
+        torch._foreach_mul_(grads, list(coef.to(grads[0].dtype).unbind()))
+
     def _probe(self, name: str) -> None:
         if self.grad_probe is not None:
             self.grad_probe(name)
 
     def meta_state(self) -> dict:
-        return {"engine": self.kind, "optimizer_steps": self.optimizer_steps, "loss_scaler": self.scaler.state_dict()}
+        meta = {"engine": self.kind, "optimizer_steps": self.optimizer_steps, "loss_scaler": self.scaler.state_dict()}
+        if self.adagc_ema:  # a few floats per tensor; float32 -> JSON float -> float32 is exact
+            meta["adagc_ema"] = {name: ema.tolist() for name, ema in self.adagc_ema.items()}
+        return meta
 
     def load_meta_state(self, meta: dict) -> None:
         self.optimizer_steps = int(meta["optimizer_steps"])
         self.scaler.load_state_dict(meta["loss_scaler"])
+        if self.adagc_ema:
+            saved = meta.get("adagc_ema")
+            if saved is None:
+                raise AprError("the checkpoint has no AdaGC state (it was saved with another clip_mode)")
+            for name, ema in self.adagc_ema.items():
+                ema.copy_(torch.tensor(saved[name], dtype=torch.float32))
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         raise NotImplementedError
@@ -333,6 +368,8 @@ class InterleavedEngine(Engine):
     # --------------------------------------------------------------------------------- stepping
 
     def _apply(self, group: FlatGroup, grad: torch.Tensor, coef, found_inf: torch.Tensor | None = None) -> None:
+        if self.strategy.clip == "adagc":
+            self._adagc_clip(group.name, group.views(grad), 1.0 / self.scaler.scale)
         scale = coef if self.scaler.scale == 1.0 else coef * (1.0 / self.scaler.scale)
         self.backend.adamw_step(
             group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr, beta1=self.beta1,
@@ -342,7 +379,7 @@ class InterleavedEngine(Engine):
 
     def _coefs(self, sq_norms: dict[str, torch.Tensor], norm: torch.Tensor) -> dict[str, torch.Tensor | float]:
         clip = self.strategy.clip
-        if clip == "off":
+        if clip in ("off", "adagc"):  # adagc: per tensor, in ``_apply``
             return {name: 1.0 for name in sq_norms}
         if clip == "global":
             coef = self._clip_coef(norm)
@@ -526,6 +563,9 @@ class StandardEngine(Engine):
         elif self.strategy.clip == "per_block":
             for name, group in self.groups:
                 torch._foreach_mul_([p.grad for p in group], self._clip_coef(sq[name].sqrt()))
+        elif self.strategy.clip == "adagc":
+            for name, group in self.groups:
+                self._adagc_clip(name, [p.grad for p in group])
         for pg in self.optimizer.param_groups:
             pg["lr"] = lr
         self.optimizer.step()

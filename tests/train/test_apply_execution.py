@@ -51,3 +51,38 @@ def test_apply_without_a_target_decides_from_the_devices_memory(tmp_path, monkey
     plan = build_plan(cfg, vram=600 * 2**20)
     (engine,) = built
     assert engine.execution.to_dict() == plan.execution["policy"]
+
+
+def test_an_adagc_run_resumes_from_its_checkpoint_bitwise(tmp_path):
+    import json
+    import shutil
+
+    from run_helpers import config_doc
+    from safetensors.torch import load_file
+
+    from apr.config import config_hash
+    from apr.config.schema import AprConfig
+    from apr.train.run import ApplyOptions, prepare_run
+
+    make_dataset(tmp_path)
+    sections = {"training": {"clip_mode": "adagc", "grad_clip": 0.5, "adagc": {"warmup_steps": 2},
+                             "max_steps": 6, "save_interval": 3, "keep_last": 2, "eval_interval": 0}}
+
+    def run(resume=None, **over):
+        doc = config_doc(tmp_path, **sections)
+        doc["training"].update(over)
+        cfg = AprConfig.model_validate(doc)
+        opts = ApplyOptions(echo=lambda line: None, resume=resume)
+        return prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts).execute()
+
+    assert run().final_step == 6
+    meta = json.loads((tmp_path / "run" / "checkpoint-step-3.json").read_text())
+    assert "adagc_ema" in json.dumps(meta)
+    other = tmp_path / "other"
+    other.mkdir()
+    for suffix in ("json", "safetensors"):
+        shutil.copy(tmp_path / "run" / f"checkpoint-step-3.{suffix}", other / f"checkpoint-step-3.{suffix}")
+    assert run(resume="latest", output_dir=str(other)).final_step == 6
+    a = load_file(str(tmp_path / "run" / "checkpoint-step-6.safetensors"))
+    b = load_file(str(other / "checkpoint-step-6.safetensors"))
+    assert all(a[k].equal(b[k]) for k in a)

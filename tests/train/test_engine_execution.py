@@ -87,3 +87,58 @@ def test_the_buffer_plan_holds_what_each_gradient_policy_allocates():
     assert kept == {"embed.grad", "head.grad"} | {f"block.{i}.grad" for i in range(3)}  # no scratch needed
     engine = build_engine(_config("keep", "kept", "global"))
     assert all(g.own_grad is not None for g in engine.groups) and engine.workspace is None
+
+
+# ------------------------------------------------------------------------------------ AdaGC
+
+
+def _adagc(engine_kind: str, **execution):
+    return make_config(training={"engine": engine_kind, "clip_mode": "adagc", "grad_clip": 0.3,
+                                 "adagc": {"warmup_steps": 2, "threshold": 0.9, "beta": 0.9},
+                                 **({"execution": execution} if execution else {})})
+
+
+def test_adagc_clips_each_tensor_and_the_interleaved_engine_matches_the_standard_one():
+    got, norms = _train(_adagc("interleaved", activations="recompute", gradients="workspace"), steps=8)
+    want, _ = _train(_adagc("standard"), steps=8)
+    assert got.keys() == want.keys()
+    rel = max(((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30)).item() for k in want)
+    assert rel <= 1e-6
+    off, _ = _train(make_config(training={"grad_clip": None}), steps=8)
+    assert not all(torch.equal(off[k], got[k]) for k in off)  # the clipping changed the training
+
+
+@pytest.mark.parametrize("activations,gradients", [("keep", "kept"), ("selective", "workspace")])
+def test_adagc_is_the_same_under_every_policy(activations, gradients):
+    got, _ = _train(_adagc("interleaved", activations=activations, gradients=gradients), steps=5)
+    want, _ = _train(_adagc("interleaved", activations="recompute", gradients="workspace"), steps=5)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_adagc_warmup_clips_each_tensor_to_grad_clip():
+    config = _adagc("interleaved")
+    engine = build_engine(config)
+    engine.train_step(batches(config, 1), lr=1e-2)
+    ema = torch.cat(list(engine.adagc_ema.values()))
+    assert bool((ema <= 0.3 + 1e-6).all()) and bool((ema > 0).all())  # first step: the clipped norms
+
+
+def test_adagc_state_resumes_bitwise():
+    config = _adagc("interleaved", activations="recompute", gradients="workspace")
+    data = batches(config, 6, seed=2)
+    straight = build_engine(config)
+    for b in data:
+        straight.train_step([b], lr=1e-2)
+    first = build_engine(config)
+    for b in data[:3]:
+        first.train_step([b], lr=1e-2)
+    saved = {k: v.clone() for k, v in first.train_state_tensors().items()}
+    resumed = build_engine(config, seed=99)
+    resumed.load_train_state_tensors(saved)
+    resumed.load_meta_state(first.meta_state())
+    for b in data[3:]:
+        resumed.train_step([b], lr=1e-2)
+    a, b = straight.train_state_tensors(), resumed.train_state_tensors()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.meta_state()["adagc_ema"] == resumed.meta_state()["adagc_ema"]
+    assert len(straight.meta_state()["adagc_ema"]["block.0"]) == 9  # one EMA per tensor of the block
