@@ -15,8 +15,6 @@ from pathlib import Path
 from apr.errors import AprError, Finding
 from apr.plan.build import build_plan
 from apr.plan.planfile import check_plan_fresh, load_plan_file
-from apr.train.dist import env_world_size
-from apr.train.run import ApplyOptions, prepare_run
 
 
 def _plan_errors_error(plan, config_path: Path) -> AprError:
@@ -24,6 +22,12 @@ def _plan_errors_error(plan, config_path: Path) -> AprError:
     return AprError(
         f"the plan for {config_path} has {len(errors)} error(s); fix them (see `apr train plan {config_path}`)",
         errors)
+
+
+def _device_budget(config):
+    from apr.train.devicemem import device_budget  # imports torch: only once the config is valid
+
+    return device_budget(config)
 
 
 def run_apply(target: Path, *, seed: int | None = None, device: str | None = None, max_steps: int | None = None,
@@ -44,11 +48,16 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     else:
         config_path = target
     overrides = {k: v for k, v in (("seed", seed), ("device", device), ("max_steps", max_steps)) if v is not None}
-    world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
-    from apr.train.devicemem import device_budget
+    if plan_doc is None:  # read and check the config before importing torch: a bad one fails at once
+        from apr.config import load_config
 
+        load_config(config_path)
+    from apr.train.dist import env_world_size
+    from apr.train.run import ApplyOptions, prepare_run
+
+    world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
     plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
-                      overrides=overrides or None, device_budget=device_budget)
+                      overrides=overrides or None, device_budget=_device_budget)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
     if plan_doc is None:

@@ -153,3 +153,18 @@ def test_out_refuses_devices_inputs_and_existing_files(tmp_path, example_dir):
     r = plan(example_dir, "-out", target, "--overwrite")
     assert r.exit_code == 0, r.output
     assert load_plan_file(target)["summary"]["errors"] == 0
+
+
+def test_apply_refuses_hostile_inputs_before_importing_torch(tmp_path):
+    """A bad config or plan file given to apply fails in the time validate takes (no torch import)."""
+    import os
+
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)
+    bomb = tmp_path / "cfg.yaml"
+    bomb.write_text("a: &a [1,2,3,4,5,6,7,8,9]\n" + "".join(
+        f"{c}: &{c} [" + ", ".join([f"*{p}"] * 9) + "]\n" for p, c in zip("abcdefgh", "bcdefghi")))
+    for target, code in ((fifo, "file.not_regular"), (bomb, "yaml.too_large")):
+        r = apr_cli("train", "apply", str(target), probe=True, cwd=tmp_path)
+        assert r.returncode == 1, r.stderr
+        assert "HEAVY []" in r.stderr and code in r.stdout + r.stderr and "Traceback" not in r.stderr
