@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from apr.checkpoint import files
+from apr.checkpoint import files, sidecar
 from apr.checkpoint.names import expected_tensors, is_optimizer_state, tensor_mismatches, torch_mismatches
 from apr.errors import AprError, Finding
 from apr.fsutil import atomic_write_json, fsync_dir
@@ -45,7 +45,7 @@ _REQUIRED_KEYS = ("format_version", "step", "weights_file", "weights_sha256", "w
 # older one would be just as wrong, so that is refused outright.
 FALLBACK_REASONS = frozenset({
     "unreadable", "not_apr", "unsupported_version", "missing_weights", "truncated", "size_mismatch",
-    "sha_mismatch", "bad_weights", "foreign",
+    "sha_mismatch", "bad_weights", "foreign", "bad_meta", "edited",
 })
 
 log = logging.getLogger("apr.checkpoint")
@@ -139,26 +139,25 @@ def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
     missing = [k for k in _REQUIRED_KEYS if k not in doc]
     if missing:
         raise CheckpointError(f"{json_path.name} lacks {', '.join(missing)}", json_path, "not_apr")
-    weights_file = doc["weights_file"]
-    if not isinstance(weights_file, str) or Path(weights_file).name != weights_file or not weights_file:
-        raise CheckpointError(f"{json_path.name}: weights_file must name a file beside it",
-                              json_path, "not_apr", got=repr(weights_file))
-    if not isinstance(doc["step"], int) or not isinstance(doc["config"], dict):
-        raise CheckpointError(f"{json_path.name}: step or config has the wrong type", json_path, "not_apr")
+    try:
+        head = sidecar.check_head(json_path.name, doc)
+    except sidecar.SidecarProblem as err:
+        raise CheckpointError(str(err), json_path, err.reason) from None
+    weights_file = head.weights_file
     m = files.STEP_JSON_RE.match(json_path.name)
-    if m and int(m.group(1)) != doc["step"]:
+    if m and int(m.group(1)) != head.step:
         raise CheckpointError(f"{json_path.name} says step {doc['step']}", json_path, "foreign",
                               expected=f"step {m.group(1)}", got=f"step {doc['step']}")
     return CheckpointInfo(
         json_path=json_path,
         weights_path=json_path.parent / weights_file,
-        step=doc["step"],
-        is_best=bool(doc.get("is_best", False)),
-        config=doc["config"],
-        config_hash=doc.get("config_hash"),
-        apr_version=doc.get("apr_version"),
-        saved_at=doc.get("saved_at"),
-        cwd=doc.get("cwd"),
+        step=head.step,
+        is_best=head.is_best,
+        config=head.config,
+        config_hash=head.config_hash,
+        apr_version=head.apr_version,
+        saved_at=head.saved_at,
+        cwd=head.cwd,
         doc=doc,
     )
 
@@ -210,12 +209,19 @@ def _header_shapes(path: Path) -> tuple[dict, dict]:
 
 
 def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = True,
-                    weights_only: bool = False) -> TrainState:
+                    weights_only: bool = False, trainer_state: bool = False) -> TrainState:
     """Load one checkpoint (its .json or .safetensors path). Raises CheckpointError when it is
     missing, truncated, corrupt (SHA-256), not an apr checkpoint, its tensors do not match the model
     of its own config ("foreign"), or (with ``config``) it was saved for a different model.
-    ``weights_only`` leaves the optimizer state on disk (export needs only the weights)."""
+    ``weights_only`` leaves the optimizer state on disk (export needs only the weights);
+    ``trainer_state`` also requires the trainer's state a resume needs (data cursor, engine, RNG)."""
     info = read_info(_json_for(Path(path)))
+    meta = files.decode_floats({k: v for k, v in info.doc.items() if k not in RESERVED_KEYS})
+    if trainer_state:
+        try:
+            sidecar.check_trainer_state(info.json_path.name, meta)
+        except sidecar.SidecarProblem as err:
+            raise CheckpointError(str(err), info.json_path, err.reason) from None
     if verify:
         verify_weights(info)
     elif not info.weights_path.exists():
@@ -253,8 +259,7 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
     except Exception as err:  # safetensors raises its own SafetensorError
         raise CheckpointError(f"{info.weights_path.name} cannot be read: {err}", info.weights_path,
                               "bad_weights") from None
-    meta = {k: v for k, v in info.doc.items() if k not in RESERVED_KEYS}
-    return TrainState(step=info.step, tensors=tensors, meta=files.decode_floats(meta), info=info)
+    return TrainState(step=info.step, tensors=tensors, meta=meta, info=info)
 
 
 @dataclass
@@ -289,7 +294,8 @@ def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
 
 
 def load_latest(run_dir: str | os.PathLike, config: Any = None,
-                warn: Callable[[str], None] | None = None, weights_only: bool = False) -> TrainState:
+                warn: Callable[[str], None] | None = None, weights_only: bool = False,
+                trainer_state: bool = False) -> TrainState:
     """The newest usable step checkpoint of a run directory, falling back to older ones (and, when
     no step checkpoint is usable, to checkpoint-best) past truncated, corrupt or foreign ones. Each
     skipped checkpoint is reported through ``warn``."""
@@ -304,7 +310,7 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
             continue
         newest = newest or entry.json_path.name
         try:
-            state = read_checkpoint(entry.json_path, config, weights_only=weights_only)
+            state = read_checkpoint(entry.json_path, config, weights_only=weights_only, trainer_state=trainer_state)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise
@@ -318,7 +324,7 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
     best = run_dir / f"{files.BEST_STEM}.json"
     if best.exists():
         try:
-            state = read_checkpoint(best, config, weights_only=weights_only)
+            state = read_checkpoint(best, config, weights_only=weights_only, trainer_state=trainer_state)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise
@@ -346,7 +352,8 @@ class CheckpointManager:
     """
 
     def __init__(self, output_dir: str | os.PathLike, config: Any, config_hash: str | None = None,
-                 keep_last: int | None = None, on_warning: Callable[[str], None] | None = None):
+                 keep_last: int | None = None, on_warning: Callable[[str], None] | None = None,
+                 trainer_state: bool = False):
         self.output_dir = Path(output_dir)
         self.config = config
         if isinstance(config, Mapping):
@@ -356,15 +363,16 @@ class CheckpointManager:
         else:
             self.config_doc = config.model_dump(mode="json")
             default_keep = config.training.keep_last
-            if config_hash is None:
-                from apr.config import config_hash as _hash
+        from apr.config.loader import config_doc_hash
 
-                config_hash = _hash(config)
-        self.config_hash = config_hash
+        # Recorded as the stored doc's own hash, which readers check it against (sidecar.check_head);
+        # a caller's ``config_hash`` (of the config as loaded, before run-time resolution) is not used.
+        self.config_hash = config_doc_hash(self.config_doc)
         self.keep_last = int(keep_last if keep_last is not None else default_keep)
         if self.keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         self._on_warning = on_warning
+        self.trainer_state = trainer_state  # loads require the trainer's state (a resume)
         self._expected = expected_tensors(_architecture(config))
         self.warnings: list[str] = []  # what the last load() skipped or fell back past
 
@@ -469,12 +477,12 @@ class CheckpointManager:
         refused if damaged. Returns the state (CPU tensors) and the checkpoint's JSON path."""
         self.warnings = []
         if str(which) == "latest":
-            state = load_latest(self.output_dir, self.config, self._warn)
+            state = load_latest(self.output_dir, self.config, self._warn, trainer_state=self.trainer_state)
         else:
             path = Path(which)
             if path.is_dir():
-                state = load_latest(path, self.config, self._warn)
+                state = load_latest(path, self.config, self._warn, trainer_state=self.trainer_state)
             else:
-                state = read_checkpoint(path, self.config)
+                state = read_checkpoint(path, self.config, trainer_state=self.trainer_state)
         assert state.info is not None
         return state, state.info.json_path

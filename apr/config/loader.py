@@ -48,7 +48,11 @@ class LoadedConfig:
 
 def config_hash(config: AprConfig) -> str:
     """SHA-256 of the fully resolved config (defaults included), stable across key order."""
-    doc = config.model_dump(mode="json")
+    return config_doc_hash(config.model_dump(mode="json"))
+
+
+def config_doc_hash(doc: Any) -> str:
+    """:func:`config_hash` of a config already dumped to JSON (as a checkpoint stores it)."""
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

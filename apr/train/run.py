@@ -193,7 +193,8 @@ class Run:
         from apr.evaluate.during_training import TrainingEvaluator
 
         self.evaluator = TrainingEvaluator(config, seed=tr.seed)  # reads the task files: a bad one fails now
-        self.ckpt = CheckpointManager(self.run_dir, config, config_hash=config_hash, on_warning=self._warn)
+        self.ckpt = CheckpointManager(self.run_dir, config, config_hash=config_hash, on_warning=self._warn,
+                                      trainer_state=True)
         self.lock = OutputDirLock(self.run_dir)
         try:
             if self.is_main:  # only rank 0 writes the folder

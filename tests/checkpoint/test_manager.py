@@ -164,7 +164,7 @@ def test_checkpoint_of_another_model_is_refused_without_fallback(tmp_path, tiny_
     ({"format": "something-else"}, "not_apr"),
     ({"format_version": 99}, "unsupported_version"),
     ({"step": 6}, "foreign"),
-    ({"weights_file": "../elsewhere.safetensors"}, "not_apr"),
+    ({"weights_file": "../elsewhere.safetensors"}, "bad_meta"),
 ])
 def test_json_that_is_not_ours_is_refused(tmp_path, tiny_config, edit, reason):
     CheckpointManager(tmp_path, tiny_config).save(state(tiny_config, 5))
