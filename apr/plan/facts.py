@@ -75,6 +75,32 @@ def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precis
             "precision": precision, "estimated_seconds": seconds, "basis": basis}
 
 
+EVAL_CHOICES = 4  # choices per multiple-choice example assumed by the estimate (stdlib-nextline has 4)
+EVAL_TOKENS = 128  # tokens per scored sequence assumed (context + choice), at most the model's context
+
+
+def evaluation_estimate(config: AprConfig, total_steps: int, target: Target | None, precision: str) -> dict | None:
+    """Forward work of in-training evaluation (``evaluation.tasks`` and ``samples``, docs/eval.md)
+    over the run: evaluations x (examples x choices x tokens + sample tokens), at 1/3 of the
+    training FLOPs per token (a forward pass). Rank 0 evaluates alone, so it is not divided by the
+    number of GPUs. None when no evaluation is configured."""
+    ev, tr = config.evaluation, config.training
+    interval = ev.interval or tr.eval_interval
+    if not (ev.tasks or ev.samples) or interval <= 0 or total_steps < 1:
+        return None
+    arch = config.model.architecture
+    seq = min(arch.max_position_embeddings, EVAL_TOKENS)
+    evaluations = total_steps // interval + (1 if total_steps % interval else 0)
+    per_eval = len(ev.tasks) * ev.limit * EVAL_CHOICES * seq
+    if ev.samples is not None:
+        per_eval += len(ev.samples.prompts) * (seq + ev.samples.max_new_tokens)
+    flops = evaluations * per_eval * flops_per_token(arch, seq) // 3
+    out = {"evaluations": evaluations, "forward_tokens": evaluations * per_eval, "total_flops": flops}
+    if target is not None and target.gpu is not None:
+        out["estimated_seconds"] = flops / (target.gpu.peak_flops(precision) * target.gpu.mfu)
+    return out
+
+
 def execution_facts(config: AprConfig, execution=None) -> dict:
     """How apply will execute: engine, device, kernel backend, precision and clipping. Torch-free:
     ``auto`` choices are described, since they are made on the machine that applies."""
@@ -168,6 +194,13 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
         sheet.time_estimate = time_estimate(tokens, facts["model"]["flops_per_token"], target,
                                             str(tr.mixed_precision), world_size, basis,
                                             cost_f=facts["execution"]["cost_f"])
+        evaluation = evaluation_estimate(config, tokens // facts["schedule"]["tokens_per_step"], target,
+                                         str(tr.mixed_precision))
+        if evaluation is not None:
+            facts["evaluation"] = evaluation
+            if sheet.time_estimate is not None:  # the run's time includes its in-training evaluation
+                sheet.time_estimate["evaluation"] = evaluation
+                sheet.time_estimate["estimated_seconds"] += evaluation["estimated_seconds"]
         if sheet.time_estimate is not None:
             facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
                              "total_flops": sheet.time_estimate["total_flops"]}

@@ -212,7 +212,14 @@ def _time_lines(plan, colour: bool) -> list[str]:
         f"  at an assumed {te['assumed_mfu']:.0%} MFU of {te['peak_flops_per_gpu'] / 1e12:,.1f} TFLOP/s "
         f"({te['precision']} peak of {label}) x {te['gpus']} GPU{'s' if te['gpus'] != 1 else ''}: "
         f"~{fmt_estimate(te['estimated_seconds'])}",
-    ]
+    ] + _evaluation_lines(te.get("evaluation"))
+
+
+def _evaluation_lines(ev: dict | None) -> list[str]:
+    if not ev:
+        return []
+    return [f"  including in-training evaluation (evaluation.tasks, samples): {ev['evaluations']:,} evaluations, "
+            f"{format_count(ev['forward_tokens'])} forward tokens on one GPU: ~{fmt_estimate(ev['estimated_seconds'])}"]
 
 
 def format_plan_finding(f: Finding, colour: bool = False) -> list[str]:
