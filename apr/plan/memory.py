@@ -234,7 +234,7 @@ def choose_execution(config: AprConfig, budget_bytes: int | None = None, budget_
         update={"execution": ex.model_copy(update={"activations": "auto", "gradients": "auto"})})})
     fastest_fitting = None
     if budget_bytes is not None:
-        any_fit = sorted((key(e), e) for e in policy.candidates(free))
+        any_fit = sorted(((key(e), e) for e in policy.candidates(free)), key=lambda t: t[0])
         fastest_fitting = next((e for (_, b), e in any_fit if b <= budget_bytes), None)
     cost, total = key(chosen)
     return ExecutionChoice(

@@ -49,3 +49,10 @@ def test_accumulation_leaves_only_kept_gradients():
     config = _config(gradient_accumulation=2)
     alts = choose_execution(config).alternatives
     assert {a["gradients"] for a in alts} == {"kept"}
+
+
+def test_the_standard_engine_plans_with_a_budget():
+    # every activations choice costs the standard engine the same: ties must not break the choice
+    config = _config(engine="standard")
+    choice = choose_execution(config, 2**40, "--vram")
+    assert choice.fits and choice.cost_f == 3.0 and choice.execution.gradients == "kept"
