@@ -143,5 +143,3 @@ __device__ __forceinline__ void ce_fwd_bwd_body(T* __restrict__ logits, const lo
     }
 
 APR_CE_KERNEL(apr_ce_fwd_bwd_f32, float)
-APR_CE_KERNEL(apr_ce_fwd_bwd_bf16, apr_bf16)
-APR_CE_KERNEL(apr_ce_fwd_bwd_f16, apr_f16)

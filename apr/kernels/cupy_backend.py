@@ -35,7 +35,7 @@ KERNEL_NAMES = {
     "adamw": ("apr_adamw_f32", "apr_adamw_f32_copy_bf16", "apr_adamw_f32_copy_f16"),
     "sq_norm": ("apr_sq_norm_partial_f32", "apr_sq_norm_partial_bf16", "apr_sq_norm_partial_f16",
                 "apr_sq_norm_finish"),
-    "cross_entropy": ("apr_ce_fwd_bwd_f32", "apr_ce_fwd_bwd_bf16", "apr_ce_fwd_bwd_f16"),
+    "cross_entropy": ("apr_ce_fwd_bwd_f32",),  # logits are always float32 (apr/kernels/linear_ce.py)
 }
 NVRTC_OPTIONS = ("-std=c++17",)
 
@@ -340,10 +340,9 @@ class CupyBackend(KernelBackend):
     def _cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, grad_scale, ignore_index: int,
                        write_grad: bool) -> torch.Tensor:
         self._check_cuda("logits", logits)
-        kernels = {torch.float32: ("apr_ce_fwd_bwd_f32", 16), torch.bfloat16: ("apr_ce_fwd_bwd_bf16", 8),
-                   torch.float16: ("apr_ce_fwd_bwd_f16", 8)}
+        kernels = {torch.float32: ("apr_ce_fwd_bwd_f32", 16)}
         if logits.dim() != 2 or logits.dtype not in kernels or (logits.shape[1] > 1 and logits.stride(1) != 1):
-            raise AprError(f"cupy cross-entropy: logits must be [n, vocab] float32/bfloat16/float16 with a "
+            raise AprError(f"cupy cross-entropy: logits must be [n, vocab] float32 with a "
                            f"contiguous last dimension, got {logits.dtype} {tuple(logits.shape)} "
                            f"strides {logits.stride()}")
         rows, vocab = logits.shape

@@ -11,7 +11,7 @@ Conventions shared by all backends:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,13 +23,11 @@ class DecayRanges:
     """Which elements of a flat parameter buffer get weight decay, as half-open index ranges.
 
     Norm weights (and, by config, the embedding) sit in the same flat buffer as the matrices but
-    must not decay. Backends use ``ranges`` directly (a per-range table) or ``mask(device)``
-    (one uint8 per element, 1 = decay).
+    must not decay. Backends use ``ranges`` directly (a per-range table).
     """
 
     numel: int
     ranges: tuple[tuple[int, int], ...]
-    _masks: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_segments(cls, segments: list[tuple[int, bool]]) -> DecayRanges:
@@ -48,18 +46,6 @@ class DecayRanges:
     @property
     def decayed_numel(self) -> int:
         return sum(e - s for s, e in self.ranges)
-
-    def mask(self, device) -> torch.Tensor:
-        """uint8 per element (1 = decay), built once per device."""
-        import torch
-
-        key = str(device)
-        if key not in self._masks:
-            m = torch.zeros(self.numel, dtype=torch.uint8)
-            for s, e in self.ranges:
-                m[s:e] = 1
-            self._masks[key] = m.to(device)
-        return self._masks[key]
 
 
 class KernelBackend(ABC):

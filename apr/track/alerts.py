@@ -5,12 +5,11 @@ grad_norm (alias gradient_norm), step, epoch, tokens_per_s. A condition whose va
 all known yet (val_loss before the first evaluation) is skipped, not fired. `warn` alerts fire once
 when their condition becomes true and again only after it has been false; `stop` alerts fire on
 every check while true (the trainer stops at the first). Non-finite loss or gradients are not an
-alert: the trainer stops on them itself (`is_nonfinite`).
+alert: the engine raises NonFiniteError on them and the run stops (docs/training.md).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -57,26 +56,6 @@ class Alert:
             "action": self.action,
             "message": self.message,
         }
-
-
-def is_nonfinite(metrics: dict) -> bool:
-    """True when the step's loss or gradient norm is NaN or infinite (the run must stop)."""
-    return bool(nonfinite_keys(metrics))
-
-
-def nonfinite_keys(metrics: dict) -> list[str]:
-    """The keys among loss and grad_norm whose value is NaN or infinite."""
-    out = []
-    for key in ("loss", "grad_norm"):
-        value = metrics.get(key)
-        if value is None or isinstance(value, bool):
-            continue
-        try:
-            if not math.isfinite(float(value)):
-                out.append(key)
-        except (TypeError, ValueError):
-            continue
-    return out
 
 
 def _sample_variables(condition: str = "") -> dict[str, Any]:

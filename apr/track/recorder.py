@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apr.fsutil import atomic_write_bytes
-from apr.track.alerts import Alert, AlertEvaluator, is_nonfinite, nonfinite_keys
+from apr.track.alerts import Alert, AlertEvaluator
 from apr.track.names import (
     experiment_from_dir,
     global_db_path,
@@ -39,7 +39,7 @@ from apr.track.store import BUSY_TIMEOUT_S, Batch, StoreWriter, flatten_params
 if TYPE_CHECKING:
     from apr.config import AprConfig
 
-__all__ = ["Alert", "RunRecorder", "is_nonfinite", "nonfinite_keys"]
+__all__ = ["Alert", "RunRecorder"]
 
 FINAL_STATUSES = ("finished", "failed", "stopped")
 FLUSH_INTERVAL_S = 5.0  # metrics reach the stores at least this often (and at eval/checkpoint/end)
@@ -275,10 +275,6 @@ class RunRecorder:
     def warnings(self) -> list[str]:
         with self._lock:
             return list(self._warnings)
-
-    @staticmethod
-    def is_nonfinite(metrics: dict) -> bool:
-        return is_nonfinite(metrics)
 
     def start(self, resume_step: int | None = None) -> None:
         """Mark the run running and register it (with its params) in both stores.

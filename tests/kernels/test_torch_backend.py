@@ -13,12 +13,11 @@ from apr.kernels.torch_backend import TorchBackend
 B = TorchBackend()
 
 
-def test_decay_ranges_merge_adjacent_segments_and_build_a_mask():
+def test_decay_ranges_merge_adjacent_segments():
     d = DecayRanges.from_segments([(3, False), (4, True), (2, True), (1, False), (5, True)])
     assert d.numel == 15
     assert d.ranges == ((3, 9), (10, 15))
     assert d.decayed_numel == 11
-    assert d.mask("cpu").tolist() == [0] * 3 + [1] * 6 + [0] + [1] * 5
 
 
 def test_adamw_matches_torch_adamw_bitwise_and_skips_norms_for_decay():

@@ -111,7 +111,6 @@ def test_non_finite_metrics_do_not_break_the_records(tmp_path, recorder_factory)
     rec.start()
     rec.log_step(1, _metrics(1))
     bad = {**_metrics(2), "loss": math.nan, "grad_norm": math.inf}
-    assert rec.is_nonfinite(bad)
     rec.log_step(2, bad)
     rec.finish("failed", "non-finite loss at step 2")
     st = read_state(rec.output_dir)
