@@ -18,8 +18,10 @@ that the tensors are exactly the parameters (and AdamW state) of the config's mo
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import logging
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,30 @@ FALLBACK_REASONS = frozenset({
 })
 
 log = logging.getLogger("apr.checkpoint")
+
+# Errors that mean "no room to write" rather than a bug: reported as such, with the space needed.
+_DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                errno.EROFS: "the file system is read-only"}
+_JSON_ALLOWANCE = 1 << 20  # the JSON sidecar and the safetensors header, generously
+
+
+def _free_bytes(folder: Path) -> int | None:
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _disk_error(err: OSError, path: Path, needed: int, free: int | None, what: str | None = None) -> CheckpointError:
+    from apr.fmt import format_bytes as fmt_bytes
+
+    what = what or _DISK_ERRNOS.get(err.errno, err.strerror or str(err))
+    space = f"a checkpoint needs about {fmt_bytes(needed)}" + (f", {fmt_bytes(free)} is free in {path.parent}"
+                                                              if free is not None else "")
+    message = (f"cannot write {path}: {what} ({space}); the previous checkpoints are intact; free some "
+               "space (or lower training.keep_last) and resume with --resume latest")
+    return CheckpointError(message, path, "disk_full", expected=f"{fmt_bytes(needed)} free",
+                           got=f"{fmt_bytes(free)} free" if free is not None else what)
 
 
 class CheckpointError(AprError):
@@ -417,11 +443,30 @@ class CheckpointManager:
 
     def save(self, state: TrainState, is_best: bool = False) -> Path:
         """Write ``checkpoint-step-N.*`` (and ``checkpoint-best.*`` when ``is_best``), then prune older
-        step checkpoints beyond ``keep_last``. Returns the JSON path of the step checkpoint."""
+        step checkpoints beyond ``keep_last``. Returns the JSON path of the step checkpoint. A full
+        disk (or quota, or a read-only file system) is a CheckpointError naming the file and the space
+        needed; the previous checkpoints are untouched (docs/checkpoints.md)."""
         self._check_state(state)
         step = int(state.step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         json_path, weights_path = self.step_paths(step)
+        needed = sum(t.numel() * t.element_size() for t in state.tensors.values()) + _JSON_ALLOWANCE
+        self._check_free_space(weights_path, needed)
+        try:
+            return self._write(state, step, is_best, json_path, weights_path)
+        except OSError as err:
+            if err.errno not in _DISK_ERRNOS:
+                raise
+            raise _disk_error(err, weights_path, needed,
+                              _free_bytes(self.output_dir)) from None
+
+    def _check_free_space(self, weights_path: Path, needed: int) -> None:
+        free = _free_bytes(self.output_dir)
+        if free is not None and free < needed:
+            raise _disk_error(OSError(errno.ENOSPC, "not enough free space"), weights_path, needed, free,
+                              what="not enough free space")
+
+    def _write(self, state: TrainState, step: int, is_best: bool, json_path: Path, weights_path: Path) -> Path:
         # Rewriting a step (a resumed run passing it again): retire the old pair before its weights change.
         if files.unlink_quiet(json_path):
             fsync_dir(self.output_dir)
