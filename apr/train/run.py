@@ -1,35 +1,48 @@
 """The run loop of ``apr train apply``: data, engine, schedule, evaluation, checkpoints, records.
 
-``prepare_run`` turns a config (plus command-line overrides) into a ``Run``: the engine built or
-restored from a checkpoint, the loaders with their cursors, the step algebra, the recorder. ``Run.
-execute`` then runs optimizer steps ``start_step + 1 .. total_steps``. The loop's only host reads
-are the engine's finiteness checks and the loss / norm read at log intervals.
+``prepare_run`` turns a config (plus command-line overrides) into a ``Run`` and sets it up
+(``_setup_device``, ``_setup_data``, ``_setup_engine``, ``_setup_output``: the output folder locked,
+a checkpoint restored or a foreign folder refused). ``Run.execute`` then runs optimizer steps
+``start_step + 1 .. total_steps`` (``_train``, docs/design.md "The run loop"): ``Cadence`` decides
+log / validate / save, each ending is a ``Stop`` made where it is decided, and ``hooks`` (``StepHook``)
+see every step's ``StepReport`` and may stop the run. The loop's only host reads are the engine's
+finiteness checks and the loss / norm read at log steps.
 
 The number of steps is ``apr.steps.algebra.step_count`` over the loader's rows: the plan's formula.
-
-Signals: the first SIGINT / SIGTERM / SIGHUP lets the current step finish, writes a checkpoint and
-ends the run as ``stopped`` (exit 130 / 143 / 129); a second one exits at once. SIGHUP is left
-alone when it is ignored at start (nohup).
+Signals: apr/train/signals.py.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
-import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ruamel.yaml import YAML
 
+from apr.checkpoint.compat import compare_configs
+from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState, read_info
+from apr.checkpoint.rng import capture_rng, restore_rng
 from apr.config.schema import AprConfig
+from apr.data.loader import ShardLoader
 from apr.errors import AprError, Finding
-from apr.fmt import fmt_duration, fmt_rate
-from apr.rate import RateMeter
+from apr.evaluate.during_training import TrainingEvaluator
+from apr.fsutil import atomic_write_json, atomic_write_text
+from apr.model.spec import param_count
 from apr.steps.algebra import step_count
+from apr.steps.execution import Execution
+from apr.steps.schedule import LRSchedule
+from apr.track.protocol import NullRecorder, Recorder
+from apr.track.recorder import RunRecorder
+from apr.train import engine as engine_module  # build_engine looked up at call time (tests spy on it)
+from apr.train.cadence import Cadence
+from apr.train.dist import from_env
+from apr.train.engine import NonFiniteError, resolve_device
 from apr.train.outdir import (
     RESOLVED_CONFIG,
     RESOLVED_CONFIG_HEADER,
@@ -37,8 +50,9 @@ from apr.train.outdir import (
     refuse_foreign_files,
     refuse_user_config,
 )
-
-SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+from apr.train.signals import Interrupted, StopSignals
+from apr.train.steplog import StepLog
+from apr.train.stop import FINISHED, StepHook, StepReport, Stop, first_stop
 
 
 @dataclass
@@ -53,6 +67,7 @@ class ApplyOptions:
     handle_signals: bool = True
     overrides: dict = field(default_factory=dict)  # --seed/--device/--max-steps given (recorded in checkpoints)
     execution: dict | None = None  # the plan's resolved execution policy (facts.execution.policy)
+    hooks: list[StepHook] = field(default_factory=list)  # called after every step (apr.train.stop.StepHook)
 
 
 @dataclass
@@ -78,82 +93,51 @@ def _data_error(message: str, path: str, **kw) -> AprError:
     return AprError(message, [Finding("error", "apply.data", message, path=path, **kw)])
 
 
-class Interrupted(KeyboardInterrupt):
-    """A second SIGINT/SIGTERM/SIGHUP: stop at once, mid-step, without a checkpoint."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _Signals:
-    """First SIGINT/SIGTERM/SIGHUP: ask the loop to stop after this step. Second: exit at once."""
-
-    def __init__(self, enabled: bool, echo: Callable[[str], None]):
-        self.received: int | None = None
-        self.announced = False
-        self._echo = echo
-        self._old: dict[int, object] = {}
-        self.enabled = enabled and _in_main_thread()
-
-    def __enter__(self) -> _Signals:
-        if self.enabled:
-            for sig in SIGNAL_EXIT:
-                if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-                    continue  # started under nohup: a hang-up is not meant for this run
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        if self.received is not None:
-            raise Interrupted(signum)  # unwinds the step at once; the loop records it and exits
-        self.received = signum  # no printing here: the handler may run inside a write to the same stream
-
-    def announce(self) -> None:
-        """Say, once, from the loop, that a signal is stopping the run."""
-        if self.received is not None and not self.announced:
-            self.announced = True
-            self._echo(f"{signal.Signals(self.received).name}: finishing this step and writing a checkpoint "
-                       "(send it again to exit at once)")
-
-    def __exit__(self, *exc) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 class Run:
-    """One apply, prepared. Use ``prepare_run`` to build it."""
+    """One apply. ``prepare_run`` builds and sets it up; ``execute`` trains."""
 
     def __init__(self, *, config: AprConfig, config_hash: str, config_path: Path, options: ApplyOptions,
                  plan_doc: dict | None):
-        from apr.data.loader import ShardLoader
-        from apr.steps.schedule import LRSchedule
-        from apr.train.dist import from_env
-        from apr.train.engine import build_engine, resolve_device
+        self.config, self.config_hash, self.config_path = config, config_hash, config_path
+        self.options, self.plan_doc = options, plan_doc
+        self.hooks: list[StepHook] = list(options.hooks)
+        self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
+        self.start_step = 0
+        self.step = 0  # the step in progress (the last finished one between steps)
+        self.best_val: float | None = None
+        self.first_val: float | None = None
+        self.val_loss: float | None = None  # the last measured validation loss
+        self.run_id: str | None = None
+        self.resumed_from: Path | None = None
+        self.last_checkpoint: Path | None = None
 
-        self.device = resolve_device(str(config.training.device))
+    # ------------------------------------------------------------------------------ set-up
+
+    def setup(self) -> Run:
+        self._setup_device()
+        self._setup_data()
+        self._setup_engine()
+        self._setup_output()
+        return self
+
+    def _setup_device(self) -> None:
+        """The device and, under torchrun, the process group; ``training.world_size`` becomes the real one."""
+        self.device = resolve_device(str(self.config.training.device))
         self.dp = from_env(self.device.type)
         if self.dp is not None:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", self.dp.local_rank)
-            if config.training.world_size != self.dp.world_size:
-                doc = config.model_dump(mode="json")
+            if self.config.training.world_size != self.dp.world_size:
+                doc = self.config.model_dump(mode="json")
                 doc["training"]["world_size"] = self.dp.world_size
-                config = AprConfig.model_validate(doc)
+                self.config = AprConfig.model_validate(doc)
         self.is_main = self.dp is None or self.dp.is_main
-        rank, world = (0, 1) if self.dp is None else (self.dp.rank, self.dp.world_size)
-        self.config, self.config_hash, self.config_path = config, config_hash, config_path
-        self.options, self.plan_doc = options, plan_doc
-        self.echo = options.echo if self.is_main else (lambda line: None)
-        tr, data = config.training, config.data
-        self.run_dir = Path(os.path.abspath(os.path.expanduser(tr.output_dir)))
+        self.echo = self.options.echo if self.is_main else (lambda line: None)
 
+    def _setup_data(self) -> None:
+        """The loaders, the step count, the LR schedule and the cadence."""
+        config, tr, data = self.config, self.config.training, self.config.data
+        rank, world = (0, 1) if self.dp is None else (self.dp.rank, self.dp.world_size)
         self.loader = ShardLoader(
             os.path.expanduser(data.train), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
             gradient_accumulation=tr.gradient_accumulation, world_size=world, rank=rank, shuffle=data.shuffle,
@@ -176,48 +160,41 @@ class Run:
         self.epoch_steps, self.total_steps = steps.epoch_steps, steps.total_steps
         self.tokens_per_step = steps.sequences_per_step * data.seq_len
         self.schedule = LRSchedule.from_config(config, self.total_steps)
+        self.cadence = Cadence.from_config(tr, self.total_steps, validates=self.val_loader is not None)
+        self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
+                               echo=self.echo, label=self._step_label)
 
-        torch.manual_seed(tr.seed)
-        from apr.steps.execution import Execution
-
+    def _setup_engine(self) -> None:
+        """The engine (model, optimizer state, execution policy) and the in-training evaluator."""
+        config, options = self.config, self.options
+        torch.manual_seed(config.training.seed)
         execution = (None if options.execution is None
                      else Execution.from_dict(options.execution, config.model.architecture.num_hidden_layers))
-        self.engine = build_engine(config, self.device, dp=self.dp, execution=execution)
-        self.start_step = 0
-        self.best_val: float | None = None
-        self.run_id: str | None = None
-        self.first_val: float | None = None
-        self.resumed_from: Path | None = None
+        self.engine = engine_module.build_engine(config, self.device, dp=self.dp, execution=execution)
+        # reads the task files now, so a malformed one fails before the first step
+        self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
 
-        from apr.checkpoint.manager import CheckpointManager
-        from apr.evaluate.during_training import TrainingEvaluator
-
-        self.evaluator = TrainingEvaluator(config, seed=tr.seed)  # reads the task files: a bad one fails now
-        self.ckpt = CheckpointManager(self.run_dir, config, config_hash=config_hash, on_warning=self._warn,
+    def _setup_output(self) -> None:
+        """Lock the output folder (rank 0), then restore the checkpoint to resume or refuse foreign files."""
+        self.ckpt = CheckpointManager(self.run_dir, self.config, config_hash=self.config_hash, on_warning=self._warn,
                                       trainer_state=True)
         self.lock = OutputDirLock(self.run_dir)
         try:
             if self.is_main:  # only rank 0 writes the folder
-                self.lock.acquire(config_path)
-            if options.resume is not None:
-                refuse_user_config(self.run_dir, config_path)
-                self._restore(options.resume)
+                self.lock.acquire(self.config_path)
+            if self.options.resume is not None:
+                refuse_user_config(self.run_dir, self.config_path)
+                self._restore(self.options.resume)
             else:
-                refuse_foreign_files(self.run_dir, config_path)
+                refuse_foreign_files(self.run_dir, self.config_path)
         except BaseException:
             self.lock.release()
             raise
-
-    # ------------------------------------------------------------------------------ set-up
 
     def _warn(self, message: str) -> None:
         self.echo(f"warning: {message}")
 
     def _restore(self, which: str) -> None:
-        from apr.checkpoint.compat import compare_configs
-        from apr.checkpoint.manager import CheckpointError, read_info
-        from apr.checkpoint.rng import restore_rng
-
         try:
             state, json_path = self.ckpt.load(which)
         except CheckpointError as err:
@@ -289,12 +266,6 @@ class Run:
                    "(the run is no longer exactly reproducible)")
 
     def _write_run_files(self) -> None:
-        import io
-
-        from ruamel.yaml import YAML
-
-        from apr.fsutil import atomic_write_json, atomic_write_text
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         buf = io.StringIO()
         yaml = YAML()
@@ -306,9 +277,10 @@ class Run:
         if self.plan_doc is not None:
             atomic_write_json(self.run_dir / "plan.json", self.plan_doc)
 
-    # ------------------------------------------------------------------------------ pieces
+    # ------------------------------------------------------------------------------ components
 
     def evaluate(self) -> float | None:
+        """Validation loss over ``training.eval_batches`` (averaged over ranks); None without a val set."""
         if self.val_loader is None:
             return None
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -324,11 +296,27 @@ class Run:
             return None
         return float(total.item() / count)
 
-    def _evaluate_tasks(self, step: int, recorder) -> list:
-        """evaluation.tasks / samples on the model in training (apr.evaluate.during_training);
-        returns the alerts the new scores fire (``eval.<task>.acc`` conditions)."""
+    def _validate_initial(self, recorder: Recorder) -> None:
+        """A fresh run measures the initial weights: a later checkpoint is "best" only if it beats them."""
+        self.val_loss = self.first_val = self.best_val = self.evaluate()
+        recorder.log_eval(0, self.val_loss)
+        self._echo_val(0, self.val_loss, best=False)
+
+    def _validate(self, step: int, recorder: Recorder) -> tuple[float | None, bool]:
+        """Validation loss at ``step``, recorded and printed, and whether it beats every earlier one."""
+        self.val_loss = self.evaluate()
+        recorder.log_eval(step, self.val_loss)
+        is_best = self.val_loss is not None and (self.best_val is None or self.val_loss < self.best_val)
+        if is_best:
+            self.best_val = self.val_loss
+        self._echo_val(step, self.val_loss, is_best)
+        return self.val_loss, is_best
+
+    def _evaluate_tasks(self, step: int, recorder: Recorder) -> Stop | None:
+        """evaluation.tasks / samples on the model in training (apr.evaluate.during_training); the new
+        scores are recorded and checked by the alerts (``eval.<task>.acc`` conditions)."""
         if self.dp is not None and self.dp.rank != 0:
-            return []
+            return None
         result = self.evaluator.run(self.engine.model, step)
         recorder.log_task_evals(step, result)
         scores = "  ".join(f"{name} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}"
@@ -337,14 +325,29 @@ class Run:
                   if scores else f"{self._step_label(step)}  samples ({result['seconds']:.1f} s)")
         for sample in result["samples"]:
             self.echo(f"  sample: {sample['prompt']!r} -> {sample['text']!r}")
-        fired = recorder.check_alerts({"step": step}) if result["tasks"] else []
+        return self._check_alerts({"step": step}, step, recorder) if result["tasks"] else None
+
+    def _check_alerts(self, metrics: dict, step: int, recorder: Recorder) -> Stop | None:
+        """Print the alerts ``metrics`` fire; the first ``stop`` alert stops the run."""
+        fired = recorder.check_alerts(metrics)
         for alert in fired:
             self.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
-        return fired
+        stops = [a for a in fired if a.action == "stop"]
+        return Stop.alert(stops[0].message) if stops else None
+
+    def _agree(self, stop: Stop | None, signals: StopSignals) -> Stop | None:
+        """Under DDP every rank stops at the same step: a signal or a stop on any rank stops all."""
+        if self.dp is None:
+            return stop
+        flags = torch.tensor([signals.received or 0, stop is not None], dtype=torch.float32, device=self.device)
+        sig_flag, stop_flag = (int(v) for v in self.dp.any_(flags).tolist())
+        if sig_flag and signals.received is None:
+            signals.received = sig_flag
+        if stop_flag and stop is None:
+            stop = Stop("stopped", "alert on rank 0", 1)
+        return stop
 
     def checkpoint_meta(self, step: int) -> dict:
-        from apr.checkpoint.rng import capture_rng
-
         return {
             "run_id": self.run_id, "cli_overrides": self.options.overrides, "epoch": self.loader.epoch,
             "data": self.loader.state_dict(),
@@ -355,15 +358,14 @@ class Run:
             "tokens_seen": step * self.tokens_per_step,
         }
 
-    def save(self, step: int, is_best: bool, recorder) -> Path:
-        from apr.checkpoint.manager import TrainState
-
+    def save(self, step: int, is_best: bool, recorder: Recorder) -> Path:
         state = TrainState(step=step, tensors=self.engine.train_state_tensors(), meta=self.checkpoint_meta(step))
         if not self.is_main:  # only rank 0 writes; every rank can resume from what it wrote
-            return self.ckpt.step_paths(step)[0]
-        path = self.ckpt.save(state, is_best=is_best)
-        recorder.checkpoint(step, path, is_best=is_best)
-        return path
+            self.last_checkpoint = self.ckpt.step_paths(step)[0]
+        else:
+            self.last_checkpoint = self.ckpt.save(state, is_best=is_best)
+            recorder.checkpoint(step, self.last_checkpoint, is_best=is_best)
+        return self.last_checkpoint
 
     # -------------------------------------------------------------------------------- loop
 
@@ -375,139 +377,96 @@ class Run:
             self.lock.release()
 
     def _execute(self) -> RunResult:
-        from apr.model.spec import param_count
-        from apr.track.recorder import RunRecorder
-        from apr.train.engine import NonFiniteError
-
-        tr = self.config.training
         if self.resumed_from is not None and self.start_step >= self.total_steps:
             return self._already_finished()
-        if self.is_main:
+        recorder = self._open_recorder()
+        recorder.start(resume_step=self.start_step if self.resumed_from else None)
+        self.echo(self._banner())
+        self.step, self.last_checkpoint = self.start_step, self.resumed_from
+        try:
+            with StopSignals(self.options.handle_signals, self.echo) as signals:
+                stop = self._train(recorder, signals)
+        except Interrupted as err:  # a second signal: no checkpoint, no waiting for the other ranks
+            stop = Stop.interrupted(err.signum, self.step)
+            recorder.finish(stop.status, stop.reason)
+            self.echo(stop.reason)
+            if self.dp is not None:
+                self.dp.close()
+            return self._result(stop, final_step=max(self.step - 1, self.start_step), warnings=recorder.warnings)
+        except BaseException as err:  # a crash: record it, then let it propagate
+            recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
+            raise
+        recorder.finish(stop.status, stop.reason)
+        if self.dp is not None:
+            self.dp.barrier()  # rank 0's checkpoint is complete before any rank exits
+            self.dp.close()
+        return self._result(stop, final_step=self.step, warnings=recorder.warnings)
+
+    def _train(self, recorder: Recorder, signals: StopSignals) -> Stop:
+        """Optimizer steps ``start_step + 1 .. total_steps``; returns why they ended (``self.step``: the last done)."""
+        if self.start_step == 0 and self.val_loader is not None:
+            self._validate_initial(recorder)
+        self.steplog.start(self.step)
+        while self.step < self.total_steps:
+            self.step += 1
+            step, lr = self.step, self.schedule(self.step)
+            micro = [self.loader.next_batch() for _ in range(self.config.training.gradient_accumulation)]
+            try:
+                report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
+            except NonFiniteError as err:
+                return self._non_finite(err, recorder)
+            signals.announce()
+            if self.options.progress is not None and self.is_main:
+                self.options.progress(step, self.total_steps)
+            stop = None
+            if self.cadence.log(step, stopping=signals.received is not None):
+                report.metrics = self.steplog.log(step, lr, report.result, self._epoch(), recorder)
+                stop = self._check_alerts(report.metrics, step, recorder)
+            if self.cadence.validate(step):
+                report.val_loss, report.is_best = self._validate(step, recorder)
+                self.steplog.restart_clock()
+            if self.evaluator.due(step, report.is_last):
+                stop = first_stop(stop, self._evaluate_tasks(step, recorder))
+                self.steplog.restart_clock()
+            for hook in self.hooks:
+                stop = first_stop(stop, hook.after_step(self, report))  # every hook sees every step
+            stop = self._agree(stop, signals)
+            if self.cadence.save(step, report.is_best, stopping=stop is not None or signals.received is not None):
+                self.save(step, report.is_best, recorder)
+                self.steplog.restart_clock()
+            if stop is not None:
+                return stop
+            if signals.received is not None:
+                return Stop.signal(signals.received, step)
+        return FINISHED
+
+    def _non_finite(self, err: NonFiniteError, recorder: Recorder) -> Stop:
+        """The step in progress produced NaN/inf: fail, keeping the previous step's weights when they are intact."""
+        self.step -= 1
+        if err.state_is_last_good and self.step > self.start_step:
+            self.save(self.step, False, recorder)
+        return Stop.non_finite(err.what, self.step + 1)
+
+    def _result(self, stop: Stop, final_step: int, warnings: list[str]) -> RunResult:
+        return RunResult(
+            status=stop.status, reason=stop.reason, run_dir=self.run_dir, run_id=self.run_id or "",
+            start_step=self.start_step, final_step=final_step, total_steps=self.total_steps,
+            loss=self.steplog.loss,
+            val_loss=self.val_loss, first_val_loss=self.first_val, last_checkpoint=self.last_checkpoint,
+            exit_code=stop.exit_code, tokens_per_s=self.steplog.tokens_per_s, warnings=warnings, is_main=self.is_main)
+
+    def _open_recorder(self) -> Recorder:
+        """Rank 0 writes the run files and records; the other ranks record nothing."""
+        if not self.is_main:
+            recorder: Recorder = NullRecorder(self.run_id)
+        else:
             self._write_run_files()
             recorder = RunRecorder(
                 self.run_dir, self.config, config_hash=self.config_hash, total_steps=self.total_steps,
                 tokens_per_step=self.tokens_per_step, run_id=self.run_id, apr_home=self.options.apr_home,
                 config_path=str(self.config_path), model_params=param_count(self.config.model.architecture))
-        else:
-            recorder = _NullRecorder(self.run_id)
         self.run_id = recorder.run_id
-        recorder.start(resume_step=self.start_step if self.resumed_from else None)
-        self.echo(self._banner())
-
-        step = self.start_step
-        status, reason, exit_code = "finished", None, 0
-        last_ckpt: Path | None = self.resumed_from
-        loss_v: float | None = None
-        val_v: float | None = None
-        rate: float | None = None
-        try:
-            with _Signals(self.options.handle_signals, self.echo) as signals:
-                if self.start_step == 0 and self.val_loader is not None:
-                    val_v = self.evaluate()
-                    self.first_val = val_v
-                    self.best_val = val_v  # a later checkpoint is "best" only if it beats the initial weights
-                    recorder.log_eval(0, val_v)
-                    self._echo_val(0, val_v, best=False)
-                t_log, step_log = time.perf_counter(), step
-                meter = RateMeter()  # the printed tok/s and ETA: an EMA over wall time, not one interval
-                while step < self.total_steps:
-                    step += 1
-                    micro = [self.loader.next_batch() for _ in range(tr.gradient_accumulation)]
-                    lr = self.schedule(step)
-                    try:
-                        result = self.engine.train_step(micro, lr)
-                    except NonFiniteError as err:
-                        step -= 1
-                        status, reason, exit_code = "failed", f"non-finite {err.what} at step {step + 1}", 1
-                        if err.state_is_last_good and step > self.start_step:
-                            last_ckpt = self.save(step, False, recorder)
-                        break
-                    signals.announce()
-                    is_last = step == self.total_steps
-                    if self.options.progress is not None and self.is_main:
-                        self.options.progress(step, self.total_steps)
-                    if step % tr.log_interval == 0 or is_last or signals.received is not None:
-                        loss_t = result.loss.detach().clone()
-                        loss_v = float((self.dp.average_(loss_t) if self.dp is not None else loss_t).item())
-                        gn = float(result.grad_norm.item())
-                        now = time.perf_counter()
-                        tokens, seconds = (step - step_log) * self.tokens_per_step, max(now - t_log, 1e-9)
-                        rate = tokens / seconds
-                        t_log, step_log = now, step
-                        metrics = {"loss": loss_v, "lr": lr, "grad_norm": gn, "tokens_per_s": rate,
-                                   "epoch": self.loader.epoch + self.loader.position
-                                   / max(self.loader.micro_batches_per_epoch, 1),
-                                   "tokens_seen": step * self.tokens_per_step}
-                        if result.skipped:
-                            metrics["skipped_steps"] = 1
-                        recorder.log_step(step, metrics)
-                        smooth = meter.add(tokens, seconds) or rate
-                        eta = meter.eta((self.total_steps - step) * self.tokens_per_step)
-                        self.echo(f"{self._step_label(step)}  loss {loss_v:.4f}  lr {lr:.2e}  "
-                                  f"gnorm {gn:.3f}  {fmt_rate(smooth)} tok/s  eta {fmt_duration(eta)}")
-                        fired = recorder.check_alerts(metrics)
-                        for alert in fired:
-                            self.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
-                        stops = [a for a in fired if a.action == "stop"]
-                        if stops:
-                            status, reason, exit_code = "stopped", f"alert: {stops[0].message}", 1
-                    is_best = False
-                    if self.val_loader is not None and tr.eval_interval and (step % tr.eval_interval == 0 or is_last):
-                        val_v = self.evaluate()
-                        recorder.log_eval(step, val_v)
-                        is_best = val_v is not None and (self.best_val is None or val_v < self.best_val)
-                        if is_best:
-                            self.best_val = val_v
-                        self._echo_val(step, val_v, is_best)
-                        t_log = time.perf_counter()  # evaluation time is not training throughput
-                    if self.evaluator.due(step, is_last):
-                        stops = [a for a in self._evaluate_tasks(step, recorder) if a.action == "stop"]
-                        if stops and status == "finished":
-                            status, reason, exit_code = "stopped", f"alert: {stops[0].message}", 1
-                        t_log = time.perf_counter()
-                    if self.dp is not None:  # every rank stops at the same step: signal or alert on any
-                        flags = torch.tensor([signals.received or 0, status != "finished"], dtype=torch.float32,
-                                             device=self.device)
-                        sig_flag, alert_flag = (int(v) for v in self.dp.any_(flags).tolist())
-                        if sig_flag and signals.received is None:
-                            signals.received = sig_flag
-                        if alert_flag and status == "finished":
-                            status, reason, exit_code = "stopped", "alert on rank 0", 1
-                    stopping = status != "finished" or signals.received is not None
-                    if step % tr.save_interval == 0 or is_last or is_best or stopping:
-                        last_ckpt = self.save(step, is_best, recorder)
-                        t_log = time.perf_counter()
-                    if status != "finished":
-                        break
-                    if signals.received is not None:
-                        name = signal.Signals(signals.received).name
-                        status, reason = "stopped", f"{name} at step {step}; resume with --resume latest"
-                        exit_code = SIGNAL_EXIT[signals.received]
-                        break
-        except Interrupted as err:
-            name = signal.Signals(err.signum).name
-            reason = f"second {name} during step {step}: stopped at once; resume from the last checkpoint"
-            recorder.finish("stopped", reason)
-            self.echo(reason)
-            if self.dp is not None:
-                self.dp.close()
-            return RunResult(status="stopped", reason=reason, run_dir=self.run_dir, run_id=self.run_id,
-                             start_step=self.start_step, final_step=max(step - 1, self.start_step),
-                             total_steps=self.total_steps, loss=loss_v, val_loss=val_v, first_val_loss=self.first_val,
-                             last_checkpoint=last_ckpt, exit_code=SIGNAL_EXIT.get(err.signum, 130),
-                             warnings=recorder.warnings, is_main=self.is_main)
-        except BaseException as err:  # a crash: record it, then let it propagate
-            recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
-            raise
-        recorder.finish(status, reason)
-        if self.dp is not None:
-            self.dp.barrier()  # rank 0's checkpoint is complete before any rank exits
-            self.dp.close()
-        return RunResult(
-            status=status, reason=reason, run_dir=self.run_dir, run_id=self.run_id, start_step=self.start_step,
-            final_step=step, total_steps=self.total_steps, loss=loss_v, val_loss=val_v,
-            first_val_loss=self.first_val, last_checkpoint=last_ckpt, exit_code=exit_code, tokens_per_s=rate,
-            warnings=recorder.warnings, is_main=self.is_main)
+        return recorder
 
     def _already_finished(self) -> RunResult:
         """A resume of a run whose checkpoint is at its last step: nothing to train, nothing rewritten."""
@@ -516,10 +475,12 @@ class Run:
         self.echo(f"apply: run {self.run_id} {reason}")
         if self.dp is not None:
             self.dp.close()
-        return RunResult(status="finished", reason=reason, run_dir=self.run_dir, run_id=self.run_id or "",
-                         start_step=self.start_step, final_step=self.start_step, total_steps=self.total_steps,
-                         loss=None, val_loss=None, first_val_loss=self.first_val,
-                         last_checkpoint=self.resumed_from, exit_code=0, is_main=self.is_main)
+        self.last_checkpoint = self.resumed_from
+        return self._result(Stop("finished", reason, 0), final_step=self.start_step, warnings=[])
+
+    def _epoch(self) -> float:
+        """Epochs read so far, fractional."""
+        return self.loader.epoch + self.loader.position / max(self.loader.micro_batches_per_epoch, 1)
 
     def _step_label(self, step: int) -> str:
         return f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"
@@ -529,8 +490,6 @@ class Run:
                   + ("  best" if best else ""))
 
     def _banner(self) -> str:
-        from apr.model.spec import param_count
-
         c, tr = self.config, self.config.training
         params = param_count(c.model.architecture)
         what = f"resuming at step {self.start_step + 1}" if self.resumed_from else "starting"
@@ -542,24 +501,8 @@ class Run:
                 f"{self.loader.steps_per_epoch:,} steps ({self.loader.num_rows:,} sequences)")
 
 
-class _NullRecorder:
-    """What ranks other than 0 record: nothing (rank 0 writes the state file and the stores)."""
-
-    def __init__(self, run_id: str | None):
-        self.run_id = run_id or "rank-local"
-        self.warnings: list[str] = []
-
-    def start(self, resume_step=None) -> None: ...
-    def log_step(self, step, metrics) -> None: ...
-    def log_eval(self, step, val_loss) -> None: ...
-    def log_task_evals(self, step, result) -> None: ...
-    def checkpoint(self, step, path, is_best=False) -> None: ...
-    def finish(self, status, reason=None) -> None: ...
-
-    def check_alerts(self, metrics) -> list:
-        return []
-
-
 def prepare_run(config: AprConfig, *, config_hash: str, config_path: Path, options: ApplyOptions,
                 plan_doc: dict | None = None) -> Run:
-    return Run(config=config, config_hash=config_hash, config_path=config_path, options=options, plan_doc=plan_doc)
+    """A ``Run`` set up: data read, engine built, output folder locked, checkpoint restored when resuming."""
+    return Run(config=config, config_hash=config_hash, config_path=config_path, options=options,
+               plan_doc=plan_doc).setup()

@@ -1,0 +1,46 @@
+"""What the run loop calls on a recorder (``Recorder``) and the recorder of ranks other than 0
+(``NullRecorder``, which records nothing). ``RunRecorder`` (apr/track/recorder.py) is the real one;
+tests/track/test_protocol.py checks that both implement every method here with the same parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Recorder(Protocol):
+    run_id: str
+
+    @property
+    def warnings(self) -> list[str]: ...
+
+    def start(self, resume_step: int | None = None) -> None: ...
+    def log_step(self, step: int, metrics: dict) -> None: ...
+    def log_eval(self, step: int, val_loss: float) -> None: ...
+    def log_task_evals(self, step: int, result: dict) -> None: ...
+    def checkpoint(self, step: int, path: Path, is_best: bool = False) -> None: ...
+    def check_alerts(self, metrics: dict) -> list[Any]: ...
+    def finish(self, status: str, reason: str | None = None) -> None: ...
+
+
+class NullRecorder:
+    """What ranks other than 0 record: nothing (rank 0 writes the state file and the stores)."""
+
+    def __init__(self, run_id: str | None):
+        self.run_id = run_id or "rank-local"
+
+    @property
+    def warnings(self) -> list[str]:
+        return []
+
+    def start(self, resume_step: int | None = None) -> None: ...
+    def log_step(self, step: int, metrics: dict) -> None: ...
+    def log_eval(self, step: int, val_loss: float) -> None: ...
+    def log_task_evals(self, step: int, result: dict) -> None: ...
+    def checkpoint(self, step: int, path: Path, is_best: bool = False) -> None: ...
+
+    def check_alerts(self, metrics: dict) -> list[Any]:
+        return []
+
+    def finish(self, status: str, reason: str | None = None) -> None: ...

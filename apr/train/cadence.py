@@ -1,0 +1,30 @@
+"""When the run loop logs, validates and saves: one object decides, from ``training.*`` intervals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Cadence:
+    total_steps: int
+    log_interval: int
+    eval_interval: int  # 0: never validate
+    save_interval: int
+    validates: bool  # a validation set is configured
+
+    @classmethod
+    def from_config(cls, training, total_steps: int, validates: bool) -> Cadence:
+        return cls(total_steps=total_steps, log_interval=training.log_interval, eval_interval=training.eval_interval,
+                   save_interval=training.save_interval, validates=validates)
+
+    def log(self, step: int, stopping: bool) -> bool:
+        """A log step reads the loss and norm to the host; a stopping run logs its last step."""
+        return step % self.log_interval == 0 or step == self.total_steps or stopping
+
+    def validate(self, step: int) -> bool:
+        return (self.validates and self.eval_interval > 0
+                and (step % self.eval_interval == 0 or step == self.total_steps))
+
+    def save(self, step: int, is_best: bool, stopping: bool) -> bool:
+        return step % self.save_interval == 0 or step == self.total_steps or is_best or stopping

@@ -1,0 +1,52 @@
+"""The run loop's log steps: the loss and norm read to the host, the metrics recorded, one line printed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from apr.fmt import fmt_duration, fmt_rate
+from apr.rate import RateMeter
+from apr.track.protocol import Recorder
+from apr.train.dist import DataParallel
+from apr.train.engine import StepResult
+
+
+class StepLog:
+    """Logs a step's metrics. The throughput clock leaves evaluation and checkpoint time out:
+    the loop calls ``restart_clock`` after them."""
+
+    def __init__(self, *, total_steps: int, tokens_per_step: int, dp: DataParallel | None,
+                 echo: Callable[[str], None], label: Callable[[int], str]):
+        self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.dp, self.echo, self.label = dp, echo, label
+        self.loss: float | None = None  # the last logged loss (averaged over ranks)
+        self.tokens_per_s: float | None = None  # the last interval's throughput
+        self._t, self._step = time.perf_counter(), 0
+        self._meter = RateMeter()  # the printed tok/s and ETA: an EMA over wall time, not one interval
+
+    def start(self, step: int) -> None:
+        """The loop starts (or resumes) after ``step``."""
+        self._t, self._step = time.perf_counter(), step
+
+    def restart_clock(self) -> None:
+        self._t = time.perf_counter()
+
+    def log(self, step: int, lr: float, result: StepResult, epoch: float, recorder: Recorder) -> dict:
+        loss_t = result.loss.detach().clone()
+        self.loss = float((self.dp.average_(loss_t) if self.dp is not None else loss_t).item())
+        gn = float(result.grad_norm.item())
+        now = time.perf_counter()
+        tokens, seconds = (step - self._step) * self.tokens_per_step, max(now - self._t, 1e-9)
+        self.tokens_per_s = tokens / seconds
+        self._t, self._step = now, step
+        metrics = {"loss": self.loss, "lr": lr, "grad_norm": gn, "tokens_per_s": self.tokens_per_s,
+                   "epoch": epoch, "tokens_seen": step * self.tokens_per_step}
+        if result.skipped:
+            metrics["skipped_steps"] = 1
+        recorder.log_step(step, metrics)
+        smooth = self._meter.add(tokens, seconds) or self.tokens_per_s
+        eta = self._meter.eta((self.total_steps - step) * self.tokens_per_step)
+        self.echo(f"{self.label(step)}  loss {self.loss:.4f}  lr {lr:.2e}  "
+                  f"gnorm {gn:.3f}  {fmt_rate(smooth)} tok/s  eta {fmt_duration(eta)}")
+        return metrics

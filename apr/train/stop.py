@@ -1,0 +1,71 @@
+"""Why a run ends (``Stop``) and the plug-in point of the run loop (``StepHook``).
+
+A ``Stop`` is made where the decision is made (an alert, a signal, a non-finite step, a hook) and
+carried unchanged to the recorder and to ``RunResult``: status, reason and exit code travel together.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from apr.train.signals import SIGNAL_EXIT
+
+if TYPE_CHECKING:
+    from apr.train.engine import StepResult
+    from apr.train.run import Run
+
+
+@dataclass(frozen=True)
+class Stop:
+    status: str  # finished | stopped | failed
+    reason: str | None
+    exit_code: int
+
+    @classmethod
+    def alert(cls, message: str) -> Stop:
+        return cls("stopped", f"alert: {message}", 1)
+
+    @classmethod
+    def signal(cls, signum: int, step: int) -> Stop:
+        name = signal.Signals(signum).name
+        return cls("stopped", f"{name} at step {step}; resume with --resume latest", SIGNAL_EXIT[signum])
+
+    @classmethod
+    def interrupted(cls, signum: int, step: int) -> Stop:
+        name = signal.Signals(signum).name
+        return cls("stopped", f"second {name} during step {step}: stopped at once; resume from the last checkpoint",
+                   SIGNAL_EXIT.get(signum, 130))
+
+    @classmethod
+    def non_finite(cls, what: str, step: int) -> Stop:
+        return cls("failed", f"non-finite {what} at step {step}", 1)
+
+
+FINISHED = Stop("finished", None, 0)
+
+
+def first_stop(earlier: Stop | None, later: Stop | None) -> Stop | None:
+    """Two decisions of one step: the earlier one stands (both sides are evaluated by the caller)."""
+    return earlier if earlier is not None else later
+
+
+@dataclass
+class StepReport:
+    """What one optimizer step produced, as the loop's components filled it in."""
+
+    step: int
+    lr: float
+    result: StepResult  # the engine's loss and gradient norm (device tensors)
+    is_last: bool
+    metrics: dict | None = None  # the logged metrics (None: not a log step)
+    val_loss: float | None = None  # validation loss measured at this step (None: not measured)
+    is_best: bool = False  # val_loss beat every earlier one (a "best" checkpoint is written)
+
+
+class StepHook(Protocol):
+    """Called by the run loop after each step's logging and evaluation, before the checkpoint decision.
+    Return None to go on, or a ``Stop`` to end the run after this step (its checkpoint is written)."""
+
+    def after_step(self, run: Run, report: StepReport) -> Stop | None: ...
