@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import math
 import os
 import socket
@@ -23,7 +22,9 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from apr.errors import AprError
 from apr.fsutil import atomic_write_bytes
+from apr.readers import load_json
 from apr.track.alerts import Alert, AlertEvaluator
 from apr.track.names import (
     experiment_from_dir,
@@ -93,10 +94,10 @@ def _checkpoint_artifacts(run_id: str, path: Path, kind: str, step: int, t: floa
 
     doc = None
     if path.suffix == ".json":
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            doc = None
+        try:  # bounded like every file apr reads (docs/design.md, "Bounded reading")
+            doc = load_json(path, "checkpoint", "checkpoint metadata")
+        except (AprError, OSError):
+            doc = None  # not an apr checkpoint we can read: recorded as a plain file
     if not (isinstance(doc, dict) and doc.get("format") == "apr-checkpoint"
             and isinstance(doc.get("weights_file"), str)):
         return [row(path, kind, *_file_digest(path))]

@@ -419,3 +419,22 @@ def test_warnings_are_printed_by_the_training_thread_as_whole_lines(tmp_path, re
     thread, text = warned[0]
     assert thread == threading.main_thread().name
     assert text.startswith("apr: warning: local experiment store") and text.endswith("\n") and text.count("\n") == 1
+
+
+def test_a_checkpoint_file_nested_too_deep_is_recorded_as_one_plain_artifact(tmp_path, recorder_factory):
+    """The checkpoint JSON is read through apr.readers: 100,000 levels of nesting (RecursionError
+    for json.loads) do not reach the recorder, which records the file as it would any other."""
+    run = tmp_path / "run"
+    run.mkdir()
+    deep = run / "checkpoint-step-3.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    rec = recorder_factory(run, background=False)
+    rec.start()
+    rec.checkpoint(3, deep)
+    rec.finish("finished")
+    assert read_state(run)["status"] == "finished" and rec.warnings == []
+    conn = connect_readonly(_local(rec))
+    rows = store.artifacts(conn, rec.run_id)
+    conn.close()
+    assert [(Path(a["path"]).name, a["kind"], a["size"], a["sha256"]) for a in rows] == [
+        (deep.name, "checkpoint", deep.stat().st_size, hashlib.sha256(deep.read_bytes()).hexdigest())]
