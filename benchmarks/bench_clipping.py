@@ -45,7 +45,7 @@ def prepare(root: Path) -> None:
 def train(root: Path, mode: str, args) -> dict:
     import yaml
 
-    from apr.train.apply import run_apply
+    from apr.apply import run_apply
 
     doc = yaml.safe_load((REPO / "configs/train/demo-tiny.yaml").read_text())
     doc["data"].update(train=str(root / "data/train"), val=str(root / "data/val"),

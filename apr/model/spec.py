@@ -122,11 +122,12 @@ def compute_dtype_name(precision: MixedPrecision | str) -> str:
 
 
 def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[Buffer]:
-    """The trainer's persistent device buffers. The engine allocates the weights, AdamW state and
-    gradient buffers from this list by name (``apr.train.engine.allocate_buffers``); the other rows
-    (activation checkpoints, logits chunk, head hidden states, token ids, the standard engine's saved
-    head gradient) are tensors the engine creates during a step, listed at the shapes it creates
-    them so that the plan counts them. ``execution``: the
+    """The trainer's persistent device buffers. The interleaved engine allocates its weights, AdamW
+    state and gradient buffers from this list by name (``apr.train.engine.allocate_buffers``); the
+    standard engine's parameters, ``torch.optim.AdamW`` state and autograd gradients are allocated by
+    torch at the same sizes, so these rows model them. The other rows (activation checkpoints, logits
+    chunk, head hidden states, token ids, the standard engine's saved head gradient) are tensors the
+    engines create during a step, listed at the shapes they create them. ``execution``: the
     resolved policy (apr/steps/execution.py); default: the config's, ``auto`` as if memory were
     unlimited.
 

@@ -60,7 +60,7 @@ def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precis
                   world_size: int, basis: str, cost_f: float = 3.0) -> dict | None:
     """Wall time at the catalogue GPU's assumed MFU. An estimate: it says so in every field name.
 
-    ``cost_f``: forward-equivalents per step of the chosen execution (apr/model/execution.py). The
+    ``cost_f``: forward-equivalents per step of the chosen execution (apr/steps/execution.py). The
     model FLOPs (6N + attention) are a plain loop's 3F; recompute and a norm-only pre-pass walk add
     work the GPU runs at the same rate, so the time scales by ``cost_f / 3``."""
     if target is None or target.gpu is None:

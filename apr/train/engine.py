@@ -14,8 +14,10 @@ walk comes first (exact global clipping or the fp16 overflow check with one work
 interleaved engine is tested against.
 
 Both take micro-batches of token ids ``[batch, seq_len + 1]`` and a learning rate, and return the
-step's loss and gradient norm as device tensors; the only host reads per step are the finiteness
-checks (the loss after the forward, the global norm when it is known before any update).
+step's loss and gradient norm as device tensors; the only host reads per step are finiteness
+checks: the loss of each micro-batch's forward, the global gradient norm (before any update when it
+is known first, else after the walk), and, in the single walk with the torch kernels, one read of
+each group's overflow flag before its AdamW step (the CuPy backend skips on the device).
 """
 
 from __future__ import annotations
