@@ -3,27 +3,37 @@
 One model config, one run, the same random token batches and the same initial weights for every
 approach:
 
-  interleaved/per_block  apr InterleavedEngine, clip_mode per_block (one backward walk)
-  interleaved/global     apr InterleavedEngine, clip_mode global (norm-only walk + stepping walk)
-  standard               apr StandardEngine (full backward, clipping, torch.optim.AdamW)
-  baseline               nanoGPT-style loop written here: apr's model object used directly,
-                         full [batch, seq, vocab] logits + F.cross_entropy, loss.backward(),
-                         clip_grad_norm_, torch.optim.AdamW (fused when available, else foreach)
+  auto                     apr InterleavedEngine, ``training.execution`` auto resolved by the plan's
+                           chooser (apr/plan/memory.py) against a roomy budget (--budget-gib):
+                           every graph and every gradient kept, exact global clipping (3F)
+  lean/selective+adagc     one gradient workspace, selective recompute, clip_mode adagc
+  lean/selective+per_block one gradient workspace, selective recompute, clip_mode per_block
+  lean/recompute+per_block one gradient workspace, full recompute, clip_mode per_block
+  lean/recompute+global    one workspace, full recompute, exact global clipping (norm-only pre-pass)
+  standard                 apr StandardEngine (full backward, clipping, torch.optim.AdamW)
+  baseline                 the plain loop written here: apr's model object used directly, full
+                           [batch, seq, vocab] logits + F.cross_entropy, loss.backward(),
+                           clip_grad_norm_, torch.optim.AdamW (fused when available, else foreach)
 
 Precision: fp32 on the CPU, bf16 autocast on CUDA (fp32 master weights everywhere). Warmup steps
 are excluded; tokens/s = batch x seq / median step time (time.perf_counter, CUDA synchronized).
+The losses of every step are compared with the baseline's ("max |dloss|"): approaches that clip
+exactly like it (auto, standard) must agree to 1e-6.
 
 Memory: "grad MiB" is the peak of live ``.grad`` storage (distinct storages of the parameters'
 ``.grad``), sampled whenever a group's gradient is complete (the engines' probe) or after
-``loss.backward()`` (baseline): the interleaved engine's shared workspace against the full
-gradient set. On CUDA "peak MiB" is ``torch.cuda.max_memory_allocated`` over the timed steps with
-only that approach alive (approaches then run one after the other); on the CPU approaches run
-round-robin, one step each per round, so drift on a shared machine hits all of them alike
-(``--sequential`` runs them one after another there too).
+``loss.backward()`` (baseline). On the CPU "peak RSS MiB" is the peak resident set of a fresh
+process that builds only that approach and runs the warmup steps (``ru_maxrss``; the same torch
+import and data in every child, so differences are the approach's weights, optimizer state,
+gradients and activations); on CUDA "peak MiB" is ``torch.cuda.max_memory_allocated`` over the
+timed steps with only that approach alive (approaches then run one after the other). On the CPU
+the timed steps run round-robin, one step of each approach per round (A B C A B C ...), so drift on
+a shared machine hits all of them alike (``--sequential`` runs them one after another).
 
     .venv/bin/python benchmarks/bench_engine.py [--device cpu|cuda] [--hidden 256] [--layers 6]
         [--heads 4] [--kv-heads 4] [--intermediate 1024] [--vocab 8192] [--seq 256] [--batch 8]
-        [--loss-chunk 256] [--warmup 2] [--steps 10] [--threads N] [--only NAME,...] [--sequential] [--json]
+        [--loss-chunk 256] [--warmup 2] [--steps 10] [--threads N] [--only NAME,...] [--sequential]
+        [--no-rss] [--budget-gib 64] [--json]
 """
 
 from __future__ import annotations
@@ -45,17 +55,25 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-APPROACHES = ("interleaved/per_block", "interleaved/global", "standard", "baseline")
-# Step cost in forward-pass units F (apr/steps/strategy.py): forward F, backward 2F, recompute F.
-COST_F = {"interleaved/per_block": 4, "interleaved/global": 7, "standard": 3, "baseline": 3}
+# name -> (engine, clip_mode, training.execution); execution None: auto, resolved by the plan's chooser
+SETTINGS = {
+    "auto": ("interleaved", "global", None),
+    "lean/selective+adagc": ("interleaved", "adagc", ("selective", "workspace")),
+    "lean/selective+per_block": ("interleaved", "per_block", ("selective", "workspace")),
+    "lean/recompute+per_block": ("interleaved", "per_block", ("recompute", "workspace")),
+    "lean/recompute+global": ("interleaved", "global", ("recompute", "workspace")),
+    "standard": ("standard", "global", None),
+}
+APPROACHES = (*SETTINGS, "baseline")
 LR = 3e-4
 SEED = 1234
 
 
-def make_config(args, *, engine: str, clip_mode: str):
+def make_config(args, *, engine: str, clip_mode: str, execution: tuple[str, str] | None = None):
     from apr.config.schema import AprConfig
 
     cuda = args.device == "cuda"
+    activations, gradients = execution or ("auto", "auto")
     return AprConfig.model_validate({
         "model": {"architecture": {
             "hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
@@ -68,6 +86,7 @@ def make_config(args, *, engine: str, clip_mode: str):
             "engine": engine, "clip_mode": clip_mode, "grad_clip": 1.0,
             "mixed_precision": "bf16" if cuda else "fp32", "device": args.device,
             "kernels": args.kernels if cuda else "torch", "loss_chunk_size": args.loss_chunk, "seed": SEED,
+            "execution": {"activations": activations, "gradients": gradients},
         },
     })
 
@@ -91,6 +110,8 @@ class Approach:
     name: str
     note: str = ""
     times: list[float] = field(default_factory=list)
+    losses: list = field(default_factory=list)  # every step's loss (device tensors until the end)
+    cost_f: float = 3.0
     grad_bytes: int = 0
     peak_bytes: int | None = None
     last_loss: float | None = None
@@ -99,13 +120,17 @@ class Approach:
 
 
 def build_apr(args, device: torch.device, name: str) -> Approach:
+    from apr.plan.memory import choose_execution
+    from apr.steps import execution as policy
     from apr.train.engine import build_engine
 
-    engine_kind, _, clip_mode = name.partition("/")
-    config = make_config(args, engine=engine_kind, clip_mode=clip_mode or "global")
-    engine = build_engine(config, device)
+    engine_kind, clip_mode, execution = SETTINGS[name]
+    config = make_config(args, engine=engine_kind, clip_mode=clip_mode, execution=execution)
+    chosen = choose_execution(config, int(args.budget_gib * 2**30), "--budget-gib").execution
+    engine = build_engine(config, device, execution=chosen)
     params = list(engine.model.parameters())
-    ap = Approach(name, note=f"kernels {engine.backend.name}; {engine.strategy.describe()}")
+    ap = Approach(name, note=f"kernels {engine.backend.name}; {policy.describe(config, chosen)}; "
+                  f"{engine.strategy.describe()}", cost_f=policy.step_cost_f(config, chosen))
 
     def probe(_group: str) -> None:
         ap.grad_bytes = max(ap.grad_bytes, live_grad_bytes(params))
@@ -176,13 +201,41 @@ def timed_step(ap: Approach, batch: torch.Tensor, device: torch.device) -> None:
     loss = ap.step_fn(batch, False)
     sync(device)
     ap.times.append(time.perf_counter() - t0)
-    ap.last_loss = loss
+    ap.losses.append(loss)
 
 
 def warm(ap: Approach, batches: list[torch.Tensor], device: torch.device) -> None:
     for i, batch in enumerate(batches):
-        ap.step_fn(batch, i == len(batches) - 1)  # the last warmup step measures live gradients
+        # the last warmup step measures live gradients
+        ap.losses.append(ap.step_fn(batch, i == len(batches) - 1))
     sync(device)
+
+
+def peak_rss_mib(args, name: str) -> float:
+    """Peak resident set of a fresh process that builds ``name`` and runs the warmup steps."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--rss-child", name, "--warmup", str(args.warmup)]
+    for key in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "loss_chunk",
+                "threads", "budget_gib"):
+        value = getattr(args, key)
+        if value is not None:
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if args.tied:
+        cmd.append("--tied")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def rss_child(args) -> None:
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the (large) parent through fork + exec
+    device = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(args.warmup)]
+    ap = build(args, device, args.rss_child)
+    warm(ap, data, device)
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    print(int(hwm.split()[1]) / 1024)  # kB
 
 
 def loadavg() -> list[float] | None:
@@ -215,7 +268,7 @@ def run(args) -> dict:
                 timed_step(ap, batch, device)
             if cuda:
                 ap.peak_bytes = torch.cuda.max_memory_allocated(device)
-            ap.last_loss = float(ap.last_loss)
+            ap.losses = [float(x) for x in ap.losses]
             ap.free_fn()
             ap.step_fn = ap.free_fn = None
             approaches.append(ap)
@@ -231,22 +284,39 @@ def run(args) -> dict:
                 timed_step(ap, batch, device)
             print(f"  round {i + 1}/{len(timed_data)}", file=sys.stderr, flush=True)
         for ap in approaches:
-            ap.last_loss = float(ap.last_loss)
+            ap.losses = [float(x) for x in ap.losses]
+        if not args.no_rss:
+            for ap in approaches:
+                ap.peak_bytes = int(peak_rss_mib(args, ap.name) * 2**20)
+                print(f"  {ap.name}: peak RSS measured", file=sys.stderr, flush=True)
 
     from apr.model.spec import param_count
 
     arch = make_config(args, engine="standard", clip_mode="global").model.architecture
     tokens = args.batch * args.seq
     rows = []
+    ref = next((ap.losses for ap in approaches if ap.name == "baseline"), None)
+    std = next((ap.losses for ap in approaches if ap.name == "standard"), None)
+
+    def max_rel_diff(losses, other):
+        if other is None:
+            return None
+        return max(abs(a - b) / abs(b) for a, b in zip(losses, other, strict=True))
+    base_times = next((ap.times for ap in approaches if ap.name == "baseline"), None)
     for ap in approaches:
         med = statistics.median(ap.times)
+        # the same round's baseline step over this step: robust to load that changes between rounds
+        paired = None if base_times is None else statistics.median(
+            b / t for b, t in zip(base_times, ap.times, strict=True))
         rows.append({
             "approach": ap.name, "step_ms_median": med * 1e3, "step_ms_min": min(ap.times) * 1e3,
             "step_ms_max": max(ap.times) * 1e3, "step_ms_all": [round(t * 1e3, 1) for t in ap.times],
             "tokens_per_s": tokens / med,
-            "tokens_per_s_best": tokens / min(ap.times), "grad_mib": ap.grad_bytes / 2**20,
-            "peak_mib": None if ap.peak_bytes is None else ap.peak_bytes / 2**20, "cost_F": COST_F[ap.name],
-            "last_loss": ap.last_loss, "note": ap.note,
+            "tokens_per_s_best": tokens / min(ap.times), "paired_ratio": paired, "grad_mib": ap.grad_bytes / 2**20,
+            "peak_mib": None if ap.peak_bytes is None else ap.peak_bytes / 2**20, "cost_F": ap.cost_f,
+            "last_loss": ap.losses[-1], "losses": ap.losses, "note": ap.note,
+            "max_rel_loss_diff_base": max_rel_diff(ap.losses, ref),
+            "max_rel_loss_diff_std": max_rel_diff(ap.losses, std),
         })
     if device.type == "cuda":
         machine = torch.cuda.get_device_name(device)
@@ -291,27 +361,32 @@ def render(res: dict) -> str:
         "",
     ]
     rows = {r["approach"]: r for r in res["results"]}
-    base, std = rows.get("baseline"), rows.get("standard")
-    cuda = res["device"] == "cuda"
-    head = (f"{'approach':<22} {'step ms':>8} {'best ms':>8} {'tokens/s':>9} {'x base':>7} {'x std':>6} "
-            f"{'best tok/s':>10} {'x base':>7} {'cost':>5} {'grad MiB':>9} {'x base':>7}"
-            + (f" {'peak MiB':>9} {'x base':>7}" if cuda else "") + f" {'loss':>8}")
+    base = rows.get("baseline")
+    mem = "peak MiB" if res["device"] == "cuda" else "peak RSS MiB"
+    head = (f"{'approach':<25} {'step ms':>8} {'tokens/s':>9} {'x base':>7} {'best tok/s':>10} {'x base':>7} "
+            f"{'paired':>6} {'cost':>6} {'grad MiB':>9} {'x base':>7} {mem:>12} {'x base':>7} "
+            f"{'dloss/base':>9} {'dloss/std':>9}")
     out += [head, "-" * len(head)]
     for r in res["results"]:
-        def ratio(key, ref, r=r):
-            return f"{r[key] / ref[key]:.2f}" if ref and ref.get(key) else "-"
-        line = (f"{r['approach']:<22} {r['step_ms_median']:>8.0f} {r['step_ms_min']:>8.0f} "
-                f"{r['tokens_per_s']:>9,.0f} {ratio('tokens_per_s', base):>7} {ratio('tokens_per_s', std):>6} "
-                f"{r['tokens_per_s_best']:>10,.0f} {ratio('tokens_per_s_best', base):>7} {r['cost_F']:>4}F "
-                f"{r['grad_mib']:>9.1f} {ratio('grad_mib', base):>7}")
-        if cuda:
-            line += f" {r['peak_mib']:>9.1f} {ratio('peak_mib', base):>7}"
-        out.append(line + f" {r['last_loss']:>8.4f}")
+        def ratio(key, r=r):
+            return f"{r[key] / base[key]:.2f}" if base and base.get(key) and r.get(key) is not None else "-"
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        paired = "-" if r["paired_ratio"] is None else f"{r['paired_ratio']:.2f}"
+        diff, diff_std = ("-" if r[k] is None else f"{r[k]:.1e}"
+                          for k in ("max_rel_loss_diff_base", "max_rel_loss_diff_std"))
+        out.append(f"{r['approach']:<25} {r['step_ms_median']:>8.0f} {r['tokens_per_s']:>9,.0f} "
+                   f"{ratio('tokens_per_s'):>7} {r['tokens_per_s_best']:>10,.0f} {ratio('tokens_per_s_best'):>7} "
+                   f"{paired:>6} {r['cost_F']:>5.2f}F {r['grad_mib']:>9.1f} {ratio('grad_mib'):>7} {peak:>12} "
+                   f"{ratio('peak_mib'):>7} {diff:>9} {diff_std:>9}")
     out += ["", "step ms / tokens/s: median timed step; best: the fastest timed step (least disturbed on a shared",
-            "machine). x base / x std: ratio to the baseline / to apr's standard engine (tokens/s: >1 is faster;",
-            "memory: <1 is less). cost: step cost in forward units F from apr/steps/strategy.py (expected",
-            "tokens/s ratio to the baseline ~ 3 / cost if every F took the same time). loss: last timed",
-            "step's training loss (same data, same initial weights: a sanity check that all do the same work).",
+            "machine). x base: ratio to the baseline (tokens/s: >1 is faster; memory: <1 is less). paired: the",
+            "median over rounds of (baseline step time / this step time) in the same round (CPU round-robin:",
+            "the steps compared ran seconds apart, so load that changes between rounds cancels). cost: step",
+            "cost in forward-equivalents F from apr/steps/execution.py. dloss/base, dloss/std: the largest relative",
+            "difference of any step's loss (warmup included) from the baseline's / apr standard engine's (same",
+            "data, same initial weights; clipping other than global changes the trajectory, so only the",
+            "global-clipping approaches are expected to agree; the baseline's unchunked cross-entropy rounds",
+            "differently from apr's chunked one, the standard engine's is the same code).",
             f"Logits: the baseline materialises [batch, seq, vocab] float32 = {res['full_logits_mib']:.1f} MiB "
             f"(plus its gradient); apr's chunks hold {res['chunk_logits_mib']:.1f} MiB.", ""]
     out += [f"{r['approach']}: {r['note']}" for r in res["results"]]
@@ -339,6 +414,10 @@ def main() -> None:
                     help=f"comma-separated subset of {','.join(APPROACHES)}")
     ap.add_argument("--sequential", action="store_true",
                     help="on the CPU too, run the approaches one after another instead of round-robin")
+    ap.add_argument("--no-rss", action="store_true", help="CPU: skip the peak-RSS child processes")
+    ap.add_argument("--budget-gib", type=float, default=64.0,
+                    help="the memory budget the plan's chooser resolves auto against (default: roomy)")
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -349,6 +428,9 @@ def main() -> None:
         ap.error("--warmup and --steps must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.rss_child:
+        rss_child(args)
+        return
     res = run(args)
     print(json.dumps(res, indent=2) if args.json else render(res))
 
