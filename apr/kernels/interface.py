@@ -70,6 +70,7 @@ class KernelBackend(ABC):
         decay: DecayRanges,
         grad_scale: torch.Tensor | float = 1.0,
         found_inf: torch.Tensor | None = None,
+        param_copy: torch.Tensor | None = None,
     ) -> None:
         """One AdamW update of a flat float32 buffer, in place, bit-for-bit the arithmetic of
         ``torch.optim.AdamW`` (decoupled decay ``p *= 1 - lr*wd`` on ``decay``'s ranges only, then
@@ -78,8 +79,10 @@ class KernelBackend(ABC):
         ``step`` is this update's 1-based count (bias correction). The gradient used is
         ``grad * grad_scale`` (clipping coefficient times loss-scale inverse; a 0-dim device
         tensor or a float). If ``found_inf`` (0-dim device tensor) is nonzero the update is
-        skipped and param, exp_avg and exp_avg_sq are left unchanged. ``grad``'s contents are
-        undefined afterwards (backends may use it as scratch).
+        skipped and param, exp_avg and exp_avg_sq are left unchanged; the flag is never read on the
+        host. ``param_copy`` (a bfloat16/float16 tensor of ``param``'s size): also written with the
+        updated parameter rounded to its dtype (the compute copy), unchanged on a skipped step.
+        ``grad``'s contents are undefined afterwards (backends may use it as scratch).
         """
 
     @abstractmethod

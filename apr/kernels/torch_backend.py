@@ -27,24 +27,24 @@ class TorchBackend(KernelBackend):
         decay: DecayRanges,
         grad_scale: torch.Tensor | float = 1.0,
         found_inf: torch.Tensor | None = None,
+        param_copy: torch.Tensor | None = None,
     ) -> None:
-        # The reference may read the flag on the host; device backends skip on the device instead.
-        if found_inf is not None and bool(found_inf.item()):
-            return
-        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
-            grad.mul_(grad_scale)
-        if weight_decay != 0.0:
-            keep = 1 - lr * weight_decay
-            for s, e in decay.ranges:
-                param[s:e].mul_(keep)
-        # The same op sequence as torch.optim.AdamW's single-tensor path, so results match bitwise.
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+        if found_inf is None:
+            if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+                grad.mul_(grad_scale)
+            if weight_decay != 0.0:
+                keep = 1 - lr * weight_decay
+                for s, e in decay.ranges:
+                    param[s:e].mul_(keep)
+            # The same op sequence as torch.optim.AdamW's single-tensor path, so results match bitwise.
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            param.addcdiv_(exp_avg, _denom(exp_avg_sq, beta2, step, eps), value=-lr / (1 - beta1**step))
+        else:
+            _masked_adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decay,
+                          grad_scale, found_inf)
+        if param_copy is not None:
+            param_copy.copy_(param)
 
     def sq_norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x if x.dtype == torch.float32 else x.float()
@@ -72,3 +72,36 @@ class TorchBackend(KernelBackend):
         lse = torch.logsumexp(logits, dim=-1)
         target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1)
         return torch.where(valid, lse - target_logit, 0.0).sum()
+
+
+def _denom(exp_avg_sq: torch.Tensor, beta2: float, step: int, eps: float) -> torch.Tensor:
+    return (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+
+
+def _masked_adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decay, grad_scale,
+                  found_inf: torch.Tensor) -> None:
+    """AdamW that leaves param and moments unchanged where the device flag ``found_inf`` is set,
+    without reading it on the host. Unflagged, every element is the unmasked path's bit for bit:
+    the flag only selects the scalars (0-dim tensors of the same float32 values) and, last, the
+    parameter; flagged, the gradient is zeroed so the moments' updates are exact no-ops
+    (lerp by 0, multiply by 1, add 0)."""
+    found = found_inf.reshape(()).to(torch.bool)
+    one = torch.ones((), dtype=param.dtype, device=param.device)
+
+    def pick(value: float) -> torch.Tensor:  # the scalar, or 1 (no change) on a flagged step
+        return torch.where(found, one, torch.full((), value, dtype=param.dtype, device=param.device))
+
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+        grad.mul_(grad_scale)
+    zero = torch.zeros_like(one)
+    torch.where(found, zero, grad, out=grad)  # NaN/inf gradients must not reach the moments
+    if weight_decay != 0.0:
+        keep = pick(1 - lr * weight_decay)
+        for s, e in decay.ranges:
+            param[s:e].mul_(keep)
+    exp_avg.lerp_(grad, torch.where(found, zero, torch.full_like(one, 1 - beta1)))
+    exp_avg_sq.mul_(pick(beta2)).addcmul_(grad, grad, value=1 - beta2)
+    # the new parameter overwrites the denominator (a temporary), then is taken on an unflagged step only
+    denom = _denom(exp_avg_sq, beta2, step, eps)
+    torch.addcdiv(param, exp_avg, denom, value=-lr / (1 - beta1**step), out=denom)
+    torch.where(found, param, denom, out=param)

@@ -22,6 +22,11 @@ class Cadence:
         """A log step reads the loss and norm to the host; a stopping run logs its last step."""
         return step % self.log_interval == 0 or step == self.total_steps or stopping
 
+    def reads_device(self, step: int, stopping: bool) -> bool:
+        """Steps after which the loop reads the device anyway (log, validation, checkpoint): where the
+        engine's non-finite flags are read too."""
+        return self.log(step, stopping) or self.validate(step) or self.save(step, False, stopping)
+
     def validate(self, step: int) -> bool:
         return (self.validates and self.eval_interval > 0
                 and (step % self.eval_interval == 0 or step == self.total_steps))

@@ -14,10 +14,12 @@ walk comes first (exact global clipping or the fp16 overflow check with one work
 interleaved engine is tested against.
 
 Both take micro-batches of token ids ``[batch, seq_len + 1]`` and a learning rate, and return the
-step's loss and gradient norm as device tensors; the only host reads per step are finiteness
-checks: the loss of each micro-batch's forward, the global gradient norm (before any update when it
-is known first, else after the walk), and, in the single walk with the torch kernels, one read of
-each group's overflow flag before its AdamW step (the CuPy backend skips on the device).
+step's loss and gradient norm as device tensors. The interleaved engine reads nothing on the host
+during a step (fp32/bf16): a non-finite loss or gradient sets a sticky flag on the device that every
+later AdamW launch honours (``found_inf``: the step and all after it write nothing), and the caller
+reads it with ``check_finite()`` when it reads the host anyway (log, evaluation, checkpoint). Under
+fp16 the loss-scale decision needs one host read per step (the loss, then the norm), and the
+standard engine, the textbook loop, reads the loss and the norm every step.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels import KernelBackend, get_backend
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_fwd_bwd, linear_cross_entropy_sum
-from apr.steps import execution as execution_policy
 from apr.model import spec
-from apr.steps.execution import Execution
 from apr.model.llama import LlamaForCausalLM, build_model
+from apr.steps import execution as execution_policy
+from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
 from apr.train.dist import DataParallel
 from apr.train.flat import FlatGroup, flatten_group
+from apr.train.nonfinite import GRADIENTS, LOSS, NonFiniteFlags
 from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
 
 
@@ -52,12 +55,16 @@ class StepResult:
 
 class NonFiniteError(AprError):
     """The loss or the gradients are NaN/inf. ``state_is_last_good``: no parameter was updated
-    with them, so the current weights are the previous step's and may be checkpointed."""
+    with them, so the current weights are those before the first bad step and may be checkpointed.
+    ``steps_back``: how many of the ``train_step`` calls so far are not in the weights (the first
+    bad one and every one after it): 1 when raised by ``train_step`` itself, more when found by a
+    later ``check_finite``."""
 
-    def __init__(self, what: str, state_is_last_good: bool):
+    def __init__(self, what: str, state_is_last_good: bool, steps_back: int = 1):
         super().__init__(f"non-finite {what}")
         self.what = what
         self.state_is_last_good = state_is_last_good
+        self.steps_back = steps_back
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,6 +111,8 @@ class Engine:
         if self.strategy.clip == "adagc":
             self.adagc_ema = {name: torch.zeros(len(specs), device=device) for name, specs in group_specs(config)}
         self.dp: DataParallel | None = None  # set by ``build_engine`` under torchrun
+        self.calls = 0  # train_step calls
+        self._flags = NonFiniteFlags(device)
         # Test/diagnostic hook, called with a group name once that group's gradient is complete.
         self.grad_probe: Callable[[str], None] | None = None
 
@@ -125,21 +134,36 @@ class Engine:
         return loss, targets.numel()
 
     def _check_loss(self, loss: torch.Tensor) -> None:
+        """A host read: the standard engine and fp16 (whose loss scale decides on the host)."""
         if not bool(torch.isfinite(loss).item()):
             raise NonFiniteError("loss", state_is_last_good=True)
+
+    def check_finite(self) -> None:
+        """Raise ``NonFiniteError`` if a step since the last check had a non-finite loss or gradient;
+        one host read. The steps from the first bad one on wrote nothing (``optimizer_steps`` is
+        rolled back to match), so the weights are the last good ones unless a bad gradient
+        appeared after some group of its step had already been updated."""
+        found = self._flags.read(self.calls)
+        if found is None:
+            return
+        what, steps_back, partial = found
+        self.optimizer_steps -= steps_back
+        raise NonFiniteError(what, state_is_last_good=not partial, steps_back=steps_back)
 
     def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor:
         # exactly torch.nn.utils.clip_grad_norm_'s coefficient
         return torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
 
     @torch.no_grad()
-    def _adagc_clip(self, name: str, grads: list[torch.Tensor], unscale: float = 1.0) -> None:
+    def _adagc_clip(self, name: str, grads: list[torch.Tensor], unscale: float = 1.0,
+                    found_inf: torch.Tensor | None = None) -> None:
         """AdaGC (adaptive per-tensor clipping) of one group's gradients, in place and on the device.
 
         Each tensor's norm n (``unscale`` removes the fp16 loss scale) is clipped to ``grad_clip``
         during ``adagc.warmup_steps`` and to ``threshold x ema`` after; the EMA of the clipped norm
-        follows with decay ``beta`` (started at the first step's clipped norm). A non-finite norm
-        leaves the EMA as it was. Local to the tensor, so it fits the one-group walk."""
+        follows with decay ``beta`` (started at the first step's clipped norm). A non-finite norm, or
+        a step ``found_inf`` flags, leaves the EMA as it was. Local to the tensor, so it fits the
+        one-group walk."""
         ema, cfg = self.adagc_ema[name], self.adagc
         step = self.optimizer_steps + 1
         norms = torch.stack(torch._foreach_norm(grads)).float()
@@ -149,7 +173,8 @@ class Engine:
         coef = torch.clamp(limit / (norms + 1e-6), max=1.0)
         clipped = norms * coef
         new = clipped if step == 1 else ema * cfg.beta + clipped * (1.0 - cfg.beta)
-        ema.copy_(torch.where(torch.isfinite(new), new, ema))
+        keep = torch.isfinite(new) if found_inf is None else torch.isfinite(new) & ~found_inf
+        ema.copy_(torch.where(keep, new, ema))
         torch._foreach_mul_(grads, list(coef.to(grads[0].dtype).unbind()))
 
     def _probe(self, name: str) -> None:
@@ -312,8 +337,11 @@ class InterleavedEngine(Engine):
             h, weight, targets, chunk_size=self.chunk_size, grad_scale=1.0 / targets.numel(),
             backend=self.backend, grad_weight=head_grad, compute_dtype=self.cdt,
         )
-        if check_loss:  # a host read; the stepping walk after a norm pre-pass already knows the loss
-            self._check_loss(loss_sum)
+        if check_loss:  # before any update; the stepping walk after a norm pre-pass already knows the loss
+            if self.scaler.enabled:
+                self._check_loss(loss_sum)
+            else:
+                self._flags.flag(~torch.isfinite(loss_sum), LOSS, self.calls)
         if grad_mult != 1.0:
             grad_h.mul_(grad_mult)
             head_grad.mul_(grad_mult)
@@ -369,15 +397,17 @@ class InterleavedEngine(Engine):
 
     # --------------------------------------------------------------------------------- stepping
 
-    def _apply(self, group: FlatGroup, grad: torch.Tensor, coef, found_inf: torch.Tensor | None = None) -> None:
+    def _apply(self, group: FlatGroup, grad: torch.Tensor, coef) -> None:
+        found_inf = self._flags.bad  # set by a non-finite loss or gradient in this step or an earlier one
         if self.strategy.clip == "adagc":
-            self._adagc_clip(group.name, group.views(grad), 1.0 / self.scaler.scale)
+            self._adagc_clip(group.name, group.views(grad), 1.0 / self.scaler.scale, found_inf)
         scale = coef if self.scaler.scale == 1.0 else coef * (1.0 / self.scaler.scale)
         self.backend.adamw_step(
             group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr, beta1=self.beta1,
             beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay, step=self.optimizer_steps + 1,
             decay=group.decay, grad_scale=scale, found_inf=found_inf,
         )
+        self._flags.stepped()
 
     def _coefs(self, sq_norms: dict[str, torch.Tensor], norm: torch.Tensor) -> dict[str, torch.Tensor | float]:
         clip = self.strategy.clip
@@ -389,9 +419,13 @@ class InterleavedEngine(Engine):
         return {name: self._clip_coef(sq.sqrt() / self.scaler.scale) for name, sq in sq_norms.items()}
 
     def _known_norm(self, sq_norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """Global norm from complete per-group squared norms, checked on the host before any update.
-        Returns (norm, overflowed); an fp16 overflow is a skipped step, anything else non-finite stops."""
+        """Global norm from complete per-group squared norms, checked before any update: on the
+        device (a non-finite norm flags the step), or under fp16 on the host. Returns (norm,
+        overflowed); an fp16 overflow is a skipped step, anything else non-finite stops."""
         norm = torch.stack([sq_norms[g.name] for g in self.groups]).sum().sqrt() / self.scaler.scale
+        if not self.scaler.enabled:
+            self._flags.flag(~torch.isfinite(norm), GRADIENTS, self.calls)
+            return norm, False
         if bool(torch.isfinite(norm).item()):
             return norm, False
         if self.scaler.enabled:
@@ -401,6 +435,8 @@ class InterleavedEngine(Engine):
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         self._lr = lr
+        self.calls += 1
+        self._flags.start_step()
         st, accum = self.strategy, len(micro_batches)
         if accum > 1 and not st.keeps_all_grads:
             raise AprError("gradient accumulation needs the per-group gradient buffers of the buffer plan")
@@ -471,13 +507,12 @@ class InterleavedEngine(Engine):
         def step(g: FlatGroup, buf: torch.Tensor) -> None:
             s = sq[g.name] = self.backend.sq_norm(buf)
             coef = self._clip_coef(s.sqrt()) if per_block else 1.0
-            # a non-finite gradient must not reach the weights; the run stops after this step
-            self._apply(g, buf, coef, found_inf=~torch.isfinite(s))
+            # a non-finite gradient reaches no weights; the groups updated before it make the state partial
+            self._flags.flag(~torch.isfinite(s), GRADIENTS, self.calls)
+            self._apply(g, buf, coef)
 
         loss_sum = self._walk(ids, targets, inputs, graphs, 1.0, step, free_inputs=True)
         norm = torch.stack([sq[g.name] for g in self.groups]).sum().sqrt()
-        if not bool(torch.isfinite(norm).item()):
-            raise NonFiniteError("gradients", state_is_last_good=False)  # finite groups already stepped
         self._stepped()
         return StepResult(loss_sum / targets.numel(), norm)
 

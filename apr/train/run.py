@@ -414,6 +414,9 @@ class Run:
             micro = [self.loader.next_batch() for _ in range(self.config.training.gradient_accumulation)]
             try:
                 report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
+                stopping = signals.received is not None
+                if self.cadence.reads_device(step, stopping) or self.evaluator.due(step, report.is_last):
+                    self.engine.check_finite()  # the engine's non-finite flags: read where the loop reads anyway
             except NonFiniteError as err:
                 return self._non_finite(err, recorder)
             signals.announce()
@@ -433,6 +436,10 @@ class Run:
                 stop = first_stop(stop, hook.after_step(self, report))  # every hook sees every step
             stop = self._agree(stop, signals)
             if self.cadence.save(step, report.is_best, stopping=stop is not None or signals.received is not None):
+                try:
+                    self.engine.check_finite()  # no read when already checked after this step
+                except NonFiniteError as err:
+                    return self._non_finite(err, recorder)
                 self.save(step, report.is_best, recorder)
                 self.steplog.restart_clock()
             if stop is not None:
@@ -442,11 +449,23 @@ class Run:
         return FINISHED
 
     def _non_finite(self, err: NonFiniteError, recorder: Recorder) -> Stop:
-        """The step in progress produced NaN/inf: fail, keeping the previous step's weights when they are intact."""
-        self.step -= 1
+        """A step produced NaN/inf (found ``err.steps_back`` steps ago): fail, keeping the last good
+        step's weights when they are intact, the data cursor just past the bad step's batches."""
+        self.step -= err.steps_back
+        self._rewind_loader(err.steps_back - 1)
         if err.state_is_last_good and self.step > self.start_step:
             self.save(self.step, False, recorder)
         return Stop.non_finite(err.what, self.step + 1)
+
+    def _rewind_loader(self, steps: int) -> None:
+        """Put the data cursor back by ``steps`` optimizer steps' micro-batches."""
+        if steps <= 0:
+            return
+        loader, per_epoch = self.loader, self.loader.micro_batches_per_epoch
+        taken = loader.epoch * per_epoch + loader.position - steps * self.config.training.gradient_accumulation
+        state = loader.state_dict()
+        state["epoch"], state["position"] = divmod(max(taken, 0), per_epoch)
+        loader.load_state_dict(state)
 
     def _result(self, stop: Stop, final_step: int, warnings: list[str]) -> RunResult:
         return RunResult(

@@ -68,6 +68,44 @@ def test_adamw_grad_scale_and_found_inf():
     assert torch.equal(c, p0) and not mc.any() and not vc.any()
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37])
+def test_adamw_with_a_clear_found_inf_is_bitwise_the_unmasked_update(weight_decay, grad_scale):
+    """The device-flag path (no host read) must not change a good step by one bit, and a flagged
+    step with NaN/inf gradients leaves parameters and moments exactly as they were."""
+    gen = torch.Generator().manual_seed(3)
+    n = 1001
+    p0, m0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.1
+    v0, g = torch.rand(n, generator=gen) * 0.01, torch.randn(n, generator=gen)
+    decay = DecayRanges.from_segments([(100, False), (800, True), (101, False)])
+    kw = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay, step=7, decay=decay)
+    scale = torch.tensor(grad_scale)
+    ref = [t.clone() for t in (p0, m0, v0)]
+    B.adamw_step(ref[0], g.clone(), ref[1], ref[2], grad_scale=scale, **kw)
+    out = [t.clone() for t in (p0, m0, v0)]
+    B.adamw_step(out[0], g.clone(), out[1], out[2], grad_scale=scale, found_inf=torch.tensor(False), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    bad = g.clone()
+    bad[[3, 500]] = torch.tensor([float("nan"), float("inf")])
+    kept = [t.clone() for t in (p0, m0, v0)]
+    B.adamw_step(kept[0], bad, kept[1], kept[2], grad_scale=scale, found_inf=torch.tensor(1.0), **kw)
+    assert all(torch.equal(a, b) for a, b in zip(kept, (p0, m0, v0), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_adamw_writes_the_compute_copy(dtype):
+    gen = torch.Generator().manual_seed(4)
+    p, g = torch.randn(64, generator=gen), torch.randn(64, generator=gen)
+    kw = dict(lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1,
+              decay=DecayRanges.from_segments([(64, True)]))
+    copy = torch.zeros(64, dtype=dtype)
+    B.adamw_step(p, g.clone(), torch.zeros(64), torch.zeros(64), param_copy=copy, **kw)
+    assert torch.equal(copy, p.to(dtype))
+    before = copy.clone()
+    B.adamw_step(p, g.clone(), torch.zeros(64), torch.zeros(64), param_copy=copy, found_inf=torch.tensor(True), **kw)
+    assert torch.equal(copy, before)
+
+
 def test_sq_norm_is_a_device_tensor_and_flags_non_finite():
     x = torch.tensor([3.0, 4.0, 0.0])
     s = B.sq_norm(x)

@@ -158,8 +158,9 @@ def test_non_finite_loss_stops_before_any_update():
     with torch.no_grad():
         engine.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     before = _weights(engine)
+    engine.train_step(batches(config, 1), lr=1e-2)  # flagged on the device, read by the check
     with pytest.raises(NonFiniteError) as err:
-        engine.train_step(batches(config, 1), lr=1e-2)
+        engine.check_finite()
     assert err.value.what == "loss" and err.value.state_is_last_good
     after = _weights(engine)
     for k in before:
