@@ -3,9 +3,11 @@
 **Memory-mapping.** Parquet pages are compressed, so their values cannot be used in place. The
 first time a dataset is opened its shards' token columns are decoded once into one flat
 little-endian uint32 file in a cache folder (``$APR_HOME/cache/tokens``, default
-``~/.apr/cache/tokens``), keyed by the shards' paths, sizes and modification times, and from then
-on that file is memory-mapped: opening is instant, the operating system pages rows in and out,
-and data-parallel ranks on one machine share one copy in the page cache. With
+``~/.apr/cache/tokens``), keyed by the shards' paths, sizes, modification times and content
+digests, and from then on that file is memory-mapped: opening is instant, the operating system
+pages rows in and out, and data-parallel ranks on one machine share one copy in the page cache.
+Each block of the file is checked against a checksum recorded when it was built before its rows
+are first used; a mismatch rebuilds it from the shards with a warning (``apr/data/tokencache.py``). With
 ``cache_dir=False``, or when the cache folder cannot be written, the shards are decoded into
 process memory instead (4 bytes per token).
 
@@ -25,16 +27,16 @@ would have given.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from apr.data.shards import shard_files
+from apr.data.tokencache import TokenCache
 from apr.errors import AprError, Finding
-from apr.readers import load_json
 from apr.steps.algebra import step_count
 
 STATE_VERSION = 1
@@ -104,72 +106,8 @@ def _decode(path: Path, column: str, width: int, rows: int) -> np.ndarray:
     return values.astype(np.uint32, copy=False).reshape(rows, width)
 
 
-def _cached(source: Path, shards: list[Path], counts: list[int], column: str, width: int,
-            cache_dir: Path) -> np.ndarray:
-    """All shards' tokens as one ``[rows, width]`` array memory-mapped from the cache (one file, so
-    one mapping however many shards), decoding them into it on first use."""
-    real = os.path.realpath(source)
-    ident = [real, column, width] + [(os.path.realpath(f), f.stat().st_size, f.stat().st_mtime_ns) for f in shards]
-    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:32]
-    data = cache_dir / f"{key}.u32"
-    rows = sum(counts)
-    nbytes = rows * width * 4
-    if not (data.is_file() and data.stat().st_size == nbytes):
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        with _Lock(cache_dir / f"{key}.lock"):  # ranks on one machine decode the shards once
-            if not (data.is_file() and data.stat().st_size == nbytes):
-                tmp = data.with_name(f".{data.name}.{os.getpid()}.tmp")
-                try:
-                    with open(tmp, "wb") as f:
-                        for shard, n in zip(shards, counts, strict=True):
-                            if n:
-                                _decode(shard, column, width, n).astype("<u4", copy=False).tofile(f)
-                    os.replace(tmp, data)
-                finally:
-                    if tmp.exists():
-                        tmp.unlink()
-                _prune(cache_dir, real, key)
-                (cache_dir / f"{key}.json").write_text(json.dumps(
-                    {"source": real, "column": column, "row_len": width, "rows": rows,
-                     "shards": [str(f) for f in shards]}) + "\n")
-    return np.memmap(data, dtype="<u4", mode="r", shape=(rows, width))
-
-
-def _prune(cache_dir: Path, source: str, keep: str) -> None:
-    """Drop the cache entries of earlier versions of the same dataset."""
-    for meta in cache_dir.glob("*.json"):
-        if meta.stem == keep:
-            continue
-        try:  # bounded: a FIFO or junk among the cache's files is skipped, never read or trusted
-            doc = load_json(meta, "manifest", "token-cache metadata")
-        except AprError:
-            continue
-        if not isinstance(doc, dict) or doc.get("source") != source:
-            continue
-        for suffix in (".u32", ".lock", ".json"):
-            try:
-                (cache_dir / f"{meta.stem}{suffix}").unlink()
-            except OSError:
-                pass
-
-
-class _Lock:
-    def __init__(self, path: Path):
-        self.path, self.fd = path, None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: ranks may each decode the shards; the rename keeps the file whole
-            return self
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the lock
-        return False
+class TokenCacheWarning(UserWarning):
+    """The token cache did not match its checksums and was rebuilt from the shards."""
 
 
 class ShardLoader:
@@ -177,7 +115,8 @@ class ShardLoader:
 
     def __init__(self, path, *, seq_len: int, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  gradient_accumulation: int = 1, shuffle: bool = True, input_column: str = "input_ids",
-                 cache_dir: str | Path | bool | None = None, vocab_size: int | None = None):
+                 cache_dir: str | Path | bool | None = None, vocab_size: int | None = None,
+                 on_warning: Callable[[str], None] | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         if batch_size < 1 or gradient_accumulation < 1 or seq_len < 1:
@@ -203,12 +142,16 @@ class ShardLoader:
         if cache_dir is None or cache_dir is True:
             cache_dir = default_cache_dir()
         self._rows: np.ndarray | None = None
+        self._cache: TokenCache | None = None
+        warn = on_warning or (lambda message: warnings.warn(message, TokenCacheWarning, stacklevel=3))
         if cache_dir is not False:
             try:
-                self._rows = _cached(self.path, self.shards, counts, input_column, width, Path(cache_dir))
+                self._cache = TokenCache(self.path, self.shards, counts, input_column, width, Path(cache_dir),
+                                         decode=lambda shard, n: _decode(shard, input_column, width, n), warn=warn)
+                self._rows = self._cache.rows
             except OSError:  # a read-only or full cache folder: fall back to memory
-                pass
-        self.memory_mapped = self._rows is not None
+                self._cache = None
+        self.memory_mapped = self._cache is not None
         if self._rows is None:
             arrays = [_decode(f, input_column, width, n) for f, n in zip(self.shards, counts, strict=True) if n]
             self._rows = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
@@ -228,6 +171,9 @@ class ShardLoader:
         """Rows by index as one int64 tensor (a copy: the cache stays read-only)."""
         import torch
 
+        if self._cache is not None:
+            self._cache.check(indices)  # may rebuild the cache from the shards and remap it
+            self._rows = self._cache.rows
         rows = self._rows[indices]
         if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:
             self._bad_id(indices, rows)

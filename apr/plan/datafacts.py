@@ -44,12 +44,20 @@ def input_files(path: Path) -> list[Path]:
 
 
 def fingerprint_entries(paths: list[Path]) -> list[dict]:
-    """name, size and mtime of every input file: what `apply` compares to refuse a stale plan."""
+    """name, size, mtime and content digest of every input file: what `apply` compares to refuse a
+    stale plan. The digest (``apr.readers.content_digest``) covers all of a file up to 1 MiB, and
+    the head, the tail (a Parquet footer) and 64 samples of a larger one."""
+    from apr.readers import content_digest
+
     entries = []
     for root in paths:
         for f in input_files(root):
             st = f.stat()
-            entries.append({"path": str(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            try:
+                digest = content_digest(f)
+            except OSError:  # unreadable: the plan names it; size and mtime still fingerprint it
+                digest = None
+            entries.append({"path": str(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest})
     return entries
 
 

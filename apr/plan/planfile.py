@@ -1,9 +1,10 @@
 """Plan files: `apr train plan CONFIG -out plan.json` saves one, `apr train apply plan.json` reads it.
 
 A plan file is ``Plan.to_dict()``: besides the findings and facts it holds the resolved config, its
-SHA-256 and the data fingerprint (name, size and mtime of every file of the train and val data and
-the tokenizer). ``check_plan_fresh`` recomputes both and refuses a plan whose config or data
-changed since, saying exactly what changed, like Terraform refusing a stale saved plan.
+SHA-256 and the data fingerprint (name, size, mtime and content digest of every file of the train
+and val data and the tokenizer; the digest reads all of a small file, samples of a large one).
+``check_plan_fresh`` recomputes both and refuses a plan whose config or data changed since, saying
+exactly what changed, like Terraform refusing a stale saved plan.
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def _field_checks(doc: dict):
     yield "overrides", "a mapping", isinstance(doc.get("overrides") or {}, dict)
     yield "cwd", "a path (string)", isinstance(doc.get("cwd") or "", str)
     files = doc["data_fingerprint"]["files"]
-    yield "data_fingerprint.files", "a list of {path, size, mtime_ns}", all(
+    yield "data_fingerprint.files", "a list of {path, size, mtime_ns, digest}", all(
         isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))
-        and is_int(f.get("mtime_ns")) for f in files)
+        and is_int(f.get("mtime_ns")) and isinstance(f.get("digest", ""), (str, type(None))) for f in files)
 
 
 # ---------------------------------------------------------------------------------- freshness
@@ -133,7 +134,8 @@ def data_changes(old_files: list[dict], new_files: list[dict]) -> tuple[list[dic
     added = [new[p] for p in sorted(set(new) - set(old))]
     removed = [old[p] for p in sorted(set(old) - set(new))]
     changed = [(old[p], new[p]) for p in sorted(set(old) & set(new))
-               if (old[p]["size"], old[p]["mtime_ns"]) != (new[p]["size"], new[p]["mtime_ns"])]
+               if (old[p]["size"], old[p]["mtime_ns"]) != (new[p]["size"], new[p]["mtime_ns"])
+               or ("digest" in old[p] and old[p]["digest"] != new[p].get("digest"))]
     return added, removed, changed
 
 
@@ -151,7 +153,7 @@ def _listed(items: list[str]) -> str:
 def check_plan_fresh(doc: dict) -> Path:
     """The config path to apply, after checking that neither the config nor the data changed since
     the plan was made. Raises AprError listing what changed: the config keys (old -> new), and the
-    data files added, removed or changed (size, mtime). A config that no longer loads raises its
+    data files added, removed or changed (size, mtime, content digest). A config that no longer loads raises its
     ConfigError."""
     from apr.config import config_hash, load_config
     from apr.plan.build import apply_overrides, data_fingerprint
@@ -190,6 +192,8 @@ def check_plan_fresh(doc: dict) -> Path:
             what.append(f"size {before['size']:,} -> {after['size']:,} bytes")
         if before["mtime_ns"] != after["mtime_ns"]:
             what.append(f"modified {_when(before['mtime_ns'])} -> {_when(after['mtime_ns'])}")
+        if not what:
+            what.append("same size and mtime, different content")
         findings.append(Finding("error", "plan.stale.data", "changed since the plan: " + ", ".join(what),
                                 file=after["path"], path=f"data.{after.get('role', 'train')}"))
     if added or removed or changed:

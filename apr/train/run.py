@@ -142,7 +142,7 @@ class Run:
         self.loader = ShardLoader(
             os.path.expanduser(data.train), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
             gradient_accumulation=tr.gradient_accumulation, world_size=world, rank=rank, shuffle=data.shuffle,
-            input_column=data.input_column, vocab_size=config.model.architecture.vocab_size)
+            input_column=data.input_column, vocab_size=config.model.architecture.vocab_size, on_warning=self._warn)
         if self.loader.steps_per_epoch == 0:
             need = self.loader.sequences_per_step
             raise _data_error(
@@ -154,7 +154,7 @@ class Run:
             self.val_loader = ShardLoader(
                 os.path.expanduser(data.val), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
                 shuffle=False, input_column=data.input_column, rank=rank, world_size=world,
-                vocab_size=config.model.architecture.vocab_size)
+                vocab_size=config.model.architecture.vocab_size, on_warning=self._warn)
         steps = step_count(num_sequences=self.loader.num_rows, batch_size=data.batch_size,
                            gradient_accumulation=tr.gradient_accumulation, world_size=world, epochs=tr.epochs,
                            max_steps=tr.max_steps)

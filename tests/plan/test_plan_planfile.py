@@ -63,6 +63,39 @@ def test_touched_data_file_is_refused(saved):
     assert f.code == "plan.stale.data" and f.file == str(shard) and "modified" in f.message
 
 
+def _rewrite_keeping_size_and_mtime(path, offset: int):
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+def test_same_size_change_with_mtime_restored_is_refused(saved):
+    cfg, path = saved
+    shard = cfg.parent / "train" / "shard-00000.parquet"
+    _rewrite_keeping_size_and_mtime(shard, shard.stat().st_size // 2)  # a small file is hashed whole
+    err = _refusal(load_plan_file(path))
+    f = err.findings[0]
+    assert f.code == "plan.stale.data" and f.file == str(shard) and "different content" in f.message
+
+
+def test_large_file_digest_sees_its_footer_and_samples_not_every_byte(tmp_path):
+    from apr.readers import DIGEST_HEAD, content_digest
+
+    big = tmp_path / "big.parquet"
+    big.write_bytes(bytes(8 * 2**20))
+    before = content_digest(big)
+    _rewrite_keeping_size_and_mtime(big, big.stat().st_size - 100)  # inside the footer (the tail)
+    assert content_digest(big) != before
+    changed = content_digest(big)
+    _rewrite_keeping_size_and_mtime(big, DIGEST_HEAD + 10)  # between the samples: documented as not seen
+    assert content_digest(big) == changed
+
+
 def test_added_and_removed_data_files_are_refused(saved):
     cfg, path = saved
     write_shards(cfg.parent / "train" / "more", rows=4, row_len=33, max_token=10)
