@@ -33,6 +33,7 @@ HARMLESS: dict[str, str] = {
     "training.execution.gradients": "where gradients live; every policy trains the same weights",
     "training.vram": "the plan's hardware target only",
     "model.path": "initial weights; a resumed run takes its weights from the checkpoint",
+    "model.init_from": "initial weights; a resumed run takes its weights from the checkpoint",
     "model.architecture.initializer_range": "initialisation only; a resumed run does not initialise",
     "monitoring.": "dashboards, tracking and alerts",
 }

@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from apr.checkpoint import files
+from apr.checkpoint.hf_import import ARCH_TO_HF
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
 from apr.checkpoint.names import is_optimizer_state
 from apr.errors import AprError, Finding
@@ -116,18 +117,8 @@ def hf_config(arch, specials: dict, transformers_major: int | None) -> tuple[dic
     doc = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": arch.vocab_size,
-        "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.intermediate_size,
-        "num_hidden_layers": arch.num_hidden_layers,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_key_value_heads": arch.kv_heads,
-        "head_dim": arch.head_dim,
+        **{hf_key: getattr(arch, attr) for attr, hf_key in ARCH_TO_HF},  # import reads them back
         "hidden_act": "silu",
-        "max_position_embeddings": arch.max_position_embeddings,
-        "initializer_range": arch.initializer_range,
-        "rms_norm_eps": arch.rms_norm_eps,
-        "tie_word_embeddings": arch.tie_word_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,

@@ -101,20 +101,26 @@ class Architecture(_Section):
 
 
 def _from_scratch_only(value: object) -> object:
-    # A path here used to be accepted and ignored (the run trained from scratch): refuse it until
-    # loading initial weights exists (issue 18 plans `model.init_from`).
+    # A path here used to be accepted and ignored (the run trained from scratch); initial weights
+    # are named by `model.init_from` instead.
     if value not in (".", None):
         raise ValueError(
             'loading initial weights from model.path is not supported: expected "." (train from scratch), '
-            f"got {value!r}. To continue a run, keep its output_dir and use `apr train apply CONFIG --resume latest` "
-            "(or --resume CHECKPOINT.json); starting from other weights will be `model.init_from` (issue 18)")
+            f"got {value!r}. To start from other weights set model.init_from to a Hugging Face LLaMA folder or "
+            "an apr checkpoint (docs/finetuning.md); to continue a run, keep its output_dir and use "
+            "`apr train apply CONFIG --resume latest` (or --resume CHECKPOINT.json)")
     return "." if value is None else value
 
 
 class ModelConfig(_Section):
     path: Annotated[str, BeforeValidator(_from_scratch_only)] = Field(
-        ".", description='Only "." (train from scratch, randomly initialised). Continue a run with '
-                         "`--resume`; loading other weights is not supported yet.")
+        ".", description='Only "." (train from scratch, randomly initialised). Start from trained weights '
+                         "with init_from; continue a run with `--resume`.")
+    init_from: str | None = Field(
+        None, description="Initial weights: a local Hugging Face LLaMA folder (config.json + model.safetensors "
+        "or a sharded model.safetensors.index.json; no .bin) or an apr checkpoint (.json, or a run folder: its "
+        "newest). Its architecture must equal model.architecture (the plan names each difference). "
+        "Default: random init from training.seed.")
     mode: ModelMode = Field(ModelMode.transformer, description="Model family. Only transformer for now.")
     architecture: Architecture
 

@@ -266,12 +266,21 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     target = resolve_plan_target(config, gpu, vram)
     budget = device_budget(config) if device_budget is not None and (target is None or not target.vram_bytes) else None
     sheet = all_facts(config, world_size=world_size, target=target, device_budget=budget)
+    from apr.plan.initfacts import init_from_check
+
+    init_facts, init_findings = init_from_check(loaded)
+    if init_facts is not None:
+        sheet.facts["init_from"] = init_facts
+        if config.data.tokenizer is None and init_facts["tokenizer"]:
+            from apr.plan.tokfacts import tokenizer_facts  # the source's tokenizer travels with its weights
+
+            sheet.facts["tokenizer"] = tokenizer_facts(init_facts["tokenizer"])
     contract_set = load_contracts(contracts_dir)
     results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
     from apr.plan.validate import alert_config_findings, output_dir_findings
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
-                       *output_dir_findings(loaded)],
+                       *output_dir_findings(loaded), *init_findings],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

@@ -43,7 +43,12 @@ def _model_lines(plan) -> list[str]:
     hd = str(arch.head_dim)
     if arch.hidden_size % arch.num_attention_heads:  # C-ARCH-001 fails: show the fraction it complains of
         hd = f"{arch.hidden_size / arch.num_attention_heads:g}"
-    return [
+    init = plan.facts.get("init_from")
+    start = [] if init is None else [
+        f"initial weights: {init['path']} ({init['kind']}, {init['tensors']} tensors, "
+        f"{format_bytes(init['bytes'])} on disk, {format_bytes(init['host_bytes'])} float32 in host memory while "
+        "loading)" + (f"; {init['errors']} problem(s) below" if init["errors"] else "")]
+    return start + [
         f"LLaMA-style decoder: {arch.num_hidden_layers} layers x hidden {arch.hidden_size:,}, "
         f"{arch.num_attention_heads} heads ({arch.kv_heads} KV, head_dim {hd}), SwiGLU {arch.intermediate_size:,}, "
         f"vocab {arch.vocab_size:,}",

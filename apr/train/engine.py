@@ -654,13 +654,18 @@ def build_engine(
     config: AprConfig, device: torch.device | str | None = None, *, seed: int | None = None,
     backend: KernelBackend | None = None, dp: DataParallel | None = None, execution: Execution | None = None,
 ) -> Engine:
-    """A freshly initialised model inside the engine ``training.engine`` names; ``dp``: average
-    gradients over the data-parallel ranks before every update; ``execution``: the plan's resolved
-    policy (default: the config's, ``auto`` as if memory were unlimited)."""
+    """A freshly initialised model (or ``model.init_from``'s weights) inside the engine
+    ``training.engine`` names; ``dp``: average gradients over the data-parallel ranks before every
+    update; ``execution``: the plan's resolved policy (default: the config's, ``auto`` as if memory
+    were unlimited)."""
     tr = config.training
     device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
     backend = backend or get_backend(str(tr.kernels), device)
     model = build_model(config.model.architecture, tr.seed if seed is None else seed, device="cpu")
+    if config.model.init_from is not None:  # trained weights replace the random init
+        from apr.checkpoint.hf_import import load_into
+
+        load_into(model, config.model.init_from)
     if str(tr.engine) == "standard":
         engine: Engine = StandardEngine(config, model.to(device), device, backend)
     else:

@@ -1,0 +1,414 @@
+"""``model.init_from``: start a run from trained weights, an apr checkpoint or a local Hugging Face
+LLaMA folder (config.json + model.safetensors, or a sharded model.safetensors.index.json).
+
+Two halves (docs/design.md, "Checkpoints"):
+
+* ``inspect_source`` reads only JSON and safetensors headers (no torch, no weights): the source's
+  kind, its tensors' names, shapes and dtypes, total bytes, the tokenizer beside it, and one
+  finding per problem (a pickle file, another architecture's tensor names, a shape or architecture
+  key that differs from the config). The plan shows these; ``apply`` refuses the same ones.
+* ``load_source_weights`` loads the tensors as float32 under apr's names, which are Hugging Face's
+  Llama names (apr/model/spec.py), so the weights need no renaming; the architecture keys of
+  config.json are the same table export writes (``ARCH_TO_HF``), read the other way.
+
+Nothing is unpickled: ``.bin`` / ``.pt`` files are refused with a finding naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from apr.errors import AprError, Finding
+
+KEY = "model.init_from"
+
+# Architecture attribute -> config.json key. Export writes config.json from this table and import
+# checks config.json against the config with it: one mapping, two directions.
+ARCH_TO_HF: tuple[tuple[str, str], ...] = (
+    ("vocab_size", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("intermediate_size", "intermediate_size"),
+    ("num_hidden_layers", "num_hidden_layers"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("max_position_embeddings", "max_position_embeddings"),
+    ("initializer_range", "initializer_range"),
+    ("rms_norm_eps", "rms_norm_eps"),
+    ("tie_word_embeddings", "tie_word_embeddings"),
+)
+# Keys that do not change what the weights compute: not compared.
+_NOT_COMPARED = {"initializer_range"}
+# Architecture attribute -> the config key a user edits (kv_heads is a property).
+_CONFIG_KEY = {"kv_heads": "num_key_value_heads", "head_dim": "hidden_size"}
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+LOADABLE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older transformers saved; recomputed by apr
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code: F32, BF16, ...
+    file: Path
+    nbytes: int
+
+
+@dataclass
+class InitSource:
+    """What ``inspect_source`` found. ``findings`` empty: the weights can be loaded into the config's model."""
+
+    path: Path  # the folder or checkpoint file the config names
+    kind: str  # "hf", "apr" or "unknown"
+    tensors: dict[str, SourceTensor] = field(default_factory=dict)
+    tokenizer: Path | None = None
+    checkpoint_json: Path | None = None  # apr: the checkpoint's sidecar
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    def facts(self) -> dict:
+        """The plan's ``facts.init_from``: what is loaded and what loading it costs in host memory."""
+        dtypes: dict[str, int] = {}
+        for t in self.tensors.values():
+            dtypes[LOADABLE_DTYPES.get(t.dtype, t.dtype)] = dtypes.get(LOADABLE_DTYPES.get(t.dtype, t.dtype), 0) + 1
+        numel = sum(_numel(t.shape) for t in self.tensors.values())
+        return {"path": str(self.path), "kind": self.kind, "tensors": len(self.tensors), "params": numel,
+                "dtypes": dtypes, "bytes": self.total_bytes,
+                # the float32 host copy built while loading (the device buffers are the run's own)
+                "host_bytes": 4 * numel,
+                "files": sorted({str(t.file) for t in self.tensors.values()}),
+                "tokenizer": str(self.tokenizer) if self.tokenizer else None,
+                "errors": sum(f.severity == "error" for f in self.findings)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _finding(code: str, message: str, file: Path | str | None, path: str = KEY, expected: str | None = None,
+             got: str | None = None) -> Finding:
+    return Finding("error", f"init_from.{code}", message, path=path, file=str(file) if file else None,
+                   expected=expected, got=got)
+
+
+# ------------------------------------------------------------------------------------ inspect
+
+
+def resolve(path_text: str) -> Path:
+    """A config path as the trainer opens it: ``~`` expanded, relative to the current directory."""
+    return Path(os.path.abspath(os.path.expanduser(path_text)))
+
+
+def inspect_source(path_text: str, arch) -> InitSource:
+    """Check ``model.init_from`` against ``arch`` (the config's Architecture) from headers alone."""
+    path = resolve(path_text)
+    src = InitSource(path=path, kind="unknown")
+    if path.suffix in PICKLE_SUFFIXES:
+        src.findings.append(_pickle_finding(path))
+        return src
+    if not path.exists():
+        src.findings.append(_finding("missing", f"{path_text} does not exist", path,
+                                     expected="a Hugging Face LLaMA folder or an apr checkpoint", got="no such path"))
+        return src
+    if path.is_dir() and (path / "config.json").is_file():
+        src.kind = "hf"
+        _inspect_hf(src, arch)
+    elif path.is_file() and path.suffix in (".json", ".safetensors"):
+        src.kind = "apr"
+        _inspect_apr(src, path.with_suffix(".json"), arch)
+    elif path.is_dir():
+        from apr.checkpoint.manager import scan
+
+        entries = [e for e in scan(path) if e.complete]
+        if entries:
+            src.kind = "apr"
+            _inspect_apr(src, entries[0].json_path, arch)
+        else:
+            pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            src.findings.append(_pickle_finding(pickles[0]) if pickles else _finding(
+                "unknown_source", f"{path} holds neither a Hugging Face model (config.json) nor apr checkpoints",
+                path, expected="config.json + model.safetensors, or checkpoint-step-N.json",
+                got=", ".join(sorted(p.name for p in path.iterdir())[:6]) or "an empty folder"))
+    else:
+        src.findings.append(_finding("unknown_source", f"{path_text} is not a folder, a checkpoint .json or "
+                                     ".safetensors file", path, expected="a folder or checkpoint", got=path.name))
+    # tensor names and shapes are checked unless config.json already says it is another model family
+    if src.tensors and not any(f.code == "init_from.architecture" for f in src.findings):
+        _check_tensors(src, arch)
+    return src
+
+
+def _pickle_finding(file: Path) -> Finding:
+    return _finding("pickle", f"{file} is a PyTorch pickle file; apr never unpickles weights (loading a "
+                    "pickle can run code). Save the model as safetensors (transformers: "
+                    "save_pretrained(folder, safe_serialization=True)) and point model.init_from at that folder",
+                    file, expected="model.safetensors or model.safetensors.index.json", got=file.name)
+
+
+def _inspect_hf(src: InitSource, arch) -> None:
+    from apr.readers import InputError, load_json
+
+    folder = src.path
+    cfg_path = folder / "config.json"
+    try:
+        hf = load_json(cfg_path, "manifest", "Hugging Face config")
+    except InputError as err:
+        src.findings.extend(err.findings)
+        return
+    if not isinstance(hf, dict):
+        src.findings.append(_finding("bad_config", f"{cfg_path} is not a JSON object", cfg_path))
+        return
+    _check_hf_config(src, cfg_path, hf, arch)
+    if (folder / "tokenizer.json").is_file():
+        src.tokenizer = folder / "tokenizer.json"
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if single.is_file():
+        _read_headers(src, [single])
+    elif index.is_file():
+        try:
+            doc = load_json(index, "manifest", "safetensors index")
+        except InputError as err:
+            src.findings.extend(err.findings)
+            return
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            src.findings.append(_finding("bad_index", f"{index} has no weight_map of tensor -> file", index,
+                                         expected='{"weight_map": {"name": "file.safetensors"}}'))
+            return
+        shards = sorted(set(weight_map.values()))
+        for name in shards:
+            if Path(name).name != name or name.startswith("."):
+                src.findings.append(_finding("bad_index", f"{index} names a shard outside its folder: {name!r}",
+                                             index, expected="a file name in the same folder", got=name))
+                return
+            if Path(name).suffix in PICKLE_SUFFIXES:
+                src.findings.append(_pickle_finding(folder / name))
+                return
+        _read_headers(src, [folder / n for n in shards])
+        for name, shard in weight_map.items():
+            t = src.tensors.get(name)
+            if t is not None and t.file.name != shard:
+                src.findings.append(_finding("bad_index", f"{index} puts {name} in {shard}, but it is in "
+                                             f"{t.file.name}", index, expected=shard, got=t.file.name))
+    else:
+        pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        src.findings.append(_pickle_finding(pickles[0]) if pickles else _finding(
+            "no_weights", f"{folder} has config.json but no model.safetensors or model.safetensors.index.json",
+            folder, expected="model.safetensors", got=", ".join(sorted(p.name for p in folder.iterdir())[:6])))
+
+
+def _check_hf_config(src: InitSource, cfg_path: Path, hf: dict, arch) -> None:
+    """One finding per config.json value that is not a LLaMA this apr runs, or differs from the config."""
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        src.findings.append(_finding(
+            "architecture", f"{cfg_path}: model_type is {model_type!r}; apr imports LLaMA-family models "
+            "(LlamaForCausalLM)", cfg_path, path=KEY, expected='"llama"', got=repr(model_type)))
+        return
+    fixed = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+    for key, want in fixed.items():
+        if key in hf and hf[key] != want:
+            src.findings.append(_finding("architecture", f"{cfg_path}: {key} is {hf[key]!r}; apr's LLaMA has "
+                                         f"{want!r}", cfg_path, expected=repr(want), got=repr(hf[key])))
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
+    rope_type = (rope or scaling).get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        src.findings.append(_finding("architecture", f"{cfg_path}: RoPE scaling {rope_type!r} is not supported "
+                                     "(apr builds the default RoPE)", cfg_path, expected='"default"',
+                                     got=repr(rope_type)))
+    source = {attr: hf[key] for attr, key in ARCH_TO_HF if key in hf}
+    if "num_key_value_heads" not in hf and "num_attention_heads" in hf:
+        source["kv_heads"] = hf["num_attention_heads"]
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if theta is not None:
+        source["rope_theta"] = theta
+    _compare_arch(src, cfg_path, source, arch)
+
+
+def _compare_arch(src: InitSource, file: Path, source: Mapping, arch) -> None:
+    for attr, value in source.items():
+        if attr in _NOT_COMPARED:
+            continue
+        mine = getattr(arch, attr)
+        same = (abs(float(value) - float(mine)) <= 1e-12 * max(1.0, abs(float(mine)))
+                if isinstance(mine, float) and isinstance(value, (int, float)) else value == mine)
+        if not same:
+            key = f"model.architecture.{_CONFIG_KEY.get(attr, attr)}"
+            src.findings.append(_finding(
+                "architecture_mismatch", f"{attr} is {value!r} in {file.name} but {mine!r} in the config "
+                f"({key}); set it to {value!r}", file, path=key, expected=repr(value), got=repr(mine)))
+
+
+def _inspect_apr(src: InitSource, json_path: Path, arch) -> None:
+    from apr.checkpoint.manager import CheckpointError, _architecture, read_info
+
+    try:
+        info = read_info(json_path)
+        own = _architecture(info.config)
+    except CheckpointError as err:
+        src.findings.extend(err.findings)
+        return
+    except Exception as err:  # pydantic ValidationError: a stored config that does not validate
+        src.findings.append(_finding("bad_checkpoint", f"{json_path.name}: its config has no valid "
+                                     f"model.architecture ({err})", json_path))
+        return
+    src.checkpoint_json = json_path
+    _compare_arch(src, json_path, {attr: getattr(own, attr) for attr, _ in ARCH_TO_HF} |
+                  {"rope_theta": own.rope_theta}, arch)
+    if info.weights_path.is_file():
+        _read_headers(src, [info.weights_path], skip_optimizer=True)
+    else:
+        src.findings.append(_finding("no_weights", f"{info.weights_path.name} (named by {json_path.name}) does "
+                                     "not exist", info.weights_path))
+
+
+def _read_headers(src: InitSource, paths: list[Path], skip_optimizer: bool = False) -> None:
+    from apr.checkpoint.files import read_safetensors_header
+    from apr.checkpoint.names import is_optimizer_state
+    from apr.readers import InputError, check_regular
+
+    for path in paths:
+        try:
+            check_regular(path, "safetensors weights")
+            header = read_safetensors_header(path)
+        except InputError as err:
+            src.findings.extend(err.findings)
+            continue
+        except (OSError, ValueError) as err:
+            src.findings.append(_finding("bad_weights", f"{path} is not a readable safetensors file: {err}", path))
+            continue
+        for name, entry in header.items():
+            if name == "__metadata__" or (skip_optimizer and is_optimizer_state(name)):
+                continue
+            try:
+                shape = tuple(int(d) for d in entry["shape"])
+                dtype = str(entry["dtype"])
+                start, end = (int(o) for o in entry["data_offsets"])
+            except (TypeError, KeyError, ValueError):
+                src.findings.append(_finding("bad_weights", f"{path}: malformed header entry {name!r}", path))
+                continue
+            if name in src.tensors:
+                src.findings.append(_finding("bad_weights", f"tensor {name} is in both {src.tensors[name].file.name}"
+                                             f" and {path.name}", path))
+            src.tensors[name] = SourceTensor(name, shape, dtype, path, end - start)
+
+
+def expected_shapes(arch) -> dict[str, tuple[int, ...]]:
+    from apr.model.spec import param_specs
+
+    return {p.name: p.shape for p in param_specs(arch)}
+
+
+def _check_tensors(src: InitSource, arch) -> None:
+    """One finding per foreign tensor name (first 5), per wrong shape or dtype; one for missing ones."""
+    want = expected_shapes(arch)
+    extra = [t for n, t in src.tensors.items() if n not in want and not n.endswith(_IGNORED_SUFFIXES)
+             and not (n == "lm_head.weight" and arch.tie_word_embeddings)]
+    for t in extra[:5]:
+        llama_like = t.name.startswith(("model.layers.", "model.embed_tokens", "model.norm", "lm_head"))
+        why = "not a tensor of the config's model" if llama_like else \
+            "not a LLaMA tensor name (another architecture, e.g. GPT-2's transformer.h.N...)"
+        src.findings.append(_finding("foreign_tensor", f"{t.file}: tensor {t.name} is {why}", t.file,
+                                     expected="LlamaForCausalLM names such as model.layers.0.self_attn.q_proj.weight",
+                                     got=t.name))
+    if len(extra) > 5:
+        src.findings.append(_finding("foreign_tensor", f"... and {len(extra) - 5} more unexpected tensors",
+                                     extra[5].file))
+    missing = [n for n in want if n not in src.tensors]
+    if missing:
+        src.findings.append(_finding("missing_tensor", f"{len(missing)} tensor(s) of the config's model are not "
+                                     f"in {src.path}, e.g. {', '.join(missing[:3])}", src.path,
+                                     expected=missing[0], got="absent"))
+    bad = 0
+    for name, shape in want.items():
+        t = src.tensors.get(name)
+        if t is None:
+            continue
+        if t.shape != shape:
+            bad += 1
+            if bad <= 10:
+                src.findings.append(_finding("shape", f"{t.file}: tensor {name} has shape {list(t.shape)}, the "
+                                             f"config's model needs {list(shape)}", t.file,
+                                             expected=str(list(shape)), got=str(list(t.shape))))
+        if t.dtype not in LOADABLE_DTYPES:
+            src.findings.append(_finding("dtype", f"{t.file}: tensor {name} is {t.dtype}", t.file,
+                                         expected="F32, BF16 or F16", got=t.dtype))
+        elif t.nbytes != _numel(t.shape) * _DTYPE_BYTES[t.dtype]:
+            src.findings.append(_finding("bad_weights", f"{t.file}: tensor {name}'s offsets span {t.nbytes} bytes,"
+                                         " its shape and dtype need another size", t.file))
+    if bad > 10:
+        src.findings.append(_finding("shape", f"... and {bad - 10} more tensors of the wrong shape", src.path))
+
+
+# --------------------------------------------------------------------------------------- load
+
+
+class InitFromError(AprError):
+    """``model.init_from`` cannot be loaded into the config's model."""
+
+
+def check_source(path_text: str, arch) -> InitSource:
+    """``inspect_source``, raising InitFromError with its findings when it found any error."""
+    src = inspect_source(path_text, arch)
+    if not src.ok:
+        errors = [f for f in src.findings if f.severity == "error"]
+        raise InitFromError(f"model.init_from {path_text}: {errors[0].message}", errors)
+    return src
+
+
+def load_source_weights(path_text: str, arch) -> dict:
+    """The model's parameters from ``model.init_from`` as float32 CPU tensors under HF Llama names.
+    An apr checkpoint's size and SHA-256 are verified; its optimizer state is not loaded (a run
+    started from weights begins its own AdamW moments)."""
+    import torch
+    from safetensors import safe_open
+
+    src = check_source(path_text, arch)
+    want = expected_shapes(arch)
+    if src.kind == "apr":
+        from apr.checkpoint.manager import read_checkpoint
+
+        state = read_checkpoint(src.checkpoint_json, weights_only=True)
+        return {n: state.tensors[n].to(torch.float32) for n in want}
+    out: dict = {}
+    by_file: dict[Path, list[str]] = {}
+    for n in want:
+        by_file.setdefault(src.tensors[n].file, []).append(n)
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for n in names:
+                    out[n] = f.get_tensor(n).to(torch.float32)
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise InitFromError(f"{file} cannot be read: {err}",
+                                [_finding("bad_weights", f"{file} cannot be read: {err}", file)]) from None
+    return out
+
+
+def load_into(model, path_text: str) -> None:
+    """Copy ``model.init_from``'s weights into ``model`` (an apr LlamaForCausalLM, before the engine
+    flattens it)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in load_source_weights(path_text, model.arch).items():
+            params[name].copy_(t)
