@@ -63,6 +63,8 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     if plan_doc is None:
         plan_doc = plan.to_dict()
 
+    if not plan.config.monitoring.terminal.enabled:  # monitoring.terminal.enabled: false draws no bar
+        progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
                            progress=progress, overrides=overrides, execution=plan.execution["policy"])
     if echo is not None:

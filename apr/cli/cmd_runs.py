@@ -88,6 +88,8 @@ def show_text(detail: dict) -> str:
         f"output     {t(r['output_dir'])}",
         f"config     {t(r['config_path'] or '-')}  hash {t(str(r['config_hash'] or '-')[:12])}",
         f"store      {t(r['store'])}",
+        *([f"tags       {', '.join(f'{t(k)}={t(v)}' for k, v in detail['tags'].items())}"]
+          if detail.get("tags") else []),
         "",
         "final metrics:",
     ]

@@ -290,9 +290,37 @@ class TrainingConfig(_Section):
 # ----------------------------------------------------------------------------------- monitoring
 
 
+class ChartType(StrEnum):
+    loss_curve = "loss_curve"
+
+
+class ChartMetric(StrEnum):
+    loss = "loss"
+
+
+# the metrics the step line of `apr train apply` can show, by config name -> StepLog field
+class StepLineMetric(StrEnum):
+    loss = "loss"
+    learning_rate = "learning_rate"
+    gradient_norm = "gradient_norm"
+    epoch = "epoch"
+    tokens_seen = "tokens_seen"
+
+
+# GPU telemetry fields the run records in training_state.json (apr.track.telemetry.gpu_snapshot)
+class SystemMetric(StrEnum):
+    gpu_utilization = "gpu_utilization"
+    memory = "memory"
+    temperature = "temperature"
+    power = "power"
+
+
 class ChartConfig(_Section):
-    type: str = Field("loss_curve", description="Chart kind: loss_curve.")
-    metric: str = Field("loss")
+    type: ChartType = Field(ChartType.loss_curve, description="Chart kind: loss_curve (the only one the "
+                            "dashboard draws).")
+    metric: ChartMetric = Field(ChartMetric.loss, description="Metric charted: loss (the training loss, with "
+                                "the val loss beside it). Compare other metrics with `apr experiment view "
+                                "--metric NAME`.")
     window: PositiveCount | None = Field(
         None, description="Smoothing window (EMA span in steps). Default: from the run's length, "
                           "total_steps / 50 between 1 and 100, so a short run's curve does not lag.")
@@ -300,9 +328,13 @@ class ChartConfig(_Section):
 
 
 class TerminalConfig(_Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Draw the progress bar of `apr train apply` on a terminal (the "
+                          "step lines print either way).")
     refresh_rate: PositiveCount = Field(1000, description="Dashboard refresh period in ms.")
-    metrics: list[str] = Field(default_factory=lambda: ["loss", "learning_rate", "gradient_norm"])
+    metrics: list[StepLineMetric] = Field(
+        default_factory=lambda: [StepLineMetric.loss, StepLineMetric.learning_rate, StepLineMetric.gradient_norm],
+        description="Metrics the step line of `apr train apply` shows, in this order (tok/s and ETA always "
+                    "follow): loss, learning_rate, gradient_norm, epoch, tokens_seen.")
     charts: list[ChartConfig] = Field(default_factory=lambda: [ChartConfig()])
 
 
@@ -316,13 +348,18 @@ class TrackingConfig(_Section):
     experiment: ExperimentName = Field(
         None, description="Experiment name (1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit, no "
                           "'..'). Default: the name of training.output_dir.")
-    tags: dict[str, str] = Field(default_factory=dict)
+    tags: dict[str, str] = Field(default_factory=dict, description="Labels recorded with the run (shown by "
+                                 "`apr runs show`, stored as params monitoring.tracking.tags.NAME).")
 
 
 class SystemConfig(_Section):
     enabled: bool = True
     interval: PositiveCount = Field(5000, description="GPU telemetry period in ms.")
-    metrics: list[str] = Field(default_factory=lambda: ["gpu_utilization", "memory", "temperature"])
+    metrics: list[SystemMetric] = Field(
+        default_factory=lambda: [SystemMetric.gpu_utilization, SystemMetric.memory, SystemMetric.temperature,
+                                 SystemMetric.power],
+        description="GPU telemetry recorded in training_state.json (and shown by the monitor): "
+                    "gpu_utilization, memory, temperature, power.")
 
 
 class AlertAction(StrEnum):

@@ -73,6 +73,7 @@ def load_settings(run_dir: str | os.PathLike | None, refresh_ms: int | None = No
                         c
                         for c in charts
                         if isinstance(c, dict) and c.get("type", "loss_curve") == "loss_curve"
+                        and c.get("metric", "loss") == "loss"
                     ),
                     None,
                 )

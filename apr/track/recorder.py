@@ -112,6 +112,19 @@ def _checkpoint_artifacts(run_id: str, path: Path, kind: str, step: int, t: floa
     return [row(weights, kind, size, sha), row(path, "checkpoint_meta", *_file_digest(path))]
 
 
+# monitoring.system.metrics -> the gpu_snapshot fields each one keeps (the GPU's name is always kept)
+_SYSTEM_FIELDS = {"gpu_utilization": ("utilization",), "memory": ("memory_used", "memory_total"),
+                  "temperature": ("temperature",), "power": ("power_w",)}
+
+
+def _only_metrics(snap: dict | None, metrics) -> dict | None:
+    """The GPU snapshot with the fields of metrics not asked for set to None (shown as a dash)."""
+    if snap is None:
+        return None
+    keep = {"name"} | {f for m in metrics for f in _SYSTEM_FIELDS[str(m)]}
+    return {k: (v if k in keep else None) for k, v in snap.items()}
+
+
 class _Sink:
     """One store as the recorder sees it: pending rows, registration, failure and retry state."""
 
@@ -578,7 +591,7 @@ class RunRecorder:
             self._last_gpu = now
             from apr.track.telemetry import gpu_snapshot
 
-            snap = gpu_snapshot()
+            snap = _only_metrics(gpu_snapshot(), self._system.metrics)
             with self._lock:
                 self.state["gpu"] = snap
         with self._lock:

@@ -30,6 +30,8 @@ class RunListing:
     warnings: list[str] = field(default_factory=list)  # stores that could not be read
 
 
+TAG_PREFIX = "monitoring.tracking.tags."  # tracking.tags are recorded as params under this prefix
+
 def find_local_stores(root: Path, depth: int = DISCOVERY_DEPTH) -> list[Path]:
     """``.apr/experiments.db`` files in ``root`` and its subfolders down to ``depth`` levels.
     Hidden folders are not entered (except ``.apr`` itself); symlinked folders are not followed."""
@@ -253,7 +255,8 @@ def show_run(
         ).fetchone()
         detail = {
             "run": summarize(row, path, now, stale_after_s),
-            "params": store.run_params(conn, full_id),
+            "params": (params := store.run_params(conn, full_id)),
+            "tags": {k[len(TAG_PREFIX):]: v for k, v in params.items() if k.startswith(TAG_PREFIX)},
             "final_metrics": metrics,
             "best_val_loss": None if best is None else {"step": best[0], "value": best[1]},
             "artifacts": artifacts,

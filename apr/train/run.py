@@ -163,7 +163,8 @@ class Run:
         self.schedule = LRSchedule.from_config(config, self.total_steps)
         self.cadence = Cadence.from_config(tr, self.total_steps, validates=self.val_loader is not None)
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
-                               echo=self.echo, label=self._step_label)
+                               echo=self.echo, label=self._step_label,
+                               shown=tuple(config.monitoring.terminal.metrics))
 
     def _setup_engine(self) -> None:
         """The engine (model, optimizer state, execution policy) and the in-training evaluator."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from apr.fmt import fmt_duration, fmt_rate
+from apr.fmt import fmt_count, fmt_duration, fmt_epoch, fmt_rate
 from apr.rate import RateMeter
 from apr.track.protocol import Recorder
 from apr.train.dist import DataParallel
@@ -17,8 +17,10 @@ class StepLog:
     the loop calls ``restart_clock`` after them."""
 
     def __init__(self, *, total_steps: int, tokens_per_step: int, dp: DataParallel | None,
-                 echo: Callable[[str], None], label: Callable[[int], str]):
+                 echo: Callable[[str], None], label: Callable[[int], str],
+                 shown: tuple[str, ...] = ("loss", "learning_rate", "gradient_norm")):
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.shown = shown  # monitoring.terminal.metrics: what the printed line holds, in order
         self.dp, self.echo, self.label = dp, echo, label
         self.loss: float | None = None  # the last logged loss (averaged over ranks)
         self.tokens_per_s: float | None = None  # the last interval's throughput
@@ -47,6 +49,8 @@ class StepLog:
         recorder.log_step(step, metrics)
         smooth = self._meter.add(tokens, seconds) or self.tokens_per_s
         eta = self._meter.eta((self.total_steps - step) * self.tokens_per_step)
-        self.echo(f"{self.label(step)}  loss {self.loss:.4f}  lr {lr:.2e}  "
-                  f"gnorm {gn:.3f}  {fmt_rate(smooth)} tok/s  eta {fmt_duration(eta)}")
+        fields = {"loss": f"loss {self.loss:.4f}", "learning_rate": f"lr {lr:.2e}", "gradient_norm": f"gnorm {gn:.3f}",
+                  "epoch": f"epoch {fmt_epoch(epoch)}", "tokens_seen": f"tokens {fmt_count(metrics['tokens_seen'])}"}
+        shown = "".join(f"  {fields[name]}" for name in self.shown)
+        self.echo(f"{self.label(step)}{shown}  {fmt_rate(smooth)} tok/s  eta {fmt_duration(eta)}")
         return metrics

@@ -46,7 +46,7 @@ def test_every_runs_ls_and_show_key_is_documented(tmp_path):
 
     text = (DOCS / "runs.md").read_text()
     keys = set(summarize({}, tmp_path, 0.0)) | {"run", "params", "final_metrics", "best_val_loss", "artifacts",
-                                                "checkpoints", "status_history", "alerts"}
+                                                "checkpoints", "status_history", "alerts", "tags"}
     missing = sorted(k for k in keys if f"`{k}`" not in text)
     assert not missing, missing
 

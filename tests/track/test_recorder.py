@@ -438,3 +438,14 @@ def test_a_checkpoint_file_nested_too_deep_is_recorded_as_one_plain_artifact(tmp
     conn.close()
     assert [(Path(a["path"]).name, a["kind"], a["size"], a["sha256"]) for a in rows] == [
         (deep.name, "checkpoint", deep.stat().st_size, hashlib.sha256(deep.read_bytes()).hexdigest())]
+
+
+def test_system_metrics_choose_the_recorded_gpu_fields():
+    from apr.track.recorder import _only_metrics
+
+    snap = {"name": "H100", "utilization": 97, "memory_used": 1, "memory_total": 2, "temperature": 60,
+            "power_w": 300.0}
+    assert _only_metrics(snap, ["temperature"]) == {"name": "H100", "utilization": None, "memory_used": None,
+                                                     "memory_total": None, "temperature": 60, "power_w": None}
+    assert _only_metrics(snap, ["gpu_utilization", "memory", "temperature", "power"]) == snap
+    assert _only_metrics(None, ["memory"]) is None

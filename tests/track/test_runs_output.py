@@ -103,3 +103,19 @@ def test_control_characters_in_records_are_escaped(two_runs):
         assert "ev\\x1b[31mil" in result.output
     shown = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa01"]).output
     assert "/tmp/\\x1b[2J\\x1b]0;pwned\\x07" in shown and "h\\x9bost" in shown
+
+
+def test_show_lists_the_config_tracking_tags(tmp_path, recorder_factory, monkeypatch):
+    from track_helpers import make_config
+
+    cfg = make_config(monitoring={"tracking": {"tags": {"stage": "pretrain", "data": "code-v2"}}})
+    rec = recorder_factory(tmp_path / "runs" / "t", cfg=cfg, background=False, run_id="20261122-000000-aaaa09")
+    rec.start()
+    rec.finish("finished")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa09"])
+    assert result.exit_code == 0, result.output
+    assert "tags       stage=pretrain, data=code-v2" in result.output or \
+        "tags       data=code-v2, stage=pretrain" in result.output
+    doc = json.loads(runner.invoke(app, ["runs", "show", "20261122-000000-aaaa09", "--json"]).output)
+    assert doc["tags"] == {"stage": "pretrain", "data": "code-v2"}
