@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from run_helpers import config_doc, make_dataset  # noqa: E402
 from apr.checkpoint.manager import read_checkpoint, scan  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
+FORK_WORKER = Path(__file__).resolve().parent / "fork_worker.py"
 
 def _env() -> dict:
     """Read at call time, after the fixture has set a private APR_HOME."""
@@ -88,36 +91,89 @@ def test_sigkill_at_step_27_then_resume_ends_bitwise_equal(tmp_path, accum):
     assert state["status"] == "finished" and state["step"] == 60
 
 
+def _proc_state(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return "; ".join(ln for ln in status if ln.startswith(("State", "Threads"))) + \
+            f"; wchan {Path(f'/proc/{pid}/wchan').read_text()}"
+    except OSError as err:
+        return str(err)
+
+
+class _ForkServer:
+    """tests/checkpoint/fork_worker.py: each trainer is a forked child of one pre-imported process."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(FORK_WORKER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.started, self.child, self.seen = 0, 0, []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:  # the children's stderr, read as it comes so that no child blocks on it
+        for line in self.proc.stderr:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def next_line(self) -> str:
+        try:
+            line = self.lines.get(timeout=120)
+        except queue.Empty:
+            raise AssertionError(f"no output for 120 s from the trainer {self.child}: {_proc_state(self.child)}; "
+                                 f"last lines: {self.seen[-5:]}") from None
+        assert line is not None, "the fork server died"
+        self.seen.append(line)
+        return line
+
+    def start(self, cfg: Path, resume: bool) -> int:
+        self.proc.stdin.write(f"{cfg} {'latest' if resume else '-'}\n")
+        self.proc.stdin.flush()
+        marker, self.started = f"@@start {self.started}\n", self.started + 1
+        while self.next_line() != marker:  # what the previous child printed before it died
+            pass
+        self.child = int(self.proc.stdout.readline().split()[1])
+        return self.child
+
+    def exit_code(self) -> int:
+        return int(self.proc.stdout.readline().split()[1])
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 @pytest.mark.slow
 def test_twenty_random_sigkills_never_leave_a_corrupt_checkpoint(tmp_path):
+    """Twenty SIGKILLs at seeded points (the k-th logged step, then up to 20 ms more: inside a step or
+    inside one of the checkpoint writes that every second step makes), each followed by a resume."""
     make_dataset(tmp_path)
-    common = {"epochs": 40, "max_steps": 500, "save_interval": 2, "keep_last": 2, "log_interval": 1,
+    common = {"epochs": 40, "max_steps": 240, "save_interval": 2, "keep_last": 2, "log_interval": 1,
               "eval_interval": 0}
-    _run_to_end(_write(tmp_path, "full", **common), resume=False)
-    cfg = _write(tmp_path, "chaos", **common)
-    run_dir = tmp_path / "chaos"
-    rng = random.Random(1234)
-    kills = 0
-    while kills < 20:
-        resume = _complete(run_dir)
-        proc = subprocess.Popen(_cmd(cfg, resume), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                text=True, env=_env())
-        # wait for the first training step so that the kill lands in the loop (checkpoint writes included)
-        for line in proc.stderr:
-            if line.startswith("step ") and "loss" in line:
-                break
-        time.sleep(rng.uniform(0.0, 0.3))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-        if proc.returncode == 0:  # it finished before the kill: start over from an earlier point
-            break
-        kills += 1
-        # every checkpoint that looks complete verifies (size, SHA-256, tensors of this model)
-        for entry in scan(run_dir):
-            if entry.complete:
-                read_checkpoint(entry.json_path, verify=True)
-    assert kills == 20, f"only {kills} kills landed before the run finished"
-    if not (run_dir / "checkpoint-step-500.json").exists():
-        _run_to_end(cfg, resume=_complete(run_dir))
-    _assert_same_state(run_dir / "checkpoint-step-500.safetensors",
-                       tmp_path / "full" / "checkpoint-step-500.safetensors")
+    server = _ForkServer()
+    try:
+        # the reference saves only at its end: checkpoint writes must not change what a run computes
+        server.start(_write(tmp_path, "full", **{**common, "save_interval": 1000}), resume=False)
+        assert server.exit_code() == 0
+        cfg = _write(tmp_path, "chaos", **common)
+        run_dir = tmp_path / "chaos"
+        rng = random.Random(1234)
+        for kill in range(20):
+            pid = server.start(cfg, resume=_complete(run_dir))
+            steps = rng.randint(1, 7)  # 20 kills advance the run by at most ~200 of its 240 steps
+            while steps:
+                line = server.next_line()
+                assert not line.startswith("Traceback"), line
+                steps -= line.startswith("step ") and "loss" in line
+            time.sleep(rng.uniform(0.0, 0.02))
+            os.kill(pid, signal.SIGKILL)
+            assert server.exit_code() == -signal.SIGKILL, f"kill {kill + 1}: the run ended before it"
+            # every checkpoint that looks complete verifies (size, SHA-256, tensors of this model)
+            for entry in scan(run_dir):
+                if entry.complete:
+                    read_checkpoint(entry.json_path, verify=True)
+        server.start(cfg, resume=_complete(run_dir))
+        assert server.exit_code() == 0
+    finally:
+        server.close()
+    _assert_same_state(run_dir / "checkpoint-step-240.safetensors",
+                       tmp_path / "full" / "checkpoint-step-240.safetensors")
