@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from apr.data.shards import shard_files
+from apr.data.shards import shard_files, shard_problem
 from apr.data.tokencache import TokenCache
 from apr.errors import AprError, Finding
 from apr.steps.algebra import step_count
@@ -57,6 +57,9 @@ def _check_shard(path: Path, column: str, width: int) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    problem = shard_problem(path)
+    if problem is not None:
+        raise _shard_error(path, problem, code="data.shard", expected="a Parquet shard (a regular file)")
     try:
         md = pq.read_metadata(path)
     except Exception as e:

@@ -187,14 +187,35 @@ def write_dataset(out: str | Path, splits: dict[str, np.ndarray], manifest: dict
         return writer.commit(manifest)
 
 
+def shard_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a shard before any byte of it is read (so a FIFO cannot hang the
+    reader), or None: missing, not a regular file, unreadable, empty (0 bytes)."""
+    from apr.readers import check_regular
+
+    try:
+        st = check_regular(path, "shard")
+    except AprError as err:
+        finding = err.findings[0] if err.findings else None
+        if finding is None or finding.code == "file.missing":
+            return "does not exist"
+        return f"is {finding.got}, not a Parquet file"
+    if st.st_size == 0:
+        return "is empty (0 bytes), not a Parquet file"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (permission denied)"
+    return None
+
+
 def shard_files(path: str | Path) -> list[Path]:
-    """The Parquet shards of a dataset, as the loader opens them: ``path`` itself when it is a
-    file, else every ``*.parquet`` under the folder at any depth, sorted, skipping hidden files and
-    folders (a ``.partial`` temporary folder among them)."""
+    """The Parquet shards of a dataset, as the loader opens them: ``path`` itself when it is not a
+    folder, else every ``*.parquet`` under the folder at any depth, sorted, skipping hidden files and
+    folders (a ``.partial`` temporary folder among them). Entries that are not regular files (a FIFO,
+    a device, a dangling symlink, a folder named ``*.parquet`` holding no shards) are listed too, so
+    that the plan and the loader name them instead of skipping them silently (or hanging on a FIFO);
+    a folder named ``*.parquet`` that holds shards (Spark's layout) stands for the shards in it."""
     path = Path(path)
-    if path.is_file():
-        return [path]
     if not path.is_dir():
-        return []
-    return sorted(p for p in path.rglob("*.parquet")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        return [path] if os.path.lexists(path) else []
+    found = [p for p in path.rglob("*.parquet") if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    holders = {parent for p in found for parent in p.parents}
+    return sorted(p for p in found if not (p.is_dir() and p in holders))

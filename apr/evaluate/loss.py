@@ -66,9 +66,13 @@ def row_width(path: Path, column: str) -> int:
     """Tokens per row of the first shard under ``path``."""
     import pyarrow.parquet as pq
 
-    from apr.data.shards import shard_files
+    from apr.data.shards import shard_files, shard_problem
 
     for shard in shard_files(path):
+        problem = shard_problem(shard)  # a FIFO would hang the Parquet reader
+        if problem is not None:
+            raise AprError(f"{shard} {problem}", [Finding("error", "eval.data_unreadable", problem, file=str(shard),
+                                                          expected="a Parquet shard (a regular file)")])
         try:
             pf = pq.ParquetFile(shard)
             if column not in pf.schema_arrow.names:

@@ -24,12 +24,11 @@ def resolve(path: str) -> Path:
 
 def shard_files(path: Path) -> list[Path]:
     """The Parquet shards the trainer's loader will open: the loader's own listing (the file itself,
-    or a folder's ``*.parquet`` searched recursively), so plan and apply count the same rows."""
-    if not path.exists():
-        return []
+    or a folder's ``*.parquet`` searched recursively, entries that are not regular files included so
+    that C-DATA-003 names them), so plan and apply count the same rows."""
     from apr.data.shards import shard_files as loader_shard_files
 
-    return [p for p in loader_shard_files(path) if p.is_file()]
+    return loader_shard_files(path)
 
 
 def input_files(path: Path) -> list[Path]:
@@ -94,12 +93,18 @@ def dataset_facts(path_text: str, column: str) -> dict:
 
     import pyarrow.parquet as pq
 
+    from apr.data.shards import shard_problem
+
     metas, unreadable = [], []
     for f in shards:
+        problem = shard_problem(f)  # a FIFO, a folder, an empty or unreadable file: named, never opened
+        if problem is not None:
+            unreadable.append(f"{f}: {problem}")
+            continue
         try:
             metas.append((f, pq.read_metadata(f)))
-        except Exception as e:  # not Parquet, truncated, permission denied: all the user's to fix
-            unreadable.append(f"{f.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        except Exception as e:  # not Parquet, truncated: all the user's to fix
+            unreadable.append(f"{f}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     facts["unreadable"] = len(unreadable)
     if unreadable:
         facts["unreadable_example"] = unreadable[0]
@@ -164,8 +169,11 @@ def _signature(f: Path) -> tuple:
 
 def shared_shards(train_text: str, val_text: str) -> int:
     """How many val shards are train shards: the same file, or a copy (same size, rows and stats)."""
-    train = shard_files(resolve(train_text))
-    val = shard_files(resolve(val_text))
+    from apr.data.shards import shard_problem
+
+    # only shards that can be read: the others are named by C-DATA-003 and its val twin
+    train = [f for f in shard_files(resolve(train_text)) if shard_problem(f) is None]
+    val = [f for f in shard_files(resolve(val_text)) if shard_problem(f) is None]
     if not train or not val:
         return 0
     train_real = {os.path.realpath(f) for f in train}
