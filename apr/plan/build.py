@@ -201,10 +201,11 @@ def resolve_plan_target(config: AprConfig, gpu: str | None, vram: str | int | No
         target = resolve_target(gpu, vram, config_gpu=tr.gpu, config_vram=tr.vram)
         if vram is not None and target is not None and not target.vram_bytes:
             raise ValueError(f"expected a memory size above zero, got {vram!r}")
-        if target is None and str(tr.device) == "cpu":  # a CPU run must fit in this machine's RAM
-            from apr.plan.gpus import host_target
+        if target is None and str(tr.device) in ("cpu", "auto"):  # a CPU run must fit in this machine's RAM
+            from apr.plan.gpus import cuda_device_present, host_target
 
-            target = host_target()
+            if str(tr.device) == "cpu" or not cuda_device_present():  # auto runs on the CPU here
+                target = host_target(str(tr.device))
         return target
     except UnknownGpuError as e:
         raise PlanUsageError(str(e), [Finding("error", "plan.unknown_gpu", str(e), path="--gpu",
@@ -251,8 +252,9 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     training.gpu / training.vram, else none). ``world_size``: data-parallel processes (default:
     training.world_size). ``overrides``: apply's command-line overrides (``max_steps``, ``seed``,
     ``device``). ``device_budget``: apply's ``config -> (bytes, source)``, the device's memory the
-    execution policy must fit when no target is given. Raises ConfigError when the config does not load, PlanUsageError (exit code 2)
-    for a bad argument, ContractFileError for a malformed contract file.
+    execution policy must fit when no target is given. Raises ConfigError when the config does not
+    load, PlanUsageError (exit code 2) for a bad argument, ContractFileError for a malformed contract
+    file.
     """
     from apr.plan.facts import all_facts
 

@@ -111,11 +111,24 @@ def host_memory_bytes() -> int | None:
         return None
 
 
-def host_target() -> Target | None:
-    """The target of a plan for ``training.device: cpu`` with no GPU or VRAM given: this machine's RAM."""
+def host_target(device: str = "cpu") -> Target | None:
+    """The target of a plan for ``training.device: cpu`` (or ``auto`` on a machine without a CUDA
+    device) with no GPU or VRAM given: this machine's RAM."""
     ram = host_memory_bytes()
-    return None if not ram else Target(name=None, gpu=None, vram_bytes=ram,
-                                       source="this machine's RAM, training.device: cpu")
+    why = "training.device: cpu" if device == "cpu" else f"training.device: {device}, no CUDA device here"
+    return None if not ram else Target(name=None, gpu=None, vram_bytes=ram, source=f"this machine's RAM, {why}")
+
+
+def cuda_device_present() -> bool:
+    """Whether ``device: auto`` would find a CUDA device here, judged without importing torch: the
+    NVIDIA device files exist and CUDA_VISIBLE_DEVICES does not hide them all."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "NoDevFiles"):
+        return False
+    try:
+        return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
+    except OSError:
+        return False
 
 
 def resolve_target(

@@ -30,3 +30,29 @@ def test_a_small_cpu_run_fits_and_gpu_runs_keep_their_own_target(tmp_path):
     assert "C-MEM-001" not in _codes(plan) and plan.target is not None
     cfg, kw = materialize({"config": {**HUGE, "training": {"device": "cuda"}}}, tmp_path / "c")
     assert build_plan(cfg, **kw).target is None  # no GPU named: C-MEM-004 says so, as before
+
+
+def test_device_auto_without_a_cuda_device_is_budgeted_like_a_cpu_run(tmp_path, monkeypatch):
+    from apr.plan import gpus
+
+    monkeypatch.setattr(gpus, "cuda_device_present", lambda: False)
+    cfg, kw = materialize({"config": {**HUGE, "training": {"device": "auto"}}}, tmp_path / "d")
+    plan = build_plan(cfg, **kw)
+    assert "C-MEM-001" in _codes(plan)  # was "0 errors": auto had no target at all
+    finding = next(f for f in plan.findings if f.code == "C-MEM-001")
+    assert "this machine's RAM, training.device: auto, no CUDA device here" in finding.message
+    monkeypatch.setattr(gpus, "cuda_device_present", lambda: True)  # auto will pick the GPU: no RAM budget
+    assert build_plan(cfg, **kw).target is None
+
+
+def test_cuda_presence_is_read_from_device_files_and_cuda_visible_devices(monkeypatch):
+    from apr.plan import gpus
+
+    monkeypatch.setattr(gpus.os, "listdir", lambda path: ["null", "nvidia0", "nvidiactl"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus.cuda_device_present()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not gpus.cuda_device_present()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setattr(gpus.os, "listdir", lambda path: ["null", "nvidiactl"])
+    assert not gpus.cuda_device_present()
