@@ -34,6 +34,9 @@ a shared machine hits all of them alike (``--sequential`` runs them one after an
         [--heads 4] [--kv-heads 4] [--intermediate 1024] [--vocab 8192] [--seq 256] [--batch 8]
         [--loss-chunk 256] [--warmup 2] [--steps 10] [--threads N] [--only NAME,...] [--sequential]
         [--no-rss] [--budget-gib 64] [--json]
+
+--only also takes auto+compile, lean/selective+adagc+compile and lean/recompute+per_block+compile
+(training.execution.compile: true); their compile time is in "build + warmup" below the table.
 """
 
 from __future__ import annotations
@@ -64,12 +67,17 @@ SETTINGS = {
     "lean/recompute+global": ("interleaved", "global", ("recompute", "workspace")),
     "standard": ("standard", "global", None),
 }
-APPROACHES = (*SETTINGS, "baseline")
+# training.execution.compile: true (torch.compile per block); run with --only, they compile for minutes
+COMPILED = {"auto+compile": "auto", "lean/selective+adagc+compile": "lean/selective+adagc",
+            "lean/recompute+per_block+compile": "lean/recompute+per_block"}
+DEFAULT = (*SETTINGS, "baseline")
+APPROACHES = (*SETTINGS, *COMPILED, "baseline")
 LR = 3e-4
 SEED = 1234
 
 
-def make_config(args, *, engine: str, clip_mode: str, execution: tuple[str, str] | None = None):
+def make_config(args, *, engine: str, clip_mode: str, execution: tuple[str, str] | None = None,
+                compile: bool = False):
     from apr.config.schema import AprConfig
 
     cuda = args.device == "cuda"
@@ -86,7 +94,7 @@ def make_config(args, *, engine: str, clip_mode: str, execution: tuple[str, str]
             "engine": engine, "clip_mode": clip_mode, "grad_clip": 1.0,
             "mixed_precision": "bf16" if cuda else "fp32", "device": args.device,
             "kernels": args.kernels if cuda else "torch", "loss_chunk_size": args.loss_chunk, "seed": SEED,
-            "execution": {"activations": activations, "gradients": gradients},
+            "execution": {"activations": activations, "gradients": gradients, "compile": compile},
         },
     })
 
@@ -110,6 +118,7 @@ class Approach:
     name: str
     note: str = ""
     times: list[float] = field(default_factory=list)
+    warm_s: float = 0.0  # build + warmup steps (torch.compile happens here)
     losses: list = field(default_factory=list)  # every step's loss (device tensors until the end)
     cost_f: float = 3.0
     grad_bytes: int = 0
@@ -124,8 +133,9 @@ def build_apr(args, device: torch.device, name: str) -> Approach:
     from apr.steps import execution as policy
     from apr.train.engine import build_engine
 
-    engine_kind, clip_mode, execution = SETTINGS[name]
-    config = make_config(args, engine=engine_kind, clip_mode=clip_mode, execution=execution)
+    engine_kind, clip_mode, execution = SETTINGS[COMPILED.get(name, name)]
+    config = make_config(args, engine=engine_kind, clip_mode=clip_mode, execution=execution,
+                         compile=name in COMPILED)
     chosen = choose_execution(config, int(args.budget_gib * 2**30), "--budget-gib").execution
     engine = build_engine(config, device, execution=chosen)
     params = list(engine.model.parameters())
@@ -254,7 +264,7 @@ def run(args) -> dict:
     if device.type == "cuda":
         data = [b.to(device) for b in data]
     warm_data, timed_data = data[: args.warmup], data[args.warmup:]
-    names = [a for a in APPROACHES if not args.only or a in args.only]
+    names = [a for a in APPROACHES if (a in args.only if args.only else a in DEFAULT)]
     approaches: list[Approach] = []
     cuda = device.type == "cuda"
     if cuda or args.sequential:  # one at a time: on CUDA the allocator's peak is then that approach's
@@ -262,8 +272,10 @@ def run(args) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
             ap = build(args, device, name)
             warm(ap, warm_data, device)
+            ap.warm_s = time.perf_counter() - t0
             for batch in timed_data:
                 timed_step(ap, batch, device)
             if cuda:
@@ -275,8 +287,10 @@ def run(args) -> dict:
             print(f"  {name}: done", file=sys.stderr, flush=True)
     else:  # round-robin: every approach sees the same machine conditions
         for name in names:
+            t0 = time.perf_counter()
             ap = build(args, device, name)
             warm(ap, warm_data, device)
+            ap.warm_s = time.perf_counter() - t0
             approaches.append(ap)
             print(f"  {name}: built and warmed", file=sys.stderr, flush=True)
         for i, batch in enumerate(timed_data):
@@ -312,7 +326,8 @@ def run(args) -> dict:
             "approach": ap.name, "step_ms_median": med * 1e3, "step_ms_min": min(ap.times) * 1e3,
             "step_ms_max": max(ap.times) * 1e3, "step_ms_all": [round(t * 1e3, 1) for t in ap.times],
             "tokens_per_s": tokens / med,
-            "tokens_per_s_best": tokens / min(ap.times), "paired_ratio": paired, "grad_mib": ap.grad_bytes / 2**20,
+            "tokens_per_s_best": tokens / min(ap.times), "paired_ratio": paired, "warm_s": ap.warm_s,
+            "grad_mib": ap.grad_bytes / 2**20,
             "peak_mib": None if ap.peak_bytes is None else ap.peak_bytes / 2**20, "cost_F": ap.cost_f,
             "last_loss": ap.losses[-1], "losses": ap.losses, "note": ap.note,
             "max_rel_loss_diff_base": max_rel_diff(ap.losses, ref),
@@ -389,7 +404,7 @@ def render(res: dict) -> str:
             "differently from apr's chunked one, the standard engine's is the same code).",
             f"Logits: the baseline materialises [batch, seq, vocab] float32 = {res['full_logits_mib']:.1f} MiB "
             f"(plus its gradient); apr's chunks hold {res['chunk_logits_mib']:.1f} MiB.", ""]
-    out += [f"{r['approach']}: {r['note']}" for r in res["results"]]
+    out += [f"{r['approach']}: {r['note']} (build + warmup {r['warm_s']:.1f} s)" for r in res["results"]]
     return "\n".join(out)
 
 

@@ -279,10 +279,10 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
             sheet.facts["tokenizer"] = tokenizer_facts(init_facts["tokenizer"])
     contract_set = load_contracts(contracts_dir)
     results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
-    from apr.plan.validate import alert_config_findings, output_dir_findings
+    from apr.plan.validate import alert_config_findings, compile_findings, output_dir_findings
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
-                       *output_dir_findings(loaded), *init_findings],
+                       *output_dir_findings(loaded), *init_findings, *compile_findings(loaded)],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

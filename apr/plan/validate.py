@@ -26,7 +26,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
-    findings += alert_config_findings(loaded) + output_dir_findings(loaded)
+    findings += alert_config_findings(loaded) + output_dir_findings(loaded) + compile_findings(loaded)
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -56,3 +56,22 @@ def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     return [Finding("error", "config.output_dir", message, path="training.output_dir", file=str(loaded.path),
                     line=line, column=column, expected="a folder of the run's own, apart from its data", got=got)
             for message, got in output_dir_problems(loaded.config)]
+
+
+def compile_findings(loaded: LoadedConfig) -> list[Finding]:
+    """`training.execution.compile: true` on a device this machine cannot compile for (no C++
+    compiler for the CPU: an error; no Triton for CUDA: a warning, since another machine may apply)."""
+    from apr.steps.execution import compile_problem
+
+    tr = loaded.config.training
+    device = str(tr.device)
+    if not tr.execution.compile or device not in ("cpu", "cuda"):
+        return []  # device auto: known at apply start, which refuses before any step
+    problem = compile_problem(device)
+    if problem is None:
+        return []
+    line, column = loaded.source.locate(("training", "execution", "compile"))
+    severity = "error" if device == "cpu" else "warning"
+    return [Finding(severity, "config.compile", f"training.execution.compile: {problem}; set it to false",
+                    path="training.execution.compile", file=str(loaded.path), line=line, column=column,
+                    expected=f"a working torch.compile toolchain for {device}", got=problem)]

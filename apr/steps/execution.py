@@ -16,6 +16,8 @@ Cost is counted in forward-equivalents F of the whole model (a backward is 2F):
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 
 # Share of a block's forward time that selective recompute repeats (norms, SwiGLU's silu and
@@ -113,11 +115,17 @@ def candidates(config) -> list[Execution]:
     return [parse(a, g, layers, ex.compile) for a in acts for g in grads]
 
 
+def keeps_all_grads(config, execution: Execution) -> bool:
+    """Every group's gradient lives for the whole step: forced (standard engine, accumulation) or
+    chosen (``gradients: kept``)."""
+    return gradients_forced(config) == "kept" or execution.gradients == "kept"
+
+
 def needs_prepass(config, execution: Execution) -> bool:
     """A norm-only walk before the stepping walk: exact global clipping or fp16's overflow check
-    with one gradient workspace (kept gradients know the norm after one walk)."""
+    when gradients are not all kept (kept gradients know the norm after one walk)."""
     tr = config.training
-    if str(tr.engine) == "standard" or execution.gradients == "kept":
+    if str(tr.engine) == "standard" or keeps_all_grads(config, execution):
         return False
     clip = "off" if tr.grad_clip is None else str(tr.clip_mode)
     return clip == "global" or str(tr.mixed_precision) == "fp16"
@@ -162,3 +170,19 @@ def describe(config, execution: Execution) -> str:
 
 def fmt_f(cost: float) -> str:
     return f"{cost:.2f}".rstrip("0").rstrip(".") + "F"
+
+
+def compile_problem(device_type: str) -> str | None:
+    """Why ``compile: true`` cannot work on this machine for ``device_type``, when that is knowable
+    without importing torch (inductor's C++ compiler is ``$CXX``, default g++; on CUDA it needs
+    Triton); None when it looks able to."""
+    if device_type == "cpu":
+        cxx = os.environ.get("CXX") or "g++"
+        if shutil.which(cxx) is None:
+            return f"no C++ compiler for inductor on the CPU ({cxx} is not on PATH; set CXX)"
+    elif device_type == "cuda":
+        from importlib.util import find_spec
+
+        if find_spec("triton") is None:
+            return "Triton is not installed (torch.compile's inductor needs it on CUDA)"
+    return None

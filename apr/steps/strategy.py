@@ -49,13 +49,10 @@ class StepStrategy:
 def step_strategy(config, execution=None) -> StepStrategy:
     """The strategy for an ``AprConfig`` under a resolved ``apr.steps.execution.Execution`` (default:
     the config's, ``auto`` as if memory were unlimited)."""
-    from apr.steps.execution import from_config
+    from apr.steps.execution import from_config, keeps_all_grads, needs_prepass
 
     tr = config.training
-    engine = str(tr.engine)
     clip = "off" if tr.grad_clip is None else str(tr.clip_mode)
-    loss_scaling = str(tr.mixed_precision) == "fp16"
     execution = execution or from_config(config)
-    keeps_all = engine == "standard" or tr.gradient_accumulation > 1 or execution.gradients == "kept"
-    prepass = engine == "interleaved" and not keeps_all and (clip == "global" or loss_scaling)
-    return StepStrategy(engine, clip, keeps_all, prepass, loss_scaling)
+    return StepStrategy(str(tr.engine), clip, keeps_all_grads(config, execution), needs_prepass(config, execution),
+                        str(tr.mixed_precision) == "fp16")

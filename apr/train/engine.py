@@ -641,10 +641,9 @@ class StandardEngine(Engine):
 def allocate_buffers(config: AprConfig, device: torch.device,
                      execution: Execution | None = None) -> dict[str, torch.Tensor]:
     """The engine's parameter, optimizer and gradient buffers, allocated from the buffer plan."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     wanted = {"weights", "adamw_m", "adamw_v", "gradients"}
     return {
-        b.name: torch.empty(b.shape, dtype=dtypes[b.dtype], device=device)
+        b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
         for b in spec.buffer_plan(config, execution)
         if b.component in wanted and b.name != "head_saved_grad"
     }
@@ -673,6 +672,11 @@ def build_engine(
         engine = InterleavedEngine(config, model, device, backend, allocate_buffers(config, device, execution),
                                    execution)
     engine.dp = dp
+    if engine.execution.compile:
+        from apr.train.compile import compile_blocks
+
+        compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,
+                       engine.autocast())
     return engine
 
 

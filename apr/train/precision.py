@@ -11,12 +11,14 @@ import math
 
 import torch
 
-from apr.model.spec import compute_dtype_name
+from apr.model.spec import DTYPE_BYTES, compute_dtype_name
 
 
 def torch_dtype(precision: str) -> torch.dtype:
-    """The torch dtype of ``training.mixed_precision`` (bf16 -> torch.bfloat16)."""
-    return getattr(torch, compute_dtype_name(precision))
+    """The torch dtype of ``training.mixed_precision`` (bf16 -> torch.bfloat16) or of a buffer-plan
+    dtype name (``apr.model.spec.DTYPE_BYTES``: float32, bfloat16, int64, ...)."""
+    name = str(precision)
+    return getattr(torch, name if name in DTYPE_BYTES else compute_dtype_name(name))
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

@@ -34,3 +34,22 @@ def test_auto_without_a_budget_is_the_fastest_and_says_so():
 def test_keep_first_is_capped_at_the_block_count():
     assert parse("keep_first:9", "kept", 3).activations == "keep"
     assert parse("keep_first:0", "kept", 3).activations == "recompute"
+
+
+@pytest.mark.parametrize("engine", ["interleaved", "standard"])
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("gradients", ["kept", "workspace"])
+@pytest.mark.parametrize("clip,precision", [("global", "fp32"), ("per_block", "fp32"), ("per_block", "fp16"),
+                                            (None, "bf16")])
+def test_the_cost_and_the_step_strategy_agree_on_the_pre_pass(engine, accum, gradients, clip, precision):
+    """One definition: the walk the cost counts is the walk the engine's strategy runs (a stated
+    workspace under accumulation still keeps every gradient, so no pre-pass is charged)."""
+    from apr.steps.strategy import step_strategy
+
+    config = make_config(training={"engine": engine, "gradient_accumulation": accum, "mixed_precision": precision,
+                                   "clip_mode": clip or "global", "grad_clip": 0.3 if clip else None})
+    ex = parse("recompute", gradients, 3)
+    st = step_strategy(config, ex)
+    expected = 3.0 if engine == "standard" else 4.0 + (3.0 if st.norm_prepass else 0.0)
+    assert step_cost_f(config, ex) == pytest.approx(expected)
+    assert st.keeps_all_grads == (engine == "standard" or accum > 1 or gradients == "kept")
