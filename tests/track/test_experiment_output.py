@@ -107,3 +107,20 @@ def test_export_file_mode_follows_the_umask_like_a_plain_open(tmp_path, sweep): 
         os.umask(old)
     assert result.exit_code == 0, result.output
     assert (tmp_path / "m.csv").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o640
+
+
+def test_view_width_wins_in_a_real_pipe(sweep):  # noqa: F811
+    """A real process whose stdout is a pipe (no terminal, no COLUMNS): what `| less` sees."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, registry = sweep
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-m", "apr", "experiment", "view", "--db", str(registry), "--width", "150"],
+                         capture_output=True, stdin=subprocess.DEVNULL, env=env, text=True,  # stdout: a pipe
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert max(len(line) for line in out.stdout.splitlines()) == 150
