@@ -93,7 +93,15 @@ def _decode(path: Path, column: str, width: int, rows: int) -> np.ndarray:
         table = pq.read_table(path, columns=[column], memory_map=True)
     except Exception as e:
         raise _shard_error(path, f"cannot read: {(str(e).splitlines() or [''])[0][:200]}") from None
-    values = table.column(column).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    lists = table.column(column).combine_chunks()
+    if hasattr(lists, "offsets") and len(lists):  # list/large_list: every row must hold `width` tokens
+        lengths = np.diff(lists.offsets.to_numpy(zero_copy_only=False))
+        if (lengths != width).any():  # ragged rows whose lengths average out pass the footer check
+            first = int(np.argmax(lengths != width))
+            raise _shard_error(path, f"row {first} holds {int(lengths[first])} tokens, not seq_len + 1 = {width}",
+                               code="data.row_length", path="data.seq_len", expected=f"{width} tokens per row",
+                               got=f"{int(lengths[first])} at row {first}")
+    values = lists.flatten().to_numpy(zero_copy_only=False)
     if values.size != rows * width:
         raise _shard_error(path, f"holds {values.size} tokens, its footer says {rows * width}")
     if values.dtype.kind == "i" and values.size and values.min() < 0:  # a signed column: uint32 would wrap

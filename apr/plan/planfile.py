@@ -93,6 +93,12 @@ def _field_checks(doc: dict):
     yield "config", "a mapping", isinstance(doc.get("config") or {}, dict)
     yield "overrides", "a mapping", isinstance(doc.get("overrides") or {}, dict)
     yield "cwd", "a path (string)", isinstance(doc.get("cwd") or "", str)
+    target = doc.get("target")
+    yield "target", "a mapping", target is None or isinstance(target, dict)
+    if isinstance(target, dict):  # apply passes gpu and vram back to the plan
+        yield "target.gpu", "a GPU name (string) or null", target.get("gpu") is None or isinstance(target["gpu"], str)
+        yield "target.vram", "a size (string or integer) or null", target.get("vram") is None or (
+            isinstance(target["vram"], (str, int)) and not isinstance(target["vram"], bool))
     files = doc["data_fingerprint"]["files"]
     yield "data_fingerprint.files", "a list of {path, size, mtime_ns, digest}", all(
         isinstance(f, dict) and isinstance(f.get("path"), str) and is_int(f.get("size"))
