@@ -11,6 +11,7 @@ instead of stopping.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,7 +79,7 @@ def read_task(path: str | Path, on_error: str = "stop", limit: int | None = None
     if on_error not in ON_ERROR:
         raise AprError(f"--on-error must be stop or skip, not {on_error!r}", [Finding(
             "error", "eval.option", "unknown --on-error", path="--on-error", expected="stop or skip", got=on_error)])
-    if not path.exists():
+    if not os.path.lexists(path):  # a symlink loop or a dangling link is named by read_bytes
         raise AprError(f"task file {path} not found", [Finding(
             "error", "eval.task_missing", "no such file", path="--task", file=str(path),
             expected="a JSONL file or a built-in task (stdlib-nextline)")])
@@ -103,6 +104,10 @@ def read_task(path: str | Path, on_error: str = "stop", limit: int | None = None
                 raise AprError(f"{path}:{number}: not valid JSON: {err.msg}", [Finding(
                     "error", "eval.task_line", f"not valid JSON: {err.msg}", file=str(path), line=number,
                     column=err.colno, expected="one JSON object per line", got=_short(line_bytes.decode()))]) from None
+            except RecursionError:  # '[[[[...' nested deeper than the parser's stack
+                raise AprError(f"{path}:{number}: nested too deep", [Finding(
+                    "error", "eval.task_line", "JSON nested too deep", file=str(path), line=number,
+                    expected="one flat JSON object per line", got="deeply nested arrays or objects")]) from None
             examples.append(parse_example(doc, path, number))
         except AprError as err:
             if on_error == "stop":

@@ -119,7 +119,7 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
     try:
         tok_path = _checkpoint_tokenizer(tokenizer, config, info)
     except LoadError:
-        if need_tokenizer:
+        if need_tokenizer or tokenizer is not None:  # a --tokenizer given and unusable is never ignored
             raise
         return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind=kind, step=state.step,
                       eos_id=None, config=config, warnings=warnings)
@@ -131,9 +131,12 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
 def _checkpoint_tokenizer(given, config, info) -> Path:
     if given is not None:
         path = Path(given).expanduser()
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise LoadError(f"tokenizer {path} not found", [Finding(
                 "error", "generate.tokenizer_missing", "no such file", path="--tokenizer", file=str(path))])
+        from apr.readers import check_regular
+
+        check_regular(path, "tokenizer", error=LoadError)  # a FIFO, folder, device or symlink loop, named
         return path
     named = config.data.tokenizer
     if named is None:
@@ -176,9 +179,13 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
             "error", "generate.weights", str(err), file=str(path / "model.safetensors"))]) from None
     model = _build(arch, tensors, device, path / "model.safetensors")
     tok_path = Path(tokenizer).expanduser() if tokenizer is not None else path / "tokenizer.json"
-    if not tok_path.is_file() and not need_tokenizer:
+    if not tok_path.is_file() and not need_tokenizer and tokenizer is None:
         return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind="hf", step=None,
                       eos_id=None)
+    if tokenizer is not None:
+        from apr.readers import check_regular
+
+        check_regular(tok_path, "tokenizer", error=LoadError)  # a FIFO, folder or device given, named
     if not tok_path.is_file():
         raise LoadError(f"{path} has no tokenizer.json; pass --tokenizer PATH", [Finding(
             "error", "generate.no_tokenizer", "no tokenizer to decode with", file=str(tok_path),

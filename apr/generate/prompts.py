@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def read_prompts(prompts: list[str], prompt_file: str | None, stdin=None) -> lis
             text = stdin.read()
         else:
             path = Path(prompt_file).expanduser()
-            if not path.exists():
+            if not os.path.lexists(path):  # a symlink loop or a dangling link is named by read_text
                 raise AprError(f"prompt file {path} not found", [Finding(
                     "error", "generate.prompt_file", "no such file", path="--prompt-file", file=str(path))])
             from apr.readers import read_text

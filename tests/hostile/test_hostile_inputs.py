@@ -61,7 +61,9 @@ def run_cli(args: list[str], *, expect: int | tuple[int, ...] = 1, names: str | 
             assert flat(str(names)) in flat(out), f"{names} not named in:\n{out}"
     if fast:
         assert elapsed < FAST_S, f"apr {' '.join(args)} took {elapsed:.2f} s"
-    assert tree_hashes(*untouched) == before, f"apr {' '.join(args)} changed existing files"
+    after = tree_hashes(*untouched)
+    changed = sorted(p for p in before if after.get(p) != before[p])
+    assert not changed, f"apr {' '.join(args)} changed existing files: {changed}"
     return out
 
 
@@ -413,6 +415,11 @@ def trained(tmp_path_factory):
                          root / "run")
     result = run_apply(cfg, apr_home=root / "home", echo=lambda line: None)
     assert result.status == "finished"
+    # run_apply leaves a store connection to be finalized by the garbage collector (its WAL is
+    # checkpointed then): collect now, so that a later case does not see the store change under it
+    import gc
+
+    gc.collect()
     return root, cfg
 
 
@@ -511,3 +518,77 @@ def test_hostile_checkpoints_are_refused_by_every_reader(tmp_path, trained, case
     resume_cfg.write_text(cfg.read_text().replace(str(root / "out"), str(out)))
     run_cli(["train", "apply", str(resume_cfg), "--resume", str(sidecar)], fast=False,
             untouched=(root / "run",))
+
+
+# ----------------------------------------------------- files given on the command line of other commands
+
+
+def _hostile_file(path: Path, kind: str) -> Path:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "binary":
+        path.write_bytes(np.random.default_rng(6).bytes(3000))
+    elif kind == "deep":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "devzero":
+        path.symlink_to("/dev/zero")
+    elif kind == "loop":
+        path.symlink_to(path)
+    return path
+
+
+FILE_KINDS = ["fifo", "folder", "binary", "deep", "empty", "devzero", "loop"]
+
+
+@pytest.mark.parametrize("kind", FILE_KINDS)
+def test_hostile_tokenizer_prompt_and_task_files_given_as_options(tmp_path, trained, kind):
+    root, _ = trained
+    ckpt = str(root / "out" / "checkpoint-step-4.json")
+    tok = _hostile_file(tmp_path / "tokenizer.json", kind)
+    prompts = _hostile_file(tmp_path / "prompts.txt", kind)
+    task = _hostile_file(tmp_path / "task.jsonl", kind)
+    for args in (["generate", ckpt, "-p", "hi", "-n", "2", "--tokenizer", str(tok)],
+                 ["export", ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", str(tok)],
+                 ["eval", ckpt, "--data", str(root / "run" / "val"), "--tokenizer", str(tok)],  # given: never ignored
+                 ["eval", ckpt, "--task", str(task)]):
+        run_cli(args, fast=False, untouched=(root / "out", root / "run"))
+    # a prompt file is text: deep brackets or any bytes that are UTF-8 are prompts like any other
+    run_cli(["generate", ckpt, "-n", "2", "--prompt-file", str(prompts)], expect=0 if kind == "deep" else 1,
+            fast=False, untouched=(root / "out", root / "run"))
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "binary", "devzero", "loop", "empty"])
+def test_hostile_corpora_for_the_data_commands(tmp_path, base, kind):
+    run, _ = base
+    corpus = _hostile_file(tmp_path / "corpus.txt", kind)
+    expect = (0, 1) if kind in ("binary", "empty") else (1,)  # bytes are text to a byte-level BPE
+    run_cli(["data", "train-tokenizer", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "tok.json")],
+            expect=expect, fast=False, untouched=(run,))
+    run_cli(["data", "pretokenize", str(corpus), "--tokenizer", str(run / "tokenizer.json"), "--seq-len", "16",
+             "--out", str(tmp_path / "data")], expect=expect, fast=False, untouched=(run,))
+
+
+@pytest.mark.parametrize("kind", ["binary", "empty", "fifo", "folder", "text_in_real_column"])
+def test_hostile_experiment_stores(tmp_path, trained, kind, monkeypatch):
+    import sqlite3
+
+    root, _ = trained
+    store = tmp_path / "experiments.db"
+    if kind == "text_in_real_column":
+        shutil.copy(root / "out" / ".apr" / "experiments.db", store)
+        conn = sqlite3.connect(store)
+        conn.execute("UPDATE metrics SET value = 'high'")
+        conn.commit()
+        conn.close()
+    else:
+        _hostile_file(store, kind)
+    monkeypatch.chdir(tmp_path)
+    run_cli(["experiment", "view", "--db", str(store)], untouched=(tmp_path,) if kind != "fifo" else ())
+    run_cli(["experiment", "export", "--db", str(store), "--run", "x", "--format", "csv", "--out",
+             str(tmp_path / "m.csv")], untouched=(tmp_path,) if kind != "fifo" else ())
+    assert not (tmp_path / "m.csv").exists()
