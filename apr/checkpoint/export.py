@@ -44,9 +44,10 @@ class ExportResult:
     checkpoint: Path
     files: list[str]
     eos_token: str | None
-    tokenizer: Path
+    tokenizer: Path | None
     rope_form: str  # "rope_parameters" (transformers >= 5) or "rope_theta"
     warnings: list[str] = field(default_factory=list)
+    base: Path | None = None  # --format peft: the base model the adapters load onto
 
 
 def installed_transformers_major() -> int | None:
@@ -166,9 +167,14 @@ def _read_weights(checkpoint: str | os.PathLike, warnings: list[str]):
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
-              overwrite: bool = False) -> ExportResult:
+              overwrite: bool = False, fmt: str = "hf") -> ExportResult:
     """Export a checkpoint (.json, .safetensors, or a run directory meaning its latest good one) as a
-    Hugging Face Llama folder at ``out``. ``tokenizer`` overrides the config's ``data.tokenizer``."""
+    Hugging Face Llama folder at ``out``. ``tokenizer`` overrides the config's ``data.tokenizer``.
+
+    A LoRA checkpoint (adapters only) is merged into its base (``model.init_from``, checked against
+    the SHA-256 the checkpoint recorded); ``fmt="peft"`` writes the adapters as a PEFT folder instead
+    (adapter_config.json + adapter_model.safetensors) that ``peft.PeftModel.from_pretrained`` loads
+    onto the base."""
     from apr.config.schema import AprConfig
 
     out = Path(out)
@@ -195,7 +201,15 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
         raise CheckpointError(f"{info.json_path.name}: its stored config does not validate: {err}",
                               info.json_path, "not_apr") from None
     arch = config.model.architecture
+    if fmt == "peft":
+        return _export_peft(state, info, config, out)
+    weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
+    if config.model.lora is not None:
+        weights = _merged(weights, info, config)
 
+    if tokenizer is None and config.data.tokenizer is None and config.model.init_from is not None:
+        beside = Path(_base_path(config, info)) / "tokenizer.json"  # the base's tokenizer travels with it
+        tokenizer = beside if beside.is_file() else None
     tok_path = _resolve_tokenizer(tokenizer, config, info)
     specials = _special_tokens(tok_path, arch.vocab_size)
     if specials["eos"] is None:
@@ -204,6 +218,76 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     cfg_doc, rope_form = hf_config(arch, specials, major)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    del state
+    _write_atomically(out, lambda tmp: _write_export(tmp, weights, info, cfg_doc, tok_path, specials, arch))
+    return ExportResult(out_dir=out, step=info.step, checkpoint=info.json_path,
+                        files=sorted(p.name for p in out.iterdir()),
+                        eos_token=specials["eos"][0] if specials["eos"] else None, tokenizer=tok_path,
+                        rope_form=rope_form, warnings=warnings)
+
+
+def _base_path(config, info: CheckpointInfo) -> str:
+    """``model.init_from`` as the run opened it (relative paths start where the run was started)."""
+    base = Path(config.model.init_from).expanduser()
+    if not base.is_absolute() and info.cwd:
+        base = Path(info.cwd) / base
+    return str(base)
+
+
+def _checked_base(info: CheckpointInfo, config) -> str:
+    """The LoRA checkpoint's base, refused unless its SHA-256 is the one the checkpoint recorded."""
+    from apr.checkpoint.hf_import import source_digest
+
+    base = _base_path(config, info)
+    recorded = ((info.doc.get("engine") or {}).get("base") or {}).get("sha256")
+    actual = source_digest(base, config.model.architecture)
+    if recorded != actual:
+        raise AprError(f"{base} is not the base the adapters of {info.json_path.name} were trained on "
+                       f"(SHA-256 {actual}, the checkpoint recorded {recorded})", [Finding(
+                           "error", "export.base_changed", "the LoRA base weights changed",
+                           path="model.init_from", file=base, expected=str(recorded), got=actual)])
+    return base
+
+
+def _merged(adapters: dict, info: CheckpointInfo, config) -> dict:
+    from apr.checkpoint.hf_import import load_source_weights
+    from apr.model.lora import merge
+
+    arch = config.model.architecture
+    base = load_source_weights(_checked_base(info, config), arch)
+    return merge(base, adapters, arch, config.model.lora)
+
+
+PEFT_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
+
+
+def _export_peft(state, info: CheckpointInfo, config, out: Path) -> ExportResult:
+    from apr.model.lora import peft_config, peft_name
+
+    if config.model.lora is None:
+        raise AprError(f"{info.json_path.name} is not a LoRA checkpoint; --format peft exports adapters "
+                       "(use --format hf)", [Finding("error", "export.not_lora", "no adapters to export",
+                                                     path="model.lora", file=str(info.json_path))])
+    base = _checked_base(info, config)
+    adapters = {peft_name(k): v for k, v in state.tensors.items() if not is_optimizer_state(k)}
+    doc = peft_config(config.model.architecture, config.model.lora, base)
+
+    def write(tmp: Path) -> None:
+        files.write_safetensors(tmp / "adapter_model.safetensors", adapters, metadata={
+            "format": "pt", "apr_step": str(info.step), "apr_config_hash": str(info.config_hash)})
+        _write_json(tmp / "adapter_config.json", doc)
+        with open(tmp / "adapter_config.json", "rb") as f:
+            os.fsync(f.fileno())
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(out, write)
+    return ExportResult(out_dir=out, step=info.step, checkpoint=info.json_path,
+                        files=sorted(p.name for p in out.iterdir()), eos_token=None, tokenizer=None,
+                        rope_form="", base=Path(base))
+
+
+def _write_atomically(out: Path, write) -> None:
+    """``write(tmp)`` fills a temp folder beside ``out``, which then replaces ``out`` by renames."""
     _remove_leftovers(out)
     tmp = _temp_name(out, os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
@@ -211,7 +295,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     with _signals_raise():  # SIGTERM/SIGHUP unwind through the cleanup below, as Ctrl-C does
         tmp.mkdir()
         try:
-            _write_export(tmp, state, info, cfg_doc, tok_path, specials, arch)
+            write(tmp)
             if out.exists():
                 old = out.with_name(f".{out.name}.old-{os.getpid()}")
                 os.replace(out, old)
@@ -225,10 +309,6 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
             if old is not None and not out.exists():  # interrupted between the two renames
                 os.replace(old, out)
             raise
-    return ExportResult(out_dir=out, step=info.step, checkpoint=info.json_path,
-                        files=sorted(p.name for p in out.iterdir()),
-                        eos_token=specials["eos"][0] if specials["eos"] else None, tokenizer=tok_path,
-                        rope_form=rope_form, warnings=warnings)
 
 
 class _Terminated(BaseException):
@@ -268,15 +348,13 @@ def _signals_raise():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
-def _write_export(tmp: Path, state, info, cfg_doc: dict, tok_path: Path, specials: dict, arch) -> None:
+def _write_export(tmp: Path, weights: dict, info, cfg_doc: dict, tok_path: Path, specials: dict, arch) -> None:
     """The export's files, written and fsynced into ``tmp``."""
-    weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
     files.write_safetensors(tmp / "model.safetensors", weights, metadata={
         "format": "pt",  # transformers refuses safetensors without it
         "apr_step": str(info.step),
         "apr_config_hash": str(info.config_hash),
     })
-    del state, weights
     _write_json(tmp / "config.json", cfg_doc)
     gen = {k: cfg_doc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     if gen["pad_token_id"] is None:
@@ -306,8 +384,8 @@ def _is_previous_export(out: Path) -> bool:
         return False
     entries = list(out.iterdir())
     names = {p.name for p in entries}
-    return ({"config.json", "model.safetensors"} <= names and names <= EXPORT_FILES
-            and all(p.is_file() and not p.is_symlink() for p in entries))
+    return (({"config.json", "model.safetensors"} <= names and names <= EXPORT_FILES
+             or names == PEFT_FILES) and all(p.is_file() and not p.is_symlink() for p in entries))
 
 
 def _temp_name(out: Path, pid: int) -> Path:

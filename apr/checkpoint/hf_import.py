@@ -412,3 +412,20 @@ def load_into(model, path_text: str) -> None:
     with torch.no_grad():
         for name, t in load_source_weights(path_text, model.arch).items():
             params[name].copy_(t)
+
+
+def source_digest(path_text: str, arch) -> str:
+    """SHA-256 naming the source's weights: an apr checkpoint's recorded one, or for a Hugging Face
+    folder the SHA-256 of its weight files' names and SHA-256s. A LoRA checkpoint records it, so
+    resuming or exporting onto other base weights is refused."""
+    import hashlib
+
+    from apr.checkpoint.files import sha256_file
+
+    src = check_source(path_text, arch)
+    if src.kind == "apr":
+        from apr.checkpoint.manager import read_info
+
+        return str(read_info(src.checkpoint_json).doc["weights_sha256"])
+    lines = [f"{p.name} {sha256_file(p)[0]}\n" for p in sorted({t.file for t in src.tensors.values()})]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()

@@ -131,6 +131,17 @@ def _architecture(config: Any):
     return config.model.architecture
 
 
+def _expected(config: Any) -> dict:
+    """The tensors a checkpoint of this config (AprConfig or stored dict) holds: the model, or only
+    its LoRA adapters."""
+    from apr.config.schema import LoraConfig
+
+    lora = config["model"].get("lora") if isinstance(config, Mapping) else config.model.lora
+    if isinstance(lora, Mapping):
+        lora = LoraConfig.model_validate(lora)
+    return expected_tensors(_architecture(config), lora)
+
+
 # ------------------------------------------------------------------------------------ reading
 
 
@@ -254,18 +265,17 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
         raise CheckpointError(f"{info.weights_path.name} does not exist", info.weights_path, "missing_weights")
     shapes, dtypes = _header_shapes(info.weights_path)
     try:
-        own_arch = _architecture(info.config)
+        own_expected = _expected(info.config)
     except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
         raise CheckpointError(f"{info.json_path.name}: its config has no valid model.architecture ({err})",
                               info.json_path, "not_apr") from None
-    problems = tensor_mismatches(shapes, dtypes, expected_tensors(own_arch))
+    problems = tensor_mismatches(shapes, dtypes, own_expected)
     if problems:
         raise CheckpointError(
             f"{info.weights_path.name} does not hold the model its JSON describes (foreign file): "
             + "; ".join(problems[:4]), info.weights_path, "foreign")
     if config is not None:
-        arch = _architecture(config)
-        problems = tensor_mismatches(shapes, dtypes, expected_tensors(arch))
+        problems = tensor_mismatches(shapes, dtypes, _expected(config))
         if problems:
             raise CheckpointError(
                 f"{info.json_path.name} was saved for a different model than the config describes: "
@@ -399,7 +409,7 @@ class CheckpointManager:
             raise ValueError("keep_last must be at least 1")
         self._on_warning = on_warning
         self.trainer_state = trainer_state  # loads require the trainer's state (a resume)
-        self._expected = expected_tensors(_architecture(config))
+        self._expected = _expected(config)
         self.warnings: list[str] = []  # what the last load() skipped or fell back past
 
     # -------------------------------------------------------------------------------- paths

@@ -34,10 +34,14 @@ def state_shapes(params: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tup
     return out
 
 
-def expected_tensors(arch) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor a checkpoint of this model (an ``Architecture``) holds."""
-    from apr.model.spec import param_specs
+def expected_tensors(arch, lora=None) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a checkpoint of this model (an ``Architecture``) holds; with
+    ``lora`` (a LoraConfig) only the adapters (the frozen base is referenced, not stored)."""
+    from apr.model.spec import lora_block_specs, param_specs
 
+    if lora is not None:
+        return state_shapes((p.name, p.shape) for i in range(arch.num_hidden_layers)
+                            for p in lora_block_specs(arch, lora, i))
     return state_shapes((p.name, p.shape) for p in param_specs(arch))
 
 

@@ -1,4 +1,5 @@
-"""`apr export CHECKPOINT --format hf --out DIR`: a checkpoint as a Hugging Face Llama folder."""
+"""`apr export CHECKPOINT --format hf|peft --out DIR`: a checkpoint as a Hugging Face Llama folder, or a
+LoRA checkpoint's adapters as a PEFT folder."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import typer
 
 class ExportFormat(StrEnum):
     hf = "hf"
+    peft = "peft"
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +20,9 @@ def register(app: typer.Typer) -> None:
         checkpoint: Path = typer.Argument(
             ..., show_default=False,
             help="checkpoint-*.json or .safetensors, or a run directory (its latest good checkpoint)."),
-        fmt: ExportFormat = typer.Option(ExportFormat.hf, "--format", help="Output format (hf)."),
+        fmt: ExportFormat = typer.Option(
+            ExportFormat.hf, "--format", help="hf: a transformers folder (LoRA adapters merged in); "
+            "peft: a LoRA checkpoint's adapters as a PEFT adapter folder."),
         out: Path = typer.Option(..., "--out", metavar="DIR", help="Folder to create.", show_default=False),
         tokenizer: Path | None = typer.Option(
             None, "--tokenizer", help="tokenizer.json to ship (default: the config's data.tokenizer)."),
@@ -28,10 +32,15 @@ def register(app: typer.Typer) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
 
-        result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite)
+        result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite, fmt=fmt.value)
         for w in result.warnings:
             typer.echo(f"warning: {w}", err=True)
         typer.echo(f"exported {result.checkpoint.name} (step {result.step}) to {result.out_dir}")
+        if fmt == ExportFormat.peft:
+            typer.echo(f"  files: {', '.join(result.files)}")
+            typer.echo(f"  load with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+                       f"{str(result.base)!r}), {str(result.out_dir)!r})")
+            return
         typer.echo(f"  files: {', '.join(result.files)}")
         typer.echo(f"  eos token: {result.eos_token or '(none)'}; RoPE as {result.rope_form}")
         typer.echo(f"  load with: AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r})")

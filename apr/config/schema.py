@@ -112,6 +112,50 @@ def _from_scratch_only(value: object) -> object:
     return "." if value is None else value
 
 
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGET_SETS = {"attention": ATTENTION_MODULES, "mlp": MLP_MODULES, "all": ATTENTION_MODULES + MLP_MODULES}
+
+
+def _lora_targets(value: object) -> object:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"expected attention, mlp, all or a list of module names, got {value!r}")
+    if isinstance(value, str) and value in LORA_TARGET_SETS:
+        return value
+    valid = ATTENTION_MODULES + MLP_MODULES
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown} match no layer of the model: expected attention, mlp, all or "
+                         f"names from {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"LoRA targets list a module twice: {names}")
+    return names
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA) on the blocks' linear layers; everything else is frozen."""
+
+    rank: PositiveCount = Field(description="Rank r of each adapter (B @ A, A: r x in, B: out x r).")
+    alpha: float = Field(16.0, gt=0, description="Adapter scale numerator: scaling = alpha / rank "
+                         "(alpha / sqrt(rank) with rslora).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (training only).")
+    targets: Annotated[str | list[str], BeforeValidator(_lora_targets)] = Field(
+        "attention", description="Layers that get adapters: attention (q/k/v/o_proj), mlp (gate/up/down_proj), "
+        "all, or a list of those names.")
+    rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski, 2023).")
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The targeted projections, in the order they sit in a block."""
+        names = LORA_TARGET_SETS[self.targets] if isinstance(self.targets, str) else self.targets
+        return tuple(n for n in ATTENTION_MODULES + MLP_MODULES if n in names)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
+
+
 class ModelConfig(_Section):
     path: Annotated[str, BeforeValidator(_from_scratch_only)] = Field(
         ".", description='Only "." (train from scratch, randomly initialised). Start from trained weights '
@@ -121,6 +165,8 @@ class ModelConfig(_Section):
         "or a sharded model.safetensors.index.json; no .bin) or an apr checkpoint (.json, or a run folder: its "
         "newest). Its architecture must equal model.architecture (the plan names each difference). "
         "Default: random init from training.seed.")
+    lora: LoraConfig | None = Field(
+        None, description="Train low-rank adapters on a frozen base (needs init_from). Default: train every weight.")
     mode: ModelMode = Field(ModelMode.transformer, description="Model family. Only transformer for now.")
     architecture: Architecture
 

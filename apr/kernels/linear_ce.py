@@ -101,12 +101,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return linear_cross_entropy_sum(
                 hidden, weight, targets, chunk_size=chunk_size, backend=backend, compute_dtype=compute_dtype
             ) / count
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # a frozen head (LoRA) needs no weight gradient: none is formed or kept
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
         loss_sum, grad_hidden = linear_cross_entropy_fwd_bwd(
             hidden, weight, targets, chunk_size=chunk_size, grad_scale=1.0 / count, backend=backend,
             grad_weight=grad_weight, compute_dtype=compute_dtype,
         )
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None)
         return loss_sum / count
 
     @staticmethod

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apr.config.schema import AprConfig, Architecture, MixedPrecision
+from apr.config.schema import AprConfig, Architecture, LoraConfig, MixedPrecision
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
 
@@ -66,6 +66,50 @@ def param_specs(arch: Architecture, decay_embeddings: bool = False) -> list[Para
     for i in range(arch.num_hidden_layers):
         specs += block_param_specs(arch, i)
     return specs + head_param_specs(arch)
+
+
+# ------------------------------------------------------------------------------------------ LoRA
+
+
+def lora_module_path(i: int, module: str) -> str:
+    """``model.layers.{i}.self_attn.q_proj`` / ``model.layers.{i}.mlp.up_proj``: HF's module names."""
+    return f"model.layers.{i}.{'mlp' if module in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{module}"
+
+
+def linear_dims(arch: Architecture, module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a block's projection."""
+    h, inter, q, kv = arch.hidden_size, arch.intermediate_size, arch.num_attention_heads * arch.head_dim, \
+        arch.kv_heads * arch.head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}[module]
+
+
+def lora_block_specs(arch: Architecture, lora: LoraConfig, i: int) -> list[ParamSpec]:
+    """Block ``i``'s adapters in flat-buffer order: per targeted projection ``lora_A`` (rank x in)
+    then ``lora_B`` (out x rank); the update is ``scaling * B @ A``."""
+    specs = []
+    for m in lora.modules:
+        fan_in, fan_out = linear_dims(arch, m)
+        p = lora_module_path(i, m)
+        specs += [ParamSpec(f"{p}.lora_A", (lora.rank, fan_in), f"block.{i}", True),
+                  ParamSpec(f"{p}.lora_B", (fan_out, lora.rank), f"block.{i}", True)]
+    return specs
+
+
+def optimizer_groups(config: AprConfig) -> list[tuple[str, list[ParamSpec]]]:
+    """The trained parameters by optimizer group, in buffer-plan order. Full training: the
+    embedding, each block, the final norm + head. LoRA: each block's adapters (the rest is frozen)."""
+    arch, lora = config.model.architecture, config.model.lora
+    if lora is not None:
+        return [(f"block.{i}", lora_block_specs(arch, lora, i)) for i in range(arch.num_hidden_layers)]
+    groups = [("embed", embed_param_specs(arch, config.optimizer.decay_embeddings))]
+    groups += [(f"block.{i}", block_param_specs(arch, i)) for i in range(arch.num_hidden_layers)]
+    return groups + [("head", head_param_specs(arch))]
+
+
+def trainable_param_count(config: AprConfig) -> int:
+    """Parameters the optimizer updates: every one, or with LoRA ``layers x sum(rank x (in + out))``."""
+    return sum(p.numel for _, specs in optimizer_groups(config) for p in specs)
 
 
 def block_numel(arch: Architecture) -> int:
@@ -142,11 +186,13 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
     interleaved = str(tr.engine) == "interleaved"
     bufs: list[Buffer] = []
 
-    groups: list[tuple[str, int]] = [("embed", v * h)]
-    groups += [(f"block.{i}", block_numel(arch)) for i in range(arch.num_hidden_layers)]
-    groups.append(("head", sum(p.numel for p in head_param_specs(arch))))
+    lora = config.model.lora
+    groups = [(name, sum(p.numel for p in specs)) for name, specs in optimizer_groups(config)]
+    if lora is not None:
+        # the frozen base: the model's own tensors (no gradient, no moments), adapters in flat buffers
+        bufs.append(Buffer("frozen_base", "frozen_weights", (param_count(arch),), "float32"))
     for name, numel in groups:
-        bufs.append(Buffer(f"{name}.flat_params", "weights", (numel,), "float32"))
+        bufs.append(Buffer(f"{name}.flat_params", "adapters" if lora else "weights", (numel,), "float32"))
     for name, numel in groups:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32"))
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32"))
@@ -162,16 +208,16 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
     if step_strategy(config, execution).keeps_all_grads:
         for name, numel in groups:
             bufs.append(Buffer(f"{name}.grad", "gradients", (numel,), "float32"))
-        if interleaved and (tr.gradient_accumulation > 1 or arch.tie_word_embeddings):
+        if interleaved and lora is None and (tr.gradient_accumulation > 1 or arch.tie_word_embeddings):
             bufs.append(Buffer("grad_scratch", "gradients", (v * h,), "float32"))
     else:
-        if arch.tie_word_embeddings:
+        if arch.tie_word_embeddings and lora is None:
             bufs.append(Buffer("embed.grad", "gradients", (v * h,), "float32"))
         bufs.append(Buffer("grad_workspace", "gradients", (max(n for _, n in groups),), "float32"))
         if tr.world_size > 1:
             # data parallel: one group's gradient is all-reduced while the next one's backward fills this
             bufs.append(Buffer("grad_workspace_1", "gradients", (max(n for _, n in groups),), "float32"))
-    if not interleaved:
+    if not interleaved and lora is None:
         # the chunked LM-head loss holds its weight gradient from the forward until backward
         bufs.append(Buffer("head_saved_grad", "gradients", (v, h), "float32"))
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from apr.config.schema import AprConfig
-from apr.model.spec import block_numel, flops_per_token, non_embedding_param_count, param_count
+from apr.model.spec import (
+    block_numel,
+    flops_per_token,
+    linear_dims,
+    non_embedding_param_count,
+    param_count,
+    trainable_param_count,
+)
 from apr.plan.gpus import Target
 from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
 from apr.steps.algebra import sequences_per_step, step_algebra
@@ -24,9 +31,22 @@ class FactSheet:
     time_estimate: dict | None = None
 
 
+def lora_facts(config: AprConfig) -> dict:
+    """Adapter counts and the smallest dimension a rank must not exceed (spec.lora_block_specs)."""
+    arch, lora = config.model.architecture, config.model.lora
+    dims = {m: min(linear_dims(arch, m)) for m in lora.modules}
+    smallest = min(dims, key=dims.__getitem__)
+    return {"trainable_params": trainable_param_count(config), "frozen_params": param_count(arch),
+            "scaling": lora.scaling, "modules": list(lora.modules), "min_dim": dims[smallest],
+            "min_dim_module": smallest, "min_dim_shape": list(linear_dims(arch, smallest))}
+
+
 def model_facts(config: AprConfig) -> dict:
     arch = config.model.architecture
+    extra = {} if config.model.lora is None else {"lora": lora_facts(config)}
     return {
+        **extra,
+        "trainable_params": trainable_param_count(config),
         "params": param_count(arch),
         "non_embedding_params": non_embedding_param_count(arch),
         "block_params": block_numel(arch),

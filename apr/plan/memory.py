@@ -57,11 +57,13 @@ class MemoryCoefficients:
 COEFFICIENTS = MemoryCoefficients()
 
 # Row order of the table; components the buffer plan adds later are appended after these.
-_ORDER = ["weights", "adamw_m", "adamw_v", "gradients", "activation_checkpoints", "kept_activations",
-          "block_activations", "logits_chunk", "inputs", "cuda_context", "allocator_slack"]
+_ORDER = ["frozen_weights", "weights", "adapters", "adamw_m", "adamw_v", "gradients", "activation_checkpoints",
+          "kept_activations", "block_activations", "logits_chunk", "inputs", "cuda_context", "allocator_slack"]
 
 DESCRIPTIONS = {
     "weights": "fp32 master weights, one flat buffer per block",
+    "frozen_weights": "the frozen base model (LoRA): no gradient, no AdamW moments",
+    "adapters": "LoRA adapters (fp32), one flat buffer per block",
     "adamw_m": "AdamW first moment (fp32)",
     "adamw_v": "AdamW second moment (fp32)",
     "gradients": "one gradient workspace (the largest group) or every group's gradient (kept)",

@@ -25,6 +25,7 @@ standard engine, the textbook loop, reads the loss and the norm every step.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -77,11 +78,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def group_specs(config: AprConfig) -> list[tuple[str, list[spec.ParamSpec]]]:
-    """Optimizer groups in buffer-plan order: the embedding, each block, the final norm + head."""
-    arch = config.model.architecture
-    groups = [("embed", spec.embed_param_specs(arch, config.optimizer.decay_embeddings))]
-    groups += [(f"block.{i}", spec.block_param_specs(arch, i)) for i in range(arch.num_hidden_layers)]
-    return groups + [("head", spec.head_param_specs(arch))]
+    """Optimizer groups in buffer-plan order: the embedding, each block, the final norm + head; with
+    LoRA, each block's adapters only (frozen weights get no gradient buffer and no moments)."""
+    return spec.optimizer_groups(config)
 
 
 class Engine:
@@ -111,6 +110,7 @@ class Engine:
         if self.strategy.clip == "adagc":
             self.adagc_ema = {name: torch.zeros(len(specs), device=device) for name, specs in group_specs(config)}
         self.dp: DataParallel | None = None  # set by ``build_engine`` under torchrun
+        self.base_ref: dict | None = None  # LoRA: {"init_from", "sha256"} of the frozen base (build_engine)
         self.calls = 0  # train_step calls
         self._flags = NonFiniteFlags(device)
         # Test/diagnostic hook, called with a group name once that group's gradient is complete.
@@ -183,11 +183,19 @@ class Engine:
 
     def meta_state(self) -> dict:
         meta = {"engine": self.kind, "optimizer_steps": self.optimizer_steps, "loss_scaler": self.scaler.state_dict()}
+        if self.base_ref is not None:  # LoRA: the checkpoint holds adapters; this names their base
+            meta["base"] = dict(self.base_ref)
         if self.adagc_ema:  # a few floats per tensor; float32 -> JSON float -> float32 is exact
             meta["adagc_ema"] = {name: ema.tolist() for name, ema in self.adagc_ema.items()}
         return meta
 
     def load_meta_state(self, meta: dict) -> None:
+        saved_base = meta.get("base")
+        if self.base_ref is not None and saved_base is not None and saved_base.get("sha256") != self.base_ref["sha256"]:
+            raise AprError(f"the checkpoint's adapters were trained on base weights with SHA-256 "
+                           f"{saved_base.get('sha256')} ({saved_base.get('init_from')}), but model.init_from "
+                           f"{self.base_ref['init_from']} has {self.base_ref['sha256']}: point init_from at the "
+                           "original base")
         self.optimizer_steps = int(meta["optimizer_steps"])
         self.scaler.load_state_dict(meta["loss_scaler"])
         if self.adagc_ema:
@@ -224,7 +232,10 @@ class InterleavedEngine(Engine):
                           buffers[f"{name}.adam_v"], buffers.get(f"{name}.grad"))
             for name, specs in group_specs(config)
         ]
-        self.embed, self.block_groups, self.head = self.groups[0], self.groups[1:-1], self.groups[-1]
+        if config.model.lora is None:
+            self.embed, self.block_groups, self.head = self.groups[0], self.groups[1:-1], self.groups[-1]
+        else:  # LoRA: the embedding and the head are frozen; each block's group holds its adapters
+            self.embed, self.block_groups, self.head = None, self.groups, None
         self.workspace = buffers.get("grad_workspace")
         # Under data parallelism a second workspace lets one group's all-reduce run while the next
         # group's backward fills the other (at most two gradient buffers in flight).
@@ -232,7 +243,10 @@ class InterleavedEngine(Engine):
         self._next_ws = 0
         self._inflight: tuple | None = None
         self.grad_scratch = buffers.get("grad_scratch")
-        self.tied = model.lm_head is None
+        self.tied = model.lm_head is None and self.embed is not None
+        # LoRA dropout: each block's RNG state at its forward, replayed when the block is recomputed
+        lora = config.model.lora
+        self._block_rng: list | None = [None] * len(self.block_groups) if lora and lora.dropout > 0 else None
         self._lr = 0.0
 
     # ---------------------------------------------------------------- forward and the backward walk
@@ -248,6 +262,8 @@ class InterleavedEngine(Engine):
             inputs: list[torch.Tensor | None] = [x]
             for i, layer in enumerate(self.model.model.layers):
                 mode = self.execution.block_mode(i)
+                if self._block_rng is not None:  # LoRA dropout: a recompute must draw the same masks
+                    self._block_rng[i] = _rng_state(ids.device)
                 if mode == "recompute":
                     with torch.no_grad():
                         x = layer(x, cos, sin).to(self.cdt)
@@ -325,11 +341,12 @@ class InterleavedEngine(Engine):
         # Final norm, LM head and cross-entropy, chunk by chunk.
         if self.tied:
             self._grad_buffer(self.embed)  # the head's weight gradient adds into the embedding's
-        head_buf = self._grad_buffer(self.head)
+        frozen_head = self.head is None  # LoRA: only the hidden states' gradient is needed
+        head_buf = None if frozen_head else self._grad_buffer(self.head)
         weight = model.head_weight
         # Where the head weight's gradient is formed: straight into its (zeroed) buffer, or, when that
         # already holds earlier micro-batches, in the scratch and then added.
-        head_grad = self._scratch(weight.shape) if kept else weight.grad
+        head_grad = None if frozen_head else self._scratch(weight.shape) if kept else weight.grad
         h_in = inputs[n_layers].detach().requires_grad_()
         with self.autocast():
             h = model.model.norm(h_in)
@@ -344,15 +361,17 @@ class InterleavedEngine(Engine):
                 self._flags.flag(~torch.isfinite(loss_sum), LOSS, self.calls)
         if grad_mult != 1.0:
             grad_h.mul_(grad_mult)
-            head_grad.mul_(grad_mult)
-        if kept:
+            if head_grad is not None:
+                head_grad.mul_(grad_mult)
+        if kept and head_grad is not None:
             weight.grad.add_(head_grad)
         h.backward(grad_h)
         grad_x = h_in.grad
         del h, h_in, grad_h, head_grad
         if free_inputs:
             inputs[n_layers] = None
-        self._done(self.head, head_buf, on_done)
+        if head_buf is not None:
+            self._done(self.head, head_buf, on_done)
 
         # Blocks, last to first: backprop through the kept graph (or recompute it from the saved
         # input), hand over.
@@ -366,7 +385,7 @@ class InterleavedEngine(Engine):
                 out.backward(grad_x, retain_graph=not free_inputs)
             else:
                 x = inputs[i].detach().requires_grad_()
-                with self.autocast():
+                with self.autocast(), _replayed_rng(self._block_rng[i] if self._block_rng else None, ids.device):
                     out = model.model.layers[i](x, cos, sin).to(self.cdt)
                 out.backward(grad_x)
             grad_x = x.grad
@@ -376,6 +395,9 @@ class InterleavedEngine(Engine):
                 inputs[i] = graphs[i] = None
             self._done(group, buf, on_done)
 
+        if self.embed is None:  # LoRA: a frozen embedding needs no gradient
+            self._drain()
+            return loss_sum
         # Embedding: scatter the input gradient into the rows looked up (no dense autograd temporary).
         buf = self._grad_buffer(self.embed)
         embed_grad = self.embed.params[0].grad
@@ -641,7 +663,7 @@ class StandardEngine(Engine):
 def allocate_buffers(config: AprConfig, device: torch.device,
                      execution: Execution | None = None) -> dict[str, torch.Tensor]:
     """The engine's parameter, optimizer and gradient buffers, allocated from the buffer plan."""
-    wanted = {"weights", "adamw_m", "adamw_v", "gradients"}
+    wanted = {"weights", "adapters", "adamw_m", "adamw_v", "gradients"}  # frozen_weights: the model's own
     return {
         b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
         for b in spec.buffer_plan(config, execution)
@@ -665,6 +687,11 @@ def build_engine(
         from apr.checkpoint.hf_import import load_into
 
         load_into(model, config.model.init_from)
+    if config.model.lora is not None:  # frozen base on the device as it is; adapters into flat buffers
+        from apr.model.lora import add_adapters
+
+        add_adapters(model, config.model.lora, tr.seed if seed is None else seed)
+        model = model.to(device)
     if str(tr.engine) == "standard":
         engine: Engine = StandardEngine(config, model.to(device), device, backend)
     else:
@@ -677,7 +704,33 @@ def build_engine(
 
         compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,
                        engine.autocast())
+    if config.model.lora is not None and config.model.init_from is not None:  # C-LORA-002 wants both
+        from apr.checkpoint.hf_import import source_digest
+
+        engine.base_ref = {"init_from": config.model.init_from,
+                           "sha256": source_digest(config.model.init_from, config.model.architecture)}
     return engine
+
+
+# --------------------------------------------------------------------------- dropout replay
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+@contextmanager
+def _replayed_rng(state: tuple | None, device: torch.device):
+    """Run with the RNG as it was at ``state`` (a block's forward), leaving the RNG as it was found,
+    as torch.utils.checkpoint does: a recomputed block draws the dropout masks of its forward."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
 
 
 # ------------------------------------------------------------------------- selective recompute

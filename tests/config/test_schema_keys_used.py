@@ -17,6 +17,10 @@ NOT_READERS = {"apr/config/schema.py", "apr/config/docgen.py"}  # they define or
 # key path -> why no reader is needed (keep short; each entry must say what the key does instead)
 ALLOWED: dict[str, str] = {
     "monitoring.tracking.backend": "one value (sqlite), validated by its enum; no choice to act on",
+    # read through LoraConfig.scaling / .modules (schema.py), which apr/model/lora.py and spec.py call
+    "model.lora.alpha": "read by LoraConfig.scaling and written to adapter_config.json (apr/model/lora.py)",
+    "model.lora.rslora": "read by LoraConfig.scaling and written to adapter_config.json (apr/model/lora.py)",
+    "model.lora.targets": "read by LoraConfig.modules, which spec.lora_block_specs and add_adapters use",
 }
 
 
