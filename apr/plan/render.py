@@ -54,7 +54,9 @@ def _model_lines(plan) -> list[str]:
         f"vocab {arch.vocab_size:,}",
         f"{m['params']:,} parameters: {_params_split(plan)}; "
         f"{fmt_giga(m['flops_per_token'])} FLOP/token (6N + attention)",
-    ]
+    ] + ([] if "lora" not in m else [
+        f"LoRA rank {plan.config.model.lora.rank} on {', '.join(m['lora']['modules'])}: "
+        f"{m['trainable_params']:,} trainable ({100 * m['trainable_params'] / m['params']:.2f}%), the rest frozen"])
 
 
 def _params_split(plan) -> str:
