@@ -118,6 +118,7 @@ class Approach:
     name: str
     note: str = ""
     times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)  # process CPU seconds per step (all threads)
     warm_s: float = 0.0  # build + warmup steps (torch.compile happens here)
     losses: list = field(default_factory=list)  # every step's loss (device tensors until the end)
     cost_f: float = 3.0
@@ -207,10 +208,11 @@ def build(args, device: torch.device, name: str) -> Approach:
 
 def timed_step(ap: Approach, batch: torch.Tensor, device: torch.device) -> None:
     sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = ap.step_fn(batch, False)
     sync(device)
     ap.times.append(time.perf_counter() - t0)
+    ap.cpu_times.append(time.process_time() - c0)
     ap.losses.append(loss)
 
 
@@ -327,6 +329,7 @@ def run(args) -> dict:
             "step_ms_max": max(ap.times) * 1e3, "step_ms_all": [round(t * 1e3, 1) for t in ap.times],
             "tokens_per_s": tokens / med,
             "tokens_per_s_best": tokens / min(ap.times), "paired_ratio": paired, "warm_s": ap.warm_s,
+            "cpu_ms_median": statistics.median(ap.cpu_times) * 1e3,
             "grad_mib": ap.grad_bytes / 2**20,
             "peak_mib": None if ap.peak_bytes is None else ap.peak_bytes / 2**20, "cost_F": ap.cost_f,
             "last_loss": ap.losses[-1], "losses": ap.losses, "note": ap.note,
@@ -379,7 +382,8 @@ def render(res: dict) -> str:
     base = rows.get("baseline")
     mem = "peak MiB" if res["device"] == "cuda" else "peak RSS MiB"
     head = (f"{'approach':<25} {'step ms':>8} {'tokens/s':>9} {'x base':>7} {'best tok/s':>10} {'x base':>7} "
-            f"{'paired':>6} {'cost':>6} {'grad MiB':>9} {'x base':>7} {mem:>12} {'x base':>7} "
+            f"{'paired':>6} {'cpu ms':>7} {'x base':>6} {'cost':>6} {'grad MiB':>9} {'x base':>7} "
+            f"{mem:>12} {'x base':>7} "
             f"{'dloss/base':>9} {'dloss/std':>9}")
     out += [head, "-" * len(head)]
     for r in res["results"]:
@@ -387,16 +391,20 @@ def render(res: dict) -> str:
             return f"{r[key] / base[key]:.2f}" if base and base.get(key) and r.get(key) is not None else "-"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         paired = "-" if r["paired_ratio"] is None else f"{r['paired_ratio']:.2f}"
+        cpu_ratio = f"{base['cpu_ms_median'] / r['cpu_ms_median']:.2f}" if base else "-"
         diff, diff_std = ("-" if r[k] is None else f"{r[k]:.1e}"
                           for k in ("max_rel_loss_diff_base", "max_rel_loss_diff_std"))
         out.append(f"{r['approach']:<25} {r['step_ms_median']:>8.0f} {r['tokens_per_s']:>9,.0f} "
                    f"{ratio('tokens_per_s'):>7} {r['tokens_per_s_best']:>10,.0f} {ratio('tokens_per_s_best'):>7} "
-                   f"{paired:>6} {r['cost_F']:>5.2f}F {r['grad_mib']:>9.1f} {ratio('grad_mib'):>7} {peak:>12} "
+                   f"{paired:>6} {r['cpu_ms_median']:>7.0f} {cpu_ratio:>6} "
+                   f"{r['cost_F']:>5.2f}F {r['grad_mib']:>9.1f} {ratio('grad_mib'):>7} {peak:>12} "
                    f"{ratio('peak_mib'):>7} {diff:>9} {diff_std:>9}")
     out += ["", "step ms / tokens/s: median timed step; best: the fastest timed step (least disturbed on a shared",
             "machine). x base: ratio to the baseline (tokens/s: >1 is faster; memory: <1 is less). paired: the",
             "median over rounds of (baseline step time / this step time) in the same round (CPU round-robin:",
-            "the steps compared ran seconds apart, so load that changes between rounds cancels). cost: step",
+            "the steps compared ran seconds apart, so load that changes between rounds cancels). cpu ms: median",
+            "process CPU time per step (all threads; on a loaded machine the least disturbed figure with",
+            "--threads 1, where no thread spins waiting for another); its x base is baseline / this. cost: step",
             "cost in forward-equivalents F from apr/steps/execution.py. dloss/base, dloss/std: the largest relative",
             "difference of any step's loss (warmup included) from the baseline's / apr standard engine's (same",
             "data, same initial weights; clipping other than global changes the trajectory, so only the",
