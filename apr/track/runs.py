@@ -32,6 +32,7 @@ class RunListing:
 
 TAG_PREFIX = "monitoring.tracking.tags."  # tracking.tags are recorded as params under this prefix
 
+
 def find_local_stores(root: Path, depth: int = DISCOVERY_DEPTH) -> list[Path]:
     """``.apr/experiments.db`` files in ``root`` and its subfolders down to ``depth`` levels.
     Hidden folders are not entered (except ``.apr`` itself); symlinked folders are not followed."""
@@ -42,7 +43,7 @@ def find_local_stores(root: Path, depth: int = DISCOVERY_DEPTH) -> list[Path]:
         folder, level = frontier.pop(0)
         visited += 1
         db = folder / ".apr" / "experiments.db"
-        if db.is_file():
+        if os.path.lexists(db):  # a FIFO or folder there is listed, so that the reader warns about it
             found.append(db)
         if level >= depth:
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
@@ -295,6 +296,14 @@ def connect_readonly(path: Path | str) -> sqlite3.Connection:
     """Open a store for reading without creating or migrating anything. Raises StoreError."""
     path = Path(path)
     if not path.is_file():
+        if os.path.lexists(path):  # never opened: sqlite would block on a FIFO
+            from apr.readers import InputError, check_regular
+
+            try:
+                check_regular(path, "experiment store")
+            except InputError as err:
+                raise _store_error(path, f"not an experiment store: {err.findings[0].got}",
+                                   "track.store_invalid") from None
         raise _store_error(path, "no such experiment store", "track.store_missing")
     try:
         conn = _connect_ro(path)

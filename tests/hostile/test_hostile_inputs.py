@@ -626,3 +626,15 @@ def test_hostile_option_values_are_usage_errors(tmp_path, trained):
         assert "\x1b" not in out, args
     assert not os.path.exists("/tmp/never-written-by-apr-tests")
     assert not os.path.exists("/tmp/never-written-by-apr-tests.json")
+
+
+def test_local_stores_that_are_not_databases_are_warned_about_and_skipped(tmp_path, monkeypatch):
+    for name, kind in (("a", "fifo"), ("b", "binary"), ("c", "folder"), ("d", "devzero")):
+        (tmp_path / name / ".apr").mkdir(parents=True)
+        _hostile_file(tmp_path / name / ".apr" / "experiments.db", kind)
+    monkeypatch.chdir(tmp_path)
+    out = run_cli(["runs", "ls"], expect=0)
+    for name, word in (("a", "FIFO"), ("b", "not a database"), ("c", "directory"), ("d", "character device")):
+        assert f"{tmp_path / name / '.apr' / 'experiments.db'}:" in out and word in out, (name, out)
+    run_cli(["runs", "ls", "--json"], expect=0)
+    run_cli(["runs", "show", "20261122"], expect=1)
