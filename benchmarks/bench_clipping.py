@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-STEP_RE = re.compile(r"^step (\d+)/\d+\s+loss ([0-9.]+)\s+lr \S+\s+gnorm ([0-9.]+)")
+STEP_RE = re.compile(r"^step\s+(\d+)/\d+\s+loss ([0-9.]+)\s+lr \S+\s+gnorm ([0-9.]+)")
 VAL_RE = re.compile(r"val(?:idation)? loss ([0-9.]+)")
 
 

@@ -323,7 +323,7 @@ class InterleavedEngine(Engine):
     def _walk(self, ids, targets, inputs, graphs, grad_mult: float, on_done, free_inputs: bool,
               check_loss: bool = True, accumulate: bool = False) -> torch.Tensor:
         """Backward from the loss to the embedding; ``on_done(group, grad)`` runs as soon as each
-        group's gradient is complete. Returns the loss sum (checked finite before any ``on_done``).
+        group's gradient is complete. Returns the loss sum (flagged if non-finite before any ``on_done``).
         ``free_inputs``: the last walk over this forward (kept graphs are released as it goes);
         ``accumulate``: kept gradient buffers already hold earlier micro-batches.
 
