@@ -562,15 +562,56 @@ def test_hostile_tokenizer_prompt_and_task_files_given_as_options(tmp_path, trai
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("kind", ["fifo", "binary", "devzero", "loop", "empty"])
-def test_hostile_corpora_for_the_data_commands(tmp_path, base, kind):
-    run, _ = base
-    corpus = _hostile_file(tmp_path / "corpus.txt", kind)
-    expect = (0, 1) if kind in ("binary", "empty") else (1,)  # bytes are text to a byte-level BPE
+@pytest.fixture(scope="module")
+def eot_tokenizer(tmp_path_factory) -> Path:
+    """A byte-level BPE with <|endoftext|> (pretokenize needs one), trained by `apr data train-tokenizer`."""
+    root = tmp_path_factory.mktemp("tok")
+    words = ["alpha", "beta", "gamma", "delta", "def", "return", "class", "import"]
+    rng = np.random.default_rng(7)
+    (root / "small.txt").write_text("\n".join(" ".join(rng.choice(words, 12)) for _ in range(400)))
+    run_cli(["data", "train-tokenizer", str(root / "small.txt"), "--vocab-size", "280", "--out",
+             str(root / "tok.json")], expect=0, fast=False)
+    return root / "tok.json"
+
+
+def _corpus(path: Path, kind: str) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if kind in FILE_KINDS:
+        return _hostile_file(path, kind)
+    if kind == "deep_jsonl":
+        path = path.with_suffix(".jsonl")
+        path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    elif kind == "jsonl_wrong_type":
+        path = path.with_suffix(".jsonl")
+        path.write_text('{"text": 5}\n')
+    elif kind == "jsonl_no_key":
+        path = path.with_suffix(".jsonl")
+        path.write_text('{"body": "a"}\n')
+    elif kind == "parquet_int_text":
+        path = path.with_suffix(".parquet")
+        pq.write_table(pa.table({"text": [1, 2, 3]}), path)
+    elif kind == "parquet_garbage":
+        path = path.with_suffix(".parquet")
+        path.write_bytes(np.random.default_rng(8).bytes(2000))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["fifo", "binary", "devzero", "loop", "empty", "deep_jsonl", "jsonl_wrong_type",
+                                  "jsonl_no_key", "parquet_int_text", "parquet_garbage"])
+def test_hostile_corpora_for_the_data_commands(tmp_path, eot_tokenizer, kind):
+    corpus = _corpus(tmp_path / "corpus.txt", kind)
+    # bytes are text to a byte-level BPE: binary (not UTF-8) and empty .txt files are refused or
+    # skipped by their own rules, never a crash
+    expect = (0, 1) if kind in ("binary", "empty") else (1,)
+    names = None if kind in ("binary", "empty") else corpus.name
     run_cli(["data", "train-tokenizer", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "tok.json")],
-            expect=expect, fast=False, untouched=(run,))
-    run_cli(["data", "pretokenize", str(corpus), "--tokenizer", str(run / "tokenizer.json"), "--seq-len", "16",
-             "--out", str(tmp_path / "data")], expect=expect, fast=False, untouched=(run,))
+            expect=expect, names=names, fast=False, untouched=(eot_tokenizer,))
+    run_cli(["data", "pretokenize", str(corpus), "--tokenizer", str(eot_tokenizer), "--seq-len", "16",
+             "--out", str(tmp_path / "data")], expect=expect, names=names, fast=False, untouched=(eot_tokenizer,))
+    if expect == (1,):
+        assert not (tmp_path / "tok.json").exists() and not (tmp_path / "data").exists()
 
 
 @pytest.mark.parametrize("kind", ["binary", "empty", "fifo", "folder", "text_in_real_column"])
