@@ -115,7 +115,7 @@ def resolve(path_text: str) -> Path:
     return Path(os.path.abspath(os.path.expanduser(path_text)))
 
 
-def inspect_source(path_text: str, arch) -> InitSource:
+def inspect_source(path_text: str, arch, depth: int = 0) -> InitSource:
     """Check ``model.init_from`` against ``arch`` (the config's Architecture) from headers alone."""
     path = resolve(path_text)
     src = InitSource(path=path, kind="unknown")
@@ -131,14 +131,14 @@ def inspect_source(path_text: str, arch) -> InitSource:
         _inspect_hf(src, arch)
     elif path.is_file() and path.suffix in (".json", ".safetensors"):
         src.kind = "apr"
-        _inspect_apr(src, path.with_suffix(".json"), arch)
+        _inspect_apr(src, path.with_suffix(".json"), arch, depth)
     elif path.is_dir():
         from apr.checkpoint.manager import scan
 
         entries = [e for e in scan(path) if e.complete]
         if entries:
             src.kind = "apr"
-            _inspect_apr(src, entries[0].json_path, arch)
+            _inspect_apr(src, entries[0].json_path, arch, depth)
         else:
             pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
             src.findings.append(_pickle_finding(pickles[0]) if pickles else _finding(
@@ -149,7 +149,7 @@ def inspect_source(path_text: str, arch) -> InitSource:
         src.findings.append(_finding("unknown_source", f"{path_text} is not a folder, a checkpoint .json or "
                                      ".safetensors file", path, expected="a folder or checkpoint", got=path.name))
     # tensor names and shapes are checked unless config.json already says it is another model family
-    if src.tensors and not any(f.code == "init_from.architecture" for f in src.findings):
+    if src.kind != "apr-lora" and src.tensors and not any(f.code == "init_from.architecture" for f in src.findings):
         _check_tensors(src, arch)
     return src
 
@@ -257,7 +257,19 @@ def _compare_arch(src: InitSource, file: Path, source: Mapping, arch) -> None:
                 f"({key}); set it to {value!r}", file, path=key, expected=repr(value), got=repr(mine)))
 
 
-def _inspect_apr(src: InitSource, json_path: Path, arch) -> None:
+MAX_STAGES = 8  # LoRA stages chained through init_from (a loop of checkpoints stops here)
+
+
+def stage_base(info) -> str | None:
+    """A LoRA checkpoint's ``model.init_from`` as its run opened it (relative to the run's cwd)."""
+    text = (info.config.get("model") or {}).get("init_from")
+    if not isinstance(text, str):
+        return None
+    path = Path(text).expanduser()
+    return str(Path(info.cwd) / path if not path.is_absolute() and info.cwd else path)
+
+
+def _inspect_apr(src: InitSource, json_path: Path, arch, depth: int = 0) -> None:
     from apr.checkpoint.manager import CheckpointError, _architecture, read_info
 
     try:
@@ -273,6 +285,19 @@ def _inspect_apr(src: InitSource, json_path: Path, arch) -> None:
     src.checkpoint_json = json_path
     _compare_arch(src, json_path, {attr: getattr(own, attr) for attr, _ in ARCH_TO_HF} |
                   {"rope_theta": own.rope_theta}, arch)
+    if ((info.config.get("model") or {}).get("lora")) is not None:
+        # a LoRA stage: the next stage's frozen trunk is its base with its adapters merged in
+        src.kind = "apr-lora"
+        base_text = stage_base(info)
+        if base_text is None or depth >= MAX_STAGES:
+            src.findings.append(_finding("bad_checkpoint", f"{json_path.name} is a LoRA checkpoint without a usable "
+                                         f"base (model.init_from {base_text!r})", json_path))
+            return
+        base = inspect_source(base_text, arch, depth + 1)
+        src.findings += base.findings
+        src.tensors.update(base.tensors)
+        src.tokenizer = base.tokenizer
+        return
     if info.weights_path.is_file():
         _read_headers(src, [info.weights_path], skip_optimizer=True)
     else:
@@ -383,6 +408,8 @@ def load_source_weights(path_text: str, arch) -> dict:
 
     src = check_source(path_text, arch)
     want = expected_shapes(arch)
+    if src.kind == "apr-lora":
+        return _merged_stage(src, arch)
     if src.kind == "apr":
         from apr.checkpoint.manager import read_checkpoint
 
@@ -423,9 +450,30 @@ def source_digest(path_text: str, arch) -> str:
     from apr.checkpoint.files import sha256_file
 
     src = check_source(path_text, arch)
-    if src.kind == "apr":
+    if src.kind in ("apr", "apr-lora"):  # a LoRA stage: its adapters; they pin their own base
         from apr.checkpoint.manager import read_info
 
         return str(read_info(src.checkpoint_json).doc["weights_sha256"])
     lines = [f"{p.name} {sha256_file(p)[0]}\n" for p in sorted({t.file for t in src.tensors.values()})]
     return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def _merged_stage(src: InitSource, arch) -> dict:
+    """A LoRA checkpoint as a trunk: its base (checked against the SHA-256 it recorded) with its
+    adapters merged in, float32; the next stage trains a new adapter set over it."""
+    from apr.checkpoint.manager import read_checkpoint, read_info
+    from apr.config.schema import LoraConfig
+    from apr.model.lora import merge
+
+    info = read_info(src.checkpoint_json)
+    base_text = stage_base(info)
+    recorded = ((info.doc.get("engine") or {}).get("base") or {}).get("sha256")
+    actual = source_digest(base_text, arch)
+    if recorded != actual:
+        message = (f"{src.checkpoint_json.name}'s adapters were trained on base weights with SHA-256 {recorded}; "
+                   f"{base_text} now has {actual}")
+        raise InitFromError(message, [_finding("base_changed", message, base_text, expected=str(recorded),
+                                               got=actual)])
+    adapters = read_checkpoint(src.checkpoint_json, weights_only=True).tensors
+    lora = LoraConfig.model_validate(info.config["model"]["lora"])
+    return merge(load_source_weights(base_text, arch), adapters, arch, lora)

@@ -133,6 +133,11 @@ def _lora_targets(value: object) -> object:
     return names
 
 
+class TrunkDtype(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class LoraConfig(_Section):
     """Low-rank adapters (LoRA) on the blocks' linear layers; everything else is frozen."""
 
@@ -144,6 +149,9 @@ class LoraConfig(_Section):
         "attention", description="Layers that get adapters: attention (q/k/v/o_proj), mlp (gate/up/down_proj), "
         "all, or a list of those names.")
     rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski, 2023).")
+    trunk_dtype: TrunkDtype = Field(
+        TrunkDtype.fp32, description="Storage of the frozen blocks' projection weights: fp32, or bf16 (half the "
+        "frozen memory; needs mixed_precision bf16; export merges onto the bf16-rounded weights).")
 
     @property
     def modules(self) -> tuple[str, ...]:

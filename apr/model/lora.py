@@ -46,6 +46,12 @@ def add_adapters(model, lora: LoraConfig, seed: int) -> None:
         p.requires_grad_(False)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     arch = model.arch
+    if str(lora.trunk_dtype) == "bf16":  # the frozen trunk's projections in bf16: half their memory
+        for i in range(arch.num_hidden_layers):
+            for m in PROJECTIONS:
+                parent_name, _, leaf = spec.lora_module_path(i, m).rpartition(".")
+                linear = getattr(model.get_submodule(parent_name), leaf)
+                linear.weight = nn.Parameter(linear.weight.to(torch.bfloat16), requires_grad=False)
     for i in range(arch.num_hidden_layers):
         for m in lora.modules:
             path = spec.lora_module_path(i, m)
@@ -61,17 +67,26 @@ def adapter_names(arch, lora: LoraConfig) -> list[str]:
     return [s.name for i in range(arch.num_hidden_layers) for s in spec.lora_block_specs(arch, lora, i)]
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @torch.no_grad()
 def merge(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], arch, lora: LoraConfig
           ) -> dict[str, torch.Tensor]:
     """The base weights with every adapter folded in (``W + scaling * B @ A``, float32): a plain
-    model with no adapters, as ``apr export --format hf`` writes it."""
+    model with no adapters, as ``apr export --format hf`` writes it. With a bf16 trunk the base
+    projections are rounded to bf16 first, as the run saw them."""
     out = dict(base)
+    if str(lora.trunk_dtype) == "bf16":
+        for i in range(arch.num_hidden_layers):
+            for m in PROJECTIONS:
+                name = f"{spec.lora_module_path(i, m)}.weight"
+                out[name] = base[name].to(torch.bfloat16).float()
     for i in range(arch.num_hidden_layers):
         for m in lora.modules:
             path = spec.lora_module_path(i, m)
             a, b = adapters[f"{path}.lora_A"].float(), adapters[f"{path}.lora_B"].float()
-            out[f"{path}.weight"] = base[f"{path}.weight"].float() + (b @ a) * lora.scaling
+            out[f"{path}.weight"] = out[f"{path}.weight"].float() + (b @ a) * lora.scaling
     return out
 
 

@@ -189,8 +189,14 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
     lora = config.model.lora
     groups = [(name, sum(p.numel for p in specs)) for name, specs in optimizer_groups(config)]
     if lora is not None:
-        # the frozen base: the model's own tensors (no gradient, no moments), adapters in flat buffers
-        bufs.append(Buffer("frozen_base", "frozen_weights", (param_count(arch),), "float32"))
+        # the frozen base: the model's own tensors (no gradient, no moments), adapters in flat buffers;
+        # with a bf16 trunk the blocks' projections are stored in bf16
+        projections = arch.num_hidden_layers * sum(p.numel for p in block_param_specs(arch, 0) if p.decay)
+        if str(lora.trunk_dtype) == "bf16":
+            bufs.append(Buffer("frozen_base", "frozen_weights", (param_count(arch) - projections,), "float32"))
+            bufs.append(Buffer("frozen_projections", "frozen_weights", (projections,), "bfloat16"))
+        else:
+            bufs.append(Buffer("frozen_base", "frozen_weights", (param_count(arch),), "float32"))
     for name, numel in groups:
         bufs.append(Buffer(f"{name}.flat_params", "adapters" if lora else "weights", (numel,), "float32"))
     for name, numel in groups:

@@ -258,3 +258,66 @@ def test_targets_matching_nothing_and_lora_without_a_base_are_refused(tmp_path):
     assert rc == 1 and "qkv_proj" in out and "match no layer" in out and "model.lora.targets" in out
     rc, out, _ = _validate(tmp_path, {"rank": 4}, init_from=None)
     assert rc == 1 and "C-LORA-002" in out and "model.init_from" in out
+
+
+# --------------------------------------------------------------------- dual LoRA (StackWise)
+
+
+def test_a_second_stage_trains_new_adapters_over_the_first_stage_merged(root):
+    """Stage 2's init_from is stage 1's LoRA run: its frozen trunk is base + stage-1 adapters, and it
+    starts (B = 0) exactly at stage 1's adapted model."""
+    _run(root, **lora_sections(root, "stage1/", max_steps=4, save_interval=4))
+    stage2 = AprConfig.model_validate(config_doc(root, model={
+        "init_from": str(root / "stage1"), "lora": {"rank": 2, "alpha": 4.0, "targets": "mlp"}},
+        training={"output_dir": "stage2/", "engine": "standard"}))
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        start = build_engine(stage2).model(ids)
+    torch.testing.assert_close(start, _adapted_logits(root, root / "stage1", ids), atol=1e-5, rtol=0)
+    result, run, _ = _run(root, model=stage2.model.model_dump(mode="json"),
+                          training={"output_dir": "stage2/", "max_steps": 4, "save_interval": 4})
+    assert result.final_step == 4
+    saved = load_file(str(root / "stage2" / "checkpoint-step-4.safetensors"))
+    assert all(".mlp." in k and ".lora_" in k for k in saved)  # the new stage's adapters only
+    side = json.loads((root / "stage2" / "checkpoint-step-4.json").read_text())
+    stage1 = json.loads((root / "stage1" / "checkpoint-step-4.json").read_text())
+    assert side["engine"]["base"]["sha256"] == stage1["weights_sha256"]
+
+
+def test_a_bf16_trunk_halves_the_frozen_projections_and_both_engines_agree(tmp_path):
+    lora = {**LORA, "trunk_dtype": "bf16"}
+    cfg = make_config(model={"init_from": "x", "lora": lora}, training={"mixed_precision": "bf16"})
+    arch = cfg.model.architecture
+    proj = arch.num_hidden_layers * sum(p.numel for p in spec.block_param_specs(arch, 0) if p.decay)
+    frozen = sum(b.nbytes for b in spec.buffer_plan(cfg) if b.component == "frozen_weights")
+    assert frozen == 4 * (spec.param_count(arch) - proj) + 2 * proj
+    data = batches(make_config(), 2, seed=2)
+    weights = {}
+    for kind in ("interleaved", "standard"):
+        engine = _lora_engine(tmp_path, lora=lora, engine=kind, mixed_precision="bf16")
+        q = engine.model.model.layers[0].self_attn.q_proj
+        assert q.weight.dtype == torch.bfloat16 and q.lora_A.dtype == torch.float32
+        for d in data:
+            assert torch.isfinite(engine.train_step([d], lr=1e-2).loss)
+        weights[kind] = {k: v.clone() for k, v in engine.train_state_tensors().items()}
+    for k in weights["standard"]:
+        torch.testing.assert_close(weights["interleaved"][k], weights["standard"][k], atol=1e-6, rtol=1e-5)
+
+
+def test_merging_onto_a_bf16_trunk_uses_the_rounded_weights():
+    from apr.config.schema import LoraConfig
+    from apr.model.lora import merge
+
+    cfg = make_config()
+    arch = cfg.model.architecture
+    lora = LoraConfig(rank=2, alpha=4.0, targets=["q_proj"], trunk_dtype="bf16")
+    gen = torch.Generator().manual_seed(0)
+    base = {p.name: torch.randn(p.shape, generator=gen) for p in spec.param_specs(arch)}
+    adapters = {p.name: torch.randn(p.shape, generator=gen) for i in range(arch.num_hidden_layers)
+                for p in spec.lora_block_specs(arch, lora, i)}
+    out = merge(base, adapters, arch, lora)
+    q, k = "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj"
+    want = base[f"{q}.weight"].bfloat16().float() + 2.0 * adapters[f"{q}.lora_B"] @ adapters[f"{q}.lora_A"]
+    assert torch.equal(out[f"{q}.weight"], want)
+    assert torch.equal(out[f"{k}.weight"], base[f"{k}.weight"].bfloat16().float())  # untargeted, rounded
+    assert torch.equal(out["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not a projection
