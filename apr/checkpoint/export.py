@@ -205,7 +205,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
         return _export_peft(state, info, config, out)
     weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
     if config.model.lora is not None:
-        weights = _merged(weights, info, config)
+        weights = merged_weights(weights, info, config)
 
     if tokenizer is None and config.data.tokenizer is None and config.model.init_from is not None:
         beside = Path(_base_path(config, info)) / "tokenizer.json"  # the base's tokenizer travels with it
@@ -249,7 +249,8 @@ def _checked_base(info: CheckpointInfo, config) -> str:
     return base
 
 
-def _merged(adapters: dict, info: CheckpointInfo, config) -> dict:
+def merged_weights(adapters: dict, info: CheckpointInfo, config) -> dict:
+    """A LoRA checkpoint's adapters merged into its base (checked by SHA-256): full model weights."""
     from apr.checkpoint.hf_import import load_source_weights
     from apr.model.lora import merge
 

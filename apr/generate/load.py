@@ -115,7 +115,12 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
     except Exception as err:  # pydantic ValidationError: a stored config from another apr version
         raise LoadError(f"{info.json_path}: its stored config does not validate: {err}", [Finding(
             "error", "generate.config", "stored config does not validate", file=str(info.json_path))]) from None
-    model = _build(config.model.architecture, state.tensors, device, info.weights_path)
+    tensors = state.tensors
+    if config.model.lora is not None:  # a LoRA run: its adapters merged into its base
+        from apr.checkpoint.export import merged_weights
+
+        tensors = merged_weights({k: v for k, v in tensors.items() if not k.startswith("optimizer.")}, info, config)
+    model = _build(config.model.architecture, tensors, device, info.weights_path)
     try:
         tok_path = _checkpoint_tokenizer(tokenizer, config, info)
     except LoadError:

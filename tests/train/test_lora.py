@@ -138,6 +138,7 @@ def test_plan_memory_table_shows_the_saving(root):
 # -------------------------------------------------------------------------------- runs and files
 
 
+@pytest.mark.slow
 def test_lora_run_lowers_the_loss_and_checkpoints_hold_adapters_and_the_base_hash(root):
     lora = {"rank": 8, "alpha": 32.0, "targets": "all"}
     sections = lora_sections(root, "lora1/", lora=lora, max_steps=48, epochs=4, eval_interval=24, save_interval=24)
@@ -321,3 +322,14 @@ def test_merging_onto_a_bf16_trunk_uses_the_rounded_weights():
     assert torch.equal(out[f"{q}.weight"], want)
     assert torch.equal(out[f"{k}.weight"], base[f"{k}.weight"].bfloat16().float())  # untargeted, rounded
     assert torch.equal(out["model.embed_tokens.weight"], base["model.embed_tokens.weight"])  # not a projection
+
+
+def test_generate_and_eval_load_a_lora_run_merged_into_its_base(root):
+    from apr.generate.load import load_for_inference
+
+    _run(root, **lora_sections(root, "lora5/", max_steps=4, save_interval=4))
+    loaded = load_for_inference(root / "lora5", need_tokenizer=False)
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = loaded.model(ids)
+    torch.testing.assert_close(got, _adapted_logits(root, root / "lora5", ids), atol=1e-5, rtol=0)
