@@ -48,3 +48,23 @@ def output_dir_problems(config: AprConfig) -> list[tuple[str, str]]:
             problems.append((f"output_dir {text!r} is inside {key} ({value}): the run's files would become data",
                              f"{out}, inside {target}"))
     return problems
+
+
+def data_path_problems(config: AprConfig) -> list[tuple[str, str, str]]:
+    """(key, message, what was found) for ``data.train`` / ``data.val`` that is a filesystem root or
+    the home folder itself: planning walks every file under a data folder (shards, fingerprint), so
+    such a path costs minutes before it could say that it holds no shards."""
+    problems = []
+    home = _resolve("~")
+    for key, value in (("data.train", config.data.train), ("data.val", config.data.val)):
+        if not value:
+            continue
+        target = _resolve(value)
+        if target == Path(target.anchor):
+            problems.append((key, f"{key} {value!r} is a filesystem root ({target}): point it at a folder of "
+                                  "pretokenized shards (apr data pretokenize --out DIR)",
+                             f"{target} (a filesystem root)"))
+        elif target == home:
+            problems.append((key, f"{key} {value!r} is your home folder itself: point it at a folder of pretokenized "
+                                  "shards (apr data pretokenize --out DIR)", f"{target} (the home folder)"))
+    return problems

@@ -261,6 +261,11 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     config_path = Path(config_path)
     loaded = apply_overrides(load_config(config_path), normalise_overrides(overrides))
     config = loaded.config
+    from apr.plan.validate import data_path_findings
+
+    bad_paths = data_path_findings(loaded)
+    if bad_paths:  # before any fact: the data facts and the fingerprint walk every file under the folder
+        raise AprError(f"{config_path}: {bad_paths[0].message}", bad_paths)
     if world_size is None:
         world_size = config.training.world_size
     if world_size < 1:

@@ -26,7 +26,8 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
-    findings += alert_config_findings(loaded) + output_dir_findings(loaded) + compile_findings(loaded)
+    findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
+                 + compile_findings(loaded))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -56,6 +57,18 @@ def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     return [Finding("error", "config.output_dir", message, path="training.output_dir", file=str(loaded.path),
                     line=line, column=column, expected="a folder of the run's own, apart from its data", got=got)
             for message, got in output_dir_problems(loaded.config)]
+
+
+def data_path_findings(loaded: LoadedConfig) -> list[Finding]:
+    """`data.train` / `data.val` that is a filesystem root or the home folder, at the key's line."""
+    from apr.config.paths import data_path_problems
+
+    out = []
+    for key, message, got in data_path_problems(loaded.config):
+        line, column = loaded.source.locate(tuple(key.split(".")))
+        out.append(Finding("error", "config.data_path", message, path=key, file=str(loaded.path), line=line,
+                           column=column, expected="a folder of pretokenized shards (or one shard)", got=got))
+    return out
 
 
 def compile_findings(loaded: LoadedConfig) -> list[Finding]:

@@ -147,6 +147,9 @@ CONFIG_CASES = {
     "latin1": lambda t: (t + "# caf\xe9\n").encode("latin-1"),
     "output_dir_root": lambda t: t.replace("output_dir: run/", "output_dir: /"),
     "output_dir_is_data": lambda t: t.replace("output_dir: run/", "output_dir: " + t.split("train: ")[1].split()[0]),
+    # planning walks every file under a data folder: a root or the home folder took minutes
+    "data_root": lambda t: t.replace("train: " + t.split("train: ")[1].split()[0], "train: /"),
+    "data_home": lambda t: t.replace("val: " + t.split("val: ")[1].split()[0], "val: ~/"),
     "model_path": lambda t: t.replace("model:\n", "model:\n  path: /tmp/x.safetensors\n"),
     "experiment_escape": lambda t: t + "monitoring:\n  tracking:\n    experiment: \"\\e[2J\"\n",
     "alert_parens": lambda t: t + "monitoring:\n  alerts:\n  - condition: \"" + "(" * 100_000 + "\"\n",
