@@ -40,6 +40,20 @@ ARCH_TO_HF: tuple[tuple[str, str], ...] = (
     ("rms_norm_eps", "rms_norm_eps"),
     ("tie_word_embeddings", "tie_word_embeddings"),
 )
+
+
+def architecture_fields(hf: Mapping) -> dict:
+    """``model.architecture`` keys and values a config.json states (``ARCH_TO_HF`` read backwards;
+    head_dim is derived from hidden_size and the heads, and RoPE's theta comes in either form)."""
+    out = {("num_key_value_heads" if attr == "kv_heads" else attr): hf[key] for attr, key in ARCH_TO_HF
+           if attr != "head_dim" and hf.get(key) is not None}
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), Mapping) else {}
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if theta is not None:
+        out["rope_theta"] = theta
+    return out
+
+
 # Keys that do not change what the weights compute: not compared.
 _NOT_COMPARED = {"initializer_range"}
 # Architecture attribute -> the config key a user edits (kv_heads is a property).

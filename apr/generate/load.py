@@ -218,13 +218,10 @@ def hf_architecture(doc: dict, where: Path):
         raise LoadError(f"{where}: model_type {doc.get('model_type')!r} is not a Llama model", [Finding(
             "error", "generate.hf_config", "unsupported model type", path="model_type", file=str(where),
             expected="llama", got=str(doc.get("model_type")))])
-    rope = doc.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", doc.get("rope_theta", 10000.0))
-    fields = {k: doc[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                   "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-                                   "tie_word_embeddings", "initializer_range") if doc.get(k) is not None}
+    from apr.checkpoint.hf_import import architecture_fields  # the one config.json key table
+
     try:
-        return Architecture.model_validate({**fields, "rope_theta": theta})
+        return Architecture.model_validate(architecture_fields(doc))
     except Exception as err:  # pydantic ValidationError
         raise LoadError(f"{where}: not a Llama config apr can run: {err}", [Finding(
             "error", "generate.hf_config", str(err).splitlines()[0], file=str(where))]) from None

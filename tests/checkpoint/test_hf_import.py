@@ -103,6 +103,12 @@ def test_export_and_import_share_one_key_table():
     arch = make_config().model.architecture
     doc, _ = hf_config(arch, {"eos": None, "bos": None, "pad": None, "unk": None}, 5)
     assert {k: doc[k] for _, k in ARCH_TO_HF} == {k: getattr(arch, a) for a, k in ARCH_TO_HF}
+    from apr.checkpoint.hf_import import architecture_fields
+    from apr.config.schema import Architecture
+
+    for major in (4, 5):  # rope_theta at the top level (4.x) or in rope_parameters (5.x)
+        doc, _ = hf_config(arch, {"eos": None, "bos": None, "pad": None, "unk": None}, major)
+        assert Architecture.model_validate(architecture_fields(doc)) == arch  # generate reads it back
 
 
 # --------------------------------------------------------------------------------- bad sources
