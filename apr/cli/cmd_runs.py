@@ -93,8 +93,9 @@ def show_text(detail: dict) -> str:
         "",
         "final metrics:",
     ]
+    width = max([14, *(len(t(k)) for k in detail["final_metrics"])])  # eval.<task>.acc_norm is long
     for key, m in detail["final_metrics"].items():
-        out.append(f"  {t(key):<14} {fmt_value(m['value']):<12} (step {fmt_value(m['step'])})")
+        out.append(f"  {t(key):<{width}} {fmt_value(m['value']):<12} (step {fmt_value(m['step'])})")
     if detail["best_val_loss"]:
         b = detail["best_val_loss"]
         out.append(f"  best val_loss  {fmt_value(b['value'])} (step {fmt_value(b['step'])})")

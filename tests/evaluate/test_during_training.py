@@ -52,7 +52,7 @@ def root(tmp_path):
     return tmp_path
 
 
-def test_a_run_with_an_eval_interval_records_task_scores_and_samples(root):
+def test_a_run_with_an_eval_interval_records_task_scores_and_samples(root, capsys):
     result, lines = run(
         root, data={"tokenizer": str(root / "tok.json")},
         evaluation={"tasks": [str(root / "count.jsonl")], "interval": 4,
@@ -75,6 +75,17 @@ def test_a_run_with_an_eval_interval_records_task_scores_and_samples(root):
         assert [s for s, _ in series] == [4, 8, 12]
         assert series[-1][1] == pytest.approx(score["acc"])
         assert "eval.count.acc_norm" in store.final_metrics(conn, state["run_id"])
+
+    # what a user reads: `apr runs show RUN` (global registry) in text and --json
+    from apr.cli.cmd_runs import run_show
+
+    assert run_show(state["run_id"], global_=True, json_out=True) == 0
+    detail = json.loads(capsys.readouterr().out)
+    assert detail["final_metrics"]["eval.count.acc"]["value"] == pytest.approx(score["acc"])
+    assert detail["final_metrics"]["eval.count.acc"]["step"] == 12
+    assert run_show(state["run_id"], global_=True) == 0
+    text = capsys.readouterr().out
+    assert any(line.split()[:1] == ["eval.count.acc"] for line in text.splitlines())
 
 
 def test_a_stop_alert_on_a_task_score_stops_the_run(root):
