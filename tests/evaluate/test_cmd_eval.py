@@ -67,3 +67,17 @@ def test_bad_input_is_a_clear_error_with_exit_1(tiny_lm, tmp_path):
     assert "not found" in error(invoke(tiny_lm.checkpoint, "--task", tmp_path / "none.jsonl"))
     assert "no such data folder" in error(invoke(tiny_lm.checkpoint, "--data", tmp_path / "nodata"))
     assert "--on-error" in error(invoke(tiny_lm.checkpoint, "--task", bad, "--on-error", "maybe"))
+
+
+def test_an_unparsable_line_and_a_checkpoint_without_a_tokenizer_are_refused(tiny_lm, tmp_path):
+    from apr.checkpoint.manager import CheckpointManager, read_checkpoint
+    from tests.generate.tiny_lm import config_doc
+
+    bad = task_file(tmp_path, [GOOD, '{"context": "x", "choi', GOOD])
+    err = error(invoke(tiny_lm.checkpoint, "--task", bad))
+    assert f"{bad}:2" in err and "not valid JSON" in err
+    doc = config_doc(tiny_lm.tokenizer)
+    doc["data"]["tokenizer"] = None
+    no_tok = CheckpointManager(tmp_path / "a", doc).save(read_checkpoint(tiny_lm.checkpoint))
+    err = error(invoke(no_tok, "--task", "stdlib-nextline"))
+    assert "names no tokenizer" in err and "--tokenizer" in err
