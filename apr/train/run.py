@@ -5,9 +5,9 @@
 a checkpoint restored or a foreign folder refused). ``Run.execute`` then runs optimizer steps
 ``start_step + 1 .. total_steps`` (``_train``, docs/design.md "The run loop"): ``Cadence`` decides
 log / validate / save, each ending is a ``Stop`` made where it is decided, and ``hooks`` (``StepHook``)
-see every step's ``StepReport`` and may stop the run. The loop's only host reads per step are the
-engine's finiteness checks, the loss / norm read at log steps and, under DDP, the ranks' stop flags
-(``_agree``); evaluations read their results.
+see every step's ``StepReport`` and may stop the run. The loop reads the host only at log,
+evaluation and checkpoint steps (the engine's non-finite flags, the loss and norm, the results) and,
+under DDP, once per step for the ranks' stop flags (``_agree``).
 
 The number of steps is ``apr.steps.algebra.step_count`` over the loader's rows: the plan's formula.
 Signals: apr/train/signals.py.
