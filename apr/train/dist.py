@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist  # loaded by `import torch` anyway
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -30,38 +31,26 @@ class DataParallel:
         return self.rank == 0
 
     def all_reduce_sum_async(self, tensor: torch.Tensor):
-        import torch.distributed as dist
-
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
 
     def average_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In place: the mean of ``tensor`` over all ranks."""
-        import torch.distributed as dist
-
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.div_(self.world_size)
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def any_(self, flags: torch.Tensor) -> torch.Tensor:
         """In place: the element-wise maximum over ranks (a flag set on any rank is set on all)."""
-        import torch.distributed as dist
-
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-
         dist.barrier()
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -78,8 +67,6 @@ def from_env(device_kind: str) -> DataParallel | None:
     world = env_world_size()
     if world <= 1:
         return None
-    import torch.distributed as dist
-
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     backend = "nccl" if device_kind == "cuda" else "gloo"
     if device_kind == "cuda":
