@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from apr.train.engine import resolve_device
+
 
 def device_budget(config) -> tuple[int, str] | None:
     """``(bytes, source)`` for the device ``training.device`` resolves to; None when unknown."""
-    from apr.train.engine import resolve_device
-
     device = resolve_device(str(config.training.device))
     if device.type == "cuda":
-        import torch
-
         props = torch.cuda.get_device_properties(device)
         return int(props.total_memory), f"{props.name} (the device at apply)"
     available = _meminfo_available()
