@@ -19,7 +19,7 @@ def test_json_output_holds_text_ids_and_logprobs(tiny_lm):
     r = invoke(tiny_lm.run_dir, "--prompt", tiny_lm.lines[0], "-n", "6", "--json", "--logprobs", "--ignore-eos")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["kind"] == "run" and doc["step"] == 200 and doc["settings"]["greedy"] is True
+    assert doc["kind"] == "run" and doc["step"] == tiny_lm.steps and doc["settings"]["greedy"] is True
     (g,) = doc["generations"]
     assert g["prompt"] == tiny_lm.lines[0] and g["generated_tokens"] == 6 == len(g["token_ids"]) == len(g["logprobs"])
     assert g["finish_reason"] == "length" and all(lp <= 0 for lp in g["logprobs"])
