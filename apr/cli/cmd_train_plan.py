@@ -13,7 +13,8 @@ from apr.fsutil import check_output_file
 
 
 def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
-             strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False) -> int:
+             strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False,
+             fmt: str | None = None) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
     from apr.plan.build import PlanUsageError, build_plan
     from apr.plan.render import render_error_json, render_json, render_text
@@ -29,12 +30,27 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
     except AprError as err:
         if json_out:
             sys.stdout.write(render_error_json(config, err))
+        elif fmt == "github":
+            from apr.cli.ghactions import emit, summary_markdown
+            from apr.errors import Finding
+
+            findings = err.findings or [Finding("error", "plan.error", err.message, file=str(config))]
+            emit(findings, summary_markdown(f"apr train plan {config}", "errors", findings, str(config)),
+                 str(config), sys.stdout)
         else:
             print_error(err)
         return err.exit_code
     code = plan.exit_code(strict)
     if json_out:
         sys.stdout.write(render_json(plan))
+    elif fmt == "github":
+        from apr.cli.ghactions import emit, summary_markdown
+        from apr.plan.render import github_facts
+
+        verdict = ("ok" if code == 0 else "errors" if plan.errors else "warnings (--strict)") + (
+            f" ({len(plan.errors)} errors, {len(plan.warnings)} warnings)")
+        emit(plan.findings, summary_markdown(f"apr train plan {config}", verdict, plan.findings, str(config),
+                                             github_facts(plan)), str(config), sys.stdout)
     else:
         from apr.cli.render import use_colour
 
@@ -68,7 +84,10 @@ def register(app: typer.Typer) -> None:
             None, "--vram", metavar="SIZE", help="Target GPU memory, e.g. 24GiB (overrides --gpu's memory)."),
         world_size: int | None = typer.Option(
             None, "--world-size", min=1, metavar="N", help="Data-parallel GPUs (default: training.world_size)."),
-        json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object."),
+        json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object (= --format json)."),
+        fmt: str | None = typer.Option(
+            None, "--format", metavar="FORMAT",
+            help="text (default), json, or github: GitHub Actions annotations and a step summary."),
         strict: bool = typer.Option(False, "--strict", help="Fail (exit 1) on warnings too."),
         out: Path | None = typer.Option(
             None, "-out", "--out", metavar="PLAN.json",
@@ -78,6 +97,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check a run without a GPU: step algebra, architecture, data, tokenizer, memory and time.
         Exit 0 no errors, 1 errors (or warnings with --strict), 2 usage."""
-        raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=json_out,
+        from apr.cli.cmd_train_validate import output_format
+
+        fmt = output_format(fmt, json_out)
+        raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=fmt == "json",
                                   strict=strict, out=out, verbose=verbose,
-                                  overwrite=overwrite))
+                                  overwrite=overwrite, fmt=fmt))

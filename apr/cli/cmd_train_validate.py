@@ -11,8 +11,24 @@ if TYPE_CHECKING:
     import typer
 
 
-def run_validate(config: Path, json_out: bool) -> int:
-    """Validate ``config``; print findings (text or JSON); return the exit code (0 valid, 1 invalid)."""
+FORMATS = ("text", "json", "github")
+
+
+def output_format(fmt: str | None, json_out: bool) -> str:
+    """``--format`` with ``--json`` as its alias; a contradiction or an unknown name is a usage error."""
+    import typer
+
+    if fmt is not None and fmt not in FORMATS:
+        raise typer.BadParameter(f"expected one of {', '.join(FORMATS)}, got {fmt!r}", param_hint="'--format'")
+    if json_out and fmt not in (None, "json"):
+        raise typer.BadParameter(f"--json asks for json, --format for {fmt}: give one",
+                                 param_hint="'--format'")
+    return "json" if json_out else (fmt or "text")
+
+
+def run_validate(config: Path, fmt: str = "text") -> int:
+    """Validate ``config``; print findings (text, JSON or GitHub annotations); return the exit code
+    (0 valid, 1 invalid)."""
     from apr.cli.render import findings_json, print_error, print_findings
     from apr.config import load_config
     from apr.errors import ConfigError
@@ -21,34 +37,79 @@ def run_validate(config: Path, json_out: bool) -> int:
     try:
         loaded = load_config(config)
         findings = config_findings(loaded)
+        valid = not any(f.severity == "error" for f in findings)
     except ConfigError as err:
-        if json_out:
-            print(findings_json(err.findings, file=str(config), valid=False))
-        else:
+        if fmt == "text":
             print_error(err)
-        return 1
-    errors = [f for f in findings if f.severity == "error"]
-    if json_out:
-        print(findings_json(findings, file=str(config), valid=not errors))
+            return 1
+        findings, valid = err.findings or [_unlocated(err, config)], False
+    if fmt == "json":
+        print(findings_json(findings, file=str(config), valid=valid))
+    elif fmt == "github":
+        import sys
+
+        from apr.cli.ghactions import emit, summary_markdown
+
+        n_err = sum(f.severity == "error" for f in findings)
+        verdict = ("valid" if valid else "invalid") + f" ({n_err} errors, {len(findings) - n_err} other findings)"
+        emit(findings, summary_markdown(f"apr train validate {config}", verdict, findings, str(config)),
+             str(config), sys.stdout)
     else:
         print_findings(findings)
         n_warn = sum(f.severity == "warning" for f in findings)
-        verdict = "invalid" if errors else "valid"
-        print(f"{config}: {verdict} ({len(errors)} errors, {n_warn} warnings)")
-    return 1 if errors else 0
+        n_err = sum(f.severity == "error" for f in findings)
+        print(f"{config}: {'valid' if valid else 'invalid'} ({n_err} errors, {n_warn} warnings)")
+    return 0 if valid else 1
+
+
+def _unlocated(err, config: Path):
+    from apr.errors import Finding
+
+    return Finding(severity="error", code="config.error", message=err.message, file=str(config))
 
 
 def fast_path(argv: list[str]) -> int | None:
-    """Handle `apr train validate CONFIG [--json]` without building the typer app (~0.15 s saved,
-    since validate runs in CI on every push). Returns None when argv is anything else."""
+    """Handle `apr train validate CONFIG [--json | --format F]` without building the typer app
+    (~0.15 s saved, since validate runs in CI on every push). Returns None when argv is anything
+    else (typer then produces its usage errors and help)."""
     if len(argv) < 3 or argv[:2] != ["train", "validate"]:
         return None
-    rest = argv[2:]
-    json_out = "--json" in rest
-    paths = [a for a in rest if a != "--json"]
-    if len(paths) != 1 or paths[0].startswith("-"):
-        return None  # let typer produce its usage errors and help
-    return run_validate(Path(paths[0]), json_out)
+    rest, fmt, json_out, paths = argv[2:], None, False, []
+    i = 0
+    while i < len(rest):
+        a = rest[i]
+        if a == "--json":
+            json_out = True
+        elif a == "--format" and i + 1 < len(rest):
+            fmt, i = rest[i + 1], i + 1
+        elif a.startswith("--format="):
+            fmt = a.split("=", 1)[1]
+        else:
+            paths.append(a)
+        i += 1
+    if not paths or any(p.startswith("-") for p in paths) or fmt not in (None, *FORMATS) or (
+            json_out and fmt not in (None, "json")):
+        return None
+    return run_validate_many([Path(p) for p in paths], "json" if json_out else (fmt or "text"))
+
+
+def run_validate_many(configs: list[Path], fmt: str = "text") -> int:
+    """Validate each config (pre-commit passes several); exit 1 when any is invalid. With JSON and
+    more than one file the output is a list of the one-file objects."""
+    if fmt == "json" and len(configs) > 1:
+        import contextlib
+        import io
+        import json
+
+        docs, code = [], 0
+        for config in configs:
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                code = max(code, run_validate(config, fmt))
+            docs.append(json.loads(buf.getvalue()))
+        print(json.dumps(docs, indent=2))
+        return code
+    return max(run_validate(config, fmt) for config in configs)
 
 
 def register(app: typer.Typer) -> None:
@@ -56,8 +117,12 @@ def register(app: typer.Typer) -> None:
 
     @app.command("validate")
     def validate(
-        config: Path = typer.Argument(..., metavar="CONFIG", help="Training config (YAML).", show_default=False),
-        json_out: bool = typer.Option(False, "--json", help="Print findings as JSON."),
+        configs: list[Path] = typer.Argument(..., metavar="CONFIG", help="Training config(s) (YAML).",
+                                             show_default=False),
+        json_out: bool = typer.Option(False, "--json", help="Print findings as JSON (= --format json)."),
+        fmt: str | None = typer.Option(
+            None, "--format", metavar="FORMAT",
+            help="text (default), json, or github: GitHub Actions annotations and a step summary."),
     ) -> None:
         """Check a config's schema and its config-only contracts. Exit 0 valid, 1 invalid, 2 usage."""
-        raise typer.Exit(run_validate(config, json_out))
+        raise typer.Exit(run_validate_many(configs, output_format(fmt, json_out)))

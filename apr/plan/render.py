@@ -300,3 +300,23 @@ def render_error_json(config_path, err: AprError) -> str:
            "summary": {"passed": 0, "errors": max(1, sum(f.severity == "error" for f in err.findings)),
                        "warnings": 0}}
     return json.dumps(doc, indent=2, default=str) + "\n"
+
+
+def github_facts(plan) -> list[tuple[str, str]]:
+    """The few figures a reviewer wants in a CI step summary: size, steps, tokens, memory, time."""
+    from apr.fmt import fmt_percent
+    from apr.plan.build import run_summary
+
+    run = run_summary(plan)
+    total = sum(r.bytes for r in plan.memory)
+    vram = plan.target.vram_bytes if plan.target else None
+    tokens = run["schedule"]["total_tokens"]
+    memory = format_bytes(total) + (f" of {format_bytes(vram)} ({fmt_percent(total / vram)})" if vram else "")
+    facts = [("model", f"{format_count(run['model']['params'])} parameters"),
+             ("steps", str(run["schedule"]["total_steps"] or "unknown")),
+             ("tokens", format_count(tokens) if tokens else "unknown"),
+             ("memory", memory)]
+    est = plan.time_estimate or {}
+    if est.get("estimated_seconds"):
+        facts.append(("time", f"~{fmt_estimate(est['estimated_seconds'])}"))
+    return facts
