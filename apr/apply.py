@@ -30,9 +30,32 @@ def _device_budget(config):
     return device_budget(config)
 
 
+def command_line_overrides(settings: list[str] | None, from_plan_file: bool, **named) -> dict:
+    """apply's named options (``seed``...) and ``KEY=VALUE`` settings as one overrides mapping. A saved
+    plan fixed its settings when it was made, and a key given both ways is ambiguous: both refused."""
+    from apr.config.layers import parse_settings
+
+    overrides = {k: v for k, v in named.items() if v is not None}
+    if not settings:
+        return overrides
+    if from_plan_file:
+        raise AprError("a saved plan already fixes the config: give KEY=VALUE settings to `apr train plan`",
+                       [Finding("error", "apply.usage", "KEY=VALUE settings with a plan file", file="command line",
+                                expected="a config file, or a plan made with these settings",
+                                got=" ".join(settings)[:200])])
+    parsed = parse_settings(settings)
+    for key in overrides:
+        if f"training.{key}" in parsed:
+            raise AprError(f"training.{key} is given twice: as --{key.replace('_', '-')} and as a setting",
+                           [Finding("error", "apply.usage", "the same key set twice", path=f"training.{key}",
+                                    file="command line", expected="one of the two", got="both")])
+    return {**parsed, **overrides}
+
+
 def run_apply(target: Path, *, seed: int | None = None, device: str | None = None, max_steps: int | None = None,
               resume: str | None = None, force: bool = False, gpu: str | None = None, vram: str | None = None,
-              apr_home: Path | None = None, echo=None, progress=None, handle_signals: bool = True):
+              apr_home: Path | None = None, echo=None, progress=None, handle_signals: bool = True,
+              settings: list[str] | None = None):
     """Plan and run; returns ``apr.train.run.RunResult``. Raises AprError for anything a user can fix."""
     if force and resume is None:
         raise AprError("--force only applies to a resume (--resume latest|PATH)", [Finding(
@@ -47,11 +70,13 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
             gpu, vram = tgt.get("gpu"), tgt.get("vram")
     else:
         config_path = target
-    overrides = {k: v for k, v in (("seed", seed), ("device", device), ("max_steps", max_steps)) if v is not None}
+    overrides = command_line_overrides(settings, plan_doc is not None, seed=seed, device=device,
+                                       max_steps=max_steps)
     if plan_doc is None:  # read and check the config before importing torch: a bad one fails at once
         from apr.config import load_config
+        from apr.plan.build import normalise_overrides
 
-        load_config(config_path)
+        load_config(config_path, normalise_overrides(overrides) or None)
     from apr.train.dist import env_world_size
     from apr.train.run import ApplyOptions, prepare_run
 

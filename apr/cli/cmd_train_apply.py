@@ -19,6 +19,9 @@ def register(app: typer.Typer) -> None:
     def apply(
         target: Path = typer.Argument(..., show_default=False,
                                       help="A config YAML, or a plan file saved with `apr train plan -out`."),
+        settings: list[str] | None = typer.Argument(
+            None, metavar="KEY=VALUE", show_default=False,
+            help="Override config keys for this run (training.lr=1e-3); recorded, and needed again to resume."),
         seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
         device: DeviceChoice | None = typer.Option(None, "--device", help="Override training.device."),
         max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="Override training.max_steps."),
@@ -41,7 +44,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = run_apply(target, seed=seed, device=None if device is None else str(device),
                                max_steps=max_steps, resume=resume, force=force, gpu=gpu, vram=vram,
-                               echo=progress.echo, progress=progress.update)
+                               echo=progress.echo, progress=progress.update, settings=settings or None)
         finally:
             progress.close()
         if not result.is_main:  # under torchrun only rank 0 reports

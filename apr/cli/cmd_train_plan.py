@@ -14,7 +14,7 @@ from apr.fsutil import check_output_file
 
 def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
              strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False,
-             fmt: str | None = None) -> int:
+             fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
     from apr.plan.build import PlanUsageError, build_plan
     from apr.plan.render import render_error_json, render_json, render_text
@@ -22,7 +22,16 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
     try:
         if out is not None:
             check_output_file(out, inputs=[config], overwrite=overwrite, option="-out")
-        plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size)
+        from apr.config.layers import parse_settings
+
+        overrides = parse_settings(settings) if settings else None
+        if explain is not None:
+            from apr.config import load_config
+            from apr.plan.explain import explain_lines
+
+            sys.stdout.write(explain_lines(load_config(config, overrides), explain))
+            return 0
+        plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size, overrides=overrides)
     except PlanUsageError as err:
         hint = {"plan.unknown_gpu": "'--gpu'", "plan.bad_vram": "'--vram'"}.get(
             err.findings[0].code if err.findings else "", "'--world-size'")
@@ -76,6 +85,12 @@ def register(app: typer.Typer) -> None:
     @app.command("plan")
     def plan(
         config: Path = typer.Argument(..., help="Training config (YAML).", show_default=False),
+        settings: list[str] | None = typer.Argument(
+            None, metavar="KEY=VALUE", show_default=False,
+            help="Override config keys (training.max_steps=100), as `apr train apply` would."),
+        explain: str | None = typer.Option(
+            None, "--explain", metavar="KEY",
+            help="Print KEY's effective value (a dotted key or section) and where each value came from."),
         gpu: str | None = typer.Option(
             None, "--gpu", metavar="NAME",
             help="Target GPU from the catalogue (4090, 3090, a10, l4, t4, v100, a6000, l40s, a100-40gb, "
@@ -102,4 +117,4 @@ def register(app: typer.Typer) -> None:
         fmt = output_format(fmt, json_out)
         raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=fmt == "json",
                                   strict=strict, out=out, verbose=verbose,
-                                  overwrite=overwrite, fmt=fmt))
+                                  overwrite=overwrite, fmt=fmt, settings=settings, explain=explain))

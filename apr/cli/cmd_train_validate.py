@@ -26,7 +26,7 @@ def output_format(fmt: str | None, json_out: bool) -> str:
     return "json" if json_out else (fmt or "text")
 
 
-def run_validate(config: Path, fmt: str = "text") -> int:
+def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = None) -> int:
     """Validate ``config``; print findings (text, JSON or GitHub annotations); return the exit code
     (0 valid, 1 invalid)."""
     from apr.cli.render import findings_json, print_error, print_findings
@@ -35,7 +35,7 @@ def run_validate(config: Path, fmt: str = "text") -> int:
     from apr.plan.validate import config_findings
 
     try:
-        loaded = load_config(config)
+        loaded = load_config(config, settings)
         findings = config_findings(loaded)
         valid = not any(f.severity == "error" for f in findings)
     except ConfigError as err:
@@ -93,9 +93,18 @@ def fast_path(argv: list[str]) -> int | None:
     return run_validate_many([Path(p) for p in paths], "json" if json_out else (fmt or "text"))
 
 
-def run_validate_many(configs: list[Path], fmt: str = "text") -> int:
-    """Validate each config (pre-commit passes several); exit 1 when any is invalid. With JSON and
-    more than one file the output is a list of the one-file objects."""
+def run_validate_many(args: list[Path], fmt: str = "text") -> int:
+    """Validate each config (pre-commit passes several) with the ``KEY=VALUE`` settings among the
+    arguments applied to every one; exit 1 when any is invalid. With JSON and more than one file the
+    output is a list of the one-file objects."""
+    from apr.config.layers import is_setting
+
+    settings = [str(a) for a in args if is_setting(str(a))]
+    configs = [Path(a) for a in args if not is_setting(str(a))]
+    if not configs:
+        import typer
+
+        raise typer.BadParameter("name at least one config file", param_hint="CONFIG")
     if fmt == "json" and len(configs) > 1:
         import contextlib
         import io
@@ -105,11 +114,11 @@ def run_validate_many(configs: list[Path], fmt: str = "text") -> int:
         for config in configs:
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
-                code = max(code, run_validate(config, fmt))
+                code = max(code, run_validate(config, fmt, settings))
             docs.append(json.loads(buf.getvalue()))
         print(json.dumps(docs, indent=2))
         return code
-    return max(run_validate(config, fmt) for config in configs)
+    return max(run_validate(config, fmt, settings) for config in configs)
 
 
 def register(app: typer.Typer) -> None:
@@ -117,8 +126,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command("validate")
     def validate(
-        configs: list[Path] = typer.Argument(..., metavar="CONFIG", help="Training config(s) (YAML).",
-                                             show_default=False),
+        configs: list[Path] = typer.Argument(
+            ..., metavar="CONFIG [KEY=VALUE]", show_default=False,
+            help="Training config(s) (YAML), then settings that override keys (training.max_steps=100)."),
         json_out: bool = typer.Option(False, "--json", help="Print findings as JSON (= --format json)."),
         fmt: str | None = typer.Option(
             None, "--format", metavar="FORMAT",

@@ -9,8 +9,8 @@ from typer.core import TyperGroup
 
 from apr.cli import (
     cmd_data,
-    cmd_experiment,
     cmd_eval,
+    cmd_experiment,
     cmd_export,
     cmd_generate,
     cmd_monitor,

@@ -22,6 +22,34 @@ configs with the JSON Schema in `docs/config.schema.json` (or `apr schema`): put
 `# yaml-language-server: $schema=<path>/config.schema.json` at the top of a config.
 
 The canonical example is `configs/train/pretrain-350m-v2.yaml`.
+
+## Reusing configs: `extends` and command-line settings
+
+A config may start from another: `extends: base.yaml` (or a list, `extends: [a.yaml, b.yaml]`,
+later files winning) names base configs relative to the file that extends them; a base may extend
+another (a cycle or a chain deeper than 16 is an error). The file's own keys then apply over the
+bases, and `KEY.PATH=VALUE` settings on the command line (`apr train validate|plan|apply CONFIG
+training.max_steps=100 optimizer.lr=1e-3`) over both. Precedence, lowest first: the defaults below <
+the bases < the file < the command line.
+
+- **Mappings merge** key by key, recursively: a file that sets `optimizer.lr` keeps the base's
+  `optimizer.weight_decay`.
+- **Anything else replaces** the base's value whole: a list (`monitoring.alerts: []` drops every
+  base alert), a scalar, and `null` (which sets the key to null, e.g. `data.val: null`).
+- **Settings** are read as YAML values (`1e-3` a number, `true` a boolean, `null`, `[1, 2]` a
+  list, anything else a string) and checked like a file's values: an unknown key gets a did-you-mean
+  and the finding says `command line`. Paths inside any file stay relative to the current folder,
+  as in a single file.
+- Every finding names the file and line where the value was set (a base's own line when it came
+  from the base). `apr train plan CONFIG --explain KEY` prints the effective value of a key or a
+  whole section and where each value came from (`default`, `FILE:LINE` or `command line`); the
+  plan's "Config layers" section (and `layers` in `--json`) lists what the file and the command
+  line changed from the base.
+- `apr train apply` records the settings with the run (in the plan and every checkpoint). A resume
+  recomputes the config from the file and the settings given then: leaving out a setting that
+  changes the run in a way a resume cannot take (e.g. `training.seed`) is refused like any config
+  change, with the settings the run was started with. A saved plan (`-out`) fixes its settings;
+  `apply PLAN.json` takes none.
 """
 
 
@@ -94,6 +122,10 @@ def render_schema() -> str:
     doc = AprConfig.model_json_schema()
     doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     doc["title"] = "apr training config"
+    doc["properties"] = {"extends": {  # read by the loader (apr/config/layers.py), not a schema field
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1}],
+        "description": "Base config file(s), relative to this file; this file's keys apply over them."},
+        **doc["properties"]}
     return json.dumps(doc, indent=2) + "\n"
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from apr.config.layers import COMMAND_LINE, Layers, apply_settings, parse_settings, read_layered
 from apr.config.schema import AprConfig
 from apr.errors import ConfigError, Finding
 
@@ -22,6 +23,7 @@ class SourceMap:
 
     file: str
     positions: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    files: dict[tuple, str] = field(default_factory=dict)  # key paths set in a base file or on the command line
 
     def locate(self, loc: tuple) -> tuple[int | None, int | None]:
         """Best position for ``loc``: the key itself, else its nearest ancestor present in the file."""
@@ -32,6 +34,19 @@ class SourceMap:
             loc = loc[:-1]
         return self.positions.get((), (None, None))
 
+    def file_of(self, loc: tuple) -> str:
+        """The file ``loc`` was read from: a base config it extends, "command line", or this file."""
+        loc = tuple(loc)
+        while loc:
+            if loc in self.positions:
+                return self.files.get(loc, self.file)
+            loc = loc[:-1]
+        return self.file
+
+    def where(self, loc: tuple) -> tuple[str, int | None, int | None]:
+        """(file, line, column) of ``loc``, for a finding."""
+        return (self.file_of(loc), *self.locate(loc))
+
 
 @dataclass
 class LoadedConfig:
@@ -40,6 +55,7 @@ class LoadedConfig:
     raw: dict
     source: SourceMap
     text: str
+    layers: Layers = field(default_factory=Layers)
 
     @property
     def config_hash(self) -> str:
@@ -244,7 +260,7 @@ def _describe(value: Any) -> str:
 def _finding_from_error(err: dict, source: SourceMap) -> Finding:
     loc = tuple(err["loc"])
     path = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
-    line, col = source.locate(loc)
+    file, line, col = source.where(loc)
     etype = err["type"]
     got = _describe(err.get("input"))
     if etype == "extra_forbidden":
@@ -253,11 +269,11 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         return Finding("error", "schema.unknown_key", f"unknown key '{loc[-1]}'{hint}", path=path,
-                       file=source.file, line=line, column=col,
+                       file=file, line=line, column=col,
                        expected="one of: " + ", ".join(known) if known else None, got=f"'{loc[-1]}'")
     if etype == "missing":
         return Finding("error", "schema.missing", f"required key '{loc[-1]}' is missing", path=path,
-                       file=source.file, line=line, column=col, expected=f"a value for '{loc[-1]}'",
+                       file=file, line=line, column=col, expected=f"a value for '{loc[-1]}'",
                        got="nothing")
     expected = None
     msg = err["msg"]
@@ -276,7 +292,7 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
                 expected = f"a number {word} {ctx[key]}"
     if expected is None:
         expected = msg[0].lower() + msg[1:] if msg else None
-    return Finding("error", f"schema.{etype}", msg, path=path, file=source.file, line=line, column=col,
+    return Finding("error", f"schema.{etype}", msg, path=path, file=file, line=line, column=col,
                    expected=expected, got=got)
 
 
@@ -301,9 +317,21 @@ def validate_data(data: Any, source: SourceMap) -> AprConfig:
         raise ConfigError(f"{source.file}: {n} schema error{'s' if n != 1 else ''}", findings) from None
 
 
-def load_config(path: str | Path) -> LoadedConfig:
-    """Read, parse and validate a config file. Raises ConfigError listing every problem found."""
+def load_config(path: str | Path, settings: list[str] | dict | None = None) -> LoadedConfig:
+    """Read, parse and validate a config file, the bases it ``extends`` and the command-line
+    ``settings`` (``["training.lr=1e-3"]``; apr/config/layers.py). Raises ConfigError listing every
+    problem found."""
     path = Path(path)
-    data, source, text = read_yaml(path)
+    data, positions, files, text, layers = read_layered(path)
+    source = SourceMap(str(path), positions, files)
+    parsed = parse_settings(settings) if isinstance(settings, list) else dict(settings or {})
+    if parsed:
+        data = apply_settings(data, parsed, layers)
+        for key in parsed:  # the key and any section it created are the command line's, with no line
+            parts = tuple(key.split("."))
+            for i in range(1, len(parts) + 1):
+                if parts[:i] not in source.positions or i == len(parts):
+                    source.positions[parts[:i]] = (None, None)
+                    source.files[parts[:i]] = COMMAND_LINE
     config = validate_data(data, source)
-    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text)
+    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers)

@@ -10,7 +10,6 @@ never imports torch, never touches a GPU and writes nothing. Facts come from ``a
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ PLAN_FORMAT_VERSION = "1"
 
 # Top-level keys of Plan.to_dict(), in order (docs/plan.md describes each).
 PLAN_KEYS = ("format", "format_version", "apr_version", "created", "config_path", "cwd", "config_hash",
-             "overrides", "world_size", "target", "config", "run", "facts", "memory", "time_estimate",
+             "overrides", "layers", "world_size", "target", "config", "run", "facts", "memory", "time_estimate",
              "contracts", "findings", "summary", "data_fingerprint")
 
 # Command-line overrides `apr train apply` may pass; bare names mean keys of the training section.
@@ -98,6 +97,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         from apr import __version__
+        from apr.plan.explain import layers_dict
 
         memory_total = sum(r.bytes for r in self.memory)
         doc: dict[str, Any] = {
@@ -109,6 +109,7 @@ class Plan:
             "cwd": self.cwd,
             "config_hash": self.config_hash,
             "overrides": dict(self.overrides),
+            "layers": layers_dict(self.loaded),
             "world_size": self.world_size,
             "target": target_dict(self.target, self.target_args),
             "config": self.config.model_dump(mode="json"),
@@ -169,28 +170,20 @@ def run_summary(plan: Plan) -> dict:
 # ----------------------------------------------------------------------------------- inputs
 
 
-def apply_overrides(loaded: LoadedConfig, overrides: dict | None) -> LoadedConfig:
-    """The config with command-line overrides (``{"max_steps": 10}`` or ``{"training.seed": 1}``)
-    applied to the YAML data and validated again, so an override is checked like a file value."""
-    if not overrides:
-        return loaded
-    from apr.config.loader import validate_data
-
-    raw = copy.deepcopy(loaded.raw)
-    for key, value in overrides.items():
-        dotted = key if "." in key else f"training.{key}"
-        if dotted not in OVERRIDABLE:
-            raise PlanUsageError(f"cannot override {key!r}; overridable: {', '.join(OVERRIDABLE)}")
-        section, name = dotted.split(".", 1)
-        if not isinstance(raw.get(section), dict):
-            raw[section] = {}
-        raw[section][name] = value
-    config = validate_data(raw, loaded.source)
-    return LoadedConfig(config=config, path=loaded.path, raw=raw, source=loaded.source, text=loaded.text)
-
-
 def normalise_overrides(overrides: dict | None) -> dict:
-    return {(k if "." in k else f"training.{k}"): v for k, v in (overrides or {}).items() if v is not None}
+    """Command-line overrides as dotted keys: apply's named options (``max_steps``, ``seed``,
+    ``device``: keys of the training section) and ``KEY.PATH=VALUE`` settings (already dotted). The
+    config loader writes them in over the file (apr/config/layers.py), so each is checked like a file
+    value and its findings say "command line"."""
+    out = {}
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        dotted = key if "." in key else f"training.{key}"
+        if "." not in key and dotted not in OVERRIDABLE:
+            raise PlanUsageError(f"cannot override {key!r}; overridable: {', '.join(OVERRIDABLE)}")
+        out[dotted] = value
+    return out
 
 
 def resolve_plan_target(config: AprConfig, gpu: str | None, vram: str | int | None) -> Target | None:
@@ -250,8 +243,9 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
 
     ``gpu``/``vram``: the target for the memory budget and time estimate (default: the config's
     training.gpu / training.vram, else none). ``world_size``: data-parallel processes (default:
-    training.world_size). ``overrides``: apply's command-line overrides (``max_steps``, ``seed``,
-    ``device``). ``device_budget``: apply's ``config -> (bytes, source)``, the device's memory the
+    training.world_size). ``overrides``: the command line's (``max_steps``, ``seed``, ``device`` from
+    apply's options, and any ``KEY.PATH=VALUE`` setting as ``{"training.lr": 0.001}``).
+    ``device_budget``: apply's ``config -> (bytes, source)``, the device's memory the
     execution policy must fit when no target is given. Raises ConfigError when the config does not
     load, PlanUsageError (exit code 2) for a bad argument, ContractFileError for a malformed contract
     file.
@@ -259,7 +253,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     from apr.plan.facts import all_facts
 
     config_path = Path(config_path)
-    loaded = apply_overrides(load_config(config_path), normalise_overrides(overrides))
+    loaded = load_config(config_path, normalise_overrides(overrides))
     config = loaded.config
     from apr.plan.validate import data_path_findings
 

@@ -363,8 +363,7 @@ def evaluate_contract(contract: Contract, variables: dict, source=None) -> Contr
     line = column = None
     file = None
     if source is not None:
-        file = source.file
-        line, column = source.locate(_key_path(contract.path))
+        file, line, column = source.where(_key_path(contract.path))
     finding = Finding(
         contract.severity, contract.id, render_template(contract.message, variables), path=contract.path,
         file=file, line=line, column=column,

@@ -21,10 +21,10 @@ def init_from_check(loaded: LoadedConfig) -> tuple[dict | None, list[Finding]]:
     findings = []
     for f in src.findings:
         key = tuple(f.path.split(".")) if f.path else ("model", "init_from")
-        line, column = loaded.source.locate(key)
+        file, line, column = loaded.source.where(key)
         if line is None:
-            line, column = loaded.source.locate(("model", "init_from"))
+            file, line, column = loaded.source.where(("model", "init_from"))
         # located in the config, at the key to change; the message names the source file it is about
         message = f.message if not f.file or f.file in f.message else f"{f.file}: {f.message}"
-        findings.append(replace(f, message=message, file=str(loaded.path), line=line, column=column))
+        findings.append(replace(f, message=message, file=file, line=line, column=column))
     return src.facts(), findings

@@ -162,10 +162,10 @@ def check_plan_fresh(doc: dict) -> Path:
     data files added, removed or changed (size, mtime, content digest). A config that no longer loads raises its
     ConfigError."""
     from apr.config import config_hash, load_config
-    from apr.plan.build import apply_overrides, data_fingerprint
+    from apr.plan.build import data_fingerprint, normalise_overrides
 
     config_path = Path(doc["config_path"])
-    loaded = apply_overrides(load_config(config_path), doc.get("overrides") or None)
+    loaded = load_config(config_path, normalise_overrides(doc.get("overrides")) or None)
     config = loaded.config
     findings: list[Finding] = []
     parts: list[str] = []
@@ -173,9 +173,9 @@ def check_plan_fresh(doc: dict) -> Path:
     if config_hash(config) != doc["config_hash"]:
         changes = config_changes(doc.get("config") or {}, config.model_dump(mode="json")) if doc.get("config") else []
         for key, before, after in changes:
-            line, column = loaded.source.locate(tuple(key.split(".")))
+            file, line, column = loaded.source.where(tuple(key.split(".")))
             findings.append(Finding("error", "plan.stale.config", "changed since the plan was made",
-                                    path=key, file=str(config_path),
+                                    path=key, file=file,
                                     line=line, column=column, expected=_show(before), got=_show(after)))
         if changes:
             parts.append(f"the config changed ({_listed([k for k, _, _ in changes])})")

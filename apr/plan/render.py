@@ -250,6 +250,13 @@ def summary_line(plan) -> str:
     return f"Plan: {s['passed']} passed, {s['warnings']} warnings, {s['errors']} errors."
 
 
+def _layer_section(plan, colour: bool) -> list[str]:
+    from apr.plan.explain import layer_lines
+
+    lines = layer_lines(plan.loaded)
+    return [_section("Config layers (base < file < command line)", colour), *lines, ""] if lines else []
+
+
 def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
     s = plan.summary()
     fp = plan.data_fingerprint
@@ -258,6 +265,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         f"  config sha256:{plan.config_hash[:16]}  data fingerprint sha256:{fp['sha256'][:16]} "
         f"({len(fp['files'])} files)",
         "",
+        *_layer_section(plan, colour),
         _section("Resolved run", colour),
         *_item("model", _model_lines(plan)),
         *_item("data", _data_lines(plan)),

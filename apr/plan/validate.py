@@ -43,7 +43,8 @@ def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
         index = int(f.path.split("[", 1)[1].split("]", 1)[0]) if "[" in f.path else None
         line = column = None
         if index is not None:
-            line, column = loaded.source.locate(("monitoring", "alerts", index, "condition"))
+            file, line, column = loaded.source.where(("monitoring", "alerts", index, "condition"))
+            f = replace(f, file=file)
         out.append(replace(f, line=line, column=column))
     return out
 
@@ -53,8 +54,8 @@ def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     the tokenizer), located at the key's line."""
     from apr.config.paths import output_dir_problems
 
-    line, column = loaded.source.locate(("training", "output_dir"))
-    return [Finding("error", "config.output_dir", message, path="training.output_dir", file=str(loaded.path),
+    file, line, column = loaded.source.where(("training", "output_dir"))
+    return [Finding("error", "config.output_dir", message, path="training.output_dir", file=file,
                     line=line, column=column, expected="a folder of the run's own, apart from its data", got=got)
             for message, got in output_dir_problems(loaded.config)]
 
@@ -65,8 +66,8 @@ def data_path_findings(loaded: LoadedConfig) -> list[Finding]:
 
     out = []
     for key, message, got in data_path_problems(loaded.config):
-        line, column = loaded.source.locate(tuple(key.split(".")))
-        out.append(Finding("error", "config.data_path", message, path=key, file=str(loaded.path), line=line,
+        file, line, column = loaded.source.where(tuple(key.split(".")))
+        out.append(Finding("error", "config.data_path", message, path=key, file=file, line=line,
                            column=column, expected="a folder of pretokenized shards (or one shard)", got=got))
     return out
 
@@ -83,8 +84,8 @@ def compile_findings(loaded: LoadedConfig) -> list[Finding]:
     problem = compile_problem(device)
     if problem is None:
         return []
-    line, column = loaded.source.locate(("training", "execution", "compile"))
+    file, line, column = loaded.source.where(("training", "execution", "compile"))
     severity = "error" if device == "cpu" else "warning"
     return [Finding(severity, "config.compile", f"training.execution.compile: {problem}; set it to false",
-                    path="training.execution.compile", file=str(loaded.path), line=line, column=column,
+                    path="training.execution.compile", file=file, line=line, column=column,
                     expected=f"a working torch.compile toolchain for {device}", got=problem)]

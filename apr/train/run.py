@@ -16,6 +16,7 @@ Signals: apr/train/signals.py.
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import sys
@@ -217,7 +218,8 @@ class Run:
         except AprError as err:
             saved = meta.get("cli_overrides") or {}
             if saved and saved != self.options.overrides:
-                flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in saved.items())
+                flags = " ".join(f"{k}={json.dumps(v)}" if "." in k else f"--{k.replace('_', '-')} {v}"
+                                 for k, v in saved.items())
                 raise AprError(err.message + f"\n(the checkpoint's run was started with {flags}; pass them again "
                                "to resume it)", err.findings) from None
             raise

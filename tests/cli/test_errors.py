@@ -35,6 +35,6 @@ def test_only_render_formats_error_lines():
 
 def test_cli_files_follow_one_naming_scheme():
     helpers = {"__init__.py", "main.py", "entry.py", "help.py", "render.py", "table.py", "progress.py",
-               "streams.py"}
+               "streams.py", "ghactions.py"}
     names = {p.name for p in CLI.glob("*.py")} - helpers
     assert all(n.startswith("cmd_") for n in names), sorted(names)

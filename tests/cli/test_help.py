@@ -26,7 +26,7 @@ def test_help_has_metavars_not_python_types(command):
 
 def test_metavars_say_what_a_value_is():
     plan = runner.invoke(app, ["train", "plan", "--help"], terminal_width=120).output
-    assert plan.splitlines()[0].endswith("[OPTIONS] CONFIG")
+    assert plan.splitlines()[0].endswith("[OPTIONS] CONFIG [KEY=VALUE]...")
     assert "--world-size N " in plan and "[N >= 1]" in plan and "--vram SIZE" in plan
     tok = runner.invoke(app, ["data", "train-tokenizer", "--help"], terminal_width=120).output
     assert "[INPUTS]..." in tok.splitlines()[0] and "--vocab-size SIZE" in tok and "--out FILE" in tok

@@ -1,0 +1,156 @@
+"""Config reuse: `extends: base.yaml` and KEY=VALUE settings on the command line (apr/config/layers.py).
+
+Precedence base < file < command line; maps merge, anything else replaces; every value remembers the
+file (and line) it came from, so findings and `plan --explain` name it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.config import load_config
+from apr.config.layers import parse_settings
+from apr.errors import ConfigError
+from apr.plan.examples import materialize
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def layered(tmp_path, monkeypatch):
+    """base.yaml (a complete, passing run) < mid.yaml (extends it) < top.yaml (extends mid)."""
+    base, _ = materialize({}, tmp_path)
+    base = base.rename(tmp_path / "base.yaml")
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mid.yaml").write_text(
+        "extends: ../base.yaml\n"
+        "optimizer:\n  lr: 1.0e-3\n  weight_decay: 0.05\n"
+        "training:\n  max_steps: 16\n  seed: 5\n"
+        "monitoring:\n  alerts:\n    - {condition: 'loss > 100', action: warn}\n")
+    (tmp_path / "conf" / "top.yaml").write_text(
+        "extends: mid.yaml\n"
+        "optimizer:\n  lr: 2.0e-3\n"
+        "monitoring:\n  alerts: []\n")
+    monkeypatch.chdir(tmp_path)  # the example's data paths are relative to the current folder
+    return tmp_path
+
+
+def test_base_file_and_command_line_apply_in_that_order(layered):
+    loaded = load_config(layered / "conf/top.yaml", ["optimizer.weight_decay=0.2", "training.seed=9"])
+    c = loaded.config
+    assert c.optimizer.lr == 2e-3  # top beats mid
+    assert c.optimizer.weight_decay == 0.2 and c.training.seed == 9  # command line beats mid
+    assert c.training.max_steps == 16  # from mid, kept
+    assert c.model.architecture.hidden_size == 64  # from base, through mid
+    assert c.monitoring.alerts == []  # a list replaces the base's whole
+    assert loaded.layers.files == [str(layered / "conf/../base.yaml"), str(layered / "conf/mid.yaml"),
+                                   str(layered / "conf/top.yaml")]
+
+
+def _explain(*args) -> dict[str, tuple[str, str]]:
+    r = runner.invoke(app, ["train", "plan", *map(str, args)])
+    assert r.exit_code == 0, r.output
+    out = {}
+    for line in r.stdout.splitlines():
+        assignment, origin = re.split(r"\s{2,}", line.strip())
+        key, value = assignment.split(" = ", 1)
+        out[key] = (json.loads(value), origin)
+    return out
+
+
+def test_explain_names_where_each_value_came_from(layered):
+    rows = _explain(layered / "conf/top.yaml", "training.seed=9", "--explain", "training")
+    assert rows["training.seed"] == (9, "command line")
+    assert rows["training.max_steps"] == (16, f"{layered / 'conf/mid.yaml'}:6")
+    assert rows["training.epochs"][1] == f"{layered / 'conf/../base.yaml'}:" + str(
+        _line_of(layered / "base.yaml", "epochs"))
+    assert rows["training.mode"] == ("causal_lm", "default")
+    assert _explain(layered / "conf/top.yaml", "--explain", "optimizer.lr") == {
+        "optimizer.lr": (0.002, f"{layered / 'conf/top.yaml'}:3")}
+
+
+def _line_of(path, key: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip().startswith(key + ":"))
+
+
+def test_the_plan_shows_what_the_file_and_the_command_line_change_from_the_base(layered):
+    r = runner.invoke(app, ["train", "plan", str(layered / "conf/top.yaml"), "training.seed=9", "--json"])
+    doc = json.loads(r.stdout)
+    assert doc["overrides"] == {"training.seed": 9}
+    changed = doc["layers"]["changed_from_base"]
+    assert changed["optimizer.lr"] == {"base": 0.001, "value": 0.002, "from": f"{layered / 'conf/top.yaml'}:3"}
+    assert changed["training.seed"]["base"] == 5 and changed["training.seed"]["from"] == "command line"
+    assert doc["config"]["training"]["seed"] == 9
+    text = runner.invoke(app, ["train", "plan", str(layered / "conf/top.yaml"), "training.seed=9"]).stdout
+    assert "Config layers" in text and "optimizer.lr: 0.001 -> 0.002" in text and "training.seed: 5 -> 9" in text
+
+
+def test_a_finding_about_a_value_from_a_base_names_the_base_file_and_line(layered):
+    base = layered / "base.yaml"
+    base.write_text(base.read_text().replace("hidden_size: 64", "hidden_size: wide"))
+    r = runner.invoke(app, ["train", "validate", str(layered / "conf/top.yaml"), "--json"])
+    assert r.exit_code == 1
+    (f,) = json.loads(r.stdout)["findings"]
+    assert f["path"] == "model.architecture.hidden_size" and f["file"] == str(layered / "conf/../base.yaml")
+    assert f["line"] == _line_of(base, "hidden_size")
+
+
+def test_settings_are_typed_as_yaml_values():
+    assert parse_settings(["a.b=1e-3", "a.c=true", "a.d=null", "a.e=[1, 2]", "a.f=cosine", "a.g={x: 1}",
+                           "a.h="]) == {"a.b": 1e-3, "a.c": True, "a.d": None, "a.e": [1, 2], "a.f": "cosine",
+                                        "a.g": {"x": 1}, "a.h": ""}
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("trainin.seed=3", "did you mean 'training'"),
+    ("training.max_step=3", "did you mean 'max_steps'"),
+    ("training.seed=abc", "valid integer"),
+    ("training.seed.x=1", "training.seed"),
+])
+def test_a_bad_setting_is_a_finding_from_the_command_line(layered, setting, message):
+    r = runner.invoke(app, ["train", "validate", str(layered / "conf/top.yaml"), setting, "--json"])
+    assert r.exit_code == 1, r.output
+    (f,) = json.loads(r.stdout)["findings"]
+    assert f["file"] == "command line" and f["line"] is None and message in f["message"] + str(f["got"])
+
+
+def test_malformed_settings_are_refused():
+    for bad in (["=3"], ["training.=3"], ["x"]):
+        with pytest.raises(ConfigError):
+            parse_settings(bad)
+
+
+def test_an_extends_cycle_and_a_missing_base_are_errors_at_the_extends_line(tmp_path):
+    (tmp_path / "a.yaml").write_text("# a\nextends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: [a.yaml]\n")
+    r = runner.invoke(app, ["train", "validate", str(tmp_path / "a.yaml"), "--json"])
+    (f,) = json.loads(r.stdout)["findings"]
+    assert r.exit_code == 1 and f["code"] == "config.extends_cycle"
+    assert "a.yaml -> " in f["message"] and f["file"] == str(tmp_path / "b.yaml") and f["line"] == 1
+    (tmp_path / "c.yaml").write_text("model: {}\nextends: nowhere.yaml\n")
+    r = runner.invoke(app, ["train", "validate", str(tmp_path / "c.yaml"), "--json"])
+    (f,) = json.loads(r.stdout)["findings"]
+    assert r.exit_code == 1 and f["code"] == "config.extends_missing" and f["line"] == 2
+    (tmp_path / "d.yaml").write_text("extends: 3\n")
+    r = runner.invoke(app, ["train", "validate", str(tmp_path / "d.yaml"), "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["findings"][0]["code"] == "config.extends"
+
+
+def test_a_plan_made_with_settings_stays_fresh_and_apply_refuses_new_settings_with_it(layered):
+    from apr.apply import run_apply
+    from apr.errors import AprError
+
+    out = layered / "plan.json"
+    r = runner.invoke(app, ["train", "plan", str(layered / "conf/top.yaml"), "training.seed=9", "-out", str(out)])
+    assert r.exit_code == 0, r.output
+    from apr.plan.planfile import check_plan_fresh, load_plan_file
+
+    doc = load_plan_file(out)
+    assert doc["overrides"] == {"training.seed": 9} and doc["config"]["training"]["seed"] == 9
+    check_plan_fresh(doc)  # the same settings are applied again: not stale
+    with pytest.raises(AprError, match="saved plan"):
+        run_apply(out, settings=["training.seed=3"], apr_home=layered / "home", echo=lambda line: None)
