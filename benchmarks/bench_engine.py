@@ -15,7 +15,9 @@ approach:
                            [batch, seq, vocab] logits + F.cross_entropy, loss.backward(),
                            clip_grad_norm_, torch.optim.AdamW (fused when available, else foreach)
 
-Precision: fp32 on the CPU, bf16 autocast on CUDA (fp32 master weights everywhere). Warmup steps
+Precision: fp32 on the CPU, bf16 autocast on CUDA (fp32 master weights everywhere), or --precision.
+Under bf16, --only also takes auto-nocopy and lean/recompute+per_block-nocopy: the same engines
+without the compute copy (autocast re-casting the fp32 masters in every forward). Warmup steps
 are excluded; tokens/s = batch x seq / median step time (time.perf_counter, CUDA synchronized).
 The losses of every step are compared with the baseline's ("max |dloss|"): approaches that clip
 exactly like it (auto, standard) must agree to 1e-6.
@@ -70,8 +72,11 @@ SETTINGS = {
 # training.execution.compile: true (torch.compile per block); run with --only, they compile for minutes
 COMPILED = {"auto+compile": "auto", "lean/selective+adagc+compile": "lean/selective+adagc",
             "lean/recompute+per_block+compile": "lean/recompute+per_block"}
+# bf16/fp16 only (--precision): the interleaved engine without its compute copy, i.e. autocast
+# re-casting the fp32 masters in every forward (docs/design.md, "The compute copy")
+NO_COPY = {"auto-nocopy": "auto", "lean/recompute+per_block-nocopy": "lean/recompute+per_block"}
 DEFAULT = (*SETTINGS, "baseline")
-APPROACHES = (*SETTINGS, *COMPILED, "baseline")
+APPROACHES = (*SETTINGS, *COMPILED, *NO_COPY, "baseline")
 LR = 3e-4
 SEED = 1234
 
@@ -92,7 +97,7 @@ def make_config(args, *, engine: str, clip_mode: str, execution: tuple[str, str]
         "optimizer": {"lr": LR, "weight_decay": 0.1},
         "training": {
             "engine": engine, "clip_mode": clip_mode, "grad_clip": 1.0,
-            "mixed_precision": "bf16" if cuda else "fp32", "device": args.device,
+            "mixed_precision": args.precision or ("bf16" if cuda else "fp32"), "device": args.device,
             "kernels": args.kernels if cuda else "torch", "loss_chunk_size": args.loss_chunk, "seed": SEED,
             "execution": {"activations": activations, "gradients": gradients, "compile": compile},
         },
@@ -134,11 +139,19 @@ def build_apr(args, device: torch.device, name: str) -> Approach:
     from apr.steps import execution as policy
     from apr.train.engine import build_engine
 
-    engine_kind, clip_mode, execution = SETTINGS[COMPILED.get(name, name)]
+    engine_kind, clip_mode, execution = SETTINGS[COMPILED.get(name, NO_COPY.get(name, name))]
     config = make_config(args, engine=engine_kind, clip_mode=clip_mode, execution=execution,
                          compile=name in COMPILED)
     chosen = choose_execution(config, int(args.budget_gib * 2**30), "--budget-gib").execution
-    engine = build_engine(config, device, execution=chosen)
+    if name in NO_COPY:
+        from unittest import mock
+
+        from apr.model import spec
+
+        with mock.patch.object(spec, "uses_compute_copy", lambda *a, **k: False):
+            engine = build_engine(config, device, execution=chosen)
+    else:
+        engine = build_engine(config, device, execution=chosen)
     params = list(engine.model.parameters())
     ap = Approach(name, note=f"kernels {engine.backend.name}; {policy.describe(config, chosen)}; "
                   f"{engine.strategy.describe()}", cost_f=policy.step_cost_f(config, chosen))
@@ -176,8 +189,9 @@ def build_baseline(args, device: torch.device) -> Approach:
     except (RuntimeError, TypeError):
         opt, how = torch.optim.AdamW(groups, foreach=True, **kw), "foreach"
     params = list(named.values())
-    cast = (torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda"
-            else torch.autocast(device.type, enabled=False))
+    low = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    cast = (torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[low])
+            if low != "fp32" else torch.autocast(device.type, enabled=False))
     ap = Approach("baseline", note=f"full logits + F.cross_entropy, clip_grad_norm_, torch AdamW ({how})")
 
     def step(batch: torch.Tensor, measure: bool) -> torch.Tensor:
@@ -229,7 +243,7 @@ def peak_rss_mib(args, name: str) -> float:
 
     cmd = [sys.executable, __file__, "--rss-child", name, "--warmup", str(args.warmup)]
     for key in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "loss_chunk",
-                "threads", "budget_gib"):
+                "threads", "budget_gib", "precision"):
         value = getattr(args, key)
         if value is not None:
             cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -419,6 +433,9 @@ def render(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                    help="training.mixed_precision (default fp32 on the CPU, bf16 on CUDA); bf16 adds the "
+                         "-nocopy approaches to --only's choices")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=4)

@@ -165,6 +165,19 @@ def compute_dtype_name(precision: MixedPrecision | str) -> str:
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[str(precision)]
 
 
+def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> bool:
+    """Whether the interleaved engine keeps a bf16/fp16 compute copy of each block's weights, written
+    by AdamW (``param_copy``) so that no forward re-casts the fp32 masters (docs/design.md, "The
+    compute copy"). Not under LoRA (the trunk is the model's own frozen tensors) nor with compiled
+    blocks (the compiled graph does its own casts)."""
+    from apr.steps.execution import from_config
+
+    tr = config.training
+    compiled = (execution or from_config(config)).compile
+    return (str(tr.engine) == "interleaved" and config.model.lora is None and not compiled
+            and compute_dtype_name(tr.mixed_precision) != "float32")
+
+
 def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[Buffer]:
     """The trainer's persistent device buffers. The interleaved engine allocates its weights, AdamW
     state and gradient buffers from this list by name (``apr.train.engine.allocate_buffers``); the
@@ -199,6 +212,10 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
             bufs.append(Buffer("frozen_base", "frozen_weights", (param_count(arch),), "float32"))
     for name, numel in groups:
         bufs.append(Buffer(f"{name}.flat_params", "adapters" if lora else "weights", (numel,), "float32"))
+    if uses_compute_copy(config, execution):  # each block's weights in the compute dtype, kept by AdamW
+        for name, numel in groups:
+            if name.startswith("block."):
+                bufs.append(Buffer(f"{name}.compute", "compute_weights", (numel,), cdt))
     for name, numel in groups:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32"))
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32"))

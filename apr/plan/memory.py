@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from apr.config.schema import AprConfig
+from apr.model.spec import DTYPE_BYTES, block_numel, buffer_plan, compute_dtype_name
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
-from apr.model.spec import DTYPE_BYTES, block_numel, buffer_plan, compute_dtype_name
 
 _MIB = 2**20
 
@@ -57,12 +57,14 @@ class MemoryCoefficients:
 COEFFICIENTS = MemoryCoefficients()
 
 # Row order of the table; components the buffer plan adds later are appended after these.
-_ORDER = ["frozen_weights", "weights", "adapters", "adamw_m", "adamw_v", "gradients", "activation_checkpoints",
-          "kept_activations", "block_activations", "logits_chunk", "inputs", "cuda_context", "allocator_slack"]
+_ORDER = ["frozen_weights", "weights", "compute_weights", "adapters", "adamw_m", "adamw_v", "gradients",
+          "activation_checkpoints", "kept_activations", "block_activations", "logits_chunk", "inputs",
+          "cuda_context", "allocator_slack"]
 
 DESCRIPTIONS = {
     "weights": "fp32 master weights, one flat buffer per block",
     "frozen_weights": "the frozen base model (LoRA): no gradient, no AdamW moments",
+    "compute_weights": "each block's weights in the compute dtype, written by AdamW (no cast per forward)",
     "adapters": "LoRA adapters (fp32), one flat buffer per block",
     "adamw_m": "AdamW first moment (fp32)",
     "adamw_v": "AdamW second moment (fp32)",
@@ -110,7 +112,8 @@ def _kept_activation_bytes(config: AprConfig, execution: Execution, c: MemoryCoe
     b, s = config.data.batch_size, config.data.seq_len
     elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
     kv = arch.kv_heads * arch.head_dim
-    keep = c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * kv + c.keep_intermediate_widths * arch.intermediate_size
+    keep = (c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * kv
+            + c.keep_intermediate_widths * arch.intermediate_size)
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * arch.intermediate_size)
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0

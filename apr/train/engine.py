@@ -248,6 +248,17 @@ class InterleavedEngine(Engine):
         lora = config.model.lora
         self._block_rng: list | None = [None] * len(self.block_groups) if lora and lora.dropout > 0 else None
         self._lr = 0.0
+        # The compute copy (docs/design.md, "The compute copy"): each block's weights in bf16/fp16,
+        # written by AdamW's param_copy after every update; the blocks' matmuls read it instead of
+        # autocast re-casting the fp32 masters in every forward and recompute.
+        self._matmul_params: list[list[tuple[str, int]]] = []
+        if spec.uses_compute_copy(config, self.execution):
+            for i, g in enumerate(self.block_groups):
+                g.compute = buffers[f"{g.name}.compute"]
+                prefix = f"model.layers.{i}."
+                self._matmul_params.append([(s.name.removeprefix(prefix), k) for k, s in enumerate(g.specs)
+                                            if len(s.shape) == 2])
+            self._refresh_compute()
 
     # ---------------------------------------------------------------- forward and the backward walk
 
@@ -260,23 +271,62 @@ class InterleavedEngine(Engine):
             with torch.no_grad():
                 x = self.model.model.embed_tokens(ids).to(self.cdt)
             inputs: list[torch.Tensor | None] = [x]
-            for i, layer in enumerate(self.model.model.layers):
+            for i in range(len(self.model.model.layers)):
                 mode = self.execution.block_mode(i)
                 if self._block_rng is not None:  # LoRA dropout: a recompute must draw the same masks
                     self._block_rng[i] = _rng_state(ids.device)
                 if mode == "recompute":
                     with torch.no_grad():
-                        x = layer(x, cos, sin).to(self.cdt)
+                        x = self._run_block(i, x, cos, sin)[0].to(self.cdt)
                     graphs.append(None)
                 else:
                     x_in = x.detach().requires_grad_()
                     with torch.enable_grad():
-                        out = (layer(x_in, cos, sin) if mode == "keep" else _selective(layer, x_in, cos, sin))
+                        out, leaves = self._run_block(i, x_in, cos, sin, selective=mode == "selective")
                         out = out.to(self.cdt)
-                    graphs.append((x_in, out))
+                    graphs.append((x_in, out, leaves))
                     x = out.detach()
                 inputs.append(x)
         return inputs, graphs
+
+    def _run_block(self, i: int, x, cos, sin, selective: bool = False) -> tuple[torch.Tensor, list]:
+        """Block ``i``'s forward; with a compute copy its matmul weights are leaves over that copy
+        (returned, for ``_add_compute_grads``), else the fp32 parameters autocast casts."""
+        layer = self.model.model.layers[i]
+        if not self._matmul_params:
+            return (_selective(layer, x, cos, sin) if selective else layer(x, cos, sin)), []
+        views = self.block_groups[i].views(self.block_groups[i].compute)
+        grad = torch.is_grad_enabled()
+        leaves = [(k, views[k].detach().requires_grad_(grad)) for _, k in self._matmul_params[i]]
+        weights = {name: leaf for (name, _), (_, leaf) in zip(self._matmul_params[i], leaves, strict=True)}
+
+        def run(x_, cos_, sin_):
+            return torch.func.functional_call(layer, weights, (x_, cos_, sin_))
+
+        if selective:
+            from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+            out = checkpoint(run, x, cos, sin, use_reentrant=False,
+                             context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))
+        else:
+            out = run(x, cos, sin)
+        return out, leaves if grad else []
+
+    @staticmethod
+    def _add_compute_grads(group: FlatGroup, leaves: list) -> None:
+        """Add the compute-dtype weights' gradients into the fp32 gradient buffer, as autograd adds a
+        cast weight's gradient into its fp32 parameter (the same float32 additions: bitwise equal)."""
+        for k, leaf in leaves:
+            if leaf.grad is not None:
+                group.params[k].grad.add_(leaf.grad)
+                leaf.grad = None
+
+    @torch.no_grad()
+    def _refresh_compute(self) -> None:
+        """Derive the compute copies from the fp32 masters (at build and after a checkpoint load)."""
+        for g in self.block_groups:
+            if g.compute is not None:
+                g.compute.copy_(g.flat_params)
 
     def _grad_buffer(self, group: FlatGroup) -> torch.Tensor:
         """Bind the group's gradients: to its own buffer, or to the zeroed shared workspace."""
@@ -380,14 +430,16 @@ class InterleavedEngine(Engine):
             buf = self._grad_buffer(group)
             # a selective graph can be backpropagated once only: the norm-only walk recomputes it
             if graphs[i] is not None and (free_inputs or self.execution.block_mode(i) == "keep"):
-                x, out = graphs[i]
+                x, out, leaves = graphs[i]
                 x.grad = None
                 out.backward(grad_x, retain_graph=not free_inputs)
             else:
                 x = inputs[i].detach().requires_grad_()
                 with self.autocast(), _replayed_rng(self._block_rng[i] if self._block_rng else None, ids.device):
-                    out = model.model.layers[i](x, cos, sin).to(self.cdt)
+                    out, leaves = self._run_block(i, x, cos, sin)
+                    out = out.to(self.cdt)
                 out.backward(grad_x)
+            self._add_compute_grads(group, leaves)
             grad_x = x.grad
             x.grad = None
             del out, x
@@ -427,7 +479,7 @@ class InterleavedEngine(Engine):
         self.backend.adamw_step(
             group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr, beta1=self.beta1,
             beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay, step=self.optimizer_steps + 1,
-            decay=group.decay, grad_scale=scale, found_inf=found_inf,
+            decay=group.decay, grad_scale=scale, found_inf=found_inf, param_copy=group.compute,
         )
         self._flags.stepped()
 
@@ -561,6 +613,7 @@ class InterleavedEngine(Engine):
         self._check_state_names(tensors)
         for name, dst in self.train_state_tensors().items():
             dst.copy_(tensors[name])
+        self._refresh_compute()
 
 
 class StandardEngine(Engine):
@@ -663,7 +716,7 @@ class StandardEngine(Engine):
 def allocate_buffers(config: AprConfig, device: torch.device,
                      execution: Execution | None = None) -> dict[str, torch.Tensor]:
     """The engine's parameter, optimizer and gradient buffers, allocated from the buffer plan."""
-    wanted = {"weights", "adapters", "adamw_m", "adamw_v", "gradients"}  # frozen_weights: the model's own
+    wanted = {"weights", "compute_weights", "adapters", "adamw_m", "adamw_v", "gradients"}  # frozen: the model's
     return {
         b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
         for b in spec.buffer_plan(config, execution)

@@ -23,6 +23,7 @@ class FlatGroup:
     exp_avg_sq: torch.Tensor
     decay: DecayRanges
     own_grad: torch.Tensor | None = None  # a dedicated gradient buffer; None: use the shared workspace
+    compute: torch.Tensor | None = None  # the weights in the compute dtype, written by AdamW (param_copy)
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
 
