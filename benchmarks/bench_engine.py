@@ -358,7 +358,7 @@ def run(args) -> dict:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine, "python": platform.python_version(), "torch": torch.__version__,
         "cpu_count": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": loadavg(),
-        "device": args.device, "precision": "bf16 autocast" if device.type == "cuda" else "fp32",
+        "device": args.device, "precision": _precision_label(args, device),
         "model": {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                   "intermediate": args.intermediate, "vocab": args.vocab, "tied": args.tied,
                   "params": param_count(arch)},
@@ -367,6 +367,11 @@ def run(args) -> dict:
         "full_logits_mib": tokens * args.vocab * 4 / 2**20,
         "chunk_logits_mib": args.batch * min(args.loss_chunk, args.seq) * args.vocab * 4 / 2**20,
     }
+
+
+def _precision_label(args, device: torch.device) -> str:
+    low = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    return "fp32" if low == "fp32" else f"{low} autocast"
 
 
 def cpu_name() -> str:
