@@ -73,7 +73,7 @@ SETTINGS = {
 COMPILED = {"auto+compile": "auto", "lean/selective+adagc+compile": "lean/selective+adagc",
             "lean/recompute+per_block+compile": "lean/recompute+per_block"}
 # bf16/fp16 only (--precision): the interleaved engine without its compute copy, i.e. autocast
-# re-casting the fp32 masters in every forward (docs/design.md, "The compute copy")
+# re-casting the fp32 masters in every forward (docs/design.md, "The engines")
 NO_COPY = {"auto-nocopy": "auto", "lean/recompute+per_block-nocopy": "lean/recompute+per_block"}
 DEFAULT = (*SETTINGS, "baseline")
 APPROACHES = (*SETTINGS, *COMPILED, *NO_COPY, "baseline")

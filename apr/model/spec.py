@@ -167,8 +167,8 @@ def compute_dtype_name(precision: MixedPrecision | str) -> str:
 
 def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> bool:
     """Whether the interleaved engine keeps a bf16/fp16 compute copy of each block's weights, written
-    by AdamW (``param_copy``) so that no forward re-casts the fp32 masters (docs/design.md, "The
-    compute copy"). Not under LoRA (the trunk is the model's own frozen tensors) nor with compiled
+    by AdamW (``param_copy``) so that no forward re-casts the fp32 masters (docs/design.md,
+    "The engines"). Not under LoRA (the trunk is the model's own frozen tensors) nor with compiled
     blocks (the compiled graph does its own casts)."""
     from apr.steps.execution import from_config
 

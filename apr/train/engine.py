@@ -248,7 +248,7 @@ class InterleavedEngine(Engine):
         lora = config.model.lora
         self._block_rng: list | None = [None] * len(self.block_groups) if lora and lora.dropout > 0 else None
         self._lr = 0.0
-        # The compute copy (docs/design.md, "The compute copy"): each block's weights in bf16/fp16,
+        # The compute copy (docs/design.md, "The engines"): each block's weights in bf16/fp16,
         # written by AdamW's param_copy after every update; the blocks' matmuls read it instead of
         # autocast re-casting the fp32 masters in every forward and recompute.
         self._matmul_params: list[list[tuple[str, int]]] = []
