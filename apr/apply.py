@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from apr.config import load_config
+from apr.config.layers import parse_settings
 from apr.errors import AprError, Finding
-from apr.plan.build import build_plan
+from apr.plan.build import build_plan, normalise_overrides
 from apr.plan.planfile import check_plan_fresh, load_plan_file
 
 
@@ -33,7 +35,6 @@ def _device_budget(config):
 def command_line_overrides(settings: list[str] | None, from_plan_file: bool, **named) -> dict:
     """apply's named options (``seed``...) and ``KEY=VALUE`` settings as one overrides mapping. A saved
     plan fixed its settings when it was made, and a key given both ways is ambiguous: both refused."""
-    from apr.config.layers import parse_settings
 
     overrides = {k: v for k, v in named.items() if v is not None}
     if not settings:
@@ -73,8 +74,6 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     overrides = command_line_overrides(settings, plan_doc is not None, seed=seed, device=device,
                                        max_steps=max_steps)
     if plan_doc is None:  # read and check the config before importing torch: a bad one fails at once
-        from apr.config import load_config
-        from apr.plan.build import normalise_overrides
 
         load_config(config_path, normalise_overrides(overrides) or None)
     from apr.train.dist import env_world_size

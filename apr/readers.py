@@ -16,6 +16,7 @@ exhausting memory (docs/design.md, "Bounded reading"):
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -237,7 +238,6 @@ def content_digest(path: str | os.PathLike) -> str:
     bytes when it is at most ``DIGEST_WHOLE``, else its head, its tail and ``DIGEST_SAMPLES`` evenly
     spread blocks (about 1.3 MiB read however large the file). A change inside a large file that
     falls between the samples is not seen. Raises OSError like ``open``."""
-    import hashlib
 
     digest = hashlib.blake2b(digest_size=16)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))

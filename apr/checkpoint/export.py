@@ -23,11 +23,13 @@ from importlib import metadata
 from pathlib import Path
 
 from apr.checkpoint import files
-from apr.checkpoint.hf_import import ARCH_TO_HF
+from apr.checkpoint.hf_import import ARCH_TO_HF, load_source_weights, source_digest
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
 from apr.checkpoint.names import is_optimizer_state
+from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
 from apr.fsutil import fsync_dir
+from apr.readers import read_text
 
 # Special tokens recognised by name, most specific first. A tokenizer made by `apr data
 # train-tokenizer` carries "<|endoftext|>"; the others cover tokenizers from elsewhere.
@@ -82,8 +84,6 @@ def _resolve_tokenizer(tokenizer: str | os.PathLike | None, config, info: Checkp
 
 def _special_tokens(tokenizer_path: Path, vocab_size: int) -> dict[str, tuple[str, int] | None]:
     from tokenizers import Tokenizer
-
-    from apr.readers import read_text
 
     text = read_text(tokenizer_path, "tokenizer", "tokenizer", error=AprError)  # bounded size
     try:
@@ -175,7 +175,6 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     the SHA-256 the checkpoint recorded); ``fmt="peft"`` writes the adapters as a PEFT folder instead
     (adapter_config.json + adapter_model.safetensors) that ``peft.PeftModel.from_pretrained`` loads
     onto the base."""
-    from apr.config.schema import AprConfig
 
     out = Path(out)
     warnings: list[str] = []
@@ -236,7 +235,6 @@ def _base_path(config, info: CheckpointInfo) -> str:
 
 def _checked_base(info: CheckpointInfo, config) -> str:
     """The LoRA checkpoint's base, refused unless its SHA-256 is the one the checkpoint recorded."""
-    from apr.checkpoint.hf_import import source_digest
 
     base = _base_path(config, info)
     recorded = ((info.doc.get("engine") or {}).get("base") or {}).get("sha256")
@@ -251,7 +249,6 @@ def _checked_base(info: CheckpointInfo, config) -> str:
 
 def merged_weights(adapters: dict, info: CheckpointInfo, config) -> dict:
     """A LoRA checkpoint's adapters merged into its base (checked by SHA-256): full model weights."""
-    from apr.checkpoint.hf_import import load_source_weights
     from apr.model.lora import merge
 
     arch = config.model.architecture

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import sys
 from collections.abc import Mapping
@@ -133,7 +134,6 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
 def link_or_copy(src: Path, dst: Path) -> None:
     """Make ``dst`` hold the bytes of ``src`` atomically: a hard link (free) where the file system
     allows it, else a fsynced copy; either is renamed over ``dst``."""
-    import shutil
 
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     try:

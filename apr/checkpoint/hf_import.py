@@ -16,12 +16,16 @@ Nothing is unpickled: ``.bin`` / ``.pt`` files are refused with a finding naming
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from apr.checkpoint.files import read_safetensors_header, sha256_file
+from apr.checkpoint.names import is_optimizer_state
 from apr.errors import AprError, Finding
+from apr.readers import InputError, check_regular, load_json
 
 KEY = "model.init_from"
 
@@ -176,7 +180,6 @@ def _pickle_finding(file: Path) -> Finding:
 
 
 def _inspect_hf(src: InitSource, arch) -> None:
-    from apr.readers import InputError, load_json
 
     folder = src.path
     cfg_path = folder / "config.json"
@@ -320,9 +323,6 @@ def _inspect_apr(src: InitSource, json_path: Path, arch, depth: int = 0) -> None
 
 
 def _read_headers(src: InitSource, paths: list[Path], skip_optimizer: bool = False) -> None:
-    from apr.checkpoint.files import read_safetensors_header
-    from apr.checkpoint.names import is_optimizer_state
-    from apr.readers import InputError, check_regular
 
     for path in paths:
         try:
@@ -459,9 +459,6 @@ def source_digest(path_text: str, arch) -> str:
     """SHA-256 naming the source's weights: an apr checkpoint's recorded one, or for a Hugging Face
     folder the SHA-256 of its weight files' names and SHA-256s. A LoRA checkpoint records it, so
     resuming or exporting onto other base weights is refused."""
-    import hashlib
-
-    from apr.checkpoint.files import sha256_file
 
     src = check_source(path_text, arch)
     if src.kind in ("apr", "apr-lora"):  # a LoRA stage: its adapters; they pin their own base

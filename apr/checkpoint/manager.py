@@ -27,10 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apr import __version__
 from apr.checkpoint import files, sidecar
+from apr.checkpoint.files import read_safetensors_header
 from apr.checkpoint.names import expected_tensors, is_optimizer_state, tensor_mismatches, torch_mismatches
+from apr.config.loader import config_doc_hash
+from apr.config.schema import Architecture, LoraConfig
 from apr.errors import AprError, Finding
+from apr.fmt import format_bytes as fmt_bytes
 from apr.fsutil import atomic_write_json, fsync_dir
+from apr.readers import InputError, check_regular, load_json
 
 FORMAT = "apr-checkpoint"
 FORMAT_VERSION = 1
@@ -66,7 +72,6 @@ def _free_bytes(folder: Path) -> int | None:
 
 
 def _disk_error(err: OSError, path: Path, needed: int, free: int | None, what: str | None = None) -> CheckpointError:
-    from apr.fmt import format_bytes as fmt_bytes
 
     what = what or _DISK_ERRNOS.get(err.errno, err.strerror or str(err))
     space = f"a checkpoint needs about {fmt_bytes(needed)}" + (f", {fmt_bytes(free)} is free in {path.parent}"
@@ -124,7 +129,6 @@ class TrainState:
 
 def _architecture(config: Any):
     """The Architecture of an AprConfig or of a config dict (as stored in a checkpoint's JSON)."""
-    from apr.config.schema import Architecture
 
     if isinstance(config, Mapping):
         return Architecture.model_validate(config["model"]["architecture"])
@@ -134,7 +138,6 @@ def _architecture(config: Any):
 def _expected(config: Any) -> dict:
     """The tensors a checkpoint of this config (AprConfig or stored dict) holds: the model, or only
     its LoRA adapters."""
-    from apr.config.schema import LoraConfig
 
     lora = config["model"].get("lora") if isinstance(config, Mapping) else config.model.lora
     if isinstance(lora, Mapping):
@@ -153,7 +156,6 @@ def _json_for(path: Path) -> Path:
 
 def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
     """Parse and sanity-check a checkpoint's JSON (no tensors are read)."""
-    from apr.readers import InputError, load_json
 
     json_path = Path(json_path)
     try:  # bounded: a FIFO, device, huge or deeply nested file is refused, never read (docs/design.md)
@@ -219,11 +221,9 @@ def verify_weights(info: CheckpointInfo) -> None:
 
 
 def _header_shapes(path: Path) -> tuple[dict, dict]:
-    from apr.checkpoint.files import read_safetensors_header
 
     rev = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-    from apr.readers import InputError, check_regular
 
     try:
         check_regular(path, "checkpoint weights")  # a FIFO would block the open below
@@ -399,7 +399,6 @@ class CheckpointManager:
         else:
             self.config_doc = config.model_dump(mode="json")
             default_keep = config.training.keep_last
-        from apr.config.loader import config_doc_hash
 
         # Recorded as the stored doc's own hash, which readers check it against (sidecar.check_head);
         # a caller's ``config_hash`` (of the config as loaded, before run-time resolution) is not used.
@@ -433,7 +432,6 @@ class CheckpointManager:
             raise ValueError(f"TrainState.meta may not use the reserved keys {sorted(clash)}")
 
     def _doc(self, step: int, is_best: bool, weights_name: str, sha: str, size: int, meta: dict) -> dict:
-        from apr import __version__
 
         head = {
             "format": FORMAT,

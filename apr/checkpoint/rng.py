@@ -7,6 +7,7 @@ Byte states are base64 so the result sits in a checkpoint's JSON as it is.
 from __future__ import annotations
 
 import base64
+import random
 
 RNG_FORMAT_VERSION = 1
 
@@ -21,7 +22,6 @@ def _unb64(text: str) -> bytes:
 
 def capture_rng() -> dict:
     """The state of every generator, JSON-serialisable."""
-    import random
 
     import numpy as np
     import torch
@@ -51,7 +51,6 @@ def capture_rng() -> dict:
 def restore_rng(state: dict) -> list[str]:
     """Put every generator back as ``capture_rng`` found it. Returns notes on what could not be
     restored (a CUDA state on a machine without CUDA); an empty list means everything was."""
-    import random
 
     import numpy as np
     import torch

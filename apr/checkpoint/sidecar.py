@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from apr.config.loader import config_doc_hash
+
 HEX64 = r"^[0-9a-f]{64}$"
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -157,7 +159,6 @@ def _problems(err: ValidationError, limit: int = 3) -> str:
 
 def check_head(name: str, doc: dict) -> Head:
     """The manager's keys, typed; then the recorded config_hash against the recorded config."""
-    from apr.config.loader import config_doc_hash
 
     try:
         head = Head.model_validate(doc)

@@ -9,6 +9,9 @@ from pathlib import Path
 import typer
 
 from apr.config.numbers import parse_bytes, parse_count
+from apr.data.corpus import builtin_corpus_files
+from apr.data.sources import expand_inputs, iter_documents
+from apr.data.tokenizer import train_tokenizer
 from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file
 
@@ -29,8 +32,6 @@ def _size(value: str, flag: str) -> int:
 
 
 def _files(inputs: list[Path] | None, builtin: str | None, glob: str | None, builtin_max_bytes: str) -> list[Path]:
-    from apr.data.corpus import builtin_corpus_files
-    from apr.data.sources import expand_inputs
 
     if not inputs and not builtin:
         raise AprError("no input given", [Finding("error", "data.input", "give INPUT files or folders, or --builtin "
@@ -121,8 +122,6 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
     ) -> None:
         """Train a byte-level BPE tokenizer; the same input gives a byte-identical file. Exit 0 ok, 1 error."""
-        from apr.data.sources import iter_documents
-        from apr.data.tokenizer import train_tokenizer
 
         t0 = time.monotonic()
         files = _files(inputs, builtin, glob, builtin_max_bytes)

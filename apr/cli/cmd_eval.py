@@ -8,6 +8,13 @@ from pathlib import Path
 
 import typer
 
+from apr.cli.render import print_findings
+from apr.cli.table import text_table
+from apr.errors import AprError, Finding
+from apr.evaluate.loss import overall
+from apr.evaluate.report import run_eval
+from apr.evaluate.tasks import ON_ERROR
+
 
 def register(app: typer.Typer) -> None:
     @app.command("eval")
@@ -32,12 +39,9 @@ def register(app: typer.Typer) -> None:
         tokenizer: Path | None = typer.Option(None, "--tokenizer", help="tokenizer.json (default: the source's)."),
     ) -> None:
         """Measure a model: loss over shards, accuracy on multiple-choice tasks. Exit 0 ok, 1 error."""
-        from apr.evaluate.report import run_eval
-        from apr.evaluate.tasks import ON_ERROR
         from apr.generate.load import load_for_inference
 
         if on_error not in ON_ERROR:
-            from apr.errors import AprError, Finding
 
             raise AprError(f"--on-error must be stop or skip, not {on_error!r}", [Finding(
                 "error", "eval.option", "unknown --on-error", path="--on-error", expected="stop or skip",
@@ -48,7 +52,6 @@ def register(app: typer.Typer) -> None:
         report = run_eval(loaded, data, task, batch_size=batch_size, max_batches=max_batches, limit=limit,
                           on_error=on_error, seed=seed)
         if report.skipped:
-            from apr.cli.render import print_findings
 
             typer.echo(f"warning: skipped {len(report.skipped)} malformed task lines:", err=True)
             print_findings(report.skipped)
@@ -59,8 +62,6 @@ def register(app: typer.Typer) -> None:
 
 
 def render_report(report, loaded) -> str:
-    from apr.cli.table import text_table
-    from apr.evaluate.loss import overall
 
     step = f" (step {loaded.step})" if loaded.step is not None else ""
     out = [f"eval of {loaded.source}{step} on {loaded.device}"]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from apr.generate.prompts import read_prompts
+
 
 def register(app: typer.Typer) -> None:
     @app.command("generate")
@@ -36,7 +38,6 @@ def register(app: typer.Typer) -> None:
         """Continue prompts with a trained model. Exit 0 ok, 1 error."""
         from apr.generate.generate import GenerateOptions, generate
         from apr.generate.load import load_for_inference
-        from apr.generate.prompts import read_prompts
         from apr.generate.sampling import Sampling
 
         prompts = read_prompts(prompt, prompt_file)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from apr.cli.render import error_exit
 from apr.cli.table import text_table
+from apr.errors import AprError
 from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ def run_ls(
     limit: int | None = None,
     stale_after: float | None = None,
 ) -> int:
-    from apr.errors import AprError
     from apr.track.runs import list_runs
 
     try:
@@ -119,7 +119,6 @@ def show_text(detail: dict) -> str:
 
 
 def run_show(run_id: str, global_: bool = False, json_out: bool = False) -> int:
-    from apr.errors import AprError
     from apr.track.runs import show_run
 
     warnings: list[str] = []

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import typer
 
+from apr.cli.progress import TerminalProgress
+from apr.cli.streams import guard_std_streams
+
 
 class DeviceChoice(StrEnum):
     auto = "auto"
@@ -36,8 +39,6 @@ def register(app: typer.Typer) -> None:
         """Train. Runs the plan first and refuses on error findings. Exit 0 finished, 1 error, failure or
         stop by an alert, 130/143/129 stopped by SIGINT/SIGTERM/SIGHUP (a checkpoint is written first)."""
         from apr.apply import run_apply
-        from apr.cli.progress import TerminalProgress
-        from apr.cli.streams import guard_std_streams
 
         guard_std_streams()  # a closed pipe or a hung-up terminal must not cost the run (apr.cli.streams)
         progress = TerminalProgress()

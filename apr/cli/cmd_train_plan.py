@@ -7,9 +7,12 @@ from pathlib import Path
 
 import typer
 
-from apr.cli.render import print_error
-from apr.errors import AprError
+from apr.cli.cmd_train_validate import output_format
+from apr.cli.ghactions import emit, summary_markdown
+from apr.cli.render import print_error, use_colour
+from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file
+from apr.plan.render import github_facts, render_error_json, render_json, render_text
 
 
 def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
@@ -17,7 +20,6 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
              fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
     from apr.plan.build import PlanUsageError, build_plan
-    from apr.plan.render import render_error_json, render_json, render_text
 
     try:
         if out is not None:
@@ -40,8 +42,6 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
         if json_out:
             sys.stdout.write(render_error_json(config, err))
         elif fmt == "github":
-            from apr.cli.ghactions import emit, summary_markdown
-            from apr.errors import Finding
 
             findings = err.findings or [Finding("error", "plan.error", err.message, file=str(config))]
             emit(findings, summary_markdown(f"apr train plan {config}", "errors", findings, str(config)),
@@ -53,15 +53,12 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
     if json_out:
         sys.stdout.write(render_json(plan))
     elif fmt == "github":
-        from apr.cli.ghactions import emit, summary_markdown
-        from apr.plan.render import github_facts
 
         verdict = ("ok" if code == 0 else "errors" if plan.errors else "warnings (--strict)") + (
             f" ({len(plan.errors)} errors, {len(plan.warnings)} warnings)")
         emit(plan.findings, summary_markdown(f"apr train plan {config}", verdict, plan.findings, str(config),
                                              github_facts(plan)), str(config), sys.stdout)
     else:
-        from apr.cli.render import use_colour
 
         sys.stdout.write(render_text(plan, colour=use_colour(sys.stdout), verbose=verbose))
     if out is not None:
@@ -112,7 +109,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Check a run without a GPU: step algebra, architecture, data, tokenizer, memory and time.
         Exit 0 no errors, 1 errors (or warnings with --strict), 2 usage."""
-        from apr.cli.cmd_train_validate import output_format
 
         fmt = output_format(fmt, json_out)
         raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=fmt == "json",

@@ -4,8 +4,16 @@ Importable without typer (typer is imported inside `register`), so the CI fast p
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from apr.cli.ghactions import emit, summary_markdown
+from apr.cli.render import findings_json, print_error, print_findings
+from apr.errors import ConfigError, Finding
 
 if TYPE_CHECKING:
     import typer
@@ -29,9 +37,7 @@ def output_format(fmt: str | None, json_out: bool) -> str:
 def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = None) -> int:
     """Validate ``config``; print findings (text, JSON or GitHub annotations); return the exit code
     (0 valid, 1 invalid)."""
-    from apr.cli.render import findings_json, print_error, print_findings
     from apr.config import load_config
-    from apr.errors import ConfigError
     from apr.plan.validate import config_findings
 
     try:
@@ -46,9 +52,6 @@ def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = N
     if fmt == "json":
         print(findings_json(findings, file=str(config), valid=valid))
     elif fmt == "github":
-        import sys
-
-        from apr.cli.ghactions import emit, summary_markdown
 
         n_err = sum(f.severity == "error" for f in findings)
         verdict = ("valid" if valid else "invalid") + f" ({n_err} errors, {len(findings) - n_err} other findings)"
@@ -63,7 +66,6 @@ def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = N
 
 
 def _unlocated(err, config: Path):
-    from apr.errors import Finding
 
     return Finding(severity="error", code="config.error", message=err.message, file=str(config))
 
@@ -106,9 +108,6 @@ def run_validate_many(args: list[Path], fmt: str = "text") -> int:
 
         raise typer.BadParameter("name at least one config file", param_hint="CONFIG")
     if fmt == "json" and len(configs) > 1:
-        import contextlib
-        import io
-        import json
 
         docs, code = [], 0
         for config in configs:

@@ -5,15 +5,16 @@ from __future__ import annotations
 import os
 import sys
 
+from apr.cli.cmd_runs import fast_path as runs_fast_path
+from apr.cli.cmd_train_validate import fast_path
+
 
 def run() -> None:
     # We use no pydantic plugins; skipping their entry-point scan saves ~40 ms per start.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    from apr.cli.cmd_train_validate import fast_path
 
     code = fast_path(sys.argv[1:])
     if code is None:  # `apr runs ls [--global] [--json]`, which agents poll, also skips typer
-        from apr.cli.cmd_runs import fast_path as runs_fast_path
 
         code = runs_fast_path(sys.argv[1:])
     if code is not None:

@@ -7,6 +7,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
+from apr import __version__
 from apr.cli import (
     cmd_data,
     cmd_eval,
@@ -66,7 +67,6 @@ app.add_typer(experiment_app, name="experiment")
 
 def _print_version(value: bool) -> None:
     if value:
-        from apr import __version__
 
         typer.echo(f"apr {__version__}")
         raise typer.Exit(0)

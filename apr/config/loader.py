@@ -6,6 +6,7 @@ import difflib
 import hashlib
 import json
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from apr.config.layers import COMMAND_LINE, Layers, apply_settings, parse_settings, read_layered
 from apr.config.schema import AprConfig
 from apr.errors import ConfigError, Finding
+from apr.readers import read_text
 
 
 @dataclass
@@ -170,7 +172,6 @@ def read_yaml(path: Path, kind: str = "config", what: str = "config file") -> tu
 
     Bounded (docs/design.md, "Bounded reading"): only a regular file of at most LIMITS[kind]
     bytes is read; nesting and alias expansion are capped before they can cost time or memory."""
-    from apr.readers import read_text
 
     file = str(path)
     text = read_text(path, kind, what, error=ConfigError)
@@ -226,7 +227,6 @@ def read_yaml(path: Path, kind: str = "config", what: str = "config file") -> tu
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:
     """The pydantic model class that owns the keys at ``loc`` (for did-you-mean suggestions)."""
-    import typing
 
     cls: Any = AprConfig
     for part in loc:

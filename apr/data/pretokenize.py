@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from apr import __version__
 from apr.data.corpus import source_name
 from apr.data.shards import DatasetWriter, check_destination
 from apr.data.sources import expand_inputs, input_bytes, read_documents
@@ -181,8 +182,6 @@ def pretokenize(inputs: list[str | Path], tokenizer_path: str | Path, seq_len: i
     """Tokenize ``inputs`` (files, or folders expanded with ``glob``), pack, split, and write the
     shards and manifest to ``out``; return the manifest."""
     import tokenizers
-
-    from apr import __version__
 
     files = expand_inputs(inputs, glob)
     tokenizer_path = Path(tokenizer_path)

@@ -22,6 +22,7 @@ import numpy as np
 
 from apr.errors import AprError, Finding
 from apr.fsutil import fsync_dir
+from apr.readers import check_regular
 
 SHARD_PATTERN = "shard-{:05d}.parquet"
 MANIFEST = "manifest.json"
@@ -190,7 +191,6 @@ def write_dataset(out: str | Path, splits: dict[str, np.ndarray], manifest: dict
 def shard_problem(path: Path) -> str | None:
     """Why ``path`` cannot be a shard before any byte of it is read (so a FIFO cannot hang the
     reader), or None: missing, not a regular file, unreadable, empty (0 bytes)."""
-    from apr.readers import check_regular
 
     try:
         st = check_regular(path, "shard")

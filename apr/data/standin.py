@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from apr.data.shards import SHARD_PATTERN, write_shard
 from apr.errors import AprError, Finding
 from apr.steps.algebra import sequences_per_step
 
@@ -68,7 +69,6 @@ def _under(out: Path, configured: str, key: str) -> Path:
 
 
 def _write_split(folder: Path, rows: int, row_len: int, vocab_size: int, shard_rows: int, column: str) -> None:
-    from apr.data.shards import SHARD_PATTERN, write_shard
 
     folder.mkdir(parents=True, exist_ok=True)
     row = (np.arange(row_len, dtype=np.int64) * 7919 % vocab_size).astype(np.uint32)

@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.fsutil import atomic_write_text
+from apr.readers import read_text
 
 EOT = "<|endoftext|>"
 # End-of-text tokens recognised by name when --eot-token is not given, most specific first: ours,
@@ -26,8 +28,6 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, out: str | Path,
     added after it. Training is deterministic: the same documents give a byte-identical file.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from apr.fsutil import atomic_write_text
 
     specials = [EOT] + [t for t in dict.fromkeys(special_tokens or []) if t != EOT]
     if vocab_size < 256 + len(specials):
@@ -72,8 +72,6 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, out: str | Path,
 def load_tokenizer(path: str | Path):
     """A ``tokenizers.Tokenizer`` from a tokenizer.json; AprError naming the file when it cannot load."""
     from tokenizers import Tokenizer
-
-    from apr.readers import read_text
 
     path = Path(path)
     text = read_text(path, "tokenizer", "tokenizer", error=AprError)  # bounded: size, FIFOs, devices

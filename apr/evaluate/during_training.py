@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+from apr.data.tokenizer import load_tokenizer
 from apr.errors import AprError, Finding
 from apr.evaluate.multiple_choice import score_task
 from apr.evaluate.stdlib_task import resolve_task
@@ -38,7 +39,6 @@ class TrainingEvaluator:
             raise AprError("evaluation.tasks and evaluation.samples need the model's tokenizer (data.tokenizer)",
                            [Finding("error", "eval.no_tokenizer", "no tokenizer to score or generate with",
                                     path="data.tokenizer", expected="a tokenizer.json", got="none")])
-        from apr.data.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(Path(config.data.tokenizer).expanduser())
         vocab = config.model.architecture.vocab_size

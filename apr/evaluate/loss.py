@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.kernels import get_backend
+from apr.readers import load_json
 
 TEXT_SUFFIXES_NOT_RAW = (".jsonl", ".json", ".parquet")  # sources whose file size is not the text's
 
@@ -92,7 +94,6 @@ def row_width(path: Path, column: str) -> int:
 def bytes_per_token(path: Path) -> float | None:
     """Raw text bytes per token of the dataset ``path`` belongs to (manifest.json in it or its
     parent): the corpus average, known only when every source is a plain text file."""
-    from apr.readers import load_json
 
     for folder in (path, path.parent):
         manifest = folder / "manifest.json"
@@ -128,7 +129,6 @@ def _source_loss(loaded, name: str, path: Path, batch_size: int, max_batches: in
     import torch
 
     from apr.data.loader import ShardLoader
-    from apr.kernels import get_backend
     from apr.kernels.linear_ce import linear_cross_entropy_sum
 
     width = row_width(path, column)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import random
 
-from apr.evaluate.tasks import Example, Task
+from apr.data.corpus import builtin_corpus_files, stdlib_root
+from apr.evaluate.tasks import Example, Task, read_task
 
 NAME = "stdlib-nextline"
 CONTEXT_LINES = 6
@@ -24,7 +25,6 @@ def _candidates(lines: list[str]) -> list[int]:
 
 
 def stdlib_nextline(examples: int = DEFAULT_EXAMPLES, seed: int = 0) -> Task:
-    from apr.data.corpus import builtin_corpus_files, stdlib_root
 
     rng = random.Random(seed)
     files = builtin_corpus_files("stdlib", max_bytes=2_000_000)
@@ -66,7 +66,6 @@ BUILTIN_TASKS = {NAME: stdlib_nextline}
 
 def resolve_task(spec: str, on_error: str = "stop", limit: int | None = None, seed: int = 0) -> Task:
     """A built-in task by name, or a JSONL file."""
-    from apr.evaluate.tasks import read_task
 
     if spec in BUILTIN_TASKS:
         return BUILTIN_TASKS[spec](limit or DEFAULT_EXAMPLES, seed)

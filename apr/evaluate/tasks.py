@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.readers import read_bytes
 
 ON_ERROR = ("stop", "skip")
 
@@ -83,7 +84,6 @@ def read_task(path: str | Path, on_error: str = "stop", limit: int | None = None
         raise AprError(f"task file {path} not found", [Finding(
             "error", "eval.task_missing", "no such file", path="--task", file=str(path),
             expected="a JSONL file or a built-in task (stdlib-nextline)")])
-    from apr.readers import read_bytes
 
     raw = read_bytes(path, "task", "task file")  # a regular file of bounded size, or a clean error
     examples: list[Example] = []

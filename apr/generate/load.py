@@ -11,8 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from apr.checkpoint.export import EOS_NAMES  # end-of-text names, most specific first
+from apr.checkpoint.export import (
+    EOS_NAMES,  # end-of-text names, most specific first
+    merged_weights,
+)
+from apr.checkpoint.hf_import import architecture_fields
+from apr.checkpoint.manager import load_latest, read_checkpoint
+from apr.config.schema import AprConfig, Architecture
+from apr.data.tokenizer import load_tokenizer
 from apr.errors import AprError, Finding
+from apr.readers import check_regular, load_json
 
 
 class LoadError(AprError):
@@ -99,8 +107,6 @@ def _build(arch, tensors: dict, device, where: Path):
 
 
 def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
-    from apr.checkpoint.manager import load_latest, read_checkpoint
-    from apr.config.schema import AprConfig
 
     warnings: list[str] = []
     if path.is_dir():
@@ -117,7 +123,6 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
             "error", "generate.config", "stored config does not validate", file=str(info.json_path))]) from None
     tensors = state.tensors
     if config.model.lora is not None:  # a LoRA run: its adapters merged into its base
-        from apr.checkpoint.export import merged_weights
 
         tensors = merged_weights({k: v for k, v in tensors.items() if not k.startswith("optimizer.")}, info, config)
     model = _build(config.model.architecture, tensors, device, info.weights_path)
@@ -139,7 +144,6 @@ def _checkpoint_tokenizer(given, config, info) -> Path:
         if not os.path.lexists(path):
             raise LoadError(f"tokenizer {path} not found", [Finding(
                 "error", "generate.tokenizer_missing", "no such file", path="--tokenizer", file=str(path))])
-        from apr.readers import check_regular
 
         check_regular(path, "tokenizer", error=LoadError)  # a FIFO, folder, device or symlink loop, named
         return path
@@ -168,8 +172,6 @@ def _checkpoint_tokenizer(given, config, info) -> Path:
 def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
     from safetensors.torch import load_file
 
-    from apr.readers import load_json
-
     cfg_path = path / "config.json"
     doc = load_json(cfg_path, "checkpoint", "Hugging Face config.json", error=LoadError)
     if not isinstance(doc, dict):
@@ -188,7 +190,6 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
         return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind="hf", step=None,
                       eos_id=None)
     if tokenizer is not None:
-        from apr.readers import check_regular
 
         check_regular(tok_path, "tokenizer", error=LoadError)  # a FIFO, folder or device given, named
     if not tok_path.is_file():
@@ -212,13 +213,11 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
 
 def hf_architecture(doc: dict, where: Path):
     """The Architecture a Hugging Face Llama config.json describes (either RoPE form)."""
-    from apr.config.schema import Architecture
 
     if doc.get("model_type") not in (None, "llama"):
         raise LoadError(f"{where}: model_type {doc.get('model_type')!r} is not a Llama model", [Finding(
             "error", "generate.hf_config", "unsupported model type", path="model_type", file=str(where),
             expected="llama", got=str(doc.get("model_type")))])
-    from apr.checkpoint.hf_import import architecture_fields  # the one config.json key table
 
     try:
         return Architecture.model_validate(architecture_fields(doc))
@@ -228,7 +227,6 @@ def hf_architecture(doc: dict, where: Path):
 
 
 def _open_tokenizer(path: Path, vocab_size: int):
-    from apr.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
     if tok.get_vocab_size() > vocab_size:

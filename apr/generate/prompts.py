@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.readers import read_text
 
 
 def read_prompts(prompts: list[str], prompt_file: str | None, stdin=None) -> list[str]:
@@ -23,7 +24,6 @@ def read_prompts(prompts: list[str], prompt_file: str | None, stdin=None) -> lis
             if not os.path.lexists(path):  # a symlink loop or a dangling link is named by read_text
                 raise AprError(f"prompt file {path} not found", [Finding(
                     "error", "generate.prompt_file", "no such file", path="--prompt-file", file=str(path))])
-            from apr.readers import read_text
 
             text = read_text(path, "task", "prompt file")
         lines = [line for line in text.splitlines() if line.strip()]

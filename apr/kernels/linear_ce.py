@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from apr.kernels import get_backend
 from apr.kernels.interface import KernelBackend
 
 
@@ -131,7 +132,6 @@ def linear_cross_entropy(
     """Mean cross-entropy of ``hidden @ weight.T`` over every position of ``targets``,
     differentiable, computed over sequence chunks."""
     if backend is None:
-        from apr.kernels import get_backend
 
         backend = get_backend("torch")
     cdt = _compute_dtype(hidden.device, compute_dtype)

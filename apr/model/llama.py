@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from apr.config.schema import Architecture
+from apr.kernels.linear_ce import linear_cross_entropy
 from apr.model import spec
 
 
@@ -168,7 +169,6 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.norm(self.hidden_states(input_ids, residual_dtype))
         if targets is None:
             return F.linear(h, self.head_weight).float()
-        from apr.kernels.linear_ce import linear_cross_entropy
 
         chunk = loss_chunk_size or input_ids.shape[1]
         return linear_cross_entropy(h, self.head_weight, targets, chunk_size=chunk)

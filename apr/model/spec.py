@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from apr.config.schema import AprConfig, Architecture, LoraConfig, MixedPrecision
-from apr.steps.execution import Execution
+from apr.steps.execution import Execution, from_config
 from apr.steps.strategy import step_strategy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
@@ -170,7 +170,6 @@ def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> 
     by AdamW (``param_copy``) so that no forward re-casts the fp32 masters (docs/design.md,
     "The engines"). Not under LoRA (the trunk is the model's own frozen tensors) nor with compiled
     blocks (the compiled graph does its own casts)."""
-    from apr.steps.execution import from_config
 
     tr = config.training
     compiled = (execution or from_config(config)).compile

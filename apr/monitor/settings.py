@@ -10,7 +10,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from apr.config.loader import read_yaml
 from apr.config.numbers import parse_count
+from apr.errors import AprError
 
 DEFAULT_REFRESH_MS = 1000
 MAX_AUTO_EMA_WINDOW = 100
@@ -54,8 +56,6 @@ def load_settings(run_dir: str | os.PathLike | None, refresh_ms: int | None = No
     refresh, window, show_eta, source, note = DEFAULT_REFRESH_MS, None, True, "default", None
     path = Path(run_dir) / "config.yaml" if run_dir is not None else None
     if path is not None and path.is_file():
-        from apr.config.loader import read_yaml
-        from apr.errors import AprError
 
         try:
             doc, _, _ = read_yaml(path, kind="settings")  # bounded: size, aliases, nesting, FIFOs

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apr.readers import MAX_JSON_DEPTH, InputError, read_bytes, too_deep_at
+
 STATE_FILE = "training_state.json"
 SCHEMA_VERSION = 1
 ACTIVE_STATUSES = ("starting", "running")
@@ -230,7 +232,6 @@ def parse_state(text: str | bytes, path: Path) -> Reading:
         return Reading("malformed", path, problem=f"{path.name} is not valid JSON{where}: {msg}")
     if not isinstance(doc, dict):
         return Reading("malformed", path, problem=f"{path.name} is not a JSON object")
-    from apr.readers import MAX_JSON_DEPTH, too_deep_at
 
     if too_deep_at(doc) is not None:
         return Reading("malformed", path, problem=f"{path.name} nests more than {MAX_JSON_DEPTH} levels deep")
@@ -256,7 +257,6 @@ def read_once(run_dir: str | os.PathLike) -> Reading:
 
 def read_file(path: Path) -> Reading:
     """Read and parse one state file (never raises)."""
-    from apr.readers import InputError, read_bytes
 
     try:
         if not os.path.lexists(path):

@@ -18,11 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apr import __version__
 from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.errors import AprError, Finding
+from apr.plan import gpus
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
+from apr.plan.datafacts import fingerprint_entries, resolve
+from apr.plan.explain import layers_dict
+from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
+from apr.plan.initfacts import init_from_check
 from apr.plan.memory import MemoryRow, coefficients_dict
+from apr.plan.tokfacts import tokenizer_facts
+from apr.plan.validate import alert_config_findings, compile_findings, data_path_findings, output_dir_findings
 
 PLAN_FORMAT = "apr-plan"
 PLAN_FORMAT_VERSION = "1"
@@ -96,8 +104,6 @@ class Plan:
         return 1 if self.errors or (strict and self.warnings) else 0
 
     def to_dict(self) -> dict:
-        from apr import __version__
-        from apr.plan.explain import layers_dict
 
         memory_total = sum(r.bytes for r in self.memory)
         doc: dict[str, Any] = {
@@ -195,10 +201,9 @@ def resolve_plan_target(config: AprConfig, gpu: str | None, vram: str | int | No
         if vram is not None and target is not None and not target.vram_bytes:
             raise ValueError(f"expected a memory size above zero, got {vram!r}")
         if target is None and str(tr.device) in ("cpu", "auto"):  # a CPU run must fit in this machine's RAM
-            from apr.plan.gpus import cuda_device_present, host_target
 
-            if str(tr.device) == "cpu" or not cuda_device_present():  # auto runs on the CPU here
-                target = host_target(str(tr.device))
+            if str(tr.device) == "cpu" or not gpus.cuda_device_present():  # auto runs on the CPU here
+                target = gpus.host_target(str(tr.device))
         return target
     except UnknownGpuError as e:
         raise PlanUsageError(str(e), [Finding("error", "plan.unknown_gpu", str(e), path="--gpu",
@@ -211,7 +216,6 @@ def resolve_plan_target(config: AprConfig, gpu: str | None, vram: str | int | No
 
 def fingerprint_roots(config: AprConfig) -> list[dict]:
     """The inputs whose files make up the data fingerprint: train, val and tokenizer."""
-    from apr.plan.datafacts import resolve
 
     roots = [("train", config.data.train), ("val", config.data.val), ("tokenizer", config.data.tokenizer)]
     return [{"role": role, "path": text, "resolved": str(resolve(text))} for role, text in roots if text is not None]
@@ -221,7 +225,6 @@ def data_fingerprint(config: AprConfig) -> dict:
     """Name, size, mtime and content digest of every file of the train and val datasets and the
     tokenizer. ``apply`` recomputes it and refuses a plan file whose fingerprint differs. The digest
     reads at most about 1.3 MiB per file (``apr.readers.content_digest``)."""
-    from apr.plan.datafacts import fingerprint_entries
 
     roots = fingerprint_roots(config)
     files = []
@@ -250,12 +253,10 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     load, PlanUsageError (exit code 2) for a bad argument, ContractFileError for a malformed contract
     file.
     """
-    from apr.plan.facts import all_facts
 
     config_path = Path(config_path)
     loaded = load_config(config_path, normalise_overrides(overrides))
     config = loaded.config
-    from apr.plan.validate import data_path_findings
 
     bad_paths = data_path_findings(loaded)
     if bad_paths:  # before any fact: the data facts and the fingerprint walk every file under the folder
@@ -267,18 +268,15 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     target = resolve_plan_target(config, gpu, vram)
     budget = device_budget(config) if device_budget is not None and (target is None or not target.vram_bytes) else None
     sheet = all_facts(config, world_size=world_size, target=target, device_budget=budget)
-    from apr.plan.initfacts import init_from_check
 
     init_facts, init_findings = init_from_check(loaded)
     if init_facts is not None:
         sheet.facts["init_from"] = init_facts
         if config.data.tokenizer is None and init_facts["tokenizer"]:
-            from apr.plan.tokfacts import tokenizer_facts  # the source's tokenizer travels with its weights
 
             sheet.facts["tokenizer"] = tokenizer_facts(init_facts["tokenizer"])
     contract_set = load_contracts(contracts_dir)
     results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
-    from apr.plan.validate import alert_config_findings, compile_findings, output_dir_findings
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
                        *output_dir_findings(loaded), *init_findings, *compile_findings(loaded)],

@@ -10,6 +10,7 @@ presentation only; every comparison lives in the rule.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 from apr.cel import CelError, compile_expr, evaluate
 from apr.errors import ConfigError, Finding
 from apr.fmt import fmt_estimate, fmt_giga, format_bytes, format_count
+from apr.resources import resource_dir
 
 SEVERITIES = ("error", "warning", "info")
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
@@ -147,7 +149,6 @@ def _parse_contract(item: Any, i: int, family: str, file: str, source) -> Contra
 
 def load_contract_file(path: Path) -> tuple[dict, list[Contract]]:
     from apr.config.loader import read_yaml
-    from apr.errors import ConfigError
 
     file = str(path)
     try:
@@ -178,13 +179,11 @@ def load_contracts(directory: Path | None = None) -> ContractSet:
 
 
 def contracts_folder(directory: Path | str | None = None) -> Path:
-    from apr.resources import resource_dir
 
     return Path(directory) if directory else resource_dir("contracts")
 
 
 def _digest(files: list[Path]) -> str:
-    import hashlib
 
     h = hashlib.sha256()
     for f in files:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from apr.readers import content_digest
+
 _INT_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 
@@ -46,7 +48,6 @@ def fingerprint_entries(paths: list[Path]) -> list[dict]:
     """name, size, mtime and content digest of every input file: what `apply` compares to refuse a
     stale plan. The digest (``apr.readers.content_digest``) covers all of a file up to 1 MiB, and
     the head, the tail (a Parquet footer) and 64 samples of a larger one."""
-    from apr.readers import content_digest
 
     entries = []
     for root in paths:

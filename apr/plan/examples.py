@@ -20,6 +20,7 @@ Example keys (all optional but ``expect``):
 from __future__ import annotations
 
 import copy
+import io
 import json
 import shutil
 from pathlib import Path
@@ -158,7 +159,6 @@ def materialize(example: dict, folder: Path) -> tuple[Path, dict]:
 
 def to_yaml(doc: dict) -> str:
     """Block-style YAML, so findings point at one key per line."""
-    import io
 
     from ruamel.yaml import YAML
 

@@ -7,6 +7,7 @@ than set to null; contracts list what they ``require`` and are skipped when it i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 
 from apr.config.schema import AprConfig
 from apr.model.spec import (
@@ -17,8 +18,10 @@ from apr.model.spec import (
     param_count,
     trainable_param_count,
 )
+from apr.plan.datafacts import dataset_facts, shared_shards
 from apr.plan.gpus import Target
 from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
+from apr.plan.tokfacts import tokenizer_facts
 from apr.steps.algebra import sequences_per_step, step_algebra
 from apr.steps.schedule import LRSchedule
 from apr.steps.strategy import step_strategy
@@ -124,7 +127,6 @@ def evaluation_estimate(config: AprConfig, total_steps: int, target: Target | No
 def execution_facts(config: AprConfig, execution=None) -> dict:
     """How apply will execute: engine, device, kernel backend, precision and clipping. Torch-free:
     ``auto`` choices are described, since they are made on the machine that applies."""
-    from importlib.util import find_spec
 
     tr = config.training
     st = step_strategy(config, execution)
@@ -176,7 +178,6 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
 def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
               device_budget: tuple[int, str] | None = None) -> FactSheet:
     """Config facts plus data (Parquet footers), tokenizer and step algebra, and the time estimate."""
-    from apr.plan.datafacts import dataset_facts, shared_shards
 
     sheet = config_facts(config, world_size=world_size, target=target, device_budget=device_budget)
     facts = sheet.facts
@@ -191,7 +192,6 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
         data_facts["max_token_id"], data_facts["max_token_id_in"] = max(maxima)
     facts["data"] = data_facts
     if data.tokenizer is not None:
-        from apr.plan.tokfacts import tokenizer_facts
 
         facts["tokenizer"] = tokenizer_facts(data.tokenizer)
 

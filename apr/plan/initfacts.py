@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from apr.checkpoint.hf_import import inspect_source
 from apr.config import LoadedConfig
 from apr.errors import Finding
 
@@ -15,7 +16,6 @@ def init_from_check(loaded: LoadedConfig) -> tuple[dict | None, list[Finding]]:
     config = loaded.config
     if config.model.init_from is None:
         return None, []
-    from apr.checkpoint.hf_import import inspect_source
 
     src = inspect_source(config.model.init_from, config.model.architecture)
     findings = []

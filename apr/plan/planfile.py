@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from apr.config import config_hash, load_config
 from apr.errors import AprError, Finding
-from apr.plan.build import PLAN_FORMAT, PLAN_FORMAT_VERSION, Plan
+from apr.fsutil import atomic_write_json
+from apr.plan.build import PLAN_FORMAT, PLAN_FORMAT_VERSION, Plan, data_fingerprint, normalise_overrides
+from apr.readers import load_json
 
 _REQUIRED = ("config_path", "config_hash", "data_fingerprint")
 _MAX_LISTED = 8
@@ -24,7 +27,6 @@ _MAX_LISTED = 8
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> dict:
     """Write ``plan.to_dict()`` to ``path`` atomically (temp file, fsync, rename); return the document."""
-    from apr.fsutil import atomic_write_json
 
     doc = plan.to_dict()
     path = Path(path)
@@ -47,7 +49,6 @@ def load_plan_file(path: str | os.PathLike) -> dict:
     path = Path(path)
     file = str(path)
     hint = f"make one with `apr train plan CONFIG -out {file}`"
-    from apr.readers import load_json
 
     if not os.path.lexists(path):
         raise _plan_error(file, "plan.missing", f"plan file not found: {file} ({hint})",
@@ -161,8 +162,6 @@ def check_plan_fresh(doc: dict) -> Path:
     the plan was made. Raises AprError listing what changed: the config keys (old -> new), and the
     data files added, removed or changed (size, mtime, content digest). A config that no longer loads raises its
     ConfigError."""
-    from apr.config import config_hash, load_config
-    from apr.plan.build import data_fingerprint, normalise_overrides
 
     config_path = Path(doc["config_path"])
     loaded = load_config(config_path, normalise_overrides(doc.get("overrides")) or None)

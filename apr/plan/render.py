@@ -12,7 +12,7 @@ import json
 import textwrap
 
 from apr.errors import AprError, Finding
-from apr.fmt import fmt_estimate, fmt_flops, fmt_giga, fmt_lr, fmt_number, format_bytes, format_count
+from apr.fmt import fmt_estimate, fmt_flops, fmt_giga, fmt_lr, fmt_number, fmt_percent, format_bytes, format_count
 from apr.steps.execution import fmt_f
 
 WIDTH = 100
@@ -312,7 +312,6 @@ def render_error_json(config_path, err: AprError) -> str:
 
 def github_facts(plan) -> list[tuple[str, str]]:
     """The few figures a reviewer wants in a CI step summary: size, steps, tokens, memory, time."""
-    from apr.fmt import fmt_percent
     from apr.plan.build import run_summary
 
     run = run_summary(plan)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from apr.errors import AprError
 from apr.plan.datafacts import resolve
+from apr.readers import InputError, check_regular, read_text
 
 
 def tokenizer_facts(path_text: str) -> dict:
@@ -11,7 +13,6 @@ def tokenizer_facts(path_text: str) -> dict:
     facts: dict = {"path": path_text, "resolved": str(path), "exists": path.is_file()}
     if not facts["exists"]:
         facts["loaded"] = False
-        from apr.readers import InputError, check_regular
 
         try:
             check_regular(path, "tokenizer")
@@ -21,9 +22,6 @@ def tokenizer_facts(path_text: str) -> dict:
             facts["error"] = "no such file" if f.code == "file.missing" else (f.got or e.message)
         return facts
     from tokenizers import Tokenizer
-
-    from apr.errors import AprError
-    from apr.readers import read_text
 
     try:
         tok = Tokenizer.from_str(read_text(path, "tokenizer", "tokenizer"))  # bounded: size, FIFOs, devices

@@ -7,16 +7,21 @@ strategy): the same contracts, facts and messages `apr train plan` shows, withou
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from apr.config import LoadedConfig
+from apr.config.paths import data_path_problems, output_dir_problems
 from apr.errors import Finding
+from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
+from apr.plan.facts import config_facts
+from apr.plan.gpus import resolve_target
+from apr.steps.execution import compile_problem
+from apr.track.alerts import alert_findings
 
 
 def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list[Finding]:
     """Findings of every config-only contract, errors first. Info findings (observations such as
     "no target GPU") are left out unless ``include_info``: validate reports problems only."""
-    from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
-    from apr.plan.facts import config_facts
-    from apr.plan.gpus import resolve_target
 
     config = loaded.config
     tr = config.training
@@ -34,9 +39,6 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
 def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
     """`monitoring.alerts` conditions that apply would reject (CEL syntax, unknown metric, not a
     boolean), located at their line: caught by validate and plan instead of at the start of a run."""
-    from dataclasses import replace
-
-    from apr.track.alerts import alert_findings
 
     out = []
     for f in alert_findings(list(loaded.config.monitoring.alerts), file=str(loaded.path)):
@@ -52,7 +54,6 @@ def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
 def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     """`training.output_dir` a run must not write into (a filesystem root, the home folder, the data or
     the tokenizer), located at the key's line."""
-    from apr.config.paths import output_dir_problems
 
     file, line, column = loaded.source.where(("training", "output_dir"))
     return [Finding("error", "config.output_dir", message, path="training.output_dir", file=file,
@@ -62,7 +63,6 @@ def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
 
 def data_path_findings(loaded: LoadedConfig) -> list[Finding]:
     """`data.train` / `data.val` that is a filesystem root or the home folder, at the key's line."""
-    from apr.config.paths import data_path_problems
 
     out = []
     for key, message, got in data_path_problems(loaded.config):
@@ -75,7 +75,6 @@ def data_path_findings(loaded: LoadedConfig) -> list[Finding]:
 def compile_findings(loaded: LoadedConfig) -> list[Finding]:
     """`training.execution.compile: true` on a device this machine cannot compile for (no C++
     compiler for the CPU: an error; no Triton for CUDA: a warning, since another machine may apply)."""
-    from apr.steps.execution import compile_problem
 
     tr = loaded.config.training
     device = str(tr.device)

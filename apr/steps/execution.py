@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 # Share of a block's forward time that selective recompute repeats (norms, SwiGLU's silu and
 # product, rope, residual adds). Measured on the CPU (benchmarks/bench_engine.py, docs/performance.md).
@@ -181,7 +182,6 @@ def compile_problem(device_type: str) -> str | None:
         if shutil.which(cxx) is None:
             return f"no C++ compiler for inductor on the CPU ({cxx} is not on PATH; set CXX)"
     elif device_type == "cuda":
-        from importlib.util import find_spec
 
         if find_spec("triton") is None:
             return "Triton is not installed (torch.compile's inductor needs it on CUDA)"

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from apr.steps.execution import from_config, keeps_all_grads, needs_prepass
+
 
 @dataclass(frozen=True)
 class StepStrategy:
@@ -49,7 +51,6 @@ class StepStrategy:
 def step_strategy(config, execution=None) -> StepStrategy:
     """The strategy for an ``AprConfig`` under a resolved ``apr.steps.execution.Execution`` (default:
     the config's, ``auto`` as if memory were unlimited)."""
-    from apr.steps.execution import from_config, keeps_all_grads, needs_prepass
 
     tr = config.training
     clip = "off" if tr.grad_clip is None else str(tr.clip_mode)

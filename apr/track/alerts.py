@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from apr.cel import CelError, compile_expr, evaluate, free_variables
 from apr.errors import AprError, Finding
 from apr.fmt import fmt_float
 
@@ -68,7 +69,6 @@ def _sample_variables(condition: str = "") -> dict[str, Any]:
 def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
     """Check `monitoring.alerts` entries up front: CEL syntax, known metric names, boolean result.
     Returns findings (empty when all are usable); `apr train validate` can report them."""
-    from apr.cel import CelError, compile_expr, evaluate
 
     findings = []
     for i, alert in enumerate(alerts):
@@ -79,7 +79,6 @@ def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
         except CelError as e:
             findings.append(Finding("error", "alert.invalid_condition", e.message, path=path, file=file))
             continue
-        from apr.cel import free_variables
 
         unknown = sorted(set(free_variables(condition)) - set(ALERT_VARIABLES) - {EVAL_VARIABLE})
         if unknown:
@@ -122,7 +121,6 @@ class AlertEvaluator:
         findings = alert_findings(alerts)
         if findings:
             raise AprError("invalid monitoring.alerts", findings)
-        from apr.cel import free_variables
 
         self._alerts = [
             (a.condition, str(getattr(a.action, "value", a.action)), a.message, free_variables(a.condition))
@@ -135,7 +133,6 @@ class AlertEvaluator:
         return len(self._alerts)
 
     def check(self, values: dict[str, Any], step: int | None = None, now: float | None = None) -> list[Alert]:
-        from apr.cel import CelError, evaluate
 
         fired = []
         for i, (condition, action, message, names) in enumerate(self._alerts):

@@ -36,6 +36,7 @@ from apr.track.names import (
 )
 from apr.track.state import STATE_FILE, RunState, read_state
 from apr.track.store import BUSY_TIMEOUT_S, Batch, StoreWriter, flatten_params
+from apr.track.telemetry import gpu_snapshot
 
 if TYPE_CHECKING:
     from apr.config import AprConfig
@@ -589,7 +590,6 @@ class RunRecorder:
                     self._warn(warning)
         if self._system.enabled and now - self._last_gpu >= self._system.interval / 1000.0:
             self._last_gpu = now
-            from apr.track.telemetry import gpu_snapshot
 
             snap = _only_metrics(gpu_snapshot(), self._system.metrics)
             with self._lock:

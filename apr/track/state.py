@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from apr.errors import AprError, Finding
+from apr.readers import load_json
 
 STATE_FILE = "training_state.json"
 SCHEMA_VERSION = 1
@@ -229,7 +230,6 @@ def state_path(run_dir: str | Path) -> Path:
 
 def read_state(run_dir: str | Path) -> dict:
     """Parse a run's ``training_state.json``. Raises AprError when it is missing or malformed."""
-    from apr.readers import load_json
 
     path = state_path(run_dir)
     if not os.path.lexists(path):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from apr.errors import AprError, Finding
+from apr.readers import InputError, check_regular
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_S = 5.0
@@ -297,7 +298,6 @@ def connect_readonly(path: Path | str) -> sqlite3.Connection:
     path = Path(path)
     if not path.is_file():
         if os.path.lexists(path):  # never opened: sqlite would block on a FIFO
-            from apr.readers import InputError, check_regular
 
             try:
                 check_regular(path, "experiment store")

@@ -30,17 +30,21 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from apr.checkpoint import names
+from apr.checkpoint.hf_import import load_into, source_digest
 from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels import KernelBackend, get_backend
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_fwd_bwd, linear_cross_entropy_sum
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM, build_model
+from apr.model.lora import add_adapters
 from apr.steps import execution as execution_policy
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
+from apr.train.compile import compile_blocks
 from apr.train.dist import DataParallel
 from apr.train.flat import FlatGroup, flatten_group
 from apr.train.nonfinite import GRADIENTS, LOSS, NonFiniteFlags
@@ -304,8 +308,6 @@ class InterleavedEngine(Engine):
             return torch.func.functional_call(layer, weights, (x_, cos_, sin_))
 
         if selective:
-            from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
             out = checkpoint(run, x, cos, sin, use_reentrant=False,
                              context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))
         else:
@@ -737,11 +739,9 @@ def build_engine(
     backend = backend or get_backend(str(tr.kernels), device)
     model = build_model(config.model.architecture, tr.seed if seed is None else seed, device="cpu")
     if config.model.init_from is not None:  # trained weights replace the random init
-        from apr.checkpoint.hf_import import load_into
 
         load_into(model, config.model.init_from)
     if config.model.lora is not None:  # frozen base on the device as it is; adapters into flat buffers
-        from apr.model.lora import add_adapters
 
         add_adapters(model, config.model.lora, tr.seed if seed is None else seed)
         model = model.to(device)
@@ -753,12 +753,10 @@ def build_engine(
                                    execution)
     engine.dp = dp
     if engine.execution.compile:
-        from apr.train.compile import compile_blocks
 
         compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,
                        engine.autocast())
     if config.model.lora is not None and config.model.init_from is not None:  # C-LORA-002 wants both
-        from apr.checkpoint.hf_import import source_digest
 
         engine.base_ref = {"init_from": config.model.init_from,
                            "sha256": source_digest(config.model.init_from, config.model.architecture)}
@@ -805,13 +803,9 @@ def _saved_ops() -> set:
 
 
 def _sac_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective(layer, x, cos, sin):
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
     return checkpoint(layer, x, cos, sin, use_reentrant=False,
                       context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))

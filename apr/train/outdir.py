@@ -2,7 +2,8 @@
 
 ``OutputDirLock`` holds an exclusive ``flock`` on ``<output_dir>/.apr-run.lock`` for the life of a
 run (apply and resume alike). It sits in the output folder itself, which a run must be able to
-write, not in ``.apr/``, whose store is best-effort and may be unwritable. The kernel drops it when the process ends, however it ends, so a
+write, not in ``.apr/``, whose store is best-effort and may be unwritable. The kernel drops it
+when the process ends, however it ends, so a
 ``kill -9`` never leaves a stale lock; the file itself stays (removing it would let two writers
 lock two different files). It holds the holder's pid, host and start time, which a refused second
 writer names. ``refuse_foreign_files`` keeps a fresh run out of a folder holding another run's

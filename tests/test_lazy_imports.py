@@ -1,0 +1,154 @@
+"""Imports sit at the top of their module unless being lazy buys something (issue 13 item 8).
+
+A function-local import is kept only where importing at the top would load a heavy third-party
+package (torch, numpy, pydantic, textual, ...) that the module does not load already — so that
+`apr train validate`, `apr train plan`, `apr runs ls` and `apr --help` stay fast and torch-free — or
+where the top-level import would close an import cycle. Everything else (the standard library,
+apr modules that are no heavier than the importer) belongs at the top. Computed statically from the
+modules' top-level imports; an import line may say why it must stay anyway with ``# lazy: REASON``.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = {"torch", "numpy", "pyarrow", "textual", "transformers", "tokenizers", "safetensors", "cupy", "peft",
+         "sqlite_utils", "plotext", "pydantic", "pydantic_core", "typer", "click", "rich", "ruamel", "celpy",
+         "cel", "huggingface_hub", "pexpect", "tensorboard", "mlflow", "wandb", "textual_serve"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in (ROOT / "apr").rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _targets(node, module: str) -> list[str]:
+    """The modules an import statement loads (apr modules, with their parent packages, or top-level
+    third-party names)."""
+    is_pkg = MODULES[module].name == "__init__.py"
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = _resolve(node, module, is_pkg)
+        names = [base] + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+    out = []
+    for name in names:
+        if name.split(".")[0] == "apr":
+            parts = name.split(".")
+            out += [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in MODULES]
+        else:
+            out.append(name.split(".")[0])
+    return out
+
+
+def _is_type_checking(node) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+@cache
+def _top_imports(module: str) -> frozenset[str]:
+    tree = ast.parse(MODULES[module].read_text())
+    found: list[str] = []
+
+    def visit(stmts):
+        for st in stmts:
+            if isinstance(st, (ast.Import, ast.ImportFrom)):
+                found.extend(_targets(st, module))
+            elif isinstance(st, (ast.If, ast.Try)) and not _is_type_checking(st):
+                for block in (getattr(st, "body", []), getattr(st, "orelse", []), getattr(st, "finalbody", []),
+                              *[h.body for h in getattr(st, "handlers", [])]):
+                    visit(block)
+
+    visit(tree.body)
+    return frozenset(found)
+
+
+@cache
+def _closure(module: str) -> tuple[frozenset[str], frozenset[str]]:
+    """(apr modules, heavy third-party packages) that importing ``module`` loads."""
+    seen, heavy, stack = {module}, set(), [module]
+    while stack:
+        for dep in _top_imports(stack.pop()):
+            if dep in MODULES:
+                if dep not in seen:
+                    seen.add(dep)
+                    stack.append(dep)
+            elif dep in HEAVY:
+                heavy.add(dep)
+    return frozenset(seen), frozenset(heavy)
+
+
+def unjustified_local_imports(only: str | None = None) -> list[str]:
+    problems: list[str] = []
+    for module, path in sorted(MODULES.items()):
+        if only is not None and module != only:
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        _, own_heavy = _closure(module)
+        tree = ast.parse(text)
+        guarded = {n.lineno for t in ast.walk(tree) if isinstance(t, ast.Try)  # optional: try/except ImportError
+                   and any(h.type is None or "ImportError" in ast.unparse(h.type) for h in t.handlers)
+                   for b in t.body for n in ast.walk(b) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for st in ast.walk(fn):
+                if not isinstance(st, (ast.Import, ast.ImportFrom)) or "# lazy:" in lines[st.lineno - 1]:
+                    continue
+                if st.lineno in guarded:
+                    continue
+                if isinstance(st, ast.ImportFrom) and st.module == "__future__":
+                    continue
+                reasons = []
+                for dep in _targets(st, module):
+                    if dep in MODULES:
+                        reach, heavy = _closure(dep)
+                        if heavy - own_heavy:
+                            reasons.append(f"{dep} loads {sorted(heavy - own_heavy)}")
+                        if module in reach:
+                            reasons.append(f"{dep} imports {module}: a cycle")
+                    elif dep in HEAVY and dep not in own_heavy:
+                        reasons.append(f"{dep} is heavy")
+                    elif dep not in sys.stdlib_module_names and dep not in HEAVY and dep != "apr":
+                        reasons.append(f"{dep}: an optional or third-party package")
+                entry = f"{module}:{st.lineno}: {ast.unparse(st)}"
+                if not reasons and entry not in problems:  # an import in a nested function is walked twice
+                    problems.append(entry)
+    return problems
+
+
+def test_function_local_imports_are_only_where_being_lazy_keeps_a_heavy_package_or_a_cycle_away():
+    problems = unjustified_local_imports()
+    assert not problems, "move these imports to the top of their module:\n" + "\n".join(problems)
+
+
+def test_the_check_flags_a_needless_local_import_and_accepts_a_lazy_heavy_one(tmp_path, monkeypatch):
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f():\n    import json\n    import torch\n    from apr.train import engine\n"
+                    "    from apr.fsutil import atomic_path\n    return json, torch, engine\n")
+    monkeypatch.setitem(MODULES, "apr.fake", fake)
+    try:
+        assert unjustified_local_imports(only="apr.fake") == [
+            "apr.fake:2: import json", "apr.fake:5: from apr.fsutil import atomic_path"]
+    finally:
+        _top_imports.cache_clear()
+        _closure.cache_clear()
