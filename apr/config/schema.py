@@ -427,11 +427,26 @@ class AlertConfig(_Section):
     message: str | None = None
 
 
+class SinkType(StrEnum):
+    tensorboard = "tensorboard"
+
+
+class SinkConfig(_Section):
+    """One external tracker the run's metrics are also written to (docs/runs.md, "Tracker sinks")."""
+
+    type: SinkType = Field(description="tensorboard (needs the tensorboard package: pip install 'apr[sinks]').")
+    dir: str | None = Field(None, description="Where the tracker writes; relative paths are relative to the "
+                                              "current folder. Default: <output_dir>/tensorboard.")
+
+
 class MonitoringConfig(_Section):
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     system: SystemConfig = Field(default_factory=SystemConfig)
     alerts: list[AlertConfig] = Field(default_factory=list)
+    sinks: list[SinkConfig] = Field(
+        default_factory=list, description="External trackers fed the same metrics as the stores, from the "
+                                          "recorder's thread; a failing one is a warning, never a failed run.")
 
 
 # ------------------------------------------------------------------------------------ evaluation

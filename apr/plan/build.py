@@ -30,7 +30,13 @@ from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
 from apr.plan.memory import MemoryRow, coefficients_dict
 from apr.plan.tokfacts import tokenizer_facts
-from apr.plan.validate import alert_config_findings, compile_findings, data_path_findings, output_dir_findings
+from apr.plan.validate import (
+    alert_config_findings,
+    compile_findings,
+    data_path_findings,
+    output_dir_findings,
+    sink_findings,
+)
 
 PLAN_FORMAT = "apr-plan"
 PLAN_FORMAT_VERSION = "1"
@@ -279,7 +285,8 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
-                       *output_dir_findings(loaded), *init_findings, *compile_findings(loaded)],
+                       *output_dir_findings(loaded), *init_findings, *compile_findings(loaded),
+                       *sink_findings(loaded)],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

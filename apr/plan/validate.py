@@ -17,6 +17,7 @@ from apr.plan.facts import config_facts
 from apr.plan.gpus import resolve_target
 from apr.steps.execution import compile_problem
 from apr.track.alerts import alert_findings
+from apr.track.trackers import EXTRA, missing_package
 
 
 def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list[Finding]:
@@ -32,7 +33,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
-                 + compile_findings(loaded))
+                 + compile_findings(loaded) + sink_findings(loaded))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -88,3 +89,19 @@ def compile_findings(loaded: LoadedConfig) -> list[Finding]:
     return [Finding(severity, "config.compile", f"training.execution.compile: {problem}; set it to false",
                     path="training.execution.compile", file=file, line=line, column=column,
                     expected=f"a working torch.compile toolchain for {device}", got=problem)]
+
+
+def sink_findings(loaded: LoadedConfig) -> list[Finding]:
+    """`monitoring.sinks` whose tracker package is not installed (an error: the run would record
+    nowhere the user asked), at the sink's line, naming the extra that installs it."""
+    out = []
+    for i, sink in enumerate(loaded.config.monitoring.sinks):
+        package = missing_package(str(sink.type))
+        if package is None:
+            continue
+        file, line, column = loaded.source.where(("monitoring", "sinks", i, "type"))
+        out.append(Finding("error", "config.sink_package", f"the {sink.type} sink needs the '{package}' package, "
+                           f"which is not installed: pip install 'apr[{EXTRA}]'", path=f"monitoring.sinks[{i}].type",
+                           file=file, line=line, column=column, expected=f"'{package}' importable",
+                           got="not installed"))
+    return out

@@ -37,6 +37,7 @@ from apr.track.names import (
 from apr.track.state import STATE_FILE, RunState, read_state
 from apr.track.store import BUSY_TIMEOUT_S, Batch, StoreWriter, flatten_params
 from apr.track.telemetry import gpu_snapshot
+from apr.track.trackers import open_sink
 
 if TYPE_CHECKING:
     from apr.config import AprConfig
@@ -247,6 +248,8 @@ class RunRecorder:
                 _Sink("local", local_db_path(self.output_dir), busy_timeout_s),
                 _Sink("global", global_db_path(Path(apr_home) if apr_home is not None else None), busy_timeout_s),
             ]
+        self._sink_configs = list(config.monitoring.sinks)  # external trackers, opened by start()
+        self._trackers: list[tuple[str, Any]] = []
         self._warnings: list[str] = []
         self._unprinted: list[str] = []  # warnings not printed yet (see _warn)
         self._state_warned = False
@@ -314,7 +317,21 @@ class RunRecorder:
             self.state["status_reason"] = None
             self.state["heartbeat"] = now
             self._out_status.append((self.run_id, "running", None, now))
+        self._open_trackers()
         self._request(state=True, fsync=True, db=True)
+
+    def _open_trackers(self) -> None:
+        """Open the monitoring.sinks trackers (apr/track/trackers.py); one that cannot open is a warning."""
+        if not self._sink_configs or self._trackers:
+            return
+        for cfg in self._sink_configs:
+            try:
+                tracker = open_sink(cfg, self.output_dir, self.experiment, self.run_id, self._resume_step)
+            except Exception as e:  # a missing package, an unwritable folder: the run goes on without it
+                self._warn(f"{cfg.type} sink: {type(e).__name__}: {e}; training continues without it")
+                continue
+            with self._lock:
+                self._trackers.append((str(cfg.type), tracker))
 
     def _restore_latest_values(self) -> None:
         """A resumed run shows its last recorded values (up to its checkpoint) until it logs new ones."""
@@ -466,6 +483,11 @@ class RunRecorder:
         self._print_warnings()
         for sink in self._sinks:
             sink.close()
+        for _label, tracker in self._trackers:
+            try:
+                tracker.close()
+            except Exception:
+                pass
         try:
             atexit.unregister(self._atexit)
         except Exception:
@@ -588,6 +610,8 @@ class RunRecorder:
                 warning = sink.sync(run, register, force, now)
                 if warning:
                     self._warn(warning)
+        if db_due and self._trackers:
+            self._feed_trackers(metrics)
         if self._system.enabled and now - self._last_gpu >= self._system.interval / 1000.0:
             self._last_gpu = now
 
@@ -601,6 +625,20 @@ class RunRecorder:
             fsync = self._state_fsync
             self._state_dirty = self._state_fsync = False
         self._write_state(data, fsync)
+
+    def _feed_trackers(self, metrics: list) -> None:
+        """The metric rows to each tracker; a tracker that fails is warned about once and dropped."""
+        for label, tracker in list(self._trackers):
+            try:
+                tracker.write(metrics)
+            except Exception as e:
+                with self._lock:
+                    self._trackers.remove((label, tracker))
+                self._warn(f"{label} sink: {type(e).__name__}: {e}; training continues without it")
+                try:
+                    tracker.close()
+                except Exception:
+                    pass
 
     def _write_state(self, data: bytes, fsync: bool) -> None:
         try:

@@ -1,0 +1,95 @@
+"""monitoring.sinks: a real (tiny, CPU) run's metrics reach TensorBoard, read back by tensorboard's
+own EventAccumulator; a resume appends to the same TensorBoard run; a sink that fails is a warning;
+a missing package is a validate/plan error naming the extra."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.apply import run_apply
+from apr.cli.main import app
+from apr.track import trackers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from run_helpers import make_dataset, write_config  # noqa: E402
+
+pytest.importorskip("tensorboard", reason="the sinks extra (tensorboard) is not installed")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+
+def _scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+def _same(got: list[tuple[int, float]], want: list[tuple[int, float]]) -> bool:
+    """The same steps, and values equal to TensorBoard's float32."""
+    return [s for s, _ in got] == [s for s, _ in want] and [v for _, v in got] == pytest.approx(
+        [v for _, v in want], rel=1e-6)
+
+
+def _state(run_dir: Path) -> dict:
+    return json.loads((run_dir / "training_state.json").read_text())
+
+
+def _history(state: dict, key: str) -> list[tuple[int, float]]:
+    return [(int(s), v) for s, v in state[f"{key}_history"]]
+
+
+def test_a_run_writes_every_logged_metric_to_tensorboard_and_a_resume_appends(tmp_path):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 12, "eval_interval": 4, "save_interval": 2},
+                       monitoring={"tracking": {"experiment": "tb"}, "sinks": [{"type": "tensorboard"}]})
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    first = run_apply(cfg, settings=["training.max_steps=6"], **quiet)
+    assert first.status == "finished"
+    log_dir = tmp_path / "run" / "tensorboard" / "tb" / first.run_id
+    assert _same(_scalars(log_dir, "loss"), _history(_state(tmp_path / "run"), "loss"))
+    resumed = run_apply(cfg, resume="latest", **quiet)  # max_steps back to 12: the same run goes on
+    assert resumed.status == "finished" and resumed.run_id == first.run_id and resumed.final_step == 12
+    loss = _scalars(log_dir, "loss")
+    expected = _history(_state(tmp_path / "run"), "loss")
+    assert _same(loss, expected) and len({s for s, _ in loss}) == len(loss) and loss[-1][0] == 12
+    val = _scalars(log_dir, "val_loss")
+    assert _same(val, _history(_state(tmp_path / "run"), "val_loss"))
+    assert [s for s, _ in val] == [0, 4, 6, 8, 12]  # the first run ended (and evaluated) at 6
+    assert list((tmp_path / "run" / "tensorboard" / "tb").iterdir()) == [log_dir]  # one TensorBoard run
+
+
+def test_a_sink_that_cannot_write_is_a_warning_and_the_run_finishes(tmp_path, capsys):
+    make_dataset(tmp_path)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the sink wants a folder\n")
+    cfg = write_config(tmp_path, training={"max_steps": 3, "eval_interval": 0, "save_interval": 1000},
+                       monitoring={"sinks": [{"type": "tensorboard", "dir": str(blocker / "tb")}]})
+    result = run_apply(cfg, apr_home=tmp_path / "home", echo=lambda line: None)
+    assert result.status == "finished" and result.exit_code == 0
+    (warning,) = [w for w in _state(tmp_path / "run")["store_warnings"] if "tensorboard sink" in w]
+    assert "continues without it" in warning
+    assert f"apr: warning: {warning}" in capsys.readouterr().err
+
+
+def test_a_missing_tracker_package_is_an_error_at_the_sinks_line(tmp_path, monkeypatch):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, monitoring={"sinks": [{"type": "tensorboard"}]})
+    monkeypatch.setitem(trackers.PACKAGES, "tensorboard", "no_such_package_for_apr_tests")
+    runner = CliRunner()
+    for command in ("validate", "plan"):
+        r = runner.invoke(app, ["train", command, str(cfg), "--json"])
+        assert r.exit_code == 1, r.output
+        (f,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.sink_package"]
+        assert f["path"] == "monitoring.sinks[0].type" and "apr[sinks]" in f["message"]
+        assert f["line"] == next(i for i, line in enumerate(cfg.read_text().splitlines(), 1) if "tensorboard" in line)
+
+
+def test_an_unknown_sink_type_is_refused_by_validate(tmp_path):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, monitoring={"sinks": [{"type": "wandb"}]})
+    r = CliRunner().invoke(app, ["train", "validate", str(cfg), "--json"])
+    assert r.exit_code == 1 and json.loads(r.stdout)["findings"][0]["path"] == "monitoring.sinks[0].type"
