@@ -20,6 +20,11 @@ class ExportFormat(StrEnum):
     csv = "csv"
 
 
+class Tracker(StrEnum):
+    tensorboard = "tensorboard"
+    mlflow = "mlflow"
+
+
 def _colour() -> bool:
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
@@ -58,19 +63,43 @@ def register(app: typer.Typer) -> None:
     @app.command("export")
     def export(
         db: Path = typer.Option(..., "--db", help="experiments.db, a run folder (.apr/experiments.db) or an APR_HOME."),
-        run: str = typer.Option(..., "--run", help="Run id (or a unique prefix)."),
-        fmt: ExportFormat = typer.Option(..., "--format", help="parquet or csv."),
-        output: Path | None = typer.Option(None, "--out", metavar="FILE", show_default=False,
-                                           help="File to write (a new path; written atomically)."),
+        run: list[str] | None = typer.Option(None, "--run", help="Run id (or a unique prefix); with --to it may be "
+                                                               "repeated or left out (every run in the store)."),
+        fmt: ExportFormat | None = typer.Option(None, "--format", help="parquet or csv: one run as a table."),
+        to: Tracker | None = typer.Option(None, "--to", help="tensorboard or mlflow: runs into a tracker."),
+        output: Path | None = typer.Option(None, "--out", metavar="PATH", show_default=False,
+                                           help="--format: the file to write (a new path; written atomically). "
+                                                "--to tensorboard: the log folder; --to mlflow: a SQLite file."),
+        uri: str | None = typer.Option(None, "--uri", metavar="URI", help="--to mlflow: a tracking URI instead "
+                                                                          "of --out (http://HOST:PORT, ...)."),
         output_alias: Path | None = typer.Option(None, "--output", hidden=True),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (--to mlflow: "
+                                                                  "runs already exported)."),
     ) -> None:
-        """Write one run's metrics as a table: step, time, and one column per metric."""
-        from apr.track.experiment import export_run
+        """Write one run's metrics as a table (--format), or runs into TensorBoard or MLflow (--to)."""
+        from apr.track.experiment import export_run, export_to_tracker
 
         if output is not None and output_alias is not None:
             raise typer.BadParameter("give --out once (--output is its old name)", param_hint="'--output'")
-        if output is None and output_alias is None:
+        output = output or output_alias
+        if (fmt is None) == (to is None):
+            raise typer.BadParameter("give either --format (a table file) or --to (a tracker)", param_hint="'--to'")
+        if to is not None:
+            dest = uri if uri is not None and to == Tracker.mlflow else None
+            if uri is not None and to != Tracker.mlflow:
+                raise typer.BadParameter("--uri is for --to mlflow", param_hint="'--uri'")
+            if dest is None and output is None:
+                raise typer.BadParameter("missing --out PATH" + (" or --uri URI" if to == Tracker.mlflow else ""),
+                                         param_hint="'--out'")
+            done = export_to_tracker(db, run or None, to.value, dest or str(output), overwrite=overwrite)
+            for rid, points, where in done.runs:
+                print(f"{rid}: {points} metric points -> {where}")
+            for rid, why in done.skipped:
+                print(f"{rid}: skipped, {why}")
+            return
+        if not run or len(run) != 1:
+            raise typer.BadParameter("--format exports one run: give --run ID once", param_hint="'--run'")
+        if output is None:
             raise typer.BadParameter("missing --out FILE", param_hint="'--out'")
-        result = export_run(db, run, fmt.value, output or output_alias, overwrite=overwrite)
+        result = export_run(db, run[0], fmt.value, output, overwrite=overwrite)
         print(f"wrote {result.rows} rows x {len(result.columns)} columns to {result.path}")

@@ -10,7 +10,7 @@ import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_validator
 
 from apr.config.numbers import parse_bytes, parse_count
 
@@ -429,14 +429,25 @@ class AlertConfig(_Section):
 
 class SinkType(StrEnum):
     tensorboard = "tensorboard"
+    mlflow = "mlflow"
 
 
 class SinkConfig(_Section):
     """One external tracker the run's metrics are also written to (docs/runs.md, "Tracker sinks")."""
 
-    type: SinkType = Field(description="tensorboard (needs the tensorboard package: pip install 'apr[sinks]').")
-    dir: str | None = Field(None, description="Where the tracker writes; relative paths are relative to the "
-                                              "current folder. Default: <output_dir>/tensorboard.")
+    type: SinkType = Field(description="tensorboard or mlflow (their packages: pip install 'apr[sinks]').")
+    dir: str | None = Field(None, description="tensorboard: where the event files go; relative paths are relative "
+                                              "to the current folder. Default: <output_dir>/tensorboard.")
+    uri: str | None = Field(None, description="mlflow: the tracking URI (sqlite:///PATH.db, http://HOST:PORT, ...). "
+                                              "Default: sqlite:///<output_dir>/mlflow.db.")
+
+    @model_validator(mode="after")
+    def _keys_of_its_type(self):
+        if self.dir is not None and self.type != SinkType.tensorboard:
+            raise ValueError(f"expected dir only for a tensorboard sink, got dir for {self.type}")
+        if self.uri is not None and self.type != SinkType.mlflow:
+            raise ValueError(f"expected uri only for an mlflow sink, got uri for {self.type}")
+        return self
 
 
 class MonitoringConfig(_Section):

@@ -221,3 +221,59 @@ def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str, overwr
 
             pcsv.write_csv(table, tmp)
     return ExportResult(path=out, rows=table.num_rows, columns=table.column_names)
+
+
+TRACKERS = ("tensorboard", "mlflow")
+
+
+@dataclass
+class TrackerExport:
+    runs: list[tuple[str, int, str]]  # (run id, metric points written, where)
+    skipped: list[tuple[str, str]]  # (run id, why)
+
+
+def export_to_tracker(db: Path | str, run_ids: list[str] | None, tracker: str, dest: str,
+                      overwrite: bool = False) -> TrackerExport:
+    """Write recorded runs' metrics to TensorBoard (``dest``: a log folder; each run under
+    ``<experiment>/<run_id>``, replacing an earlier export of it) or MLflow (``dest``: a tracking
+    URI, or a path for a SQLite store; a run already there is skipped unless ``overwrite``), through
+    the same sinks a live run uses (apr/track/trackers.py)."""
+    from apr.track.trackers import EXTRA, PACKAGES, MlflowSink, TensorBoardSink, missing_package
+
+    if tracker not in TRACKERS:
+        raise AprError(f"unknown tracker {tracker!r}", [Finding("error", "experiment.invalid_tracker",
+                       f"unknown tracker {tracker!r}", expected=" or ".join(TRACKERS), got=tracker)])
+    if missing_package(tracker):
+        raise AprError(f"exporting to {tracker} needs the '{PACKAGES[tracker]}' package: pip install 'apr[{EXTRA}]'",
+                       [Finding("error", "experiment.tracker_package", f"'{PACKAGES[tracker]}' is not installed",
+                                expected=f"pip install 'apr[{EXTRA}]'", got="not installed")])
+    path = resolve_db(db)
+    conn = store.connect_readonly(path)
+    try:
+        ids, _ = _select_runs(conn, run_ids) if run_ids else ([r["id"] for r in store.query_runs(conn)], 0)
+        runs = {r["id"]: r for r in store.query_runs(conn)}
+        data = {rid: [(rid, int(s), str(k), None if v is None else float(v), float(t))
+                      for s, k, v, t in store.metric_rows(conn, rid)] for rid in ids}
+    except (sqlite3.Error, TypeError, ValueError) as e:
+        raise _damaged(path, e) from None
+    finally:
+        conn.close()
+    if tracker == "mlflow" and "://" not in dest:
+        dest = f"sqlite:///{Path(dest).resolve()}"
+    out = TrackerExport([], [])
+    for rid in ids:
+        experiment = runs.get(rid, {}).get("experiment") or "default"
+        status = runs.get(rid, {}).get("status")
+        if tracker == "tensorboard":
+            sink = TensorBoardSink(Path(dest), experiment, rid, resume_step=-1)  # purge: replace an earlier export
+            where = str(sink.log_dir)
+        else:
+            sink = MlflowSink(dest, experiment, rid, create=overwrite)
+            where = f"{dest} run {sink.run_id}"
+            if sink.existed and not overwrite:
+                out.skipped.append((rid, f"already in {dest} (--overwrite replaces it)"))
+                continue
+        sink.write(data[rid])
+        sink.close(status if status in ("finished", "stopped", "failed") else None)
+        out.runs.append((rid, sum(1 for r in data[rid] if r[3] is not None), where))
+    return out

@@ -483,11 +483,11 @@ class RunRecorder:
         self._print_warnings()
         for sink in self._sinks:
             sink.close()
-        for _label, tracker in self._trackers:
+        for label, tracker in self._trackers:
             try:
-                tracker.close()
-            except Exception:
-                pass
+                tracker.close(status)
+            except Exception as e:
+                self._warn(f"{label} sink: {type(e).__name__}: {e}")
         try:
             atexit.unregister(self._atexit)
         except Exception:

@@ -1,22 +1,26 @@
-"""External tracker sinks (`monitoring.sinks`): the run's metric rows, also written to TensorBoard.
+"""External tracker sinks (`monitoring.sinks`): the run's metric rows, also written to TensorBoard
+or MLflow.
 
 The recorder hands each sink the same rows it writes to its SQLite stores, on its background
 thread (apr/track/recorder.py), so a slow or broken tracker never blocks a step; a sink that
 fails is closed, warned about once, and the run goes on. One run keeps one tracker run across
 resumes: TensorBoard logs to ``<dir>/<experiment>/<run_id>``, and a resumed process purges events
 past its checkpoint's step before it appends (the steps the killed process logged after it), so
-the curve has each step once. docs/runs.md ("Tracker sinks") is the user's page.
+the curve has each step once; MLflow finds the run tagged ``apr.run_id`` in the experiment named
+like apr's and appends to it (its metric history cannot delete: a step the stopped process logged
+after its checkpoint keeps both values, the later one last). docs/runs.md ("Tracker sinks") is the user's page.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 from apr.config.schema import SinkConfig
 
 EXTRA = "sinks"  # pip install 'apr[sinks]'
-PACKAGES = {"tensorboard": "tensorboard"}  # sink type -> the package it needs
+PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # sink type -> the package it needs
 
 
 def missing_package(sink_type: str) -> str | None:
@@ -50,11 +54,56 @@ class TensorBoardSink:
                 self.writer.add_scalar(key, value, global_step=int(step), walltime=t)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, status: str | None = None) -> None:
         self.writer.close()
+
+
+class MlflowSink:
+    """Metrics of one MLflow run (tagged ``apr.run_id``) in the experiment named like apr's."""
+
+    def __init__(self, uri: str, experiment: str, run_id: str, create: bool | None = None):
+        """Find the run tagged ``apr.run_id`` (``existed``) or create it; ``create`` True: an
+        existing one is deleted and made anew (a re-export)."""
+        from mlflow import MlflowClient  # lazy: mlflow is an optional extra
+
+        for name in ("mlflow", "alembic"):  # their INFO lines (creating tables...) are not the run's output
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.client = MlflowClient(tracking_uri=uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`apr.run_id` = '{run_id}'", max_results=1)
+        self.existed = bool(found)
+        if found and create:
+            self.client.delete_run(found[0].info.run_id)
+            found = []
+        if found:
+            self.run_id = found[0].info.run_id
+            if create is None:
+                self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(exp_id, run_name=run_id, tags={"apr.run_id": run_id}).info.run_id
+
+    def write(self, rows: list[tuple]) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(key.replace("@", "_"), float(value), int(t * 1000), int(step))
+                   for _run_id, step, key, value, t in rows if value is not None]
+        for i in range(0, len(metrics), 1000):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self, status: str | None = None) -> None:
+        """End the MLflow run with apr's final status (finished, stopped, failed)."""
+        mapped = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}.get(status or "", "FINISHED")
+        self.client.set_terminated(self.run_id, status=mapped)
+
+
+def mlflow_uri(sink: SinkConfig, output_dir: Path) -> str:
+    return sink.uri or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
 def open_sink(sink: SinkConfig, output_dir: Path, experiment: str, run_id: str, resume_step: int | None):
     if str(sink.type) == "tensorboard":
         return TensorBoardSink(sink_dir(sink, output_dir), experiment, run_id, resume_step)
+    if str(sink.type) == "mlflow":
+        return MlflowSink(mlflow_uri(sink, output_dir), experiment, run_id)
     raise ValueError(f"unknown sink type {sink.type}")

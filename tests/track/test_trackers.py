@@ -62,6 +62,28 @@ def test_a_run_writes_every_logged_metric_to_tensorboard_and_a_resume_appends(tm
     assert list((tmp_path / "run" / "tensorboard" / "tb").iterdir()) == [log_dir]  # one TensorBoard run
 
 
+def test_mlflow_gets_the_same_metrics_in_one_run_across_a_resume(tmp_path):
+    pytest.importorskip("mlflow", reason="the sinks extra (mlflow-skinny) is not installed")
+    from mlflow import MlflowClient
+
+    make_dataset(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'ml.db'}"
+    cfg = write_config(tmp_path, training={"max_steps": 12, "eval_interval": 4, "save_interval": 2},
+                       monitoring={"tracking": {"experiment": "mlf"}, "sinks": [{"type": "mlflow", "uri": uri}]})
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    first = run_apply(cfg, settings=["training.max_steps=6"], **quiet)
+    resumed = run_apply(cfg, resume="latest", **quiet)
+    assert resumed.status == "finished" and resumed.run_id == first.run_id
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("mlf")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.data.tags["apr.run_id"] == first.run_id and run.info.status == "FINISHED"
+    state = _state(tmp_path / "run")
+    for key in ("loss", "val_loss"):
+        history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert _same(history, _history(state, key)), key
+
+
 def test_a_sink_that_cannot_write_is_a_warning_and_the_run_finishes(tmp_path, capsys):
     make_dataset(tmp_path)
     blocker = tmp_path / "not-a-folder"
@@ -90,6 +112,39 @@ def test_a_missing_tracker_package_is_an_error_at_the_sinks_line(tmp_path, monke
 
 def test_an_unknown_sink_type_is_refused_by_validate(tmp_path):
     make_dataset(tmp_path)
-    cfg = write_config(tmp_path, monitoring={"sinks": [{"type": "wandb"}]})
-    r = CliRunner().invoke(app, ["train", "validate", str(cfg), "--json"])
-    assert r.exit_code == 1 and json.loads(r.stdout)["findings"][0]["path"] == "monitoring.sinks[0].type"
+    for sink, path in (({"type": "wandb"}, "monitoring.sinks[0].type"),
+                       ({"type": "tensorboard", "uri": "sqlite:///x.db"}, "monitoring.sinks[0]")):
+        cfg = write_config(tmp_path, monitoring={"sinks": [sink]})
+        r = CliRunner().invoke(app, ["train", "validate", str(cfg), "--json"])
+        assert r.exit_code == 1 and json.loads(r.stdout)["findings"][0]["path"] == path
+
+
+def test_experiment_export_to_tensorboard_and_mlflow_writes_a_recorded_run(tmp_path):
+    pytest.importorskip("mlflow", reason="the sinks extra (mlflow-skinny) is not installed")
+    from mlflow import MlflowClient
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 6, "eval_interval": 3, "save_interval": 1000},
+                       monitoring={"tracking": {"experiment": "old"}})
+    result = run_apply(cfg, apr_home=tmp_path / "home", echo=lambda line: None)
+    expected = _history(_state(tmp_path / "run"), "loss")
+    runner = CliRunner()
+    db = str(tmp_path / "run")
+    for _ in range(2):  # a second export replaces the first: each step once
+        r = runner.invoke(app, ["experiment", "export", "--db", db, "--to", "tensorboard",
+                                "--out", str(tmp_path / "tb")])
+        assert r.exit_code == 0, r.output
+        assert _same(_scalars(tmp_path / "tb" / "old" / result.run_id, "loss"), expected)
+    ml = tmp_path / "ml.db"
+    args = ["experiment", "export", "--db", db, "--run", result.run_id, "--to", "mlflow", "--out", str(ml)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "metric points" in r.stdout, r.output
+    assert "skipped, already in" in runner.invoke(app, args).stdout
+    assert runner.invoke(app, [*args, "--overwrite"]).exit_code == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{ml}")
+    (run,) = client.search_runs([client.get_experiment_by_name("old").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert _same(sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")), expected)
+    bad = runner.invoke(app, ["experiment", "export", "--db", db, "--to", "tensorboard", "--format", "csv",
+                              "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 2
