@@ -430,21 +430,24 @@ class AlertConfig(_Section):
 class SinkType(StrEnum):
     tensorboard = "tensorboard"
     mlflow = "mlflow"
+    wandb = "wandb"
 
 
 class SinkConfig(_Section):
     """One external tracker the run's metrics are also written to (docs/runs.md, "Tracker sinks")."""
 
-    type: SinkType = Field(description="tensorboard or mlflow (their packages: pip install 'apr[sinks]').")
-    dir: str | None = Field(None, description="tensorboard: where the event files go; relative paths are relative "
-                                              "to the current folder. Default: <output_dir>/tensorboard.")
+    type: SinkType = Field(description="tensorboard, mlflow or wandb (offline) (their packages: pip install "
+                                       "'apr[sinks]').")
+    dir: str | None = Field(None, description="tensorboard, wandb: where the files go; relative paths are relative "
+                                              "to the current folder. Default: <output_dir>/tensorboard or "
+                                              "<output_dir>/wandb.")
     uri: str | None = Field(None, description="mlflow: the tracking URI (sqlite:///PATH.db, http://HOST:PORT, ...). "
                                               "Default: sqlite:///<output_dir>/mlflow.db.")
 
     @model_validator(mode="after")
     def _keys_of_its_type(self):
-        if self.dir is not None and self.type != SinkType.tensorboard:
-            raise ValueError(f"expected dir only for a tensorboard sink, got dir for {self.type}")
+        if self.dir is not None and self.type == SinkType.mlflow:
+            raise ValueError("expected dir only for a tensorboard or wandb sink, got dir for mlflow (use uri)")
         if self.uri is not None and self.type != SinkType.mlflow:
             raise ValueError(f"expected uri only for an mlflow sink, got uri for {self.type}")
         return self

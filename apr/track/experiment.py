@@ -15,6 +15,7 @@ from apr.errors import AprError, Finding
 from apr.fsutil import atomic_path, check_output_file
 from apr.track import store
 from apr.track.names import validate_run_id
+from apr.track.trackers import EXTRA, PACKAGES, MlflowSink, TensorBoardSink, missing_package
 
 MAX_DEFAULT_RUNS = 8  # runs drawn when --runs is not given (newest first); more is unreadable
 MARKERS = ("x", "o", "+", "*", "#", "@", "%", "&", "=", "~")
@@ -238,8 +239,6 @@ def export_to_tracker(db: Path | str, run_ids: list[str] | None, tracker: str, d
     ``<experiment>/<run_id>``, replacing an earlier export of it) or MLflow (``dest``: a tracking
     URI, or a path for a SQLite store; a run already there is skipped unless ``overwrite``), through
     the same sinks a live run uses (apr/track/trackers.py)."""
-    from apr.track.trackers import EXTRA, PACKAGES, MlflowSink, TensorBoardSink, missing_package
-
     if tracker not in TRACKERS:
         raise AprError(f"unknown tracker {tracker!r}", [Finding("error", "experiment.invalid_tracker",
                        f"unknown tracker {tracker!r}", expected=" or ".join(TRACKERS), got=tracker)])

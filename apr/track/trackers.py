@@ -1,5 +1,5 @@
-"""External tracker sinks (`monitoring.sinks`): the run's metric rows, also written to TensorBoard
-or MLflow.
+"""External tracker sinks (`monitoring.sinks`): the run's metric rows, also written to TensorBoard,
+MLflow or Weights & Biases (offline).
 
 The recorder hands each sink the same rows it writes to its SQLite stores, on its background
 thread (apr/track/recorder.py), so a slow or broken tracker never blocks a step; a sink that
@@ -8,7 +8,9 @@ resumes: TensorBoard logs to ``<dir>/<experiment>/<run_id>``, and a resumed proc
 past its checkpoint's step before it appends (the steps the killed process logged after it), so
 the curve has each step once; MLflow finds the run tagged ``apr.run_id`` in the experiment named
 like apr's and appends to it (its metric history cannot delete: a step the stopped process logged
-after its checkpoint keeps both values, the later one last). docs/runs.md ("Tracker sinks") is the user's page.
+after its checkpoint keeps both values, the later one last); W&B runs offline with the apr run id
+as its id, each process writing its own offline folder that `wandb sync` joins into one run.
+docs/runs.md ("Tracker sinks") is the user's page.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from apr.config.schema import SinkConfig
 
 EXTRA = "sinks"  # pip install 'apr[sinks]'
-PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # sink type -> the package it needs
+PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # sink type -> its package
 
 
 def missing_package(sink_type: str) -> str | None:
@@ -97,6 +99,32 @@ class MlflowSink:
         self.client.set_terminated(self.run_id, status=mapped)
 
 
+class WandbSink:
+    """An offline W&B run with the apr run id as its id (``wandb sync DIR/wandb/offline-run-*`` uploads it)."""
+
+    def __init__(self, root: Path, experiment: str, run_id: str):
+        import wandb  # lazy: wandb is an optional extra
+
+        Path(root).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(mode="offline", dir=str(root), project=experiment, id=run_id, name=run_id,
+                              resume="allow", settings=wandb.Settings(silent=True, console="off"))
+        self.step = -1
+
+    def write(self, rows: list[tuple]) -> None:
+        by_step: dict[int, dict] = {}
+        for _run_id, step, key, value, _t in rows:
+            if value is not None:
+                by_step.setdefault(int(step), {})[key] = value
+        for step in sorted(by_step):
+            if step < self.step:  # W&B steps only go forward; apr logs in step order, so this is a resume overlap
+                continue
+            self.run.log(by_step[step], step=step)
+            self.step = step
+
+    def close(self, status: str | None = None) -> None:
+        self.run.finish(exit_code=0 if status in (None, "finished") else 1)
+
+
 def mlflow_uri(sink: SinkConfig, output_dir: Path) -> str:
     return sink.uri or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
@@ -106,4 +134,6 @@ def open_sink(sink: SinkConfig, output_dir: Path, experiment: str, run_id: str, 
         return TensorBoardSink(sink_dir(sink, output_dir), experiment, run_id, resume_step)
     if str(sink.type) == "mlflow":
         return MlflowSink(mlflow_uri(sink, output_dir), experiment, run_id)
+    if str(sink.type) == "wandb":
+        return WandbSink(sink_dir(sink, output_dir), experiment, run_id)
     raise ValueError(f"unknown sink type {sink.type}")

@@ -84,6 +84,59 @@ def test_mlflow_gets_the_same_metrics_in_one_run_across_a_resume(tmp_path):
         assert _same(history, _history(state, key)), key
 
 
+def _wandb_history(run_file: Path) -> list[dict]:
+    """History rows of a W&B offline run file, read with wandb's own record protobuf. The file is a
+    LevelDB-style log (a 7-byte ':W&B' header, then 32 KiB blocks of CRC/length/type framed chunks);
+    wandb ships no reader for it since its core moved to Go."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, pending, rows = run_file.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({"_step": record.history.step.num,
+                             **{i.key or ".".join(i.nested_key): json.loads(i.value_json)
+                                for i in record.history.item}})
+    return rows
+
+
+def test_wandb_offline_gets_the_same_metrics_under_the_apr_run_id(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the sinks extra (wandb) is not installed")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 12, "eval_interval": 4, "save_interval": 2},
+                       monitoring={"tracking": {"experiment": "wb"}, "sinks": [{"type": "wandb"}]})
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    first = run_apply(cfg, settings=["training.max_steps=6"], **quiet)
+    resumed = run_apply(cfg, resume="latest", **quiet)
+    assert resumed.status == "finished" and resumed.run_id == first.run_id
+    files = sorted((tmp_path / "run" / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and all(f.name == f"run-{first.run_id}.wandb" for f in files)  # one W&B run id
+    seen: dict[int, dict] = {}
+    for f in files:
+        for row in _wandb_history(f):
+            seen.setdefault(int(row["_step"]), {}).update(row)
+    state = _state(tmp_path / "run")
+    for key in ("loss", "val_loss"):
+        got = [(s, r[key]) for s, r in sorted(seen.items()) if key in r]
+        assert _same(got, _history(state, key)), key
+
+
 def test_a_sink_that_cannot_write_is_a_warning_and_the_run_finishes(tmp_path, capsys):
     make_dataset(tmp_path)
     blocker = tmp_path / "not-a-folder"
@@ -112,8 +165,9 @@ def test_a_missing_tracker_package_is_an_error_at_the_sinks_line(tmp_path, monke
 
 def test_an_unknown_sink_type_is_refused_by_validate(tmp_path):
     make_dataset(tmp_path)
-    for sink, path in (({"type": "wandb"}, "monitoring.sinks[0].type"),
-                       ({"type": "tensorboard", "uri": "sqlite:///x.db"}, "monitoring.sinks[0]")):
+    for sink, path in (({"type": "neptune"}, "monitoring.sinks[0].type"),
+                       ({"type": "tensorboard", "uri": "sqlite:///x.db"}, "monitoring.sinks[0]"),
+                       ({"type": "mlflow", "dir": "x"}, "monitoring.sinks[0]")):
         cfg = write_config(tmp_path, monitoring={"sinks": [sink]})
         r = CliRunner().invoke(app, ["train", "validate", str(cfg), "--json"])
         assert r.exit_code == 1 and json.loads(r.stdout)["findings"][0]["path"] == path
