@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from apr.monitor.web import serve as web_serve
+
 
 def register(app: typer.Typer) -> None:
     @app.command("monitor")
@@ -39,12 +41,17 @@ def register(app: typer.Typer) -> None:
         no_history: bool = typer.Option(
             False, "--no-history", help="With --json: leave out the *_history arrays."
         ),
+        web: bool = typer.Option(False, "--web", help="Serve the dashboard to a browser (textual-serve)."),
+        host: str = typer.Option("127.0.0.1", "--host", metavar="ADDR", help="With --web: the address to listen on."),
+        port: int = typer.Option(8000, "--port", min=1, max=65535, metavar="N", help="With --web: the port."),
     ) -> None:
         """Watch a training run: full-screen dashboard, or JSON for scripts and agents.
 
         Exit 0 ok (with --follow: the run ended), 1 no state / no active run / timeout, 2 usage.
         """
 
+        if web and json_out:
+            raise typer.BadParameter("--web serves the dashboard; --json prints JSON: give one", param_hint="--web")
         if follow and not json_out:
             raise typer.BadParameter(
                 "--follow needs --json (the dashboard follows by itself)", param_hint="--follow"
@@ -54,7 +61,9 @@ def register(app: typer.Typer) -> None:
         from apr.monitor import launch
 
         try:
-            if json_out and run_dir is None:
+            if web:
+                code = web_serve(run_dir, host, port, refresh, timeout)
+            elif json_out and run_dir is None:
                 typer.echo(json.dumps(launch.active_runs_document(refresh)))
                 code = 0
             elif json_out and follow:
