@@ -11,6 +11,10 @@ Cases (each its own monitor process):
   dashboard-live   `apr monitor RUN_DIR` on the running training          (the target)
   dashboard-idle   `apr monitor RUN_DIR` on a finished run (nothing changes)
   json-follow      `apr monitor --json --follow RUN_DIR` on the running training
+  web-live         `apr monitor RUN_DIR --web` on the running training with one viewer: a websocket
+                   client reading the screen as the page's xterm.js does; CPU of the server and
+                   the dashboard process it runs for that viewer, together (issue 22's target:
+                   under 5% of a core per viewer)
 
     .venv/bin/python benchmarks/bench_monitor.py [--seconds 30] [--warmup 4] [--refresh MS] [--json]
 """
@@ -120,6 +124,81 @@ def measure(args: list[str], env: dict, seconds: float, warmup: float, pty: bool
     }
 
 
+def _family_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and all its descendants (the dashboard textual-serve runs per viewer)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += cpu_seconds(p)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def measure_web(run_dir: Path, env: dict, seconds: float, warmup: float, state: Path, refresh: list[str]) -> dict:
+    """`apr monitor RUN_DIR --web` with one websocket viewer: CPU of the server + its dashboard."""
+    import asyncio
+    import socket
+    import threading
+
+    import aiohttp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "apr", "monitor", str(run_dir), "--web", "--port", str(port),
+                               *refresh], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server.stdout.readline()
+    received = [0]
+    stop = threading.Event()
+
+    async def viewer():
+        for _ in range(100):
+            try:
+                async with aiohttp.ClientSession() as session:
+                    async with session.ws_connect(f"http://127.0.0.1:{port}/ws?width=80&height=24") as ws:
+                        while not stop.is_set():
+                            try:
+                                msg = await ws.receive(timeout=0.2)
+                            except TimeoutError:
+                                continue
+                            if msg.type == aiohttp.WSMsgType.BINARY:
+                                received[0] += len(msg.data)
+                            elif msg.type != aiohttp.WSMsgType.TEXT:
+                                return
+                return
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+
+    thread = threading.Thread(target=lambda: asyncio.run(viewer()), daemon=True)
+    t_start, cpu_start = time.monotonic(), _family_cpu(server.pid)
+    thread.start()
+    time.sleep(warmup)
+    t0, cpu0, bytes0 = time.monotonic(), _family_cpu(server.pid), received[0]
+    step0 = json.loads(state.read_text()).get("step")
+    time.sleep(seconds)
+    t1, cpu1, bytes1 = time.monotonic(), _family_cpu(server.pid), received[0]
+    step1 = json.loads(state.read_text()).get("step")
+    stop.set()
+    thread.join(timeout=10)
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    wall = t1 - t0
+    return {
+        "cpu_pct_of_one_core": round(100.0 * (cpu1 - cpu0) / wall, 2),
+        "startup_cpu_s": round(cpu0 - cpu_start, 2),
+        "window_s": round(wall, 1),
+        "output_bytes_per_s": round((bytes1 - bytes0) / wall),
+        "steps_during_window": None if step0 is None or step1 is None else step1 - step0,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=30.0, help="measuring window per case")
@@ -146,6 +225,7 @@ def main() -> int:
                                                 state)
             results["json-follow"] = measure(["--json", "--follow", "--no-history", str(run_dir), *refresh], env,
                                              args.seconds, args.warmup, False, state)
+            results["web-live"] = measure_web(run_dir, env, args.seconds, args.warmup, state, refresh)
         finally:
             trainer.send_signal(signal.SIGINT)  # stops after this step, checkpoint, status "stopped"
             try:
@@ -162,13 +242,16 @@ def main() -> int:
         return 0
     print(f"apr monitor at {results['refresh_ms']} ms refresh, 80x24, TERM=xterm; {results['machine']}; "
           f"{results['date']}")
-    for case in ("dashboard-live", "dashboard-idle", "json-follow"):
+    for case in ("dashboard-live", "dashboard-idle", "json-follow", "web-live"):
         r = results[case]
         steps = "" if r["steps_during_window"] is None else f", training advanced {r['steps_during_window']} steps"
         print(f"  {case:<15} {r['cpu_pct_of_one_core']:5.2f}% of one core over {r['window_s']} s "
               f"(start-up {r['startup_cpu_s']} s CPU), {r['output_bytes_per_s']} B/s to the terminal{steps}")
     print(f"dashboard on a running training: {live:.2f}% (target < {TARGET_PCT}%): "
           f"{'ok' if results['ok'] else 'TOO MUCH'}")
+    web = results["web-live"]["cpu_pct_of_one_core"]
+    print(f"--web, one viewer, server + its dashboard: {web:.2f}% (target < {TARGET_PCT}% per viewer): "
+          f"{'ok' if web < TARGET_PCT else 'TOO MUCH'}")
     return 0
 
 

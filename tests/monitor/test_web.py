@@ -125,3 +125,99 @@ def test_a_port_in_use_or_a_missing_package_is_an_error_naming_it(tmp_path, monk
     monkeypatch.setattr(web.importlib.util, "find_spec", lambda name: None)
     r = CliRunner().invoke(app, ["monitor", str(run), "--web"])
     assert r.exit_code == 1 and "pip install 'apr[web]'" in r.output
+
+
+def _chromium() -> str | None:
+    import shutil
+
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+async def _cdp_screenshots(browser_ws: str, url: str, shots: list[Path], gap: float) -> bool:
+    """Open ``url`` in a new tab through the DevTools protocol, wait for the dashboard's first bytes,
+    then save ``shots`` ``gap`` seconds apart. Returns whether the terminal received data."""
+    import base64
+    import json as _json
+
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(browser_ws, max_msg_size=0) as ws:
+            ids = iter(range(1, 10_000))
+
+            async def call(method, session_id=None, **params):
+                i = next(ids)
+                msg = {"id": i, "method": method, "params": params}
+                if session_id:
+                    msg["sessionId"] = session_id
+                await ws.send_str(_json.dumps(msg))
+                while True:
+                    reply = _json.loads((await ws.receive(timeout=30)).data)
+                    if reply.get("id") == i:
+                        return reply.get("result", {})
+
+            target = (await call("Target.createTarget", url=url))["targetId"]
+            sid = (await call("Target.attachToTarget", targetId=target, flatten=True))["sessionId"]
+            await call("Emulation.setDeviceMetricsOverride", sid, width=1200, height=800, deviceScaleFactor=1,
+                       mobile=False)
+            started = False
+            for _ in range(150):
+                r = await call("Runtime.evaluate", sid, expression="document.body.classList.contains('-first-byte')")
+                if r.get("result", {}).get("value"):
+                    started = True
+                    break
+                await asyncio.sleep(0.2)
+            for k, shot in enumerate(shots):
+                await asyncio.sleep(gap if k else 1.0)
+                data = (await call("Page.captureScreenshot", sid, format="png"))["data"]
+                shot.write_bytes(base64.b64decode(data))
+            return started
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+def test_a_headless_browser_renders_the_live_dashboard(tmp_path, _private_apr_home):
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("no Chromium on this machine (Debian: apt-get install chromium): the browser test cannot run")
+    make_dataset(tmp_path, train_rows=400)
+    cfg = write_config(tmp_path, training={"epochs": 100, "max_steps": 10_000, "log_interval": 1,
+                                           "eval_interval": 0, "save_interval": 100_000})  # outlives the test
+    env = {**os.environ, "APR_HOME": str(_private_apr_home), "OMP_NUM_THREADS": "1"}
+    port, debug_port = _free_port(), _free_port()
+    with open(tmp_path / "train.log", "w") as out:
+        trainer = subprocess.Popen([sys.executable, "-m", "apr", "train", "apply", str(cfg)], env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    procs = [trainer]
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "run" / "training_state.json").exists():
+            assert trainer.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        server = subprocess.Popen([sys.executable, "-m", "apr", "monitor", str(tmp_path / "run"), "--web",
+                                   "--port", str(port), "--refresh", "100"], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        procs.append(server)
+        server.stdout.readline()
+        browser = subprocess.Popen([exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                                    f"--remote-debugging-port={debug_port}", f"--user-data-dir={tmp_path / 'chrome'}",
+                                    "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(browser)
+        browser_ws = None
+        for line in browser.stderr:  # "DevTools listening on ws://..."
+            if "DevTools listening on" in line:
+                browser_ws = line.split("on", 1)[1].strip()
+                break
+        assert browser_ws, "chromium did not start its DevTools endpoint"
+        shots = [tmp_path / "dashboard-1.png", tmp_path / "dashboard-2.png"]  # kept as the test's artifacts
+        started = asyncio.run(_cdp_screenshots(browser_ws, f"http://127.0.0.1:{port}", shots, 2.0))
+        assert started, "the page never received the dashboard's first bytes"
+        first, second = (s.read_bytes() for s in shots)
+        assert first[:8] == b"\x89PNG\r\n\x1a\n" and len(first) > 20_000  # a rendered dashboard, not the splash
+        assert first != second  # the live run moved on between the two screenshots
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
