@@ -174,7 +174,7 @@ def measure_web(run_dir: Path, env: dict, seconds: float, warmup: float, state: 
                 await asyncio.sleep(0.1)
 
     thread = threading.Thread(target=lambda: asyncio.run(viewer()), daemon=True)
-    t_start, cpu_start = time.monotonic(), _family_cpu(server.pid)
+    cpu_start = _family_cpu(server.pid)
     thread.start()
     time.sleep(warmup)
     t0, cpu0, bytes0 = time.monotonic(), _family_cpu(server.pid), received[0]
