@@ -27,6 +27,7 @@ HARMLESS: dict[str, str] = {
     "training.log_interval": "how often metrics are logged",
     "training.eval_interval": "how often validation runs",
     "training.eval_batches": "how many batches validation averages",
+    "training.early_stopping.": "when a val-loss plateau ends the run; the steps taken train the same weights",
     "training.output_dir": "where records and checkpoints go",
     "training.gpu": "the plan's hardware target only",
     "training.execution.activations": "what is kept or recomputed; every policy trains the same weights",

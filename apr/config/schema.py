@@ -283,6 +283,16 @@ class AdaGCConfig(_Section):
         100, description="Steps clipping each tensor to grad_clip (absolute) while the EMAs settle.")
 
 
+class EarlyStoppingConfig(_Section):
+    """End the run when the validation loss stops improving (needs data.val and training.eval_interval)."""
+
+    patience: PositiveCount | None = Field(
+        None, description="Validations in a row without an improvement of min_delta that end the run; "
+        "null disables early stopping.")
+    min_delta: float = Field(0.0, ge=0, description="How much lower than the best so far a validation "
+                             "loss must be to count as an improvement.")
+
+
 class Engine(StrEnum):
     interleaved = "interleaved"
     standard = "standard"
@@ -328,6 +338,7 @@ class TrainingConfig(_Section):
     log_interval: PositiveCount = Field(10, description="Log and record metrics every N steps.")
     eval_interval: NonNegCount = Field(500, description="Validate every N steps; 0 disables.")
     eval_batches: PositiveCount = Field(20, description="Validation micro-batches per evaluation.")
+    early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
     seed: int = Field(42, ge=0, le=2**64 - 1,
                       description="Seed of init, data order and dropout-free RNG use (0 to 2**64 - 1).")
     engine: Engine = Field(Engine.interleaved, description="interleaved (per-block backward+AdamW) or standard.")

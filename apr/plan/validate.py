@@ -33,7 +33,8 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
-                 + compile_findings(loaded) + sink_findings(loaded))
+                 + compile_findings(loaded) + sink_findings(loaded)
+                 + early_stopping_findings(loaded, tr.max_steps))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -105,3 +106,32 @@ def sink_findings(loaded: LoadedConfig) -> list[Finding]:
                            file=file, line=line, column=column, expected=f"'{package}' importable",
                            got="not installed"))
     return out
+
+
+def early_stopping_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
+    """`training.early_stopping.patience` set where it cannot act: no validation (no data.val, or
+    training.eval_interval 0), or more validations than the run has (``total_steps``; validate knows
+    it only from training.max_steps, the plan from the data)."""
+
+    config = loaded.config
+    tr = config.training
+    patience = tr.early_stopping.patience
+    if not patience:
+        return []
+    key = ("training", "early_stopping", "patience")
+    file, line, column = loaded.source.where(key)
+    where = {"path": ".".join(key), "file": file, "line": line, "column": column}
+    if config.data.val is None or tr.eval_interval == 0:
+        got = "no data.val" if config.data.val is None else "training.eval_interval: 0"
+        return [Finding("error", "config.early_stopping", "early stopping needs validation during "
+                        f"training ({got}): set data.val and training.eval_interval, or patience: null",
+                        expected="data.val and training.eval_interval > 0", got=got, **where)]
+    if total_steps is None:
+        return []
+    validations = total_steps // tr.eval_interval + (1 if total_steps % tr.eval_interval else 0)
+    if patience > validations:
+        return [Finding("error", "config.early_stopping", f"patience {patience} is longer "
+                        f"than the run: {total_steps} steps validate {validations} times (every "
+                        f"{tr.eval_interval}); early stopping could never act",
+                        expected=f"patience <= {validations}", got=str(patience), **where)]
+    return []

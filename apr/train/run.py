@@ -44,6 +44,7 @@ from apr.track.recorder import RunRecorder
 from apr.train import engine as engine_module  # build_engine looked up at call time (tests spy on it)
 from apr.train.cadence import Cadence
 from apr.train.dist import from_env
+from apr.train.earlystop import EarlyStopping
 from apr.train.engine import NonFiniteError, resolve_device
 from apr.train.outdir import (
     RESOLVED_CONFIG,
@@ -103,6 +104,10 @@ class Run:
         self.config, self.config_hash, self.config_path = config, config_hash, config_path
         self.options, self.plan_doc = options, plan_doc
         self.hooks: list[StepHook] = list(options.hooks)
+        es = config.training.early_stopping
+        self.early_stopping = EarlyStopping(es.patience, es.min_delta) if es.patience else None
+        if self.early_stopping is not None:
+            self.hooks.append(self.early_stopping)
         self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
         self.start_step = 0
         self.step = 0  # the step in progress (the last finished one between steps)
@@ -238,6 +243,8 @@ class Run:
         self.start_step = int(state.step)
         self.best_val = meta.get("best_val_loss")
         self.first_val = meta.get("first_val_loss")
+        if self.early_stopping is not None:
+            self.early_stopping.load_state_dict(meta.get("early_stopping"))
         self.run_id = meta.get("run_id")
         self.resumed_from = json_path
         if self.start_step > self.total_steps:
@@ -303,6 +310,8 @@ class Run:
     def _validate_initial(self, recorder: Recorder) -> None:
         """A fresh run measures the initial weights: a later checkpoint is "best" only if it beats them."""
         self.val_loss = self.first_val = self.best_val = self.evaluate()
+        if self.early_stopping is not None and self.val_loss is not None:
+            self.early_stopping.observe(0, self.val_loss)  # the initial weights are the first to beat
         recorder.log_eval(0, self.val_loss)
         self._echo_val(0, self.val_loss, best=False)
 
@@ -359,6 +368,7 @@ class Run:
             "schedule": {"step": step, "total_steps": self.total_steps, "lr_next": self.schedule(step + 1)
                          if step < self.total_steps else None},
             "best_val_loss": self.best_val, "first_val_loss": self.first_val,
+            "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
             "tokens_seen": step * self.tokens_per_step,
         }
 
