@@ -18,6 +18,7 @@ from apr.cli import (
     cmd_runs,
     cmd_schema,
     cmd_train_apply,
+    cmd_train_lrfind,
     cmd_train_plan,
     cmd_train_validate,
 )
@@ -85,6 +86,7 @@ def _root(
 cmd_train_validate.register(train_app)
 cmd_train_plan.register(train_app)
 cmd_train_apply.register(train_app)
+cmd_train_lrfind.register(train_app)
 cmd_data.register(data_app)
 cmd_runs.register(runs_app)
 cmd_experiment.register(experiment_app)

@@ -1,0 +1,54 @@
+"""`apr train lr-find CONFIG`: the learning-rate range test (apr.train.lrfind), its curve and suggestion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from apr.errors import AprError, Finding
+from apr.train.lrplot import text_plot, write_outputs
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("lr-find")
+    def lr_find(
+        config: Path = typer.Argument(..., show_default=False, help="The training config YAML."),
+        settings: list[str] | None = typer.Argument(
+            None, metavar="KEY=VALUE", show_default=False, help="Override config keys for the sweep."),
+        min_lr: float = typer.Option(1e-6, "--min-lr", help="Learning rate of the first step."),
+        max_lr: float = typer.Option(1.0, "--max-lr", help="Learning rate of the last step."),
+        steps: int = typer.Option(100, "--steps", help="Optimizer steps of the sweep (the LR rises exponentially)."),
+        rule: str = typer.Option("steepest", "--rule", help="steepest (fastest fall of the smoothed loss) or "
+                                                             "min10 (the minimum's LR / 10)."),
+        smoothing: float = typer.Option(0.98, "--smoothing", help="EMA decay of the smoothed loss."),
+        diverge: float = typer.Option(4.0, "--diverge", help="Stop when the smoothed loss exceeds this x its minimum."),
+        plot: Path = typer.Option(Path("lr-find.svg"), "--plot", help="Where the SVG plot goes."),
+        json_out: Path = typer.Option(Path("lr-find.json"), "--json-out", help="Where the curve's JSON goes."),
+        apply: bool = typer.Option(False, "--apply", help="Write a copy of the config with optimizer.lr set to "
+                                                          "the suggestion (see --apply-to)."),
+        apply_to: Path | None = typer.Option(None, "--apply-to", help="The copy --apply writes (default: "
+                                                                      "CONFIG's name + .lr-find.yaml, beside it)."),
+    ) -> None:
+        """Leslie Smith's LR range test on a throwaway copy of the run: nothing in its output folder is
+        touched. Prints the suggested learning rate and the rule used, draws the curve. Exit 0, 1 on bad input."""
+        from apr.train.lrfind import RULES, RangeTest, apply_suggestion, run_range_test
+
+        target = apply_to if apply_to is not None else config.with_name(config.stem + ".lr-find.yaml")
+        if apply and target.resolve() == config.resolve():
+            raise AprError(f"--apply-to {target}: that is the config itself; --apply writes a copy", [Finding(
+                "error", "lr_find.options", "--apply-to names the config itself", path="--apply-to",
+                expected="a path other than the config", got=str(target))])
+        test = RangeTest(min_lr=min_lr, max_lr=max_lr, steps=steps, smoothing=smoothing, diverge=diverge, rule=rule)
+        curve = run_range_test(config, test, settings=settings or None)
+        suggestion = curve.suggest(rule)
+        write_outputs(curve, test, suggestion, plot, json_out)
+        lines = [text_plot(curve.lrs, curve.smoothed, suggestion), "",
+                 f"suggested lr {suggestion:.3g}  (rule {rule}: {RULES[rule]})",
+                 f"  swept {curve.lrs[0]:.2g} -> {curve.lrs[-1]:.2g} over {len(curve.lrs)} steps"
+                 + (f"; stopped early: {curve.stopped_early}" if curve.stopped_early else ""),
+                 f"  plot {plot}, curve {json_out}"]
+        if apply:
+            apply_suggestion(config, target, suggestion)
+            lines.append(f"  wrote {target} (optimizer.lr: {suggestion:.3g})")
+        typer.echo("\n".join(lines))

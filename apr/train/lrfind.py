@@ -1,0 +1,191 @@
+"""`apr train lr-find`: Leslie Smith's learning-rate range test on a throwaway copy of the run.
+
+The config's own run loop (engine, data, precision, clipping: ``apr.train.run``) trains fresh weights
+for ``steps`` optimizer steps while the learning rate rises exponentially from ``min_lr`` to ``max_lr``
+(its schedule is replaced; warmup, evaluation, alerts, sinks and early stopping are off). Everything
+the run writes goes to a temporary folder (output_dir and the global store both), removed at the
+end: the config's output folder is never touched. The sweep ends early when the smoothed loss
+exceeds ``diverge`` x its minimum or a step is non-finite.
+
+Suggestion rules, both computed on the bias-corrected EMA of the loss (``smoothing``):
+``steepest``: the LR where the smoothed loss falls fastest per unit of log LR (before its minimum);
+``min10``: the LR of the smoothed loss's minimum divided by 10.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ruamel.yaml import YAML
+
+from apr.errors import AprError, Finding
+from apr.fsutil import atomic_write_text
+from apr.train.stop import StepReport, Stop
+
+RULES = {
+    "steepest": "steepest descent of the smoothed loss (most negative d loss / d ln lr, before its minimum)",
+    "min10": "the smoothed loss's minimum LR / 10",
+}
+
+
+@dataclass
+class RangeTest:
+    min_lr: float = 1e-6
+    max_lr: float = 1.0
+    steps: int = 100
+    smoothing: float = 0.98
+    diverge: float = 4.0
+    rule: str = "steepest"
+
+    def lr(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (1-based): min_lr at 1, max_lr at ``steps``."""
+        return self.min_lr * (self.max_lr / self.min_lr) ** ((step - 1) / max(self.steps - 1, 1))
+
+
+def range_findings(test: RangeTest) -> list[Finding]:
+    """The range test's options that cannot make a sweep, each named by its option."""
+    out = []
+
+    def bad(option: str, message: str, expected: str, got) -> None:
+        out.append(Finding("error", "lr_find.options", f"{option}: {message}", path=option,
+                           expected=expected, got=str(got)))
+
+    for option, value in (("--min-lr", test.min_lr), ("--max-lr", test.max_lr)):
+        if not (value > 0 and math.isfinite(value)):
+            bad(option, "a learning rate must be a positive number", "a number > 0", value)
+    if not out and test.min_lr >= test.max_lr:
+        bad("--min-lr", f"the range is empty: min {test.min_lr:g} >= max {test.max_lr:g}",
+            f"below --max-lr ({test.max_lr:g})", test.min_lr)
+    if test.steps < 10:
+        bad("--steps", "too few steps to see a curve", "at least 10", test.steps)
+    if not 0 <= test.smoothing < 1:
+        bad("--smoothing", "the EMA decay must lie in [0, 1)", "0 <= smoothing < 1", test.smoothing)
+    if not test.diverge > 1:
+        bad("--diverge", "the divergence factor must exceed 1", "a number > 1", test.diverge)
+    if test.rule not in RULES:
+        bad("--rule", "unknown suggestion rule", " or ".join(RULES), test.rule)
+    return out
+
+
+@dataclass
+class Curve:
+    """What the sweep measured and what it suggests."""
+
+    lrs: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    smoothed: list[float] = field(default_factory=list)
+    stopped_early: str | None = None
+    _avg: float = 0.0
+
+    def add(self, lr: float, loss: float, beta: float) -> None:
+        self.lrs.append(lr)
+        self.losses.append(loss)
+        self._avg = beta * self._avg + (1 - beta) * loss
+        self.smoothed.append(self._avg / (1 - beta ** len(self.losses)))  # bias-corrected EMA
+
+    def min_index(self) -> int:
+        return min(range(len(self.smoothed)), key=self.smoothed.__getitem__)
+
+    def steepest_index(self) -> int:
+        """The point of the most negative slope of the smoothed loss against ln(lr), before the minimum
+        (central differences; the first and last tenth of that stretch left out: the EMA's start-up
+        and the turn at the minimum)."""
+        end = self.min_index()
+        if end < 2:
+            return end
+        logs = [math.log(x) for x in self.lrs]
+        slopes = {i: (self.smoothed[i + 1] - self.smoothed[i - 1]) / (logs[i + 1] - logs[i - 1])
+                  for i in range(1, end)}
+        skip = max(1, end // 10)
+        inner = {i: s for i, s in slopes.items() if skip <= i <= end - skip} or slopes
+        return min(inner, key=inner.__getitem__)
+
+    def suggest(self, rule: str) -> float:
+        if rule == "min10":
+            return self.lrs[self.min_index()] / 10
+        return self.lrs[self.steepest_index()]
+
+
+class _Sweep:
+    """The StepHook that reads each step's loss (every step is a log step) and stops on divergence."""
+
+    def __init__(self, test: RangeTest, curve: Curve):
+        self.test, self.curve = test, curve
+
+    def after_step(self, run, report: StepReport) -> Stop | None:
+        loss = (report.metrics or {}).get("loss")
+        if loss is None or not math.isfinite(loss):
+            return None
+        self.curve.add(report.lr, loss, self.test.smoothing)
+        best = min(self.curve.smoothed)
+        if len(self.curve.smoothed) > 5 and self.curve.smoothed[-1] > self.test.diverge * best:
+            self.curve.stopped_early = (f"diverged at lr {report.lr:.3g} "
+                                        f"(smoothed loss > {self.test.diverge:g} x its minimum)")
+            return Stop("finished", self.curve.stopped_early, 0)
+        return None
+
+
+def sweep_config(config, test: RangeTest, output_dir: Path):
+    """The config of the throwaway run: the sweep's length, nothing recorded outside ``output_dir``."""
+    from apr.config.schema import AprConfig
+
+    doc = config.model_dump(mode="json")
+    tr = doc["training"]
+    tr.update(max_steps=test.steps, warmup_steps=0, eval_interval=0, log_interval=1, save_interval=10**9,
+              keep_last=1, output_dir=str(output_dir), epochs=10**6)
+    tr["early_stopping"] = {"patience": None, "min_delta": 0.0}
+    doc["monitoring"]["alerts"] = []
+    doc["monitoring"]["sinks"] = []
+    doc["evaluation"]["tasks"] = []
+    doc["evaluation"]["samples"] = None
+    return AprConfig.model_validate(doc)
+
+
+def run_range_test(config_path: Path, test: RangeTest, *, settings: list[str] | None = None,
+                   echo=None) -> Curve:
+    """Plan the config (refusing on its errors), then sweep on a throwaway copy. Raises AprError."""
+    from apr.apply import _device_budget, _plan_errors_error, command_line_overrides
+    from apr.config import config_hash, load_config
+    from apr.plan.build import build_plan, normalise_overrides
+
+    problems = range_findings(test)
+    if problems:
+        raise AprError(f"apr train lr-find: {problems[0].message}", problems)
+    overrides = command_line_overrides(settings, False)
+    load_config(config_path, normalise_overrides(overrides) or None)  # a bad config fails before torch
+    plan = build_plan(config_path, overrides=overrides or None, device_budget=_device_budget)
+    if plan.errors:
+        raise _plan_errors_error(plan, config_path)
+    from apr.train.run import ApplyOptions, prepare_run
+
+    curve = Curve()
+    with tempfile.TemporaryDirectory(prefix="apr-lr-find-") as tmp:
+        config = sweep_config(plan.config, test, Path(tmp) / "run")
+        options = ApplyOptions(apr_home=Path(tmp) / "home", echo=echo or (lambda line: None),
+                               handle_signals=False, execution=plan.execution["policy"],
+                               hooks=[_Sweep(test, curve)])
+        run = prepare_run(config, config_hash=config_hash(config), config_path=Path(config_path), options=options)
+        run.schedule = test.lr  # the exponential sweep replaces the config's schedule
+        result = run.execute()
+    if result.status == "failed" and curve.stopped_early is None:
+        curve.stopped_early = result.reason
+    if len(curve.losses) < 3:
+        raise AprError(f"apr train lr-find: the sweep measured {len(curve.losses)} losses ({result.reason}); "
+                       "lower --max-lr or raise --min-lr", [Finding(
+                           "error", "lr_find.curve", "too few finite losses to suggest a learning rate",
+                           path="--max-lr", expected="at least 3 finite losses", got=str(len(curve.losses)))])
+    return curve
+
+
+def apply_suggestion(config_path: Path, target: Path, lr: float) -> None:
+    """A copy of the config file (comments and layout kept) with ``optimizer.lr`` set to ``lr``."""
+    yaml = YAML()  # round trip
+    doc = yaml.load(Path(config_path).read_text())
+    doc.setdefault("optimizer", {})["lr"] = float(f"{lr:.3g}")
+    buf = io.StringIO()
+    yaml.dump(doc, buf)
+    atomic_write_text(target, buf.getvalue())
