@@ -32,12 +32,13 @@ def test_patience_counts_validations_without_an_improvement_of_min_delta():
     assert restored.state_dict() == es.state_dict()
 
 
-def _run(tmp_path: Path, **training):
-    make_dataset(tmp_path, val_rows=4)
+def _run(tmp_path: Path, resume: str | None = None, **training):
+    if resume is None:
+        make_dataset(tmp_path, val_rows=4)
     cfg = AprConfig.model_validate(config_doc(tmp_path, optimizer={"lr": 0.1, "min_lr": 0.1}, training={
         "max_steps": 60, "warmup_steps": 0, "lr_scheduler": "constant", "log_interval": 2, "eval_interval": 2,
         "eval_batches": 1, "save_interval": 1000, "keep_last": 1, **training}))
-    opts = ApplyOptions(echo=lambda line: None)
+    opts = ApplyOptions(echo=lambda line: None, resume=resume)
     return prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts).execute()
 
 
@@ -59,6 +60,17 @@ def test_a_plateau_at_high_lr_ends_the_run_and_the_best_checkpoint_is_kept(tmp_p
     after = [v for s, v in history.items() if s > best_step]
     assert history[best_step] == min(history.values()) and len(after) == 3
     assert all(v >= history[best_step] - 0.01 for v in after)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_counts_on_from_its_checkpoint_and_stops_at_the_same_step(tmp_path):
+    # uninterrupted, this run stops at step 20 (best at 14); cut at 16 (one wait counted) and resumed,
+    # the wait must carry over: a fresh count would run on to step 22 at least
+    first = _run(tmp_path, max_steps=16, early_stopping={"patience": 3, "min_delta": 0.01})
+    assert (first.final_step, first.reason) == (16, None)
+    resumed = _run(tmp_path, resume="latest", early_stopping={"patience": 3, "min_delta": 0.01})
+    assert resumed.final_step == 20
+    assert resumed.reason.startswith("early stopping: ") and "at step 14;" in resumed.reason
 
 
 def _findings(tmp_path, **sections):
