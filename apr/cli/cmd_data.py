@@ -46,6 +46,23 @@ def _split_tokens(values: list[str] | None) -> list[str]:
     return [t.strip() for v in values or [] for t in v.split(",") if t.strip()]
 
 
+def _pretokenize_sources(values: list[str], inputs, builtin, tokenizer: Path, seq_len: int, out: Path,
+                         overwrite: bool, **options) -> None:
+    from apr.data.pretokenize_sources import parse_sources, pretokenize_sources
+
+    if inputs or builtin:
+        raise AprError("--source with INPUTS or --builtin", [Finding(
+            "error", "data.source", "each input belongs to a named source", path="--source",
+            expected="only --source NAME=PATH options", got="INPUTS or --builtin too")])
+    t0 = time.monotonic()
+    m = pretokenize_sources(parse_sources(values), tokenizer, seq_len, out, overwrite=overwrite, **options)
+    typer.echo(f"wrote {out}: {len(m['sources'])} sources of {m['row_len']} tokens (seq_len {m['seq_len']}) "
+               f"in {time.monotonic() - t0:.1f} s")
+    for name, info in m["sources"].items():
+        rows = ", ".join(f"{split} {n:,} rows" for split, n in info["rows"].items())
+        typer.echo(f"  {name:<12} {rows}; {info['tokens_total']:,} tokens from {info['documents']:,} documents")
+
+
 class ProgressLine:
     """A one-line progress report on stderr: redrawn in place on a terminal (after half a second),
     else printed as a plain line every ``log_every`` seconds once the work has taken that long."""
@@ -156,11 +173,20 @@ def register(app: typer.Typer) -> None:
                                       help="Token appended after each document (default: <|endoftext|>, </s>, ...)."),
         input_column: str = typer.Option("input_ids", "--input-column", help="Name of the token column written."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out folder."),
+        source: list[str] = typer.Option(None, "--source", metavar="NAME=PATH", show_default=False,
+                                         help="A named source of a mixture (repeat; OUT/NAME per source and "
+                                              "OUT/manifest.json with each source's size). Not with INPUTS."),
     ) -> None:
         """Tokenize documents, pack them into rows of seq_len + 1 tokens, write Parquet shards. Exit 0 ok, 1 error."""
         from apr.data.pretokenize import pretokenize
 
         t0 = time.monotonic()
+        if source:
+            _pretokenize_sources(source, inputs, builtin, tokenizer, _count(seq_len, "--seq-len"), out, overwrite,
+                                 val_fraction=val_fraction, shard_rows=shard_rows, seed=seed, glob=glob,
+                                 text_key=text_key, text_column=text_column, column=input_column,
+                                 eot_token=eot_token)
+            return
         progress = ProgressLine("pretokenize")
         try:
             files = _files(inputs, builtin, glob, builtin_max_bytes)
