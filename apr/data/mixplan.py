@@ -14,7 +14,9 @@ Not yet wired into the config schema, the plan or the loader (see issue 21).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from apr.data.mixture import MixtureCursor, MixtureError, _normalised
 
@@ -129,3 +131,38 @@ def replay(stages: list[Stage], rows: dict[str, int], rows_per_step: int, total_
         for step in range(s0, s1):
             out.extend((step, *cursor.next()) for _ in range(rows_per_step))
     return out
+
+
+def _manifest(path: Path) -> dict | None:
+    """The pretokenize manifest of a source folder (``DIR/train`` reads ``DIR/manifest.json``)."""
+    for folder in (path, path.parent):
+        f = folder / "manifest.json"
+        if f.is_file():
+            try:
+                return json.loads(f.read_text())
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def check_compatible(sources: dict[str, str | Path], key: str = "data.train") -> None:
+    """Sources written with another tokenizer (sha256) or seq_len than the first one: MixtureError
+    naming the key path of the source, both values and both manifests. A source without a readable
+    manifest is not compared (the loader still checks its row length)."""
+    first: tuple[str, Path, dict] | None = None
+    for i, (name, p) in enumerate(sources.items()):
+        path = Path(p).expanduser()
+        m = _manifest(path)
+        if m is None:
+            continue
+        if first is None:
+            first = (name, path, m)
+            continue
+        fname, fpath, fm = first
+        for field, get in (("seq_len", lambda d: d.get("seq_len")),
+                           ("tokenizer", lambda d: (d.get("tokenizer") or {}).get("sha256"))):
+            a, b = get(fm), get(m)
+            if a is not None and b is not None and a != b:
+                raise MixtureError(f"{key}[{i}] ({name}, {path}): made with {field} {b!r}, but source "
+                                   f"{fname!r} ({fpath}) with {field} {a!r}; every source of a mixture "
+                                   f"needs the same tokenizer and seq_len")

@@ -66,3 +66,22 @@ def test_bad_stages_name_the_key_path(stages, needle):
     with pytest.raises(MixtureError) as e:
         account(stages, ROWS, tokens_per_row=1, rows_per_step=1, total_steps=20)
     assert needle in str(e.value)
+
+
+def test_sources_of_another_tokenizer_or_seq_len_are_refused(tmp_path):
+    import json as _json
+
+    from apr.data.mixplan import check_compatible
+
+    def source(name, seq_len, sha):
+        (tmp_path / name / "train").mkdir(parents=True)
+        (tmp_path / name / "manifest.json").write_text(_json.dumps({"seq_len": seq_len, "tokenizer": {"sha256": sha}}))
+        return tmp_path / name / "train"
+
+    a, b, c = source("a", 16, "x"), source("b", 16, "x"), source("c", 32, "x")
+    d = source("d", 16, "y")
+    check_compatible({"a": a, "b": b})
+    with pytest.raises(MixtureError, match=r"data.train\[2\] \(c, .*seq_len 32.*'a'.*seq_len 16"):
+        check_compatible({"a": a, "b": b, "c": c})
+    with pytest.raises(MixtureError, match=r"data.train\[1\] \(d, .*tokenizer 'y'"):
+        check_compatible({"a": a, "d": d})

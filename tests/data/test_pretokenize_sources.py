@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from apr.data.mixplan import check_compatible
 from apr.plan.datafacts import dataset_facts
 
 from .conftest import assert_clean_failure, make_docs, write_txt
@@ -25,6 +26,7 @@ def test_named_sources_in_one_call_with_their_sizes(tmp_path, cli, tokenizer_pat
         assert m["sources"][name]["rows"] == {s: info["rows"] for s, info in own["splits"].items()}
         assert m["sources"][name]["rows"]["train"] == dataset_facts(str(out / name / "train"), "input_ids")["sequences"]
     assert m["sources"]["web"]["tokens_total"] > 2 * m["sources"]["code"]["tokens_total"]
+    check_compatible({"web": out / "web" / "train", "code": out / "code" / "train"})  # one tokenizer, seq_len
 
 
 def test_bad_source_options_are_refused(tmp_path, cli, tokenizer_path, corpus):
