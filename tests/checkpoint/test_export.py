@@ -245,6 +245,7 @@ def test_an_export_killed_by_a_signal_leaves_no_temp_folder(tmp_path, tokenizer_
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     script = f"""
 import os, signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (a background job ignores it)
 from apr.checkpoint import export, files
 real = files.write_safetensors
 def interrupted(path, *a, **k):
