@@ -25,6 +25,7 @@ LAYERS: list[set[str]] = [
     {"evaluate"},  # loss over shards, multiple-choice scoring (in-loop evaluation calls it from train)
     {"plan", "train", "monitor"},
     {"apply"},  # plan-then-apply: above both plan and train
+    {"lrfind"},  # the LR range test: runs apply on a throwaway copy
     {"cli"},
     {"__main__"},
 ]

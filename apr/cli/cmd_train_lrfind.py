@@ -1,4 +1,4 @@
-"""`apr train lr-find CONFIG`: the learning-rate range test (apr.train.lrfind), its curve and suggestion."""
+"""`apr train lr-find CONFIG`: the learning-rate range test (apr.lrfind), its curve and suggestion."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Leslie Smith's LR range test on a throwaway copy of the run: nothing in its output folder is
         touched. Prints the suggested learning rate and the rule used, draws the curve. Exit 0, 1 on bad input."""
-        from apr.train.lrfind import RULES, RangeTest, apply_suggestion, run_range_test
+        from apr.lrfind import RULES, RangeTest, apply_suggestion, run_range_test
 
         target = apply_to if apply_to is not None else config.with_name(config.stem + ".lr-find.yaml")
         if apply and target.resolve() == config.resolve():

@@ -11,7 +11,7 @@ from run_helpers import make_dataset, write_config
 from typer.testing import CliRunner
 
 from apr.cli.main import app
-from apr.train.lrfind import Curve, RangeTest, range_findings
+from apr.lrfind import Curve, RangeTest, range_findings
 
 
 def test_the_sweep_is_exponential_from_min_to_max():
