@@ -122,7 +122,13 @@ class WandbSink:
             self.step = step
 
     def close(self, status: str | None = None) -> None:
+        import wandb  # lazy: wandb is an optional extra
+
         self.run.finish(exit_code=0 if status in (None, "finished") else 1)
+        # finish() can return before wandb's service process has written the last records to the
+        # offline file (seen on a loaded CI machine: a resumed run's history missing); teardown
+        # waits for the service to flush and exit, so the file is complete when apply returns.
+        wandb.teardown()
 
 
 def mlflow_uri(sink: SinkConfig, output_dir: Path) -> str:

@@ -128,13 +128,16 @@ def test_wandb_offline_gets_the_same_metrics_under_the_apr_run_id(tmp_path, monk
     files = sorted((tmp_path / "run" / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 2 and all(f.name == f"run-{first.run_id}.wandb" for f in files)  # one W&B run id
     seen: dict[int, dict] = {}
+    per_file = []
     for f in files:
-        for row in _wandb_history(f):
+        rows = _wandb_history(f)
+        per_file.append((f.parent.name, f.stat().st_size, [r["_step"] for r in rows]))
+        for row in rows:
             seen.setdefault(int(row["_step"]), {}).update(row)
     state = _state(tmp_path / "run")
     for key in ("loss", "val_loss"):
         got = [(s, r[key]) for s, r in sorted(seen.items()) if key in r]
-        assert _same(got, _history(state, key)), key
+        assert _same(got, _history(state, key)), (key, per_file, state.get("store_warnings"))
 
 
 def test_a_sink_that_cannot_write_is_a_warning_and_the_run_finishes(tmp_path, capsys):
