@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from apr.steps.execution import parse
 from apr.plan.memory import choose_execution, total_bytes
+from apr.steps.execution import parse
 from tests.train.tiny import make_config
 
 

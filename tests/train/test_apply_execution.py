@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from run_helpers import make_dataset, write_config
 
+from apr.apply import run_apply
 from apr.plan.build import build_plan
 from apr.train import engine as engine_module
-from apr.apply import run_apply
 
 
 def _capture(monkeypatch) -> list:
