@@ -19,7 +19,7 @@ from apr.model.spec import (
     trainable_param_count,
 )
 from apr.plan.datafacts import dataset_facts, shared_shards
-from apr.plan.gpus import Target
+from apr.plan.gpus import Target, mfu_basis
 from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
 from apr.plan.tokfacts import tokenizer_facts
 from apr.steps.algebra import sequences_per_step, step_algebra
@@ -79,9 +79,26 @@ def memory_facts(config: AprConfig, target: Target | None,
     return facts, rows, choice
 
 
+def mfu_facts(flops_per_tok: int, target: Target | None, precision: str, cost_f: float) -> dict:
+    """What MFU and HFU are quoted against: the peak of the target GPU for the run's dtype (or why
+    it is unknown: no fallback number), the model FLOPs per token (6N + attention, PaLM appendix B)
+    and the hardware FLOPs per token (model FLOPs x the execution's ``cost_f / 3``: recompute and a
+    norm-only pre-pass are work the GPU does that the model's FLOPs do not count)."""
+    gpu = target.gpu if target is not None else None
+    out = {**mfu_basis(gpu, precision, target.name if target is not None else None),
+           "formula": "6N + 12 x layers x hidden x seq_len", "model_flops_per_token": flops_per_tok,
+           "execution_cost_f": cost_f, "hardware_flops_per_token": flops_per_tok * cost_f / 3.0,
+           "hfu_per_mfu": cost_f / 3.0}
+    if out["known"]:
+        out["assumed_mfu"] = gpu.mfu
+        out["assumed_hfu"] = gpu.mfu * cost_f / 3.0
+    return out
+
+
 def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precision: str,
                   world_size: int, basis: str, cost_f: float = 3.0) -> dict | None:
     """Wall time at the catalogue GPU's assumed MFU. An estimate: it says so in every field name.
+    None when the GPU or its peak for ``precision`` is unknown (facts.mfu says why).
 
     ``cost_f``: forward-equivalents per step of the chosen execution (apr/steps/execution.py). The
     model FLOPs (6N + attention) are a plain loop's 3F; recompute and a norm-only pre-pass walk add
@@ -89,6 +106,8 @@ def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precis
     if target is None or target.gpu is None:
         return None
     peak = target.gpu.peak_flops(precision)
+    if peak is None:
+        return None
     total_flops = tokens * flops_per_tok
     executed_flops = total_flops * cost_f / 3.0
     seconds = executed_flops / (peak * target.gpu.mfu * world_size)
@@ -119,8 +138,9 @@ def evaluation_estimate(config: AprConfig, total_steps: int, target: Target | No
         per_eval += len(ev.samples.prompts) * (seq + ev.samples.max_new_tokens)
     flops = evaluations * per_eval * flops_per_token(arch, seq) // 3
     out = {"evaluations": evaluations, "forward_tokens": evaluations * per_eval, "total_flops": flops}
-    if target is not None and target.gpu is not None:
-        out["estimated_seconds"] = flops / (target.gpu.peak_flops(precision) * target.gpu.mfu)
+    peak = target.gpu.peak_flops(precision) if target is not None and target.gpu is not None else None
+    if peak is not None:
+        out["estimated_seconds"] = flops / (peak * target.gpu.mfu)
     return out
 
 
@@ -172,6 +192,8 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
         facts["target"] = target.to_facts(str(tr.mixed_precision))
     facts["memory"], rows, choice = memory_facts(config, target, device_budget)
     facts["execution"] = {**execution_facts(config, choice.execution), **choice.facts(config)}
+    facts["mfu"] = mfu_facts(facts["model"]["flops_per_token"], target, str(tr.mixed_precision),
+                             facts["execution"]["cost_f"])
     return FactSheet(facts=facts, memory=rows)
 
 

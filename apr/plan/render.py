@@ -204,11 +204,17 @@ def _memory_lines(plan, colour: bool) -> list[str]:
 
 
 def _time_lines(plan, colour: bool) -> list[str]:
-    te = plan.time_estimate
+    te, mfu = plan.time_estimate, plan.facts.get("mfu") or {}
     if te is None:
-        why = "no catalogue GPU (pass --gpu NAME)" if plan.target is None or plan.target.gpu is None \
-            else "the number of steps is unknown"
-        return [_section("Time (estimate)", colour), f"  not estimated: {why}"]
+        if mfu.get("known") is False and plan.target is not None and plan.target.gpu is not None:
+            why = f"MFU unknown: {mfu['reason']}"
+        elif plan.target is None or plan.target.gpu is None:
+            why = "no catalogue GPU (pass --gpu NAME); MFU unknown"
+        else:
+            why = "the number of steps is unknown"
+        lines = _mfu_lines(mfu)
+        return [_section("Time (estimate)", colour), f"  not estimated: {why}",
+                *(lines[:1] if "MFU unknown" in why else lines)]
     label = plan.target.gpu.label if plan.target and plan.target.gpu else "the target"
     return [
         _section("Time (estimate)", colour),
@@ -219,7 +225,22 @@ def _time_lines(plan, colour: bool) -> list[str]:
         f"  at an assumed {te['assumed_mfu']:.0%} MFU of {te['peak_flops_per_gpu'] / 1e12:,.1f} TFLOP/s "
         f"({te['precision']} peak of {label}) x {te['gpus']} GPU{'s' if te['gpus'] != 1 else ''}: "
         f"~{fmt_estimate(te['estimated_seconds'])}",
-    ] + _evaluation_lines(te.get("evaluation"))
+    ] + _evaluation_lines(te.get("evaluation")) + _mfu_lines(mfu)
+
+
+def _mfu_lines(mfu: dict) -> list[str]:
+    """What MFU and HFU count, and the peak they are quoted against (or that it is unknown)."""
+    if not mfu:
+        return []
+    out = [f"  MFU counts {fmt_giga(mfu['model_flops_per_token'])} model FLOP/token ({mfu['formula']}); HFU "
+           f"adds the execution's recompute: {fmt_giga(mfu['hardware_flops_per_token'])} FLOP/token "
+           f"(x {mfu['hfu_per_mfu']:.3g})"]
+    if mfu["known"]:
+        out.append(f"  peak {mfu['peak_flops'] / 1e12:,.1f} TFLOP/s {mfu['dtype']} dense ({mfu['source']}); "
+                   f"assumed MFU {mfu['assumed_mfu']:.0%} = HFU {mfu['assumed_hfu']:.0%}")
+    else:
+        out.append(f"  MFU unknown: {mfu['reason']}")
+    return out
 
 
 def _evaluation_lines(ev: dict | None) -> list[str]:
