@@ -6,6 +6,8 @@ without building the typer app.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ from apr.cli.render import error_exit
 from apr.cli.table import text_table
 from apr.errors import AprError
 from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
+from apr.fsutil import atomic_write_text
 
 if TYPE_CHECKING:
     import typer
@@ -113,6 +116,12 @@ def show_text(detail: dict) -> str:
     if detail["alerts"]:
         out += ["", "alerts:"]
         out += [f"  step {fmt_value(a['step'])}  {t(a['action']):<4}  {t(a['message'])}" for a in detail["alerts"]]
+    if detail.get("events"):
+        out += ["", "events:"]
+        for e in detail["events"]:
+            rows = len((e.get("detail") or {}).get("rows") or [])
+            out.append(f"  step {fmt_value(e['step'])}  {t(e['kind']):<8}  {t(e['message'])}"
+                       + (f"  [{rows} rows: apr runs ledger]" if rows else ""))
     out += ["", "params:"]
     out += [f"  {t(k)} = {fmt_value(v)}" for k, v in detail["params"].items()]
     return "\n".join(out)
@@ -132,6 +141,43 @@ def run_show(run_id: str, global_: bool = False, json_out: bool = False) -> int:
         sys.stdout.write(json.dumps(detail, indent=2, default=str) + "\n")
     else:
         print(show_text(detail))
+    return 0
+
+
+def run_ledger(run_id: str, global_: bool = False, fmt: str = "table", output: Path | None = None) -> int:
+    """Print (or write to ``output``) the rows a run's skipped steps and rollbacks left out."""
+    from apr.track.runs import LEDGER_COLUMNS, ledger, show_run
+
+    warnings: list[str] = []
+    try:
+        entries = ledger(show_run(run_id, global_=global_, warnings=warnings))
+    except AprError as err:
+        return error_exit(err)
+    for w in warnings:
+        print(f"warning: {safe_text(w)}", file=sys.stderr)
+    if fmt == "json":
+        text = json.dumps(entries, indent=2) + "\n"
+    elif fmt == "jsonl":
+        text = "".join(json.dumps(e) + "\n" for e in entries)
+    elif fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=LEDGER_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(entries)
+        text = buf.getvalue()
+    else:
+        rows = [[safe_text(e["event"]), fmt_value(e["step"]), fmt_value(e["micro_batch"]), safe_text(e["shard"]),
+                 fmt_value(e["row"]), fmt_value(e["index"])] for e in entries]
+        text = (text_table(["EVENT", "STEP", "MICRO-BATCH", "SHARD", "ROW", "INDEX"], rows) + "\n" if rows
+                else "no rows were skipped in this run\n")
+    if output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        atomic_write_text(output, text)
+    except OSError as e:
+        return error_exit(AprError(f"{output}: cannot write the ledger: {e.strerror or e}"))
+    print(f"wrote {len(entries)} ledger rows to {output}", file=sys.stderr)
     return 0
 
 
@@ -171,5 +217,17 @@ def register(app: typer.Typer) -> None:
         global_: bool = typer.Option(False, "--global", help="Look only in the global registry."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON (schema in docs/runs.md)."),
     ) -> None:
-        """Params, final metrics, checkpoints, status history and alerts of one run."""
+        """Params, final metrics, checkpoints, status history, alerts and events of one run."""
         raise typer.Exit(run_show(run_id, global_, json_out))
+
+    @app.command("ledger")
+    def ledger_cmd(
+        run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough).", show_default=False),
+        global_: bool = typer.Option(False, "--global", help="Look only in the global registry."),
+        fmt: str = typer.Option("table", "--format", help="table, csv, json or jsonl."),
+        output: Path | None = typer.Option(None, "--output", "-o", help="Write to this file (atomically)."),
+    ) -> None:
+        """The bad-batch ledger: every data row a skipped bad step or a rollback left out."""
+        if fmt not in ("table", "csv", "json", "jsonl"):
+            raise typer.BadParameter(f"expected table, csv, json or jsonl, got {fmt!r}", param_hint="--format")
+        raise typer.Exit(run_ledger(run_id, global_, fmt, output))

@@ -293,6 +293,40 @@ class EarlyStoppingConfig(_Section):
                              "loss must be to count as an improvement.")
 
 
+class BadStepsConfig(_Section):
+    """Skip an optimizer step whose loss or gradient norm is an outlier against the run's recent
+    history (a z-score test; docs/training.md "Bad-step skipping")."""
+
+    loss_z: float | None = Field(
+        None, gt=0, description="Skip a step whose loss is this many standard deviations above its running "
+        "mean; null: no loss test.")
+    grad_norm_z: float | None = Field(
+        None, gt=0, description="Skip a step whose gradient norm is this many standard deviations above its "
+        "running mean; null: no gradient-norm test (with one gradient workspace and no global clipping it "
+        "adds a norm-only backward walk: the norm must be known before the first update).")
+    window: PositiveCount = Field(
+        100, description="Span in steps of the running mean and variance (an EMA over the steps not skipped).")
+    min_history: PositiveCount = Field(
+        20, description="Steps recorded before any step is tested (the statistics settle first).")
+
+
+class RollbackConfig(_Section):
+    """Roll back to the last good checkpoint on a loss spike that persists, skipping the spike's data
+    (docs/training.md "Spike rollback")."""
+
+    threshold: float | None = Field(
+        None, gt=1, description="A step whose loss is above threshold x the EMA of the loss is a spike step; "
+        "null disables rollback.")
+    patience: PositiveCount = Field(3, description="Spike steps in a row that trigger a rollback.")
+    window: PositiveCount = Field(50, description="Span in steps of the loss EMA (over steps that are not spikes).")
+    min_history: PositiveCount = Field(20, description="Steps recorded before spikes are tested.")
+    max_rollbacks: PositiveCount = Field(
+        3, description="Rollbacks a run may make; the next persistent spike stops it (status failed).")
+    lr_factor: float = Field(
+        1.0, gt=0, le=1, description="After a rollback, multiply the learning rate by this for lr_steps steps.")
+    lr_steps: NonNegCount = Field(0, description="Steps the lowered learning rate lasts after a rollback.")
+
+
 class Engine(StrEnum):
     interleaved = "interleaved"
     standard = "standard"
@@ -339,6 +373,8 @@ class TrainingConfig(_Section):
     eval_interval: NonNegCount = Field(500, description="Validate every N steps; 0 disables.")
     eval_batches: PositiveCount = Field(20, description="Validation micro-batches per evaluation.")
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
+    bad_steps: BadStepsConfig = Field(default_factory=BadStepsConfig)
+    rollback: RollbackConfig = Field(default_factory=RollbackConfig)
     seed: int = Field(42, ge=0, le=2**64 - 1,
                       description="Seed of init, data order and dropout-free RNG use (0 to 2**64 - 1).")
     engine: Engine = Field(Engine.interleaved, description="interleaved (per-block backward+AdamW) or standard.")

@@ -203,13 +203,40 @@ class ShardLoader:
                            code="data.token_id", path="model.architecture.vocab_size",
                            expected=f"token ids < {self.vocab_size}", got=f"{token} at row {row}, position {pos}")
 
-    def _order(self) -> np.ndarray:
-        if self._perm_epoch != self.epoch:
+    def _order(self, epoch: int | None = None) -> np.ndarray:
+        epoch = self.epoch if epoch is None else epoch
+        if self._perm_epoch != epoch:
             # numpy seeds must be non-negative; a negative config seed maps to its 64-bit pattern
-            self._perm = (np.random.default_rng([self.seed % 2**64, self.epoch]).permutation(self.num_rows)
+            self._perm = (np.random.default_rng([self.seed % 2**64, epoch]).permutation(self.num_rows)
                           if self.shuffle else np.arange(self.num_rows))
-            self._perm_epoch = self.epoch
+            self._perm_epoch = epoch
         return self._perm
+
+    # ------------------------------------------------------------------------ the cursor as one number
+
+    @property
+    def absolute(self) -> int:
+        """Micro-batches drawn since the start of the run (every epoch), counted globally."""
+        return self.epoch * self.micro_batches_per_epoch + self.position
+
+    def seek(self, absolute: int) -> None:
+        """Put the cursor at micro-batch ``absolute`` of the run (see ``absolute``)."""
+        self.epoch, self.position = divmod(int(absolute), self.micro_batches_per_epoch)
+
+    def rows_at(self, absolute: int) -> list[int]:
+        """The rows (indices into the concatenated shards) of global micro-batch ``absolute``, every
+        rank's part, in rank order."""
+        epoch, position = divmod(int(absolute), self.micro_batches_per_epoch)
+        g = self.batch_size * self.world_size
+        return [int(i) for i in self._order(epoch)[position * g:(position + 1) * g]]
+
+    def locate(self, index: int) -> tuple[str, int]:
+        """(shard file relative to the data folder, row within that shard) of row ``index`` of the
+        concatenated shards."""
+        shard = int(np.searchsorted(self._shard_ends, index, side="right"))
+        path = self.shards[shard]
+        name = path.relative_to(self.path).as_posix() if self.path.is_dir() else path.name
+        return name, int(index) - (int(self._shard_ends[shard - 1]) if shard else 0)
 
     # ------------------------------------------------------------------------------ API
 

@@ -64,7 +64,7 @@ _FIELD_KINDS: dict[str, str] = {
     "model_params": "num",
 }
 # Written by the tracker but not part of the fields every version-1 writer must provide.
-_OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples"}
+_OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -125,6 +125,21 @@ def _alerts(value: Any) -> list[dict]:
     return out
 
 
+def _events(value: Any) -> list[dict]:
+    """Skipped bad steps and rollbacks: {"time", "step", "kind", "message", "rows"} (rows: how many
+    data rows the event left out; the rows themselves are `apr runs ledger`'s)."""
+    if not isinstance(value, list):
+        return []
+    out = []
+    for e in value:
+        if isinstance(e, dict):
+            detail = e.get("detail") if isinstance(e.get("detail"), dict) else {}
+            rows = detail.get("rows")
+            out.append({"time": num(e.get("time")), "step": _int(e.get("step")), "kind": _str(e.get("kind")),
+                        "message": _str(e.get("message")), "rows": len(rows) if isinstance(rows, list) else None})
+    return out
+
+
 def _strings(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
@@ -167,6 +182,7 @@ _CONVERT = {
     "checkpoint": _checkpoint,
     "gpu": _gpu,
     "alerts": _alerts,
+    "events": _events,
     "strings": _strings,
     "evals": _evals,
     "samples": _samples,

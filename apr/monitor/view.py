@@ -167,7 +167,7 @@ def messages(
     reading: Reading | None, state: dict | None, status: str, now: float, stale_after_s: float, limit: int = 8
 ) -> tuple[tuple[str, str], ...]:
     """(text, style) lines, most important first: file problems, the end reason, staleness, the
-    latest alerts (newest first), store warnings."""
+    latest alerts (newest first), skipped bad steps and rollbacks (newest first), store warnings."""
     out: list[tuple[str, str]] = []
     if reading is not None and not reading.ok:
         suffix = " (showing the last good state)" if state is not None and reading.kind != "missing" else ""
@@ -197,6 +197,16 @@ def messages(
             text = alert.get("message") or ""
             cond = alert.get("condition") or ""
             out.append((f"{step}{cond}{action}{': ' + text if text else ''}", "msg.alert"))
+        events = state.get("events") or []
+        if events:
+            skipped = sum(1 for e in events if e.get("kind") == "bad_step")
+            rollbacks = sum(1 for e in events if e.get("kind") == "rollback")
+            out.append((f"{skipped} bad steps skipped, {rollbacks} rollbacks (apr runs ledger lists the rows)",
+                        "msg.warning"))
+        for event in reversed(events):
+            step = f"step {fmt_int(event['step'])} " if event.get("step") is not None else ""
+            rows = f" [{event['rows']} rows]" if event.get("rows") else ""
+            out.append((f"{step}{event.get('message') or event.get('kind') or ''}{rows}", "msg.alert"))
         for warning in state.get("store_warnings") or []:
             out.append((f"store: {warning}", "msg.warning"))
     if not out:

@@ -37,6 +37,7 @@ from apr.plan.validate import (
     early_stopping_findings,
     output_dir_findings,
     sink_findings,
+    survival_findings,
 )
 
 PLAN_FORMAT = "apr-plan"
@@ -289,7 +290,8 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
                        *output_dir_findings(loaded), *init_findings, *compile_findings(loaded),
                        *sink_findings(loaded),
-                       *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps"))],
+                       *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
+                       *survival_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps"))],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

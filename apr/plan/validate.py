@@ -34,7 +34,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
                 and (include_info or r.finding.severity != "info")]
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
                  + compile_findings(loaded) + sink_findings(loaded)
-                 + early_stopping_findings(loaded, tr.max_steps))
+                 + early_stopping_findings(loaded, tr.max_steps) + survival_findings(loaded, tr.max_steps))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -135,3 +135,42 @@ def early_stopping_findings(loaded: LoadedConfig, total_steps: int | None) -> li
                         f"{tr.eval_interval}); early stopping could never act",
                         expected=f"patience <= {validations}", got=str(patience), **where)]
     return []
+
+
+def survival_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
+    """`training.rollback` / `training.bad_steps` set where they can never act: a rollback needs a
+    checkpoint before the spike (a save_interval shorter than the run) and a patience shorter than
+    the run; a test needs its history (min_history) before the run ends. ``total_steps`` as for
+    ``early_stopping_findings``."""
+
+    tr = loaded.config.training
+    rb, bs = tr.rollback, tr.bad_steps
+    out = []
+
+    def finding(key: tuple, message: str, expected: str, got: str, severity: str = "error") -> None:
+        file, line, column = loaded.source.where(key)
+        out.append(Finding(severity, "config.rollback" if key[1] == "rollback" else "config.bad_steps", message,
+                           path=".".join(key), file=file, line=line, column=column, expected=expected, got=got))
+
+    if total_steps is None:
+        return out
+    if rb.threshold is not None:
+        if tr.save_interval >= total_steps:
+            finding(("training", "rollback", "threshold"),
+                    f"rollback needs a checkpoint to roll back to, but training.save_interval {tr.save_interval} "
+                    f"writes none before the end of the {total_steps}-step run",
+                    f"training.save_interval < {total_steps}", str(tr.save_interval))
+        if rb.patience >= total_steps:
+            finding(("training", "rollback", "patience"),
+                    f"patience {rb.patience} is not shorter than the run ({total_steps} steps): a rollback "
+                    "could never trigger", f"patience < {total_steps}", str(rb.patience))
+        elif rb.min_history + rb.patience > total_steps:
+            finding(("training", "rollback", "min_history"),
+                    f"min_history {rb.min_history} + patience {rb.patience} exceed the run's {total_steps} steps: "
+                    "spikes are never tested", f"min_history + patience <= {total_steps}", str(rb.min_history),
+                    "warning")
+    if (bs.loss_z is not None or bs.grad_norm_z is not None) and bs.min_history >= total_steps:
+        finding(("training", "bad_steps", "min_history"),
+                f"min_history {bs.min_history} is not shorter than the run ({total_steps} steps): no step is ever "
+                "tested", f"min_history < {total_steps}", str(bs.min_history), "warning")
+    return out

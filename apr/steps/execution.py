@@ -123,13 +123,27 @@ def keeps_all_grads(config, execution: Execution) -> bool:
 
 
 def needs_prepass(config, execution: Execution) -> bool:
-    """A norm-only walk before the stepping walk: exact global clipping or fp16's overflow check
-    when gradients are not all kept (kept gradients know the norm after one walk)."""
+    """A norm-only walk before the stepping walk: exact global clipping, fp16's overflow check or
+    the bad-step gradient-norm test when gradients are not all kept (kept gradients know the norm
+    after one walk)."""
     tr = config.training
     if str(tr.engine) == "standard" or keeps_all_grads(config, execution):
         return False
+    return bool(prepass_reasons(config))
+
+
+def prepass_reasons(config) -> list[str]:
+    """What needs the global gradient norm before the first update (without kept gradients)."""
+    tr = config.training
     clip = "off" if tr.grad_clip is None else str(tr.clip_mode)
-    return clip == "global" or str(tr.mixed_precision) == "fp16"
+    reasons = []
+    if clip == "global":
+        reasons.append("global norm")
+    if str(tr.mixed_precision) == "fp16":
+        reasons.append("fp16 overflow check")
+    if tr.bad_steps.grad_norm_z is not None:
+        reasons.append("bad-step test")
+    return reasons
 
 
 def step_cost_f(config, execution: Execution) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apr.steps.execution import from_config, keeps_all_grads, needs_prepass
+from apr.steps.execution import from_config, keeps_all_grads, needs_prepass, prepass_reasons
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class StepStrategy:
     keeps_all_grads: bool  # every group's gradient lives for the whole step
     norm_prepass: bool  # interleaved: a norm-only backward walk before the stepping walk
     loss_scaling: bool  # fp16 dynamic loss scaling
+    prepass_for: tuple[str, ...] = ()  # what needs the norm before the first update (see describe)
 
     @property
     def backward_walks(self) -> int:
@@ -41,7 +42,7 @@ class StepStrategy:
         elif self.keeps_all_grads:
             how = "interleaved engine; every gradient kept for the step (global norm is free)"
         elif self.norm_prepass:
-            why = "fp16 overflow check" if self.clip != "global" else "global norm"
+            why = " and the ".join(self.prepass_for) or "global norm"
             how = f"interleaved engine; norm-only backward pre-pass for the {why} (+1 backward walk)"
         else:
             how = "interleaved engine; AdamW per block right after its backward (one block of gradients)"
@@ -56,4 +57,4 @@ def step_strategy(config, execution=None) -> StepStrategy:
     clip = "off" if tr.grad_clip is None else str(tr.clip_mode)
     execution = execution or from_config(config)
     return StepStrategy(str(tr.engine), clip, keeps_all_grads(config, execution), needs_prepass(config, execution),
-                        str(tr.mixed_precision) == "fp16")
+                        str(tr.mixed_precision) == "fp16", tuple(prepass_reasons(config)))

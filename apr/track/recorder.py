@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import math
 import os
 import socket
@@ -140,9 +141,14 @@ class _Sink:
         self.warned = False
         self.retry_at = 0.0
 
-    def add(self, metrics: list, status: list, alerts: list, artifacts: list) -> None:
+    def add(self, metrics: list, status: list, alerts: list, artifacts: list, events: list = (),
+            rewind: int | None = None) -> None:
         p = self.pending
+        if rewind is not None:  # rows of the abandoned steps still pending are dropped with the stored ones
+            p.metrics = [m for m in p.metrics if m[1] <= rewind]
+            p.rewind = rewind if p.rewind is None else min(p.rewind, rewind)
         p.metrics.extend(metrics)
+        p.events.extend(events)
         p.status.extend(status)
         p.alerts.extend(alerts)
         p.artifacts.extend(artifacts)
@@ -266,6 +272,8 @@ class RunRecorder:
         self._out_metrics: list[tuple] = []
         self._out_status: list[tuple] = [(self.run_id, "starting", None, now)]
         self._out_alerts: list[tuple] = []
+        self._out_events: list[tuple] = []
+        self._rewind: int | None = None  # a rollback's step, applied to the stores before newer rows
         self._out_artifacts: list[tuple] = []  # (path, kind, step, time) hashed by the worker
 
         # Worker thread: state-file writes (coalesced) and store batches.
@@ -425,6 +433,33 @@ class RunRecorder:
             self._out_artifacts.append((path, "checkpoint_best" if is_best else "checkpoint", int(step), now))
             self._update_clock(now)
         self._request(state=True, fsync=True, db=True)
+
+    def log_event(self, kind: str, step: int, message: str, detail: dict | None = None) -> None:
+        """Record a run event (``bad_step``, ``rollback``): the state's ``events`` and both stores'
+        ``events`` table, ``detail`` as JSON (a rollback's rows skipped: the bad-batch ledger)."""
+        self._print_warnings()
+        now = time.time()
+        entry = {"step": int(step), "time": now, "kind": kind, "message": message, "detail": detail}
+        with self._lock:
+            self.state.add_event(entry)
+            self._out_events.append((self.run_id, int(step), now, kind, message,
+                                     json.dumps(detail, allow_nan=False, default=str) if detail is not None else None))
+            self._update_clock(now)
+        self._request(state=True, fsync=True, db=True)
+
+    def rewind(self, step: int) -> None:
+        """A rollback to the checkpoint at ``step``: the steps after it will be trained again, so
+        their recorded metrics (state histories, both stores) are dropped, as a resume does."""
+        step = int(step)
+        with self._lock:
+            for history in self.state.histories.values():
+                history.truncate_after(step)
+            self._out_metrics = [m for m in self._out_metrics if m[1] <= step]
+            self._rewind = step if self._rewind is None else min(self._rewind, step)
+            self.state["step"] = step
+            self.state["tokens_seen"] = step * self.tokens_per_step
+            self._restore_latest_values()
+        self._request(state=True, db=True)
 
     def check_alerts(self, metrics: dict) -> list[Alert]:
         """Evaluate `monitoring.alerts` on this step's metrics; record and return the ones that fire."""
@@ -597,6 +632,8 @@ class RunRecorder:
                 metrics, self._out_metrics = self._out_metrics, []
                 status, self._out_status = self._out_status, []
                 alerts, self._out_alerts = self._out_alerts, []
+                events, self._out_events = self._out_events, []
+                rewind, self._rewind = self._rewind, None
                 artifact_reqs, self._out_artifacts = self._out_artifacts, []
                 run = self._run_row()
                 self._last_sync = now
@@ -606,7 +643,7 @@ class RunRecorder:
                 artifacts.extend(_checkpoint_artifacts(self.run_id, path, kind, step, t))
             register = {"params": self._params(), "resume_step": self._resume_step}
             for sink in self._sinks:
-                sink.add(metrics, status, alerts, artifacts)
+                sink.add(metrics, status, alerts, artifacts, events, rewind)
                 warning = sink.sync(run, register, force, now)
                 if warning:
                     self._warn(warning)

@@ -265,6 +265,7 @@ def show_run(
                             if a.get("kind") in CHECKPOINT_KINDS],
             "status_history": store.status_history(conn, full_id),
             "alerts": store.alerts(conn, full_id),
+            "events": store.events(conn, full_id),
         }
     except (sqlite3.Error, DamagedStore) as e:
         raise AprError(f"{path}: cannot read run {full_id}: {e}",
@@ -282,3 +283,18 @@ def _exists(path, store_path: Path) -> bool:
         return False
     p = Path(path)
     return p.is_file() or (not p.is_absolute() and (store_path.parent.parent / p.name).is_file())
+
+
+LEDGER_COLUMNS = ("run_id", "event", "step", "time", "micro_batch", "index", "shard", "row")
+
+
+def ledger(detail: dict) -> list[dict]:
+    """The bad-batch ledger of a run (``show_run``'s detail): one entry per data row that a skipped
+    bad step or a rollback left out, with the event that did it, oldest first."""
+    run_id = detail["run"]["run_id"]
+    out = []
+    for event in detail.get("events") or []:
+        for row in (event.get("detail") or {}).get("rows") or []:
+            out.append({"run_id": run_id, "event": event["kind"], "step": event["step"], "time": event["time"],
+                        **{k: row.get(k) for k in ("micro_batch", "index", "shard", "row")}})
+    return out

@@ -22,6 +22,7 @@ STATE_FILE = "training_state.json"
 SCHEMA_VERSION = 1
 HISTORY_POINTS = 512  # per history, the first and the latest points included
 MAX_ALERTS = 50
+MAX_EVENTS = 50  # skipped bad steps and rollbacks kept in the file (the stores keep all)
 STATUSES = ("starting", "running", "finished", "failed", "stopped")
 ACTIVE_STATUSES = ("starting", "running")
 STALE_AFTER_S = 120.0  # the floor of the stale threshold; see stale_threshold()
@@ -147,6 +148,7 @@ class RunState:
             "last_checkpoint": None,
             "gpu": None,
             "alerts": [],
+            "events": [],  # skipped bad steps and rollbacks, with the rows they skipped (docs/training-state.md)
             "store_warnings": [],
             "output_dir": None,
             "config_path": None,
@@ -169,6 +171,11 @@ class RunState:
         alerts.append(entry)
         del alerts[:-MAX_ALERTS]
 
+    def add_event(self, entry: dict) -> None:
+        events = self.fields["events"]
+        events.append(entry)
+        del events[:-MAX_EVENTS]
+
     def carry_over(self, previous: dict, upto_step: int | None) -> None:
         """Adopt a previous state of the same run (resume): its histories up to ``upto_step``,
         its start time, elapsed time, alerts and last checkpoint."""
@@ -182,6 +189,8 @@ class RunState:
                 self.fields[key] = previous[key]
         if isinstance(previous.get("alerts"), list):
             self.fields["alerts"] = list(previous["alerts"])[-MAX_ALERTS:]
+        if isinstance(previous.get("events"), list):
+            self.fields["events"] = list(previous["events"])[-MAX_EVENTS:]
 
     def to_json_bytes(self) -> bytes:
         """The document, one top-level key per line (readable with `cat`), histories compact.

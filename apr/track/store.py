@@ -20,7 +20,7 @@ from typing import Any
 from apr.errors import AprError, Finding
 from apr.readers import InputError, check_regular
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_S = 5.0
 
 RUN_COLUMNS: dict[str, type] = {
@@ -100,8 +100,18 @@ def _migration_1(db) -> None:
     db["alerts"].create_index(["run_id", "time"], index_name="alerts_run_time")
 
 
+def _migration_2(db) -> None:
+    """Run events: skipped bad steps and rollbacks (with the rows they skipped: the bad-batch ledger)."""
+    db["events"].create(
+        {"run_id": str, "step": int, "time": float, "kind": str, "message": str, "detail": str},
+        not_null=["run_id", "time", "kind"],
+        foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["events"].create_index(["run_id", "time"], index_name="events_run_time")
+
+
 # version -> function bringing a store from version-1 to version. Never edit a shipped migration.
-MIGRATIONS = {1: _migration_1}
+MIGRATIONS = {1: _migration_1, 2: _migration_2}
 
 
 def _read_version(conn: sqlite3.Connection) -> int:
@@ -195,6 +205,8 @@ class Batch:
     status: list[tuple] = field(default_factory=list)  # (run_id, status, reason, time)
     artifacts: list[dict] = field(default_factory=list)
     alerts: list[tuple] = field(default_factory=list)  # (run_id, step, time, condition, action, message)
+    events: list[tuple] = field(default_factory=list)  # (run_id, step, time, kind, message, detail JSON)
+    rewind: int | None = None  # a rollback: drop this run's metric rows after this step, before the new ones
 
 
 class StoreWriter:
@@ -249,6 +261,8 @@ class StoreWriter:
                     conn.execute("DELETE FROM metrics WHERE run_id = ? AND step > ?", (run["id"], resume_step))
             else:
                 db["runs"].upsert(run, pk="id")
+            if batch.rewind is not None:
+                conn.execute("DELETE FROM metrics WHERE run_id = ? AND step > ?", (run["id"], batch.rewind))
             if batch.metrics:
                 conn.executemany(
                     "INSERT INTO metrics (run_id, step, key, value, time) VALUES (?, ?, ?, ?, ?)", batch.metrics
@@ -261,6 +275,11 @@ class StoreWriter:
                 conn.executemany(
                     "INSERT INTO alerts (run_id, step, time, condition, action, message) VALUES (?, ?, ?, ?, ?, ?)",
                     batch.alerts,
+                )
+            if batch.events:
+                conn.executemany(
+                    "INSERT INTO events (run_id, step, time, kind, message, detail) VALUES (?, ?, ?, ?, ?, ?)",
+                    batch.events,
                 )
             for artifact in batch.artifacts:
                 db["artifacts"].upsert(artifact, pk=("run_id", "path"))
@@ -420,6 +439,17 @@ def alerts(conn: sqlite3.Connection, run_id: str) -> list[dict]:
         (run_id,),
     )
     return [dict(r) for r in rows]
+
+
+def events(conn: sqlite3.Connection, run_id: str) -> list[dict]:
+    """The run's events (bad steps, rollbacks), oldest first, ``detail`` parsed; [] from a store
+    written before events existed."""
+    if conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='events'").fetchone() is None:
+        return []
+    rows = conn.execute(
+        "SELECT step, time, kind, message, detail FROM events WHERE run_id = ? ORDER BY time, rowid", (run_id,)
+    )
+    return [{**dict(r), "detail": json.loads(r["detail"]) if r["detail"] else None} for r in rows]
 
 
 def integrity_check(path: Path | str) -> str:

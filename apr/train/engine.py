@@ -56,6 +56,7 @@ class StepResult:
     loss: torch.Tensor  # mean cross-entropy over the step's tokens (0-dim, on the device)
     grad_norm: torch.Tensor  # global gradient norm before clipping, unscaled (0-dim, on the device)
     skipped: bool = False  # fp16 overflow: no update this step, loss scale reduced
+    flagged: bool = False  # the bad-step test (``step_gate``) said skip: no update, AdamW's count unchanged
 
 
 class NonFiniteError(AprError):
@@ -119,6 +120,17 @@ class Engine:
         self._flags = NonFiniteFlags(device)
         # Test/diagnostic hook, called with a group name once that group's gradient is complete.
         self.grad_probe: Callable[[str], None] | None = None
+        # Bad-step skipping (apr/train/badsteps.py): called with the step's mean loss and global
+        # gradient norm (None where the norm is not known before the first update: the loss-only
+        # test of a one-walk step) before any update; True skips the step. Set by the run loop.
+        self.step_gate: Callable[[torch.Tensor, torch.Tensor | None], bool] | None = None
+        self._skip = False
+
+    def _gate(self, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
+        """Ask ``step_gate`` once per step (a host read: the gate reads the figures it tests)."""
+        if self.step_gate is not None and not self._skip:
+            self._skip = bool(self.step_gate(loss, norm))
+        return self._skip
 
     def autocast(self):
         return autocast(self.device, self.cdt)
@@ -373,7 +385,7 @@ class InterleavedEngine(Engine):
         self._next_ws = 0
 
     def _walk(self, ids, targets, inputs, graphs, grad_mult: float, on_done, free_inputs: bool,
-              check_loss: bool = True, accumulate: bool = False) -> torch.Tensor:
+              check_loss: bool = True, accumulate: bool = False, gate_loss: bool = False) -> torch.Tensor:
         """Backward from the loss to the embedding; ``on_done(group, grad)`` runs as soon as each
         group's gradient is complete. Returns the loss sum (flagged if non-finite before any ``on_done``).
         ``free_inputs``: the last walk over this forward (kept graphs are released as it goes);
@@ -411,6 +423,8 @@ class InterleavedEngine(Engine):
                 self._check_loss(loss_sum)
             else:
                 self._flags.flag(~torch.isfinite(loss_sum), LOSS, self.calls)
+        if gate_loss:  # the one-walk step: the loss test, before the head's update
+            self._gate(loss_sum / targets.numel(), None)
         if grad_mult != 1.0:
             grad_h.mul_(grad_mult)
             if head_grad is not None:
@@ -512,6 +526,7 @@ class InterleavedEngine(Engine):
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         self._lr = lr
         self.calls += 1
+        self._skip = False
         self._flags.start_step()
         st, accum = self.strategy, len(micro_batches)
         if accum > 1 and not st.keeps_all_grads:
@@ -544,14 +559,15 @@ class InterleavedEngine(Engine):
                 g.own_grad.div_(self.dp.world_size)
         sq = {g.name: self.backend.sq_norm(g.own_grad) for g in self.groups}
         norm, overflow = self._known_norm(sq)
-        if not overflow:
+        flagged = not overflow and self._gate(loss, norm)
+        if not overflow and not flagged:
             coefs = self._coefs(sq, norm)
             for g in self.groups:
                 self._apply(g, g.own_grad, coefs[g.name])
             self._stepped()
         for g in self.groups:
             g.release_grads()
-        return StepResult(loss, norm, skipped=overflow)
+        return StepResult(loss, norm, skipped=overflow, flagged=flagged)
 
     def _step_prepass(self, ids, targets, inputs, graphs, grad_mult: float) -> StepResult:
         """Exact global clipping (or the fp16 overflow check) in O(one block) gradient memory: a
@@ -566,6 +582,8 @@ class InterleavedEngine(Engine):
         norm, overflow = self._known_norm(sq)
         if overflow:
             return StepResult(loss, norm, skipped=True)
+        if self._gate(loss, norm):
+            return StepResult(loss, norm, flagged=True)
         coefs = self._coefs(sq, norm)
 
         def step(g: FlatGroup, buf: torch.Tensor) -> None:
@@ -582,13 +600,18 @@ class InterleavedEngine(Engine):
 
         def step(g: FlatGroup, buf: torch.Tensor) -> None:
             s = sq[g.name] = self.backend.sq_norm(buf)
+            if self._skip:  # the loss test flagged the step before the first update
+                return
             coef = self._clip_coef(s.sqrt()) if per_block else 1.0
             # a non-finite gradient reaches no weights; the groups updated before it make the state partial
             self._flags.flag(~torch.isfinite(s), GRADIENTS, self.calls)
             self._apply(g, buf, coef)
 
-        loss_sum = self._walk(ids, targets, inputs, graphs, 1.0, step, free_inputs=True)
+        loss_sum = self._walk(ids, targets, inputs, graphs, 1.0, step, free_inputs=True,
+                              gate_loss=self.step_gate is not None)
         norm = torch.stack([sq[g.name] for g in self.groups]).sum().sqrt()
+        if self._skip:
+            return StepResult(loss_sum / targets.numel(), norm, flagged=True)
         self._stepped()
         return StepResult(loss_sum / targets.numel(), norm)
 
@@ -638,6 +661,7 @@ class StandardEngine(Engine):
         )
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        self._skip = False
         params = list(self.named.values())
         for p in params:
             p.grad = None
@@ -672,6 +696,8 @@ class StandardEngine(Engine):
                 self.scaler.update(found_inf=True)
                 return StepResult(loss_total, norm, skipped=True)
             raise NonFiniteError("gradients", state_is_last_good=True)
+        if self._gate(loss_total, norm):
+            return StepResult(loss_total, norm, flagged=True)
         if self.strategy.clip == "global":
             torch._foreach_mul_(grads, self._clip_coef(norm))
         elif self.strategy.clip == "per_block":

@@ -56,6 +56,7 @@ from apr.train.outdir import (
 from apr.train.signals import Interrupted, StopSignals
 from apr.train.steplog import StepLog
 from apr.train.stop import FINISHED, StepHook, StepReport, Stop, first_stop
+from apr.train.survive import Survival
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Run:
         self.early_stopping = EarlyStopping(es.patience, es.min_delta) if es.patience else None
         if self.early_stopping is not None:
             self.hooks.append(self.early_stopping)
+        self.survival = Survival(config)  # training.bad_steps and training.rollback
         self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
         self.start_step = 0
         self.step = 0  # the step in progress (the last finished one between steps)
@@ -179,6 +181,8 @@ class Run:
         execution = (None if options.execution is None
                      else Execution.from_dict(options.execution, config.model.architecture.num_hidden_layers))
         self.engine = engine_module.build_engine(config, self.device, dp=self.dp, execution=execution)
+        if self.survival.bad_steps is not None:
+            self.engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
         # reads the task files now, so a malformed one fails before the first step
         self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
 
@@ -230,26 +234,33 @@ class Run:
             raise
         for change in diff.changes:
             self.echo(f"resume: {'FORCED ' if change.breaking else ''}{change.line()}")
-        self.engine.load_train_state_tensors(state.tensors)
-        self.engine.load_meta_state(meta["engine"])
-        try:
-            self.loader.load_state_dict(meta["data"])
-        except AprError:
-            if not self.options.force:
-                raise
-            self._remap_cursor(meta["data"])
-        for note in restore_rng(meta["rng"]):
-            self._warn(note)
+        self.adopt(state, force=self.options.force)
         self.start_step = int(state.step)
-        self.best_val = meta.get("best_val_loss")
-        self.first_val = meta.get("first_val_loss")
-        if self.early_stopping is not None:
-            self.early_stopping.load_state_dict(meta.get("early_stopping"))
         self.run_id = meta.get("run_id")
         self.resumed_from = json_path
         if self.start_step > self.total_steps:
             self._refuse_past_the_end(json_path)
         self.echo(f"resumed from {json_path} (step {self.start_step}, epoch {self.loader.epoch})")
+
+    def adopt(self, state: TrainState, force: bool = False) -> None:
+        """Take a checkpoint's weights, optimizer state, data cursor, RNG and loop counters (a resume,
+        or a rollback to an earlier checkpoint of this run)."""
+        meta = state.meta
+        self.engine.load_train_state_tensors(state.tensors)
+        self.engine.load_meta_state(meta["engine"])
+        try:
+            self.loader.load_state_dict(meta["data"])
+        except AprError:
+            if not force:
+                raise
+            self._remap_cursor(meta["data"])
+        for note in restore_rng(meta["rng"]):
+            self._warn(note)
+        self.best_val = meta.get("best_val_loss")
+        self.first_val = meta.get("first_val_loss")
+        if self.early_stopping is not None:
+            self.early_stopping.load_state_dict(meta.get("early_stopping"))
+        self.survival.load_state_dict(meta.get("survival"))
 
     def _refuse_past_the_end(self, json_path: Path) -> None:
         tr = self.config.training
@@ -369,6 +380,7 @@ class Run:
                          if step < self.total_steps else None},
             "best_val_loss": self.best_val, "first_val_loss": self.first_val,
             "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+            "survival": self.survival.state_dict() if self.survival.enabled else None,
             "tokens_seen": step * self.tokens_per_step,
         }
 
@@ -421,17 +433,28 @@ class Run:
         if self.start_step == 0 and self.val_loader is not None:
             self._validate_initial(recorder)
         self.steplog.start(self.step)
+        survival = self.survival
         while self.step < self.total_steps:
             self.step += 1
-            step, lr = self.step, self.schedule(self.step)
+            step, lr = self.step, survival.lr(self.step, self.schedule(self.step))
+            survival.before_batches(self, recorder)
             micro = [self.loader.next_batch() for _ in range(self.config.training.gradient_accumulation)]
             try:
                 report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
                 stopping = signals.received is not None
-                if self.cadence.reads_device(step, stopping) or self.evaluator.due(step, report.is_last):
+                if (survival.enabled or self.cadence.reads_device(step, stopping)
+                        or self.evaluator.due(step, report.is_last)):
                     self.engine.check_finite()  # the engine's non-finite flags: read where the loop reads anyway
             except NonFiniteError as err:
                 return self._non_finite(err, recorder)
+            if survival.enabled:
+                rolled = survival.after_step(self, report, recorder)
+                if isinstance(rolled, Stop):
+                    return rolled  # no checkpoint: the newest one is the last good state
+                if rolled:  # back at the restored step; its checkpoint was rewritten with the skip
+                    if signals.received is not None:
+                        return Stop.signal(signals.received, self.step)
+                    continue
             signals.announce()
             if self.options.progress is not None and self.is_main:
                 self.options.progress(step, self.total_steps)
@@ -448,7 +471,9 @@ class Run:
             for hook in self.hooks:
                 stop = first_stop(stop, hook.after_step(self, report))  # every hook sees every step
             stop = self._agree(stop, signals)
-            if self.cadence.save(step, report.is_best, stopping=stop is not None or signals.received is not None):
+            forced = stop is not None or signals.received is not None
+            if survival.save_due(self.cadence.save(step, report.is_best, stopping=forced),
+                                 forced or report.is_last):
                 try:
                     self.engine.check_finite()  # no read when already checked after this step
                 except NonFiniteError as err:

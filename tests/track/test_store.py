@@ -40,10 +40,10 @@ def test_new_store_is_wal_versioned_and_has_every_table(tmp_path):
     indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
     assert {"runs_started", "metrics_run_key_step"} <= indexes
     conn.close()
-    # Opening again migrates nothing and keeps one version row.
+    # Opening again migrates nothing: one version row per migration.
     _write(db, _run())
     conn = sqlite3.connect(db)
-    assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == 1
+    assert conn.execute("SELECT COUNT(*) FROM schema_version").fetchone()[0] == SCHEMA_VERSION
     conn.close()
     assert integrity_check(db) == "ok"
 
