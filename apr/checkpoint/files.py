@@ -31,7 +31,7 @@ STEP_FILE_RE = re.compile(r"^checkpoint-step-(\d+)\.(json|safetensors)$")
 TEMP_RE = re.compile(r"^\.checkpoint-.*\.tmp$")
 
 # torch dtype name -> safetensors dtype code
-_ST_DTYPES = {
+ST_DTYPE_CODES = {
     "float32": "F32",
     "float16": "F16",
     "bfloat16": "BF16",
@@ -49,6 +49,28 @@ def step_stem(step: int) -> str:
     return f"{STEP_PREFIX}{step}"
 
 
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int]],
+                       metadata: Mapping[str, str] | None = None) -> bytes:
+    """The JSON header ``write_safetensors`` writes (padded to 8 bytes) for ``(name, dtype code,
+    shape, bytes)`` entries in name order. Torch-free: the plan sizes a checkpoint with it."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, code, shape, nbytes in entries:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return head + b" " * (-len(head) % 8)
+
+
+def safetensors_size(entries: list[tuple[str, str, tuple[int, ...], int]],
+                     metadata: Mapping[str, str] | None = None) -> int:
+    """The exact size of the file ``write_safetensors`` writes for these entries: the 8-byte header
+    length, the header, the tensor bytes."""
+    return 8 + len(safetensors_header(entries, metadata)) + sum(e[3] for e in entries)
+
+
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any],
                       metadata: Mapping[str, str] | None = None) -> tuple[str, int]:
     """Write ``tensors`` (torch tensors on any device) to ``path`` as safetensors, atomically: a temp
@@ -59,20 +81,14 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, Any],
         raise RuntimeError("writing checkpoints needs a little-endian host")
     path = Path(path)
     names = sorted(tensors)
-    header: dict[str, Any] = {}
-    offset = 0
+    entries = []
     for name in names:
         t = tensors[name]
-        code = _ST_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        code = ST_DTYPE_CODES.get(str(t.dtype).removeprefix("torch."))
         if code is None:
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in a checkpoint")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    head += b" " * (-len(head) % 8)
+        entries.append((name, code, tuple(t.shape), t.numel() * t.element_size()))
+    head = safetensors_header(entries, metadata)
     prefix = struct.pack("<Q", len(head))
 
     digest = hashlib.sha256()

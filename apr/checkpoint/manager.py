@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -30,7 +31,13 @@ from typing import Any
 from apr import __version__
 from apr.checkpoint import files, sidecar
 from apr.checkpoint.files import read_safetensors_header
-from apr.checkpoint.names import expected_tensors, is_optimizer_state, tensor_mismatches, torch_mismatches
+from apr.checkpoint.names import (
+    STORED_DTYPE,
+    expected_tensors,
+    is_optimizer_state,
+    tensor_mismatches,
+    torch_mismatches,
+)
 from apr.config.loader import config_doc_hash
 from apr.config.schema import Architecture, LoraConfig
 from apr.errors import AprError, Finding
@@ -62,6 +69,19 @@ log = logging.getLogger("apr.checkpoint")
 _DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
                 errno.EROFS: "the file system is read-only"}
 _JSON_ALLOWANCE = 1 << 20  # the JSON sidecar and the safetensors header, generously
+
+
+def _weights_metadata(step: int) -> dict[str, str]:
+    return {"format": FORMAT, "step": str(step)}
+
+
+def weights_file_bytes(config: Any, step: int) -> int:
+    """The exact size of ``checkpoint-step-N.safetensors`` for this config (AprConfig or stored
+    dict) at ``step``: every expected tensor as float32 plus the header. Torch-free (the plan's
+    storage estimate, docs/plan.md)."""
+    code = files.ST_DTYPE_CODES[STORED_DTYPE]
+    entries = [(name, code, shape, 4 * math.prod(shape)) for name, shape in sorted(_expected(config).items())]
+    return files.safetensors_size(entries, _weights_metadata(step))
 
 
 def _free_bytes(folder: Path) -> int | None:
@@ -478,8 +498,7 @@ class CheckpointManager:
         # Rewriting a step (a resumed run passing it again): retire the old pair before its weights change.
         if files.unlink_quiet(json_path):
             fsync_dir(self.output_dir)
-        sha, size = files.write_safetensors(weights_path, state.tensors,
-                                            metadata={"format": FORMAT, "step": str(step)})
+        sha, size = files.write_safetensors(weights_path, state.tensors, metadata=_weights_metadata(step))
         doc = self._doc(step, is_best, weights_path.name, sha, size, state.meta)
         atomic_write_json(json_path, doc)
         if is_best:

@@ -21,6 +21,7 @@ from apr.model.spec import (
 from apr.plan.datafacts import dataset_facts, shared_shards
 from apr.plan.gpus import Target, mfu_basis
 from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
+from apr.plan.storage import storage_facts
 from apr.plan.tokfacts import tokenizer_facts
 from apr.steps.algebra import sequences_per_step, step_algebra
 from apr.steps.schedule import LRSchedule
@@ -246,4 +247,6 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
         if sheet.time_estimate is not None:
             facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
                              "total_flops": sheet.time_estimate["total_flops"]}
+    total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None
+    facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"))
     return sheet

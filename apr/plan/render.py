@@ -250,6 +250,36 @@ def _evaluation_lines(ev: dict | None) -> list[str]:
             f"{format_count(ev['forward_tokens'])} forward tokens on one GPU: ~{fmt_estimate(ev['estimated_seconds'])}"]
 
 
+def _storage_lines(plan, colour: bool) -> list[str]:
+    st = plan.facts.get("storage")
+    if not st:
+        return []
+    tr = plan.config.training
+    out = [_section("Storage (checkpoints)", colour),
+           f"  each {format_bytes(st['checkpoint_bytes'])}: {format_bytes(st['weights_bytes'])} of float32 weights "
+           f"and AdamW moments (exact) + at most {format_bytes(st['sidecar_bytes'])} of JSON"]
+    w = st.get("written")
+    if w is not None:
+        best = f", up to {w['best_max']:,} more at a new best validation loss" if w["best_max"] else ""
+        out.append(f"  {w['scheduled']:,} written: every {tr.save_interval:,} steps and at the last step{best}; "
+                   f"{format_bytes(st['total_written_bytes'])} in all")
+        out.append(f"  disk at the peak {format_bytes(st['peak_bytes'])} ({st['peak_checkpoints']} checkpoints: "
+                   f"keep_last {tr.keep_last} + the new one written before the oldest is pruned"
+                   f"{' + checkpoint-best' if st['best'] else ''}); {format_bytes(st['kept_bytes'])} kept at the end")
+        share = f", {st['write_share']:.1%} of the run's estimated time" if "write_share" in st else ""
+        out.append(f"  writes ~{fmt_estimate(st['write_seconds'])} at {format_bytes(st['write_bytes_per_s'])}/s, "
+                   f"{st['write_speed_basis']}{share}")
+    if "free_bytes" in st:
+        line = f"  free {format_bytes(st['free_bytes'])} in {st['free_path']}"
+        if "peak_bytes" in st:
+            fits = st["peak_bytes"] <= st["free_bytes"]
+            line = _c(line + (": fits" if fits else ": DOES NOT FIT"), "ok" if fits else "error", colour)
+        out.append(line)
+    else:
+        out.append(f"  free space of {st['output_dir']} unknown (unreadable)")
+    return out
+
+
 def format_plan_finding(f: Finding, colour: bool = False) -> list[str]:
     """``error[C-TRAINCFG-001] cfg.yaml:38:3 training.max_steps`` then the message, expected and got."""
     where = f.file or ""
@@ -296,6 +326,8 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         *_memory_lines(plan, colour),
         "",
         *_time_lines(plan, colour),
+        "",
+        *_storage_lines(plan, colour),
         "",
     ]
     if plan.findings:

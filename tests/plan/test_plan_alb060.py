@@ -60,11 +60,12 @@ def test_alb060_fails_with_steps_per_epoch_43(repo, v2_inputs):
 def test_v2_config_with_67977_sequences_and_38_epochs_passes(repo, v2_inputs):
     cfg = _config(repo, v2_inputs, "v2-train", {"epochs": 38})
     plan = build_plan(cfg, gpu="4090")
-    assert plan.errors == [] and plan.warnings == [], [f.code for f in plan.findings]
+    # the one warning: its save_interval 25 writes 200 checkpoints of ~5 GiB (issue 16 item 6, C-DISK-002)
+    assert plan.errors == [] and [f.code for f in plan.warnings] == ["C-DISK-002"], [f.code for f in plan.findings]
     steps = plan.facts["steps"]
     assert steps["num_sequences"] == 67_977 and steps["steps_per_epoch"] == 16_994
     assert steps["total_steps"] == 5000 and result(plan, "C-TRAINCFG-001").status == "passed"
-    assert plan.exit_code(strict=True) == 0
+    assert plan.exit_code() == 0
     assert result(plan, "C-MEM-001").status == "passed"  # the reference trained this on a 24 GB 4090
 
 

@@ -1,0 +1,86 @@
+"""The storage plan: how large a checkpoint is, how many a run writes, the disk the keep policy
+needs at its peak, how long the writes take, and the output folder's free space.
+
+It reads the file system's free space (``shutil.disk_usage``, a statfs) and nothing else: no file is
+created, no write is timed. The checkpoint's size is exact (the checkpoint manager's own header
+arithmetic, apr.checkpoint.manager.weights_file_bytes); the JSON sidecar is bounded by
+``SIDECAR_BYTES``; the write speed is an assumption (``WRITE_BYTES_PER_S``), stated as one.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+from apr.checkpoint.manager import weights_file_bytes
+from apr.config.schema import AprConfig
+from apr.plan.datafacts import resolve
+
+# The checkpoint's JSON (step, config, RNG states, data cursor): ~27 KiB for the test models, whose
+# CPU RNG state is most of it; bounded generously. tests/plan/test_storage.py checks a real one.
+SIDECAR_BYTES = 64 * 1024
+# Assumed sustained write speed: a SATA SSD's (NVMe is several times faster, a network disk slower).
+WRITE_BYTES_PER_S = 500e6
+WRITE_SHARE_WARN = 0.05  # contract C-DISK-002: checkpoint writes above this share of the run's time
+
+
+def free_space(path: Path) -> tuple[Path, int] | None:
+    """(the nearest existing folder at or above ``path``, its free bytes), or None if unreadable."""
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        return probe, shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def checkpoints_written(total_steps: int, save_interval: int, eval_interval: int, validates: bool) -> dict:
+    """How many step checkpoints the run loop writes (apr/train/cadence.py): every ``save_interval``
+    steps and at the last step, plus, when it validates, one at each evaluation whose loss is the
+    best so far. Those depend on the losses: ``best_max`` counts every evaluation not already on a
+    save step (the upper bound the disk figures use)."""
+    scheduled = total_steps // save_interval + (1 if total_steps % save_interval else 0)
+    best_max = 0
+    if validates and eval_interval > 0:
+        both = save_interval * eval_interval // math.gcd(save_interval, eval_interval)
+        best_max = total_steps // eval_interval - total_steps // both
+        if total_steps % eval_interval == 0 and total_steps % save_interval:
+            best_max -= 1  # the last step is a save step anyway
+    return {"scheduled": scheduled, "best_max": best_max, "max": scheduled + best_max}
+
+
+def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds: float | None) -> dict:
+    """The run's checkpoint storage. Without a step count only the per-checkpoint size is known."""
+    tr = config.training
+    validates = config.data.val is not None and tr.eval_interval > 0
+    last_step = total_steps or tr.max_steps or 1
+    weights = weights_file_bytes(config, last_step)
+    each = weights + SIDECAR_BYTES
+    out: dict = {
+        "output_dir": str(resolve(tr.output_dir)), "weights_bytes": weights, "sidecar_bytes": SIDECAR_BYTES,
+        "checkpoint_bytes": each, "keep_last": tr.keep_last, "best": validates,
+        "write_bytes_per_s": WRITE_BYTES_PER_S, "write_speed_basis": "assumed (a SATA SSD's sustained write)",
+        "seconds_per_checkpoint": each / WRITE_BYTES_PER_S,
+    }
+    probe = free_space(Path(out["output_dir"]))
+    if probe is not None:
+        out["free_path"], out["free_bytes"] = str(probe[0]), probe[1]
+    if total_steps is None:
+        return out
+    written = checkpoints_written(total_steps, tr.save_interval, tr.eval_interval, validates)
+    # The manager writes the new pair before it prunes the oldest: keep_last + 1 pairs at the peak;
+    # checkpoint-best is a hard link, a full copy once its step is pruned: counted as one more.
+    peak_pairs = min(written["max"], tr.keep_last + 1) + (1 if validates else 0)
+    kept_pairs = min(written["max"], tr.keep_last) + (1 if validates else 0)
+    out.update({"written": written, "peak_checkpoints": peak_pairs, "peak_bytes": peak_pairs * each,
+                "kept_checkpoints": kept_pairs, "kept_bytes": kept_pairs * each,
+                "total_written_bytes": written["max"] * each,
+                "write_seconds": written["max"] * each / WRITE_BYTES_PER_S})
+    if "free_bytes" in out:
+        out["free_after_bytes"] = out["free_bytes"] - out["peak_bytes"]
+    if estimated_seconds:
+        out["write_share"] = out["write_seconds"] / estimated_seconds
+    return out
+
