@@ -315,6 +315,7 @@ class RunRecorder:
                 self._resume_step = int(resume_step)
                 for history in self.state.histories.values():
                     history.truncate_after(self._resume_step)
+                self.state.drop_events_after(self._resume_step)
                 self.state["step"] = self._resume_step
                 self.state["tokens_seen"] = self._resume_step * self.tokens_per_step
                 self._restore_latest_values()
@@ -447,6 +448,11 @@ class RunRecorder:
             self._update_clock(now)
         self._request(state=True, fsync=True, db=True)
 
+    def recorded_events(self) -> list[dict]:
+        """The events this run has recorded so far (the state file's, carried over on a resume)."""
+        with self._lock:
+            return list(self.state["events"])
+
     def rewind(self, step: int) -> None:
         """A rollback to the checkpoint at ``step``: the steps after it will be trained again, so
         their recorded metrics (state histories, both stores) are dropped, as a resume does."""
@@ -454,7 +460,9 @@ class RunRecorder:
         with self._lock:
             for history in self.state.histories.values():
                 history.truncate_after(step)
+            self.state.drop_events_after(step)
             self._out_metrics = [m for m in self._out_metrics if m[1] <= step]
+            self._out_events = [e for e in self._out_events if not (e[3] == "bad_step" and e[1] > step)]
             self._rewind = step if self._rewind is None else min(self._rewind, step)
             self.state["step"] = step
             self.state["tokens_seen"] = step * self.tokens_per_step

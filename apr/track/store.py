@@ -195,6 +195,11 @@ def untyped(value: Any, kind: str) -> Any:
     return value
 
 
+def _drop_bad_steps_after(conn: sqlite3.Connection, run_id: str, step: int) -> None:
+    """The steps after ``step`` are trained again: their bad_step events go (rollbacks stay)."""
+    conn.execute("DELETE FROM events WHERE run_id = ? AND kind = 'bad_step' AND step > ?", (run_id, step))
+
+
 @dataclass
 class Batch:
     """Everything one sync writes to one store, in one transaction."""
@@ -259,10 +264,12 @@ class StoreWriter:
                 resume_step = batch.register.get("resume_step")
                 if resume_step is not None:  # a resumed run replays the steps after its checkpoint
                     conn.execute("DELETE FROM metrics WHERE run_id = ? AND step > ?", (run["id"], resume_step))
+                    _drop_bad_steps_after(conn, run["id"], resume_step)
             else:
                 db["runs"].upsert(run, pk="id")
             if batch.rewind is not None:
                 conn.execute("DELETE FROM metrics WHERE run_id = ? AND step > ?", (run["id"], batch.rewind))
+                _drop_bad_steps_after(conn, run["id"], batch.rewind)
             if batch.metrics:
                 conn.executemany(
                     "INSERT INTO metrics (run_id, step, key, value, time) VALUES (?, ?, ?, ?, ?)", batch.metrics

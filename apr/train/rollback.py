@@ -73,6 +73,7 @@ class RollbackState:
     skips: list[dict] = field(default_factory=list)  # [{"at": micro-batch, "count": n}] still ahead
     lr_factor: float = 1.0
     lr_until: int = 0  # the lowered LR applies to steps <= lr_until
+    events: list[dict] = field(default_factory=list)  # each rollback's record {"step", "message", "detail"}
 
     def lr(self, step: int, lr: float) -> float:
         return lr * self.lr_factor if step <= self.lr_until else lr
@@ -86,13 +87,14 @@ class RollbackState:
 
     def state_dict(self) -> dict:
         return {"rollbacks": self.rollbacks, "skips": [dict(s) for s in self.skips],
-                "lr_factor": self.lr_factor, "lr_until": self.lr_until}
+                "lr_factor": self.lr_factor, "lr_until": self.lr_until, "events": [dict(e) for e in self.events]}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:
             self.rollbacks = int(state["rollbacks"])
             self.skips = [dict(s) for s in state.get("skips", [])]
             self.lr_factor, self.lr_until = float(state.get("lr_factor", 1.0)), int(state.get("lr_until", 0))
+            self.events = [dict(e) for e in state.get("events", [])]
 
 
 def ledger_rows(loader, first: int, count: int) -> list[dict]:

@@ -385,6 +385,7 @@ class Run:
         }
 
     def save(self, step: int, is_best: bool, recorder: Recorder) -> Path:
+        self.survival.before_save(recorder)
         state = TrainState(step=step, tensors=self.engine.train_state_tensors(), meta=self.checkpoint_meta(step))
         if not self.is_main:  # only rank 0 writes; every rank can resume from what it wrote
             self.last_checkpoint = self.ckpt.step_paths(step)[0]
@@ -407,6 +408,8 @@ class Run:
             return self._already_finished()
         recorder = self._open_recorder()
         recorder.start(resume_step=self.start_step if self.resumed_from else None)
+        if self.resumed_from is not None and self.survival.enabled:
+            self.survival.restore_records(recorder)
         self.echo(self._banner())
         self.step, self.last_checkpoint = self.start_step, self.resumed_from
         try:

@@ -33,6 +33,7 @@ class Survival:
         self.rollback = RollbackState()
         self.verdict = None  # the last step's bad-step verdict (None: not flagged)
         self.save_deferred = False  # a checkpoint fell due during a spike: written when it ends
+        self.unflushed = False  # bad_step events not yet on disk (flushed before the next checkpoint)
 
     @property
     def enabled(self) -> bool:
@@ -70,6 +71,7 @@ class Survival:
             v = self.verdict
             detail = {**v.to_dict(), **self._window(run, step, step)}
             recorder.log_event("bad_step", step, v.message(), detail)
+            self.unflushed = True
             run.echo(f"{run._step_label(step)}  {v.message()}")
         if self.spikes is None:
             return False
@@ -80,6 +82,22 @@ class Survival:
         if start is None:
             return False
         return self._roll_back(run, start, step, loss, ema, limit, recorder)
+
+    def before_save(self, recorder: Recorder) -> None:
+        """The bad_step events go to disk before a checkpoint that goes past their steps (a kill
+        after it cannot lose them: those steps will not be trained again)."""
+        if self.unflushed:
+            recorder.flush()
+            self.unflushed = False
+
+    def restore_records(self, recorder: Recorder) -> None:
+        """A resumed run records the rollbacks its checkpoint decided that the records lack (the
+        process died between the checkpoint and the records)."""
+        recorded = {(e.get("detail") or {}).get("attempt") for e in recorder.recorded_events()
+                    if e.get("kind") == "rollback"}
+        for event in self.rollback.events:
+            if event["detail"]["attempt"] not in recorded:
+                recorder.log_event("rollback", event["step"], event["message"], event["detail"])
 
     def save_due(self, due: bool, forced: bool) -> bool:
         """A checkpoint never holds the weights of a spike in progress (the rollback's target must
@@ -117,6 +135,7 @@ class Survival:
                         "roll back to (checkpoint more often: training.save_interval)", 1)
         window = self._window(run, start, step)
         kept = rb.state_dict()  # the run's rollback history outlives the restore
+        run.echo(f"{run._step_label(step)}  rollback: {what}; restoring {targets[0].json_path.name}")
         state, json_path = run.ckpt.load(targets[0].json_path)
         run.adopt(state)
         rb.load_state_dict(kept)
@@ -127,17 +146,22 @@ class Survival:
             rb.lr_factor, rb.lr_until = cfg.lr_factor, start + cfg.lr_steps - 1
         self.save_deferred = False
         restored = int(state.step)
-        run.step = restored
-        run.save(restored, False, recorder)  # now a kill resumes with the window skipped
-        recorder.rewind(restored)
         lowered = (f"; lr x {rb.lr_factor:g} for steps {start}-{rb.lr_until}" if rb.lr_until >= start else "")
         message = (f"rollback {rb.rollbacks}/{cfg.max_rollbacks}: {what}; restored step {restored} "
                    f"({json_path.name}), skipping the data of steps {start}-{step} ({len(window['rows'])} rows)"
                    + lowered)
-        recorder.log_event("rollback", step, message, {
+        event = {"step": step, "message": message, "detail": {
             "restored_step": restored, "checkpoint": str(json_path), "steps": [start, step], "loss": loss,
             "ema": ema, "limit": limit, "attempt": rb.rollbacks, "lr_factor": rb.lr_factor,
-            "lr_until": rb.lr_until if rb.lr_until >= start else None, **window})
+            "lr_until": rb.lr_until if rb.lr_until >= start else None, **window}}
+        rb.events.append(event)
+        run.step = restored
+        # The decision first (a kill from here on resumes past the window, and the resumed run
+        # records the event if this one could not: ``restore_records``), then the records.
+        run.save(restored, False, recorder)
+        recorder.rewind(restored)
+        recorder.log_event("rollback", step, message, event["detail"])
+        recorder.flush()
         run.echo(f"{run._step_label(step)}  {message}")
         run.steplog.start(restored)
         return True
