@@ -125,12 +125,19 @@ class Engine:
         # test of a one-walk step) before any update; True skips the step. Set by the run loop.
         self.step_gate: Callable[[torch.Tensor, torch.Tensor | None], bool] | None = None
         self._skip = False
+        # The last step's squared gradient norm per group (device tensors, times group_sq_scale**2 under
+        # fp16): kept, not read; apr/train/blocknorms.py reads them at log steps.
+        self.group_sq: dict[str, torch.Tensor] = {}
+        self.group_sq_scale = 1.0
 
     def _gate(self, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
         """Ask ``step_gate`` once per step (a host read: the gate reads the figures it tests)."""
         if self.step_gate is not None and not self._skip:
             self._skip = bool(self.step_gate(loss, norm))
         return self._skip
+
+    def _keep_sq(self, sq: dict[str, torch.Tensor], scale: float = 1.0) -> None:
+        self.group_sq, self.group_sq_scale = sq, scale
 
     def autocast(self):
         return autocast(self.device, self.cdt)
@@ -558,6 +565,7 @@ class InterleavedEngine(Engine):
             for g in self.groups:
                 g.own_grad.div_(self.dp.world_size)
         sq = {g.name: self.backend.sq_norm(g.own_grad) for g in self.groups}
+        self._keep_sq(sq, self.scaler.scale)
         norm, overflow = self._known_norm(sq)
         flagged = not overflow and self._gate(loss, norm)
         if not overflow and not flagged:
@@ -579,6 +587,7 @@ class InterleavedEngine(Engine):
 
         loss_sum = self._walk(ids, targets, inputs, graphs, grad_mult, record, free_inputs=False)
         loss = loss_sum / targets.numel()
+        self._keep_sq(sq, self.scaler.scale)
         norm, overflow = self._known_norm(sq)
         if overflow:
             return StepResult(loss, norm, skipped=True)
@@ -609,6 +618,7 @@ class InterleavedEngine(Engine):
 
         loss_sum = self._walk(ids, targets, inputs, graphs, 1.0, step, free_inputs=True,
                               gate_loss=self.step_gate is not None)
+        self._keep_sq(sq)
         norm = torch.stack([sq[g.name] for g in self.groups]).sum().sqrt()
         if self._skip:
             return StepResult(loss_sum / targets.numel(), norm, flagged=True)
@@ -690,6 +700,7 @@ class StandardEngine(Engine):
         # Norms group by group over the concatenated gradients: the same reduction as the interleaved
         # engine's flat buffers, so the two agree bitwise (clip_grad_norm_ differs only in rounding).
         sq = {name: self.backend.sq_norm(torch.cat([p.grad.reshape(-1) for p in group])) for name, group in self.groups}
+        self._keep_sq(sq)
         norm = torch.stack(list(sq.values())).sum().sqrt()
         if not bool(torch.isfinite(norm).item()):
             if self.scaler.enabled:

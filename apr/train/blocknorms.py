@@ -1,0 +1,125 @@
+"""Per-block telemetry (``monitoring.block_norms``): each optimizer group's gradient norm and the
+norm of the update AdamW applied to it, read at log steps only.
+
+Gradient norms cost nothing extra: both engines already form each group's squared gradient norm
+(the clipping arithmetic) and keep the last step's as device tensors (``Engine.group_sq``).
+
+Update norms ``||w_new - w_old||`` are derived from AdamW's own state after the step, so no copy of
+the weights is kept. With decoupled weight decay the step is
+``w_new = w_old * (1 - lr*wd) - lr * u`` with ``u = m_hat / (sqrt(v_hat) + eps)`` (the moments and
+their bias corrections after the step), so ``w_new - w_old = -lr * (wd * w_new + u) / (1 - lr*wd)``.
+That is evaluated in chunks of ``CHUNK`` elements (a few temporaries of that size, whatever the
+group's size: a 7B model's embedding group is 2 GB in float32), one pass over w, m and v per log
+step. A step that applied no update (fp16 overflow, a skipped bad step) has update norm 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CHUNK = 1 << 22  # elements per temporary (16 MiB in float32)
+
+# Metric names (training_state.json's ``block_norms``, the stores' metric keys, alert variables).
+BLOCK_GRAD = "block_grad_norm"
+BLOCK_UPDATE = "block_update_norm"
+SCALARS = ("embed_grad_norm", "embed_update_norm", "head_grad_norm", "head_update_norm",
+           "max_block_grad_norm", "max_block_update_norm")
+
+
+def _update_sq_sum(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, wd: float, bc1: float, bc2_sqrt: float,
+                   eps: float, out: torch.Tensor) -> None:
+    """Add ``sum((wd*w + m/bc1 / (sqrt(v)/sqrt(bc2) + eps))**2)`` over flat float32 views, in chunks, to ``out``."""
+    n = w.numel()
+    for start in range(0, n, CHUNK):
+        end = min(start + CHUNK, n)
+        u = v[start:end].sqrt().div_(bc2_sqrt).add_(eps)
+        torch.div(m[start:end], u, out=u).div_(bc1)
+        if wd:
+            u.add_(w[start:end], alpha=wd)
+        out += torch.dot(u, u)
+
+
+def adamw_update_sq_norm(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, lr: float, weight_decay: float,
+                         beta1: float, beta2: float, eps: float, step: int,
+                         decay_ranges: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
+    """``||w_new - w_old||**2`` of the AdamW update that produced ``w`` (= w_new), ``m`` and ``v`` at
+    1-based ``step`` with learning rate ``lr`` (0-dim float32 device tensor). ``decay_ranges``: the
+    half-open element ranges weight decay applies to (None: all of them when ``weight_decay``)."""
+    w, m, v = w.detach().reshape(-1), m.reshape(-1), v.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=w.device)
+    if step < 1 or lr == 0.0:
+        return total
+    bc1, bc2_sqrt = 1.0 - beta1 ** step, math.sqrt(1.0 - beta2 ** step)
+    if decay_ranges is None:
+        decay_ranges = ((0, w.numel()),) if weight_decay else ()
+    decayed = torch.zeros((), dtype=torch.float32, device=w.device)
+    plain = torch.zeros((), dtype=torch.float32, device=w.device)
+    at = 0
+    for start, end in (*decay_ranges, (w.numel(), w.numel())):
+        if start > at:  # the elements between decaying ranges
+            _update_sq_sum(w[at:start], m[at:start], v[at:start], wd=0.0, bc1=bc1, bc2_sqrt=bc2_sqrt, eps=eps,
+                           out=plain)
+        if end > start:
+            _update_sq_sum(w[start:end], m[start:end], v[start:end], wd=weight_decay, bc1=bc1, bc2_sqrt=bc2_sqrt,
+                           eps=eps, out=decayed)
+        at = max(at, end)
+    total += plain * lr ** 2
+    if decay_ranges:
+        total += decayed * (lr / (1.0 - lr * weight_decay)) ** 2
+    return total
+
+
+def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
+    """Each optimizer group's squared update norm of the engine's last applied step (device tensors)."""
+    kw = {"lr": lr, "beta1": engine.beta1, "beta2": engine.beta2, "eps": engine.eps, "step": engine.optimizer_steps}
+    if engine.kind == "standard":
+        decay = {p: pg["weight_decay"] for pg in engine.optimizer.param_groups for p in pg["params"]}
+        out = {}
+        for name, params in engine.groups:
+            total = torch.zeros((), dtype=torch.float32, device=engine.device)
+            for p in params:
+                state = engine.optimizer.state.get(p)
+                if state:
+                    total += adamw_update_sq_norm(p, state["exp_avg"], state["exp_avg_sq"],
+                                                  weight_decay=decay[p], **kw)
+            out[name] = total
+        return out
+    return {g.name: adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=engine.weight_decay,
+                                         decay_ranges=g.decay.ranges, **kw)
+            for g in engine.groups}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def block_metrics(engine, lr: float, applied: bool = True) -> dict:
+    """The last step's per-group norms, read to the host in one transfer: ``block_grad_norm`` and
+    ``block_update_norm`` (lists indexed by block), ``embed_*``/``head_*`` (absent under LoRA, whose
+    embedding and head are frozen) and ``max_block_*``. ``applied``: the step updated the weights
+    (False: every update norm is 0). Empty before the first step."""
+    sq = engine.group_sq
+    if not sq:
+        return {}
+    names = list(sq)
+    grad = torch.stack([sq[n].float() for n in names])
+    if applied:
+        upd = group_update_sq_norms(engine, lr)
+        update = torch.stack([upd[n] for n in names])
+    else:
+        update = torch.zeros_like(grad)
+    values = torch.cat([grad, update]).sqrt().tolist()
+    scale = engine.group_sq_scale
+    grads = dict(zip(names, (_finite(x / scale) for x in values[:len(names)]), strict=True))
+    updates = dict(zip(names, (_finite(x) for x in values[len(names):]), strict=True))
+    blocks = sorted((n for n in names if n.startswith("block.")), key=lambda n: int(n.split(".")[1]))
+    out: dict = {BLOCK_GRAD: [grads[n] for n in blocks], BLOCK_UPDATE: [updates[n] for n in blocks]}
+    for part in ("embed", "head"):
+        if part in grads:
+            out[f"{part}_grad_norm"], out[f"{part}_update_norm"] = grads[part], updates[part]
+    for key in (BLOCK_GRAD, BLOCK_UPDATE):
+        finite = [x for x in out[key] if x is not None]
+        out[f"max_{key}"] = max(finite) if finite else None
+    return out
