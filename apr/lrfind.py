@@ -140,6 +140,7 @@ def sweep_config(config, test: RangeTest, output_dir: Path):
     tr["early_stopping"] = {"patience": None, "min_delta": 0.0}
     doc["monitoring"]["alerts"] = []
     doc["monitoring"]["sinks"] = []
+    doc["monitoring"]["block_norms"] = False  # a log every step: the telemetry would cost, and nothing reads it
     doc["evaluation"]["tasks"] = []
     doc["evaluation"]["samples"] = None
     return AprConfig.model_validate(doc)

@@ -505,6 +505,9 @@ class MonitoringConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     system: SystemConfig = Field(default_factory=SystemConfig)
     alerts: list[AlertConfig] = Field(default_factory=list)
+    block_norms: bool = Field(True, description="Record each block's gradient and update norm (and the "
+                              "embedding's and head's) at every log step: block_grad_norm, block_update_norm, ... "
+                              "in the stores, training_state.json, alert conditions and the monitor (docs/monitor.md).")
     sinks: list[SinkConfig] = Field(
         default_factory=list, description="External trackers fed the same metrics as the stores, from the "
                                           "recorder's thread; a failing one is a warning, never a failed run.")

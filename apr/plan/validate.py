@@ -43,7 +43,8 @@ def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
     boolean), located at their line: caught by validate and plan instead of at the start of a run."""
 
     out = []
-    for f in alert_findings(list(loaded.config.monitoring.alerts), file=str(loaded.path)):
+    monitoring = loaded.config.monitoring
+    for f in alert_findings(list(monitoring.alerts), file=str(loaded.path), block_norms=monitoring.block_norms):
         index = int(f.path.split("[", 1)[1].split("]", 1)[0]) if "[" in f.path else None
         line = column = None
         if index is not None:

@@ -1,7 +1,9 @@
 """Alerts (the reference's Andon): `monitoring.alerts` conditions evaluated with the shared CEL engine.
 
 A condition sees the step's metrics under these names: loss, val_loss, lr (alias learning_rate),
-grad_norm (alias gradient_norm), step, epoch, tokens_per_s. A condition whose variables are not
+grad_norm (alias gradient_norm), step, epoch, tokens_per_s, and the per-block telemetry
+(monitoring.block_norms): the lists block_grad_norm and block_update_norm, and embed_/head_grad_norm,
+embed_/head_update_norm, max_block_grad_norm, max_block_update_norm. A condition whose variables are not
 all known yet (val_loss before the first evaluation) is skipped, not fired. `warn` alerts fire once
 when their condition becomes true and again only after it has been false; `stop` alerts fire on
 every check while true (the trainer stops at the first). Non-finite loss or gradients are not an
@@ -18,6 +20,7 @@ from typing import Any
 from apr.cel import CelError, compile_expr, evaluate, free_variables
 from apr.errors import AprError, Finding
 from apr.fmt import fmt_float
+from apr.track.state import BLOCK_NORM_KEYS, BLOCK_NORM_LISTS
 
 # Metric names a condition may use -> the metrics key they read.
 ALERT_VARIABLES: dict[str, str] = {
@@ -30,8 +33,12 @@ ALERT_VARIABLES: dict[str, str] = {
     "step": "step",
     "epoch": "epoch",
     "tokens_per_s": "tokens_per_s",
+    **{name: name for name in BLOCK_NORM_KEYS},
 }
 _INT_VARIABLES = {"step"}
+# Lists of floats, one per block (monitoring.block_norms): `block_grad_norm.exists(x, x > 5.0)`,
+# `block_update_norm[0] > 1.0`; known from the first log step.
+_LIST_VARIABLES = set(BLOCK_NORM_LISTS)
 # In-training task scores (evaluation.tasks): `eval.<task>.acc` and `eval.<task>.acc_norm`, a map
 # that exists once the first task evaluation has run (docs/eval.md).
 EVAL_VARIABLE = "eval"
@@ -60,14 +67,16 @@ class Alert:
 
 
 def _sample_variables(condition: str = "") -> dict[str, Any]:
-    sample: dict[str, Any] = {name: (1 if name in _INT_VARIABLES else 1.0) for name in ALERT_VARIABLES}
+    sample: dict[str, Any] = {name: (1 if name in _INT_VARIABLES else [1.0, 1.0] if name in _LIST_VARIABLES else 1.0)
+                              for name in ALERT_VARIABLES}
     tasks = {task for task, _ in _EVAL_REF.findall(condition)}
     sample[EVAL_VARIABLE] = {task: {"acc": 0.5, "acc_norm": 0.5} for task in tasks}
     return sample
 
 
-def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
-    """Check `monitoring.alerts` entries up front: CEL syntax, known metric names, boolean result.
+def alert_findings(alerts: list, file: str | None = None, block_norms: bool = True) -> list[Finding]:
+    """Check `monitoring.alerts` entries up front: CEL syntax, known metric names, boolean result,
+    no per-block norm when `monitoring.block_norms` is off (the condition could never be evaluated).
     Returns findings (empty when all are usable); `apr train validate` can report them."""
 
     findings = []
@@ -91,6 +100,21 @@ def alert_findings(alerts: list, file: str | None = None) -> list[Finding]:
                     file=file,
                     expected="names among " + ", ".join(ALERT_VARIABLES) + ", eval.<task>.acc, eval.<task>.acc_norm",
                     got=", ".join(unknown),
+                )
+            )
+            continue
+        off = sorted(set(free_variables(condition)) & set(BLOCK_NORM_KEYS)) if not block_norms else []
+        if off:
+            findings.append(
+                Finding(
+                    "error",
+                    "alert.block_norms_off",
+                    f"alert condition {condition!r} uses {', '.join(off)}, which are not recorded: "
+                    "monitoring.block_norms is false",
+                    path=path,
+                    file=file,
+                    expected="monitoring.block_norms: true, or a condition without per-block norms",
+                    got="monitoring.block_norms: false",
                 )
             )
             continue
@@ -146,6 +170,12 @@ class AlertEvaluator:
                 value = values.get(ALERT_VARIABLES[name])
                 if value is None or isinstance(value, bool):
                     break
+                if name in _LIST_VARIABLES:
+                    items = _float_list(value)
+                    if items is None:
+                        break
+                    variables[name] = items
+                    continue
                 try:
                     value = int(value) if name in _INT_VARIABLES else float(value)
                 except (TypeError, ValueError):
@@ -163,7 +193,9 @@ class AlertEvaluator:
                 was_active = self._active[i]
                 self._active[i] = result
                 if result and (action == "stop" or not was_active):
-                    flat = {k: v for k, v in variables.items() if k != EVAL_VARIABLE}
+                    flat = {k: v for k, v in variables.items() if k != EVAL_VARIABLE and k not in _LIST_VARIABLES}
+                    flat.update({f"max({k})": max(variables[k]) for k in variables
+                                 if k in _LIST_VARIABLES and variables[k]})
                     flat.update({f"eval.{t}.{m}": variables[EVAL_VARIABLE][t][m]
                                  for t, m in _EVAL_REF.findall(condition) if EVAL_VARIABLE in variables
                                  and m in variables[EVAL_VARIABLE].get(t, {})})
@@ -180,3 +212,21 @@ class AlertEvaluator:
                         )
                     )
         return fired
+
+
+def _float_list(value: Any) -> list[float] | None:
+    """A per-block list as floats; None when it is not a list or holds a missing/non-finite value."""
+    if not isinstance(value, (list, tuple)):
+        return None
+    out = []
+    for item in value:
+        if item is None or isinstance(item, bool):
+            return None
+        try:
+            f = float(item)
+        except (TypeError, ValueError):
+            return None
+        if f != f:
+            return None
+        out.append(f)
+    return out

@@ -35,7 +35,7 @@ from apr.track.names import (
     validate_experiment,
     validate_run_id,
 )
-from apr.track.state import STATE_FILE, RunState, read_state
+from apr.track.state import BLOCK_NORM_KEYS, STATE_FILE, RunState, read_state
 from apr.track.store import BUSY_TIMEOUT_S, Batch, StoreWriter, flatten_params
 from apr.track.telemetry import gpu_snapshot
 from apr.track.trackers import open_sink
@@ -360,12 +360,20 @@ class RunRecorder:
         with self._lock:
             st = self.state
             for key, value in metrics.items():
+                if isinstance(value, (list, tuple)):  # per-block norms: one row per block, key.<index>
+                    for i, item in enumerate(value):
+                        v = _num(item)
+                        self._out_metrics.append((self.run_id, step, f"{key}.{i}", v if v == v else None, now))
+                    continue
                 v = _num(value)
                 if v is None or key == "step":  # the step is the row's own column
                     continue
                 self._out_metrics.append((self.run_id, step, str(key), v if v == v else None, now))
                 if key in STATE_KEYS:
                     st[key] = v
+            block = {k: metrics[k] for k in BLOCK_NORM_KEYS if k in metrics}
+            if block:
+                st["block_norms"] = {"step": step, **block}
             tokens = _finite_or_none(_num(metrics.get("tokens_seen")))
             st["tokens_seen"] = int(tokens) if tokens is not None else step * self.tokens_per_step
             st["step"] = step

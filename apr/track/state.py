@@ -28,6 +28,12 @@ ACTIVE_STATUSES = ("starting", "running")
 STALE_AFTER_S = 120.0  # the floor of the stale threshold; see stale_threshold()
 
 HISTORY_KEYS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s")
+# monitoring.block_norms (apr/train/blocknorms.py): lists indexed by block, and scalars; the latest
+# log step's go in the ``block_norms`` field, every log step's in the stores (lists as key.<index>)
+BLOCK_NORM_LISTS = ("block_grad_norm", "block_update_norm")
+BLOCK_NORM_SCALARS = ("embed_grad_norm", "embed_update_norm", "head_grad_norm", "head_update_norm",
+                      "max_block_grad_norm", "max_block_update_norm")
+BLOCK_NORM_KEYS = BLOCK_NORM_LISTS + BLOCK_NORM_SCALARS
 
 
 def _finite(value: Any) -> float | None:
@@ -156,6 +162,7 @@ class RunState:
             "log_period_s": None,
             "evals": None,  # in-training task scores (evaluation.tasks), latest per task
             "samples": None,  # the latest sample generations (evaluation.samples)
+            "block_norms": None,  # the latest per-block gradient and update norms (monitoring.block_norms)
         }
         self.fields.update(fields)
         self.histories = {key: History() for key in HISTORY_KEYS}

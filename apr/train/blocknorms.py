@@ -19,13 +19,11 @@ import math
 
 import torch
 
+from apr.track.state import BLOCK_NORM_LISTS
+
 CHUNK = 1 << 22  # elements per temporary (16 MiB in float32)
 
-# Metric names (training_state.json's ``block_norms``, the stores' metric keys, alert variables).
-BLOCK_GRAD = "block_grad_norm"
-BLOCK_UPDATE = "block_update_norm"
-SCALARS = ("embed_grad_norm", "embed_update_norm", "head_grad_norm", "head_update_norm",
-           "max_block_grad_norm", "max_block_update_norm")
+BLOCK_GRAD, BLOCK_UPDATE = BLOCK_NORM_LISTS  # the metric names: apr/track/state.py
 
 
 def _update_sq_sum(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, wd: float, bc1: float, bc2_sqrt: float,

@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from apr.steps.schedule import LRSchedule
 from apr.track.protocol import NullRecorder, Recorder
 from apr.track.recorder import RunRecorder
 from apr.train import engine as engine_module  # build_engine looked up at call time (tests spy on it)
+from apr.train.blocknorms import block_metrics
 from apr.train.cadence import Cadence
 from apr.train.dist import from_env
 from apr.train.earlystop import EarlyStopping
@@ -183,6 +185,8 @@ class Run:
         self.engine = engine_module.build_engine(config, self.device, dp=self.dp, execution=execution)
         if self.survival.bad_steps is not None:
             self.engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
+        if config.monitoring.block_norms:
+            self.steplog.block_norms = partial(block_metrics, self.engine)
         # reads the task files now, so a malformed one fails before the first step
         self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
 

@@ -40,3 +40,17 @@ def test_good_alerts_pass_validate(tmp_path):
     good = CONFIG.split("    - condition: \"los >")[0]
     (tmp_path / "cfg.yaml").write_text(good)
     assert _run("train", "validate", "cfg.yaml", cwd=tmp_path).returncode == 0
+
+
+def test_a_block_norm_alert_with_block_norms_off_fails_validate_at_its_line(tmp_path):
+    config = CONFIG.split("  alerts:")[0] + (
+        "  block_norms: false\n"
+        "  alerts:\n"
+        "    - condition: \"block_grad_norm.exists(x, x > 5.0)\"\n")
+    (tmp_path / "cfg.yaml").write_text(config)
+    proc = _run("train", "validate", "cfg.yaml", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert "alert.block_norms_off" in out and "cfg.yaml:9:" in out and "monitoring.block_norms" in out
+    (tmp_path / "cfg.yaml").write_text(config.replace("block_norms: false", "block_norms: true"))
+    assert _run("train", "validate", "cfg.yaml", cwd=tmp_path).returncode == 0

@@ -105,3 +105,33 @@ def test_alert_conditions_on_in_training_task_scores():
     (fired,) = ev.check({"eval": {"t": {"acc": 0.25, "acc_norm": 0.5}}}, step=2)
     assert fired.values == {"eval.t.acc": 0.25} and "eval.t.acc=0.25" in fired.message
     assert ev.check({"eval": {"t": {"acc": 0.5, "acc_norm": 0.5}}}, step=3) == []
+
+
+def test_per_block_norms_in_conditions():
+    ev = _ev({"condition": "block_grad_norm.exists(x, x > 5.0)", "action": "stop"},
+             {"condition": "max_block_update_norm > 0.5"},
+             {"condition": "block_update_norm[0] > 2.0 * head_update_norm"})
+    calm = {"block_grad_norm": [1.0, 2.0, 3.0], "block_update_norm": [0.1, 0.2, 0.1], "max_block_update_norm": 0.2,
+            "head_update_norm": 0.1}
+    assert ev.check(calm) == []
+    spike = {"block_grad_norm": [9.5, 2.0, 3.0], "block_update_norm": [0.9, 0.2, 0.1], "max_block_update_norm": 0.9,
+             "head_update_norm": 0.1}
+    fired = ev.check(spike, step=30)
+    assert sorted(a.condition for a in fired) == sorted(
+        ["block_grad_norm.exists(x, x > 5.0)", "max_block_update_norm > 0.5",
+         "block_update_norm[0] > 2.0 * head_update_norm"])
+    stop = next(a for a in fired if a.action == "stop")
+    assert stop.message == "alert: block_grad_norm.exists(x, x > 5.0) (max(block_grad_norm)=9.5)"
+    # a non-finite block (None in the state) leaves the condition to the non-finite check
+    assert ev.check({**calm, "block_grad_norm": [None, 1.0, 1.0]}) == []
+    assert ev.errors == []
+
+
+def test_per_block_names_validate_and_need_block_norms_on():
+    alerts = [AlertConfig(condition="block_grad_norm.exists(x, x > 5.0)"),
+              AlertConfig(condition="max_block_grad_norm > 5.0")]
+    assert alert_findings(alerts) == []
+    found = alert_findings(alerts, file="run.yaml", block_norms=False)
+    assert [f.code for f in found] == ["alert.block_norms_off"] * 2
+    assert found[0].path == "monitoring.alerts[0].condition" and "block_grad_norm" in found[0].message
+    assert found[1].got == "monitoring.block_norms: false"
