@@ -25,13 +25,15 @@ from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
 from apr.fmt import fmt_duration, fmt_epoch
-from apr.monitor.charts import Series, bar, ema, line_chart, sparkline
+from apr.monitor.charts import Series, bar, ema, level_bars, line_chart, sparkline
 from apr.monitor.discover import ActiveRun
 from apr.monitor.settings import MonitorSettings, load_settings
 from apr.monitor.state import StateReader, effective_status, stale_threshold
 from apr.monitor.view import (
+    BlockView,
     HeaderView,
     SparkView,
+    block_view,
     gpu_lines,
     grad_view,
     header_view,
@@ -208,6 +210,27 @@ class SparkPanel(Panel):
         return text
 
 
+class BlockPanel(Panel):
+    """Per-block gradient (``g``) and update (``u``) norms of the last log step as bars, block 0 on
+    the left, each row scaled to its own largest value, which follows the bars with its block."""
+
+    def build(self, width: int, height: int) -> Text:
+        view: BlockView | None = self.value  # type: ignore[assignment]
+        if view is None:
+            return Text("")
+        self.border_title = f"Blocks @ step {view.step}" if view.step is not None else "Blocks"
+        text = Text()
+        for i, (label, values) in enumerate((("g ", view.grads), ("u ", view.updates))):
+            peak = " " + view.peak(values)
+            bars = level_bars(values, max(1, width - len(label) - len(peak)))
+            if i:
+                text.append("\n")
+            text.append(label, style=_style("label"))
+            text.append(bars, style=_style("train"))
+            text.append(peak[: max(0, width - len(label) - len(bars))], style=_style("label"))
+        return text
+
+
 class MessagesPanel(Panel):
     """Messages, most important first, each wrapped to the panel's width; "…" ends the last line
     shown when more did not fit."""
@@ -301,7 +324,7 @@ class MonitorApp(App[None]):
     #stats { height: auto; border: round $primary; }
     #gpu { height: auto; border: round $primary; }
     #sparks { height: 4; }
-    #lr, #grad { width: 1fr; height: 4; border: round $primary; }
+    #lr, #grad, #blocks { width: 1fr; height: 4; border: round $primary; }
     #messages { height: 4; border: round $primary; }
     """
     BINDINGS = [
@@ -349,11 +372,13 @@ class MonitorApp(App[None]):
         with Horizontal(id="sparks"):
             yield SparkPanel(id="lr", title="Learning rate")
             yield SparkPanel(id="grad", title="Grad norm")
+            yield BlockPanel(id="blocks", title="Blocks")
         yield MessagesPanel(id="messages", title="Alerts")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#gpu").display = False
+        self.query_one("#blocks").display = False
         if self.quit_after_s is not None:
             self.set_timer(self.quit_after_s, self.exit)
         if self._pending_run_dir is not None:
@@ -417,6 +442,10 @@ class MonitorApp(App[None]):
         gpu_panel.set_value(gpu)
         self.query_one("#lr", SparkPanel).set_value(lr_view(state))
         self.query_one("#grad", SparkPanel).set_value(grad_view(state))
+        blocks = block_view(state)
+        block_panel = self.query_one("#blocks", BlockPanel)
+        block_panel.display = blocks is not None
+        block_panel.set_value(blocks)
 
     def _push_chart(self) -> None:
         state = self.reader.state if self.reader else None

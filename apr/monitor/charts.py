@@ -202,3 +202,28 @@ def bar(fraction: float | None, width: int) -> str:
         return "░" * width
     filled = round(min(1.0, max(0.0, fraction)) * width)
     return "█" * filled + "░" * (width - filled)
+
+
+def level_bars(values: Sequence[float | None], width: int, top: float | None = None) -> str:
+    """One column per value, ``▁`` to ``█`` scaled from 0 to ``top`` (default: the largest), ``!``
+    for a missing (non-finite) one; at most ``width`` columns (each the largest of its bucket, so a
+    spike in one block is not averaged away)."""
+    vals = list(values)
+    if not vals or width <= 0:
+        return ""
+    n = len(vals)
+    if n > width:
+        buckets = [vals[i * n // width : (i + 1) * n // width] for i in range(width)]
+        vals = [None if any(v is None for v in b) else max(b) for b in buckets if b]
+    finite = [v for v in vals if v is not None and math.isfinite(v)]
+    hi = top if top is not None else max(finite, default=0.0)
+    steps = len(SPARK_LEVELS) - 1
+    out = []
+    for v in vals:
+        if v is None or not math.isfinite(v):
+            out.append("!")
+        elif hi <= 0:
+            out.append(SPARK_LEVELS[0])
+        else:
+            out.append(SPARK_LEVELS[round(min(1.0, max(0.0, v / hi)) * steps)])
+    return "".join(out)

@@ -64,7 +64,8 @@ _FIELD_KINDS: dict[str, str] = {
     "model_params": "num",
 }
 # Written by the tracker but not part of the fields every version-1 writer must provide.
-_OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events"}
+_OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events",
+                   "block_norms": "block_norms"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -175,6 +176,21 @@ def _samples(value: Any) -> dict | None:
     return {"step": num(value.get("step")), "items": items}
 
 
+def _block_norms(value: Any) -> dict | None:
+    """Per-block norms of the latest log step (monitoring.block_norms): the two lists as tuples of
+    float | None (None: non-finite or malformed), the scalars as float | None."""
+    if not isinstance(value, dict):
+        return None
+    out: dict[str, Any] = {"step": _int(value.get("step"))}
+    for key in ("block_grad_norm", "block_update_norm"):
+        items = value.get(key)
+        out[key] = tuple(num(x) for x in items) if isinstance(items, list) else ()
+    for key in ("embed_grad_norm", "embed_update_norm", "head_grad_norm", "head_update_norm",
+                "max_block_grad_norm", "max_block_update_norm"):
+        out[key] = num(value.get(key))
+    return out if out["block_grad_norm"] or out["block_update_norm"] else None
+
+
 _CONVERT = {
     "str": _str,
     "int": _int,
@@ -186,6 +202,7 @@ _CONVERT = {
     "strings": _strings,
     "evals": _evals,
     "samples": _samples,
+    "block_norms": _block_norms,
 }
 
 

@@ -163,6 +163,35 @@ def grad_view(state: dict | None) -> SparkView:
     return SparkView(values, f"now {fmt_sci(last)}  max {fmt_sci(max(values))}")
 
 
+@dataclass(frozen=True)
+class BlockView:
+    """The last recorded per-block norms (monitoring.block_norms): one row of bars each for the
+    gradient and the update norms, block 0 (nearest the embedding) on the left."""
+
+    step: int | None
+    grads: tuple[float | None, ...]
+    updates: tuple[float | None, ...]
+
+    @staticmethod
+    def peak(values: tuple[float | None, ...]) -> str:
+        """'1.20e-1 #3': the largest value and its block; '!' names the first non-finite block."""
+        if any(v is None for v in values):
+            return f"! #{values.index(None)}"
+        if not values:
+            return DASH
+        i = max(range(len(values)), key=values.__getitem__)
+        return f"{fmt_sci(values[i])} #{i}"
+
+
+def block_view(state: dict | None) -> BlockView | None:
+    """None hides the panel: no state, or a run that records no per-block norms."""
+    norms = state.get("block_norms") if state else None
+    if not norms:
+        return None
+    return BlockView(norms.get("step"), tuple(norms.get("block_grad_norm") or ()),
+                     tuple(norms.get("block_update_norm") or ()))
+
+
 def messages(
     reading: Reading | None, state: dict | None, status: str, now: float, stale_after_s: float, limit: int = 8
 ) -> tuple[tuple[str, str], ...]:
