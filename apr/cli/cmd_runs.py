@@ -77,6 +77,30 @@ def run_ls(
     return 0
 
 
+def _final_metric_rows(final: dict) -> list[tuple[str, str, object]]:
+    """(name, value, step) per final metric; a per-block list (block_grad_norm.0, .1, ...) is one
+    row, ``block_grad_norm[N]``, showing its largest value and that block (``0.52 #3``)."""
+    from apr.track.state import BLOCK_NORM_LISTS
+
+    rows: list[tuple[str, str, object]] = []
+    lists: dict[str, list[tuple[int, dict]]] = {}
+    for key, m in final.items():
+        base, _, index = key.rpartition(".")
+        if base in BLOCK_NORM_LISTS and index.isdigit():
+            if base not in lists:
+                rows.append((base, "", None))  # filled below, in the place of its first block
+            lists.setdefault(base, []).append((int(index), m))
+            continue
+        rows.append((key, fmt_value(m["value"]), m["step"]))
+    for i, (key, _, _) in enumerate(rows):
+        if key in lists:
+            blocks = lists[key]
+            known = [(m["value"], b) for b, m in blocks if m["value"] is not None]
+            value = f"{fmt_value(max(known)[0])} #{max(known)[1]}" if known else fmt_value(None)
+            rows[i] = (f"{key}[{len(blocks)}]", value, max(m["step"] for _, m in blocks))
+    return rows
+
+
 def show_text(detail: dict) -> str:
     r = detail["run"]
     t = safe_text
@@ -96,9 +120,10 @@ def show_text(detail: dict) -> str:
         "",
         "final metrics:",
     ]
-    width = max([14, *(len(t(k)) for k in detail["final_metrics"])])  # eval.<task>.acc_norm is long
-    for key, m in detail["final_metrics"].items():
-        out.append(f"  {t(key):<{width}} {fmt_value(m['value']):<12} (step {fmt_value(m['step'])})")
+    rows = _final_metric_rows(detail["final_metrics"])
+    width = max([14, *(len(t(k)) for k, _, _ in rows)])  # eval.<task>.acc_norm is long
+    for key, value, step in rows:
+        out.append(f"  {t(key):<{width}} {value:<12} (step {fmt_value(step)})")
     if detail["best_val_loss"]:
         b = detail["best_val_loss"]
         out.append(f"  best val_loss  {fmt_value(b['value'])} (step {fmt_value(b['step'])})")

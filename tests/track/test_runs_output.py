@@ -119,3 +119,22 @@ def test_show_lists_the_config_tracking_tags(tmp_path, recorder_factory, monkeyp
         "tags       data=code-v2, stage=pretrain" in result.output
     doc = json.loads(runner.invoke(app, ["runs", "show", "20261122-000000-aaaa09", "--json"]).output)
     assert doc["tags"] == {"stage": "pretrain", "data": "code-v2"}
+
+
+def test_show_folds_a_per_block_list_into_one_row(tmp_path, recorder_factory, monkeypatch):
+    rec = recorder_factory(tmp_path / "runs" / "c", experiment="exp", background=False,
+                           run_id="20261122-000000-aaaa03")
+    rec.start()
+    for s in (10, 20):
+        rec.log_step(s, {"loss": 2.0, "block_grad_norm": [0.1 * s, 0.5 * s, 0.2 * s],
+                         "block_update_norm": [0.01, 0.02, None], "max_block_grad_norm": 0.5 * s})
+    rec.finish("finished")
+    monkeypatch.chdir(tmp_path)
+    out = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa03"]).output
+    assert "block_grad_norm[3]" in out and "block_grad_norm.1" not in out
+    row = next(line for line in out.splitlines() if "block_grad_norm[3]" in line)
+    assert row.split()[1:] == ["10", "#1", "(step", "20)"]  # the largest block's value, its index
+    assert next(line for line in out.splitlines() if "block_update_norm[3]" in line).split()[1:3] == ["0.02", "#1"]
+    assert "max_block_grad_norm" in out
+    doc = json.loads(runner.invoke(app, ["runs", "show", "20261122-000000-aaaa03", "--json"]).output)
+    assert doc["final_metrics"]["block_grad_norm.1"]["value"] == 10.0  # JSON keeps every block

@@ -81,7 +81,7 @@ def test_nothing_before_the_first_step():
 
 
 def test_chunks_and_decay_ranges_match_the_direct_formula(monkeypatch):
-    monkeypatch.setattr(blocknorms, "CHUNK", 7)  # many chunks, some straddling the range edges
+    monkeypatch.setattr(blocknorms, "CHUNK_CPU", 7)  # many chunks, some straddling the range edges
     gen = torch.Generator().manual_seed(0)
     w, m = torch.randn(50, generator=gen), torch.randn(50, generator=gen) * 1e-2
     v = torch.rand(50, generator=gen) * 1e-4
