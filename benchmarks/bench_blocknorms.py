@@ -116,7 +116,7 @@ def main() -> None:
         float(result.loss.item()), float(result.grad_norm.item())  # the log step's own host reads
         if on:
             t0 = time.perf_counter()
-            metrics = block_metrics(engine, LR, applied=not result.skipped)
+            metrics = block_metrics(engine, LR)
             sync(device)
             if r:
                 telemetry_times.append(time.perf_counter() - t0)
@@ -128,7 +128,7 @@ def main() -> None:
     machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
                else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads")
     out = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine, "cpu_count": os.cpu_count(), "torch": torch.__version__,
         "loadavg_before": load_before, "loadavg_after": loadavg(),
         "engine": args.engine, "params": trainable_param_count(config), "batch": args.batch, "seq": args.seq,

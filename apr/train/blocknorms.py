@@ -97,14 +97,16 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def block_metrics(engine, lr: float, applied: bool = True) -> dict:
+def block_metrics(engine, lr: float) -> dict:
     """The last step's per-group norms, read to the host in one transfer: ``block_grad_norm`` and
     ``block_update_norm`` (lists indexed by block), ``embed_*``/``head_*`` (absent under LoRA, whose
-    embedding and head are frozen) and ``max_block_*``. ``applied``: the step updated the weights
-    (False: every update norm is 0). Empty before the first step."""
+    embedding and head are frozen) and ``max_block_*``. A step that applied no update (fp16
+    overflow, a skipped bad step: AdamW's count did not move) has update norms 0. ``lr``: the
+    step's learning rate. Empty before the first step."""
     sq = engine.group_sq
     if not sq:
         return {}
+    applied = engine.optimizer_steps > engine.group_sq_steps
     names = list(sq)
     grad = torch.stack([sq[n].float() for n in names])
     if applied:

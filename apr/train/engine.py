@@ -126,9 +126,11 @@ class Engine:
         self.step_gate: Callable[[torch.Tensor, torch.Tensor | None], bool] | None = None
         self._skip = False
         # The last step's squared gradient norm per group (device tensors, times group_sq_scale**2 under
-        # fp16): kept, not read; apr/train/blocknorms.py reads them at log steps.
+        # fp16) and the update count before it (the step updated the weights iff optimizer_steps is
+        # larger now): kept, not read; apr/train/blocknorms.py reads them at log steps.
         self.group_sq: dict[str, torch.Tensor] = {}
         self.group_sq_scale = 1.0
+        self.group_sq_steps = 0
 
     def _gate(self, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
         """Ask ``step_gate`` once per step (a host read: the gate reads the figures it tests)."""
@@ -137,7 +139,8 @@ class Engine:
         return self._skip
 
     def _keep_sq(self, sq: dict[str, torch.Tensor], scale: float = 1.0) -> None:
-        self.group_sq, self.group_sq_scale = sq, scale
+        """Called in every step before its update (or its skip) is decided."""
+        self.group_sq, self.group_sq_scale, self.group_sq_steps = sq, scale, self.optimizer_steps
 
     def autocast(self):
         return autocast(self.device, self.cdt)

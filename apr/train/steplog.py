@@ -26,7 +26,7 @@ class StepLog:
         self.tokens_per_s: float | None = None  # the last interval's throughput
         self._t, self._step = time.perf_counter(), 0
         self._meter = RateMeter()  # the printed tok/s and ETA: an EMA over wall time, not one interval
-        # monitoring.block_norms: ``(lr, applied) -> metrics`` of the step just taken (apr/train/blocknorms.py)
+        # monitoring.block_norms: ``lr -> metrics`` of the step just taken (apr/train/blocknorms.py)
         self.block_norms: Callable[..., dict] | None = None
 
     def start(self, step: int) -> None:
@@ -49,7 +49,7 @@ class StepLog:
         if result.skipped:
             metrics["skipped_steps"] = 1
         if self.block_norms is not None:
-            metrics.update(self.block_norms(lr, applied=not result.skipped))
+            metrics.update(self.block_norms(lr))
         recorder.log_step(step, metrics)
         smooth = self._meter.add(tokens, seconds) or self.tokens_per_s
         eta = self._meter.eta((self.total_steps - step) * self.tokens_per_step)

@@ -67,13 +67,30 @@ def test_grad_norms_are_each_groups_gradient_norm_in_both_engines():
 
 @pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
 def test_a_step_that_applied_no_update_has_update_norm_zero(engine_kind):
-    config = make_config(training={"engine": engine_kind})
+    config = make_config(training={"engine": engine_kind, "mixed_precision": "fp16"})
     engine = build_engine(config)
     data = batches(config, 2)
     engine.train_step([data[0]], lr=1e-2)
-    got = block_metrics(engine, 1e-2, applied=False)
+    assert block_metrics(engine, 1e-2)["max_block_update_norm"] > 0
+    engine.scaler.scale = 2.0 ** 120  # the scaled gradients overflow: an fp16 skipped step
+    before = _group_weights(engine)
+    result = engine.train_step([data[1]], lr=1e-2)
+    assert result.skipped and max(_real_norms(before, _group_weights(engine)).values()) == 0.0
+    got = block_metrics(engine, 1e-2)
     assert got["block_update_norm"] == [0.0] * 3 and got["embed_update_norm"] == 0.0 and got["head_update_norm"] == 0.0
-    assert got["max_block_grad_norm"] > 0  # the gradient of the step is still reported
+    assert got["block_grad_norm"] == [None] * 3  # the overflowed gradient's norm is not finite
+
+
+def test_fp16_grad_norms_are_unscaled():
+    config = make_config(training={"mixed_precision": "fp16", "grad_clip": None})
+    engine = build_engine(config)
+    data = batches(config, 1)
+    engine.train_step(data, lr=1e-2)
+    assert engine.group_sq_scale == 65536.0
+    fp32 = build_engine(make_config(training={"grad_clip": None}))
+    fp32.train_step(data, lr=1e-2)
+    got, want = block_metrics(engine, 1e-2), block_metrics(fp32, 1e-2)
+    assert got["block_grad_norm"] == pytest.approx(want["block_grad_norm"], rel=2e-2)  # fp16 autocast vs fp32
 
 
 def test_nothing_before_the_first_step():
