@@ -18,6 +18,7 @@ from apr.cli.table import text_table
 from apr.errors import AprError
 from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
 from apr.fsutil import atomic_write_text
+from apr.track.state import BLOCK_NORM_LISTS
 
 if TYPE_CHECKING:
     import typer
@@ -80,8 +81,6 @@ def run_ls(
 def _final_metric_rows(final: dict) -> list[tuple[str, str, object]]:
     """(name, value, step) per final metric; a per-block list (block_grad_norm.0, .1, ...) is one
     row, ``block_grad_norm[N]``, showing its largest value and that block (``0.52 #3``)."""
-    from apr.track.state import BLOCK_NORM_LISTS
-
     rows: list[tuple[str, str, object]] = []
     lists: dict[str, list[tuple[int, dict]]] = {}
     for key, m in final.items():

@@ -121,3 +121,18 @@ def test_lora_has_blocks_only():
     got = block_metrics(engine, 1e-2)
     assert len(got["block_grad_norm"]) == 3 and "embed_grad_norm" not in got
     assert all(x is not None and x >= 0 for x in got["block_update_norm"])
+
+
+@pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
+def test_a_step_the_bad_step_gate_skips_has_update_norm_zero(engine_kind):
+    config = make_config(training={"engine": engine_kind})
+    engine = build_engine(config)
+    data = batches(config, 2)
+    engine.train_step([data[0]], lr=1e-2)
+    engine.step_gate = lambda loss, norm: True  # apr/train/badsteps.py's decision: skip this step
+    before = _group_weights(engine)
+    result = engine.train_step([data[1]], lr=1e-2)
+    assert result.flagged and max(_real_norms(before, _group_weights(engine)).values()) == 0.0
+    got = block_metrics(engine, 1e-2)
+    assert got["block_update_norm"] == [0.0] * 3 and got["max_block_update_norm"] == 0.0
+    assert got["max_block_grad_norm"] > 0  # the skipped step's gradient is still reported
