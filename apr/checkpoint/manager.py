@@ -30,6 +30,7 @@ from typing import Any
 
 from apr import __version__
 from apr.checkpoint import files, sidecar
+from apr.checkpoint.background import BackgroundWriter, snapshot
 from apr.checkpoint.files import read_safetensors_header
 from apr.checkpoint.names import (
     STORED_DTYPE,
@@ -430,6 +431,7 @@ class CheckpointManager:
         self.trainer_state = trainer_state  # loads require the trainer's state (a resume)
         self._expected = _expected(config)
         self.warnings: list[str] = []  # what the last load() skipped or fell back past
+        self._writer: BackgroundWriter | None = None  # background saves (created by the first one)
 
     # -------------------------------------------------------------------------------- paths
 
@@ -469,17 +471,46 @@ class CheckpointManager:
         tail = {"config_hash": self.config_hash, "config": self.config_doc}
         return {**head, **files.encode_floats(meta), **tail}
 
-    def save(self, state: TrainState, is_best: bool = False) -> Path:
+    def save(self, state: TrainState, is_best: bool = False, background: bool = False) -> Path:
         """Write ``checkpoint-step-N.*`` (and ``checkpoint-best.*`` when ``is_best``), then prune older
         step checkpoints beyond ``keep_last``. Returns the JSON path of the step checkpoint. A full
         disk (or quota, or a read-only file system) is a CheckpointError naming the file and the space
-        needed; the previous checkpoints are untouched (docs/checkpoints.md)."""
+        needed; the previous checkpoints are untouched (docs/checkpoints.md).
+
+        ``background``: snapshot the tensors to host memory and write on the writer thread
+        (apr/checkpoint/background.py); the path is returned before the files exist, and
+        ``collect``/``wait`` report the writes as they complete."""
         self._check_state(state)
         step = int(state.step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         json_path, weights_path = self.step_paths(step)
         needed = sum(t.numel() * t.element_size() for t in state.tensors.values()) + _JSON_ALLOWANCE
+        if not background:
+            self.wait()  # never two writers in one folder
+            self._check_free_space(weights_path, needed)
+            return self._write_or_disk_error(state, step, is_best, json_path, weights_path, needed)
+        if self._writer is None:
+            self._writer = BackgroundWriter()
+        self._writer.wait_idle()  # one snapshot in host memory at a time; a failed write raises here
         self._check_free_space(weights_path, needed)
+        copy = TrainState(step=step, tensors=snapshot(state.tensors), meta=state.meta)
+        self._writer.submit(step, is_best, lambda: self._write_or_disk_error(copy, step, is_best, json_path,
+                                                                               weights_path, needed))
+        return json_path
+
+    def collect(self) -> list[tuple[int, Path, bool]]:
+        """Background writes completed since the last call: (step, JSON path, is_best), oldest first."""
+        return self._writer.collect() if self._writer is not None else []
+
+    def wait(self) -> list[tuple[int, Path, bool]]:
+        """Wait for the background write in flight; then as ``collect``."""
+        if self._writer is None:
+            return []
+        self._writer.wait_idle()
+        return self._writer.collect()
+
+    def _write_or_disk_error(self, state: TrainState, step: int, is_best: bool, json_path: Path,
+                             weights_path: Path, needed: int) -> Path:
         try:
             return self._write(state, step, is_best, json_path, weights_path)
         except OSError as err:

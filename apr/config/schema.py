@@ -369,6 +369,9 @@ class TrainingConfig(_Section):
     output_dir: str = Field("checkpoints/run", description="Run directory: checkpoints and records.")
     save_interval: PositiveCount = Field(1000, description="Checkpoint every N optimizer steps.")
     keep_last: PositiveCount = Field(1, description="Step checkpoints kept besides the best one.")
+    checkpoint_async: bool = Field(
+        True, description="Write checkpoints on a background thread: training waits only for a copy of the state "
+        "in host memory (one at a time); false writes them before the next step.")
     log_interval: PositiveCount = Field(10, description="Log and record metrics every N steps.")
     eval_interval: NonNegCount = Field(500, description="Validate every N steps; 0 disables.")
     eval_batches: PositiveCount = Field(20, description="Validation micro-batches per evaluation.")

@@ -389,14 +389,26 @@ class Run:
         }
 
     def save(self, step: int, is_best: bool, recorder: Recorder) -> Path:
+        """Write a checkpoint of ``step`` (on the background writer with ``training.checkpoint_async``:
+        recorded once written, see ``record_checkpoints``)."""
         self.survival.before_save(recorder)
         state = TrainState(step=step, tensors=self.engine.train_state_tensors(), meta=self.checkpoint_meta(step))
         if not self.is_main:  # only rank 0 writes; every rank can resume from what it wrote
             self.last_checkpoint = self.ckpt.step_paths(step)[0]
         else:
-            self.last_checkpoint = self.ckpt.save(state, is_best=is_best)
-            recorder.checkpoint(step, self.last_checkpoint, is_best=is_best)
+            background = self.config.training.checkpoint_async
+            self.last_checkpoint = self.ckpt.save(state, is_best=is_best, background=background)
+            if background:
+                self.record_checkpoints(recorder)
+            else:
+                recorder.checkpoint(step, self.last_checkpoint, is_best=is_best)
         return self.last_checkpoint
+
+    def record_checkpoints(self, recorder: Recorder, wait: bool = False) -> None:
+        """Record the checkpoints written since the last call (``wait``: after the one in flight);
+        a background write that failed raises here."""
+        for step, path, is_best in (self.ckpt.wait() if wait else self.ckpt.collect()):
+            recorder.checkpoint(step, path, is_best=is_best)
 
     # -------------------------------------------------------------------------------- loop
 
@@ -421,12 +433,19 @@ class Run:
                 stop = self._train(recorder, signals)
         except Interrupted as err:  # a second signal: no checkpoint, no waiting for the other ranks
             stop = Stop.interrupted(err.signum, self.step)
+            self._settle_checkpoints(recorder)
             recorder.finish(stop.status, stop.reason)
             self.echo(stop.reason)
             if self.dp is not None:
                 self.dp.close()
             return self._result(stop, final_step=max(self.step - 1, self.start_step), warnings=recorder.warnings)
         except BaseException as err:  # a crash: record it, then let it propagate
+            self._settle_checkpoints(recorder)
+            recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
+            raise
+        try:
+            self.record_checkpoints(recorder, wait=True)
+        except BaseException as err:  # the last background write failed (a full disk)
             recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
             raise
         recorder.finish(stop.status, stop.reason)
@@ -434,6 +453,14 @@ class Run:
             self.dp.barrier()  # rank 0's checkpoint is complete before any rank exits
             self.dp.close()
         return self._result(stop, final_step=self.step, warnings=recorder.warnings)
+
+    def _settle_checkpoints(self, recorder: Recorder) -> None:
+        """On a crash or a second signal: the write in flight completes and is recorded; its own
+        failure is only a warning then (the run's end is already decided)."""
+        try:
+            self.record_checkpoints(recorder, wait=True)
+        except Exception as e:
+            self._warn(f"a background checkpoint write failed: {type(e).__name__}: {e}")
 
     def _train(self, recorder: Recorder, signals: StopSignals) -> Stop:
         """Optimizer steps ``start_step + 1 .. total_steps``; returns why they ended (``self.step``: the last done)."""
@@ -463,6 +490,8 @@ class Run:
                         return Stop.signal(signals.received, self.step)
                     continue
             signals.announce()
+            if self.is_main:
+                self.record_checkpoints(recorder)  # background writes finished meanwhile
             if self.options.progress is not None and self.is_main:
                 self.options.progress(step, self.total_steps)
             stop = None

@@ -129,6 +129,8 @@ class Survival:
         if rb.rollbacks >= cfg.max_rollbacks:
             return Stop("failed", f"rollback: {what} after {rb.rollbacks} rollbacks "
                         "(training.rollback.max_rollbacks); the last good checkpoint is kept", 1)
+        if run.is_main:
+            run.record_checkpoints(recorder, wait=True)  # the background write in flight is on disk
         targets = [e for e in scan(run.run_dir) if e.complete and e.step < start]
         if not targets:
             return Stop("failed", f"rollback: {what}, and no checkpoint older than step {start} is left to "
