@@ -100,6 +100,17 @@ def _final_metric_rows(final: dict) -> list[tuple[str, str, object]]:
     return rows
 
 
+def cost_lines(detail: dict) -> list[str]:
+    """The run's cost (training.price_per_gpu_hour x GPUs x its elapsed time), from the last recorded
+    ``cost`` metric; none for a run without a price."""
+    price, cost = detail["params"].get("training.price_per_gpu_hour"), detail["final_metrics"].get("cost")
+    if price is None or cost is None:
+        return []
+    gpus = detail["params"].get("training.world_size", 1)
+    return [f"cost       {fmt_value(cost['value'])} at step {fmt_value(cost['step'])} "
+            f"({fmt_value(price)} per GPU-hour x {fmt_value(gpus)} GPU(s) x elapsed time)"]
+
+
 def show_text(detail: dict) -> str:
     r = detail["run"]
     t = safe_text
@@ -111,6 +122,7 @@ def show_text(detail: dict) -> str:
         f"step       {fmt_value(r['step'])}/{fmt_value(r['total_steps'])}",
         f"started    {fmt_timestamp(r['started_at'])}   duration {fmt_clock(r['duration_s'])}",
         f"host       {t(r['host'])} (pid {fmt_value(r['pid'])})",
+        *cost_lines(detail),
         f"output     {t(r['output_dir'])}",
         f"config     {t(r['config_path'] or '-')}  hash {t(str(r['config_hash'] or '-')[:12])}",
         f"store      {t(r['store'])}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -15,13 +16,29 @@ from apr.fsutil import check_output_file
 from apr.plan.render import github_facts, render_error_json, render_json, render_text
 
 
+def parse_price(text: str) -> float:
+    """``--price``: a positive, finite number (per GPU-hour); anything else is an AprError (exit 1)."""
+    try:
+        value = float(text.strip().lstrip("$"))
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        message = f"--price must be a positive number (the price of one GPU for one hour), got {text!r}"
+        raise AprError(message, [Finding("error", "plan.bad_price", message, path="--price",
+                                         expected="a positive number, e.g. 2.49", got=repr(text))])
+    return value
+
+
 def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
              strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False,
-             fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None) -> int:
+             fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None,
+             price: str | None = None) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
     from apr.plan.build import PlanUsageError, build_plan
 
     try:
+        if price is not None:  # the same as the setting training.price_per_gpu_hour=PRICE
+            settings = [*(settings or []), f"training.price_per_gpu_hour={parse_price(price)!r}"]
         if out is not None:
             check_output_file(out, inputs=[config], overwrite=overwrite, option="-out")
         from apr.config.layers import parse_settings
@@ -104,6 +121,10 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(
             None, "-out", "--out", metavar="PLAN.json",
             help="Save the plan (with the config hash and data fingerprint) for `apr train apply PLAN.json`."),
+        price: str | None = typer.Option(
+            None, "--price", metavar="PRICE",
+            help="Price of one GPU for one hour (= training.price_per_gpu_hour=PRICE): total cost and cost "
+                 "per billion tokens."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="List skipped contracts and why."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing -out file."),
     ) -> None:
@@ -113,4 +134,5 @@ def register(app: typer.Typer) -> None:
         fmt = output_format(fmt, json_out)
         raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=fmt == "json",
                                   strict=strict, out=out, verbose=verbose,
-                                  overwrite=overwrite, fmt=fmt, settings=settings, explain=explain))
+                                  overwrite=overwrite, fmt=fmt, settings=settings, explain=explain,
+                                  price=price))

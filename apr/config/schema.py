@@ -389,6 +389,11 @@ class TrainingConfig(_Section):
     world_size: PositiveCount = Field(1, description="Data-parallel processes (torchrun sets this at run time).")
     gpu: str | None = Field(None, description="Target GPU for the plan's memory and time budget (e.g. h100).")
     vram: ByteSize = Field(None, description="Target VRAM for the plan, e.g. 24GiB (overrides gpu's).")
+    price_per_gpu_hour: float | None = Field(
+        None, gt=0, strict=True,
+        description="Price of one GPU for one hour (any currency): the plan's cost estimate and the live "
+                    "cost in training_state.json, `apr runs show` and the monitor. `apr train plan --price` "
+                    "overrides it.")
 
 
 # ----------------------------------------------------------------------------------- monitoring

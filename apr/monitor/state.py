@@ -65,7 +65,7 @@ _FIELD_KINDS: dict[str, str] = {
 }
 # Written by the tracker but not part of the fields every version-1 writer must provide.
 _OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events",
-                   "block_norms": "block_norms"}
+                   "block_norms": "block_norms", "cost": "cost"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -191,6 +191,14 @@ def _block_norms(value: Any) -> dict | None:
     return out if out["block_grad_norm"] or out["block_update_norm"] else None
 
 
+def _cost(value: Any) -> dict | None:
+    """The live cost (training.price_per_gpu_hour): {"price_per_gpu_hour", "gpus", "spent", "projected"}."""
+    if not isinstance(value, dict) or num(value.get("spent")) is None:
+        return None
+    return {"price_per_gpu_hour": num(value.get("price_per_gpu_hour")), "gpus": _int(value.get("gpus")),
+            "spent": num(value.get("spent")), "projected": num(value.get("projected"))}
+
+
 _CONVERT = {
     "str": _str,
     "int": _int,
@@ -203,6 +211,7 @@ _CONVERT = {
     "evals": _evals,
     "samples": _samples,
     "block_norms": _block_norms,
+    "cost": _cost,
 }
 
 

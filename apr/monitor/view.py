@@ -105,10 +105,20 @@ def stats_lines(state: dict | None, show_eta: bool = True) -> tuple[tuple[str, s
         eta = state.get("eta_s")
         rows.append(("ETA", fmt_duration(eta) if state.get("status") in ("starting", "running") else DASH))
     rows.append(("loss", loss))
+    if state.get("cost"):  # training.price_per_gpu_hour
+        rows.append(("cost", cost_text(state["cost"])))
     if state.get("evals"):  # in-training task scores (evaluation.tasks)
         rows.append(("eval", "  ".join(f"{name} {fmt_percent(s.get('acc'))}" for name, s in state["evals"].items())))
     rows.append(("ckpt", checkpoint_text(state)))
     return tuple(rows)
+
+
+def cost_text(cost: dict) -> str:
+    """'12.34 so far, ~40.10 at the end (2.5/GPU-hour x 8)': the live cost of a priced run."""
+    out = f"{cost['spent']:,.2f} so far"
+    if cost.get("projected") is not None:
+        out += f", ~{cost['projected']:,.2f} at the end"
+    return out + f" ({cost['price_per_gpu_hour']:,.4g}/GPU-hour x {cost['gpus']})"
 
 
 def checkpoint_text(state: dict) -> str:

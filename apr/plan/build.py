@@ -46,7 +46,7 @@ PLAN_FORMAT_VERSION = "1"
 # Top-level keys of Plan.to_dict(), in order (docs/plan.md describes each).
 PLAN_KEYS = ("format", "format_version", "apr_version", "created", "config_path", "cwd", "config_hash",
              "overrides", "layers", "world_size", "target", "config", "run", "facts", "memory", "time_estimate",
-             "mfu", "storage", "contracts", "findings", "summary", "data_fingerprint")
+             "mfu", "cost", "storage", "contracts", "findings", "summary", "data_fingerprint")
 
 # Command-line overrides `apr train apply` may pass; bare names mean keys of the training section.
 OVERRIDABLE = ("training.seed", "training.device", "training.max_steps")
@@ -140,6 +140,7 @@ class Plan:
             },
             "time_estimate": self.time_estimate,
             "mfu": self.facts.get("mfu"),
+            "cost": self.facts.get("cost"),
             "storage": self.facts.get("storage"),
             "contracts": [r.to_dict() for r in self.results],
             "findings": [f.to_dict() for f in self.findings],

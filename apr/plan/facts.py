@@ -249,4 +249,25 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
                              "total_flops": sheet.time_estimate["total_flops"]}
     total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None
     facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"))
+    if tr.price_per_gpu_hour is not None:
+        facts["cost"] = cost_facts(tr.price_per_gpu_hour, world_size, tokens, sheet.time_estimate, facts)
     return sheet
+
+
+def cost_facts(price: float, world_size: int, tokens: int | None, estimate: dict | None, facts: dict) -> dict:
+    """The run's price: the estimated wall time (compute and in-training evaluation at the assumed
+    MFU, plus the checkpoint writes, during which the GPUs are billed too) x GPUs x the price per
+    GPU-hour, and per billion training tokens. Unknown (with the reason) without a time estimate."""
+    out: dict = {"price_per_gpu_hour": price, "gpus": world_size, "known": False}
+    if estimate is None or not tokens:
+        mfu = facts.get("mfu") or {}
+        out["reason"] = ("no time estimate: " + (mfu["reason"] if not mfu.get("known", True)
+                                                 else "the number of steps is unknown"))
+        return out
+    writes = (facts.get("storage") or {}).get("write_seconds") or 0.0
+    seconds = estimate["estimated_seconds"] + writes
+    gpu_hours = seconds * world_size / 3600
+    total = gpu_hours * price
+    out.update({"known": True, "seconds": seconds, "checkpoint_write_seconds": writes, "gpu_hours": gpu_hours,
+                "total": total, "tokens": tokens, "per_billion_tokens": total / tokens * 1e9})
+    return out

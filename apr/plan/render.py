@@ -250,6 +250,22 @@ def _evaluation_lines(ev: dict | None) -> list[str]:
             f"{format_count(ev['forward_tokens'])} forward tokens on one GPU: ~{fmt_estimate(ev['estimated_seconds'])}"]
 
 
+def _cost_lines(plan, colour: bool) -> list[str]:
+    c = plan.facts.get("cost")
+    if not c:
+        return []
+    head = [_section("Cost (estimate)", colour)]
+    price = f"{c['price_per_gpu_hour']:,.4g} per GPU-hour"
+    if not c["known"]:
+        return [*head, f"  at {price}: unknown, {c['reason']}", ""]
+    writes = (f" + {fmt_estimate(c['checkpoint_write_seconds'])} of checkpoint writes"
+              if c["checkpoint_write_seconds"] else "")
+    return [*head,
+            f"  {c['gpu_hours']:,.3g} GPU-hours (the time estimate{writes} x {c['gpus']} "
+            f"GPU{'s' if c['gpus'] != 1 else ''}) at {price}: {c['total']:,.2f}",
+            f"  {c['per_billion_tokens']:,.2f} per billion training tokens ({format_count(c['tokens'])} tokens)", ""]
+
+
 def _storage_lines(plan, colour: bool) -> list[str]:
     st = plan.facts.get("storage")
     if not st:
@@ -327,6 +343,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         "",
         *_time_lines(plan, colour),
         "",
+        *_cost_lines(plan, colour),
         *_storage_lines(plan, colour),
         "",
     ]

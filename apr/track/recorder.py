@@ -54,6 +54,18 @@ COALESCE_S = 0.005  # the writer waits this long after a wake-up, then writes th
 STATE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "epoch")
 
 
+def run_cost(training, elapsed_s: float, eta_s: float | None) -> dict | None:
+    """The live cost of a run with ``training.price_per_gpu_hour``: the elapsed time (all sessions
+    of a resumed run) x the GPUs (``training.world_size``, the real one under torchrun) x the
+    price, and that projected to the end at the current ETA. None without a price."""
+    price = training.price_per_gpu_hour
+    if price is None:
+        return None
+    per_s = price * training.world_size / 3600
+    return {"price_per_gpu_hour": price, "gpus": training.world_size, "spent": elapsed_s * per_s,
+            "projected": None if eta_s is None else (elapsed_s + eta_s) * per_s}
+
+
 def _num(value: Any) -> float | None:
     """A metric value as a float; None for anything that is not a real number. NaN stays NaN."""
     if value is None or isinstance(value, bool):
@@ -388,6 +400,8 @@ class RunRecorder:
                 st["log_period_s"] = gap if prev is None else 0.8 * prev + 0.2 * gap
             self._last_log_time = now
             self._update_clock(now)
+            if st["cost"] is not None:  # the live cost as a metric too: `apr runs show` reads the stores
+                self._out_metrics.append((self.run_id, step, "cost", st["cost"]["spent"], now))
             due = now - self._last_sync >= self.flush_interval_s or len(self._out_metrics) >= FLUSH_ROWS
         self._request(state=True, db=due)
 
@@ -572,6 +586,7 @@ class RunRecorder:
             st["eta_s"] = max(self.total_steps - st["step"], 0) / rate
         else:
             st["eta_s"] = None
+        st["cost"] = run_cost(self.config.training, st["elapsed_s"], st["eta_s"])
 
     def _warn(self, message: str) -> None:
         """Record a warning once: stderr, `warnings`, and the state file's `store_warnings`.

@@ -151,6 +151,7 @@ class RunState:
             "tokens_total": None,
             "elapsed_s": 0.0,
             "eta_s": None,
+            "cost": None,  # {price_per_gpu_hour, gpus, spent, projected} with training.price_per_gpu_hour
             "last_checkpoint": None,
             "gpu": None,
             "alerts": [],
