@@ -65,7 +65,7 @@ _FIELD_KINDS: dict[str, str] = {
 }
 # Written by the tracker but not part of the fields every version-1 writer must provide.
 _OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events",
-                   "block_norms": "block_norms", "cost": "cost"}
+                   "block_norms": "block_norms", "cost": "cost", "mfu": "num", "hfu": "num"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 

@@ -97,7 +97,8 @@ def stats_lines(state: dict | None, show_eta: bool = True) -> tuple[tuple[str, s
     if state.get("val_loss") is not None:
         loss += f"  val {fmt_loss(state.get('val_loss'))}"
     rows = [
-        ("tok/s", fmt_int(state.get("tokens_per_s"))),
+        ("tok/s", fmt_int(state.get("tokens_per_s")) + (f"  MFU {fmt_percent(state['mfu'])}"
+                                                        if state.get("mfu") is not None else "")),
         ("tokens", tokens),
         ("elapsed", fmt_duration(state.get("elapsed_s"))),
     ]

@@ -51,7 +51,7 @@ FLUSH_ROWS = 5000  # ... or as soon as this many rows are waiting
 RETRY_S = 30.0  # a failed store is retried after this long
 MAX_PENDING_ROWS = 200_000  # per failed store; older rows are dropped beyond this
 COALESCE_S = 0.005  # the writer waits this long after a wake-up, then writes the latest state once
-STATE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "epoch")
+STATE_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "epoch", "mfu", "hfu")
 
 
 def run_cost(training, elapsed_s: float, eta_s: float | None) -> dict | None:

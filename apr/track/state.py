@@ -147,6 +147,8 @@ class RunState:
             "lr": None,
             "grad_norm": None,
             "tokens_per_s": None,
+            "mfu": None,  # on a catalogue GPU (apr/train/mfu.py); null elsewhere
+            "hfu": None,
             "tokens_seen": 0,
             "tokens_total": None,
             "elapsed_s": 0.0,

@@ -48,6 +48,7 @@ from apr.train.cadence import Cadence
 from apr.train.dist import from_env
 from apr.train.earlystop import EarlyStopping
 from apr.train.engine import NonFiniteError, resolve_device
+from apr.train.mfu import mfu_meter
 from apr.train.outdir import (
     RESOLVED_CONFIG,
     RESOLVED_CONFIG_HEADER,
@@ -187,6 +188,10 @@ class Run:
             self.engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
         if config.monitoring.block_norms:
             self.steplog.block_norms = partial(block_metrics, self.engine)
+        self.steplog.mfu, line = mfu_meter(config, self.device, self.engine.execution,
+                                           1 if self.dp is None else self.dp.world_size)
+        if self.device.type == "cuda":  # a CPU run has no MFU, and no line about it
+            self.echo(line)
         # reads the task files now, so a malformed one fails before the first step
         self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
 

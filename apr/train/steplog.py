@@ -28,6 +28,7 @@ class StepLog:
         self._meter = RateMeter()  # the printed tok/s and ETA: an EMA over wall time, not one interval
         # monitoring.block_norms: ``lr -> metrics`` of the step just taken (apr/train/blocknorms.py)
         self.block_norms: Callable[..., dict] | None = None
+        self.mfu: Callable[[float | None], dict] | None = None  # tokens/s -> mfu, hfu (apr/train/mfu.py)
 
     def start(self, step: int) -> None:
         """The loop starts (or resumes) after ``step``."""
@@ -48,6 +49,8 @@ class StepLog:
                    "epoch": epoch, "tokens_seen": step * self.tokens_per_step}
         if result.skipped:
             metrics["skipped_steps"] = 1
+        if self.mfu is not None:
+            metrics.update(self.mfu(self.tokens_per_s))
         if self.block_norms is not None:
             metrics.update(self.block_norms(lr))
         recorder.log_step(step, metrics)
