@@ -10,9 +10,11 @@ arithmetic, apr.checkpoint.manager.weights_file_bytes); the JSON sidecar is boun
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
+from apr.checkpoint.files import BEST_STEM, STEP_PREFIX
 from apr.checkpoint.manager import weights_file_bytes
 from apr.config.schema import AprConfig
 from apr.plan.datafacts import resolve
@@ -34,6 +36,27 @@ def free_space(path: Path) -> tuple[Path, int] | None:
         return probe, shutil.disk_usage(probe).free
     except OSError:
         return None
+
+
+def existing_checkpoint_bytes(run_dir: Path) -> int:
+    """Bytes the checkpoints already in ``run_dir`` hold (a resumed run's): the run prunes and
+    replaces them, so they count as space it has. Hard links (checkpoint-best) are counted once."""
+    seen, total = set(), 0
+    try:
+        entries = list(os.scandir(run_dir))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith((STEP_PREFIX, BEST_STEM)):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if entry.is_file(follow_symlinks=False) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return total
 
 
 def checkpoints_written(total_steps: int, save_interval: int, eval_interval: int, validates: bool) -> dict:
@@ -67,6 +90,8 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
     probe = free_space(Path(out["output_dir"]))
     if probe is not None:
         out["free_path"], out["free_bytes"] = str(probe[0]), probe[1]
+        out["existing_bytes"] = existing_checkpoint_bytes(Path(out["output_dir"]))
+        out["available_bytes"] = probe[1] + out["existing_bytes"]
     if total_steps is None:
         return out
     written = checkpoints_written(total_steps, tr.save_interval, tr.eval_interval, validates)
@@ -79,7 +104,7 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
                 "total_written_bytes": written["max"] * each,
                 "write_seconds": written["max"] * each / WRITE_BYTES_PER_S})
     if "free_bytes" in out:
-        out["free_after_bytes"] = out["free_bytes"] - out["peak_bytes"]
+        out["free_after_bytes"] = out["available_bytes"] - out["peak_bytes"]
     if estimated_seconds:
         out["write_share"] = out["write_seconds"] / estimated_seconds
     return out

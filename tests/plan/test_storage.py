@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections import namedtuple
 
 import pytest
@@ -102,3 +103,25 @@ def test_a_disk_with_room_passes(tmp_path, monkeypatch):
     plan = build_plan(cfg_path, **kw)
     assert "C-DISK-001" not in _codes(plan) and plan.facts["storage"]["free_bytes"] == 10**12
     assert plan.facts["storage"]["free_path"] == str(tmp_path)
+
+
+def test_a_resumed_runs_checkpoints_count_as_space_it_has(tmp_path, monkeypatch):
+    cfg_path, kw = materialize({}, tmp_path / "a")
+    monkeypatch.chdir(tmp_path / "a")
+    run = tmp_path / "a" / "run"
+    run.mkdir()
+    (run / "checkpoint-step-10.safetensors").write_bytes(b"x" * 300_000)
+    os.link(run / "checkpoint-step-10.safetensors", run / "checkpoint-best.safetensors")  # counted once
+    (run / "checkpoint-step-10.json").write_bytes(b"{}" * 500)
+    (run / "notes.txt").write_bytes(b"y" * 10_000)  # not a checkpoint
+    peak = build_plan(cfg_path, **kw).facts["storage"]["peak_bytes"]
+    free = peak - 300_000  # short of the peak by less than the existing checkpoints hold
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: Usage(10**12, 10**12 - free, free))
+    plan = build_plan(cfg_path, **kw)
+    st = plan.facts["storage"]
+    assert st["existing_bytes"] == 301_000 and st["available_bytes"] == free + 301_000
+    assert "C-DISK-001" not in _codes(plan)
+    (run / "checkpoint-step-10.safetensors").unlink()
+    (run / "checkpoint-best.safetensors").unlink()
+    plan = build_plan(cfg_path, **kw)
+    assert "C-DISK-001" in _codes(plan)  # without them the same disk is too small
