@@ -282,9 +282,13 @@ def _storage_lines(plan, colour: bool) -> list[str]:
         out.append(f"  disk at the peak {format_bytes(st['peak_bytes'])} ({st['peak_checkpoints']} checkpoints: "
                    f"keep_last {tr.keep_last} + the new one written before the oldest is pruned"
                    f"{' + checkpoint-best' if st['best'] else ''}); {format_bytes(st['kept_bytes'])} kept at the end")
-        share = f", {st['write_share']:.1%} of the run's estimated time" if "write_share" in st else ""
         out.append(f"  writes ~{fmt_estimate(st['write_seconds'])} at {format_bytes(st['write_bytes_per_s'])}/s, "
-                   f"{st['write_speed_basis']}{share}")
+                   f"{st['write_speed_basis']}")
+        if "blocking_seconds" in st:
+            how = ("in the background (training.checkpoint_async), one in flight: training waits when a write "
+                   "outlasts the steps to the next save" if st["background"] else "synchronously")
+            out.append(f"  saved {how}: ~{fmt_estimate(st['blocking_seconds'])} of waiting, "
+                       f"{st['write_share']:.1%} of the run's estimated time")
     if "free_bytes" in st:
         line = f"  free {format_bytes(st['free_bytes'])} in {st['free_path']}"
         if "peak_bytes" in st:

@@ -85,7 +85,7 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
         "output_dir": str(resolve(tr.output_dir)), "weights_bytes": weights, "sidecar_bytes": SIDECAR_BYTES,
         "checkpoint_bytes": each, "keep_last": tr.keep_last, "best": validates,
         "write_bytes_per_s": WRITE_BYTES_PER_S, "write_speed_basis": "assumed (a SATA SSD's sustained write)",
-        "seconds_per_checkpoint": each / WRITE_BYTES_PER_S,
+        "seconds_per_checkpoint": each / WRITE_BYTES_PER_S, "background": tr.checkpoint_async,
     }
     probe = free_space(Path(out["output_dir"]))
     if probe is not None:
@@ -106,6 +106,19 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
     if "free_bytes" in out:
         out["free_after_bytes"] = out["available_bytes"] - out["peak_bytes"]
     if estimated_seconds:
-        out["write_share"] = out["write_seconds"] / estimated_seconds
+        out["blocking_seconds"] = blocking_seconds(out, written["max"], estimated_seconds * tr.save_interval
+                                                   / max(total_steps, 1))
+        out["write_share"] = out["blocking_seconds"] / estimated_seconds
     return out
+
+
+def blocking_seconds(facts: dict, writes: int, seconds_between_saves: float) -> float:
+    """How long training waits for checkpoint writes. A synchronous save waits for every write. With
+    ``training.checkpoint_async`` one write is in flight while training goes on, so the trainer waits
+    only when a write outlasts the steps to the next save (the device-to-host snapshot it also waits
+    for is not modelled: ~0.3 s for the 50M state, docs/checkpoints.md)."""
+    each = facts["seconds_per_checkpoint"]
+    if not facts["background"]:
+        return writes * each
+    return writes * max(0.0, each - seconds_between_saves)
 

@@ -125,3 +125,11 @@ def test_a_resumed_runs_checkpoints_count_as_space_it_has(tmp_path, monkeypatch)
     (run / "checkpoint-best.safetensors").unlink()
     plan = build_plan(cfg_path, **kw)
     assert "C-DISK-001" in _codes(plan)  # without them the same disk is too small
+
+
+def test_background_saves_block_only_when_a_write_outlasts_the_steps_to_the_next_save():
+    facts = {"seconds_per_checkpoint": 10.0, "background": False}
+    assert storage.blocking_seconds(facts, 20, 4.0) == 200.0  # synchronous: every write
+    facts["background"] = True
+    assert storage.blocking_seconds(facts, 20, 4.0) == 20 * 6.0  # one in flight: the next save waits 6 s
+    assert storage.blocking_seconds(facts, 20, 30.0) == 0.0  # hidden behind the steps
