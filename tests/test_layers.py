@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"generate"},  # loading a model for inference, KV-cache decoding, sampling
     {"evaluate"},  # loss over shards, multiple-choice scoring (in-loop evaluation calls it from train)
     {"plan", "train", "monitor"},
-    {"apply"},  # plan-then-apply: above both plan and train
+    {"apply", "probe"},  # plan-then-apply, and the plan's probe (the real engine): above both plan and train
     {"lrfind"},  # the LR range test: runs apply on a throwaway copy
     {"cli"},
     {"__main__"},

@@ -32,7 +32,7 @@ def parse_price(text: str) -> float:
 def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
              strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False,
              fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None,
-             price: str | None = None) -> int:
+             price: str | None = None, probe: bool = False, probe_steps: int = 3) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
     from apr.plan.build import PlanUsageError, build_plan
 
@@ -51,6 +51,11 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
             sys.stdout.write(explain_lines(load_config(config, overrides), explain))
             return 0
         plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size, overrides=overrides)
+        if probe and not plan.errors:
+            plan = probe_plan(plan, probe_steps, lambda: build_plan(config, gpu=gpu, vram=vram, world_size=world_size,
+                                                                    overrides=overrides))
+        elif probe:
+            print("--probe: not run, the plan has errors", file=sys.stderr)
     except PlanUsageError as err:
         hint = {"plan.unknown_gpu": "'--gpu'", "plan.bad_vram": "'--vram'"}.get(
             err.findings[0].code if err.findings else "", "'--world-size'")
@@ -95,6 +100,21 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
     return code
 
 
+def probe_plan(plan, steps: int, rebuild):
+    """Run the probe (apr/probe.py), keep it in the calibration store, and plan again so the
+    printed plan uses it; the probe's measurements go into the plan's facts."""
+    from apr.probe import run_probe
+    from apr.track import calibration
+
+    policy = plan.execution["policy"]
+    print(f"probing {plan.config.training.device} with the real engine ({steps} timed steps)...", file=sys.stderr)
+    result = run_probe(plan.config, policy, {r.component: r.bytes for r in plan.memory}, steps=steps)
+    result["calibration_id"] = calibration.record(result, calibration.shape(plan.config, policy))
+    plan = rebuild()
+    plan.facts["probe"] = result
+    return plan
+
+
 def register(app: typer.Typer) -> None:
     @app.command("plan")
     def plan(
@@ -125,6 +145,11 @@ def register(app: typer.Typer) -> None:
             None, "--price", metavar="PRICE",
             help="Price of one GPU for one hour (= training.price_per_gpu_hour=PRICE): total cost and cost "
                  "per billion tokens."),
+        probe: bool = typer.Option(
+            False, "--probe", help="Build the real engine on training.device, run a few steps on synthetic token "
+            "ids and show measured memory and speed beside the model; kept as a calibration for later plans."),
+        probe_steps: int = typer.Option(3, "--probe-steps", min=1, max=100, metavar="N",
+                                        help="Timed steps of --probe (after one warm-up and one memory step)."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="List skipped contracts and why."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing -out file."),
     ) -> None:
@@ -135,4 +160,4 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=fmt == "json",
                                   strict=strict, out=out, verbose=verbose,
                                   overwrite=overwrite, fmt=fmt, settings=settings, explain=explain,
-                                  price=price))
+                                  price=price, probe=probe, probe_steps=probe_steps))

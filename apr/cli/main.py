@@ -9,6 +9,7 @@ from typer.core import TyperGroup
 
 from apr import __version__
 from apr.cli import (
+    cmd_calibration,
     cmd_data,
     cmd_eval,
     cmd_experiment,
@@ -61,10 +62,12 @@ train_app = typer.Typer(help="Validate, plan and run training configs.", no_args
 data_app = typer.Typer(help="Make tokenizers and pretokenized Parquet shards.", no_args_is_help=True)
 runs_app = typer.Typer(help="List and inspect recorded runs.", no_args_is_help=True)
 experiment_app = typer.Typer(help="Compare and export runs from an experiment store.", no_args_is_help=True)
+calibration_app = typer.Typer(help="Probe results kept by `apr train plan --probe`.", no_args_is_help=True)
 app.add_typer(train_app, name="train")
 app.add_typer(data_app, name="data")
 app.add_typer(runs_app, name="runs")
 app.add_typer(experiment_app, name="experiment")
+app.add_typer(calibration_app, name="calibration")
 
 def _print_version(value: bool) -> None:
     if value:
@@ -90,6 +93,7 @@ cmd_train_lrfind.register(train_app)
 cmd_data.register(data_app)
 cmd_runs.register(runs_app)
 cmd_experiment.register(experiment_app)
+cmd_calibration.register(calibration_app)
 cmd_monitor.register(app)
 cmd_export.register(app)
 cmd_generate.register(app)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 
+from apr import __version__, hardware
 from apr.config.schema import AprConfig
 from apr.model.spec import (
     block_numel,
@@ -26,6 +27,7 @@ from apr.plan.tokfacts import tokenizer_facts
 from apr.steps.algebra import sequences_per_step, step_algebra
 from apr.steps.schedule import LRSchedule
 from apr.steps.strategy import step_strategy
+from apr.track import calibration
 
 
 @dataclass
@@ -247,11 +249,38 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
         if sheet.time_estimate is not None:
             facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
                              "total_flops": sheet.time_estimate["total_flops"]}
+    calibrated = calibration_facts(config, facts["execution"]["policy"], target)
+    if calibrated is not None:
+        facts["calibration"] = calibrated
+        if tokens is not None:  # measured beats assumed: the probe's tokens/s on this device
+            seconds = tokens / (calibrated["tokens_per_s"] * world_size)
+            sheet.time_estimate = {
+                "calibrated": True, "tokens": tokens, "flops_per_token": facts["model"]["flops_per_token"],
+                "total_flops": tokens * facts["model"]["flops_per_token"], "tokens_per_s": calibrated["tokens_per_s"],
+                "gpus": world_size, "estimated_seconds": seconds, "basis": basis,
+                "calibration": f"calibrated from {calibrated['probes']} probe{'s' if calibrated['probes'] != 1 else ''}"
+                               f" on {calibrated['date']} ({calibrated['device_name']})"}
+            facts["time"] = {"estimated_seconds": seconds, "total_flops": sheet.time_estimate["total_flops"],
+                             "calibrated": True}
     total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None
     facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"))
     if tr.price_per_gpu_hour is not None:
         facts["cost"] = cost_facts(tr.price_per_gpu_hour, world_size, tokens, sheet.time_estimate, facts)
     return sheet
+
+
+def calibration_facts(config: AprConfig, policy: dict, target: Target | None) -> dict | None:
+    """Probes of this run's shape on its device with this torch and apr (apr/track/calibration.py):
+    a CPU run matches probes of this host's CPU; a GPU run those of the target GPU."""
+    shape_doc = calibration.shape(config, policy)
+    if str(config.training.device) == "cpu":
+        rows = calibration.matching("cpu", calibration.host_cpu_name(), shape_doc, __version__)
+    elif target is not None and target.gpu is not None:
+        rows = [r for r in calibration.matching_shape("cuda", shape_doc, __version__)
+                if (g := hardware.from_device_name(r["device_name"])) is not None and g.name == target.gpu.name]
+    else:
+        return None
+    return calibration.summary(rows)
 
 
 def cost_facts(price: float, world_size: int, tokens: int | None, estimate: dict | None, facts: dict) -> dict:

@@ -215,6 +215,14 @@ def _time_lines(plan, colour: bool) -> list[str]:
         lines = _mfu_lines(mfu)
         return [_section("Time (estimate)", colour), f"  not estimated: {why}",
                 *(lines[:1] if "MFU unknown" in why else lines)]
+    if te.get("calibrated"):
+        return [
+            _section("Time (estimate, calibrated)", colour),
+            f"  {format_count(te['tokens'])} tokens (from {te['basis']}) at {fmt_number(te['tokens_per_s'])} "
+            f"tokens/s measured x {te['gpus']} process{'es' if te['gpus'] != 1 else ''}: "
+            f"~{fmt_estimate(te['estimated_seconds'])}",
+            f"  {te['calibration']} (apr calibration ls)",
+        ] + _mfu_lines(mfu)
     label = plan.target.gpu.label if plan.target and plan.target.gpu else "the target"
     return [
         _section("Time (estimate)", colour),
@@ -226,6 +234,27 @@ def _time_lines(plan, colour: bool) -> list[str]:
         f"({te['precision']} peak of {label}) x {te['gpus']} GPU{'s' if te['gpus'] != 1 else ''}: "
         f"~{fmt_estimate(te['estimated_seconds'])}",
     ] + _evaluation_lines(te.get("evaluation")) + _mfu_lines(mfu)
+
+
+def _probe_lines(plan, colour: bool) -> list[str]:
+    """``--probe``: what the real engine measured beside what the plan models."""
+    p = plan.facts.get("probe")
+    if not p:
+        return []
+    out = ["", _section(f"Probe (measured on {p['device']} \"{p['device_name']}\": {p['steps']} timed steps, "
+                    f"{p['seconds']:.1f} s in all)", colour),
+           f"  {'component':<44}{'modelled':>12}{'measured':>12}{'diff':>9}"]
+    for r in p["rows"]:
+        diff = ("" if not r["modelled"] else f"{(r['measured'] - r['modelled']) / r['modelled']:+.1%}")
+        modelled = format_bytes(r["modelled"]) if r["modelled"] is not None else "-"
+        out.append(f"  {r['component'][:43]:<44}{modelled:>12}{format_bytes(r['measured']):>12}{diff:>9}")
+    parts = next((r.get("parts") for r in p["rows"] if r.get("parts")), [])
+    out.append(f"  transient = {' + '.join(parts)} (modelled); measured: {p['transient_how']}")
+    out.append(f"  peak RSS of this process {format_bytes(p['peak_rss_bytes'])}")
+    out.append(f"  step {p['step_seconds']:.3f} s (median of {p['steps']}), {fmt_number(p['tokens_per_s'])} tokens/s"
+               + (f"; recorded as calibration {p['calibration_id']} (apr calibration show {p['calibration_id']})"
+                  if p.get("calibration_id") else ""))
+    return out
 
 
 def _mfu_lines(mfu: dict) -> list[str]:
@@ -346,6 +375,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         *_memory_lines(plan, colour),
         "",
         *_time_lines(plan, colour),
+        *_probe_lines(plan, colour),
         "",
         *_cost_lines(plan, colour),
         *_storage_lines(plan, colour),

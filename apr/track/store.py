@@ -20,7 +20,7 @@ from typing import Any
 from apr.errors import AprError, Finding
 from apr.readers import InputError, check_regular
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 BUSY_TIMEOUT_S = 5.0
 
 RUN_COLUMNS: dict[str, type] = {
@@ -110,8 +110,18 @@ def _migration_2(db) -> None:
     db["events"].create_index(["run_id", "time"], index_name="events_run_time")
 
 
+def _migration_3(db) -> None:
+    """Probe results (`apr train plan --probe`): the calibration store (apr/track/calibration.py)."""
+    db["calibrations"].create(
+        {"id": int, "time": float, "device": str, "device_name": str, "torch": str, "cuda": str, "apr": str,
+         "shape_key": str, "shape": str, "result": str},
+        pk="id", not_null=["time", "device", "shape_key", "result"],
+    )
+    db["calibrations"].create_index(["device", "device_name", "shape_key"], index_name="calibrations_lookup")
+
+
 # version -> function bringing a store from version-1 to version. Never edit a shipped migration.
-MIGRATIONS = {1: _migration_1, 2: _migration_2}
+MIGRATIONS = {1: _migration_1, 2: _migration_2, 3: _migration_3}
 
 
 def _read_version(conn: sqlite3.Connection) -> int:

@@ -253,6 +253,7 @@ class InterleavedEngine(Engine):
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  buffers: dict[str, torch.Tensor], execution: Execution | None = None):
         super().__init__(config, model, device, backend, execution)
+        self.buffers = buffers  # the buffer plan's tensors by name (measured by apr/probe.py)
         self.groups: list[FlatGroup] = [
             flatten_group(model, name, specs, buffers[f"{name}.flat_params"], buffers[f"{name}.adam_m"],
                           buffers[f"{name}.adam_v"], buffers.get(f"{name}.grad"))
@@ -285,6 +286,10 @@ class InterleavedEngine(Engine):
                 self._matmul_params.append([(s.name.removeprefix(prefix), k) for k, s in enumerate(g.specs)
                                             if len(s.shape) == 2])
             self._refresh_compute()
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of each allocated buffer-plan tensor, by buffer name."""
+        return {name: t.untyped_storage().nbytes() for name, t in self.buffers.items()}
 
     # ---------------------------------------------------------------- forward and the backward walk
 
@@ -726,6 +731,19 @@ class StandardEngine(Engine):
         self.optimizer_steps += 1
         self.scaler.update(found_inf=False)
         return StepResult(loss_total, norm)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """The standard engine's parameters, gradients and AdamW moments (after a step), by component."""
+        out = {"weights": 0, "gradients": 0, "adamw_m": 0, "adamw_v": 0}
+        for p in self.named.values():
+            out["weights"] += p.untyped_storage().nbytes()
+            if p.grad is not None:
+                out["gradients"] += p.grad.untyped_storage().nbytes()
+            state = self.optimizer.state.get(p, {})
+            for key, component in (("exp_avg", "adamw_m"), ("exp_avg_sq", "adamw_v")):
+                if key in state:
+                    out[component] += state[key].untyped_storage().nbytes()
+        return out
 
     def train_state_tensors(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -1,0 +1,81 @@
+"""`apr calibration ls` and `apr calibration show ID`: the probe results kept by `apr train plan
+--probe` (apr/track/calibration.py; docs/plan.md, "Probe")."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import typer
+
+from apr.cli.render import error_exit
+from apr.cli.table import text_table
+from apr.errors import AprError, Finding
+from apr.fmt import format_bytes, safe_text
+
+
+def _summary(row: dict) -> dict:
+    r, arch = row["result"], row["shape"]["architecture"]
+    return {"id": row["id"], "time": row["time"], "device": row["device"], "device_name": row["device_name"],
+            "torch": row["torch"], "cuda": row["cuda"], "apr": row["apr"], "shape_key": row["shape_key"],
+            "model": f"{arch['num_hidden_layers']}x{arch['hidden_size']}",
+            "batch": f"{row['shape']['batch_size']}x{row['shape']['seq_len']}",
+            "tokens_per_s": r["tokens_per_s"], "step_seconds": r["step_seconds"],
+            "transient_bytes": r["transient_bytes"], "modelled_transient_bytes": r["modelled_transient_bytes"]}
+
+
+def run_ls(json_out: bool) -> int:
+    from apr.track.calibration import list_calibrations
+
+    rows = [_summary(r) for r in list_calibrations()]
+    if json_out:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return 0
+    if not rows:
+        print("no calibrations recorded (apr train plan CONFIG --probe records one)", file=sys.stderr)
+        return 0
+    print(text_table(["ID", "DATE", "DEVICE", "MODEL", "BATCH", "TOK/S", "TRANSIENT", "MODELLED", "TORCH", "APR"], [
+        [str(r["id"]), time.strftime("%Y-%m-%d %H:%M", time.gmtime(r["time"])), safe_text(r["device_name"]),
+         r["model"], r["batch"], f"{r['tokens_per_s']:,.0f}", format_bytes(r["transient_bytes"]),
+         format_bytes(r["modelled_transient_bytes"]), safe_text(r["torch"] or "-"), safe_text(r["apr"])]
+        for r in rows]))
+    return 0
+
+
+def run_show(calibration_id: int, json_out: bool) -> int:
+    from apr.track.calibration import list_calibrations
+
+    found = [r for r in list_calibrations() if r["id"] == calibration_id]
+    if not found:
+        message = f"no calibration {calibration_id} in the global registry (apr calibration ls lists them)"
+        return error_exit(AprError(message, [Finding("error", "calibration.not_found", message,
+                                                     got=str(calibration_id))]))
+    row = found[0]
+    if json_out:
+        sys.stdout.write(json.dumps(row, indent=2) + "\n")
+        return 0
+    s = _summary(row)
+    print(f"calibration {s['id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(s['time']))} UTC")
+    print(f"device      {safe_text(s['device'])} {safe_text(s['device_name'])}")
+    print(f"versions    torch {safe_text(s['torch'] or '-')}, cuda {safe_text(s['cuda'] or '-')}, "
+          f"apr {safe_text(s['apr'])}")
+    print(f"shape       model {s['model']}, micro-batch {s['batch']} (key {s['shape_key']})")
+    print(f"speed       {s['step_seconds']:.4f} s/step, {s['tokens_per_s']:,.1f} tokens/s")
+    for r in row["result"]["rows"]:
+        modelled = format_bytes(r["modelled"]) if r["modelled"] is not None else "-"
+        print(f"  {r['component']:<20} modelled {modelled:>12}  measured {format_bytes(r['measured']):>12}")
+    return 0
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("ls")
+    def ls(json_out: bool = typer.Option(False, "--json", help="Print a JSON array.")) -> None:
+        """List the probe results kept in the global registry, oldest first."""
+        raise typer.Exit(run_ls(json_out))
+
+    @app.command("show")
+    def show(calibration_id: int = typer.Argument(..., metavar="ID", help="A calibration id (apr calibration ls)."),
+             json_out: bool = typer.Option(False, "--json", help="Print the whole record as JSON.")) -> None:
+        """One probe result: device, versions, shape, speed, memory measured beside modelled."""
+        raise typer.Exit(run_show(calibration_id, json_out))

@@ -1,0 +1,159 @@
+"""`apr train plan CONFIG --probe`: build the real engine on the run's device and measure a few steps
+on synthetic token ids of the config's shapes (docs/plan.md, "Probe";
+docs/design.md, "Probe and calibration"). Nothing is written to the run's output folder: the probe records its result in
+the global registry's calibration table only (apr/track/calibration.py).
+
+Measured:
+- each buffer-plan component the engine allocates (weights, moments, gradients, compute copy):
+  the bytes of the tensors actually allocated, beside the plan's row;
+- the step's transient memory (activations, checkpoints, logits chunks, scratch): on CUDA the
+  allocator's peak minus what was allocated before the step; on the CPU the peak of live tensor
+  storage created during one step, tracked op by op (``_LiveBytes``), plus the process's peak RSS;
+- step time (median of the timed steps), tokens/s, and MFU/HFU where the GPU's peak is known.
+
+A layer of its own above ``apr.train`` (like ``apr.lrfind``): the plan package stays torch-free.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from apr import __version__
+from apr.errors import AprError, Finding
+from apr.model import spec
+from apr.steps.execution import Execution
+from apr.track.calibration import host_cpu_name
+from apr.train import engine as engine_module
+
+TRANSIENT = ("activation_checkpoints", "kept_activations", "block_activations", "logits_chunk", "inputs")
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storage created by the ops run under it (CPU tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = self.peak = self.ops = 0
+
+    def _sweep(self) -> None:
+        for key, (ref, nbytes) in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+                self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if self.ops % 8 == 0:
+            self._sweep()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live:
+                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+        return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return host_cpu_name()
+
+
+def _probe_error(message: str, code: str, **kw) -> AprError:
+    return AprError(message, [Finding("error", code, message, **kw)])
+
+
+def _resolve(config) -> torch.device:
+    name = str(config.training.device)
+    if name == "cuda" and not torch.cuda.is_available():
+        raise _probe_error("--probe: training.device is cuda, but this machine has no CUDA device; probe on the "
+                           "machine that will train, or set training.device=cpu", "probe.device",
+                           path="training.device", expected="a CUDA device", got="none")
+    return engine_module.resolve_device(name)
+
+
+def _synthetic(config, gen: torch.Generator) -> list[torch.Tensor]:
+    b, s, v = config.data.batch_size, config.data.seq_len, config.model.architecture.vocab_size
+    return [torch.randint(0, v, (b, s + 1), generator=gen) for _ in range(config.training.gradient_accumulation)]
+
+
+def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: int = 3) -> dict:
+    """Build the engine under the plan's execution policy and measure ``steps`` timed steps (after
+    one warm-up step, and one step measured for memory). ``modelled``: the plan's rows by component."""
+    device = _resolve(config)
+    arch = config.model.architecture
+    execution = Execution.from_dict(execution_policy, arch.num_hidden_layers)
+    phase, step = "building the engine", 0
+    t_start = time.perf_counter()
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        engine = engine_module.build_engine(config, device, execution=execution)
+        gen = torch.Generator().manual_seed(0)
+        lr = float(config.optimizer.lr)
+        phase, step = "the warm-up step", 1
+        engine.train_step(_synthetic(config, gen), lr)
+        buffers: dict[str, int] = {}
+        names = {b.name: b.component for b in spec.buffer_plan(config, execution)}
+        for name, nbytes in engine.buffer_bytes().items():
+            component = names.get(name, name)
+            buffers[component] = buffers.get(component, 0) + nbytes
+        phase, step = "the memory step", 2
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            engine.train_step(_synthetic(config, gen), lr)
+            torch.cuda.synchronize(device)
+            transient = torch.cuda.max_memory_allocated(device) - before
+            how = "CUDA allocator peak during one step, minus what was allocated before it"
+        else:
+            with _LiveBytes() as live:
+                engine.train_step(_synthetic(config, gen), lr)
+            transient = live.peak
+            how = "peak of live tensor storage created during one step (tracked op by op)"
+        times = []
+        for k in range(steps):
+            phase, step = "a timed step", 3 + k
+            batch = _synthetic(config, gen)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            result = engine.train_step(batch, lr)
+            float(result.loss)  # the step is done when its loss is on the host
+            times.append(time.perf_counter() - t0)
+    except (torch.OutOfMemoryError, MemoryError) as err:
+        raise _probe_error(f"--probe: out of memory during {phase} (step {step}) on {device}: {err}".strip(),
+                           "probe.oom", expected="the config to fit the device", got=f"OOM at step {step}") from None
+    tokens = config.data.batch_size * config.data.seq_len * config.training.gradient_accumulation
+    step_s = statistics.median(times)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    modelled_transient = sum(modelled.get(c, 0) for c in TRANSIENT)
+    rows = []
+    for component, nbytes in buffers.items():
+        rows.append({"component": component, "modelled": modelled.get(component), "measured": nbytes})
+    rows.append({"component": "transient", "parts": [c for c in TRANSIENT if modelled.get(c)],
+                 "modelled": modelled_transient, "measured": int(transient)})
+    return {
+        "device": device.type, "device_name": device_name(device),
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "apr": __version__,
+                     "python": platform.python_version()},
+        "execution": execution.to_dict(), "steps": steps, "step_seconds": step_s, "step_seconds_all": times,
+        "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "rows": rows, "transient_bytes": int(transient),
+        "transient_how": how, "modelled_transient_bytes": modelled_transient, "peak_rss_bytes": int(rss),
+        "seconds": time.perf_counter() - t_start,
+    }

@@ -1,0 +1,86 @@
+"""`apr train plan --probe`: the real engine measured beside the plan, the calibration store, and a
+later plan that uses it; refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.plan.memory import memory_table
+from apr.probe import run_probe
+from apr.steps.execution import from_config
+from apr.train.engine import InterleavedEngine
+from tests.train.run_helpers import make_dataset, write_config
+from tests.train.tiny import make_config
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("execution", [{"activations": "keep", "gradients": "kept"},
+                                       {"activations": "recompute", "gradients": "workspace"}])
+def test_measured_buffers_equal_the_buffer_plan_exactly(execution):
+    config = make_config(training={"grad_clip": None, "execution": execution})
+    policy = from_config(config)
+    modelled = {r.component: r.bytes for r in memory_table(config, execution=policy)}
+    result = run_probe(config, policy.to_dict(), modelled, steps=1)
+    buffers = {r["component"]: r for r in result["rows"] if r["component"] != "transient"}
+    assert {"weights", "adamw_m", "adamw_v", "gradients"} <= buffers.keys()
+    assert all(r["measured"] == r["modelled"] for r in buffers.values())
+    (transient,) = [r for r in result["rows"] if r["component"] == "transient"]
+    assert transient["measured"] > 0 and transient["modelled"] == result["modelled_transient_bytes"]
+    assert result["tokens_per_s"] > 0 and result["device"] == "cpu" and result["versions"]["torch"]
+
+
+def test_probe_records_a_calibration_that_the_next_plan_uses(tmp_path):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path)
+    before = json.loads(runner.invoke(app, ["train", "plan", str(cfg), "--json"]).stdout)
+    assert "calibration" not in before["facts"] and before["facts"].get("time") is None  # CPU: no GPU peak
+    r = runner.invoke(app, ["train", "plan", str(cfg), "--probe", "--probe-steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    probe = doc["facts"]["probe"]
+    assert probe["calibration_id"] == 1 and doc["facts"]["calibration"]["probes"] == 1
+    assert not (tmp_path / "run").exists()  # nothing written to the run's output folder
+    after = runner.invoke(app, ["train", "plan", str(cfg)])
+    assert after.exit_code == 0 and "Time (estimate, calibrated)" in after.stdout
+    assert "calibrated from 1 probe on" in after.stdout
+    seconds = json.loads(runner.invoke(app, ["train", "plan", str(cfg), "--json"]).stdout)["facts"]["time"]
+    assert seconds["calibrated"] and seconds["estimated_seconds"] == pytest.approx(768 / probe["tokens_per_s"])
+    listed = json.loads(runner.invoke(app, ["calibration", "ls", "--json"]).stdout)
+    assert [c["id"] for c in listed] == [1] and listed[0]["device"] == "cpu"
+    shown = json.loads(runner.invoke(app, ["calibration", "show", "1", "--json"]).stdout)
+    assert shown["result"]["tokens_per_s"] == probe["tokens_per_s"]
+    missing = runner.invoke(app, ["calibration", "show", "7"])
+    assert missing.exit_code == 1 and "no calibration 7" in missing.output and "Traceback" not in missing.output
+
+
+def test_a_probe_that_runs_out_of_memory_names_the_step_and_exits_one(tmp_path, monkeypatch):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path)
+    calls = []
+    real = InterleavedEngine.train_step
+
+    def oom_on_second(self, micro, lr):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("injected")
+        return real(self, micro, lr)
+
+    monkeypatch.setattr(InterleavedEngine, "train_step", oom_on_second)
+    r = runner.invoke(app, ["train", "plan", str(cfg), "--probe"])
+    assert r.exit_code == 1 and "out of memory during the memory step (step 2)" in r.output
+    assert "Traceback" not in r.output
+    assert json.loads(runner.invoke(app, ["calibration", "ls", "--json"]).stdout) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_probing_a_cuda_config_without_a_gpu_is_refused(tmp_path):
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"device": "cuda", "mixed_precision": "bf16"})
+    r = runner.invoke(app, ["train", "plan", str(cfg), "--probe"])
+    assert r.exit_code == 1 and "no CUDA device" in r.output and "Traceback" not in r.output
