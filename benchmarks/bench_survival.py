@@ -9,7 +9,8 @@ Three ways to train the same model on the same pretokenized data, each a whole `
   baseline   a plain PyTorch loop over the same model and batches (full logits, F.cross_entropy,
              clip_grad_norm_, torch.optim.AdamW), for scale
 
-After one untimed apr run (it builds the data's token cache), runs alternate off/on/baseline ``--repeats`` times (drift on a shared machine hits all alike);
+After one untimed apr run (it builds the data's token cache), runs alternate off/on/baseline
+``--repeats`` times (drift on a shared machine hits all alike);
 tokens/s is each run's steps x tokens per step over its training wall time (after ``--warmup``
 steps), best of the repeats.
 

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-
 from apr import fsutil
 from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState
 from tests.checkpoint.conftest import make_tensors
