@@ -430,4 +430,11 @@ def github_facts(plan) -> list[tuple[str, str]]:
     est = plan.time_estimate or {}
     if est.get("estimated_seconds"):
         facts.append(("time", f"~{fmt_estimate(est['estimated_seconds'])}"))
+    cost = plan.facts.get("cost")
+    if cost and cost["known"]:
+        facts.append(("cost", f"~{cost['total']:,.2f} ({cost['per_billion_tokens']:,.2f} per billion tokens)"))
+    st = plan.facts.get("storage") or {}
+    if "peak_bytes" in st:
+        facts.append(("checkpoints", f"{st['written']['max']:,} x {format_bytes(st['checkpoint_bytes'])}, "
+                                     f"{format_bytes(st['peak_bytes'])} at the peak"))
     return facts

@@ -78,3 +78,13 @@ def test_a_bad_price_in_the_config_fails_validate_and_plan_at_its_line(tmp_path,
         assert r.exit_code == 1, r.output
         assert f"error[{code}] {cfg}:{line}:" in r.output and "training.price_per_gpu_hour" in r.output
         assert "Traceback" not in r.output
+
+
+def test_the_ci_step_summary_carries_the_cost_and_the_checkpoints(tmp_path):
+    from apr.plan.render import github_facts
+
+    _, plan = _plan(tmp_path, {"price_per_gpu_hour": 2.5}, gpu="h100")
+    facts = dict(github_facts(plan))
+    assert facts["cost"] == f"~{plan.facts['cost']['total']:,.2f} ({plan.facts['cost']['per_billion_tokens']:,.2f} " \
+                            "per billion tokens)"
+    assert facts["checkpoints"].startswith(f"{plan.facts['storage']['written']['max']} x ")
