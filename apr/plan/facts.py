@@ -285,15 +285,16 @@ def calibration_facts(config: AprConfig, policy: dict, target: Target | None) ->
 
 def cost_facts(price: float, world_size: int, tokens: int | None, estimate: dict | None, facts: dict) -> dict:
     """The run's price: the estimated wall time (compute and in-training evaluation at the assumed
-    MFU, plus the checkpoint writes, during which the GPUs are billed too) x GPUs x the price per
-    GPU-hour, and per billion training tokens. Unknown (with the reason) without a time estimate."""
+    MFU, plus the time training waits for checkpoint writes, during which the GPUs are billed too)
+    x GPUs x the price per GPU-hour, and per billion training tokens. Unknown (with the reason)
+    without a time estimate."""
     out: dict = {"price_per_gpu_hour": price, "gpus": world_size, "known": False}
     if estimate is None or not tokens:
         mfu = facts.get("mfu") or {}
         out["reason"] = ("no time estimate: " + (mfu["reason"] if not mfu.get("known", True)
                                                  else "the number of steps is unknown"))
         return out
-    writes = (facts.get("storage") or {}).get("write_seconds") or 0.0
+    writes = (facts.get("storage") or {}).get("blocking_seconds") or 0.0  # training waiting for the disk
     seconds = estimate["estimated_seconds"] + writes
     gpu_hours = seconds * world_size / 3600
     total = gpu_hours * price

@@ -287,12 +287,17 @@ def _cost_lines(plan, colour: bool) -> list[str]:
     price = f"{c['price_per_gpu_hour']:,.4g} per GPU-hour"
     if not c["known"]:
         return [*head, f"  at {price}: unknown, {c['reason']}", ""]
-    writes = (f" + {fmt_estimate(c['checkpoint_write_seconds'])} of checkpoint writes"
+    writes = (f" + {fmt_estimate(c['checkpoint_write_seconds'])} waiting for checkpoint writes"
               if c["checkpoint_write_seconds"] else "")
     return [*head,
             f"  {c['gpu_hours']:,.3g} GPU-hours (the time estimate{writes} x {c['gpus']} "
-            f"GPU{'s' if c['gpus'] != 1 else ''}) at {price}: {c['total']:,.2f}",
-            f"  {c['per_billion_tokens']:,.2f} per billion training tokens ({format_count(c['tokens'])} tokens)", ""]
+            f"GPU{'s' if c['gpus'] != 1 else ''}) at {price}: {_money(c['total'])}",
+            f"  {_money(c['per_billion_tokens'])} per billion training tokens ({format_count(c['tokens'])} tokens)", ""]
+
+
+def _money(x: float) -> str:
+    """2 decimals (1,234.50), or 3 significant digits below 1 (0.00468) so a small run is not 0.00."""
+    return f"{x:,.2f}" if x >= 1 else f"{x:.3g}"
 
 
 def _storage_lines(plan, colour: bool) -> list[str]:
@@ -432,7 +437,7 @@ def github_facts(plan) -> list[tuple[str, str]]:
         facts.append(("time", f"~{fmt_estimate(est['estimated_seconds'])}"))
     cost = plan.facts.get("cost")
     if cost and cost["known"]:
-        facts.append(("cost", f"~{cost['total']:,.2f} ({cost['per_billion_tokens']:,.2f} per billion tokens)"))
+        facts.append(("cost", f"~{_money(cost['total'])} ({_money(cost['per_billion_tokens'])} per billion tokens)"))
     st = plan.facts.get("storage") or {}
     if "peak_bytes" in st:
         facts.append(("checkpoints", f"{st['written']['max']:,} x {format_bytes(st['checkpoint_bytes'])}, "
