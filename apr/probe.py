@@ -139,6 +139,12 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
     except (torch.OutOfMemoryError, MemoryError) as err:
         raise _probe_error(f"--probe: out of memory during {phase} (step {step}) on {device}: {err}".strip(),
                            "probe.oom", expected="the config to fit the device", got=f"OOM at step {step}") from None
+    except AprError:
+        raise
+    except Exception as err:  # a config the engine cannot run (the plan's findings say why)
+        raise _probe_error(f"--probe: failed during {phase} (step {step}) on {device}: {type(err).__name__}: "
+                           f"{err}", "probe.failed", expected="a config the engine can build and step",
+                           got=type(err).__name__) from None
     tokens = config.data.batch_size * config.data.seq_len * config.training.gradient_accumulation
     step_s = statistics.median(times)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)

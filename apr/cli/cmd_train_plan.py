@@ -51,11 +51,9 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
             sys.stdout.write(explain_lines(load_config(config, overrides), explain))
             return 0
         plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size, overrides=overrides)
-        if probe and not plan.errors:
+        if probe:  # synthetic ids: the probe runs even where the data is missing (the plan still fails)
             plan = probe_plan(plan, probe_steps, lambda: build_plan(config, gpu=gpu, vram=vram, world_size=world_size,
                                                                     overrides=overrides))
-        elif probe:
-            print("--probe: not run, the plan has errors", file=sys.stderr)
     except PlanUsageError as err:
         hint = {"plan.unknown_gpu": "'--gpu'", "plan.bad_vram": "'--vram'"}.get(
             err.findings[0].code if err.findings else "", "'--world-size'")
