@@ -17,12 +17,13 @@ from apr.fmt import format_bytes, safe_text
 
 def _summary(row: dict) -> dict:
     r, arch = row["result"], row["shape"]["architecture"]
-    return {"id": row["id"], "time": row["time"], "device": row["device"], "device_name": row["device_name"],
+    return {"id": row["id"], "source": r.get("source", "probe"), "run_id": r.get("run_id"), "time": row["time"],
+            "device": row["device"], "device_name": row["device_name"],
             "torch": row["torch"], "cuda": row["cuda"], "apr": row["apr"], "shape_key": row["shape_key"],
             "model": f"{arch['num_hidden_layers']}x{arch['hidden_size']}",
             "batch": f"{row['shape']['batch_size']}x{row['shape']['seq_len']}",
             "tokens_per_s": r["tokens_per_s"], "step_seconds": r["step_seconds"],
-            "transient_bytes": r["transient_bytes"], "modelled_transient_bytes": r["modelled_transient_bytes"]}
+            "transient_bytes": r.get("transient_bytes"), "modelled_transient_bytes": r.get("modelled_transient_bytes")}
 
 
 def run_ls(json_out: bool) -> int:
@@ -35,10 +36,14 @@ def run_ls(json_out: bool) -> int:
     if not rows:
         print("no calibrations recorded (apr train plan CONFIG --probe records one)", file=sys.stderr)
         return 0
-    print(text_table(["ID", "DATE", "DEVICE", "MODEL", "BATCH", "TOK/S", "TRANSIENT", "MODELLED", "TORCH", "APR"], [
-        [str(r["id"]), time.strftime("%Y-%m-%d %H:%M", time.gmtime(r["time"])), safe_text(r["device_name"]),
-         r["model"], r["batch"], f"{r['tokens_per_s']:,.0f}", format_bytes(r["transient_bytes"]),
-         format_bytes(r["modelled_transient_bytes"]), safe_text(r["torch"] or "-"), safe_text(r["apr"])]
+    def size(value) -> str:
+        return format_bytes(value) if value is not None else "-"
+
+    print(text_table(["ID", "SOURCE", "DATE", "DEVICE", "MODEL", "BATCH", "TOK/S", "TRANSIENT", "MODELLED", "TORCH",
+                      "APR"], [
+        [str(r["id"]), r["source"], time.strftime("%Y-%m-%d %H:%M", time.gmtime(r["time"])),
+         safe_text(r["device_name"]), r["model"], r["batch"], f"{r['tokens_per_s']:,.0f}", size(r["transient_bytes"]),
+         size(r["modelled_transient_bytes"]), safe_text(r["torch"] or "-"), safe_text(r["apr"])]
         for r in rows]))
     return 0
 
@@ -56,7 +61,8 @@ def run_show(calibration_id: int, json_out: bool) -> int:
         sys.stdout.write(json.dumps(row, indent=2) + "\n")
         return 0
     s = _summary(row)
-    print(f"calibration {s['id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(s['time']))} UTC")
+    print(f"calibration {s['id']}  {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(s['time']))} UTC  "
+          f"from {'run ' + safe_text(s['run_id']) if s['source'] == 'run' else 'a probe'}")
     print(f"device      {safe_text(s['device'])} {safe_text(s['device_name'])}")
     print(f"versions    torch {safe_text(s['torch'] or '-')}, cuda {safe_text(s['cuda'] or '-')}, "
           f"apr {safe_text(s['apr'])}")

@@ -253,13 +253,14 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
     if calibrated is not None:
         facts["calibration"] = calibrated
         if tokens is not None:  # measured beats assumed: the probe's tokens/s on this device
-            seconds = tokens / (calibrated["tokens_per_s"] * world_size)
+            startup = calibrated.get("startup_seconds") or 0.0  # runs measure it; probes do not
+            seconds = tokens / (calibrated["tokens_per_s"] * world_size) + startup
             sheet.time_estimate = {
                 "calibrated": True, "tokens": tokens, "flops_per_token": facts["model"]["flops_per_token"],
                 "total_flops": tokens * facts["model"]["flops_per_token"], "tokens_per_s": calibrated["tokens_per_s"],
-                "gpus": world_size, "estimated_seconds": seconds, "basis": basis,
-                "calibration": f"calibrated from {calibrated['probes']} probe{'s' if calibrated['probes'] != 1 else ''}"
-                               f" on {calibrated['date']} ({calibrated['device_name']})"}
+                "gpus": world_size, "estimated_seconds": seconds, "basis": basis, "startup_seconds": startup,
+                "calibration": f"calibrated from {calibrated['what']} on {calibrated['date']} "
+                               f"({calibrated['device_name']})"}
             facts["time"] = {"estimated_seconds": seconds, "total_flops": sheet.time_estimate["total_flops"],
                              "calibrated": True}
     total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None

@@ -219,8 +219,9 @@ def _time_lines(plan, colour: bool) -> list[str]:
         return [
             _section("Time (estimate, calibrated)", colour),
             f"  {format_count(te['tokens'])} tokens (from {te['basis']}) at {fmt_number(te['tokens_per_s'])} "
-            f"tokens/s measured x {te['gpus']} process{'es' if te['gpus'] != 1 else ''}: "
-            f"~{fmt_estimate(te['estimated_seconds'])}",
+            f"tokens/s measured x {te['gpus']} process{'es' if te['gpus'] != 1 else ''}"
+            + (f" + {te['startup_seconds']:.1f} s start-up" if te.get("startup_seconds") else "")
+            + f": ~{fmt_estimate(te['estimated_seconds'])}",
             f"  {te['calibration']} (apr calibration ls)",
         ] + _mfu_lines(mfu)
     label = plan.target.gpu.label if plan.target and plan.target.gpu else "the target"

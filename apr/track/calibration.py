@@ -100,14 +100,23 @@ def matching_shape(device: str, shape_doc: dict, apr_version: str, apr_home: Pat
 
 
 def summary(rows: list[dict]) -> dict | None:
-    """What a plan takes from matching probes: the median tokens/s and transient-memory ratio."""
+    """What a plan takes from matching records: the median tokens/s of finished runs of this shape
+    when there are any (their wall time includes validation, checkpoints and the loop's own work),
+    else of probes (the engine's step alone); and the probes' transient-memory ratio."""
     if not rows:
         return None
-    results = [r["result"] for r in rows]
-    ratios = [r["transient_bytes"] / r["modelled_transient_bytes"] for r in results if r["modelled_transient_bytes"]]
+    runs = [r for r in rows if r["result"].get("source") == "run"]
+    probes = [r for r in rows if r["result"].get("source", "probe") == "probe"]
+    timed = [r["result"] for r in (runs or probes)]
+    ratios = [r["result"]["transient_bytes"] / r["result"]["modelled_transient_bytes"] for r in probes
+              if r["result"].get("modelled_transient_bytes")]
     last = max(r["time"] for r in rows)
-    return {"probes": len(rows), "last": last, "date": time.strftime("%Y-%m-%d", time.gmtime(last)),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
-            "step_seconds": statistics.median(r["step_seconds"] for r in results),
+    what = f"{len(runs)} run{'s' if len(runs) != 1 else ''}" if runs else \
+        f"{len(probes)} probe{'s' if len(probes) != 1 else ''}"
+    return {"probes": len(probes), "runs": len(runs), "what": what, "last": last,
+            "date": time.strftime("%Y-%m-%d", time.gmtime(last)),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+            "step_seconds": statistics.median(r["step_seconds"] for r in timed),
+            "startup_seconds": statistics.median(r["startup_seconds"] for r in timed) if runs else None,
             "transient_ratio": statistics.median(ratios) if ratios else None,
             "device_name": rows[-1]["device_name"], "ids": [r["id"] for r in rows]}

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -45,6 +46,7 @@ from apr.track.recorder import RunRecorder
 from apr.train import engine as engine_module  # build_engine looked up at call time (tests spy on it)
 from apr.train.blocknorms import block_metrics
 from apr.train.cadence import Cadence
+from apr.train.calibrate import record_run
 from apr.train.dist import from_env
 from apr.train.earlystop import EarlyStopping
 from apr.train.engine import NonFiniteError, resolve_device
@@ -433,6 +435,7 @@ class Run:
             self.survival.restore_records(recorder)
         self.echo(self._banner())
         self.step, self.last_checkpoint = self.start_step, self.resumed_from
+        t0, loop_started_at = time.perf_counter(), time.time()
         try:
             with StopSignals(self.options.handle_signals, self.echo) as signals:
                 stop = self._train(recorder, signals)
@@ -454,6 +457,10 @@ class Run:
             recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
             raise
         recorder.finish(stop.status, stop.reason)
+        if (self.is_main and self.resumed_from is None and stop.status == "finished"
+                and not self.survival.rollback.rollbacks):
+            record_run(self, time.perf_counter() - t0, self.step - self.start_step, self.options.apr_home,
+                       loop_started_at)
         if self.dp is not None:
             self.dp.barrier()  # rank 0's checkpoint is complete before any rank exits
             self.dp.close()

@@ -84,3 +84,18 @@ def test_probing_a_cuda_config_without_a_gpu_is_refused(tmp_path):
     cfg = write_config(tmp_path, training={"device": "cuda", "mixed_precision": "bf16"})
     r = runner.invoke(app, ["train", "plan", str(cfg), "--probe"])
     assert r.exit_code == 1 and "no CUDA device" in r.output and "Traceback" not in r.output
+
+
+def test_a_finished_run_calibrates_the_next_plan_with_its_own_throughput(tmp_path):
+    from apr.apply import run_apply
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 12})
+    result = run_apply(cfg, apr_home=None, echo=lambda line: None)
+    assert result.status == "finished"
+    (row,) = json.loads(runner.invoke(app, ["calibration", "ls", "--json"]).stdout)
+    assert row["source"] == "run" and row["run_id"] == result.run_id and row["tokens_per_s"] > 0
+    text = runner.invoke(app, ["train", "plan", str(cfg)]).stdout
+    assert "calibrated from 1 run on" in text
+    shown = runner.invoke(app, ["calibration", "show", str(row["id"])])
+    assert shown.exit_code == 0 and f"from run {result.run_id}" in shown.stdout
