@@ -2,7 +2,8 @@
 
 The config's own run loop (engine, data, precision, clipping: ``apr.train.run``) trains fresh weights
 for ``steps`` optimizer steps while the learning rate rises exponentially from ``min_lr`` to ``max_lr``
-(its schedule is replaced; warmup, evaluation, alerts, sinks and early stopping are off). Everything
+(its schedule is replaced; warmup, evaluation, alerts, sinks, early stopping, bad-step skipping and
+rollback are off). Everything
 the run writes goes to a temporary folder (output_dir and the global store both), removed at the
 end: the config's output folder is never touched. The sweep ends early when the smoothed loss
 exceeds ``diverge`` x its minimum or a step is non-finite.
@@ -138,6 +139,9 @@ def sweep_config(config, test: RangeTest, output_dir: Path):
     tr.update(max_steps=test.steps, warmup_steps=0, eval_interval=0, log_interval=1, save_interval=10**9,
               keep_last=1, output_dir=str(output_dir), epochs=10**6)
     tr["early_stopping"] = {"patience": None, "min_delta": 0.0}
+    # the sweep drives the loss up on purpose: no skipped steps, no rollbacks
+    tr["bad_steps"] = {**tr["bad_steps"], "loss_z": None, "grad_norm_z": None}
+    tr["rollback"] = {**tr["rollback"], "threshold": None}
     doc["monitoring"]["alerts"] = []
     doc["monitoring"]["sinks"] = []
     doc["monitoring"]["block_norms"] = False  # a log every step: the telemetry would cost, and nothing reads it

@@ -73,3 +73,15 @@ def test_lr_find_refuses_an_empty_range_with_exit_1_before_training(tmp_path, mo
     assert "--min-lr" in result.output and "min 1 >= max 0.1" in result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "lr-find.json").exists()
+
+
+def test_the_sweep_turns_off_what_would_fight_a_rising_loss(tmp_path):
+    from apr.lrfind import RangeTest, sweep_config
+    from tests.train.tiny import make_config
+
+    config = make_config(training={"early_stopping": {"patience": 2}, "bad_steps": {"loss_z": 3.0},
+                                   "rollback": {"threshold": 1.5}})
+    swept = sweep_config(config, RangeTest(steps=20), tmp_path / "out").training
+    assert swept.early_stopping.patience is None and swept.rollback.threshold is None
+    assert swept.bad_steps.loss_z is None and swept.bad_steps.grad_norm_z is None
+    assert swept.max_steps == 20 and swept.output_dir == str(tmp_path / "out")
