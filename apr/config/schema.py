@@ -516,6 +516,9 @@ class MonitoringConfig(_Section):
     block_norms: bool = Field(True, description="Record each block's gradient and update norm (and the "
                               "embedding's and head's) at every log step: block_grad_norm, block_update_norm, ... "
                               "in the stores, training_state.json, alert conditions and the monitor (docs/monitor.md).")
+    drift_after_steps: NonNegCount = Field(
+        20, description="Compare the run with its plan after this many steps (step time, tokens/s, peak memory on "
+        "a GPU): drift_* in training_state.json, the stores and alert conditions (docs/monitor.md); 0 disables.")
     sinks: list[SinkConfig] = Field(
         default_factory=list, description="External trackers fed the same metrics as the stores, from the "
                                           "recorder's thread; a failing one is a warning, never a failed run.")

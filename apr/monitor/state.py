@@ -65,7 +65,7 @@ _FIELD_KINDS: dict[str, str] = {
 }
 # Written by the tracker but not part of the fields every version-1 writer must provide.
 _OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events",
-                   "block_norms": "block_norms", "cost": "cost", "mfu": "num", "hfu": "num"}
+                   "block_norms": "block_norms", "cost": "cost", "mfu": "num", "hfu": "num", "drift": "drift"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -141,6 +141,16 @@ def _events(value: Any) -> list[dict]:
     return out
 
 
+def _drift(value: Any) -> dict | None:
+    """The run against its plan (apr/train/drift.py): the figures the dashboard shows."""
+    if not isinstance(value, dict):
+        return None
+    return {"step": _int(value.get("step")), "tokens_per_s": num(value.get("tokens_per_s")),
+            "planned_tokens_per_s": num(value.get("planned_tokens_per_s")),
+            "planned_from": _str(value.get("planned_from")),
+            **{k: num(value.get(k)) for k in ("drift_step_time", "drift_tokens_per_s", "drift_memory")}}
+
+
 def _strings(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
@@ -207,6 +217,7 @@ _CONVERT = {
     "gpu": _gpu,
     "alerts": _alerts,
     "events": _events,
+    "drift": _drift,
     "strings": _strings,
     "evals": _evals,
     "samples": _samples,

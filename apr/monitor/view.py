@@ -237,6 +237,14 @@ def messages(
             text = alert.get("message") or ""
             cond = alert.get("condition") or ""
             out.append((f"{step}{cond}{action}{': ' + text if text else ''}", "msg.alert"))
+        drift = state.get("drift")
+        if drift and drift.get("tokens_per_s") is not None:
+            planned = drift.get("planned_tokens_per_s")
+            shown = ", ".join(f"{k.removeprefix('drift_')} {drift[k]:+.0%}" for k in
+                              ("drift_step_time", "drift_tokens_per_s", "drift_memory") if drift.get(k) is not None)
+            out.append((f"plan vs actual at step {fmt_int(drift['step'])}: {drift['tokens_per_s']:,.0f} tokens/s"
+                        + (f" against {planned:,.0f} planned" if planned else f" ({drift.get('planned_from')})")
+                        + (f"; {shown}" if shown else ""), "msg.info"))
         events = state.get("events") or []
         if events:
             skipped = sum(1 for e in events if e.get("kind") == "bad_step")

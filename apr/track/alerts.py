@@ -34,6 +34,10 @@ ALERT_VARIABLES: dict[str, str] = {
     "epoch": "epoch",
     "tokens_per_s": "tokens_per_s",
     **{name: name for name in BLOCK_NORM_KEYS},
+    # the run against its plan, known from monitoring.drift_after_steps on (apr/train/drift.py)
+    "drift_step_time": "drift_step_time",
+    "drift_tokens_per_s": "drift_tokens_per_s",
+    "drift_memory": "drift_memory",
 }
 _INT_VARIABLES = {"step"}
 # Lists of floats, one per block (monitoring.block_norms): `block_grad_norm.exists(x, x > 5.0)`,

@@ -470,6 +470,20 @@ class RunRecorder:
             self._update_clock(now)
         self._request(state=True, fsync=True, db=True)
 
+    def log_drift(self, step: int, drift: dict) -> None:
+        """The plan-against-actual comparison (apr/train/drift.py): the state's ``drift`` and its
+        ``drift_*`` figures as metric rows."""
+        self._print_warnings()
+        now = time.time()
+        with self._lock:
+            self.state["drift"] = dict(drift)
+            for key in ("drift_step_time", "drift_tokens_per_s", "drift_memory"):
+                value = _num(drift.get(key))
+                if value is not None:
+                    self._out_metrics.append((self.run_id, int(step), key, value, now))
+            self._update_clock(now)
+        self._request(state=True, db=True)
+
     def recorded_events(self) -> list[dict]:
         """The events this run has recorded so far (the state file's, carried over on a resume)."""
         with self._lock:

@@ -158,6 +158,7 @@ class RunState:
             "gpu": None,
             "alerts": [],
             "events": [],  # skipped bad steps and rollbacks, with the rows they skipped (docs/training-state.md)
+            "drift": None,  # the run against its plan after monitoring.drift_after_steps (apr/train/drift.py)
             "store_warnings": [],
             "output_dir": None,
             "config_path": None,

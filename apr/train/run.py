@@ -48,6 +48,7 @@ from apr.train.blocknorms import block_metrics
 from apr.train.cadence import Cadence
 from apr.train.calibrate import record_run
 from apr.train.dist import from_env
+from apr.train.drift import DriftCheck
 from apr.train.earlystop import EarlyStopping
 from apr.train.engine import NonFiniteError, resolve_device
 from apr.train.mfu import mfu_meter
@@ -115,6 +116,8 @@ class Run:
         if self.early_stopping is not None:
             self.hooks.append(self.early_stopping)
         self.survival = Survival(config)  # training.bad_steps and training.rollback
+        if config.monitoring.drift_after_steps > 0:  # the run against its plan (apr/train/drift.py)
+            self.hooks.append(DriftCheck(plan_doc, config.monitoring.drift_after_steps))
         self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
         self.start_step = 0
         self.step = 0  # the step in progress (the last finished one between steps)
@@ -429,7 +432,7 @@ class Run:
     def _execute(self) -> RunResult:
         if self.resumed_from is not None and self.start_step >= self.total_steps:
             return self._already_finished()
-        recorder = self._open_recorder()
+        recorder = self.recorder = self._open_recorder()
         recorder.start(resume_step=self.start_step if self.resumed_from else None)
         if self.resumed_from is not None and self.survival.enabled:
             self.survival.restore_records(recorder)
