@@ -50,6 +50,7 @@ WHY_BREAKING: dict[str, str] = {
     "training.warmup_steps": "the learning-rate schedule",
     "training.lr_scheduler": "the learning-rate schedule",
     "training.decay_fraction": "the learning-rate schedule",
+    "training.decay_stage": "the learning-rate schedule",
     "training.grad_clip": "the gradients",
     "training.clip_mode": "the gradients",
     "training.engine": "the order of floating-point operations",
@@ -158,7 +159,7 @@ def _flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: doc}
 
 
-def _normalise(old: dict) -> dict:
+def normalise_config(old: dict) -> dict:
     """Fill defaults into a stored config so that a default spelled out and one left implicit compare
     equal; a config the current schema rejects is compared as stored."""
     from apr.config.schema import AprConfig
@@ -173,8 +174,8 @@ def compare_configs(old_config: dict, new_config: Any) -> ConfigDiff:
     """Classify every difference between a checkpoint's stored config (a JSON dict) and the config a
     run resumes under (an AprConfig or a dict)."""
     new_doc = new_config if isinstance(new_config, dict) else new_config.model_dump(mode="json")
-    old_flat = _flatten(_normalise(old_config))
-    new_flat = _flatten(_normalise(new_doc) if isinstance(new_config, dict) else new_doc)
+    old_flat = _flatten(normalise_config(old_config))
+    new_flat = _flatten(normalise_config(new_doc) if isinstance(new_config, dict) else new_doc)
     changes = []
     for path in sorted(set(old_flat) | set(new_flat)):
         old = old_flat.get(path, _ABSENT)

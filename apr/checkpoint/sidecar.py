@@ -119,6 +119,32 @@ class DataCursor(_Strict):
     shuffle: bool
 
 
+class _MixtureCredit(_Strict):
+    seed: int
+    draws: NonNegInt
+    credit: dict[str, Annotated[float, Field(allow_inf_nan=False)]]
+    cursors: dict[str, Annotated[list[NonNegInt], Field(min_length=2, max_length=2)]]
+
+
+class MixtureCursor(_Strict):
+    """A data mixture's cursor (apr/data/mixloader.py ``state_dict``)."""
+
+    version: NonNegInt
+    kind: Literal["mixture"]
+    stage: NonNegInt
+    cursor: _MixtureCredit
+    rows_seen: dict[str, NonNegInt]
+    rows: dict[str, PosInt]
+    seed: int
+    rows_per_step: PosInt
+    batch_size: PosInt
+    world_size: PosInt
+    gradient_accumulation: PosInt
+    shuffle: bool
+    stage_draws: list[NonNegInt]
+    stage_weights: list[dict[str, float]]
+
+
 class LossScaler(_Strict):
     enabled: bool
     scale: Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -135,7 +161,7 @@ class EngineState(_Strict):
 class TrainerState(_Strict):
     """The trainer's keys, at the top level of the sidecar beside the manager's."""
 
-    data: DataCursor
+    data: DataCursor | MixtureCursor
     engine: EngineState
     rng: RngState
     epoch: NonNegInt | None = None

@@ -35,7 +35,7 @@ def output_dir_problems(config: AprConfig) -> list[tuple[str, str]]:
         problems.append((f"output_dir {text!r} is your home folder itself: a run's checkpoints and records need a "
                          "folder of their own", f"{out} (the home folder)"))
     data = config.data
-    inputs = [("data.train", data.train), ("data.val", data.val), ("data.tokenizer", data.tokenizer)]
+    inputs = [*data.train_paths(), *data.val_paths(), ("data.tokenizer", data.tokenizer)]
     for key, value in inputs:
         if not value:
             continue
@@ -56,7 +56,7 @@ def data_path_problems(config: AprConfig) -> list[tuple[str, str, str]]:
     such a path costs minutes before it could say that it holds no shards."""
     problems = []
     home = _resolve("~")
-    for key, value in (("data.train", config.data.train), ("data.val", config.data.val)):
+    for key, value in (*config.data.train_paths(), *config.data.val_paths()):
         if not value:
             continue
         target = _resolve(value)

@@ -182,14 +182,88 @@ class ModelConfig(_Section):
 # ----------------------------------------------------------------------------------------- data
 
 
+SOURCE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+
+
+def _source_name(value: object) -> object:
+    if not isinstance(value, str) or not SOURCE_NAME_RE.match(value):
+        raise ValueError(f"expected a source name of 1-64 letters, digits and '_', starting with a letter, "
+                         f"got {value!r}")
+    return value
+
+
+SourceName = Annotated[str, BeforeValidator(_source_name)]
+
+
+class DataSource(_Section):
+    """One source of a data mixture (docs/data.md, "Mixtures and stages")."""
+
+    name: SourceName = Field(description="The source's name: in stages' weights, records and the monitor.")
+    path: str = Field(description="Folder (or file) of the source's pretokenized Parquet shards.")
+    weight: float = Field(1.0, ge=0, description="Share of the mixture (normalised over the sources; in "
+                          "data.weight_unit). Used when data.stages is not given.")
+    val: str | None = Field(None, description="The source's own validation shards: val_loss/<name> is "
+                            "recorded at every evaluation.")
+
+
+class WeightUnit(StrEnum):
+    tokens = "tokens"
+    documents = "documents"
+
+
+class DataStage(_Section):
+    """One stage of a mixture: its weights from its start step to the next stage's."""
+
+    name: str | None = Field(None, description="A label for records and the plan (default stage<i>).")
+    start: int | float = Field(0, description="First step of the stage: a step (integer) or a fraction of "
+                               "the run in [0, 1) (floored to a step). The first stage starts at 0.")
+    weights: dict[str, float] = Field(description="Source name -> weight (in data.weight_unit); sources not "
+                                      "named get weight 0 in this stage.")
+
+
+def _train(value: object) -> object:
+    if not isinstance(value, (str, list)):
+        kind = "a mapping" if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"expected a path, or a list of sources (name, path, weight), got {kind}")
+    return value
+
+
 class DataConfig(_Section):
-    train: str = Field(description="Folder (or file) of pretokenized Parquet shards for training.")
+    train: Annotated[str | list[DataSource], BeforeValidator(_train)] = Field(
+        description="Folder (or file) of pretokenized Parquet shards for training, or a list of named sources "
+        "(name, path, weight, val) mixed by weight (docs/data.md, \"Mixtures and stages\").")
+    weight_unit: WeightUnit = Field(
+        WeightUnit.tokens, description="Unit of the mixture weights: tokens (a weight is the share of training "
+        "tokens) or documents (the share of documents; converted with each source's tokens per document from "
+        "its pretokenize manifest).")
+    stages: list[DataStage] | None = Field(
+        None, description="Stages of the mixture, each with its own weights and start (step or fraction of the "
+        "run). Default: one stage with the sources' weights.")
+    repeat: bool = Field(
+        True, description="A mixture source read to its end starts its next epoch (true) or the plan refuses a "
+        "run that would exhaust it (false).")
     val: str | None = Field(None, description="Folder (or file) of Parquet shards for validation.")
     batch_size: PositiveCount = Field(description="Micro-batch: sequences per forward/backward per device.")
     seq_len: PositiveCount = Field(description="Tokens per training sequence (rows hold seq_len + 1).")
     tokenizer: str | None = Field(None, description="tokenizer.json (Hugging Face tokenizers format).")
     input_column: str = Field("input_ids", description="Parquet column holding list<uint32> token ids.")
     shuffle: bool = Field(True, description="Shuffle rows each epoch (deterministically from the seed).")
+
+    @property
+    def sources(self) -> list[DataSource] | None:
+        """The mixture's sources; None for a single ``data.train`` path."""
+        return None if isinstance(self.train, str) else list(self.train)
+
+    def train_paths(self) -> list[tuple[str, str]]:
+        """(key path, path) of every training input: ``data.train`` or each ``data.train[i].path``."""
+        if isinstance(self.train, str):
+            return [("data.train", self.train)]
+        return [(f"data.train[{i}].path", s.path) for i, s in enumerate(self.train)]
+
+    def val_paths(self) -> list[tuple[str, str]]:
+        """(key path, path) of every validation input: ``data.val`` and each source's ``val``."""
+        out = [("data.val", self.val)] if self.val else []
+        return out + [(f"data.train[{i}].val", s.val) for i, s in enumerate(self.sources or []) if s.val]
 
 
 # ------------------------------------------------------------------------------------ optimizer
@@ -355,6 +429,9 @@ class TrainingConfig(_Section):
     decay_fraction: float = Field(
         0.2, gt=0, le=1, description="wsd only: the final fraction of steps spent decaying to min_lr."
     )
+    decay_stage: str | None = Field(
+        None, description="wsd only: start the decay where this data stage (data.stages[].name) starts, "
+        "instead of decay_fraction.")
     gradient_accumulation: PositiveCount = Field(1, description="Micro-batches per optimizer step.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip gradients to this norm; null disables.")
     clip_mode: ClipMode = Field(

@@ -278,6 +278,11 @@ class ShardLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved cursor; AprError when it was saved for other data or another layout."""
+        if state.get("kind") == "mixture":
+            raise AprError("the saved data cursor is a mixture's (data.train listed sources), this config reads "
+                           "one data.train", [Finding("error", "data.cursor", "saved cursor is a mixture's",
+                                                      path="data.train", expected="one data.train folder",
+                                                      got="a mixture of sources")])
         for key in ("num_rows", "batch_size", "world_size", "gradient_accumulation", "seed", "shuffle"):
             if key in state and state[key] != getattr(self, key):
                 raise AprError(f"the saved data cursor does not fit this loader: {key} was {state[key]}, "

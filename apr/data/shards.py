@@ -65,6 +65,8 @@ def check_destination(out: Path, overwrite: bool, inputs: list[Path] | tuple[Pat
                 expected="an --out outside every input", got=str(src))])
     if not (out.exists() or out.is_symlink()):
         return
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return  # an empty folder (made by hand, or left by an earlier failed call) holds nothing to lose
     if not overwrite:
         raise AprError(f"output {out} already exists", [Finding(
             "error", "data.output", "already exists; choose another --out or pass --overwrite",

@@ -93,10 +93,11 @@ def synth_like(config_path: str | Path, out: str | Path, *, train_rows: int | No
         train_rows = per_step * math.ceil(steps / max(tr.epochs, 1))
     if val_rows is None:
         val_rows = data.batch_size * VAL_STEPS
-    train = _under(out, str(data.train), "data.train")
-    val = _under(out, str(data.val), "data.val") if data.val else None
+    trains = [_under(out, str(path), key) for key, path in data.train_paths()]
+    vals = [_under(out, str(path), key) for key, path in data.val_paths()]
+    train, val = trains[0], (vals[0] if vals else None)
     tokenizer = _under(out, str(data.tokenizer), "data.tokenizer") if data.tokenizer else None
-    targets = [p for p in (train, val, tokenizer) if p is not None]
+    targets = [p for p in (*trains, *vals, tokenizer) if p is not None]
     existing = [p for p in targets if p.exists()]
     if existing and not overwrite:
         raise AprError(f"{existing[0]} already exists; pass --overwrite to replace the stand-in",
@@ -105,9 +106,10 @@ def synth_like(config_path: str | Path, out: str | Path, *, train_rows: int | No
     for p in existing:
         _remove_earlier_standin(p)
     row_len = data.seq_len + 1
-    _write_split(train, train_rows, row_len, arch.vocab_size, shard_rows, data.input_column)
-    if val is not None:
-        _write_split(val, val_rows, row_len, arch.vocab_size, shard_rows, data.input_column)
+    for folder in trains:  # a mixture: every source as large as the run (no source runs out)
+        _write_split(folder, train_rows, row_len, arch.vocab_size, shard_rows, data.input_column)
+    for folder in vals:
+        _write_split(folder, val_rows, row_len, arch.vocab_size, shard_rows, data.input_column)
     if tokenizer is not None:
         write_tokenizer(tokenizer, arch.vocab_size)
     (out / "STANDIN.txt").write_text(

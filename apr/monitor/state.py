@@ -65,7 +65,8 @@ _FIELD_KINDS: dict[str, str] = {
 }
 # Written by the tracker but not part of the fields every version-1 writer must provide.
 _OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events",
-                   "block_norms": "block_norms", "cost": "cost", "mfu": "num", "hfu": "num", "drift": "drift"}
+                   "block_norms": "block_norms", "cost": "cost", "mfu": "num", "hfu": "num", "drift": "drift",
+                   "mixture": "mixture"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -151,6 +152,17 @@ def _drift(value: Any) -> dict | None:
             **{k: num(value.get(k)) for k in ("drift_step_time", "drift_tokens_per_s", "drift_memory")}}
 
 
+def _mixture(value: Any) -> dict | None:
+    """A data mixture's progress (apr/data/mixloader.py): stage, and per source tokens, rows,
+    epochs and the last val loss."""
+    if not isinstance(value, dict) or not isinstance(value.get("sources"), dict):
+        return None
+    sources = {str(name): {k: num(f.get(k)) for k in ("tokens", "rows", "epochs", "val_loss")}
+               for name, f in value["sources"].items() if isinstance(f, dict)}
+    return {"step": _int(value.get("step")), "stage": _int(value.get("stage")),
+            "stage_name": _str(value.get("stage_name")), "sources": sources}
+
+
 def _strings(value: Any) -> list[str]:
     return [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
 
@@ -218,6 +230,7 @@ _CONVERT = {
     "alerts": _alerts,
     "events": _events,
     "drift": _drift,
+    "mixture": _mixture,
     "strings": _strings,
     "evals": _evals,
     "samples": _samples,

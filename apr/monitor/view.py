@@ -245,16 +245,24 @@ def messages(
             out.append((f"plan vs actual at step {fmt_int(drift['step'])}: {drift['tokens_per_s']:,.0f} tokens/s"
                         + (f" against {planned:,.0f} planned" if planned else f" ({drift.get('planned_from')})")
                         + (f"; {shown}" if shown else ""), "msg.info"))
+        mixture = state.get("mixture")
+        if mixture and mixture.get("sources"):
+            parts = [f"{name} {fmt_int(f['tokens'])} tok ({f['epochs']:.2f} ep)"
+                     + (f" val {f['val_loss']:.3f}" if f.get("val_loss") is not None else "")
+                     for name, f in mixture["sources"].items() if f.get("tokens") is not None]
+            out.append((f"data stage {mixture.get('stage_name') or mixture.get('stage')}: " + ", ".join(parts),
+                        "msg.info"))
         events = state.get("events") or []
-        if events:
-            skipped = sum(1 for e in events if e.get("kind") == "bad_step")
-            rollbacks = sum(1 for e in events if e.get("kind") == "rollback")
+        skipped = sum(1 for e in events if e.get("kind") == "bad_step")
+        rollbacks = sum(1 for e in events if e.get("kind") == "rollback")
+        if skipped or rollbacks:
             out.append((f"{skipped} bad steps skipped, {rollbacks} rollbacks (apr runs ledger lists the rows)",
                         "msg.warning"))
         for event in reversed(events):
             step = f"step {fmt_int(event['step'])} " if event.get("step") is not None else ""
             rows = f" [{event['rows']} rows]" if event.get("rows") else ""
-            out.append((f"{step}{event.get('message') or event.get('kind') or ''}{rows}", "msg.alert"))
+            out.append((f"{step}{event.get('message') or event.get('kind') or ''}{rows}",
+                        "msg.info" if event.get("kind") == "stage" else "msg.alert"))
         for warning in state.get("store_warnings") or []:
             out.append((f"store: {warning}", "msg.warning"))
     if not out:

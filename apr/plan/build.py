@@ -23,12 +23,13 @@ from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.errors import AprError, Finding
 from apr.plan import gpus
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
-from apr.plan.datafacts import fingerprint_entries, resolve
+from apr.plan.datafacts import dataset_facts, fingerprint_entries, resolve, shared_shards
 from apr.plan.explain import layers_dict
 from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
 from apr.plan.memory import MemoryRow, coefficients_dict
+from apr.plan.mixfacts import mixture_config_findings, mixture_facts, reads, source_contract_results
 from apr.plan.tokfacts import tokenizer_facts
 from apr.plan.validate import (
     alert_config_findings,
@@ -172,7 +173,7 @@ def run_summary(plan: Plan) -> dict:
                   "head_dim": f["model"]["head_dim"], "intermediate_size": arch.intermediate_size,
                   "vocab_size": arch.vocab_size, "tied_embeddings": arch.tie_word_embeddings,
                   "params": f["model"]["params"], "non_embedding_params": f["model"]["non_embedding_params"]},
-        "data": {"train": c.data.train, "val": c.data.val, "tokenizer": c.data.tokenizer,
+        "data": {"train": c.data.model_dump(mode="json")["train"], "val": c.data.val, "tokenizer": c.data.tokenizer,
                  "train_sequences": (f.get("data") or {}).get("train", {}).get("sequences"),
                  "seq_len": c.data.seq_len},
         "schedule": {"batch_size": c.data.batch_size, "gradient_accumulation": c.training.gradient_accumulation,
@@ -228,7 +229,8 @@ def resolve_plan_target(config: AprConfig, gpu: str | None, vram: str | int | No
 def fingerprint_roots(config: AprConfig) -> list[dict]:
     """The inputs whose files make up the data fingerprint: train, val and tokenizer."""
 
-    roots = [("train", config.data.train), ("val", config.data.val), ("tokenizer", config.data.tokenizer)]
+    roots = ([("train", path) for _, path in config.data.train_paths()]
+             + [("val", path) for _, path in config.data.val_paths()] + [("tokenizer", config.data.tokenizer)])
     return [{"role": role, "path": text, "resolved": str(resolve(text))} for role, text in roots if text is not None]
 
 
@@ -287,11 +289,24 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
 
             sheet.facts["tokenizer"] = tokenizer_facts(init_facts["tokenizer"])
     contract_set = load_contracts(contracts_dir)
-    results = evaluate_contracts(contract_set.contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
+    contracts = contract_set.contracts
+    mixture_findings: list[Finding] = mixture_config_findings(loaded)
+    if config.data.sources is not None:  # the data contracts once per source, at data.train[i]
+        mixture_findings += source_contract_results(
+            [c for c in contracts if reads(c, "train") and c.path != "model.architecture.vocab_size"],
+            loaded, sheet.facts, dataset_facts, shared_shards, evaluate_contracts)
+        contracts = [c for c in contracts if not reads(c, "train") or c.path == "model.architecture.vocab_size"]
+        if any(s.val for s in config.data.sources):  # validation is configured, per source
+            contracts = [c for c in contracts if c.id != "C-DATA-020"]
+        mixture, found = mixture_facts(loaded, sheet.facts, world_size)
+        mixture_findings += found
+        if mixture is not None:
+            sheet.facts["mixture"] = mixture
+    results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
                        *output_dir_findings(loaded), *init_findings, *compile_findings(loaded),
-                       *sink_findings(loaded),
+                       *sink_findings(loaded), *mixture_findings,
                        *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *survival_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps"))],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))

@@ -22,6 +22,7 @@ from apr.model.spec import (
 from apr.plan.datafacts import dataset_facts, shared_shards
 from apr.plan.gpus import Target, mfu_basis
 from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
+from apr.plan.mixfacts import merged_train_facts, source_dataset_facts
 from apr.plan.storage import storage_facts
 from apr.plan.tokfacts import tokenizer_facts
 from apr.steps.algebra import sequences_per_step, step_algebra
@@ -207,10 +208,15 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
     sheet = config_facts(config, world_size=world_size, target=target, device_budget=device_budget)
     facts = sheet.facts
     data, tr = config.data, config.training
-    data_facts: dict = {"train": dataset_facts(data.train, data.input_column)}
+    if data.sources is not None:  # a mixture: each source's facts, and the sources together as "train"
+        per_source = source_dataset_facts(config, dataset_facts)
+        data_facts: dict = {"sources": per_source, "train": merged_train_facts(per_source)}
+    else:
+        data_facts = {"train": dataset_facts(data.train, data.input_column)}
     if data.val is not None:
         data_facts["val"] = dataset_facts(data.val, data.input_column)
-        data_facts["val_shared_shards"] = shared_shards(data.train, data.val)
+        if data.sources is None:
+            data_facts["val_shared_shards"] = shared_shards(data.train, data.val)
     maxima = [(d["max_token_id"], name) for name, d in (("train", data_facts["train"]), ("val", data_facts.get("val")))
               if d and d.get("has_statistics")]
     if maxima:

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from apr.checkpoint.compat import normalise_config
 from apr.config import config_hash, load_config
+from apr.config.loader import config_doc_hash
 from apr.errors import AprError, Finding
 from apr.fsutil import atomic_write_json
 from apr.plan.build import PLAN_FORMAT, PLAN_FORMAT_VERSION, Plan, data_fingerprint, normalise_overrides
@@ -169,8 +171,11 @@ def check_plan_fresh(doc: dict) -> Path:
     findings: list[Finding] = []
     parts: list[str] = []
 
-    if config_hash(config) != doc["config_hash"]:
-        changes = config_changes(doc.get("config") or {}, config.model_dump(mode="json")) if doc.get("config") else []
+    # a plan made by an earlier apr lacks keys added since: filled with their defaults, they are no change
+    planned = normalise_config(doc["config"]) if isinstance(doc.get("config"), dict) else None
+    now = config_hash(config)
+    if now != doc["config_hash"] and (planned is None or config_doc_hash(planned) != now):
+        changes = config_changes(planned, config.model_dump(mode="json")) if planned else []
         for key, before, after in changes:
             file, line, column = loaded.source.where(tuple(key.split(".")))
             findings.append(Finding("error", "plan.stale.config", "changed since the plan was made",

@@ -95,11 +95,33 @@ def _dataset_line(name: str, d: dict | None, text: str | None) -> str:
     return f"{name:<10} {text}  {', '.join(parts)}"
 
 
+def mixture_lines(mix: dict | None) -> list[str]:
+    """The mixture's accounting: per stage its first step and token shares, per source the tokens
+    and epochs the run draws."""
+    if not mix:
+        return []
+    out = [f"{'mixture':<10} weights in {mix['unit']}; {'repeat' if mix['repeat'] else 'no repeat'}"
+           + ("" if mix["exact"] else "; counts within one row per source per stage (a long run)")]
+    for st in mix["stages"]:
+        shares = ", ".join(f"{n} {v:.1%}" for n, v in st["token_shares"].items() if v > 0)
+        out.append(f"{'  stage':<10} {st['name']}: steps {st['first_step']:,}-{st['end_step']:,} "
+                   f"({st['steps']:,} steps) {shares}")
+    for name, src in mix["sources"].items():
+        out.append(f"{'  source':<10} {name}: {src['tokens']:,} tokens, {src['rows_drawn']:,} of "
+                   f"{src['rows']:,} rows = {src['epochs']:.2f} epochs")
+    return out
+
+
 def _data_lines(plan) -> list[str]:
     data = plan.config.data
     f = plan.facts.get("data") or {}
-    lines = [_dataset_line("train", f.get("train"), data.train),
-             _dataset_line("val", f.get("val"), data.val)]
+    if data.sources is not None:
+        lines = [_dataset_line(f"train:{s.name}", (f.get("sources") or {}).get(s.name), s.path)
+                 for s in data.sources]
+        lines += mixture_lines(plan.facts.get("mixture"))
+    else:
+        lines = [_dataset_line("train", f.get("train"), data.train)]
+    lines.append(_dataset_line("val", f.get("val"), data.val))
     tok = plan.facts.get("tokenizer")
     if data.tokenizer is None:
         lines.append(f"{'tokenizer':<10} (not set)")

@@ -15,6 +15,7 @@ from apr.errors import Finding
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
 from apr.plan.facts import config_facts
 from apr.plan.gpus import resolve_target
+from apr.plan.mixfacts import key_loc, mixture_config_findings
 from apr.steps.execution import compile_problem
 from apr.track.alerts import alert_findings
 from apr.track.trackers import EXTRA, missing_package
@@ -33,7 +34,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
-                 + compile_findings(loaded) + sink_findings(loaded)
+                 + compile_findings(loaded) + sink_findings(loaded) + mixture_config_findings(loaded)
                  + early_stopping_findings(loaded, tr.max_steps) + survival_findings(loaded, tr.max_steps))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
@@ -69,7 +70,7 @@ def data_path_findings(loaded: LoadedConfig) -> list[Finding]:
 
     out = []
     for key, message, got in data_path_problems(loaded.config):
-        file, line, column = loaded.source.where(tuple(key.split(".")))
+        file, line, column = loaded.source.where(key_loc(key))
         out.append(Finding("error", "config.data_path", message, path=key, file=file, line=line,
                            column=column, expected="a folder of pretokenized shards (or one shard)", got=got))
     return out

@@ -68,11 +68,14 @@ class LRSchedule:
     decay_fraction: float = 0.2
 
     @classmethod
-    def from_config(cls, config, total_steps: int) -> LRSchedule:
-        """From an ``AprConfig`` and the run's total steps (the plan's step algebra)."""
+    def from_config(cls, config, total_steps: int, decay_start: int | None = None) -> LRSchedule:
+        """From an ``AprConfig`` and the run's total steps (the plan's step algebra). ``decay_start``:
+        the step a wsd decay starts at (``training.decay_stage``'s start), instead of decay_fraction."""
         opt, tr = config.optimizer, config.training
-        return cls(opt.lr, opt.resolved_min_lr, total_steps, tr.warmup_steps, str(tr.lr_scheduler),
-                   tr.decay_fraction)
+        fraction = tr.decay_fraction
+        if decay_start is not None and total_steps > 0:
+            fraction = (total_steps - decay_start) / total_steps
+        return cls(opt.lr, opt.resolved_min_lr, total_steps, tr.warmup_steps, str(tr.lr_scheduler), fraction)
 
     def __call__(self, step: int) -> float:
         return lr_at(step, peak=self.peak, min_lr=self.min_lr, total_steps=self.total_steps,

@@ -484,6 +484,22 @@ class RunRecorder:
             self._update_clock(now)
         self._request(state=True, db=True)
 
+    def log_mixture(self, step: int, mixture: dict) -> None:
+        """A data mixture's progress (apr/data/mixloader.py ``figures``): the state's ``mixture``
+        (stage, and per source tokens, rows, epochs and the last val loss) and metric rows
+        ``tokens/<source>`` and ``val_loss/<source>``."""
+        self._print_warnings()
+        now = time.time()
+        with self._lock:
+            self.state["mixture"] = {"step": int(step), **mixture}
+            for name, figures in (mixture.get("sources") or {}).items():
+                for key, metric in (("tokens", f"tokens/{name}"), ("val_loss", f"val_loss/{name}")):
+                    value = _num(figures.get(key))
+                    if value is not None:
+                        self._out_metrics.append((self.run_id, int(step), metric, value, now))
+            self._update_clock(now)
+        self._request(state=True, db=True)
+
     def recorded_events(self) -> list[dict]:
         """The events this run has recorded so far (the state file's, carried over on a resume)."""
         with self._lock:

@@ -159,6 +159,7 @@ class RunState:
             "alerts": [],
             "events": [],  # skipped bad steps and rollbacks, with the rows they skipped (docs/training-state.md)
             "drift": None,  # the run against its plan after monitoring.drift_after_steps (apr/train/drift.py)
+            "mixture": None,  # a data mixture's stage and tokens/rows/epochs/val loss per source (mixloader.py)
             "store_warnings": [],
             "output_dir": None,
             "config_path": None,

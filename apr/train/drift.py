@@ -74,8 +74,9 @@ class DriftCheck:
         run.recorder.log_drift(report.step, drift)
         shown = ", ".join(f"{k} {drift[k]:+.1%}" for k in ("drift_step_time", "drift_tokens_per_s", "drift_memory")
                           if drift[k] is not None)
-        run.echo(f"{run._step_label(report.step)}  plan vs actual: {actual:,.0f} tokens/s against "
-                 + (f"{plan_rate:,.0f} planned ({source})" if plan_rate else source)
+        run.echo(f"{run._step_label(report.step)}  plan vs actual: {actual:,.0f} tokens/s"
+                 + (" against " if plan_rate else "; ")
+                 + (f"{plan_rate:,.0f} planned ({source})" if plan_rate else f"nothing planned: {source}")
                  + (f"; {shown}" if shown else ""))
         metrics = {k: drift[k] for k in ("drift_step_time", "drift_tokens_per_s", "drift_memory")
                    if drift[k] is not None}

@@ -34,6 +34,8 @@ from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainStat
 from apr.checkpoint.rng import capture_rng, restore_rng
 from apr.config.schema import AprConfig
 from apr.data.loader import ShardLoader
+from apr.data.mixconfig import decay_start_step, token_stages
+from apr.data.mixloader import MixtureLoader
 from apr.errors import AprError, Finding
 from apr.evaluate.during_training import TrainingEvaluator
 from apr.fsutil import atomic_write_json, atomic_write_text
@@ -124,6 +126,7 @@ class Run:
         self.best_val: float | None = None
         self.first_val: float | None = None
         self.val_loss: float | None = None  # the last measured validation loss
+        self.source_val: dict[str, float | None] = {}  # a mixture's per-source val losses, last measured
         self.run_id: str | None = None
         self.resumed_from: Path | None = None
         self.last_checkpoint: Path | None = None
@@ -155,29 +158,41 @@ class Run:
         """The loaders, the step count, the LR schedule and the cadence."""
         config, tr, data = self.config, self.config.training, self.config.data
         rank, world = (0, 1) if self.dp is None else (self.dp.rank, self.dp.world_size)
-        self.loader = ShardLoader(
-            os.path.expanduser(data.train), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
-            gradient_accumulation=tr.gradient_accumulation, world_size=world, rank=rank, shuffle=data.shuffle,
-            input_column=data.input_column, vocab_size=config.model.architecture.vocab_size, on_warning=self._warn)
+        options = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed, world_size=world, rank=rank,
+                       input_column=data.input_column, vocab_size=config.model.architecture.vocab_size,
+                       on_warning=self._warn)
+        self.mixture = data.sources is not None
+        if self.mixture:
+            self.loader = MixtureLoader({s.name: os.path.expanduser(s.path) for s in data.sources},
+                                        token_stages(data), total_steps=None, shuffle=data.shuffle,
+                                        gradient_accumulation=tr.gradient_accumulation, repeat=data.repeat, **options)
+        else:
+            self.loader = ShardLoader(os.path.expanduser(data.train), shuffle=data.shuffle,
+                                      gradient_accumulation=tr.gradient_accumulation, **options)
         if self.loader.steps_per_epoch == 0:
             need = self.loader.sequences_per_step
             raise _data_error(
-                f"{data.train}: {self.loader.num_rows} sequences are fewer than one optimizer step needs "
-                f"({need} = batch_size x gradient_accumulation x world_size)",
-                "data.train", file=str(data.train))
+                f"{data.train_paths()[0][1] if not self.mixture else 'the mixture'}: {self.loader.num_rows} sequences "
+                f"are fewer than one optimizer step needs ({need} = batch_size x gradient_accumulation x world_size)",
+                "data.train", file=str(data.train_paths()[0][1]))
         self.val_loader = None
-        if data.val is not None and tr.eval_interval > 0:
-            self.val_loader = ShardLoader(
-                os.path.expanduser(data.val), seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed,
-                shuffle=False, input_column=data.input_column, rank=rank, world_size=world,
-                vocab_size=config.model.architecture.vocab_size, on_warning=self._warn)
+        self.source_vals: dict[str, ShardLoader] = {}
+        if tr.eval_interval > 0:
+            if data.val is not None:
+                self.val_loader = ShardLoader(os.path.expanduser(data.val), shuffle=False, **options)
+            self.source_vals = {s.name: ShardLoader(os.path.expanduser(s.val), shuffle=False, **options)
+                                for s in data.sources or [] if s.val}
         steps = step_count(num_sequences=self.loader.num_rows, batch_size=data.batch_size,
                            gradient_accumulation=tr.gradient_accumulation, world_size=world, epochs=tr.epochs,
                            max_steps=tr.max_steps)
         self.epoch_steps, self.total_steps = steps.epoch_steps, steps.total_steps
+        if self.mixture:
+            self.loader.set_total_steps(self.total_steps)
         self.tokens_per_step = steps.sequences_per_step * data.seq_len
-        self.schedule = LRSchedule.from_config(config, self.total_steps)
-        self.cadence = Cadence.from_config(tr, self.total_steps, validates=self.val_loader is not None)
+        self.schedule = LRSchedule.from_config(config, self.total_steps,
+                                               decay_start=decay_start_step(config, self.total_steps))
+        self.cadence = Cadence.from_config(tr, self.total_steps,
+                                           validates=self.val_loader is not None or bool(self.source_vals))
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
                                echo=self.echo, label=self._step_label,
                                shown=tuple(config.monitoring.terminal.metrics))
@@ -289,6 +304,12 @@ class Run:
     def _remap_cursor(self, saved: dict) -> None:
         """A forced resume whose data layout changed (rows, batch, accumulation, ranks, seed or shuffle):
         keep the saved epoch and the fraction of it already read, at the new layout. Not exact."""
+        if self.mixture:  # the same number of rows drawn, under the new layout and stages
+            draws = int((saved.get("cursor") or {}).get("draws", 0))
+            self.loader.seek(draws // self.loader.rows_per_micro)
+            self._warn(f"the data mixture or layout changed since the checkpoint; the data cursor was re-mapped to "
+                       f"micro-batch {self.loader.absolute} (the run is no longer exactly reproducible)")
+            return
         ga = int(saved.get("gradient_accumulation", 1))
         per_step = int(saved.get("batch_size", 1)) * ga * int(saved.get("world_size", 1))
         old_micro_batches = int(saved.get("num_rows", 0)) // max(per_step, 1) * ga
@@ -316,12 +337,20 @@ class Run:
     # ------------------------------------------------------------------------------ components
 
     def evaluate(self) -> float | None:
-        """Validation loss over ``training.eval_batches`` (averaged over ranks); None without a val set."""
-        if self.val_loader is None:
-            return None
+        """Validation loss over ``training.eval_batches`` (averaged over ranks); None without a val set.
+        A mixture's per-source val folders are measured too (``self.source_val``); without data.val
+        the val loss is their plain mean (comparable across stages, for best checkpoints and early
+        stopping)."""
+        self.source_val = {name: self._loss_over(loader) for name, loader in self.source_vals.items()}
+        if self.val_loader is not None:
+            return self._loss_over(self.val_loader)
+        known = [v for v in self.source_val.values() if v is not None]
+        return sum(known) / len(known) if known else None  # the same sources every time, whatever the stage
+
+    def _loss_over(self, loader: ShardLoader) -> float | None:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
-        for batch in self.val_loader.iter_sequential(self.config.training.eval_batches):
+        for batch in loader.iter_sequential(self.config.training.eval_batches):
             loss_sum, n = self.engine.eval_loss_sum(batch)
             total += loss_sum.double()
             count += n
@@ -339,6 +368,7 @@ class Run:
             self.early_stopping.observe(0, self.val_loss)  # the initial weights are the first to beat
         recorder.log_eval(0, self.val_loss)
         self._echo_val(0, self.val_loss, best=False)
+        self._record_mixture(0, recorder)
 
     def _validate(self, step: int, recorder: Recorder) -> tuple[float | None, bool]:
         """Validation loss at ``step``, recorded and printed, and whether it beats every earlier one."""
@@ -348,7 +378,30 @@ class Run:
         if is_best:
             self.best_val = self.val_loss
         self._echo_val(step, self.val_loss, is_best)
+        self._record_mixture(step, recorder)
+        if self.source_val:
+            self.echo(f"{self._step_label(step)}  val loss by source: " + "  ".join(
+                f"{n} {v:.4f}" for n, v in self.source_val.items() if v is not None))
         return self.val_loss, is_best
+
+    def _stage_started(self, step: int, recorder: Recorder) -> None:
+        """A mixture's next stage draws its first rows at ``step``: an event and a line."""
+        st = self.loader.stages[self.loader.stage]
+        total = sum(st.weights.values()) or 1.0
+        mix = ", ".join(f"{n} {w / total:.0%}" for n, w in st.weights.items() if w > 0)
+        message = f"data stage {self.loader.stage_name!r} starts at step {step}: {mix} of tokens"
+        recorder.log_event("stage", step, message, {"stage": self.loader.stage, "name": self.loader.stage_name,
+                                                    "token_shares": {n: w / total for n, w in st.weights.items()}})
+        self.echo(f"{self._step_label(step)}  {message}")
+
+    def _record_mixture(self, step: int, recorder: Recorder) -> None:
+        """A mixture's stage, tokens/rows/epochs per source and per-source val losses, recorded."""
+        if not self.mixture:
+            return
+        figures = self.loader.figures()
+        for name, value in (self.source_val or {}).items():
+            figures["sources"][name]["val_loss"] = value
+        recorder.log_mixture(step, figures)
 
     def _evaluate_tasks(self, step: int, recorder: Recorder) -> Stop | None:
         """evaluation.tasks / samples on the model in training (apr.evaluate.during_training); the new
@@ -487,7 +540,10 @@ class Run:
             self.step += 1
             step, lr = self.step, survival.lr(self.step, self.schedule(self.step))
             survival.before_batches(self, recorder)
+            stage = self.loader.stage if self.mixture else 0
             micro = [self.loader.next_batch() for _ in range(self.config.training.gradient_accumulation)]
+            if self.mixture and self.loader.stage != stage:
+                self._stage_started(step, recorder)
             try:
                 report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
                 stopping = signals.received is not None
@@ -512,6 +568,7 @@ class Run:
             stop = None
             if self.cadence.log(step, stopping=signals.received is not None):
                 report.metrics = self.steplog.log(step, lr, report.result, self._epoch(), recorder)
+                self._record_mixture(step, recorder)
                 stop = self._check_alerts(report.metrics, step, recorder)
             if self.cadence.validate(step):
                 report.val_loss, report.is_best = self._validate(step, recorder)
@@ -550,11 +607,8 @@ class Run:
         """Put the data cursor back by ``steps`` optimizer steps' micro-batches."""
         if steps <= 0:
             return
-        loader, per_epoch = self.loader, self.loader.micro_batches_per_epoch
-        taken = loader.epoch * per_epoch + loader.position - steps * self.config.training.gradient_accumulation
-        state = loader.state_dict()
-        state["epoch"], state["position"] = divmod(max(taken, 0), per_epoch)
-        loader.load_state_dict(state)
+        accum = self.config.training.gradient_accumulation
+        self.loader.seek(max(self.loader.absolute - steps * accum, 0))
 
     def _result(self, stop: Stop, final_step: int, warnings: list[str]) -> RunResult:
         return RunResult(
@@ -607,7 +661,9 @@ class Run:
                 f"  model {params / 1e6:.2f}M params; {self.engine.strategy.describe()}; "
                 f"kernels {self.engine.backend.name}, {tr.mixed_precision} on {self.device}\n"
                 f"  {self.total_steps:,} steps x {self.tokens_per_step:,} tokens = {epochs:.3g} epochs of "
-                f"{self.loader.steps_per_epoch:,} steps ({self.loader.num_rows:,} sequences)")
+                f"{self.loader.steps_per_epoch:,} steps ({self.loader.num_rows:,} sequences)"
+                + (f"\n  mixture of {len(self.loader.names)} sources ({', '.join(self.loader.names)}) in "
+                   f"{len(self.loader.stages)} stage(s), stage {self.loader.stage_name!r} now" if self.mixture else ""))
 
 
 def prepare_run(config: AprConfig, *, config_hash: str, config_path: Path, options: ApplyOptions,

@@ -163,7 +163,7 @@ def test_apply_refuses_hostile_inputs_before_importing_torch(tmp_path):
     os.mkfifo(fifo)
     bomb = tmp_path / "cfg.yaml"
     bomb.write_text("a: &a [1,2,3,4,5,6,7,8,9]\n" + "".join(
-        f"{c}: &{c} [" + ", ".join([f"*{p}"] * 9) + "]\n" for p, c in zip("abcdefgh", "bcdefghi")))
+        f"{c}: &{c} [" + ", ".join([f"*{p}"] * 9) + "]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)))
     for target, code in ((fifo, "file.not_regular"), (bomb, "yaml.too_large")):
         r = apr_cli("train", "apply", str(target), probe=True, cwd=tmp_path)
         assert r.returncode == 1, r.stderr

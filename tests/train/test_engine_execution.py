@@ -73,7 +73,7 @@ def test_kept_graphs_mean_no_block_is_recomputed():
         engine = build_engine(config)
         count = [0]
         for layer in engine.model.model.layers:
-            layer.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+            layer.register_forward_hook(lambda *a, count=count: count.__setitem__(0, count[0] + 1))
         engine.train_step(batches(config, 1), lr=1e-2)
         calls[activations] = count[0]
     layers = 3
