@@ -173,10 +173,13 @@ class TrainerState(_Strict):
     schedule: dict[str, Any] | None = None
 
 
+_UNION_MEMBERS = {"DataCursor", "MixtureCursor"}  # pydantic names the union member it tried: not a key
+
+
 def _problems(err: ValidationError, limit: int = 3) -> str:
     parts = []
     for e in err.errors()[:limit]:
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in e["loc"] if p not in _UNION_MEMBERS) or "(top level)"
         found = "" if e["type"] == "missing" else f" (found {e['input']!r:.40})"
         parts.append(f"{where}: {e['msg'].lower()}{found}")
     more = len(err.errors()) - limit

@@ -182,13 +182,13 @@ class ModelConfig(_Section):
 # ----------------------------------------------------------------------------------------- data
 
 
-SOURCE_NAME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+SOURCE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 def _source_name(value: object) -> object:
     if not isinstance(value, str) or not SOURCE_NAME_RE.match(value):
-        raise ValueError(f"expected a source name of 1-64 letters, digits and '_', starting with a letter, "
-                         f"got {value!r}")
+        raise ValueError(f"expected a source name of 1-64 letters, digits, '_' and '-', starting with a letter "
+                         f"or digit, got {value!r}")
     return value
 
 

@@ -15,7 +15,7 @@ PROTOCOL_METHODS = sorted(name for name, value in vars(Recorder).items()
 
 def test_the_protocol_lists_what_the_loop_calls():
     assert PROTOCOL_METHODS == ["check_alerts", "checkpoint", "finish", "log_drift", "log_eval", "log_event",
-                                "log_step", "log_task_evals", "recorded_events", "rewind", "start"]
+                                "log_mixture", "log_step", "log_task_evals", "recorded_events", "rewind", "start"]
     assert isinstance(vars(Recorder)["warnings"], property)
 
 

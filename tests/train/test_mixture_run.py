@@ -18,6 +18,8 @@ import pytest
 import yaml
 
 from apr.data.shards import write_dataset
+from apr.monitor.state import normalize
+from apr.monitor.view import messages
 from tests.train.run_helpers import BASE, SEQ, VOCAB, merge
 
 ROWS = {"web": 60, "code": 40, "books": 24}
@@ -144,6 +146,15 @@ def test_the_run_draws_and_records_what_the_plan_said(two_stage):
     peak, floor = BASE["optimizer"]["lr"], BASE["optimizer"]["min_lr"]
     assert lrs[15] == pytest.approx(peak) and lrs[16] == pytest.approx(floor + (peak - floor) * 4 / 5)
     assert lrs[20] == pytest.approx(floor)
+
+
+def test_the_monitor_shows_the_stage_and_each_sources_progress(two_stage):
+    root, *_ = two_stage
+    state, _ = normalize(json.loads((root / "run" / "training_state.json").read_text()))
+    lines = [text for text, _style in messages(None, state, "finished", 0.0, 60.0, limit=20)]
+    assert f"data stage decay: web {30 * SEQ} tok (0.50 ep)" in " ".join(lines)
+    assert any(line.startswith("step 16 data stage 'decay' starts at step 16") for line in lines)
+    assert not any("bad steps skipped" in line for line in lines)  # a stage event is not a problem
 
 
 def test_tokens_and_val_loss_per_source_reach_the_stores(two_stage):
