@@ -30,6 +30,7 @@ from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
 from apr.fsutil import fsync_dir
 from apr.readers import read_text
+from apr.steps import stacking
 
 # Special tokens recognised by name, most specific first. A tokenizer made by `apr data
 # train-tokenizer` carries "<|endoftext|>"; the others cover tokenizers from elsewhere.
@@ -199,6 +200,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     except Exception as err:  # pydantic ValidationError
         raise CheckpointError(f"{info.json_path.name}: its stored config does not validate: {err}",
                               info.json_path, "not_apr") from None
+    config = stacking.config_at(config, info.step)  # progressive stacking: the depth at that step
     arch = config.model.architecture
     if fmt == "peft":
         return _export_peft(state, info, config, out)

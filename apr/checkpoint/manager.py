@@ -45,6 +45,7 @@ from apr.errors import AprError, Finding
 from apr.fmt import format_bytes as fmt_bytes
 from apr.fsutil import atomic_write_json, fsync_dir
 from apr.readers import InputError, check_regular, load_json
+from apr.steps import stacking
 
 FORMAT = "apr-checkpoint"
 FORMAT_VERSION = 1
@@ -81,7 +82,7 @@ def weights_file_bytes(config: Any, step: int) -> int:
     dict) at ``step``: every expected tensor as float32 plus the header. Torch-free (the plan's
     storage estimate, docs/plan.md)."""
     code = files.ST_DTYPE_CODES[STORED_DTYPE]
-    entries = [(name, code, shape, 4 * math.prod(shape)) for name, shape in sorted(_expected(config).items())]
+    entries = [(name, code, shape, 4 * math.prod(shape)) for name, shape in sorted(_expected(config, step).items())]
     return files.safetensors_size(entries, _weights_metadata(step))
 
 
@@ -148,22 +149,25 @@ class TrainState:
 # ------------------------------------------------------------------------------- model checks
 
 
-def _architecture(config: Any):
-    """The Architecture of an AprConfig or of a config dict (as stored in a checkpoint's JSON)."""
+def _architecture(config: Any, step: int | None = None):
+    """The Architecture of an AprConfig or of a config dict (as stored in a checkpoint's JSON); with
+    progressive stacking (model.stacking) and a ``step``, the depth a checkpoint of that step has."""
 
     if isinstance(config, Mapping):
+        if step is not None:
+            return stacking.stored_arch_at(config["model"], step)
         return Architecture.model_validate(config["model"]["architecture"])
-    return config.model.architecture
+    return config.model.architecture if step is None else stacking.arch_at(config, step)
 
 
-def _expected(config: Any) -> dict:
-    """The tensors a checkpoint of this config (AprConfig or stored dict) holds: the model, or only
-    its LoRA adapters."""
+def _expected(config: Any, step: int | None = None) -> dict:
+    """The tensors a checkpoint of this config (AprConfig or stored dict) at ``step`` holds: the
+    model (at that step's stacking depth), or only its LoRA adapters."""
 
     lora = config["model"].get("lora") if isinstance(config, Mapping) else config.model.lora
     if isinstance(lora, Mapping):
         lora = LoraConfig.model_validate(lora)
-    return expected_tensors(_architecture(config), lora)
+    return expected_tensors(_architecture(config, step), lora)
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -286,7 +290,7 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
         raise CheckpointError(f"{info.weights_path.name} does not exist", info.weights_path, "missing_weights")
     shapes, dtypes = _header_shapes(info.weights_path)
     try:
-        own_expected = _expected(info.config)
+        own_expected = _expected(info.config, info.step)
     except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
         raise CheckpointError(f"{info.json_path.name}: its config has no valid model.architecture ({err})",
                               info.json_path, "not_apr") from None
@@ -296,7 +300,7 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
             f"{info.weights_path.name} does not hold the model its JSON describes (foreign file): "
             + "; ".join(problems[:4]), info.weights_path, "foreign")
     if config is not None:
-        problems = tensor_mismatches(shapes, dtypes, _expected(config))
+        problems = tensor_mismatches(shapes, dtypes, _expected(config, info.step))
         if problems:
             raise CheckpointError(
                 f"{info.json_path.name} was saved for a different model than the config describes: "
@@ -429,7 +433,7 @@ class CheckpointManager:
             raise ValueError("keep_last must be at least 1")
         self._on_warning = on_warning
         self.trainer_state = trainer_state  # loads require the trainer's state (a resume)
-        self._expected = _expected(config)
+        self._config = config
         self.warnings: list[str] = []  # what the last load() skipped or fell back past
         self._writer: BackgroundWriter | None = None  # background saves (created by the first one)
 
@@ -445,8 +449,12 @@ class CheckpointManager:
 
     # --------------------------------------------------------------------------------- save
 
+    def _expected_at(self, step: int) -> dict:
+        """The tensors a checkpoint of ``step`` holds (progressive stacking: that stage's depth)."""
+        return _expected(self._config, step)
+
     def _check_state(self, state: TrainState) -> None:
-        problems = torch_mismatches(state.tensors, self._expected)
+        problems = torch_mismatches(state.tensors, self._expected_at(state.step))
         if problems:
             raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
         clash = RESERVED_KEYS & set(state.meta)
@@ -463,7 +471,7 @@ class CheckpointManager:
             "weights_file": weights_name,
             "weights_sha256": sha,
             "weights_size": size,
-            "tensor_count": len(self._expected),
+            "tensor_count": len(self._expected_at(step)),
             "apr_version": __version__,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "cwd": os.getcwd(),

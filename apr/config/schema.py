@@ -164,6 +164,38 @@ class LoraConfig(_Section):
         return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
+class StackInit(StrEnum):
+    copy_top = "copy_top"
+    interpolate = "interpolate"
+    fresh = "fresh"
+
+
+class StackEarlier(StrEnum):
+    train = "train"
+    freeze = "freeze"
+
+
+class StackStage(_Section):
+    """One stage of progressive stacking: the model's depth and how long it trains at that depth."""
+
+    blocks: PositiveCount = Field(description="Decoder blocks during this stage.")
+    steps: PositiveCount | None = Field(
+        None, description="Optimizer steps of this stage. Only the last stage may leave it out: it runs to "
+        "the end of the run.")
+
+
+class StackingConfig(_Section):
+    """Progressive stacking: train a shallow model, then grow it block-wise (docs/training.md)."""
+
+    stages: list[StackStage] = Field(description="Depths in order, each deeper than the one before; the last "
+                                     "equals model.architecture.num_hidden_layers.")
+    init: StackInit = Field(StackInit.copy_top, description="New blocks: copy_top (copies of the top block), "
+                            "interpolate (every block repeated in place: block i of the new stack is block "
+                            "floor(i x old / new) of the old), or fresh (random init).")
+    earlier: StackEarlier = Field(StackEarlier.train, description="Blocks that existed before a stage: train on, "
+                                  "or freeze (no update; embedding, final norm and head still train).")
+
+
 class ModelConfig(_Section):
     path: Annotated[str, BeforeValidator(_from_scratch_only)] = Field(
         ".", description='Only "." (train from scratch, randomly initialised). Start from trained weights '
@@ -176,6 +208,9 @@ class ModelConfig(_Section):
     lora: LoraConfig | None = Field(
         None, description="Train low-rank adapters on a frozen base (needs init_from). Default: train every weight.")
     mode: ModelMode = Field(ModelMode.transformer, description="Model family. Only transformer for now.")
+    stacking: StackingConfig | None = Field(
+        None, description="Progressive stacking: grow the model through stages of increasing depth. Default: "
+        "train at full depth from the first step.")
     architecture: Architecture
 
 

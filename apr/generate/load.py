@@ -21,6 +21,7 @@ from apr.config.schema import AprConfig, Architecture
 from apr.data.tokenizer import load_tokenizer
 from apr.errors import AprError, Finding
 from apr.readers import check_regular, load_json
+from apr.steps import stacking
 
 
 class LoadError(AprError):
@@ -121,6 +122,7 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
     except Exception as err:  # pydantic ValidationError: a stored config from another apr version
         raise LoadError(f"{info.json_path}: its stored config does not validate: {err}", [Finding(
             "error", "generate.config", "stored config does not validate", file=str(info.json_path))]) from None
+    config = stacking.config_at(config, info.step)  # progressive stacking: the depth at that step
     tensors = state.tensors
     if config.model.lora is not None:  # a LoRA run: its adapters merged into its base
 

@@ -23,6 +23,7 @@ from apr.plan.datafacts import dataset_facts, shared_shards
 from apr.plan.gpus import Target, mfu_basis
 from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
 from apr.plan.mixfacts import merged_train_facts, source_dataset_facts
+from apr.plan.stackfacts import stacking_facts
 from apr.plan.storage import storage_facts
 from apr.plan.tokfacts import tokenizer_facts
 from apr.steps.algebra import sequences_per_step, step_algebra
@@ -252,6 +253,15 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
             if sheet.time_estimate is not None:  # the run's time includes its in-training evaluation
                 sheet.time_estimate["evaluation"] = evaluation
                 sheet.time_estimate["estimated_seconds"] += evaluation["estimated_seconds"]
+        if config.model.stacking is not None:  # every stage at its own depth: fewer FLOPs than the full model
+            stacked = stacking_facts(config, tokens // facts["schedule"]["tokens_per_step"],
+                                     facts["schedule"]["tokens_per_step"], target, world_size, device_budget)
+            facts["stacking"] = stacked
+            if sheet.time_estimate is not None and stacked["estimated_seconds"] is not None:
+                evaluation_s = (sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)
+                sheet.time_estimate.update(estimated_seconds=stacked["estimated_seconds"] + evaluation_s,
+                                           stacked_flops=stacked["total_flops"],
+                                           stacked_seconds=stacked["estimated_seconds"])
         if sheet.time_estimate is not None:
             facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
                              "total_flops": sheet.time_estimate["total_flops"]}

@@ -171,8 +171,11 @@ def check_plan_fresh(doc: dict) -> Path:
     findings: list[Finding] = []
     parts: list[str] = []
 
-    # a plan made by an earlier apr lacks keys added since: filled with their defaults, they are no change
-    planned = normalise_config(doc["config"]) if isinstance(doc.get("config"), dict) else None
+    # a plan made by an earlier apr lacks keys added since: filled with their defaults, they are no
+    # change; but only a plan whose stored config still hashes to its config_hash (not edited)
+    stored = doc.get("config")
+    intact = isinstance(stored, dict) and config_doc_hash(stored) == doc["config_hash"]
+    planned = normalise_config(stored) if intact else None
     now = config_hash(config)
     if now != doc["config_hash"] and (planned is None or config_doc_hash(planned) != now):
         changes = config_changes(planned, config.model_dump(mode="json")) if planned else []

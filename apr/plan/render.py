@@ -112,6 +112,21 @@ def mixture_lines(mix: dict | None) -> list[str]:
     return out
 
 
+def stacking_lines(stacked: dict | None) -> list[str]:
+    """Progressive stacking: each stage's depth, steps, parameters, memory and time."""
+    if not stacked:
+        return []
+    out = [f"{len(stacked['stages'])} stages, new blocks {stacked['init']}, earlier blocks "
+           f"{stacked['earlier']}"]
+    for st in stacked["stages"]:
+        mem = format_bytes(st["memory_total_bytes"]) if st.get("memory_total_bytes") else "?"
+        time = f", ~{st['estimated_seconds']:,.0f} s" if st.get("estimated_seconds") is not None else ""
+        out.append(f"  stage {st['stage']}: {st['blocks']} blocks: steps {st['first_step']:,}-{st['end_step']:,} "
+                   f"({st['steps']:,} steps, {fmt_number(st['tokens'])} tokens), {fmt_number(st['params'])} "
+                   f"params, {mem}{time}")
+    return out
+
+
 def _data_lines(plan) -> list[str]:
     data = plan.config.data
     f = plan.facts.get("data") or {}
@@ -256,7 +271,9 @@ def _time_lines(plan, colour: bool) -> list[str]:
         f"  at an assumed {te['assumed_mfu']:.0%} MFU of {te['peak_flops_per_gpu'] / 1e12:,.1f} TFLOP/s "
         f"({te['precision']} peak of {label}) x {te['gpus']} GPU{'s' if te['gpus'] != 1 else ''}: "
         f"~{fmt_estimate(te['estimated_seconds'])}",
-    ] + _evaluation_lines(te.get("evaluation")) + _mfu_lines(mfu)
+    ] + ([f"  progressive stacking: the stages at their own depths need {fmt_flops(te['stacked_flops'])}"
+          f" of model compute, ~{fmt_estimate(te['stacked_seconds'])}; the run's estimate uses that"]
+         if te.get("stacked_flops") else []) + _evaluation_lines(te.get("evaluation")) + _mfu_lines(mfu)
 
 
 def _probe_lines(plan, colour: bool) -> list[str]:
@@ -396,6 +413,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         *_layer_section(plan, colour),
         _section("Resolved run", colour),
         *_item("model", _model_lines(plan)),
+        *_item("stacking", stacking_lines(plan.facts.get("stacking"))),
         *_item("data", _data_lines(plan)),
         *_item("schedule", _schedule_lines(plan)),
         *_item("execution", _execution_lines(plan)),

@@ -35,7 +35,8 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
                 and (include_info or r.finding.severity != "info")]
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
                  + compile_findings(loaded) + sink_findings(loaded) + mixture_config_findings(loaded)
-                 + early_stopping_findings(loaded, tr.max_steps) + survival_findings(loaded, tr.max_steps))
+                 + early_stopping_findings(loaded, tr.max_steps) + survival_findings(loaded, tr.max_steps)
+                 + stacking_findings(loaded, tr.max_steps))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -175,4 +176,56 @@ def survival_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
         finding(("training", "bad_steps", "min_history"),
                 f"min_history {bs.min_history} is not shorter than the run ({total_steps} steps): no step is ever "
                 "tested", f"min_history < {total_steps}", str(bs.min_history), "warning")
+    return out
+
+
+def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
+    """`model.stacking` that cannot run: a stage that shrinks the model or does not grow it, a last
+    stage that is not the model's depth, a stage without steps before the last, stacking with
+    LoRA or init_from (their weights have the full depth), interpolate with freeze; with the
+    run's ``total_steps``: a stage that would never start."""
+
+    config = loaded.config
+    st = config.model.stacking
+    if st is None:
+        return []
+    out = []
+
+    def finding(key: tuple, message: str, expected: str, got: str, severity: str = "error") -> None:
+        file, line, column = loaded.source.where(key)
+        path = ".".join(f"[{k}]" if isinstance(k, int) else k for k in key).replace(".[", "[")
+        out.append(Finding(severity, "config.stacking", message, path=path, file=file, line=line, column=column,
+                           expected=expected, got=got))
+
+    depth = config.model.architecture.num_hidden_layers
+    for i, stage in enumerate(st.stages):
+        if i and stage.blocks <= st.stages[i - 1].blocks:
+            finding(("model", "stacking", "stages", i, "blocks"),
+                    f"stage {i} has {stage.blocks} blocks, not more than stage {i - 1}'s {st.stages[i - 1].blocks}: "
+                    "stacking only grows the model", f"more than {st.stages[i - 1].blocks}", str(stage.blocks))
+        if stage.steps is None and i < len(st.stages) - 1:
+            finding(("model", "stacking", "stages", i, "steps"), f"stage {i} has no steps; only the last stage "
+                    "runs to the end of the run", "a step count", "none")
+    if st.stages and st.stages[-1].blocks != depth:
+        finding(("model", "stacking", "stages", len(st.stages) - 1, "blocks"),
+                f"the last stage has {st.stages[-1].blocks} blocks, but model.architecture.num_hidden_layers is "
+                f"{depth}: the last stage trains the configured model", str(depth), str(st.stages[-1].blocks))
+    if not st.stages:
+        finding(("model", "stacking", "stages"), "model.stacking lists no stage", "at least one stage", "[]")
+    for key, value in (("lora", config.model.lora), ("init_from", config.model.init_from)):
+        if value is not None:
+            finding(("model", "stacking"), f"model.stacking cannot be combined with model.{key} (its weights have "
+                    "the model's full depth)", f"model.{key}: null, or no stacking", f"model.{key} set")
+    if str(st.init) == "interpolate" and str(st.earlier) == "freeze":
+        finding(("model", "stacking", "earlier"), "earlier: freeze needs the earlier blocks to keep their places; "
+                "init: interpolate moves them", "init copy_top or fresh with freeze", "interpolate + freeze")
+    if total_steps is not None and len(st.stages) > 1:
+        at = 0
+        for i, stage in enumerate(st.stages[:-1]):
+            at += stage.steps or 0
+            if at >= total_steps:
+                finding(("model", "stacking", "stages", i, "steps"),
+                        f"stages 0-{i} take {at} steps, but the run has {total_steps}: stage {i + 1} would never start",
+                        f"fewer than {total_steps} steps before the last stage", str(at))
+                break
     return out

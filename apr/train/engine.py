@@ -116,6 +116,7 @@ class Engine:
             self.adagc_ema = {name: torch.zeros(len(specs), device=device) for name, specs in group_specs(config)}
         self.dp: DataParallel | None = None  # set by ``build_engine`` under torchrun
         self.base_ref: dict | None = None  # LoRA: {"init_from", "sha256"} of the frozen base (build_engine)
+        self.frozen: set[str] = set()  # optimizer groups that get no update (progressive stacking, freeze)
         self.calls = 0  # train_step calls
         self._flags = NonFiniteFlags(device)
         # Test/diagnostic hook, called with a group name once that group's gradient is complete.
@@ -214,6 +215,11 @@ class Engine:
         if self.adagc_ema:  # a few floats per tensor; float32 -> JSON float -> float32 is exact
             meta["adagc_ema"] = {name: ema.tolist() for name, ema in self.adagc_ema.items()}
         return meta
+
+    def freeze(self, groups: set[str]) -> None:
+        """Give these optimizer groups (``block.<i>``) no update: their gradients still flow to the
+        blocks below, their weights and moments stay as they are (progressive stacking)."""
+        self.frozen = set(groups)
 
     def load_meta_state(self, meta: dict) -> None:
         saved_base = meta.get("base")
@@ -507,6 +513,8 @@ class InterleavedEngine(Engine):
         if self.strategy.clip == "adagc":
             self._adagc_clip(group.name, group.views(grad), 1.0 / self.scaler.scale, found_inf)
         scale = coef if self.scaler.scale == 1.0 else coef * (1.0 / self.scaler.scale)
+        if group.name in self.frozen:  # progressive stacking's frozen blocks: no update at all
+            return
         self.backend.adamw_step(
             group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr, beta1=self.beta1,
             beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay, step=self.optimizer_steps + 1,
@@ -677,6 +685,13 @@ class StandardEngine(Engine):
              {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}],
             lr=config.optimizer.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=fused or None,
         )
+
+    def freeze(self, groups: set[str]) -> None:
+        """Frozen groups leave torch's AdamW: no update of their weights or moments."""
+        super().freeze(groups)
+        held = {id(p) for name, ps in self.groups if name in self.frozen for p in ps}
+        for pg in self.optimizer.param_groups:
+            pg["params"] = [p for p in pg["params"] if id(p) not in held]
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         self._skip = False

@@ -40,6 +40,7 @@ from apr.errors import AprError, Finding
 from apr.evaluate.during_training import TrainingEvaluator
 from apr.fsutil import atomic_write_json, atomic_write_text
 from apr.model.spec import param_count
+from apr.steps import stacking
 from apr.steps.algebra import step_count
 from apr.steps.execution import Execution
 from apr.steps.schedule import LRSchedule
@@ -62,6 +63,7 @@ from apr.train.outdir import (
     refuse_user_config,
 )
 from apr.train.signals import Interrupted, StopSignals
+from apr.train.stacking import frozen_groups, grown_tensors
 from apr.train.steplog import StepLog
 from apr.train.stop import FINISHED, StepHook, StepReport, Stop, first_stop
 from apr.train.survive import Survival
@@ -199,21 +201,57 @@ class Run:
 
     def _setup_engine(self) -> None:
         """The engine (model, optimizer state, execution policy) and the in-training evaluator."""
-        config, options = self.config, self.options
+        config = self.config
         torch.manual_seed(config.training.seed)
-        execution = (None if options.execution is None
-                     else Execution.from_dict(options.execution, config.model.architecture.num_hidden_layers))
-        self.engine = engine_module.build_engine(config, self.device, dp=self.dp, execution=execution)
-        if self.survival.bad_steps is not None:
-            self.engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
-        if config.monitoring.block_norms:
-            self.steplog.block_norms = partial(block_metrics, self.engine)
+        self.engine = self._build_engine(0)
         self.steplog.mfu, line = mfu_meter(config, self.device, self.engine.execution,
                                            1 if self.dp is None else self.dp.world_size)
         if self.device.type == "cuda":  # a CPU run has no MFU, and no line about it
             self.echo(line)
         # reads the task files now, so a malformed one fails before the first step
         self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
+
+    def _build_engine(self, step: int) -> engine_module.Engine:
+        """The engine of the model at ``step`` (progressive stacking: that stage's depth, earlier
+        blocks frozen with ``earlier: freeze``), hooked to the run."""
+        config, options = self.config, self.options
+        staged = stacking.config_at(config, step)
+        self.stack_stage = stacking.stage_at(config, step)
+        execution = (None if options.execution is None
+                     else Execution.from_dict(options.execution, staged.model.architecture.num_hidden_layers))
+        if self.stack_stage == 0:
+            engine = engine_module.build_engine(staged, self.device, dp=self.dp, execution=execution)
+        else:  # a later stage's fresh blocks: their own seed; the run's RNG stream is left as it was
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                engine = engine_module.build_engine(staged, self.device, dp=self.dp, execution=execution,
+                                                    seed=config.training.seed + 1000 * self.stack_stage)
+        engine.freeze(frozen_groups(config, step))
+        if self.survival.bad_steps is not None:
+            engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
+        if config.monitoring.block_norms:
+            self.steplog.block_norms = partial(block_metrics, engine)
+        return engine
+
+    def _grow(self, step: int, recorder: Recorder | None) -> None:
+        """Progressive stacking: the engine of ``step``'s stage, filled from the current one."""
+        old, old_depth = self.engine, len(self.engine.model.model.layers)
+        meta = old.meta_state()
+        before = {k: v.detach().clone() for k, v in old.train_state_tensors().items()}
+        self.engine = None
+        del old
+        engine = self._build_engine(step)
+        new_depth = len(engine.model.model.layers)
+        st = self.config.model.stacking
+        engine.load_train_state_tensors(grown_tensors(before, engine.train_state_tensors(), old_depth, new_depth,
+                                                      str(st.init)))
+        engine.load_meta_state(meta)
+        self.engine = engine
+        if recorder is not None:
+            message = (f"stacking stage {self.stack_stage} starts at step {step}: {old_depth} -> {new_depth} blocks "
+                       f"({st.init}{', earlier blocks frozen' if engine.frozen else ''})")
+            recorder.log_event("stack", step, message, {"stage": self.stack_stage, "blocks": new_depth,
+                                                        "from_blocks": old_depth, "init": str(st.init)})
+            self.echo(f"{self._step_label(step)}  {message}")
 
     def _setup_output(self) -> None:
         """Lock the output folder (rank 0), then restore the checkpoint to resume or refuse foreign files."""
@@ -275,6 +313,9 @@ class Run:
         """Take a checkpoint's weights, optimizer state, data cursor, RNG and loop counters (a resume,
         or a rollback to an earlier checkpoint of this run)."""
         meta = state.meta
+        if stacking.stage_at(self.config, int(state.step)) != self.stack_stage:  # another stacking stage's depth
+            self.engine = None
+            self.engine = self._build_engine(int(state.step))
         self.engine.load_train_state_tensors(state.tensors)
         self.engine.load_meta_state(meta["engine"])
         try:
@@ -539,6 +580,8 @@ class Run:
         while self.step < self.total_steps:
             self.step += 1
             step, lr = self.step, survival.lr(self.step, self.schedule(self.step))
+            if stacking.stage_at(self.config, step) != self.stack_stage:
+                self._grow(step, recorder)
             survival.before_batches(self, recorder)
             stage = self.loader.stage if self.mixture else 0
             micro = [self.loader.next_batch() for _ in range(self.config.training.gradient_accumulation)]

@@ -8,6 +8,7 @@ import os
 import pytest
 from plan_helpers import apr_cli
 
+from apr.config.loader import config_doc_hash
 from apr.errors import AprError
 from apr.plan.build import build_plan
 from apr.plan.examples import materialize, write_shards
@@ -41,6 +42,18 @@ def test_comment_only_edit_keeps_the_plan_fresh(saved):
     cfg, path = saved
     cfg.write_text("# a comment\n" + cfg.read_text())
     assert check_plan_fresh(load_plan_file(path)) == cfg.resolve()
+
+
+def test_a_plan_made_before_a_key_was_added_is_fresh_but_an_edited_one_is_not(saved):
+    """A plan file saved by an earlier apr lacks the keys added since (here data.repeat, with its
+    default): not a change. Its stored config must still hash to its config_hash."""
+    cfg, path = saved
+    doc = load_plan_file(path)
+    del doc["config"]["data"]["repeat"], doc["config"]["data"]["stages"]
+    doc["config_hash"] = config_doc_hash(doc["config"])
+    assert check_plan_fresh(doc) == cfg.resolve()
+    doc["config"]["training"]["max_steps"] = 99  # edited without its hash: refused
+    assert "the config changed" in _refusal(doc).message
 
 
 def test_changed_config_is_refused_with_the_keys_that_changed(saved):

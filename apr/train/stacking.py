@@ -1,0 +1,75 @@
+"""Progressive stacking in the run: the engine of a stage, and growing it into the next.
+
+A stage's engine is the engine of the config at that stage's depth (``apr.steps.stacking``). At a
+boundary the run builds the next stage's engine and fills it from the current one
+(``grown_tensors``): the embedding, final norm and head carry over with their AdamW moments; each
+block of the new stack takes a block of the old one, by ``model.stacking.init``:
+
+- ``copy_top``: blocks ``0 .. old-1`` stay, each new block is a copy of the top one;
+- ``interpolate``: block ``i`` is old block ``floor(i x old / new)`` (every block repeated in place);
+- ``fresh``: blocks ``0 .. old-1`` stay, new blocks keep the new engine's random init (seeded by
+  ``training.seed`` and the stage).
+
+A block's first copy keeps its moments; every other copy and every fresh block starts with zero
+moments (AdamW's bias correction uses the run's step count, so a new block's first updates are
+damped, like a short warmup). ``earlier: freeze`` freezes every block that existed before the
+stage. See docs/design.md, "Progressive stacking".
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from apr.checkpoint import names
+from apr.config.schema import AprConfig
+from apr.steps import stacking
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def sources(old_depth: int, new_depth: int, init: str) -> list[int | None]:
+    """For each block of the new stack, the old block it copies (None: fresh)."""
+    if init == "interpolate":
+        return [i * old_depth // new_depth for i in range(new_depth)]
+    if init == "copy_top":
+        return [i if i < old_depth else old_depth - 1 for i in range(new_depth)]
+    return [i if i < old_depth else None for i in range(new_depth)]
+
+
+def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], old_depth: int, new_depth: int,
+                  init: str) -> dict[str, torch.Tensor]:
+    """The next stage's checkpoint tensors (weights and moments, by name) from the current stage's
+    ``old`` and the freshly built next engine's ``new`` (for fresh blocks)."""
+    src = sources(old_depth, new_depth, init)
+    first = {s: i for i, s in reversed(list(enumerate(src))) if s is not None}  # each old block's first copy
+    out = {}
+    for name, fresh in new.items():
+        moment = names.is_optimizer_state(name)
+        param = name[len(names.OPT_M):] if moment else name
+        m = _LAYER.match(param)
+        if m is None:  # embedding, final norm, head: as they were
+            out[name] = old[name]
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        s = src[i]
+        if s is None:  # a fresh block: the new engine's init, zero moments
+            out[name] = torch.zeros_like(fresh) if moment else fresh.clone()
+        elif moment and first[s] != i:  # a further copy starts its own optimizer state
+            out[name] = torch.zeros_like(fresh)
+        else:
+            prefix = name[:len(name) - len(param)]
+            out[name] = old[f"{prefix}model.layers.{s}.{rest}"]
+    return out
+
+
+def frozen_groups(config: AprConfig, step: int) -> set[str]:
+    """With ``earlier: freeze``, the blocks of earlier stages at ``step`` (``block.<i>`` groups)."""
+    st = config.model.stacking
+    if st is None or str(st.earlier) != "freeze":
+        return set()
+    k = stacking.stage_at(config, step)
+    if k == 0:
+        return set()
+    return {f"block.{i}" for i in range(st.stages[k - 1].blocks)}
