@@ -82,6 +82,9 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
         out = {}
         for name, params in engine.groups:
             total = torch.zeros((), dtype=torch.float32, device=engine.device)
+            if name in engine.frozen:  # progressive stacking's frozen blocks: no update
+                out[name] = total
+                continue
             for p in params:
                 state = engine.optimizer.state.get(p)
                 if state:
@@ -89,8 +92,9 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
                                                   weight_decay=decay[p], **kw)
             out[name] = total
         return out
-    return {g.name: adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=engine.weight_decay,
-                                         decay_ranges=g.decay.ranges, **kw)
+    return {g.name: (torch.zeros((), dtype=torch.float32, device=engine.device) if g.name in engine.frozen else
+                     adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=engine.weight_decay,
+                                          decay_ranges=g.decay.ranges, **kw))
             for g in engine.groups}
 
 

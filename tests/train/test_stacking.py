@@ -1,0 +1,186 @@
+"""Progressive stacking (model.stacking): the grow step's mechanics, a 2 -> 4 block run that resumes
+bitwise across a kill -9 in stage 2 and exports to Hugging Face, freezing, the plan's stages, and
+bad schedules refused with their key path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from apr.train.stacking import grown_tensors, sources
+from tests.train.run_helpers import VOCAB, config_doc, make_dataset
+
+WORKER = Path(__file__).resolve().parent / "run_worker.py"
+STACKING = {"stages": [{"blocks": 2, "steps": 6}, {"blocks": 4}], "init": "copy_top"}
+
+
+def _cfg(root: Path, stacking: dict | None = None, engine: str = "interleaved", **training) -> Path:
+    arch = {"num_hidden_layers": 4}
+    doc = config_doc(root, model={"architecture": arch, "stacking": stacking or STACKING},
+                     training={"max_steps": 12, "save_interval": 3, "log_interval": 1, "eval_interval": 6,
+                               "engine": engine, **training})
+    path = root / "cfg.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _run(cfg: Path, root: Path, resume: bool = False, kill_at: str | None = None) -> list[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_HOME": str(root / "home")}
+    cmd = [sys.executable, str(WORKER), str(cfg)] + (["latest"] if resume else [])
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if kill_at is not None and line.startswith(kill_at):
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    want = -signal.SIGKILL if kill_at is not None else 0
+    assert proc.returncode == want, "".join(seen[-20:])
+    return seen
+
+
+def _weights(root: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(root / "run" / f"checkpoint-step-{step}.safetensors"))
+
+
+def test_new_blocks_copy_the_top_block_with_fresh_moments():
+    old = {}
+    for i in range(2):
+        for name in ("model.layers.{}.mlp.up_proj.weight", "optimizer.m.model.layers.{}.mlp.up_proj.weight"):
+            old[name.format(i)] = torch.full((2, 2), float(i + 1) * (10 if "optimizer" in name else 1))
+    old["model.embed_tokens.weight"] = torch.ones(3)
+    new = {k.replace("layers.1", f"layers.{j}"): torch.full((2, 2), -1.0) for k in old if "layers.1" in k
+           for j in range(4)}
+    new["model.embed_tokens.weight"] = torch.zeros(3)
+    got = grown_tensors(old, new, 2, 4, "copy_top")
+    assert got["model.embed_tokens.weight"].equal(old["model.embed_tokens.weight"])
+    for j, src in enumerate([0, 1, 1, 1]):
+        assert got[f"model.layers.{j}.mlp.up_proj.weight"].equal(old[f"model.layers.{src}.mlp.up_proj.weight"])
+    m1 = "optimizer.m.model.layers.1.mlp.up_proj.weight"
+    assert got[m1].equal(old[m1])  # the top block's first copy (itself) keeps its moments
+    assert all(got[f"optimizer.m.model.layers.{j}.mlp.up_proj.weight"].eq(0).all() for j in (2, 3))
+    assert sources(2, 4, "interpolate") == [0, 0, 1, 1] and sources(2, 4, "fresh") == [0, 1, None, None]
+    fresh = grown_tensors(old, new, 2, 4, "fresh")
+    assert fresh["model.layers.3.mlp.up_proj.weight"].eq(-1).all()  # the new engine's own init
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    make_dataset(root)
+    lines = _run(_cfg(root), root)
+    return root, lines
+
+
+def test_the_model_grows_at_the_planned_step_and_checkpoints_hold_each_stages_depth(uninterrupted):
+    root, lines = uninterrupted
+    assert any(line.startswith("step  7/12  stacking stage 1 starts at step 7: 2 -> 4 blocks") for line in lines)
+    layers = lambda w: len({k.split(".")[2] for k in w if k.startswith("model.layers.")})  # noqa: E731
+    assert layers(_weights(root, 6)) == 2 and layers(_weights(root, 9)) == 4 and layers(_weights(root, 12)) == 4
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert state["status"] == "finished"
+    assert [(e["kind"], e["step"], e["detail"]["blocks"]) for e in state["events"]] == [("stack", 7, 4)]
+
+
+def test_kill_9_in_stage_2_resumes_bitwise(uninterrupted, tmp_path):
+    root, _ = uninterrupted
+    make_dataset(tmp_path)
+    cfg = _cfg(tmp_path)
+    _run(cfg, tmp_path, kill_at="step 11/12")  # checkpoint of step 9 (stage 2) is the newest
+    _run(cfg, tmp_path, resume=True)
+    want, got = _weights(root, 12), _weights(tmp_path, 12)
+    assert set(want) == set(got) and all(got[k].equal(want[k]) for k in want)
+
+
+def test_a_kill_before_the_boundary_resumes_into_the_grow_bitwise(uninterrupted, tmp_path):
+    root, _ = uninterrupted
+    make_dataset(tmp_path)
+    cfg = _cfg(tmp_path)
+    _run(cfg, tmp_path, kill_at="step  7/12")  # the newest checkpoint is step 6: the 2-block stage
+    _run(cfg, tmp_path, resume=True)
+    want, got = _weights(root, 12), _weights(tmp_path, 12)
+    assert all(got[k].equal(want[k]) for k in want)
+
+
+def test_the_grown_model_exports_to_hugging_face_and_loads(uninterrupted, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from apr.checkpoint.export import export_hf
+    from apr.data.standin import write_tokenizer
+    from apr.generate.load import load_for_inference
+
+    root, _ = uninterrupted
+    tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
+    for step, depth in ((12, 4), (6, 2)):  # the final model, and a checkpoint of the first stage
+        out = tmp_path / f"hf{step}"
+        export_hf(root / "run" / f"checkpoint-step-{step}.json", out, tokenizer=tok)
+        model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        assert model.config.num_hidden_layers == depth
+        ours = load_for_inference(root / "run" / f"checkpoint-step-{step}.json", tokenizer=tok, device="cpu")
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ours.model(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["interleaved", "standard"])
+def test_freeze_keeps_the_earlier_blocks_as_they_were(tmp_path, engine):
+    make_dataset(tmp_path)
+    cfg = _cfg(tmp_path, {**STACKING, "earlier": "freeze"}, engine=engine, max_steps=9)
+    _run(cfg, tmp_path)
+    before, after = _weights(tmp_path, 6), _weights(tmp_path, 9)
+    for name, value in before.items():
+        if name.startswith(("model.layers.0.", "model.layers.1.", "optimizer.m.model.layers.0.",
+                            "optimizer.v.model.layers.1.")):
+            assert after[name].equal(value), name  # frozen: neither weights nor moments move
+    assert not after["model.layers.3.mlp.up_proj.weight"].equal(after["model.layers.1.mlp.up_proj.weight"])
+    assert not after["model.embed_tokens.weight"].equal(before["model.embed_tokens.weight"])  # still trains
+
+
+def _cli(root: Path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "APR_HOME": str(root / "home")}
+    return subprocess.run([sys.executable, "-m", "apr", *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_plan_shows_every_stage(tmp_path):
+    make_dataset(tmp_path)
+    cfg = _cfg(tmp_path)
+    proc = _cli(tmp_path, "train", "plan", str(cfg), "--json", "--gpu", "H100")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    facts = json.loads(proc.stdout)["facts"]
+    stages = facts["stacking"]["stages"]
+    assert [(s["blocks"], s["first_step"], s["end_step"], s["steps"]) for s in stages] == [(2, 1, 6, 6), (4, 7, 12, 6)]
+    assert stages[1]["params"] == facts["model"]["params"] and stages[0]["params"] < stages[1]["params"]
+    assert stages[0]["memory_total_bytes"] < stages[1]["memory_total_bytes"]
+    assert facts["stacking"]["total_flops"] < facts["time"]["total_flops"]  # shallow steps are cheaper
+    text = _cli(tmp_path, "train", "plan", str(cfg)).stdout
+    assert "stage 0: 2 blocks: steps 1-6" in text and "stage 1: 4 blocks: steps 7-12" in text
+
+
+@pytest.mark.parametrize("stacking, path", [
+    ({"stages": [{"blocks": 4, "steps": 5}, {"blocks": 2}]}, "model.stacking.stages[1].blocks"),  # shrinks
+    ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 3}]}, "model.stacking.stages[1].blocks"),  # not the model
+    ({"stages": [{"blocks": 2}, {"blocks": 4}]}, "model.stacking.stages[0].steps"),
+    ({"stages": [{"blocks": 2, "steps": 50}, {"blocks": 4}]}, "model.stacking.stages[0].steps"),  # never starts
+    ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 4}], "init": "interpolate", "earlier": "freeze"},
+     "model.stacking.earlier"),
+])
+def test_bad_schedules_are_findings_with_their_key(tmp_path, stacking, path):
+    make_dataset(tmp_path)
+    proc = _cli(tmp_path, "train", "plan", str(_cfg(tmp_path, stacking)))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert path in proc.stdout + proc.stderr, proc.stdout + proc.stderr
