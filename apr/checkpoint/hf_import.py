@@ -488,3 +488,46 @@ def _merged_stage(src: InitSource, arch) -> dict:
     adapters = read_checkpoint(src.checkpoint_json, weights_only=True).tensors
     lora = LoraConfig.model_validate(info.config["model"]["lora"])
     return merge(load_source_weights(base_text, arch), adapters, arch, lora)
+
+
+def source_architecture(path_text: str):
+    """The Architecture a weights source holds (a Hugging Face folder's config.json, or an apr
+    checkpoint's stored config at its step's depth), read without loading weights: the teacher of
+    a distillation. Raises InitFromError (key ``training.distill.teacher``) when it has none."""
+    from apr.config.schema import Architecture
+
+    path = resolve(path_text)
+    key = "training.distill.teacher"
+    try:
+        if path.is_dir() and (path / "config.json").is_file():
+            hf = load_json(path / "config.json", "manifest", "Hugging Face config")
+            if not isinstance(hf, dict) or hf.get("model_type") != "llama":
+                raise ValueError(f"{path / 'config.json'} is not a LLaMA config.json (model_type "
+                                 f"{hf.get('model_type') if isinstance(hf, dict) else None!r})")
+            fields = architecture_fields(hf)
+            fields.setdefault("max_position_embeddings", 2048)
+            return Architecture.model_validate(fields)
+        from apr.checkpoint.manager import _architecture, read_info, scan
+
+        if path.is_dir():
+            entries = [e for e in scan(path) if e.complete]
+            if not entries:
+                raise ValueError(f"{path} holds neither a Hugging Face model (config.json) nor apr checkpoints")
+            json_path = entries[0].json_path
+        elif path.suffix in (".json", ".safetensors"):
+            json_path = path.with_suffix(".json")
+        else:
+            raise ValueError(f"{path_text} is not a folder, a checkpoint .json or .safetensors file")
+        info = read_info(json_path)
+        return _architecture(info.config, info.step)
+    except InputError as err:
+        raise InitFromError(f"{key} {path_text}: {err}", [replace_path(f, key) for f in err.findings]) from None
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        message = f"{key} {path_text}: {err}"
+        raise InitFromError(message, [_finding("teacher", message, path, path=key)]) from None
+
+
+def replace_path(f: Finding, key: str) -> Finding:
+    from dataclasses import replace
+
+    return replace(f, path=key)

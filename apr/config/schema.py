@@ -329,6 +329,56 @@ class OptimizerConfig(_Section):
 
 class TrainingMode(StrEnum):
     causal_lm = "causal_lm"
+    distill = "distill"
+
+
+class BlockLoss(StrEnum):
+    mse = "mse"
+    cosine = "cosine"
+
+
+class AutotuneMode(StrEnum):
+    off = "off"
+    monitor = "monitor"
+    active = "active"
+
+
+class AutotuneConfig(_Section):
+    """Per-block LR autotune of distillation's phase 1 (docs/training.md, "Blockwise distillation")."""
+
+    mode: AutotuneMode = Field(AutotuneMode.off, description="off; monitor (record spikes and plateaus of each "
+                               "block's loss and what active mode would do); active (also lower that block's LR).")
+    spike_factor: float = Field(2.0, gt=1, description="A step whose block loss exceeds this x the block's loss "
+                                "EMA is a spike.")
+    plateau_patience: PositiveCount = Field(50, description="Steps of a block without a new best loss (by "
+                                            "min_delta) before it is a plateau.")
+    min_delta: float = Field(0.01, ge=0, lt=1, description="A new best must be below best x (1 - min_delta).")
+    lr_decay: float = Field(0.5, gt=0, lt=1, description="active: the block's LR factor is multiplied by this "
+                            "on a spike or a plateau.")
+    min_lr_factor: float = Field(0.01, gt=0, le=1, description="active: the block's LR factor never goes below "
+                                 "this.")
+    ema_beta: float = Field(0.9, gt=0, lt=1, description="Decay of the block loss EMA.")
+
+
+class DistillConfig(_Section):
+    """Blockwise distillation from a teacher (training.mode: distill)."""
+
+    teacher: str = Field(description="The teacher: an apr checkpoint (.json, or a run folder: its newest) or a "
+                         "local Hugging Face LLaMA folder (config.json + safetensors).")
+    block_map: list[list[int]] | None = Field(
+        None, description="Per student block, the teacher blocks [start, end) it learns to reproduce; they must "
+        "cover the teacher's blocks in order. Default: teacher blocks split evenly (teacher depth a multiple "
+        "of the student's).")
+    phase1_steps: NonNegCount = Field(
+        100, description="Phase 1 optimizer steps per student block (block 0 first). 0 skips phase 1.")
+    block_loss: BlockLoss = Field(BlockLoss.mse, description="Phase 1 loss between the student block's output "
+                                  "and the teacher's: mse, or cosine (1 - cosine similarity per position).")
+    temperature: float = Field(2.0, gt=0, description="Phase 2 softmax temperature of the KL to the teacher.")
+    kd_weight: float = Field(0.5, ge=0, le=1, description="Phase 2 loss = kd_weight x T^2 x KL(teacher || "
+                             "student) + (1 - kd_weight) x cross-entropy.")
+    init_from_teacher: bool = Field(True, description="Start the student from the teacher: its embedding, final "
+                                    "norm, head and, for each student block, the first teacher block it maps to.")
+    autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
 
 
 class LRScheduler(StrEnum):
@@ -454,7 +504,9 @@ class Device(StrEnum):
 
 
 class TrainingConfig(_Section):
-    mode: TrainingMode = Field(TrainingMode.causal_lm, description="Objective. Only causal_lm for now.")
+    mode: TrainingMode = Field(TrainingMode.causal_lm, description="Objective: causal_lm, or distill "
+                               "(blockwise distillation from training.distill.teacher, then KD fine-tuning).")
+    distill: DistillConfig | None = Field(None, description="Blockwise distillation (needs mode: distill).")
     epochs: PositiveCount = Field(1, description="Passes over the training data; caps the step count.")
     max_steps: PositiveCount | None = Field(
         None, description="Optimizer steps to run. Default: epochs x steps_per_epoch."

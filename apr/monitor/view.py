@@ -262,7 +262,7 @@ def messages(
             step = f"step {fmt_int(event['step'])} " if event.get("step") is not None else ""
             rows = f" [{event['rows']} rows]" if event.get("rows") else ""
             out.append((f"{step}{event.get('message') or event.get('kind') or ''}{rows}",
-                        "msg.info" if event.get("kind") in ("stage", "stack") else "msg.alert"))
+                        "msg.info" if event.get("kind") in ("stage", "stack", "distill") else "msg.alert"))
         for warning in state.get("store_warnings") or []:
             out.append((f"store: {warning}", "msg.warning"))
     if not out:

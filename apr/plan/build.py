@@ -24,6 +24,7 @@ from apr.errors import AprError, Finding
 from apr.plan import gpus
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
 from apr.plan.datafacts import dataset_facts, fingerprint_entries, resolve, shared_shards
+from apr.plan.distillfacts import distill_config_findings, distill_facts
 from apr.plan.explain import layers_dict
 from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
@@ -303,6 +304,23 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
         mixture_findings += found
         if mixture is not None:
             sheet.facts["mixture"] = mixture
+    mixture_findings += distill_config_findings(loaded)
+    distilled, rows, found = distill_facts(loaded, sheet.facts, (sheet.facts.get("steps") or {}).get("total_steps"),
+                                           target, world_size)
+    mixture_findings += found
+    if distilled is not None:  # the teacher and phase 2's logits are on the device too
+        sheet.facts["distill"] = distilled
+        sheet.memory = [*sheet.memory, *rows]
+        memory = sheet.facts["memory"]
+        memory["total_bytes"] += sum(r.bytes for r in rows)
+        memory["by_component"].update({r.component: r.bytes for r in rows})
+        if memory.get("vram_bytes"):
+            memory["usage_fraction"] = memory["total_bytes"] / memory["vram_bytes"]
+        if sheet.time_estimate is not None and distilled["estimated_seconds"] is not None:
+            sheet.time_estimate["distill_seconds"] = distilled["estimated_seconds"]
+            sheet.time_estimate["estimated_seconds"] = distilled["estimated_seconds"] + (
+                sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)
+            sheet.facts["time"]["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),

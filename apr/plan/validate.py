@@ -13,6 +13,7 @@ from apr.config import LoadedConfig
 from apr.config.paths import data_path_problems, output_dir_problems
 from apr.errors import Finding
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
+from apr.plan.distillfacts import distill_config_findings
 from apr.plan.facts import config_facts
 from apr.plan.gpus import resolve_target
 from apr.plan.mixfacts import key_loc, mixture_config_findings
@@ -36,7 +37,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
                  + compile_findings(loaded) + sink_findings(loaded) + mixture_config_findings(loaded)
                  + early_stopping_findings(loaded, tr.max_steps) + survival_findings(loaded, tr.max_steps)
-                 + stacking_findings(loaded, tr.max_steps))
+                 + stacking_findings(loaded, tr.max_steps) + distill_config_findings(loaded))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 

@@ -77,12 +77,13 @@ def adamw_update_sq_norm(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, l
 def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
     """Each optimizer group's squared update norm of the engine's last applied step (device tensors)."""
     kw = {"lr": lr, "beta1": engine.beta1, "beta2": engine.beta2, "eps": engine.eps, "step": engine.optimizer_steps}
-    if engine.kind == "standard":
+    idle = set(engine.frozen) | set(getattr(engine, "idle_groups", ()))  # groups the step did not update
+    if hasattr(engine, "optimizer"):  # the standard engine and distillation's: torch's AdamW
         decay = {p: pg["weight_decay"] for pg in engine.optimizer.param_groups for p in pg["params"]}
         out = {}
         for name, params in engine.groups:
             total = torch.zeros((), dtype=torch.float32, device=engine.device)
-            if name in engine.frozen:  # progressive stacking's frozen blocks: no update
+            if name in idle:  # progressive stacking's frozen blocks, distillation's other blocks: no update
                 out[name] = total
                 continue
             for p in params:
@@ -92,7 +93,7 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
                                                   weight_decay=decay[p], **kw)
             out[name] = total
         return out
-    return {g.name: (torch.zeros((), dtype=torch.float32, device=engine.device) if g.name in engine.frozen else
+    return {g.name: (torch.zeros((), dtype=torch.float32, device=engine.device) if g.name in idle else
                      adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=engine.weight_decay,
                                           decay_ranges=g.decay.ranges, **kw))
             for g in engine.groups}

@@ -818,8 +818,12 @@ def build_engine(
 
         add_adapters(model, config.model.lora, tr.seed if seed is None else seed)
         model = model.to(device)
-    if str(tr.engine) == "standard":
-        engine: Engine = StandardEngine(config, model.to(device), device, backend)
+    if str(tr.mode) == "distill":  # the student on the standard engine's AdamW, the teacher beside it
+        from apr.train.distill import build_distill_engine
+
+        engine: Engine = build_distill_engine(config, model, device, backend)
+    elif str(tr.engine) == "standard":
+        engine = StandardEngine(config, model.to(device), device, backend)
     else:
         execution = execution or execution_policy.from_config(config)
         engine = InterleavedEngine(config, model, device, backend, allocate_buffers(config, device, execution),

@@ -40,6 +40,7 @@ from apr.errors import AprError, Finding
 from apr.evaluate.during_training import TrainingEvaluator
 from apr.fsutil import atomic_write_json, atomic_write_text
 from apr.model.spec import param_count
+from apr.steps import distill as distill_schedule
 from apr.steps import stacking
 from apr.steps.algebra import step_count
 from apr.steps.execution import Execution
@@ -425,6 +426,21 @@ class Run:
                 f"{n} {v:.4f}" for n, v in self.source_val.items() if v is not None))
         return self.val_loss, is_best
 
+    def _distill_records(self, step: int, recorder: Recorder) -> None:
+        """Distillation: an event where a phase-1 block or phase 2 starts, and the autotune's."""
+        phase, block = self.engine.last_phase
+        if step == 1 or distill_schedule.phase_at(self.config, step - 1) != (phase, block):
+            what = (f"phase 1: student block {block} learns teacher blocks "
+                    f"{self.engine.spans[block][0]}-{self.engine.spans[block][1] - 1}" if phase == 1
+                    else "phase 2: the whole student on KD + LM loss")
+            recorder.log_event("distill", step, f"distillation {what} from step {step}",
+                               {"phase": phase, "block": block})
+            self.echo(f"{self._step_label(step)}  distillation {what}")
+        for kind, message, detail in self.engine.autotune.events:
+            recorder.log_event(kind, step, message, detail)
+            self.echo(f"{self._step_label(step)}  autotune: {message}")
+        self.engine.autotune.events.clear()
+
     def _stage_started(self, step: int, recorder: Recorder) -> None:
         """A mixture's next stage draws its first rows at ``step``: an event and a line."""
         st = self.loader.stages[self.loader.stage]
@@ -587,8 +603,11 @@ class Run:
             micro = [self.loader.next_batch() for _ in range(self.config.training.gradient_accumulation)]
             if self.mixture and self.loader.stage != stage:
                 self._stage_started(step, recorder)
+            self.engine.current_step = step  # distillation's phase and block follow the run's step
             try:
                 report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
+                if self.engine.kind == "distill":
+                    self._distill_records(step, recorder)
                 stopping = signals.received is not None
                 if (survival.enabled or self.cadence.reads_device(step, stopping)
                         or self.evaluator.due(step, report.is_last)):

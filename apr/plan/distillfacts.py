@@ -1,0 +1,146 @@
+"""What the plan says about blockwise distillation (``training.mode: distill``).
+
+Config-only findings (validate too): the mode and the ``training.distill`` section go together;
+the engine is the standard one; fp16, AdaGC, LoRA and stacking are refused. Plan findings: the
+teacher must be readable (its architecture from config.json or the checkpoint's stored config,
+without loading weights), share the student's vocabulary, width and tokenizer, and the block
+mapping must cover the teacher; phase 1 must end inside the run. Facts: the teacher, each phase's
+steps, FLOPs and time, and two memory rows (the teacher's weights; phase 2's logits). See
+docs/design.md, "Blockwise distillation".
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from apr.config import LoadedConfig
+from apr.errors import AprError, Finding
+from apr.plan.memory import MemoryRow
+from apr.steps import distill as schedule
+
+
+def _finding(loaded: LoadedConfig, key: tuple, message: str, expected: str | None = None, got: str | None = None,
+             severity: str = "error") -> Finding:
+    file, line, column = loaded.source.where(key)
+    if line is None:
+        file, line, column = loaded.source.where(key[:2])
+    path = ".".join(key)
+    return Finding(severity, "config.distill", message, path=path, file=file, line=line, column=column,
+                   expected=expected, got=got)
+
+
+def distill_config_findings(loaded: LoadedConfig) -> list[Finding]:
+    c = loaded.config
+    tr = c.training
+    out: list[Finding] = []
+    if str(tr.mode) != "distill":
+        if tr.distill is not None:
+            out.append(_finding(loaded, ("training", "distill"), "training.distill is set but training.mode is "
+                                f"{tr.mode}", "mode: distill", str(tr.mode)))
+        return out
+    if tr.distill is None:
+        return [_finding(loaded, ("training", "mode"), "training.mode distill needs a training.distill section "
+                         "(at least its teacher)", "training.distill.teacher", "none")]
+    checks = [
+        (str(tr.engine) != "standard", ("training", "engine"), "distillation runs on the standard engine",
+         "engine: standard", str(tr.engine)),
+        (str(tr.mixed_precision) == "fp16", ("training", "mixed_precision"), "distillation supports fp32 and bf16",
+         "fp32 or bf16", "fp16"),
+        (str(tr.clip_mode) == "adagc", ("training", "clip_mode"), "distillation clips globally or per block",
+         "global or per_block", "adagc"),
+        (c.model.lora is not None, ("model", "lora"), "distillation trains the whole student; LoRA is not "
+         "supported with it", "no lora", "lora set"),
+        (c.model.stacking is not None, ("model", "stacking"), "distillation and progressive stacking cannot be "
+         "combined", "no stacking", "stacking set"),
+        (c.model.init_from is not None, ("model", "init_from"), "the student starts from the teacher "
+         "(init_from_teacher) or at random, not from model.init_from", "no init_from", "init_from set"),
+    ]
+    out += [_finding(loaded, key, message, expected, got) for bad, key, message, expected, got in checks if bad]
+    return out
+
+
+def _sha(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, target, world_size: int
+                  ) -> tuple[dict | None, list[MemoryRow], list[Finding]]:
+    """(facts.distill, extra memory rows, findings) of a distillation config; (None, [], []) otherwise."""
+    from apr.checkpoint.hf_import import inspect_source, resolve, source_architecture
+    from apr.model.spec import param_count
+    from apr.plan.facts import time_estimate
+
+    c = loaded.config
+    tr, d = c.training, c.training.distill
+    if str(tr.mode) != "distill" or d is None or distill_config_findings(loaded):
+        return None, [], []
+    key = ("training", "distill", "teacher")
+    try:
+        teacher = source_architecture(d.teacher)
+    except AprError as err:
+        return None, [], [_finding(loaded, key, err.message, "an apr checkpoint or a Hugging Face LLaMA folder",
+                                   d.teacher)]
+    student = c.model.architecture
+    findings = []
+    src = inspect_source(d.teacher, teacher)  # the teacher's tensors against its own config
+    findings += [_finding(loaded, key, f"teacher: {f.message}") for f in src.findings if f.severity == "error"]
+    for attr in ("vocab_size", "hidden_size"):
+        if getattr(teacher, attr) != getattr(student, attr):
+            what = ("the student reads the teacher's hidden states: a narrower student would need a learned "
+                    "projection, which apr does not build" if attr == "hidden_size" else "the KL compares their "
+                    "logits token by token")
+            findings.append(_finding(loaded, ("model", "architecture", attr), f"the teacher has {attr} "
+                                     f"{getattr(teacher, attr)}, the student {getattr(student, attr)}: {what}",
+                                     str(getattr(teacher, attr)), str(getattr(student, attr))))
+    try:
+        spans = schedule.spans(student.num_hidden_layers, teacher.num_hidden_layers, d.block_map)
+    except schedule.MappingError as err:
+        findings.append(_finding(loaded, ("training", "distill", "block_map"), str(err),
+                                 "one [start, end) per student block covering the teacher", str(d.block_map)))
+        spans = None
+    teacher_tok = resolve(d.teacher)
+    teacher_tok = (teacher_tok if teacher_tok.is_dir() else teacher_tok.parent) / "tokenizer.json"
+    if c.data.tokenizer and teacher_tok.is_file():
+        a, b = _sha(Path(c.data.tokenizer).expanduser()), _sha(teacher_tok)
+        if a and b and a != b:
+            findings.append(_finding(loaded, ("data", "tokenizer"), f"data.tokenizer differs from the teacher's "
+                                     f"{teacher_tok}: the teacher would read other tokens than it was trained on",
+                                     f"the teacher's tokenizer (sha256 {b[:12]})", f"sha256 {a[:12]}"))
+    p1 = schedule.phase1_steps(c)
+    if total_steps is not None and p1 > total_steps:
+        findings.append(_finding(loaded, ("training", "distill", "phase1_steps"), f"phase 1 needs {p1} steps "
+                                 f"({d.phase1_steps} per student block x {student.num_hidden_layers}), the run has "
+                                 f"{total_steps}: the last blocks would never be distilled",
+                                 f"at most {total_steps // student.num_hidden_layers} per block", str(d.phase1_steps)))
+    n_teacher, n_student = param_count(teacher), param_count(student)
+    tokens_per_step = facts["schedule"]["tokens_per_step"]
+    per_block = (n_student - student.vocab_size * student.hidden_size) / student.num_hidden_layers
+    phase1 = min(p1, total_steps or p1)
+    phase2 = max((total_steps or 0) - p1, 0)
+    # model FLOPs per token: the teacher forward (2N) and, in phase 1, one student block's forward
+    # and backward (6 x its parameters); in phase 2 the student's 6N
+    flops = {1: int(2 * n_teacher + 6 * per_block), 2: int(2 * n_teacher + 6 * n_student)}
+    precision = str(tr.mixed_precision)
+    phases = []
+    for phase, steps in ((1, phase1), (2, phase2)):
+        tokens = steps * tokens_per_step
+        est = time_estimate(tokens, flops[phase], target, precision, world_size, f"phase {phase}") if tokens else None
+        phases.append({"phase": phase, "steps": steps, "tokens": tokens, "flops_per_token": flops[phase],
+                       "total_flops": tokens * flops[phase],
+                       "estimated_seconds": est["estimated_seconds"] if est else (0.0 if not tokens else None)})
+    b, s = c.data.batch_size, c.data.seq_len
+    rows = [MemoryRow("teacher_weights", 4 * n_teacher, "exact", 0,
+                      "the frozen teacher in float32 (no gradient, no moments)"),
+            MemoryRow("kd_logits", 4 * 4 * b * s * student.vocab_size, "modelled", 0,
+                      "phase 2: student and teacher logits and their softmaxes for one micro-batch")]
+    out = {"teacher": {"path": d.teacher, "layers": teacher.num_hidden_layers, "hidden_size": teacher.hidden_size,
+                       "vocab_size": teacher.vocab_size, "params": n_teacher},
+           "spans": [list(x) for x in spans] if spans else None, "phases": phases,
+           "estimated_seconds": (sum(p["estimated_seconds"] for p in phases)
+                                 if all(p["estimated_seconds"] is not None for p in phases) else None),
+           "on_device": "the whole student (phase 2 needs it) and the teacher; phase 1 updates one block"}
+    return out, rows, findings

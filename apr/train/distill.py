@@ -1,0 +1,241 @@
+"""Blockwise distillation (``training.mode: distill``): the engine and the per-block autotune.
+
+``DistillEngine`` is the standard engine (torch's AdamW over the student) with another loss:
+
+- phase 1, step in block ``i``'s window (``apr.steps.distill.phase_at``): the teacher runs
+  without gradients up to its block ``end_i``; student block ``i`` maps the teacher's hidden
+  state at the input of teacher block ``start_i`` to an output compared with the teacher's at
+  ``end_i`` (mse, or 1 - cosine per position). Only block ``i``'s parameters get a gradient, so
+  AdamW updates only them (torch skips parameters without one);
+- phase 2: the whole student, ``kd_weight x T^2 x KL(teacher || student at temperature T) +
+  (1 - kd_weight) x cross-entropy``, the teacher's logits computed without gradients.
+
+The student is an ordinary apr model: its checkpoints, export and evaluation are a plain run's.
+The teacher stays on the device, frozen, in float32. ``Autotune`` watches each block's phase-1
+loss: a spike (above ``spike_factor`` x its EMA) or a plateau (no new best for
+``plateau_patience`` steps) is recorded; in active mode it also multiplies that block's LR
+factor by ``lr_decay``. See docs/design.md, "Blockwise distillation".
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from apr.checkpoint.hf_import import load_source_weights, source_architecture
+from apr.config.schema import AprConfig
+from apr.model.llama import LlamaForCausalLM, build_model
+from apr.steps import distill as schedule
+from apr.train.engine import NonFiniteError, StandardEngine, StepResult
+
+
+def load_teacher(config: AprConfig, device: torch.device) -> LlamaForCausalLM:
+    """The teacher model, float32, frozen, in eval mode on ``device``."""
+    path = config.training.distill.teacher
+    arch = source_architecture(path)
+    teacher = build_model(arch, 0, device="cpu")
+    params = dict(teacher.named_parameters())
+    with torch.no_grad():
+        for name, t in load_source_weights(path, arch).items():
+            params[name].copy_(t)
+    teacher.requires_grad_(False)
+    return teacher.to(device).eval()
+
+
+@torch.no_grad()
+def init_student_from_teacher(student: LlamaForCausalLM, teacher: LlamaForCausalLM,
+                              spans: list[tuple[int, int]]) -> None:
+    """Student embedding, final norm and head from the teacher; student block ``i`` from teacher
+    block ``spans[i][0]``."""
+    student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
+    student.model.norm.weight.copy_(teacher.model.norm.weight)
+    if student.lm_head is not None:
+        student.lm_head.weight.copy_(teacher.head_weight)
+    for i, (start, _end) in enumerate(spans):
+        student.model.layers[i].load_state_dict(teacher.model.layers[start].state_dict())
+
+
+class Autotune:
+    """Spikes and plateaus of each block's phase-1 loss, and (active) the block's LR factor."""
+
+    def __init__(self, cfg, blocks: int):
+        self.cfg = cfg
+        self.ema: list[float | None] = [None] * blocks
+        self.best: list[float | None] = [None] * blocks
+        self.since: list[int] = [0] * blocks
+        self.factor: list[float] = [1.0] * blocks
+        self.events: list[tuple[str, str, dict]] = []  # (kind, message, detail), drained by the run
+
+    @property
+    def on(self) -> bool:
+        return str(self.cfg.mode) != "off"
+
+    def observe(self, block: int, loss: float) -> None:
+        if not self.on or not math.isfinite(loss):
+            return
+        cfg, ema = self.cfg, self.ema[block]
+        what = None
+        if ema is not None and loss > cfg.spike_factor * ema:
+            what = f"spike: loss {loss:.4g} > {cfg.spike_factor:g} x EMA {ema:.4g}"
+        best = self.best[block]
+        if best is None or loss < best * (1.0 - cfg.min_delta):
+            self.best[block], self.since[block] = loss, 0
+        else:
+            self.since[block] += 1
+            if self.since[block] >= cfg.plateau_patience:
+                what = what or f"plateau: no new best below {best:.4g} for {self.since[block]} steps"
+                self.since[block] = 0
+        self.ema[block] = loss if ema is None else cfg.ema_beta * ema + (1.0 - cfg.ema_beta) * loss
+        if what is None:
+            return
+        new = max(self.factor[block] * cfg.lr_decay, cfg.min_lr_factor)
+        if str(cfg.mode) == "active":
+            action = f"block {block} LR factor {self.factor[block]:g} -> {new:g}"
+            self.factor[block] = new
+        else:
+            action = f"would set block {block} LR factor {self.factor[block]:g} -> {new:g} (monitor mode)"
+        self.events.append(("autotune", f"block {block} {what}; {action}",
+                            {"block": block, "loss": loss, "factor": self.factor[block], "action": action}))
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "best": self.best, "since": self.since, "factor": self.factor}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.ema, self.best = list(state["ema"]), list(state["best"])
+            self.since, self.factor = [int(x) for x in state["since"]], [float(x) for x in state["factor"]]
+
+
+class DistillEngine(StandardEngine):
+    """The student under torch's AdamW, trained on the teacher (see the module docstring)."""
+
+    kind = "distill"
+
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend,
+                 teacher: LlamaForCausalLM):
+        super().__init__(config, model, device, backend)
+        self.teacher = teacher
+        d = config.training.distill
+        self.spans = schedule.spans(model.arch.num_hidden_layers, teacher.arch.num_hidden_layers, d.block_map)
+        self.block_loss, self.temperature, self.kd_weight = str(d.block_loss), d.temperature, d.kd_weight
+        self.autotune = Autotune(d.autotune, model.arch.num_hidden_layers)
+        self.current_step = 1  # set by the run loop before each step
+        self.last_phase: tuple[int, int | None] = (0, None)
+        self.idle_groups: set[str] = set()  # groups the last step did not update (apr/train/blocknorms.py)
+
+    # ------------------------------------------------------------------------------ losses
+
+    def block_loss_of(self, block: int, ids: torch.Tensor) -> torch.Tensor:
+        """Phase 1 loss of student block ``block`` on a batch of ids."""
+        start, end = self.spans[block]
+        t = self.teacher
+        cos, sin = t.rope(ids.shape[1], ids.device)
+        with torch.no_grad():
+            x = t.model.embed_tokens(ids)
+            for j in range(end):
+                if j == start:
+                    h_in = x
+                x = t.model.layers[j](x, cos, sin)
+            target = x
+        s_cos, s_sin = self.model.rope(ids.shape[1], ids.device)
+        with self.autocast():
+            out = self.model.model.layers[block](h_in, s_cos, s_sin)
+        out = out.float()
+        if self.block_loss == "cosine":
+            return (1.0 - F.cosine_similarity(out, target, dim=-1)).mean()
+        return F.mse_loss(out, target)
+
+    def kd_loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Phase 2: KD to the teacher's logits mixed with the LM loss."""
+        with self.autocast():
+            h = self.model.model.norm(self.model.hidden_states(ids, self.cdt))
+            logits = F.linear(h, self.model.head_weight)
+        logits = logits.float()
+        with torch.no_grad():
+            teacher_logits = self.teacher(ids)
+        vocab = logits.shape[-1]
+        ce = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+        if self.kd_weight == 0.0:
+            return ce
+        temp = self.temperature
+        kl = F.kl_div(F.log_softmax(logits.reshape(-1, vocab) / temp, dim=-1),
+                      F.log_softmax(teacher_logits.reshape(-1, vocab) / temp, dim=-1),
+                      log_target=True, reduction="batchmean")
+        return self.kd_weight * temp * temp * kl + (1.0 - self.kd_weight) * ce
+
+    # ------------------------------------------------------------------------------ the step
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        self._skip = False
+        phase, block = schedule.phase_at(self.config, self.current_step)
+        self.last_phase = (phase, block)
+        params = list(self.named.values())
+        for p in params:
+            p.grad = None
+        accum = len(micro_batches)
+        loss_total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            ids, targets = self.split(batch)
+            loss = self.block_loss_of(block, ids) if phase == 1 else self.kd_loss(ids, targets)
+            self._check_loss(loss)
+            (loss / accum if accum != 1 else loss).backward()
+            loss_total += loss.detach() / accum
+        live = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in live]
+        if self.dp is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.dp.average_(flat)
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in
+                                         zip(flat.split([g.numel() for g in grads]), grads, strict=True)])
+        live_groups = {name for name, group in self.groups if all(p.grad is not None for p in group)}
+        self.idle_groups = {name for name, _ in self.groups} - live_groups  # phase 1: all but one block
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq = {name: (self.backend.sq_norm(torch.cat([p.grad.reshape(-1) for p in group])) if name in live_groups
+                     else zero) for name, group in self.groups}
+        self._keep_sq(sq)
+        norm = torch.stack(list(sq.values())).sum().sqrt()
+        if not bool(torch.isfinite(norm).item()):
+            raise NonFiniteError("gradients", state_is_last_good=True)
+        if self._gate(loss_total, norm):
+            return StepResult(loss_total, norm, flagged=True)
+        if self.strategy.clip == "global":
+            torch._foreach_mul_(grads, self._clip_coef(norm))
+        elif self.strategy.clip == "per_block":
+            for name, group in self.groups:
+                if name in live_groups:
+                    torch._foreach_mul_([p.grad for p in group], self._clip_coef(sq[name].sqrt()))
+        factor = 1.0
+        if phase == 1:
+            self.autotune.observe(block, float(loss_total))
+            factor = self.autotune.factor[block]
+        for pg in self.optimizer.param_groups:
+            pg["lr"] = lr * factor
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        return StepResult(loss_total, norm)
+
+    def meta_state(self) -> dict:
+        # each parameter's own AdamW step count: phase 1 updates one block at a time, so they differ
+        steps = {name: int(self.optimizer.state[p]["step"]) for name, p in self.named.items()
+                 if p in self.optimizer.state}
+        return {**super().meta_state(), "autotune": self.autotune.state_dict(), "param_steps": steps}
+
+    def load_meta_state(self, meta: dict) -> None:
+        super().load_meta_state(meta)
+        self.autotune.load_state_dict(meta.get("autotune"))
+        saved = meta.get("param_steps") or {}
+        for name, p in self.named.items():
+            state = self.optimizer.state.get(p)
+            if state is not None:
+                state["step"].fill_(float(saved.get(name, 0)))
+
+
+def build_distill_engine(config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend) -> DistillEngine:
+    teacher = load_teacher(config, device)
+    if config.training.distill.init_from_teacher:
+        d = config.training.distill
+        init_student_from_teacher(model, teacher, schedule.spans(model.arch.num_hidden_layers,
+                                                                 teacher.arch.num_hidden_layers, d.block_map))
+    return DistillEngine(config, model.to(device), device, backend, teacher)
