@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from apr.checkpoint.files import read_safetensors_header, sha256_file
@@ -528,6 +528,4 @@ def source_architecture(path_text: str):
 
 
 def replace_path(f: Finding, key: str) -> Finding:
-    from dataclasses import replace
-
     return replace(f, path=key)

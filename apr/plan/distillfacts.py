@@ -14,8 +14,11 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from apr.checkpoint.hf_import import inspect_source, resolve, source_architecture
 from apr.config import LoadedConfig
 from apr.errors import AprError, Finding
+from apr.model.spec import param_count
+from apr.plan.facts import time_estimate
 from apr.plan.memory import MemoryRow
 from apr.steps import distill as schedule
 
@@ -70,10 +73,6 @@ def _sha(path: Path) -> str | None:
 def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, target, world_size: int
                   ) -> tuple[dict | None, list[MemoryRow], list[Finding]]:
     """(facts.distill, extra memory rows, findings) of a distillation config; (None, [], []) otherwise."""
-    from apr.checkpoint.hf_import import inspect_source, resolve, source_architecture
-    from apr.model.spec import param_count
-    from apr.plan.facts import time_estimate
-
     c = loaded.config
     tr, d = c.training, c.training.distill
     if str(tr.mode) != "distill" or d is None or distill_config_findings(loaded):

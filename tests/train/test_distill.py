@@ -1,0 +1,201 @@
+"""Blockwise distillation (training.mode: distill): the mechanics of both phases, the block mapping,
+the autotune, a run from a trained teacher that resumes bitwise across a kill -9, the plan's teacher
+memory and phases, and bad teacher/student combinations refused with their key path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from apr.config.schema import AprConfig, AutotuneConfig
+from apr.steps.distill import MappingError, phase_at, spans
+from apr.train.distill import Autotune
+from tests.train.run_helpers import config_doc, make_dataset
+
+WORKER = Path(__file__).resolve().parent / "run_worker.py"
+
+
+def _env(root: Path) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "APR_HOME": str(root / "home")}
+
+
+def _run(cfg: Path, root: Path, resume: bool = False, kill_at: str | None = None) -> list[str]:
+    cmd = [sys.executable, str(WORKER), str(cfg)] + (["latest"] if resume else [])
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(root))
+    seen = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if kill_at is not None and line.startswith(kill_at):
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == (-signal.SIGKILL if kill_at else 0), "".join(seen[-20:])
+    return seen
+
+
+def _write(root: Path, name: str, doc: dict) -> Path:
+    path = root / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _student_doc(root: Path, teacher: Path, **distill) -> dict:
+    return config_doc(root, model={"architecture": {"num_hidden_layers": 2}},
+                      training={"mode": "distill", "engine": "standard", "max_steps": 8, "save_interval": 2,
+                                "log_interval": 1, "eval_interval": 4, "output_dir": "student/",
+                                "distill": {"teacher": str(teacher), "phase1_steps": 2, **distill}})
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A 4-block model trained briefly on the test corpus: the teacher (its run folder)."""
+    root = tmp_path_factory.mktemp("teacher")
+    make_dataset(root)
+    doc = config_doc(root, model={"architecture": {"num_hidden_layers": 4}},
+                     training={"max_steps": 6, "save_interval": 6, "output_dir": "teacher/"})
+    _run(_write(root, "teacher.json", doc), root)
+    return root / "teacher"
+
+
+def test_spans_split_evenly_or_follow_the_map_and_refuse_gaps():
+    assert spans(2, 4, None) == [(0, 2), (2, 4)] and spans(4, 4, None) == [(i, i + 1) for i in range(4)]
+    assert spans(2, 5, [[0, 3], [3, 5]]) == [(0, 3), (3, 5)]
+    for student, teacher_depth, block_map in ((3, 4, None), (2, 4, [[0, 2]]), (2, 4, [[0, 2], [3, 4]]),
+                                              (2, 4, [[0, 2], [2, 3]]), (2, 4, [[0, 0], [0, 4]])):
+        with pytest.raises(MappingError):
+            spans(student, teacher_depth, block_map)
+
+
+def test_a_student_copied_from_its_teacher_has_zero_loss_in_both_phases(teacher, tmp_path):
+    """Mechanics: with a 1:1 mapping and the student initialised from the teacher, every phase-1
+    block loss and the phase-2 KD loss are exactly zero."""
+    from apr.train.engine import build_engine
+
+    make_dataset(tmp_path)
+    doc = _student_doc(tmp_path, teacher, kd_weight=1.0)
+    doc["model"]["architecture"]["num_hidden_layers"] = 4
+    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    for block in range(4):
+        assert engine.block_loss_of(block, ids).item() == 0.0
+    assert engine.kd_loss(ids, ids).item() == pytest.approx(0.0, abs=1e-6)
+    doc["model"]["architecture"]["num_hidden_layers"] = 2  # two teacher blocks per student block: not a copy
+    half = build_engine(AprConfig.model_validate(doc), "cpu")
+    assert half.block_loss_of(0, ids).item() > 0.0
+
+
+def test_phase_1_updates_only_the_block_in_training(teacher, tmp_path):
+    from apr.train.engine import build_engine
+
+    make_dataset(tmp_path)
+    config = AprConfig.model_validate(_student_doc(tmp_path, teacher))
+    engine = build_engine(config, "cpu")
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
+    engine.current_step = 3  # phase 1, block 1 (2 steps per block)
+    assert phase_at(config, 3) == (1, 1)
+    engine.train_step([batch], 1e-2)
+    after = engine.model.state_dict()
+    changed = {k for k in before if not after[k].equal(before[k])}
+    assert changed and all(k.startswith("model.layers.1.") for k in changed)
+
+
+def test_autotune_records_spikes_and_plateaus_and_only_active_mode_lowers_the_lr():
+    for mode, factor in (("monitor", 1.0), ("active", 0.5)):
+        tune = Autotune(AutotuneConfig(mode=mode, spike_factor=2.0, plateau_patience=3), blocks=2)
+        for loss in (1.0, 0.9, 0.8, 5.0):  # the last one is a spike
+            tune.observe(0, loss)
+        assert [e[2]["block"] for e in tune.events] == [0] and "spike" in tune.events[0][1]
+        assert tune.factor[0] == factor and tune.factor[1] == 1.0
+        tune.events.clear()
+        for _ in range(3):  # no new best for 3 steps: a plateau
+            tune.observe(1, 1.0)
+            tune.observe(1, 1.0)
+        assert any("plateau" in e[1] for e in tune.events)
+    off = Autotune(AutotuneConfig(), blocks=1)
+    off.observe(0, 1.0)
+    off.observe(0, 100.0)
+    assert off.events == [] and off.factor == [1.0]
+
+
+@pytest.fixture(scope="module")
+def distilled(teacher, tmp_path_factory):
+    root = tmp_path_factory.mktemp("student")
+    make_dataset(root)
+    cfg = _write(root, "student.json", _student_doc(root, teacher, autotune={"mode": "monitor"}))
+    lines = _run(cfg, root)
+    return root, cfg, lines
+
+
+def test_a_distillation_run_goes_through_both_phases_and_records_them(distilled):
+    root, _, lines = distilled
+    assert any("distillation phase 1: student block 0 learns teacher blocks 0-1" in line for line in lines)
+    assert any(line.startswith("step 5/8  distillation phase 2") for line in lines)
+    state = json.loads((root / "student" / "training_state.json").read_text())
+    assert state["status"] == "finished"
+    assert [(e["step"], e["detail"]["phase"], e["detail"]["block"]) for e in state["events"]
+            if e["kind"] == "distill"] == [(1, 1, 0), (3, 1, 1), (5, 2, None)]
+    weights = load_file(str(root / "student" / "checkpoint-step-8.safetensors"))
+    assert not any(k.startswith("model.layers.2.") for k in weights)  # a 2-block student
+
+
+def test_kill_9_in_phase_1_resumes_bitwise(distilled, tmp_path):
+    root, cfg, _ = distilled
+    make_dataset(tmp_path)
+    doc = json.loads(cfg.read_text())
+    for key in ("train", "val"):
+        doc["data"][key] = doc["data"][key].replace(str(root), str(tmp_path))
+    doc["training"]["output_dir"] = str(tmp_path / "student")
+    mine = _write(tmp_path, "student.json", doc)
+    _run(mine, tmp_path, kill_at="step 4/8")  # newest checkpoint: step 2 (block 0 done, block 1 not begun)
+    _run(mine, tmp_path, resume=True)
+    want = load_file(str(root / "student" / "checkpoint-step-8.safetensors"))
+    got = load_file(str(tmp_path / "student" / "checkpoint-step-8.safetensors"))
+    assert all(got[k].equal(want[k]) for k in want)
+
+
+def _plan(root: Path, cfg: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apr", "train", "plan", str(cfg), *args], cwd=root,
+                          env=_env(root), capture_output=True, text=True, timeout=300)
+
+
+def test_the_plan_counts_the_teacher_and_both_phases(distilled, teacher):
+    root, cfg, _ = distilled
+    proc = _plan(root, cfg, "--json", "--gpu", "H100")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    facts = json.loads(proc.stdout)["facts"]
+    d = facts["distill"]
+    assert d["teacher"]["layers"] == 4 and d["spans"] == [[0, 2], [2, 4]]
+    assert [(p["phase"], p["steps"]) for p in d["phases"]] == [(1, 4), (2, 4)]
+    assert facts["memory"]["by_component"]["teacher_weights"] == 4 * d["teacher"]["params"]
+    assert d["phases"][0]["flops_per_token"] < d["phases"][1]["flops_per_token"]
+
+
+@pytest.mark.parametrize("change, path", [
+    ({"model": {"architecture": {"vocab_size": 80}}}, "model.architecture.vocab_size"),
+    ({"model": {"architecture": {"hidden_size": 64}}}, "model.architecture.hidden_size"),
+    ({"training": {"distill": {"block_map": [[0, 2], [3, 4]]}}}, "training.distill.block_map"),
+    ({"training": {"distill": {"phase1_steps": 50}}}, "training.distill.phase1_steps"),
+    ({"training": {"engine": "interleaved"}}, "training.engine"),
+    ({"training": {"distill": {"teacher": "/nonexistent/teacher"}}}, "training.distill.teacher"),
+])
+def test_incompatible_teacher_and_student_are_refused_at_plan_time(teacher, tmp_path, change, path):
+    from tests.train.run_helpers import merge
+
+    make_dataset(tmp_path)
+    doc = merge(_student_doc(tmp_path, teacher), change)
+    proc = _plan(tmp_path, _write(tmp_path, "bad.json", doc))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert path in proc.stdout + proc.stderr, proc.stdout + proc.stderr
