@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,3 +200,19 @@ def test_incompatible_teacher_and_student_are_refused_at_plan_time(teacher, tmp_
     proc = _plan(tmp_path, _write(tmp_path, "bad.json", doc))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert path in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_student_reading_another_tokenizer_than_the_teacher_is_refused(teacher, tmp_path):
+    from apr.data.standin import write_tokenizer
+
+    make_dataset(tmp_path)
+    beside = write_tokenizer(tmp_path / "teacher-copy" / "tokenizer.json", 61)  # the teacher's own tokenizer
+    for f in teacher.glob("checkpoint-*"):  # a copy of the teacher's checkpoints with its tokenizer beside them
+        shutil.copy2(f, beside.parent / f.name)
+    other = write_tokenizer(tmp_path / "other.json", 61, added_tokens=2)
+    doc = _student_doc(tmp_path, beside.parent)
+    doc["data"]["tokenizer"] = str(other)
+    proc = _plan(tmp_path, _write(tmp_path, "tok.json", doc))
+    assert proc.returncode == 1 and "data.tokenizer" in proc.stdout and "teacher" in proc.stdout, proc.stdout
+    doc["data"]["tokenizer"] = str(beside)
+    assert _plan(tmp_path, _write(tmp_path, "tok.json", doc)).returncode == 0
