@@ -246,11 +246,18 @@ class WeightUnit(StrEnum):
     documents = "documents"
 
 
+def _stage_start(value: object) -> object:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a step (integer) or a fraction of the run in [0, 1), got {value!r}")
+    return value
+
+
 class DataStage(_Section):
     """One stage of a mixture: its weights from its start step to the next stage's."""
 
     name: str | None = Field(None, description="A label for records and the plan (default stage<i>).")
-    start: int | float = Field(0, description="First step of the stage: a step (integer) or a fraction of "
+    start: Annotated[int | float, BeforeValidator(_stage_start)] = Field(
+        0, description="First step of the stage: a step (integer) or a fraction of "
                                "the run in [0, 1) (floored to a step). The first stage starts at 0.")
     weights: dict[str, float] = Field(description="Source name -> weight (in data.weight_unit); sources not "
                                       "named get weight 0 in this stage.")

@@ -88,7 +88,13 @@ def mixture_config_findings(loaded: LoadedConfig) -> list[Finding]:
                                 "nothing", "at least one weight > 0", "all zero"))
     else:
         previous: tuple[str, int | float] | None = None
+        named: dict[str, int] = {}
         for i, st in enumerate(data.stages):
+            if st.name is not None and st.name in named:
+                out.append(_finding(loaded, "error", f"data.stages[{i}].name", f"stage name {st.name!r} is used "
+                                    f"twice (data.stages[{named[st.name]}] too)", "a different name per stage",
+                                    st.name))
+            named.setdefault(st.name, i)
             for name, w in st.weights.items():
                 key = f"data.stages[{i}].weights.{name}"
                 if name not in names:

@@ -198,6 +198,9 @@ def _finding(proc, path: str) -> None:
     ([{"start": 0, "weights": {"web": 1.0}}, {"start": 0.9, "weights": {"code": 1}},
       {"start": 0.5, "weights": {"books": 1}}], None, "data.stages[2].start"),
     ([{"start": 5, "weights": {"web": 1.0}}], None, "data.stages[0].start"),
+    ([{"start": True, "weights": {"web": 1.0}}], None, "data.stages[0].start"),
+    ([{"name": "a", "start": 0, "weights": {"web": 1.0}}, {"name": "a", "start": 0.5, "weights": {"code": 1}}], None,
+     "data.stages[1].name"),
     (None, {"train": [{"name": "web", "path": "data/web/train", "weight": -0.5}]}, "data.train[0].weight"),
 ])
 def test_bad_weights_and_stages_are_findings_with_their_key(tmp_path, command, stages, data, path):
