@@ -45,7 +45,8 @@ def config(work: Path, name: str, layers: int, steps: int, eval_every: int, **tr
         "data": {"train": str(work / "data/train"), "val": str(work / "data/val"), "batch_size": 16,
                  "seq_len": 128, "tokenizer": str(work / "tokenizer.json")},
         "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4},
-        "training": {"max_steps": steps, "epochs": 10, "warmup_steps": 15, "device": "cpu", "output_dir": str(work / name),
+        "training": {"max_steps": steps, "epochs": 10, "warmup_steps": 15, "device": "cpu",
+                     "output_dir": str(work / name),
                      "save_interval": steps, "log_interval": 50, "eval_interval": eval_every, "eval_batches": 8,
                      "loss_chunk_size": 64, "mixed_precision": "fp32", **training},
     }

@@ -187,8 +187,9 @@ class StackStage(_Section):
 class StackingConfig(_Section):
     """Progressive stacking: train a shallow model, then grow it block-wise (docs/training.md)."""
 
-    stages: list[StackStage] = Field(description="Depths in order, each deeper than the one before; the last "
-                                     "equals model.architecture.num_hidden_layers.")
+    stages: list[StackStage] = Field(
+        min_length=1, description="Depths in order, each deeper than the one before; the last equals "
+        "model.architecture.num_hidden_layers.")
     init: StackInit = Field(StackInit.copy_top, description="New blocks: copy_top (copies of the top block), "
                             "interpolate (every block repeated in place: block i of the new stack is block "
                             "floor(i x old / new) of the old), or fresh (random init).")

@@ -175,6 +175,7 @@ def test_the_plan_shows_every_stage(tmp_path):
     ({"stages": [{"blocks": 4, "steps": 5}, {"blocks": 2}]}, "model.stacking.stages[1].blocks"),  # shrinks
     ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 3}]}, "model.stacking.stages[1].blocks"),  # not the model
     ({"stages": [{"blocks": 2}, {"blocks": 4}]}, "model.stacking.stages[0].steps"),
+    ({"stages": []}, "model.stacking.stages"),
     ({"stages": [{"blocks": 2, "steps": 50}, {"blocks": 4}]}, "model.stacking.stages[0].steps"),  # never starts
     ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 4}], "init": "interpolate", "earlier": "freeze"},
      "model.stacking.earlier"),
