@@ -121,11 +121,19 @@ class MixtureLoader:
             self._advance_micro(read=False)
 
     def rows_at(self, absolute: int) -> list[int]:
-        """The rows of global micro-batch ``absolute`` (one of the last ``_KEEP`` drawn), every rank's
-        part, as indices into the sources laid end to end in config order (see ``locate``)."""
-        draws = self._recent.get(int(absolute))
-        if draws is None:
-            raise MixtureError(f"micro-batch {absolute} is not among the last {_KEEP} drawn")
+        """The rows of global micro-batch ``absolute`` (already drawn), every rank's part, as indices
+        into the sources laid end to end in config order (see ``locate``). The last ``_KEEP`` are kept;
+        an older one is found by replaying the schedule, the cursor left where it was."""
+        absolute = int(absolute)
+        draws = self._recent.get(absolute)
+        if draws is None:  # older than the kept window: replay to it, then back to where the cursor was
+            if not 0 <= absolute < self.absolute:
+                raise MixtureError(f"micro-batch {absolute} has not been drawn (the cursor is at {self.absolute})")
+            here = self.absolute
+            self.seek(absolute)
+            self._advance_micro(read=False)
+            draws = self._recent[absolute]
+            self.seek(here)
         offsets = self._offsets()
         return [offsets[n] + i for n, i in draws]
 

@@ -107,3 +107,22 @@ def test_a_state_for_other_data_is_refused(sources):
     state["rows"]["web"] = 41
     with pytest.raises(MixtureError, match="rows was"):
         loader(sources, st, total_steps=10).load_state_dict(state)
+
+
+def test_rows_of_an_old_micro_batch_are_replayed_and_the_cursor_stays(sources):
+    st = [Stage({"web": 0.5, "code": 0.3, "books": 0.2})]
+    ld = loader(sources, st, total_steps=400)
+    seen = []
+    for _ in range(300):  # more than the kept window
+        ld.next_batch()
+        seen.append(list(ld.last_rows))
+    state, last = ld.state_dict(), list(ld.last_rows)
+    offsets = {"web": 0, "code": SIZES["web"], "books": SIZES["web"] + SIZES["code"]}
+    assert ld.rows_at(3) == [offsets[s] + r for s, r in seen[3]]  # replayed from the start
+    assert ld.rows_at(299) == [offsets[s] + r for s, r in seen[299]]  # kept
+    assert ld.state_dict() == state and ld.last_rows == last  # the cursor did not move
+    nxt = ld.next_batch()
+    ref = loader(sources, st, total_steps=400)
+    for _ in range(301):
+        want = ref.next_batch()
+    assert nxt.equal(want)
