@@ -494,6 +494,12 @@ class RollbackConfig(_Section):
     lr_steps: NonNegCount = Field(0, description="Steps the lowered learning rate lasts after a rollback.")
 
 
+class Sharding(StrEnum):
+    none = "none"
+    shard_grad_op = "shard_grad_op"
+    full = "full"
+
+
 class Engine(StrEnum):
     interleaved = "interleaved"
     standard = "standard"
@@ -559,6 +565,10 @@ class TrainingConfig(_Section):
         256, description="Sequence positions per LM-head/cross-entropy chunk (full logits never exist)."
     )
     world_size: PositiveCount = Field(1, description="Data-parallel processes (torchrun sets this at run time).")
+    sharding: Sharding = Field(
+        Sharding.none, description="Under torchrun: none (every rank holds everything, gradients all-reduced), "
+        "shard_grad_op (gradients and AdamW moments sharded, ZeRO-2) or full (weights too, gathered per block "
+        "for its forward and backward, ZeRO-3), on torch FSDP2, per decoder block. Needs engine: standard.")
     gpu: str | None = Field(None, description="Target GPU for the plan's memory and time budget (e.g. h100).")
     vram: ByteSize = Field(None, description="Target VRAM for the plan, e.g. 24GiB (overrides gpu's).")
     price_per_gpu_hour: float | None = Field(

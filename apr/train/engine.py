@@ -822,6 +822,10 @@ def build_engine(
         from apr.train.distill import build_distill_engine
 
         engine: Engine = build_distill_engine(config, model, device, backend)
+    elif str(tr.engine) == "standard" and dp is not None and str(tr.sharding) != "none":  # FSDP2 (sharded.py)
+        from apr.train.sharded import ShardedEngine
+
+        engine = ShardedEngine(config, model, device, backend)
     elif str(tr.engine) == "standard":
         engine = StandardEngine(config, model.to(device), device, backend)
     else:

@@ -1,0 +1,142 @@
+"""Sharded data parallelism on torch FSDP2 (``training.sharding``), for the standard engine.
+
+``fully_shard`` is applied to every decoder block and to a root module holding the rest (the
+embedding, the final norm and the head), so a block's weights are all-gathered for its forward
+and backward and its gradient is reduce-scattered (averaged over the ranks) as soon as its
+backward is done. ``shard_grad_op`` keeps the gathered weights from the forward to the backward
+(ZeRO-2: gradients and AdamW moments sharded); ``full`` frees them after the forward and gathers
+again in the backward (ZeRO-3: weights sharded too). torch's AdamW runs on each rank's shards.
+
+The loss is computed inside the root module's forward (``_LossModule``), so the embedding and
+the tied head are gathered while they are used. The global gradient norm is the all-reduced sum
+of each rank's squared shard norms; clipping scales the local shards. Checkpoints hold full,
+unsharded tensors (gathered on every rank, written by rank 0), so a run resumes on any number of
+ranks. See docs/design.md, "Sharding".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from apr.checkpoint import names
+from apr.config.schema import AprConfig
+from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
+from apr.model.llama import LlamaForCausalLM
+from apr.train.engine import NonFiniteError, StandardEngine, StepResult
+
+
+class _LossModule(nn.Module):
+    """The model with its loss in one forward: FSDP2 gathers a module's parameters for its forward."""
+
+    def __init__(self, lm: LlamaForCausalLM, engine: ShardedEngine):
+        super().__init__()
+        self.lm = lm
+        self._engine = [engine]  # not a submodule
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, total: bool = False) -> torch.Tensor:
+        e = self._engine[0]
+        with e.autocast():
+            h = self.lm.model.norm(self.lm.hidden_states(ids, e.cdt))
+        fn = linear_cross_entropy_sum if total else linear_cross_entropy
+        return fn(h, self.lm.head_weight, targets, chunk_size=e.chunk_size, backend=e.backend, compute_dtype=e.cdt)
+
+
+def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device: torch.device) -> _LossModule:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    reshard = strategy == "full"
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    root = _LossModule(model, engine)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard)
+    return root
+
+
+class ShardedEngine(StandardEngine):
+    """The standard engine's arithmetic on FSDP2 shards (see the module docstring)."""
+
+    kind = "standard"
+
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend):
+        model = model.to(device)
+        self.root = _shard(model, self, str(config.training.sharding), device)
+        super().__init__(config, model, device, backend)
+
+    # ------------------------------------------------------------------------------ steps
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        ids, targets = self.split(batch)
+        return self.root(ids, targets, total=True), targets.numel()
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        self._skip = False
+        params = list(self.named.values())
+        for p in params:
+            p.grad = None
+        accum = len(micro_batches)
+        loss_total = torch.zeros((), device=self.device)
+        for k, batch in enumerate(micro_batches):
+            ids, targets = self.split(batch)
+            self.root.set_requires_gradient_sync(k == accum - 1)  # reduce-scatter once, after the last
+            loss = self.root(ids, targets)
+            self._check_loss(loss)
+            (loss / accum if accum != 1 else loss).backward()
+            loss_total += loss.detach() / accum
+        for name, _ in self.groups:
+            self._probe(name)
+        local = {name: [p.grad.to_local() for p in group] for name, group in self.groups}
+        sq_local = torch.stack([sum((g.float().pow(2).sum() for g in gs), torch.zeros((), device=self.device))
+                                for gs in local.values()])
+        dist.all_reduce(sq_local)  # the shards' squares summed over the ranks: each group's squared norm
+        sq = dict(zip(local, sq_local.unbind(), strict=True))
+        self._keep_sq(sq)
+        norm = sq_local.sum().sqrt()
+        if not bool(torch.isfinite(norm).item()):
+            raise NonFiniteError("gradients", state_is_last_good=True)
+        if self._gate(loss_total, norm):
+            return StepResult(loss_total, norm, flagged=True)
+        if self.strategy.clip == "global":
+            torch._foreach_mul_([g for gs in local.values() for g in gs], self._clip_coef(norm))
+        elif self.strategy.clip == "per_block":
+            for name, gs in local.items():
+                torch._foreach_mul_(gs, self._clip_coef(sq[name].sqrt()))
+        for pg in self.optimizer.param_groups:
+            pg["lr"] = lr
+        self.optimizer.step()
+        self.optimizer_steps += 1
+        return StepResult(loss_total, norm)
+
+    # ------------------------------------------------------------------------------ state
+
+    def train_state_tensors(self) -> dict[str, torch.Tensor]:
+        """Full tensors, gathered on every rank (a collective: every rank calls it)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named.items():
+            state = self.optimizer.state.get(p, {})
+            out[name] = p.detach().full_tensor()
+            out[names.OPT_M + name] = (state["exp_avg"].full_tensor() if "exp_avg" in state
+                                       else torch.zeros_like(out[name]))
+            out[names.OPT_V + name] = (state["exp_avg_sq"].full_tensor() if "exp_avg_sq" in state
+                                       else torch.zeros_like(out[name]))
+        return out
+
+    @torch.no_grad()
+    def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        self._check_state_names(tensors)
+        for name, p in self.named.items():
+            def shard(t: torch.Tensor, p=p):
+                return distribute_tensor(t.to(self.device, torch.float32), p.device_mesh, p.placements)
+
+            p.to_local().copy_(shard(tensors[name]).to_local())
+            self.optimizer.state[p] = {
+                "step": torch.tensor(float(self.optimizer_steps), dtype=torch.float32),
+                "exp_avg": shard(tensors[names.OPT_M + name]).clone(),
+                "exp_avg_sq": shard(tensors[names.OPT_V + name]).clone(),
+            }
