@@ -38,6 +38,7 @@ from apr.plan.validate import (
     data_path_findings,
     early_stopping_findings,
     output_dir_findings,
+    sharding_findings,
     sink_findings,
     stacking_findings,
     survival_findings,
@@ -328,7 +329,8 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
                        *sink_findings(loaded), *mixture_findings,
                        *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *survival_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
-                       *stacking_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps"))],
+                       *stacking_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
+                       *sharding_findings(loaded)],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

@@ -37,7 +37,8 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
                  + compile_findings(loaded) + sink_findings(loaded) + mixture_config_findings(loaded)
                  + early_stopping_findings(loaded, tr.max_steps) + survival_findings(loaded, tr.max_steps)
-                 + stacking_findings(loaded, tr.max_steps) + distill_config_findings(loaded))
+                 + stacking_findings(loaded, tr.max_steps) + distill_config_findings(loaded)
+                 + sharding_findings(loaded))
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
 
 
@@ -229,4 +230,39 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
                         f"stages 0-{i} take {at} steps, but the run has {total_steps}: stage {i + 1} would never start",
                         f"fewer than {total_steps} steps before the last stage", str(at))
                 break
+    return out
+
+
+def sharding_findings(loaded: LoadedConfig) -> list[Finding]:
+    """`training.sharding` with what it cannot run with yet: the interleaved engine, distillation,
+    LoRA, progressive stacking, in-training task evaluation and samples (they read the whole model)."""
+
+    c = loaded.config
+    tr = c.training
+    if str(tr.sharding) == "none":
+        return []
+    out = []
+    file, line, column = loaded.source.where(("training", "sharding"))
+
+    def finding(other: str, message: str, expected: str, got: str) -> None:
+        out.append(Finding("error", "config.sharding", f"training.sharding {tr.sharding} with {other}: {message}",
+                           path="training.sharding", file=file, line=line, column=column, expected=expected,
+                           got=got))
+
+    if str(tr.engine) != "standard":
+        finding("training.engine interleaved", "sharding runs on the standard engine (the interleaved engine's "
+                "per-block walk is not sharded yet)", "training.engine: standard", f"engine {tr.engine}")
+    if str(tr.mode) == "distill":
+        finding("training.mode distill", "distillation is not sharded", "mode: causal_lm", "mode distill")
+    if c.model.lora is not None:
+        finding("model.lora", "LoRA is not sharded", "no lora", "lora set")
+    if c.model.stacking is not None:
+        finding("model.stacking", "progressive stacking is not sharded", "no stacking", "stacking set")
+    if c.evaluation.tasks or c.evaluation.samples:
+        finding("evaluation.tasks/samples", "in-training evaluation reads the whole model on rank 0",
+                "no evaluation tasks or samples (run apr eval on a checkpoint)", "evaluation set")
+    if tr.world_size == 1:
+        out.append(Finding("info", "config.sharding", "training.sharding takes effect under torchrun with more than "
+                           "one process; a single process holds everything", path="training.sharding", file=file,
+                           line=line, column=column))
     return out

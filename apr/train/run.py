@@ -30,7 +30,7 @@ import torch
 from ruamel.yaml import YAML
 
 from apr.checkpoint.compat import compare_configs
-from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState, read_info
+from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState, read_info, scan
 from apr.checkpoint.rng import capture_rng, restore_rng
 from apr.config.schema import AprConfig
 from apr.data.loader import ShardLoader
@@ -138,6 +138,7 @@ class Run:
 
     def setup(self) -> Run:
         self._setup_device()
+        self._elastic_layout()
         self._setup_data()
         self._setup_engine()
         self._setup_output()
@@ -156,6 +157,61 @@ class Run:
                 self.config = AprConfig.model_validate(doc)
         self.is_main = self.dp is None or self.dp.is_main
         self.echo = self.options.echo if self.is_main else (lambda line: None)
+
+    def _elastic_layout(self) -> None:
+        """Resuming on another number of ranks: keep the checkpoint's global batch by changing
+        gradient_accumulation (before the loaders and the engine are built), or refuse with the
+        world sizes that can keep it. See docs/distributed.md, "Resuming on another number of ranks"."""
+        self.elastic: dict | None = None
+        which = self.options.resume
+        if which is None:
+            return
+        try:
+            if which == "latest":
+                found = [e for e in scan(self.run_dir) if e.complete]
+                if not found:
+                    return
+                info = read_info(found[0].json_path)
+            else:
+                info = read_info(which)
+            saved_tr, saved_data = info.config["training"], info.config["data"]
+            w0, a0 = int(saved_tr.get("world_size", 1)), int(saved_tr.get("gradient_accumulation", 1))
+            b0 = int(saved_data["batch_size"])
+        except (AprError, OSError, KeyError, TypeError, ValueError):
+            return  # _restore reports what is wrong with the checkpoint
+        tr = self.config.training
+        w1 = tr.world_size
+        if w1 == w0 or b0 != self.config.data.batch_size:
+            return  # same layout, or a batch_size change the config comparison refuses
+        micro = a0 * w0  # micro-batches of batch_size rows per optimizer step, over all ranks
+        if micro % w1:
+            valid = [w for w in range(1, micro + 1) if micro % w == 0]
+            message = (f"{info.json_path} was saved by {w0} rank(s) x gradient_accumulation {a0}: a global batch of "
+                       f"{micro} micro-batches of {b0} sequences, which {w1} ranks cannot split evenly; resume on "
+                       f"{', '.join(map(str, valid))} ranks (or change data.batch_size and pass --force)")
+            raise AprError(message, [Finding("error", "resume.world_size", message, path="training.world_size",
+                                             expected=f"a world size dividing {micro}", got=str(w1))])
+        doc = self.config.model_dump(mode="json")
+        doc["training"]["gradient_accumulation"] = micro // w1
+        self.config = AprConfig.model_validate(doc)
+        self.elastic = {"from_world_size": w0, "to_world_size": w1, "from_accumulation": a0,
+                        "to_accumulation": micro // w1}
+        self.echo(f"resume: {w0} -> {w1} ranks; gradient_accumulation {a0} -> {micro // w1} keeps the global batch "
+                  f"({micro * b0} sequences per step)")
+
+    def _elastic_cursor(self, saved: dict) -> dict:
+        """A saved single-source cursor of another world size, at the same global row: ``position``
+        counts micro-batches of batch_size x world_size rows, so it scales by the world sizes."""
+        if saved.get("kind") == "mixture" or not isinstance(self.loader, ShardLoader):
+            return saved  # a mixture's cursor counts global draws: valid at any world size
+        w0, w1 = int(saved.get("world_size", 1)), self.loader.world_size
+        if w0 == w1 or self.elastic is None:
+            return saved
+        rows = int(saved["position"]) * w0
+        if rows % w1:
+            return saved  # not at a step boundary of the new layout: load_state_dict refuses it
+        return {**saved, "position": rows // w1, "world_size": w1,
+                "gradient_accumulation": self.loader.gradient_accumulation}
 
     def _setup_data(self) -> None:
         """The loaders, the step count, the LR schedule and the cadence."""
@@ -290,6 +346,9 @@ class Run:
         info = state.info
         meta = state.meta
         diff = compare_configs(info.config, self.config)
+        if self.elastic is not None:  # the layout change _elastic_layout made: not a config change
+            diff.changes = [c for c in diff.changes
+                            if c.path not in ("training.world_size", "training.gradient_accumulation")]
         try:
             diff.check(force=self.options.force, file=str(self.config_path))
         except AprError as err:
@@ -320,7 +379,7 @@ class Run:
         self.engine.load_train_state_tensors(state.tensors)
         self.engine.load_meta_state(meta["engine"])
         try:
-            self.loader.load_state_dict(meta["data"])
+            self.loader.load_state_dict(self._elastic_cursor(meta["data"]))
         except AprError:
             if not force:
                 raise
