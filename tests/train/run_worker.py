@@ -1,9 +1,11 @@
 """Run one apply from a JSON config document (argv[1]; argv[2]: a --resume value), without the plan:
-launched as a subprocess (or by torchrun) by the crash and data-parallel tests."""
+launched as a subprocess (or by torchrun) by the crash and data-parallel tests. With
+APR_TEST_ROWS_LOG set, rank 0 appends each global micro-batch's row indices to that file."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +20,17 @@ def main() -> int:
     cfg = AprConfig.model_validate(doc)
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=False))
+    rows_log = os.environ.get("APR_TEST_ROWS_LOG")
+    if rows_log and run.is_main:  # rank 0 logs every global micro-batch's rows (all ranks' parts)
+        loader, draw = run.loader, run.loader.next_batch
+
+        def logged():
+            at = loader.absolute
+            with open(rows_log, "a") as f:
+                f.write(json.dumps(loader.rows_at(at)) + "\n")
+            return draw()
+
+        loader.next_batch = logged
     result = run.execute()
     return result.exit_code
 

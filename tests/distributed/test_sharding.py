@@ -1,0 +1,114 @@
+"""Sharded data parallelism (training.sharding, torch FSDP2 on the CPU with gloo) and resuming on
+another number of ranks: 2 sharded ranks equal 1 process with twice the batch; a run stopped on
+N ranks and resumed on M ends at the uninterrupted run's weights and reads exactly its rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
+from run_helpers import config_doc, make_dataset  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
+OPT = {"lr": 3e-3, "min_lr": 3e-4}
+
+
+def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, rows: Path | None = None,
+            ok: bool = True) -> subprocess.CompletedProcess:
+    path.write_text(json.dumps(doc))
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+           if nproc > 1 else [sys.executable]) + [str(WORKER), str(path)] + ([resume] if resume else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120", "APR_HOME": str(path.parent / "home")}
+    if rows is not None:
+        env["APR_TEST_ROWS_LOG"] = str(rows)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / f"checkpoint-step-{step}.safetensors"))
+
+
+def _rel(a: dict, b: dict) -> float:
+    """The largest relative difference (Frobenius norms) over the weights and the AdamW moments."""
+    assert set(a) == set(b)
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sharding", "accum", "clip_mode"), [("full", 1, "global"), ("shard_grad_op", 2, "per_block")])
+def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, sharding, accum, clip_mode):
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "eval_interval": 5, "engine": "standard",
+              "gradient_accumulation": accum, "grad_clip": 0.5, "clip_mode": clip_mode}
+    one = config_doc(tmp_path, data={"batch_size": 4}, optimizer=OPT, training={**common, "output_dir": "one/"})
+    two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
+                     training={**common, "output_dir": "two/", "sharding": sharding})
+    _launch(one, tmp_path / "one.json", 1)
+    _launch(two, tmp_path / "two.json", 2)
+    # the same tolerance as the DDP test (tests/distributed/test_data_parallel.py): 1e-6 relative
+    assert _rel(_weights(tmp_path / "two", 10), _weights(tmp_path / "one", 10)) <= 1e-6
+    state = json.loads((tmp_path / "two" / "training_state.json").read_text())
+    assert state["status"] == "finished" and state["val_loss"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("engine", "sharding", "before", "after"), [
+    ("standard", "full", 2, 1),  # sharded on 2 ranks, resumed in one process
+    ("interleaved", "none", 1, 2),  # one process, resumed on 2 DDP ranks
+])
+def test_a_run_resumed_on_another_number_of_ranks_ends_as_the_uninterrupted_one(tmp_path, engine, sharding, before,
+                                                                                  after):
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "save_interval": 4, "keep_last": 5, "eval_interval": 0, "engine": engine,
+              "sharding": sharding, "gradient_accumulation": 4 // before, "lr_scheduler": "constant",
+              "warmup_steps": 0}
+    full = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
+                      training={**common, "max_steps": 10, "output_dir": "full/"})
+    _launch(full, tmp_path / "full.json", before, rows=tmp_path / "full-rows.jsonl")
+    part = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
+                      training={**common, "max_steps": 4, "output_dir": "part/"})
+    _launch(part, tmp_path / "part.json", before, rows=tmp_path / "part-rows.jsonl")
+    part["training"]["max_steps"] = 10
+    proc = _launch(part, tmp_path / "part.json", after, "latest", rows=tmp_path / "part-rows.jsonl")
+    assert f"resume: {before} -> {after} ranks; gradient_accumulation {4 // before} -> {4 // after}" in proc.stderr
+    assert _rel(_weights(tmp_path / "part", 10), _weights(tmp_path / "full", 10)) <= 1e-6
+
+    def rows(name: str) -> list[int]:
+        return [r for line in (tmp_path / name).read_text().splitlines() for r in json.loads(line)]
+
+    assert rows("part-rows.jsonl") == rows("full-rows.jsonl")  # the same rows, in the same order
+
+
+@pytest.mark.slow
+def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones_that_can(tmp_path):
+    make_dataset(tmp_path, train_rows=160)
+    doc = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
+                     training={"max_steps": 2, "save_interval": 2, "eval_interval": 0, "gradient_accumulation": 2,
+                               "output_dir": "run/"})
+    _launch(doc, tmp_path / "cfg.json", 1)  # 2 micro-batches per step
+    doc["training"]["max_steps"] = 4
+    proc = _launch(doc, tmp_path / "cfg.json", 3, "latest", ok=False)
+    assert proc.returncode != 0 and "which 3 ranks cannot split evenly; resume on 1, 2 ranks" in proc.stderr
+
+
+def test_sharding_with_what_it_cannot_run_fails_validate_naming_both_keys(tmp_path):
+    make_dataset(tmp_path)
+    doc = config_doc(tmp_path, training={"sharding": "full", "engine": "interleaved"})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(path)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "APR_HOME": str(tmp_path / "home")})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "training.sharding" in out and "training.engine" in out
