@@ -177,6 +177,37 @@ def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> 
             and compute_dtype_name(tr.mixed_precision) != "float32")
 
 
+def sharded(config: AprConfig) -> bool:
+    """``training.sharding`` in effect: FSDP2 over more than one rank (the standard engine)."""
+    tr = config.training
+    return str(tr.sharding) != "none" and tr.world_size > 1 and str(tr.engine) == "standard"
+
+
+def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[Buffer]:
+    """One rank's buffers under FSDP2 (docs/distributed.md, "Sharding"): every parameter is split
+    along its first dimension into ``world_size`` shards (rank 0 holds ``ceil(rows / world_size)``
+    rows, the largest), and so are its AdamW moments and its reduced gradient. ``full`` gathers a
+    block's weights for its forward and again for its backward (the current block and the
+    prefetched next one); ``shard_grad_op`` keeps every gathered block from its forward to its
+    backward. A block's unsharded gradient exists until it is reduce-scattered."""
+    w = config.training.world_size
+    arch = config.model.architecture
+    shard = {name: sum(-(-p.shape[0] // w) * (p.numel // p.shape[0]) for p in specs)
+             for name, specs in optimizer_groups(config)}
+    bufs = [Buffer(f"{name}.flat_params", "weights", (shard[name],), "float32") for name, _ in groups]
+    for name, _ in groups:
+        bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (shard[name],), "float32"))
+        bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (shard[name],), "float32"))
+        bufs.append(Buffer(f"{name}.grad", "gradients", (shard[name],), "float32"))
+    largest = max(n for _, n in groups)
+    gathered = 2 * largest if str(config.training.sharding) == "full" else sum(n for _, n in groups)
+    bufs.append(Buffer("gathered_weights", "weights", (gathered,), "float32"))
+    bufs.append(Buffer("unsharded_grad", "gradients", (largest,), "float32"))
+    b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
+    bufs.append(Buffer("head_saved_grad", "gradients", (v, h), "float32"))
+    return bufs + _step_buffers(config, b, s, h, v)
+
+
 def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[Buffer]:
     """The trainer's persistent device buffers. The interleaved engine allocates its weights, AdamW
     state and gradient buffers from this list by name (``apr.train.engine.allocate_buffers``); the
@@ -209,6 +240,8 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
             bufs.append(Buffer("frozen_projections", "frozen_weights", (projections,), "bfloat16"))
         else:
             bufs.append(Buffer("frozen_base", "frozen_weights", (param_count(arch),), "float32"))
+    if sharded(config):
+        return bufs + _sharded_buffers(config, groups)
     for name, numel in groups:
         bufs.append(Buffer(f"{name}.flat_params", "adapters" if lora else "weights", (numel,), "float32"))
     if uses_compute_copy(config, execution):  # each block's weights in the compute dtype, kept by AdamW
@@ -247,8 +280,15 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
         bufs.append(Buffer("block_inputs", "activation_checkpoints", (arch.num_hidden_layers + 1, b, s, h), cdt))
         # the gradient flowing down the residual stream: a block's output grad and its input grad
         bufs.append(Buffer("residual_grad", "activation_checkpoints", (2, b, s, h), cdt))
-    chunk = min(tr.loss_chunk_size, s)
-    bufs.append(Buffer("logits_chunk", "logits_chunk", (b, chunk, v), "float32"))  # d_logits in place
+    return bufs + _step_buffers(config, b, s, h, v)
+
+
+def _step_buffers(config: AprConfig, b: int, s: int, h: int, v: int) -> list[Buffer]:
+    """The tensors every step creates outside the blocks: the loss's logits chunk, the head's
+    hidden states and the token ids."""
+    cdt = compute_dtype_name(config.training.mixed_precision)
+    chunk = min(config.training.loss_chunk_size, s)
+    bufs = [Buffer("logits_chunk", "logits_chunk", (b, chunk, v), "float32")]  # d_logits in place
     if cdt != "float32":
         bufs.append(Buffer("logits_chunk_compute", "logits_chunk", (b, chunk, v), cdt))
     # the final-normed hidden states (float32: the norm weight is float32) and their gradient

@@ -14,6 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from apr.config.schema import AprConfig
+from apr.model.spec import buffer_plan
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
 
@@ -22,13 +25,15 @@ OPT = {"lr": 3e-3, "min_lr": 3e-4}
 
 
 def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, rows: Path | None = None,
-            ok: bool = True) -> subprocess.CompletedProcess:
+            ok: bool = True, shards: Path | None = None) -> subprocess.CompletedProcess:
     path.write_text(json.dumps(doc))
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
            if nproc > 1 else [sys.executable]) + [str(WORKER), str(path)] + ([resume] if resume else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120", "APR_HOME": str(path.parent / "home")}
     if rows is not None:
         env["APR_TEST_ROWS_LOG"] = str(rows)
+    if shards is not None:
+        env["APR_TEST_SHARDS"] = str(shards)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -55,9 +60,17 @@ def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, shar
     two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
                      training={**common, "output_dir": "two/", "sharding": sharding})
     _launch(one, tmp_path / "one.json", 1)
-    _launch(two, tmp_path / "two.json", 2)
+    _launch(two, tmp_path / "two.json", 2, shards=tmp_path / "shards.json")
     # the same tolerance as the DDP test (tests/distributed/test_data_parallel.py): 1e-6 relative
     assert _rel(_weights(tmp_path / "two", 10), _weights(tmp_path / "one", 10)) <= 1e-6
+    # the plan's per-rank buffers are the shards FSDP2 really gave rank 0
+    planned = {b.name: b.numel for b in buffer_plan(AprConfig.model_validate({**two, "training": {
+        **two["training"], "world_size": 2}}))}
+    real = json.loads((tmp_path / "shards.json").read_text())
+    assert real and all(planned[f"{g}.flat_params"] == r["params"] == planned[f"{g}.adam_m"] == r["adam_m"]
+                        for g, r in real.items()), (real, planned)
+    assert sum(r["params"] for r in real.values()) < sum(b.numel for b in buffer_plan(AprConfig.model_validate(one))
+                                                         if b.component == "weights")
     state = json.loads((tmp_path / "two" / "training_state.json").read_text())
     assert state["status"] == "finished" and state["val_loss"] is not None
 

@@ -1,6 +1,7 @@
 """Run one apply from a JSON config document (argv[1]; argv[2]: a --resume value), without the plan:
 launched as a subprocess (or by torchrun) by the crash and data-parallel tests. With
-APR_TEST_ROWS_LOG set, rank 0 appends each global micro-batch's row indices to that file."""
+APR_TEST_ROWS_LOG set, rank 0 appends each global micro-batch's row indices to that file; with
+APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def main() -> int:
 
         loader.next_batch = logged
     result = run.execute()
+    shards_log = os.environ.get("APR_TEST_SHARDS")
+    if shards_log and run.is_main and hasattr(run.engine, "root"):  # rank 0's FSDP2 shard sizes, by group
+        opt = run.engine.optimizer.state
+        Path(shards_log).write_text(json.dumps({name: {
+            "params": sum(p.to_local().numel() for p in group),
+            "adam_m": sum(opt[p]["exp_avg"].to_local().numel() for p in group)} for name, group in run.engine.groups}))
     return result.exit_code
 
 
