@@ -255,6 +255,24 @@ def data_fingerprint(config: AprConfig) -> dict:
 # ------------------------------------------------------------------------------------ build
 
 
+def sharding_advice(loaded, facts: dict) -> list[Finding]:
+    """A config that does not fit its target per rank as it is, but would under a sharding strategy."""
+    sh, memory = facts.get("sharding"), facts.get("memory") or {}
+    if not sh or not memory.get("vram_bytes") or memory["total_bytes"] <= memory["vram_bytes"]:
+        return []
+    fitting = [k for k in ("shard_grad_op", "full") if sh["fits"][k] and k != sh["strategy"]]
+    if not fitting:
+        return []
+    best = fitting[0]
+    gib = sh["per_rank_bytes"][best] / 2**30
+    file, line, column = loaded.source.where(("training", "sharding"))
+    message = (f"does not fit {memory['vram_bytes'] / 2**30:.1f} GiB per rank as configured "
+               f"({memory['total_bytes'] / 2**30:.1f} GiB), but would with training.sharding: {best} "
+               f"({gib:.1f} GiB per rank at {sh['world_size']} ranks; sharding runs on training.engine: standard)")
+    return [Finding("warning", "plan.sharding", message, path="training.sharding", file=file, line=line,
+                    column=column, expected=f"sharding {best}", got=sh["strategy"])]
+
+
 def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,
                world_size: int | None = None, overrides: dict | None = None,
                contracts_dir: Path | None = None, device_budget=None) -> Plan:
@@ -330,7 +348,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
                        *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *survival_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *stacking_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
-                       *sharding_findings(loaded)],
+                       *sharding_findings(loaded), *sharding_advice(loaded, sheet.facts)],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

@@ -196,10 +196,25 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
     if target is not None:
         facts["target"] = target.to_facts(str(tr.mixed_precision))
     facts["memory"], rows, choice = memory_facts(config, target, device_budget)
+    if world_size > 1 and target is not None and target.vram_bytes:
+        facts["sharding"] = sharding_facts(config, world_size, target)
     facts["execution"] = {**execution_facts(config, choice.execution), **choice.facts(config)}
     facts["mfu"] = mfu_facts(facts["model"]["flops_per_token"], target, str(tr.mixed_precision),
                              facts["execution"]["cost_f"])
     return FactSheet(facts=facts, memory=rows)
+
+
+def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
+    """Per-rank bytes under each sharding strategy at ``world_size`` ranks (sharding runs on the
+    standard engine: the others are computed with it), and which ones fit the target."""
+    per_rank = {}
+    for strategy in ("none", "shard_grad_op", "full"):
+        doc = config.model_dump(mode="json")
+        doc["training"].update(world_size=world_size, sharding=strategy,
+                               engine="standard" if strategy != "none" else doc["training"]["engine"])
+        per_rank[strategy] = memory_facts(AprConfig.model_validate(doc), target)[0]["total_bytes"]
+    return {"world_size": world_size, "strategy": str(config.training.sharding), "per_rank_bytes": per_rank,
+            "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}}
 
 
 def all_facts(config: AprConfig, *, world_size: int, target: Target | None,

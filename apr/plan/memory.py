@@ -106,9 +106,15 @@ def _block_activation_bytes(config: AprConfig, c: MemoryCoefficients) -> int:
 
 
 def _kept_activation_bytes(config: AprConfig, execution: Execution, c: MemoryCoefficients) -> int:
-    if str(config.training.engine) != "interleaved":
-        return 0
     arch = config.model.architecture
+    if str(config.training.engine) != "interleaved":
+        # the standard engine is one autograd graph: every block's activations live from the forward
+        # to the backward (the last block's are the block_activations row)
+        b, s = config.data.batch_size, config.data.seq_len
+        elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
+        keep = (c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * arch.kv_heads * arch.head_dim
+                + c.keep_intermediate_widths * arch.intermediate_size)
+        return int(b * s * (arch.num_hidden_layers - 1) * keep * elt)
     b, s = config.data.batch_size, config.data.seq_len
     elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
     kv = arch.kv_heads * arch.head_dim
