@@ -11,7 +11,7 @@ The loss is computed inside the root module's forward (``_LossModule``), so the 
 the tied head are gathered while they are used. The global gradient norm is the all-reduced sum
 of each rank's squared shard norms; clipping scales the local shards. Checkpoints hold full,
 unsharded tensors (gathered on every rank, written by rank 0), so a run resumes on any number of
-ranks. See docs/design.md, "Sharding".
+ranks. See docs/design.md, "Sharding and elastic resume".
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
 
 from apr.checkpoint import names
 from apr.config.schema import AprConfig
@@ -44,9 +47,6 @@ class _LossModule(nn.Module):
 
 
 def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device: torch.device) -> _LossModule:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     reshard = strategy == "full"
     for layer in model.model.layers:
@@ -127,8 +127,6 @@ class ShardedEngine(StandardEngine):
 
     @torch.no_grad()
     def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.tensor import distribute_tensor
-
         self._check_state_names(tensors)
         for name, p in self.named.items():
             def shard(t: torch.Tensor, p=p):
