@@ -114,15 +114,21 @@ class ShardedEngine(StandardEngine):
     # ------------------------------------------------------------------------------ state
 
     def train_state_tensors(self) -> dict[str, torch.Tensor]:
-        """Full tensors, gathered on every rank (a collective: every rank calls it)."""
+        """Full tensors in host memory on rank 0, gathered one at a time (a collective: every rank
+        calls it; the device holds one gathered tensor at a time, the other ranks keep nothing)."""
+        keep = dist.get_rank() == 0
         out: dict[str, torch.Tensor] = {}
+
+        def gather(name: str, t: torch.Tensor | None, like: torch.Tensor) -> None:
+            full = t.full_tensor() if t is not None else torch.zeros(like.shape, dtype=torch.float32)
+            if keep:
+                out[name] = full.cpu()
+
         for name, p in self.named.items():
             state = self.optimizer.state.get(p, {})
-            out[name] = p.detach().full_tensor()
-            out[names.OPT_M + name] = (state["exp_avg"].full_tensor() if "exp_avg" in state
-                                       else torch.zeros_like(out[name]))
-            out[names.OPT_V + name] = (state["exp_avg_sq"].full_tensor() if "exp_avg_sq" in state
-                                       else torch.zeros_like(out[name]))
+            gather(name, p.detach(), p)
+            gather(names.OPT_M + name, state.get("exp_avg"), p)
+            gather(names.OPT_V + name, state.get("exp_avg_sq"), p)
         return out
 
     @torch.no_grad()
