@@ -498,6 +498,7 @@ class Sharding(StrEnum):
     none = "none"
     shard_grad_op = "shard_grad_op"
     full = "full"
+    hybrid = "hybrid"
 
 
 class Engine(StrEnum):
@@ -568,7 +569,11 @@ class TrainingConfig(_Section):
     sharding: Sharding = Field(
         Sharding.none, description="Under torchrun: none (every rank holds everything, gradients all-reduced), "
         "shard_grad_op (gradients and AdamW moments sharded, ZeRO-2) or full (weights too, gathered per block "
-        "for its forward and backward, ZeRO-3), on torch FSDP2, per decoder block. Needs engine: standard.")
+        "for its forward and backward, ZeRO-3) or hybrid (full sharding within a node, replicas across nodes), "
+        "on torch FSDP2, per decoder block. Needs engine: standard.")
+    nodes: PositiveCount = Field(
+        1, description="Nodes the ranks run on (the plan's per-rank memory under sharding: hybrid shards over "
+        "world_size / nodes ranks). At run time torchrun's LOCAL_WORLD_SIZE decides.")
     gpu: str | None = Field(None, description="Target GPU for the plan's memory and time budget (e.g. h100).")
     vram: ByteSize = Field(None, description="Target VRAM for the plan, e.g. 24GiB (overrides gpu's).")
     price_per_gpu_hour: float | None = Field(

@@ -190,7 +190,8 @@ def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[B
     block's weights for its forward and again for its backward (the current block and the
     prefetched next one); ``shard_grad_op`` keeps every gathered block from its forward to its
     backward. A block's unsharded gradient exists until it is reduce-scattered."""
-    w = config.training.world_size
+    tr = config.training
+    w = tr.world_size // tr.nodes if str(tr.sharding) == "hybrid" else tr.world_size  # ranks sharing a shard
     arch = config.model.architecture
     shard = {name: sum(-(-p.shape[0] // w) * (p.numel // p.shape[0]) for p in specs)
              for name, specs in optimizer_groups(config)}
@@ -200,7 +201,7 @@ def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[B
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (shard[name],), "float32"))
         bufs.append(Buffer(f"{name}.grad", "gradients", (shard[name],), "float32"))
     largest = max(n for _, n in groups)
-    gathered = 2 * largest if str(config.training.sharding) == "full" else sum(n for _, n in groups)
+    gathered = sum(n for _, n in groups) if str(tr.sharding) == "shard_grad_op" else 2 * largest
     bufs.append(Buffer("gathered_weights", "weights", (gathered,), "float32"))
     bufs.append(Buffer("unsharded_grad", "gradients", (largest,), "float32"))
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size

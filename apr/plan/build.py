@@ -260,7 +260,7 @@ def sharding_advice(loaded, facts: dict) -> list[Finding]:
     sh, memory = facts.get("sharding"), facts.get("memory") or {}
     if not sh or not memory.get("vram_bytes") or memory["total_bytes"] <= memory["vram_bytes"]:
         return []
-    fitting = [k for k in ("shard_grad_op", "full") if sh["fits"][k] and k != sh["strategy"]]
+    fitting = [k for k in ("shard_grad_op", "hybrid", "full") if sh["fits"].get(k) and k != sh["strategy"]]
     if not fitting:
         return []
     best = fitting[0]

@@ -208,7 +208,9 @@ def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
     """Per-rank bytes under each sharding strategy at ``world_size`` ranks (sharding runs on the
     standard engine: the others are computed with it), and which ones fit the target."""
     per_rank = {}
-    for strategy in ("none", "shard_grad_op", "full"):
+    nodes = config.training.nodes
+    hybrid = ("hybrid",) if nodes > 1 and world_size % nodes == 0 else ()
+    for strategy in ("none", "shard_grad_op", "full", *hybrid):
         doc = config.model_dump(mode="json")
         doc["training"].update(world_size=world_size, sharding=strategy,
                                engine="standard" if strategy != "none" else doc["training"]["engine"])

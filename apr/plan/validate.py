@@ -261,6 +261,11 @@ def sharding_findings(loaded: LoadedConfig) -> list[Finding]:
     if c.evaluation.tasks or c.evaluation.samples:
         finding("evaluation.tasks/samples", "in-training evaluation reads the whole model on rank 0",
                 "no evaluation tasks or samples (run apr eval on a checkpoint)", "evaluation set")
+    if str(tr.sharding) == "hybrid" and tr.world_size % tr.nodes:
+        out.append(Finding("error", "config.sharding", f"training.sharding hybrid with training.world_size "
+                           f"{tr.world_size} and training.nodes {tr.nodes}: every node needs the same number of ranks",
+                           path="training.nodes", file=file, line=line, column=column,
+                           expected=f"nodes dividing {tr.world_size}", got=str(tr.nodes)))
     if tr.world_size == 1:
         out.append(Finding("info", "config.sharding", "training.sharding takes effect under torchrun with more than "
                            "one process; a single process holds everything", path="training.sharding", file=file,

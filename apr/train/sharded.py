@@ -5,7 +5,9 @@ embedding, the final norm and the head), so a block's weights are all-gathered f
 and backward and its gradient is reduce-scattered (averaged over the ranks) as soon as its
 backward is done. ``shard_grad_op`` keeps the gathered weights from the forward to the backward
 (ZeRO-2: gradients and AdamW moments sharded); ``full`` frees them after the forward and gathers
-again in the backward (ZeRO-3: weights sharded too). torch's AdamW runs on each rank's shards.
+again in the backward (ZeRO-3: weights sharded too); ``hybrid`` is ``full`` within a node and
+replicas across nodes (a 2-D mesh: gradients reduce-scattered within the node, all-reduced across
+nodes). torch's AdamW runs on each rank's shards.
 
 The loss is computed inside the root module's forward (``_LossModule``), so the embedding and
 the tied head are gathered while they are used. The global gradient norm is the all-reduced sum
@@ -16,6 +18,8 @@ ranks. See docs/design.md, "Sharding and elastic resume".
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,6 +29,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from apr.checkpoint import names
 from apr.config.schema import AprConfig
+from apr.errors import AprError
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
 from apr.model.llama import LlamaForCausalLM
 from apr.train.engine import NonFiniteError, StandardEngine, StepResult
@@ -47,13 +52,29 @@ class _LossModule(nn.Module):
 
 
 def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device: torch.device) -> _LossModule:
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    reshard = strategy == "full"
+    world = dist.get_world_size()
+    if strategy == "hybrid":  # shard within a node, replicate across nodes (HSDP)
+        group = shard_group_size(world)
+        mesh = init_device_mesh(device.type, (world // group, group), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    engine.shard_group = mesh.get_group("shard")
+    reshard = strategy in ("full", "hybrid")
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     root = _LossModule(model, engine)
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard)
     return root
+
+
+def shard_group_size(world: int) -> int:
+    """Ranks one shard group spans under hybrid sharding: the ranks of a node (torchrun's
+    LOCAL_WORLD_SIZE; ``APR_SHARD_GROUP_SIZE`` overrides it, e.g. to test on one machine)."""
+    group = int(os.environ.get("APR_SHARD_GROUP_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
+    if group < 1 or world % group:
+        raise AprError(f"hybrid sharding: {world} ranks do not split into nodes of {group}: every node needs the "
+                       "same number of ranks")
+    return group
 
 
 class ShardedEngine(StandardEngine):
@@ -92,7 +113,7 @@ class ShardedEngine(StandardEngine):
         local = {name: [p.grad.to_local() for p in group] for name, group in self.groups}
         sq_local = torch.stack([sum((g.float().pow(2).sum() for g in gs), torch.zeros((), device=self.device))
                                 for gs in local.values()])
-        dist.all_reduce(sq_local)  # the shards' squares summed over the ranks: each group's squared norm
+        dist.all_reduce(sq_local, group=self.shard_group)  # over one shard group: each group's squared norm
         sq = dict(zip(local, sq_local.unbind(), strict=True))
         self._keep_sq(sq)
         norm = sq_local.sum().sqrt()

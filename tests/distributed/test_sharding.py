@@ -25,7 +25,7 @@ OPT = {"lr": 3e-3, "min_lr": 3e-4}
 
 
 def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, rows: Path | None = None,
-            ok: bool = True, shards: Path | None = None) -> subprocess.CompletedProcess:
+            ok: bool = True, shards: Path | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     path.write_text(json.dumps(doc))
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
            if nproc > 1 else [sys.executable]) + [str(WORKER), str(path)] + ([resume] if resume else [])
@@ -34,6 +34,7 @@ def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, rows: 
         env["APR_TEST_ROWS_LOG"] = str(rows)
     if shards is not None:
         env["APR_TEST_SHARDS"] = str(shards)
+    env.update(extra_env or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -73,6 +74,25 @@ def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, shar
                                                          if b.component == "weights")
     state = json.loads((tmp_path / "two" / "training_state.json").read_text())
     assert state["status"] == "finished" and state["val_loss"] is not None
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_replicates_across_nodes_and_equals_one_process(tmp_path):
+    """2 ranks as 2 one-rank 'nodes' (APR_SHARD_GROUP_SIZE=1): each holds a whole replica, gradients
+    all-reduced across the replicas; the same weights as one process with twice the batch."""
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "max_steps": 6, "save_interval": 6, "eval_interval": 3, "engine": "standard",
+              "grad_clip": 0.5}
+    one = config_doc(tmp_path, data={"batch_size": 4}, optimizer=OPT, training={**common, "output_dir": "one/"})
+    two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
+                     training={**common, "output_dir": "two/", "sharding": "hybrid", "nodes": 2})
+    _launch(one, tmp_path / "one.json", 1)
+    _launch(two, tmp_path / "two.json", 2, shards=tmp_path / "shards.json", extra_env={"APR_SHARD_GROUP_SIZE": "1"})
+    assert _rel(_weights(tmp_path / "two", 6), _weights(tmp_path / "one", 6)) <= 1e-6
+    real = json.loads((tmp_path / "shards.json").read_text())
+    planned = {b.name: b.numel for b in buffer_plan(AprConfig.model_validate({**two, "training": {
+        **two["training"], "world_size": 2}}))}
+    assert all(planned[f"{g}.flat_params"] == r["params"] for g, r in real.items())  # a whole replica per node
 
 
 @pytest.mark.slow
