@@ -257,12 +257,14 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")
+_UNION_TAG = re.compile(r"^(str|int|float|[\w-]+\[.*\])$")
 
 
 def _finding_from_error(err: dict, source: SourceMap) -> Finding:
-    # pydantic names the member of a union it tried ('str', 'list[DataSource]'): not a key of the file
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+    # pydantic names the member of a union it tried ('str', 'list[DataSource]') after the union's
+    # key: not a key of the file. Only after the first element (a top-level key is always the user's).
+    raw = tuple(err["loc"])
+    loc = raw[:1] + tuple(p for p in raw[1:] if not (isinstance(p, str) and _UNION_TAG.match(p)))
     path = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
     file, line, col = source.where(loc)
     etype = err["type"]

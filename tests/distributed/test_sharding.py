@@ -145,3 +145,41 @@ def test_sharding_with_what_it_cannot_run_fails_validate_naming_both_keys(tmp_pa
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     out = proc.stdout + proc.stderr
     assert "training.sharding" in out and "training.engine" in out
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_writing_rank_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """Rank 0 (the one that gathers and writes) of a sharded run is killed while it saves step 4's
+    checkpoint; the run resumes from a complete checkpoint and ends at the uninterrupted weights."""
+    import signal
+    import time
+
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "max_steps": 8, "save_interval": 2, "keep_last": 5, "eval_interval": 0, "log_interval": 1,
+              "engine": "standard", "sharding": "full", "lr_scheduler": "constant", "warmup_steps": 0}
+    full = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "full/"})
+    _launch(full, tmp_path / "full.json", 2)
+    doc = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "run/"})
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    pids = tmp_path / "pids.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "60", "APR_TEST_PIDS": str(pids),
+           "APR_HOME": str(tmp_path / "home")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(WORKER), str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        for line in proc.stderr:
+            if line.startswith("step 4/8"):  # logged just before step 4's checkpoint is gathered and written
+                time.sleep(0.01)
+                rank0 = next(int(p) for r, p in (x.split() for x in pids.read_text().splitlines()) if r == "0")
+                os.kill(rank0, signal.SIGKILL)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    # whatever was written is either complete or ignored: resume and finish
+    _launch(doc, path, 2, "latest")
+    assert _rel(_weights(tmp_path / "run", 8), _weights(tmp_path / "full", 8)) <= 1e-6

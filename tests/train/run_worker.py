@@ -1,7 +1,8 @@
 """Run one apply from a JSON config document (argv[1]; argv[2]: a --resume value), without the plan:
 launched as a subprocess (or by torchrun) by the crash and data-parallel tests. With
 APR_TEST_ROWS_LOG set, rank 0 appends each global micro-batch's row indices to that file; with
-APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run."""
+APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run; with
+APR_TEST_PIDS set, every rank appends "RANK PID" to that file."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def main() -> int:
     cfg = AprConfig.model_validate(doc)
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=False))
+    pids = os.environ.get("APR_TEST_PIDS")
+    if pids:  # each rank's pid, for tests that kill one rank
+        with open(pids, "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')} {os.getpid()}\n")
     rows_log = os.environ.get("APR_TEST_ROWS_LOG")
     if rows_log and run.is_main:  # rank 0 logs every global micro-batch's rows (all ranks' parts)
         loader, draw = run.loader, run.loader.next_batch
