@@ -1,6 +1,6 @@
 """Run one apply from a JSON config document (argv[1]; argv[2]: a --resume value), without the plan:
 launched as a subprocess (or by torchrun) by the crash and data-parallel tests. With
-APR_TEST_ROWS_LOG set, rank 0 appends each global micro-batch's row indices to that file; with
+APR_TEST_ROWS_LOG set, rank 0 appends [micro-batch number, its row indices] to that file; with
 APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run; with
 APR_TEST_PIDS set, every rank appends "RANK PID" to that file."""
 
@@ -33,7 +33,7 @@ def main() -> int:
         def logged():
             at = loader.absolute
             with open(rows_log, "a") as f:
-                f.write(json.dumps(loader.rows_at(at)) + "\n")
+                f.write(json.dumps([at, loader.rows_at(at)]) + "\n")
             return draw()
 
         loader.next_batch = logged
