@@ -84,3 +84,23 @@ def signal_at(step_text: str, sig: int = signal.SIGINT):
 
     echo.lines = lines  # type: ignore[attr-defined]
     return echo
+
+
+def run_until(cmd: list[str], env: dict, kill_at: str | None = None, timeout: float = 120) -> tuple[int, list[str]]:
+    """Run ``cmd`` (stdout discarded), reading its stderr line by line; SIGKILL it as soon as a line
+    starts with ``kill_at``. Returns (exit code, the stderr lines read)."""
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    seen: list[str] = []
+    try:
+        for line in proc.stderr:
+            seen.append(line)
+            if kill_at is not None and line.startswith(kill_at):
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, seen

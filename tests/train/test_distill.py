@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from apr.config.schema import AprConfig, AutotuneConfig
 from apr.steps.distill import MappingError, phase_at, spans
 from apr.train.distill import Autotune
-from tests.train.run_helpers import config_doc, make_dataset
+from tests.train.run_helpers import config_doc, make_dataset, run_until
 
 WORKER = Path(__file__).resolve().parent / "run_worker.py"
 
@@ -30,19 +30,8 @@ def _env(root: Path) -> dict:
 
 def _run(cfg: Path, root: Path, resume: bool = False, kill_at: str | None = None) -> list[str]:
     cmd = [sys.executable, str(WORKER), str(cfg)] + (["latest"] if resume else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(root))
-    seen = []
-    try:
-        for line in proc.stderr:
-            seen.append(line)
-            if kill_at is not None and line.startswith(kill_at):
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == (-signal.SIGKILL if kill_at else 0), "".join(seen[-20:])
+    code, seen = run_until(cmd, _env(root), kill_at)
+    assert code == (-signal.SIGKILL if kill_at else 0), "".join(seen[-20:])
     return seen
 
 

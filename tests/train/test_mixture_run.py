@@ -20,7 +20,7 @@ import yaml
 from apr.data.shards import write_dataset
 from apr.monitor.state import normalize
 from apr.monitor.view import messages
-from tests.train.run_helpers import BASE, SEQ, VOCAB, merge
+from tests.train.run_helpers import BASE, SEQ, VOCAB, merge, run_until
 
 ROWS = {"web": 60, "code": 40, "books": 24}
 WORKER = Path(__file__).resolve().parent / "mix_worker.py"
@@ -65,23 +65,12 @@ def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
 def run_worker(cfg: Path, root: Path, log: Path, resume: bool = False, kill_at: str | None = None) -> int:
     env = {**os.environ, "APR_HOME": str(root / "home"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(WORKER), str(cfg), str(log)] + (["latest"] if resume else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    seen = []
-    try:
-        for line in proc.stderr:
-            seen.append(line)
-            if kill_at is not None and line.startswith(kill_at):
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, seen = run_until(cmd, env, kill_at)
     if kill_at is not None:
-        assert proc.returncode == -signal.SIGKILL, f"ended ({proc.returncode}) before {kill_at!r}: {seen[-5:]}"
+        assert code == -signal.SIGKILL, f"ended ({code}) before {kill_at!r}: {seen[-5:]}"
     else:
-        assert proc.returncode == 0, "".join(seen[-20:])
-    return proc.returncode
+        assert code == 0, "".join(seen[-20:])
+    return code
 
 
 def draws(log: Path) -> dict[int, tuple]:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from apr.train.stacking import grown_tensors, sources
-from tests.train.run_helpers import VOCAB, config_doc, make_dataset
+from tests.train.run_helpers import VOCAB, config_doc, make_dataset, run_until
 
 WORKER = Path(__file__).resolve().parent / "run_worker.py"
 STACKING = {"stages": [{"blocks": 2, "steps": 6}, {"blocks": 4}], "init": "copy_top"}
@@ -34,21 +34,8 @@ def _cfg(root: Path, stacking: dict | None = None, engine: str = "interleaved", 
 
 def _run(cfg: Path, root: Path, resume: bool = False, kill_at: str | None = None) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_HOME": str(root / "home")}
-    cmd = [sys.executable, str(WORKER), str(cfg)] + (["latest"] if resume else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    seen = []
-    try:
-        for line in proc.stderr:
-            seen.append(line)
-            if kill_at is not None and line.startswith(kill_at):
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    want = -signal.SIGKILL if kill_at is not None else 0
-    assert proc.returncode == want, "".join(seen[-20:])
+    code, seen = run_until([sys.executable, str(WORKER), str(cfg)] + (["latest"] if resume else []), env, kill_at)
+    assert code == (-signal.SIGKILL if kill_at is not None else 0), "".join(seen[-20:])
     return seen
 
 

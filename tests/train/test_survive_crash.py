@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.train.run_helpers import config_doc
+from tests.train.run_helpers import config_doc, run_until
 from tests.train.test_survive import BAD, ROLLBACK_CFG, _corpus
 
 WORKER = Path(__file__).resolve().parent / "run_worker.py"
@@ -35,21 +34,10 @@ def _cfg(root: Path) -> Path:
 
 def _run(cfg: Path, root: Path, resume: bool, kill_at: str | None = None) -> int:
     cmd = [sys.executable, str(WORKER), str(cfg)] + (["latest"] if resume else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=_env(root))
-    try:
-        seen = []
-        for line in proc.stderr:
-            seen.append(line)
-            if kill_at is not None and line.startswith(kill_at):
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code, seen = run_until(cmd, _env(root), kill_at)
     if kill_at is not None:
-        assert proc.returncode == -signal.SIGKILL, f"ended ({proc.returncode}) before {kill_at!r}: {seen[-5:]}"
-    return proc.returncode
+        assert code == -signal.SIGKILL, f"ended ({code}) before {kill_at!r}: {seen[-5:]}"
+    return code
 
 
 def _final(root: Path) -> dict:
