@@ -200,12 +200,7 @@ class DistillEngine(StandardEngine):
             raise NonFiniteError("gradients", state_is_last_good=True)
         if self._gate(loss_total, norm):
             return StepResult(loss_total, norm, flagged=True)
-        if self.strategy.clip == "global":
-            torch._foreach_mul_(grads, self._clip_coef(norm))
-        elif self.strategy.clip == "per_block":
-            for name, group in self.groups:
-                if name in live_groups:
-                    torch._foreach_mul_([p.grad for p in group], self._clip_coef(sq[name].sqrt()))
+        self._clip_grads(grads, sq, norm, live_groups)
         factor = 1.0
         if phase == 1:
             self.autotune.observe(block, float(loss_total))

@@ -686,6 +686,20 @@ class StandardEngine(Engine):
             lr=config.optimizer.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=fused or None,
         )
 
+    def _clip_grads(self, grads: list[torch.Tensor], sq: dict[str, torch.Tensor], norm: torch.Tensor,
+                    live: set[str] | None = None) -> None:
+        """Clip the parameters' gradients in place by ``training.clip_mode`` (``live``: the groups
+        that have gradients this step; default all)."""
+        groups = [(name, group) for name, group in self.groups if live is None or name in live]
+        if self.strategy.clip == "global":
+            torch._foreach_mul_(grads, self._clip_coef(norm))
+        elif self.strategy.clip == "per_block":
+            for name, group in groups:
+                torch._foreach_mul_([p.grad for p in group], self._clip_coef(sq[name].sqrt()))
+        elif self.strategy.clip == "adagc":
+            for name, group in groups:
+                self._adagc_clip(name, [p.grad for p in group])
+
     def freeze(self, groups: set[str]) -> None:
         """Frozen groups leave torch's AdamW: no update of their weights or moments."""
         super().freeze(groups)
@@ -732,14 +746,7 @@ class StandardEngine(Engine):
             raise NonFiniteError("gradients", state_is_last_good=True)
         if self._gate(loss_total, norm):
             return StepResult(loss_total, norm, flagged=True)
-        if self.strategy.clip == "global":
-            torch._foreach_mul_(grads, self._clip_coef(norm))
-        elif self.strategy.clip == "per_block":
-            for name, group in self.groups:
-                torch._foreach_mul_([p.grad for p in group], self._clip_coef(sq[name].sqrt()))
-        elif self.strategy.clip == "adagc":
-            for name, group in self.groups:
-                self._adagc_clip(name, [p.grad for p in group])
+        self._clip_grads(grads, sq, norm)
         for pg in self.optimizer.param_groups:
             pg["lr"] = lr
         self.optimizer.step()
