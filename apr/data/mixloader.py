@@ -120,6 +120,16 @@ class MixtureLoader:
         while self.absolute < absolute:
             self._advance_micro(read=False)
 
+    def draws_at(self, absolute: int) -> list[tuple[str, int]]:
+        """The (source, row) draws of global micro-batch ``absolute`` (already drawn), every rank's
+        part in rank order; an old one is replayed as in ``rows_at``."""
+        offsets = self._offsets()
+        out = []
+        for index in self.rows_at(absolute):
+            name = max((n for n in self.names if offsets[n] <= index), key=lambda n: offsets[n])
+            out.append((name, index - offsets[name]))
+        return out
+
     def rows_at(self, absolute: int) -> list[int]:
         """The rows of global micro-batch ``absolute`` (already drawn), every rank's part, as indices
         into the sources laid end to end in config order (see ``locate``). The last ``_KEEP`` are kept;

@@ -1,5 +1,6 @@
 """Run one apply of a YAML config (argv[1]) and log every micro-batch the engine gets to argv[2]
-(JSON lines: micro-batch number, (source, row) pairs, sha256 of the token ids); argv[3]: --resume.
+(JSON lines: micro-batch number, every rank's (source, row) draws, sha256 of rank 0's token ids);
+argv[3]: --resume. Under torchrun only rank 0 logs.
 Launched as a subprocess by tests/train/test_mixture_run.py (kill -9 and resume)."""
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ def main() -> int:
         at = loader.absolute
         batch = draw()
         with log.open("a") as f:
-            f.write(json.dumps({"micro_batch": at, "rows": loader.last_rows,
+            f.write(json.dumps({"micro_batch": at, "rows": loader.draws_at(at),
                                 "sha": hashlib.sha256(batch.numpy().tobytes()).hexdigest()}) + "\n")
         return batch
 
-    loader.next_batch = logged
+    if run.is_main:  # rank 0 logs every rank's draws (the sha is of its own part)
+        loader.next_batch = logged
     return run.execute().exit_code
 
 

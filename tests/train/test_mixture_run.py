@@ -170,6 +170,39 @@ def test_kill_9_and_resume_draws_the_same_rows(two_stage, tmp_path):
     assert draws(log) == draws(full_log)  # every micro-batch, before and after the kill, as uninterrupted
 
 
+def test_killed_on_2_ranks_and_resumed_on_1_the_mixture_draws_the_same_rows(two_stage, tmp_path):
+    """Elastic: 2 ranks x batch 2 (the 4 rows a step of the uninterrupted 1-process run), killed at
+    step 13, resumed in one process (accumulation 2): every row position of the run reads the row the
+    uninterrupted run read, and each source's counts match."""
+    root, _, _, full_log = two_stage
+    corpus(tmp_path)
+    cfg = mixture_config(tmp_path, data={"batch_size": 2},
+                         stages=[{"name": "main", "start": 0, "weights": {"web": 0.5, "code": 0.3, "books": 0.2}},
+                                 {"name": "decay", "start": 0.75, "weights": {"code": 1.0}}],
+                         training={"lr_scheduler": "wsd", "decay_stage": "decay", "warmup_steps": 0})
+    log = tmp_path / "rows.jsonl"
+    env = {**os.environ, "APR_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "60"}
+    code, seen = run_until([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            str(WORKER), str(cfg), str(log)], env, "step 13/20")
+    assert code != 0, "".join(seen[-10:])
+    run_worker(cfg, tmp_path, log, resume=True)
+
+    def positions(path: Path) -> list[tuple]:
+        at: dict[int, tuple] = {}
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            for j, row in enumerate(entry["rows"]):
+                pos = entry["micro_batch"] * len(entry["rows"]) + j
+                assert at.setdefault(pos, tuple(row)) == tuple(row), f"position {pos} read differently"
+        return [at[p] for p in range(len(at))]
+
+    assert positions(log) == positions(full_log)
+    state = json.loads((tmp_path / "run" / "training_state.json").read_text())
+    full = json.loads((root / "run" / "training_state.json").read_text())
+    assert {n: s["rows"] for n, s in state["mixture"]["sources"].items()} == \
+        {n: s["rows"] for n, s in full["mixture"]["sources"].items()}
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 
