@@ -9,6 +9,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# One intra-op thread per test process (and the runs they launch): `make test` runs 2 xdist workers
+# on 2 cores beside torchrun jobs, and torch's default of a thread per core oversubscribed the CPU
+# (a 5-second engine test took 70 s when a 2-rank job ran beside it). Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 pytest_plugins = ["home_guard"]
 
 
