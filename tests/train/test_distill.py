@@ -148,6 +148,8 @@ def test_kill_9_in_phase_1_resumes_bitwise(distilled, tmp_path):
     for key in ("train", "val"):
         doc["data"][key] = doc["data"][key].replace(str(root), str(tmp_path))
     doc["training"]["output_dir"] = str(tmp_path / "student")
+    # written before the next step starts, so step 2's checkpoint is complete when step 4 is logged
+    doc["training"]["checkpoint_async"] = False
     mine = _write(tmp_path, "student.json", doc)
     _run(mine, tmp_path, kill_at="step 4/8")  # newest checkpoint: step 2 (block 0 done, block 1 not begun)
     _run(mine, tmp_path, resume=True)
