@@ -178,9 +178,9 @@ def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> 
 
 
 def sharded(config: AprConfig) -> bool:
-    """``training.sharding`` in effect: FSDP2 over more than one rank (the standard engine)."""
+    """``training.sharding`` in effect: FSDP2 over more than one rank (either engine)."""
     tr = config.training
-    return str(tr.sharding) != "none" and tr.world_size > 1 and str(tr.engine) == "standard"
+    return str(tr.sharding) != "none" and tr.world_size > 1
 
 
 def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[Buffer]:

@@ -234,8 +234,8 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
 
 
 def sharding_findings(loaded: LoadedConfig) -> list[Finding]:
-    """`training.sharding` with what it cannot run with yet: the interleaved engine, distillation,
-    LoRA, progressive stacking, in-training task evaluation and samples (they read the whole model)."""
+    """`training.sharding` with what it cannot run with yet: compiled blocks, distillation, LoRA,
+    progressive stacking, in-training task evaluation and samples (they read the whole model)."""
 
     c = loaded.config
     tr = c.training
@@ -249,9 +249,9 @@ def sharding_findings(loaded: LoadedConfig) -> list[Finding]:
                            path="training.sharding", file=file, line=line, column=column, expected=expected,
                            got=got))
 
-    if str(tr.engine) != "standard":
-        finding("training.engine interleaved", "sharding runs on the standard engine (the interleaved engine's "
-                "per-block walk is not sharded yet)", "training.engine: standard", f"engine {tr.engine}")
+    if tr.execution.compile:
+        finding("training.execution.compile", "compiled blocks are not sharded (FSDP2 wraps the eager blocks)",
+                "compile: false", "compile: true")
     if str(tr.mode) == "distill":
         finding("training.mode distill", "distillation is not sharded", "mode: causal_lm", "mode distill")
     if c.model.lora is not None:

@@ -118,6 +118,7 @@ class Engine:
         self.base_ref: dict | None = None  # LoRA: {"init_from", "sha256"} of the frozen base (build_engine)
         self.frozen: set[str] = set()  # optimizer groups that get no update (progressive stacking, freeze)
         self.calls = 0  # train_step calls
+        self.group_names = [name for name, _ in group_specs(config)]  # buffer-plan order
         self._flags = NonFiniteFlags(device)
         # Test/diagnostic hook, called with a group name once that group's gradient is complete.
         self.grad_probe: Callable[[str], None] | None = None
@@ -183,17 +184,18 @@ class Engine:
 
     @torch.no_grad()
     def _adagc_clip(self, name: str, grads: list[torch.Tensor], unscale: float = 1.0,
-                    found_inf: torch.Tensor | None = None) -> None:
+                    found_inf: torch.Tensor | None = None, norms: torch.Tensor | None = None) -> None:
         """AdaGC (adaptive per-tensor clipping) of one group's gradients, in place and on the device.
 
         Each tensor's norm n (``unscale`` removes the fp16 loss scale) is clipped to ``grad_clip``
         during ``adagc.warmup_steps`` and to ``threshold x ema`` after; the EMA of the clipped norm
         follows with decay ``beta`` (started at the first step's clipped norm). A non-finite norm, or
         a step ``found_inf`` flags, leaves the EMA as it was. Local to the tensor, so it fits the
-        one-group walk."""
+        one-group walk. ``norms``: the tensors' norms when ``grads`` are shards of them (sharding)."""
         ema, cfg = self.adagc_ema[name], self.adagc
         step = self.optimizer_steps + 1
-        norms = torch.stack(torch._foreach_norm(grads)).float()
+        if norms is None:
+            norms = torch.stack(torch._foreach_norm(grads)).float()
         if unscale != 1.0:
             norms = norms * unscale
         limit = ema * cfg.threshold if step > cfg.warmup_steps else torch.full_like(ema, self.grad_clip)
@@ -203,6 +205,30 @@ class Engine:
         keep = torch.isfinite(new) if found_inf is None else torch.isfinite(new) & ~found_inf
         ema.copy_(torch.where(keep, new, ema))
         torch._foreach_mul_(grads, list(coef.to(grads[0].dtype).unbind()))
+
+    def _coefs(self, sq_norms: dict[str, torch.Tensor], norm: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        clip = self.strategy.clip
+        if clip in ("off", "adagc"):  # adagc: per tensor, in ``_apply``
+            return {name: 1.0 for name in sq_norms}
+        if clip == "global":
+            coef = self._clip_coef(norm)
+            return {name: coef for name in sq_norms}
+        return {name: self._clip_coef(sq.sqrt() / self.scaler.scale) for name, sq in sq_norms.items()}
+
+    def _known_norm(self, sq_norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """Global norm from complete per-group squared norms, checked before any update: on the
+        device (a non-finite norm flags the step), or under fp16 on the host. Returns (norm,
+        overflowed); an fp16 overflow is a skipped step, anything else non-finite stops."""
+        norm = torch.stack([sq_norms[name] for name in self.group_names]).sum().sqrt() / self.scaler.scale
+        if not self.scaler.enabled:
+            self._flags.flag(~torch.isfinite(norm), GRADIENTS, self.calls)
+            return norm, False
+        if bool(torch.isfinite(norm).item()):
+            return norm, False
+        if self.scaler.enabled:
+            self.scaler.update(found_inf=True)
+            return norm, True
+        raise NonFiniteError("gradients", state_is_last_good=True)
 
     def _probe(self, name: str) -> None:
         if self.grad_probe is not None:
@@ -522,30 +548,6 @@ class InterleavedEngine(Engine):
         )
         self._flags.stepped()
 
-    def _coefs(self, sq_norms: dict[str, torch.Tensor], norm: torch.Tensor) -> dict[str, torch.Tensor | float]:
-        clip = self.strategy.clip
-        if clip in ("off", "adagc"):  # adagc: per tensor, in ``_apply``
-            return {name: 1.0 for name in sq_norms}
-        if clip == "global":
-            coef = self._clip_coef(norm)
-            return {name: coef for name in sq_norms}
-        return {name: self._clip_coef(sq.sqrt() / self.scaler.scale) for name, sq in sq_norms.items()}
-
-    def _known_norm(self, sq_norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """Global norm from complete per-group squared norms, checked before any update: on the
-        device (a non-finite norm flags the step), or under fp16 on the host. Returns (norm,
-        overflowed); an fp16 overflow is a skipped step, anything else non-finite stops."""
-        norm = torch.stack([sq_norms[g.name] for g in self.groups]).sum().sqrt() / self.scaler.scale
-        if not self.scaler.enabled:
-            self._flags.flag(~torch.isfinite(norm), GRADIENTS, self.calls)
-            return norm, False
-        if bool(torch.isfinite(norm).item()):
-            return norm, False
-        if self.scaler.enabled:
-            self.scaler.update(found_inf=True)
-            return norm, True
-        raise NonFiniteError("gradients", state_is_last_good=True)
-
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         self._lr = lr
         self.calls += 1
@@ -829,10 +831,15 @@ def build_engine(
         from apr.train.distill import build_distill_engine
 
         engine: Engine = build_distill_engine(config, model, device, backend)
-    elif str(tr.engine) == "standard" and dp is not None and str(tr.sharding) != "none":  # FSDP2 (sharded.py)
+    elif dp is not None and str(tr.sharding) != "none" and str(tr.engine) == "standard":  # FSDP2 (sharded.py)
         from apr.train.sharded import ShardedEngine
 
         engine = ShardedEngine(config, model, device, backend)
+    elif dp is not None and str(tr.sharding) != "none":  # the interleaved walk on FSDP2 (sharded_walk.py)
+        from apr.train.sharded_walk import ShardedInterleavedEngine
+
+        engine = ShardedInterleavedEngine(config, model, device, backend,
+                                          execution or execution_policy.from_config(config))
     elif str(tr.engine) == "standard":
         engine = StandardEngine(config, model.to(device), device, backend)
     else:

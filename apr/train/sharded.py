@@ -46,7 +46,7 @@ class _LossModule(nn.Module):
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, total: bool = False) -> torch.Tensor:
         e = self._engine[0]
         with e.autocast():
-            h = self.lm.model.norm(self.lm.hidden_states(ids, e.cdt))
+            h = self.lm.model.norm(e.hidden_states(self.lm, ids))
         fn = linear_cross_entropy_sum if total else linear_cross_entropy
         return fn(h, self.lm.head_weight, targets, chunk_size=e.chunk_size, backend=e.backend, compute_dtype=e.cdt)
 
@@ -60,8 +60,11 @@ def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     engine.shard_group = mesh.get_group("shard")
     reshard = strategy in ("full", "hybrid")
-    for layer in model.model.layers:
+    layers = list(model.model.layers)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+    for layer, following in zip(layers[:-1], layers[1:], strict=True):  # gather the next block while this one computes
+        layer.set_modules_to_forward_prefetch([following])
     root = _LossModule(model, engine)
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard)
     return root
@@ -89,6 +92,27 @@ class ShardedEngine(StandardEngine):
 
     # ------------------------------------------------------------------------------ steps
 
+    def hidden_states(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding and the blocks (inside the root's forward): one autograd graph."""
+        return lm.hidden_states(ids, self.cdt)
+
+    def _all_sq(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Squared norms over the whole tensors from their local shards' (one all-reduce over the shard
+        group; hybrid replicas hold equal shards)."""
+        sq = torch.stack(parts)
+        dist.all_reduce(sq, group=self.shard_group)
+        return sq
+
+    @staticmethod
+    def _local_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+        return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device))
+
+    def _adagc_sharded(self, name: str, grads: list[torch.Tensor], unscale: float = 1.0,
+                       found_inf: torch.Tensor | None = None) -> None:
+        """AdaGC on shards: each tensor's norm all-reduced from its shards', then the same clip."""
+        norms = self._all_sq([g.float().pow(2).sum() for g in grads]).sqrt()
+        self._adagc_clip(name, grads, unscale, found_inf, norms=norms)
+
     @torch.no_grad()
     def eval_loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         ids, targets = self.split(batch)
@@ -99,25 +123,28 @@ class ShardedEngine(StandardEngine):
         params = list(self.named.values())
         for p in params:
             p.grad = None
-        accum = len(micro_batches)
+        accum, scale = len(micro_batches), self.scaler.scale
         loss_total = torch.zeros((), device=self.device)
         for k, batch in enumerate(micro_batches):
             ids, targets = self.split(batch)
             self.root.set_requires_gradient_sync(k == accum - 1)  # reduce-scatter once, after the last
             loss = self.root(ids, targets)
             self._check_loss(loss)
-            (loss / accum if accum != 1 else loss).backward()
+            (loss * (scale / accum) if scale != 1.0 or accum != 1 else loss).backward()
             loss_total += loss.detach() / accum
         for name, _ in self.groups:
             self._probe(name)
         local = {name: [p.grad.to_local() for p in group] for name, group in self.groups}
-        sq_local = torch.stack([sum((g.float().pow(2).sum() for g in gs), torch.zeros((), device=self.device))
-                                for gs in local.values()])
-        dist.all_reduce(sq_local, group=self.shard_group)  # over one shard group: each group's squared norm
-        sq = dict(zip(local, sq_local.unbind(), strict=True))
+        if scale != 1.0:
+            torch._foreach_mul_([g for gs in local.values() for g in gs], 1.0 / scale)
+        sq_all = self._all_sq([self._local_sq(gs) for gs in local.values()])  # each group's squared norm
+        sq = dict(zip(local, sq_all.unbind(), strict=True))
         self._keep_sq(sq)
-        norm = sq_local.sum().sqrt()
+        norm = sq_all.sum().sqrt()
         if not bool(torch.isfinite(norm).item()):
+            if self.scaler.enabled:  # fp16 overflow: every rank sees the same all-reduced norm
+                self.scaler.update(found_inf=True)
+                return StepResult(loss_total, norm, skipped=True)
             raise NonFiniteError("gradients", state_is_last_good=True)
         if self._gate(loss_total, norm):
             return StepResult(loss_total, norm, flagged=True)
@@ -126,10 +153,14 @@ class ShardedEngine(StandardEngine):
         elif self.strategy.clip == "per_block":
             for name, gs in local.items():
                 torch._foreach_mul_(gs, self._clip_coef(sq[name].sqrt()))
+        elif self.strategy.clip == "adagc":
+            for name, gs in local.items():
+                self._adagc_sharded(name, gs)
         for pg in self.optimizer.param_groups:
             pg["lr"] = lr
         self.optimizer.step()
         self.optimizer_steps += 1
+        self.scaler.update(found_inf=False)
         return StepResult(loss_total, norm)
 
     # ------------------------------------------------------------------------------ state

@@ -1,0 +1,250 @@
+"""The interleaved engine on FSDP2 shards (``training.engine: interleaved`` with ``training.sharding``).
+
+The model is sharded as for the standard engine (apr/train/sharded.py: ``fully_shard`` per decoder
+block and at the root), and keeps the interleaved engine's promises (docs/design.md, "Sharding and
+elastic resume"):
+
+* each block's gradient is reduce-scattered by FSDP2 as soon as that block's backward is done, and
+  AdamW runs on the rank's shard of it right away, from FSDP2's post-accumulate-grad hook on the
+  sharded parameters; the shard is then dropped, so at most one group's gradient shard (and the
+  block's unsharded gradient FSDP2 is reducing) exists at a time. No rank ever holds the
+  full-model gradient;
+* the execution policy's per-block modes hold: ``keep`` blocks keep their graph, ``selective``
+  and ``recompute`` blocks run under activation checkpointing inside FSDP2's units (the recompute
+  runs with the block's weights gathered for its backward);
+* the next block's weights are all-gathered while the current one computes (forward prefetch set
+  per block; FSDP2 prefetches the previous block in the backward);
+* the step strategy is the interleaved engine's (apr/steps/strategy.py): kept gradients (here: the
+  gradient *shards*, reduce-scattered every micro-batch) when accumulating or asked; a norm-only
+  backward first (the graph retained, gradients reduced to one squared norm per group and
+  dropped) for exact global clipping or fp16's overflow check; else one backward with per-block
+  (or no, or AdaGC) clipping decided in the hook.
+
+AdamW is the kernel backend's (``adamw_step``, the CuPy RawKernel on CUDA), per local shard, with
+the engine's sticky non-finite flag as ``found_inf``; the moments are DTensors in the torch
+optimizer's state (never stepped by torch) so checkpoints gather and re-shard them as for the
+standard engine. A group's squared norm is all-reduced over the shard group in its hook (every
+rank decides clipping and non-finite skips alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from apr.config.schema import AprConfig
+from apr.kernels import KernelBackend
+from apr.kernels.interface import DecayRanges
+from apr.model import spec
+from apr.model.llama import LlamaForCausalLM
+from apr.steps.execution import Execution
+from apr.steps.strategy import step_strategy
+from apr.train.engine import StepResult, _sac_policy
+from apr.train.nonfinite import GRADIENTS, LOSS
+from apr.train.sharded import ShardedEngine
+
+
+class ShardedInterleavedEngine(ShardedEngine):
+    kind = "interleaved"
+
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                 execution: Execution):
+        super().__init__(config, model, device, backend)
+        self.execution = execution
+        self.strategy = step_strategy(config, execution)
+        self._lr = 0.0
+        self.group_params = dict(self.groups)
+        decays = {s.name: s.decay for _, specs in spec.optimizer_groups(config) for s in specs}
+        self._decay: dict[int, DecayRanges] = {}
+        self._group_of: dict[int, str] = {}
+        self._arrived = dict.fromkeys(self.group_params, 0)
+        # (name) -> None, run once a group's reduce-scattered gradient is complete; None: accumulate
+        self._on_group: Callable[[str], None] | None = None
+        for name, group in self.groups:
+            for p in group:
+                self._group_of[id(p)] = name
+                p.register_post_accumulate_grad_hook(self._arrived_grad)
+        for pname, p in self.named.items():
+            local = p.to_local()
+            self._decay[id(p)] = DecayRanges.from_segments([(local.numel(), decays[pname])])
+            self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                       "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    # ------------------------------------------------------------------------------ forward
+
+    def hidden_states(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding and the blocks, each block as the execution policy says (in a backward-less
+        forward, evaluation, every block runs plainly)."""
+        cos, sin = lm.rope(ids.shape[1], ids.device)
+        x = lm.model.embed_tokens(ids).to(self.cdt)
+        grad = torch.is_grad_enabled()
+        for i, layer in enumerate(lm.model.layers):
+            mode = self.execution.block_mode(i) if grad else "keep"
+            if mode == "keep":
+                x = layer(x, cos, sin)
+            elif mode == "selective":
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False,
+                               context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))
+            else:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            x = x.to(self.cdt)
+        return x
+
+    # ------------------------------------------------------------------------------ hooks
+
+    def _arrived_grad(self, p: torch.Tensor) -> None:
+        """FSDP2's post-accumulate-grad hook: ``p``'s shard of its reduce-scattered gradient is in
+        ``p.grad``; once every parameter of the group has arrived, the group is done."""
+        name = self._group_of[id(p)]
+        self._arrived[name] += 1
+        if self._arrived[name] == len(self.group_params[name]):
+            self._arrived[name] = 0
+            if self._on_group is not None:
+                self._probe(name)
+                self._on_group(name)
+
+    def _grads(self, name: str) -> list[torch.Tensor]:
+        return [p.grad.to_local() for p in self.group_params[name]]
+
+    def _drop(self, name: str) -> None:
+        for p in self.group_params[name]:
+            p.grad = None
+
+    # ------------------------------------------------------------------------------ stepping
+
+    @torch.no_grad()
+    def _apply(self, name: str, coef) -> None:
+        """AdamW on this rank's shard of every tensor of the group (then the gradient shard is dropped)."""
+        found_inf = self._flags.bad
+        grads = self._grads(name)
+        if self.strategy.clip == "adagc":
+            self._adagc_sharded(name, grads, 1.0 / self.scaler.scale, found_inf)
+        scale = coef if self.scaler.scale == 1.0 else coef * (1.0 / self.scaler.scale)
+        for p, g in zip(self.group_params[name], grads, strict=True):
+            local = p.to_local()
+            if local.numel() == 0:  # a rank past the tensor's last row holds nothing of it
+                continue
+            state = self.optimizer.state[p]
+            self.backend.adamw_step(
+                local.view(-1), g.reshape(-1), state["exp_avg"].to_local().view(-1),
+                state["exp_avg_sq"].to_local().view(-1), lr=self._lr, beta1=self.beta1, beta2=self.beta2,
+                eps=self.eps, weight_decay=self.weight_decay, step=self.optimizer_steps + 1, decay=self._decay[id(p)],
+                grad_scale=scale, found_inf=found_inf,
+            )
+        self._flags.stepped()
+        self._drop(name)
+
+    def _group_sq(self, name: str) -> torch.Tensor:
+        return self._all_sq([self._local_sq(self._grads(name))])[0]
+
+    def _backward(self, loss: torch.Tensor, mult: float, on_group, retain: bool = False) -> None:
+        self._on_group = on_group
+        try:
+            (loss * mult if mult != 1.0 else loss).backward(retain_graph=retain)
+        finally:
+            self._on_group = None
+
+    def _loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's mean loss; its non-finiteness flagged alike on every rank."""
+        loss = self.root(ids, targets)
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # over every rank: hybrid replicas read other rows
+        if self.scaler.enabled:  # fp16: the loss-scale logic reads the host
+            self._check_loss(total)
+        else:
+            self._flags.flag(~torch.isfinite(total), LOSS, self.calls)
+        return loss
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        self._lr = lr
+        self.calls += 1
+        self._skip = False
+        self._flags.start_step()
+        for p in self.named.values():
+            p.grad = None
+        if self.strategy.keeps_all_grads:
+            return self._step_kept(micro_batches)
+        ids, targets = self.split(micro_batches[0])
+        loss = self._loss(ids, targets)
+        if self.strategy.norm_prepass:
+            return self._step_prepass(loss)
+        return self._step_single(loss)
+
+    def _step_kept(self, micro_batches: list[torch.Tensor]) -> StepResult:
+        """Gradient shards accumulate over the micro-batches (reduce-scattered after each); then the
+        exact global norm, then every group's AdamW."""
+        accum, scale = len(micro_batches), self.scaler.scale
+        loss_total = torch.zeros((), device=self.device)
+        for batch in micro_batches:
+            ids, targets = self.split(batch)
+            loss = self._loss(ids, targets)
+            self._backward(loss, scale / accum, None)
+            loss_total += loss.detach() / accum
+        for name in self.group_names:
+            self._probe(name)
+        sq_all = self._all_sq([self._local_sq(self._grads(name)) for name in self.group_names])
+        return self._step_known(loss_total, dict(zip(self.group_names, sq_all.unbind(), strict=True)),
+                                lambda coefs: [self._apply(name, coefs[name]) for name in self.group_names])
+
+    def _step_prepass(self, loss: torch.Tensor) -> StepResult:
+        """A norm-only backward (the graph retained; each group's gradient shard reduced to its squared
+        norm and dropped), then the stepping backward."""
+        sq: dict[str, torch.Tensor] = {}
+
+        def record(name: str) -> None:
+            sq[name] = self._local_sq(self._grads(name))
+            self._drop(name)
+
+        scale = self.scaler.scale
+        self._backward(loss, scale, record, retain=True)
+        sq_all = self._all_sq([sq[name] for name in self.group_names])
+        sq = dict(zip(self.group_names, sq_all.unbind(), strict=True))
+
+        def step(coefs: dict) -> None:
+            self._backward(loss, scale, lambda name: self._apply(name, coefs[name]))
+
+        return self._step_known(loss.detach(), sq, step)
+
+    def _step_known(self, loss: torch.Tensor, sq: dict[str, torch.Tensor], apply) -> StepResult:
+        """With every group's squared norm known before any update: the non-finite / overflow check,
+        the bad-step test, clipping coefficients, then ``apply(coefs)``."""
+        self._keep_sq(sq, self.scaler.scale)
+        norm, overflow = self._known_norm(sq)
+        flagged = not overflow and self._gate(loss, norm)
+        if not overflow and not flagged:
+            apply(self._coefs(sq, norm))
+            self._stepped()
+        for p in self.named.values():
+            p.grad = None
+        return StepResult(loss, norm, skipped=overflow, flagged=flagged)
+
+    def _step_single(self, loss: torch.Tensor) -> StepResult:
+        """No clipping, per-block or AdaGC clipping: each group steps in its hook."""
+        sq: dict[str, torch.Tensor] = {}
+        per_block = self.strategy.clip == "per_block"
+        if self.step_gate is not None:
+            self._gate(loss.detach(), None)  # the loss test, before the first update
+
+        def step(name: str) -> None:
+            s = sq[name] = self._group_sq(name)
+            if self._skip:
+                self._drop(name)
+                return
+            self._flags.flag(~torch.isfinite(s), GRADIENTS, self.calls)
+            self._apply(name, self._clip_coef(s.sqrt()) if per_block else 1.0)
+
+        self._backward(loss, 1.0, step)
+        self._keep_sq(sq)
+        norm = torch.stack([sq[name] for name in self.group_names]).sum().sqrt()
+        if self._skip:
+            return StepResult(loss.detach(), norm, flagged=True)
+        self._stepped()
+        return StepResult(loss.detach(), norm)
+
+    def _stepped(self) -> None:
+        self.optimizer_steps += 1
+        self.scaler.update(found_inf=False)
