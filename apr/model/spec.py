@@ -183,13 +183,16 @@ def sharded(config: AprConfig) -> bool:
     return str(tr.sharding) != "none" and tr.world_size > 1
 
 
-def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[Buffer]:
+def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]], execution: Execution | None) -> list[Buffer]:
     """One rank's buffers under FSDP2 (docs/distributed.md, "Sharding"): every parameter is split
     along its first dimension into ``world_size`` shards (rank 0 holds ``ceil(rows / world_size)``
     rows, the largest), and so are its AdamW moments and its reduced gradient. ``full`` gathers a
     block's weights for its forward and again for its backward (the current block and the
     prefetched next one); ``shard_grad_op`` keeps every gathered block from its forward to its
-    backward. A block's unsharded gradient exists until it is reduce-scattered."""
+    backward. A block's unsharded gradient exists until it is reduce-scattered. The standard
+    engine (and the interleaved one with kept gradients) holds every gradient shard until the
+    step's update; the interleaved walk runs AdamW on each group's shard as it arrives and drops it
+    (one group's shard at a time, ``grad_shard``), and keeps its blocks' inputs as it does unsharded."""
     tr = config.training
     w = tr.world_size // tr.nodes if str(tr.sharding) == "hybrid" else tr.world_size  # ranks sharing a shard
     arch = config.model.architecture
@@ -199,13 +202,21 @@ def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[B
     for name, _ in groups:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (shard[name],), "float32"))
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (shard[name],), "float32"))
-        bufs.append(Buffer(f"{name}.grad", "gradients", (shard[name],), "float32"))
+    interleaved = str(tr.engine) == "interleaved"
+    if not interleaved or step_strategy(config, execution).keeps_all_grads:
+        bufs += [Buffer(f"{name}.grad", "gradients", (shard[name],), "float32") for name, _ in groups]
+    else:  # AdamW on each group's gradient shard as it arrives, then the shard is dropped
+        bufs.append(Buffer("grad_shard", "gradients", (max(shard.values()),), "float32"))
     largest = max(n for _, n in groups)
     gathered = sum(n for _, n in groups) if str(tr.sharding) == "shard_grad_op" else 2 * largest
     bufs.append(Buffer("gathered_weights", "weights", (gathered,), "float32"))
     bufs.append(Buffer("unsharded_grad", "gradients", (largest,), "float32"))
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
     bufs.append(Buffer("head_saved_grad", "gradients", (v, h), "float32"))
+    if interleaved:  # the blocks' inputs (saved by activation checkpointing) and the residual gradient
+        cdt = compute_dtype_name(tr.mixed_precision)
+        bufs.append(Buffer("block_inputs", "activation_checkpoints", (arch.num_hidden_layers + 1, b, s, h), cdt))
+        bufs.append(Buffer("residual_grad", "activation_checkpoints", (2, b, s, h), cdt))
     return bufs + _step_buffers(config, b, s, h, v)
 
 
@@ -242,7 +253,7 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
         else:
             bufs.append(Buffer("frozen_base", "frozen_weights", (param_count(arch),), "float32"))
     if sharded(config):
-        return bufs + _sharded_buffers(config, groups)
+        return bufs + _sharded_buffers(config, groups, execution)
     for name, numel in groups:
         bufs.append(Buffer(f"{name}.flat_params", "adapters" if lora else "weights", (numel,), "float32"))
     if uses_compute_copy(config, execution):  # each block's weights in the compute dtype, kept by AdamW

@@ -268,7 +268,7 @@ def sharding_advice(loaded, facts: dict) -> list[Finding]:
     file, line, column = loaded.source.where(("training", "sharding"))
     message = (f"does not fit {memory['vram_bytes'] / 2**30:.1f} GiB per rank as configured "
                f"({memory['total_bytes'] / 2**30:.1f} GiB), but would with training.sharding: {best} "
-               f"({gib:.1f} GiB per rank at {sh['world_size']} ranks; sharding runs on training.engine: standard)")
+               f"({gib:.1f} GiB per rank at {sh['world_size']} ranks)")
     return [Finding("warning", "plan.sharding", message, path="training.sharding", file=file, line=line,
                     column=column, expected=f"sharding {best}", got=sh["strategy"])]
 

@@ -205,15 +205,14 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
 
 
 def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
-    """Per-rank bytes under each sharding strategy at ``world_size`` ranks (sharding runs on the
-    standard engine: the others are computed with it), and which ones fit the target."""
+    """Per-rank bytes under each sharding strategy at ``world_size`` ranks (with the config's
+    engine), and which ones fit the target."""
     per_rank = {}
     nodes = config.training.nodes
     hybrid = ("hybrid",) if nodes > 1 and world_size % nodes == 0 else ()
     for strategy in ("none", "shard_grad_op", "full", *hybrid):
         doc = config.model_dump(mode="json")
-        doc["training"].update(world_size=world_size, sharding=strategy,
-                               engine="standard" if strategy != "none" else doc["training"]["engine"])
+        doc["training"].update(world_size=world_size, sharding=strategy)
         per_rank[strategy] = memory_facts(AprConfig.model_validate(doc), target)[0]["total_bytes"]
     return {"world_size": world_size, "strategy": str(config.training.sharding), "per_rank_bytes": per_rank,
             "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}}

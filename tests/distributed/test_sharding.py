@@ -51,27 +51,53 @@ def _rel(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in a)
 
 
+# (engine, sharding, micro-batch per rank, accumulation, clipping, execution policy): the standard engine,
+# and the interleaved engine's three step paths on shards (norm pre-pass, kept gradient shards with
+# accumulation, AdamW per block in the hook). The one process reads twice the micro-batch.
+CASES = [
+    ("standard", "full", 2, 1, "global", None),
+    ("standard", "shard_grad_op", 2, 2, "per_block", None),
+    ("interleaved", "full", 2, 1, "global", {"activations": "recompute", "gradients": "workspace"}),
+    ("interleaved", "shard_grad_op", 2, 2, "global", {"activations": "keep"}),
+    ("interleaved", "full", 2, 1, "per_block", {"activations": "selective", "gradients": "workspace"}),
+]
+
+
+def _planned(doc: dict) -> dict[str, int]:
+    return {b.name: b.numel for b in buffer_plan(AprConfig.model_validate(
+        {**doc, "training": {**doc["training"], "world_size": 2}}))}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("sharding", "accum", "clip_mode"), [("full", 1, "global"), ("shard_grad_op", 2, "per_block")])
-def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, sharding, accum, clip_mode):
+@pytest.mark.parametrize(("engine", "sharding", "batch", "accum", "clip_mode", "execution"), CASES)
+def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, engine, sharding, batch, accum, clip_mode,
+                                                                  execution):
     make_dataset(tmp_path, train_rows=160)
-    common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "eval_interval": 5, "engine": "standard",
-              "gradient_accumulation": accum, "grad_clip": 0.5, "clip_mode": clip_mode}
-    one = config_doc(tmp_path, data={"batch_size": 4}, optimizer=OPT, training={**common, "output_dir": "one/"})
-    two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
+    common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "eval_interval": 5, "engine": engine,
+              "grad_clip": 0.5, "clip_mode": clip_mode, **({"execution": execution} if execution else {})}
+    common["gradient_accumulation"] = accum
+    one = config_doc(tmp_path, data={"batch_size": 2 * batch}, optimizer=OPT, training={**common, "output_dir": "one/"})
+    two = config_doc(tmp_path, data={"batch_size": batch}, optimizer=OPT,
                      training={**common, "output_dir": "two/", "sharding": sharding})
     _launch(one, tmp_path / "one.json", 1)
     _launch(two, tmp_path / "two.json", 2, shards=tmp_path / "shards.json")
     # the same tolerance as the DDP test (tests/distributed/test_data_parallel.py): 1e-6 relative
     assert _rel(_weights(tmp_path / "two", 10), _weights(tmp_path / "one", 10)) <= 1e-6
     # the plan's per-rank buffers are the shards FSDP2 really gave rank 0
-    planned = {b.name: b.numel for b in buffer_plan(AprConfig.model_validate({**two, "training": {
-        **two["training"], "world_size": 2}}))}
-    real = json.loads((tmp_path / "shards.json").read_text())
+    planned = _planned(two)
+    shards = json.loads((tmp_path / "shards.json").read_text())
+    real = shards["groups"]
     assert real and all(planned[f"{g}.flat_params"] == r["params"] == planned[f"{g}.adam_m"] == r["adam_m"]
                         for g, r in real.items()), (real, planned)
     assert sum(r["params"] for r in real.values()) < sum(b.numel for b in buffer_plan(AprConfig.model_validate(one))
                                                          if b.component == "weights")
+    if engine == "interleaved" and execution.get("gradients") == "workspace":
+        # AdamW (or the norm pre-pass) per group as its shard arrives: never more than one group's
+        # gradient shard at once, and the plan has no per-group gradient buffer
+        assert 0 < shards["max_live_grad"] <= planned["grad_shard"] == max(r["params"] for r in real.values())
+        assert not any(name.endswith(".grad") for name in planned)
+    elif engine == "interleaved":  # kept gradient shards: every group's, and no more
+        assert 0 < shards["max_live_grad"] <= sum(planned[f"{g}.grad"] for g in real)
     state = json.loads((tmp_path / "two" / "training_state.json").read_text())
     assert state["status"] == "finished" and state["val_loss"] is not None
 
@@ -79,19 +105,19 @@ def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, shar
 @pytest.mark.slow
 def test_hybrid_sharding_replicates_across_nodes_and_equals_one_process(tmp_path):
     """2 ranks as 2 one-rank 'nodes' (APR_SHARD_GROUP_SIZE=1): each holds a whole replica, gradients
-    all-reduced across the replicas; the same weights as one process with twice the batch."""
+    all-reduced across the replicas; the same weights as one process with twice the batch. The
+    interleaved walk with AdaGC (per-tensor norms from the shards') and no accumulation."""
     make_dataset(tmp_path, train_rows=160)
-    common = {"epochs": 1, "max_steps": 6, "save_interval": 6, "eval_interval": 3, "engine": "standard",
-              "grad_clip": 0.5}
+    common = {"epochs": 1, "max_steps": 6, "save_interval": 6, "eval_interval": 3, "engine": "interleaved",
+              "grad_clip": 0.5, "clip_mode": "adagc"}
     one = config_doc(tmp_path, data={"batch_size": 4}, optimizer=OPT, training={**common, "output_dir": "one/"})
     two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
                      training={**common, "output_dir": "two/", "sharding": "hybrid", "nodes": 2})
     _launch(one, tmp_path / "one.json", 1)
     _launch(two, tmp_path / "two.json", 2, shards=tmp_path / "shards.json", extra_env={"APR_SHARD_GROUP_SIZE": "1"})
     assert _rel(_weights(tmp_path / "two", 6), _weights(tmp_path / "one", 6)) <= 1e-6
-    real = json.loads((tmp_path / "shards.json").read_text())
-    planned = {b.name: b.numel for b in buffer_plan(AprConfig.model_validate({**two, "training": {
-        **two["training"], "world_size": 2}}))}
+    real = json.loads((tmp_path / "shards.json").read_text())["groups"]
+    planned = _planned(two)
     assert all(planned[f"{g}.flat_params"] == r["params"] for g, r in real.items())  # a whole replica per node
 
 
@@ -157,11 +183,12 @@ def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_
 
 @pytest.mark.slow
 def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path):
-    """One process (interleaved engine, accumulation 4) stopped at step 4, resumed on 2 DDP ranks
-    (accumulation 2): the uninterrupted run's weights to 1e-6, its rows in order."""
+    """One process (interleaved engine, accumulation 4) stopped at step 4, resumed on 2 fully sharded
+    ranks (the interleaved walk on FSDP2, accumulation 2): the uninterrupted run's weights to 1e-6,
+    its rows in order."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "save_interval": 4, "keep_last": 5, "eval_interval": 0, "gradient_accumulation": 4,
-              "lr_scheduler": "constant", "warmup_steps": 0}
+              "lr_scheduler": "constant", "warmup_steps": 0, "sharding": "full"}
     full = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
                       training={**common, "max_steps": 8, "output_dir": "full/"})
     _launch(full, tmp_path / "full.json", 1, rows=tmp_path / "full-rows.jsonl")
@@ -197,11 +224,11 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones
 
 def test_sharding_with_what_it_cannot_run_fails_validate_naming_both_keys(tmp_path):
     make_dataset(tmp_path)
-    doc = config_doc(tmp_path, training={"sharding": "full", "engine": "interleaved"})
+    doc = config_doc(tmp_path, training={"sharding": "full", "execution": {"compile": True}})
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(doc))
     proc = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(path)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "APR_HOME": str(tmp_path / "home")})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     out = proc.stdout + proc.stderr
-    assert "training.sharding" in out and "training.engine" in out
+    assert "training.sharding" in out and "training.execution.compile" in out

@@ -1,7 +1,8 @@
 """Run one apply from a JSON config document (argv[1]; argv[2]: a --resume value), without the plan:
 launched as a subprocess (or by torchrun) by the crash and data-parallel tests. With
 APR_TEST_ROWS_LOG set, rank 0 appends [micro-batch number, its row indices] to that file; with
-APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run; with
+APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run (and the most
+gradient-shard elements the interleaved walk held at once); with
 APR_TEST_PIDS set, every rank appends "RANK PID" to that file."""
 
 from __future__ import annotations
@@ -20,6 +21,19 @@ def main() -> int:
     doc = json.loads(Path(sys.argv[1]).read_text())
     resume = sys.argv[2] if len(sys.argv) > 2 else None
     cfg = AprConfig.model_validate(doc)
+    shards_log = os.environ.get("APR_TEST_SHARDS")
+    live = {"max": 0}
+    if shards_log:  # the most gradient-shard elements the interleaved walk holds at once
+        from apr.train.sharded_walk import ShardedInterleavedEngine
+
+        arrived = ShardedInterleavedEngine._arrived_grad
+
+        def measured(self, p):
+            arrived(self, p)  # the engine's hook first: a complete group is stepped and dropped
+            held = sum(q.grad.to_local().numel() for q in self.named.values() if q.grad is not None)
+            live["max"] = max(live["max"], held)
+
+        ShardedInterleavedEngine._arrived_grad = measured
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=False))
     pids = os.environ.get("APR_TEST_PIDS")
@@ -38,12 +52,11 @@ def main() -> int:
 
         loader.next_batch = logged
     result = run.execute()
-    shards_log = os.environ.get("APR_TEST_SHARDS")
     if shards_log and run.is_main and hasattr(run.engine, "root"):  # rank 0's FSDP2 shard sizes, by group
         opt = run.engine.optimizer.state
-        Path(shards_log).write_text(json.dumps({name: {
+        Path(shards_log).write_text(json.dumps({"max_live_grad": live["max"], "groups": {name: {
             "params": sum(p.to_local().numel() for p in group),
-            "adam_m": sum(opt[p]["exp_avg"].to_local().numel() for p in group)} for name, group in run.engine.groups}))
+            "adam_m": sum(opt[p]["exp_avg"].to_local().numel() for p in group)} for name, group in run.engine.groups}}))
     return result.exit_code
 
 
