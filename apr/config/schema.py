@@ -570,7 +570,7 @@ class TrainingConfig(_Section):
         Sharding.none, description="Under torchrun: none (every rank holds everything, gradients all-reduced), "
         "shard_grad_op (gradients and AdamW moments sharded, ZeRO-2) or full (weights too, gathered per block "
         "for its forward and backward, ZeRO-3) or hybrid (full sharding within a node, replicas across nodes), "
-        "on torch FSDP2, per decoder block. Needs engine: standard.")
+        "on torch FSDP2, per decoder block, for either engine.")
     nodes: PositiveCount = Field(
         1, description="Nodes the ranks run on (the plan's per-rank memory under sharding: hybrid shards over "
         "world_size / nodes ranks). At run time torchrun's LOCAL_WORLD_SIZE decides.")

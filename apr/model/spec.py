@@ -213,9 +213,11 @@ def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]], execution
     bufs.append(Buffer("unsharded_grad", "gradients", (largest,), "float32"))
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
     bufs.append(Buffer("head_saved_grad", "gradients", (v, h), "float32"))
-    if interleaved:  # the blocks' inputs (saved by activation checkpointing) and the residual gradient
+    if interleaved:  # recomputed blocks' inputs (saved by activation checkpointing), the residual gradient
         cdt = compute_dtype_name(tr.mixed_precision)
-        bufs.append(Buffer("block_inputs", "activation_checkpoints", (arch.num_hidden_layers + 1, b, s, h), cdt))
+        recomputed = (execution or from_config(config)).recomputed_blocks
+        if recomputed:
+            bufs.append(Buffer("block_inputs", "activation_checkpoints", (recomputed, b, s, h), cdt))
         bufs.append(Buffer("residual_grad", "activation_checkpoints", (2, b, s, h), cdt))
     return bufs + _step_buffers(config, b, s, h, v)
 

@@ -1,8 +1,8 @@
 """The interleaved engine on FSDP2 shards (``training.engine: interleaved`` with ``training.sharding``).
 
 The model is sharded as for the standard engine (apr/train/sharded.py: ``fully_shard`` per decoder
-block and at the root), and keeps the interleaved engine's promises (docs/design.md, "Sharding and
-elastic resume"):
+block and at the root), and keeps the interleaved engine's promises
+(docs/design.md, "Sharding and elastic resume"):
 
 * each block's gradient is reduce-scattered by FSDP2 as soon as that block's backward is done, and
   AdamW runs on the rank's shard of it right away, from FSDP2's post-accumulate-grad hook on the
