@@ -17,12 +17,13 @@ Nothing is unpickled: ``.bin`` / ``.pt`` files are refused with a finding naming
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from apr.checkpoint.files import read_safetensors_header, sha256_file
+from apr.checkpoint.files import ST_DTYPE_CODES, read_safetensors_header, sha256_file
 from apr.checkpoint.names import is_optimizer_state
 from apr.errors import AprError, Finding
 from apr.readers import InputError, check_regular, load_json
@@ -315,7 +316,20 @@ def _inspect_apr(src: InitSource, json_path: Path, arch, depth: int = 0) -> None
         src.tensors.update(base.tensors)
         src.tokenizer = base.tokenizer
         return
-    if info.weights_path.is_file():
+    if info.parts:  # a sharded run's checkpoint: the whole tensors' shapes from its parts' headers
+        from apr.checkpoint.manager import checkpoint_shapes
+
+        try:
+            shapes, dtypes = checkpoint_shapes(info)
+        except CheckpointError as err:
+            src.findings.extend(err.findings)
+            return
+        for name, shape in shapes.items():
+            if not is_optimizer_state(name):
+                code = ST_DTYPE_CODES.get(dtypes[name], dtypes[name])
+                src.tensors[name] = SourceTensor(name, shape, code, info.parts[0],
+                                                 math.prod(shape) * _DTYPE_BYTES.get(code, 4))
+    elif info.weights_path.is_file():
         _read_headers(src, [info.weights_path], skip_optimizer=True)
     else:
         src.findings.append(_finding("no_weights", f"{info.weights_path.name} (named by {json_path.name}) does "

@@ -8,7 +8,9 @@ A checkpoint is a pair in the run directory:
                                     config and its hash, apr version, format version, and the trainer's
                                     state (epoch, data cursor, RNG states, loss scaler, ...) at top level
 
-Both are written to temp names in the same folder, fsynced and renamed; the JSON last. A pair
+Both are written to temp names in the same folder, fsynced and renamed; the JSON last. A sharded run
+writes one weights file per rank instead (``checkpoint-step-N.part-R-of-K.safetensors``, format
+version 2; apr/checkpoint/parts.py), named with their digests by the JSON, still written last. A pair
 without its JSON is incomplete and ignored, so a crash at any moment leaves either the previous
 checkpoints or the new one, never a file that looks complete and is not. Loading reads only
 safetensors and JSON (nothing is unpickled), checks the size and SHA-256 of the weights, and checks
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from apr import __version__
-from apr.checkpoint import files, sidecar
+from apr.checkpoint import files, parts, sidecar
 from apr.checkpoint.background import BackgroundWriter, snapshot
 from apr.checkpoint.files import read_safetensors_header
 from apr.checkpoint.names import (
@@ -49,11 +51,12 @@ from apr.steps import stacking
 
 FORMAT = "apr-checkpoint"
 FORMAT_VERSION = 1
+PARTS_FORMAT_VERSION = 2  # the weights in one part per rank (``weights_parts``)
 
 # Keys the manager writes into the JSON; the trainer's meta sits beside them and may not reuse them.
 RESERVED_KEYS = frozenset({
     "format", "format_version", "apr_version", "saved_at", "step", "is_best", "weights_file",
-    "weights_sha256", "weights_size", "tensor_count", "config_hash", "config", "cwd",
+    "weights_sha256", "weights_size", "tensor_count", "config_hash", "config", "cwd", "weights_parts",
 })
 _REQUIRED_KEYS = ("format_version", "step", "weights_file", "weights_sha256", "weights_size", "config")
 
@@ -132,6 +135,11 @@ class CheckpointInfo:
     saved_at: str | None
     cwd: str | None  # working directory of the run that saved it (relative config paths start here)
     doc: dict = field(repr=False)
+    parts: list[Path] = field(default_factory=list)  # a sharded run's per-rank weights files, in rank order
+
+    @property
+    def weights_files(self) -> list[Path]:
+        return self.parts or [self.weights_path]
 
 
 @dataclass
@@ -174,6 +182,9 @@ def _expected(config: Any, step: int | None = None) -> dict:
 
 
 def _json_for(path: Path) -> Path:
+    m = parts.PART_RE.match(path.name)
+    if m:  # one rank's part of a sharded checkpoint: its JSON is the step's
+        return path.with_name(f"{m.group(1)}.json")
     if path.suffix == ".safetensors":
         return path.with_suffix(".json")
     return path
@@ -195,11 +206,11 @@ def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
         got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
         raise CheckpointError(f"{json_path.name} is not an apr checkpoint", json_path, "not_apr",
                               expected=f"format {FORMAT!r}", got=repr(got))
-    if doc.get("format_version") != FORMAT_VERSION:
+    if doc.get("format_version") not in (FORMAT_VERSION, PARTS_FORMAT_VERSION):
         raise CheckpointError(
             f"{json_path.name} has checkpoint format version {doc.get('format_version')!r}; this apr "
-            f"reads version {FORMAT_VERSION}", json_path, "unsupported_version",
-            expected=str(FORMAT_VERSION), got=repr(doc.get("format_version")))
+            f"reads versions {FORMAT_VERSION} and {PARTS_FORMAT_VERSION}", json_path, "unsupported_version",
+            expected=f"{FORMAT_VERSION} or {PARTS_FORMAT_VERSION}", got=repr(doc.get("format_version")))
     missing = [k for k in _REQUIRED_KEYS if k not in doc]
     if missing:
         raise CheckpointError(f"{json_path.name} lacks {', '.join(missing)}", json_path, "not_apr")
@@ -212,7 +223,9 @@ def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
     if m and int(m.group(1)) != head.step:
         raise CheckpointError(f"{json_path.name} says step {doc['step']}", json_path, "foreign",
                               expected=f"step {m.group(1)}", got=f"step {doc['step']}")
+    part_paths = _part_paths(json_path, doc)
     return CheckpointInfo(
+        parts=part_paths,
         json_path=json_path,
         weights_path=json_path.parent / weights_file,
         step=head.step,
@@ -226,13 +239,38 @@ def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
     )
 
 
+def _part_paths(json_path: Path, doc: dict) -> list[Path]:
+    """The per-rank weights files a version-2 JSON names (``weights_parts``), checked for shape."""
+    if doc.get("format_version") != PARTS_FORMAT_VERSION:
+        return []
+    entries = doc.get("weights_parts")
+    ok = isinstance(entries, list) and entries and all(
+        isinstance(e, dict) and isinstance(e.get("file"), str) and parts.PART_RE.match(e["file"])
+        and isinstance(e.get("sha256"), str) and isinstance(e.get("size"), int) and not isinstance(e["size"], bool)
+        for e in entries)
+    if not ok:
+        raise CheckpointError(f"{json_path.name}: weights_parts is not a list of {{file, sha256, size}} naming "
+                              "checkpoint part files", json_path, "bad_meta")
+    shas = [e["sha256"] for e in entries]
+    if parts.index_digest(shas) != doc["weights_sha256"]:
+        raise CheckpointError(f"{json_path.name}: its weights_sha256 is not the digest of its parts' digests "
+                              "(the file was edited)", json_path, "edited")
+    return [json_path.parent / e["file"] for e in entries]
+
+
 def verify_weights(info: CheckpointInfo) -> None:
-    """Check that the weights file exists and has the size and SHA-256 its JSON recorded."""
-    path = info.weights_path
+    """Check that the weights file (or every part) exists and has the size and SHA-256 its JSON recorded."""
+    if info.parts:
+        for path, entry in zip(info.parts, info.doc["weights_parts"], strict=True):
+            _verify_file(info, path, entry["size"], entry["sha256"])
+        return
+    _verify_file(info, info.weights_path, info.doc["weights_size"], info.doc["weights_sha256"])
+
+
+def _verify_file(info: CheckpointInfo, path: Path, want_size: int, want_sha: str) -> None:
     if not path.exists():
         raise CheckpointError(f"{path.name} (named by {info.json_path.name}) does not exist",
                               path, "missing_weights")
-    want_size = info.doc["weights_size"]
     size = path.stat().st_size
     if size != want_size:
         reason = "truncated" if size < want_size else "size_mismatch"
@@ -240,24 +278,41 @@ def verify_weights(info: CheckpointInfo) -> None:
         raise CheckpointError(f"{path.name} {what}: {size} bytes, its JSON recorded {want_size}",
                               path, reason, expected=f"{want_size} bytes", got=f"{size} bytes")
     sha, _ = files.sha256_file(path)
-    if sha != info.doc["weights_sha256"]:
+    if sha != want_sha:
         raise CheckpointError(f"{path.name} is corrupt: its SHA-256 does not match its JSON", path,
-                              "sha_mismatch", expected=info.doc["weights_sha256"], got=sha)
+                              "sha_mismatch", expected=want_sha, got=sha)
 
 
-def _header_shapes(path: Path) -> tuple[dict, dict]:
-
-    rev = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-
+def _read_header(path: Path) -> dict:
     try:
         check_regular(path, "checkpoint weights")  # a FIFO would block the open below
-        header = read_safetensors_header(path)
+        return read_safetensors_header(path)
     except InputError as err:
         raise CheckpointError(err.findings[0].message, path, "bad_weights") from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path.name} is not a readable safetensors file: {err}", path,
                               "bad_weights") from None
+
+
+def checkpoint_shapes(info: CheckpointInfo) -> tuple[dict, dict]:
+    """The whole tensors' shapes and dtypes from the weights file's header (or its parts')."""
+    if not info.parts:
+        return _header_shapes(info.weights_path)
+    headers = [_read_header(p) for p in info.parts]
+    shapes, dtypes, problems = parts.merged_shapes(headers, [p.name for p in info.parts])
+    if problems:
+        raise CheckpointError(f"{info.json_path.name}: its parts do not make one checkpoint: "
+                              + "; ".join(problems[:4]), info.parts[0], "bad_weights")
+    return shapes, {n: _DTYPE_NAMES.get(d, d) for n, d in dtypes.items()}
+
+
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def _header_shapes(path: Path) -> tuple[dict, dict]:
+    rev = _DTYPE_NAMES
+    header = _read_header(path)
     shapes, dtypes = {}, {}
     for name, entry in header.items():
         if name == "__metadata__":
@@ -286,9 +341,11 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
             raise CheckpointError(str(err), info.json_path, err.reason) from None
     if verify:
         verify_weights(info)
-    elif not info.weights_path.exists():
-        raise CheckpointError(f"{info.weights_path.name} does not exist", info.weights_path, "missing_weights")
-    shapes, dtypes = _header_shapes(info.weights_path)
+    else:
+        for path in info.weights_files:
+            if not path.exists():
+                raise CheckpointError(f"{path.name} does not exist", path, "missing_weights")
+    shapes, dtypes = checkpoint_shapes(info)
     try:
         own_expected = _expected(info.config, info.step)
     except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
@@ -312,7 +369,9 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
     from safetensors.torch import load_file
 
     try:
-        if weights_only:
+        if info.parts:
+            tensors = parts.load(info.parts, lambda n: not (weights_only and is_optimizer_state(n)))
+        elif weights_only:
             with safe_open(str(info.weights_path), framework="pt") as f:
                 tensors = {n: f.get_tensor(n) for n in f.keys() if not is_optimizer_state(n)}
         else:
@@ -330,7 +389,8 @@ class CheckpointEntry:
     step: int
     json_path: Path
     weights_path: Path
-    complete: bool  # both files present
+    complete: bool  # the JSON and the weights (the file or a sharded run's parts) present
+    parts: list[Path] = field(default_factory=list)  # per-rank weights files of this step, if any
 
 
 def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
@@ -342,15 +402,20 @@ def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
         names = os.listdir(run_dir)
     except FileNotFoundError:
         return []
+    by_stem: dict[str, list[Path]] = {}
     for name in names:
         m = files.STEP_FILE_RE.match(name)
         if m:
             steps.add(int(m.group(1)))
+        elif (m := parts.PART_RE.match(name)) and m.group(1).startswith(files.STEP_PREFIX):
+            steps.add(int(m.group(1).removeprefix(files.STEP_PREFIX)))
+            by_stem.setdefault(m.group(1), []).append(run_dir / name)
     out = []
     for step in sorted(steps, reverse=True):
         stem = files.step_stem(step)
         j, w = run_dir / f"{stem}.json", run_dir / f"{stem}.safetensors"
-        out.append(CheckpointEntry(step, j, w, complete=j.exists() and w.exists()))
+        found = sorted(by_stem.get(stem, []))
+        out.append(CheckpointEntry(step, j, w, complete=j.exists() and (w.exists() or bool(found)), parts=found))
     return out
 
 
@@ -367,7 +432,8 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
     newest: str | None = None
     for entry in entries:
         if not entry.json_path.exists():
-            warn(f"{entry.weights_path.name} has no JSON (the run stopped while saving it); ignored")
+            what = entry.parts[0].name if entry.parts else entry.weights_path.name
+            warn(f"{what} has no JSON (the run stopped while saving it); ignored")
             continue
         newest = newest or entry.json_path.name
         try:
@@ -535,18 +601,87 @@ class CheckpointManager:
 
     def _write(self, state: TrainState, step: int, is_best: bool, json_path: Path, weights_path: Path) -> Path:
         # Rewriting a step (a resumed run passing it again): retire the old pair before its weights change.
-        if files.unlink_quiet(json_path):
-            fsync_dir(self.output_dir)
+        self._retire(json_path, files.step_stem(step))
         sha, size = files.write_safetensors(weights_path, state.tensors, metadata=_weights_metadata(step))
         doc = self._doc(step, is_best, weights_path.name, sha, size, state.meta)
         atomic_write_json(json_path, doc)
         if is_best:
             best_json, best_weights = self.best_paths
             # Same order as a step save: the old best pair stops looking complete before it changes.
-            if files.unlink_quiet(best_json):
-                fsync_dir(self.output_dir)
+            self._retire(best_json, files.BEST_STEM)
             files.link_or_copy(weights_path, best_weights)
             atomic_write_json(best_json, {**doc, "weights_file": best_weights.name, "is_best": True})
+        self.prune(keep_step=step)
+        return json_path
+
+    def _retire(self, json_path: Path, stem: str, weights: bool = False) -> None:
+        """Before ``stem`` is written again: its JSON goes first (so nothing of it looks complete),
+        then any per-rank parts (another layout or number of ranks) and, with ``weights``, the file."""
+        gone = files.unlink_quiet(json_path)
+        for p in parts.parts_of(self.output_dir, stem):
+            gone = files.unlink_quiet(p) or gone
+        if weights:
+            gone = files.unlink_quiet(self.output_dir / f"{stem}.safetensors") or gone
+        if gone:
+            fsync_dir(self.output_dir)
+
+    # ------------------------------------------------------------------------- sharded saves
+
+    def save_part(self, state: TrainState, rank: int, world: int, exchange, is_best: bool = False,
+                  parts_total: int | None = None) -> Path:
+        """A sharded run's checkpoint: every rank calls this with its own rows of every tensor (a
+        collective). Rank 0 retires an older save of the step, ranks ``0 .. parts_total - 1``
+        (default: all; hybrid sharding: the first replica's) each write their part, the parts'
+        (SHA-256, size) are exchanged (``exchange(sha, size)`` returns every rank's, in rank order,
+        on every rank), then rank 0 writes the JSON, last, and the best copy, and prunes.
+        Synchronous: the JSON may only follow every part. Returns the step's JSON path."""
+        step = int(state.step)
+        clash = RESERVED_KEYS & set(state.meta)
+        if clash:
+            raise ValueError(f"TrainState.meta may not use the reserved keys {sorted(clash)}")
+        problems = [p for p in torch_mismatches(state.tensors, self._expected_at(step)) if "shape" not in p]
+        if problems:
+            raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        json_path, weights_path = self.step_paths(step)
+        stem = files.step_stem(step)
+        if rank == 0:
+            self.wait()
+            self._retire(json_path, stem, weights=True)
+        exchange("", 0)  # nobody writes a part before the old save of this step is retired
+        count = parts_total or world
+        if rank >= count:  # another replica of the same rows (hybrid sharding): the first one writes
+            exchange("", 0)
+            return json_path
+        part = self.output_dir / parts.part_name(stem, rank, count)
+        needed = sum(t.numel() * t.element_size() for t in state.tensors.values()) + _JSON_ALLOWANCE
+        try:
+            self._check_free_space(part, needed)
+            sha, size = parts.write_part(part, state.tensors, step, rank, count)
+        except Exception as err:
+            exchange("", 0)  # the other ranks learn that this part is missing instead of waiting for it
+            if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
+                raise _disk_error(err, part, needed, _free_bytes(self.output_dir)) from None
+            raise
+        records = exchange(sha, size)[:count]
+        if rank != 0:
+            return json_path
+        if any(not sha for sha, _ in records):
+            raise CheckpointError(f"a rank could not write its part of step {step}", json_path, "missing_weights")
+        names = [parts.part_name(stem, r, count) for r in range(count)]
+        entries = [{"file": n, "sha256": sha, "size": size} for n, (sha, size) in zip(names, records, strict=True)]
+        doc = self._doc(step, is_best, names[0], parts.index_digest([e["sha256"] for e in entries]),
+                        sum(e["size"] for e in entries), state.meta)
+        doc = {**doc, "format_version": PARTS_FORMAT_VERSION, "weights_parts": entries}
+        atomic_write_json(json_path, doc)
+        if is_best:
+            best_json, _ = self.best_paths
+            self._retire(best_json, files.BEST_STEM, weights=True)
+            best = [parts.part_name(files.BEST_STEM, r, count) for r in range(count)]
+            for src, dst in zip(names, best, strict=True):
+                files.link_or_copy(self.output_dir / src, self.output_dir / dst)
+            atomic_write_json(best_json, {**doc, "weights_file": best[0], "is_best": True, "weights_parts": [
+                {**e, "file": b} for e, b in zip(entries, best, strict=True)]})
         self.prune(keep_step=step)
         return json_path
 
@@ -562,7 +697,7 @@ class CheckpointManager:
         for entry in scan(self.output_dir):
             if entry.step in keep:
                 continue
-            for p in (entry.json_path, entry.weights_path):
+            for p in (entry.json_path, entry.weights_path, *entry.parts):
                 if files.unlink_quiet(p):
                     deleted.append(p)
         for name in os.listdir(self.output_dir):

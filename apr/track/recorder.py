@@ -116,15 +116,21 @@ def _checkpoint_artifacts(run_id: str, path: Path, kind: str, step: int, t: floa
     if not (isinstance(doc, dict) and doc.get("format") == "apr-checkpoint"
             and isinstance(doc.get("weights_file"), str)):
         return [row(path, kind, *_file_digest(path))]
-    weights = path.parent / Path(doc["weights_file"]).name
-    size, sha = doc.get("weights_size"), doc.get("weights_sha256")
-    try:
-        on_disk = weights.stat().st_size
-    except OSError:
-        on_disk = None
-    if on_disk is None or on_disk != size or not isinstance(sha, str):
-        size, sha = _file_digest(weights)
-    return [row(weights, kind, size, sha), row(path, "checkpoint_meta", *_file_digest(path))]
+    files = [(doc["weights_file"], doc.get("weights_size"), doc.get("weights_sha256"))]
+    if isinstance(doc.get("weights_parts"), list):  # a sharded run's checkpoint: one row per rank's part
+        files = [(e.get("file"), e.get("size"), e.get("sha256")) for e in doc["weights_parts"]
+                 if isinstance(e, dict) and isinstance(e.get("file"), str)]
+    rows = []
+    for name, size, sha in files:
+        weights = path.parent / Path(name).name
+        try:
+            on_disk = weights.stat().st_size
+        except OSError:
+            on_disk = None
+        if on_disk is None or on_disk != size or not isinstance(sha, str):
+            size, sha = _file_digest(weights)
+        rows.append(row(weights, kind, size, sha))
+    return [*rows, row(path, "checkpoint_meta", *_file_digest(path))]
 
 
 # monitoring.system.metrics -> the gpu_snapshot fields each one keeps (the GPU's name is always kept)

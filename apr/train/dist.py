@@ -50,6 +50,19 @@ class DataParallel:
     def barrier(self) -> None:
         dist.barrier()
 
+    def exchange_digests(self, sha: str, size: int) -> list[tuple[str, int]]:
+        """Every rank's (SHA-256 hex or "", byte count), in rank order, on every rank (a checkpoint
+        part's record; an all-gather of plain integers, no pickling)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        mine = torch.tensor([size, *sha.encode("ascii").ljust(64, b"\0")], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine)
+        out = []
+        for t in every:
+            values = t.tolist()
+            out.append((bytes(v for v in values[1:] if v).decode("ascii"), int(values[0])))
+        return out
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

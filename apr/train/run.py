@@ -571,6 +571,14 @@ class Run:
         """Write a checkpoint of ``step`` (on the background writer with ``training.checkpoint_async``:
         recorded once written, see ``record_checkpoints``)."""
         self.survival.before_save(recorder)
+        if self.dp is not None and hasattr(self.engine, "local_state_tensors"):  # sharded: a part per rank
+            state = TrainState(step=step, tensors=self.engine.local_state_tensors(), meta=self.checkpoint_meta(step))
+            self.last_checkpoint = self.ckpt.save_part(state, self.dp.rank, self.dp.world_size,
+                                                       self.dp.exchange_digests, is_best=is_best,
+                                                       parts_total=self.engine.shard_group.size())
+            if self.is_main:
+                recorder.checkpoint(step, self.last_checkpoint, is_best=is_best)
+            return self.last_checkpoint
         state = TrainState(step=step, tensors=self.engine.train_state_tensors(), meta=self.checkpoint_meta(step))
         if not self.is_main:  # only rank 0 writes; every rank can resume from what it wrote
             self.last_checkpoint = self.ckpt.step_paths(step)[0]

@@ -183,6 +183,18 @@ class ShardedEngine(StandardEngine):
             gather(names.OPT_V + name, state.get("exp_avg_sq"), p)
         return out
 
+    def local_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of every weight and AdamW moment, under the checkpoint names (its part of
+        a sharded checkpoint: apr/checkpoint/parts.py); views of the shards, nothing gathered."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.named.items():
+            local = p.detach().to_local()
+            state = self.optimizer.state.get(p, {})
+            out[name] = local
+            for key, prefix in (("exp_avg", names.OPT_M), ("exp_avg_sq", names.OPT_V)):
+                out[prefix + name] = state[key].to_local() if key in state else torch.zeros_like(local)
+        return out
+
     @torch.no_grad()
     def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._check_state_names(tensors)

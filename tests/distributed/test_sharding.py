@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from apr.checkpoint.manager import read_checkpoint
 from apr.config.schema import AprConfig
 from apr.model.spec import buffer_plan
 
@@ -42,7 +42,8 @@ def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, rows: 
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / f"checkpoint-step-{step}.safetensors"))
+    """The checkpoint's whole tensors (a sharded run's come in one part per rank)."""
+    return read_checkpoint(run_dir / f"checkpoint-step-{step}.json").tensors
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -165,9 +166,9 @@ def _kill_rank_0_mid_save(doc: dict, path: Path, at_line: str, rows: Path) -> No
 
 @pytest.mark.slow
 def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_one(tmp_path):
-    """2 ranks, full sharding; rank 0 is killed while it writes step 4's checkpoint. The run resumes
-    in one process (elastic: accumulation 1 -> 2) from a complete checkpoint, ends within 1e-6 of the
-    uninterrupted 2-rank run and reads exactly its rows, in order."""
+    """2 ranks, full sharding; rank 0 is killed while the ranks write their parts of step 4's
+    checkpoint. The run resumes in one process (elastic: accumulation 1 -> 2) from step 2's parts,
+    ends within 1e-6 of the uninterrupted 2-rank run and reads exactly its rows, in order."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "max_steps": 8, "save_interval": 2, "keep_last": 5, "eval_interval": 0, "log_interval": 1,
               "engine": "standard", "sharding": "full", "lr_scheduler": "constant", "warmup_steps": 0}
@@ -175,6 +176,10 @@ def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_
     _launch(full, tmp_path / "full.json", 2, rows=tmp_path / "full-rows.jsonl")
     doc = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "run/"})
     _kill_rank_0_mid_save(doc, tmp_path / "run.json", "step 4/8", tmp_path / "run-rows.jsonl")
+    # each rank wrote its own part of step 2; step 4's, cut short, has no JSON naming its parts
+    assert {p.name for p in (tmp_path / "run").glob("checkpoint-step-2.*")} >= {
+        "checkpoint-step-2.json", *(f"checkpoint-step-2.part-{r}-of-2.safetensors" for r in range(2))}
+    assert not (tmp_path / "run" / "checkpoint-step-4.json").exists()
     proc = _launch(doc, tmp_path / "run.json", 1, "latest", rows=tmp_path / "run-rows.jsonl")
     assert "resume: 2 -> 1 ranks; gradient_accumulation 1 -> 2" in proc.stderr
     assert _rel(_weights(tmp_path / "run", 8), _weights(tmp_path / "full", 8)) <= 1e-6
