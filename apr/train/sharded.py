@@ -11,8 +11,9 @@ nodes). torch's AdamW runs on each rank's shards.
 
 The loss is computed inside the root module's forward (``_LossModule``), so the embedding and
 the tied head are gathered while they are used. The global gradient norm is the all-reduced sum
-of each rank's squared shard norms; clipping scales the local shards. Checkpoints hold full,
-unsharded tensors (gathered on every rank, written by rank 0), so a run resumes on any number of
+of each rank's squared shard norms; clipping scales the local shards. Checkpoints are written in
+parts, each rank its own rows (``local_state_tensors``; apr/checkpoint/parts.py), and read back as
+whole tensors that ``load_train_state_tensors`` re-shards, so a run resumes on any number of
 ranks. See docs/design.md, "Sharding and elastic resume".
 """
 
