@@ -189,13 +189,14 @@ def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_
 @pytest.mark.slow
 def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path):
     """One process (interleaved engine, accumulation 4) stopped at step 4, resumed on 2 fully sharded
-    ranks (the interleaved walk on FSDP2, accumulation 2): the uninterrupted run's weights to 1e-6,
-    its rows in order."""
+    ranks (the interleaved walk on FSDP2, accumulation 2) to step 8, whose checkpoint is in 2 parts,
+    then on 4 ranks (accumulation 1) to step 12: the uninterrupted run's weights to 1e-6 at both
+    steps, its rows in order."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "save_interval": 4, "keep_last": 5, "eval_interval": 0, "gradient_accumulation": 4,
               "lr_scheduler": "constant", "warmup_steps": 0, "sharding": "full"}
     full = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
-                      training={**common, "max_steps": 8, "output_dir": "full/"})
+                      training={**common, "max_steps": 12, "output_dir": "full/"})
     _launch(full, tmp_path / "full.json", 1, rows=tmp_path / "full-rows.jsonl")
     part = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
                       training={**common, "max_steps": 4, "output_dir": "part/"})
@@ -203,7 +204,12 @@ def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path):
     part["training"]["max_steps"] = 8
     proc = _launch(part, tmp_path / "part.json", 2, "latest", rows=tmp_path / "part-rows.jsonl")
     assert "resume: 1 -> 2 ranks; gradient_accumulation 4 -> 2" in proc.stderr
+    assert (tmp_path / "part" / "checkpoint-step-8.part-1-of-2.safetensors").is_file()
     assert _rel(_weights(tmp_path / "part", 8), _weights(tmp_path / "full", 8)) <= 1e-6
+    part["training"]["max_steps"] = 12
+    proc = _launch(part, tmp_path / "part.json", 4, "latest", rows=tmp_path / "part-rows.jsonl")
+    assert "resume: 2 -> 4 ranks; gradient_accumulation 2 -> 1" in proc.stderr
+    assert _rel(_weights(tmp_path / "part", 12), _weights(tmp_path / "full", 12)) <= 1e-6
     assert _rows(tmp_path / "part-rows.jsonl") == _rows(tmp_path / "full-rows.jsonl")
 
 
