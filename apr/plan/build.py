@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from apr import __version__
+from apr.checkpoint.manager import CheckpointError, read_info, scan
 from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.errors import AprError, Finding
 from apr.plan import gpus
@@ -43,6 +44,7 @@ from apr.plan.validate import (
     stacking_findings,
     survival_findings,
 )
+from apr.steps.algebra import elastic_accumulation
 
 PLAN_FORMAT = "apr-plan"
 PLAN_FORMAT_VERSION = "1"
@@ -252,6 +254,38 @@ def data_fingerprint(config: AprConfig) -> dict:
     return {"roots": roots, "files": files, "sha256": digest}
 
 
+def resume_layout_findings(loaded, world_size: int) -> list[Finding]:
+    """The newest checkpoint in ``training.output_dir`` was saved on another number of ranks: a
+    ``--resume`` at ``world_size`` keeps its global batch by changing gradient_accumulation (info),
+    or cannot (error naming both keys and the world sizes that can)."""
+    config = loaded.config
+    found = [e for e in scan(resolve(config.training.output_dir)) if e.complete]
+    if not found:
+        return []
+    try:
+        info = read_info(found[0].json_path)
+        saved_tr, saved_data = info.config["training"], info.config["data"]
+        w0, a0 = int(saved_tr.get("world_size", 1)), int(saved_tr.get("gradient_accumulation", 1))
+        b0 = int(saved_data["batch_size"])
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError):
+        return []  # apply --resume reports what is wrong with the checkpoint
+    if w0 == world_size or b0 != config.data.batch_size:
+        return []
+    accum, valid = elastic_accumulation(w0, a0, world_size)
+    file, line, column = loaded.source.where(("training", "world_size"))
+    saved = f"{found[0].json_path.name} was saved by {w0} rank(s) x training.gradient_accumulation {a0}"
+    if accum is None:
+        message = (f"{saved} ({a0 * w0} micro-batches of {b0} sequences per step), which training.world_size "
+                   f"{world_size} cannot split evenly: --resume would refuse; resume on "
+                   f"{', '.join(map(str, valid))} ranks (or start over with --force)")
+        return [Finding("error", "plan.resume_world_size", message, path="training.world_size", file=file,
+                        line=line, column=column, expected=f"a world size dividing {a0 * w0}", got=str(world_size))]
+    message = (f"{saved}: --resume on {world_size} ranks uses training.gradient_accumulation {accum}, keeping the "
+               f"global batch of {a0 * w0 * b0} sequences")
+    return [Finding("info", "plan.resume_world_size", message, path="training.world_size", file=file, line=line,
+                    column=column)]
+
+
 # ------------------------------------------------------------------------------------ build
 
 
@@ -348,7 +382,8 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
                        *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *survival_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *stacking_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
-                       *sharding_findings(loaded), *sharding_advice(loaded, sheet.facts)],
+                       *sharding_findings(loaded), *sharding_advice(loaded, sheet.facts),
+                       *resume_layout_findings(loaded, world_size)],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

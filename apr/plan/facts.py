@@ -195,7 +195,11 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
     }
     if target is not None:
         facts["target"] = target.to_facts(str(tr.mixed_precision))
-    facts["memory"], rows, choice = memory_facts(config, target, device_budget)
+    # per rank at the planned number of ranks (--world-size): data parallelism's second gradient
+    # workspace, the shards under training.sharding
+    ranked = config if tr.world_size == world_size else config.model_copy(
+        update={"training": tr.model_copy(update={"world_size": world_size})})
+    facts["memory"], rows, choice = memory_facts(ranked, target, device_budget)
     if world_size > 1 and target is not None and target.vram_bytes:
         facts["sharding"] = sharding_facts(config, world_size, target)
     facts["execution"] = {**execution_facts(config, choice.execution), **choice.facts(config)}
@@ -207,15 +211,17 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
 def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
     """Per-rank bytes under each sharding strategy at ``world_size`` ranks (with the config's
     engine), and which ones fit the target."""
-    per_rank = {}
+    per_rank, max_batch = {}, {}
     nodes = config.training.nodes
     hybrid = ("hybrid",) if nodes > 1 and world_size % nodes == 0 else ()
     for strategy in ("none", "shard_grad_op", "full", *hybrid):
         doc = config.model_dump(mode="json")
         doc["training"].update(world_size=world_size, sharding=strategy)
-        per_rank[strategy] = memory_facts(AprConfig.model_validate(doc), target)[0]["total_bytes"]
+        mem = memory_facts(AprConfig.model_validate(doc), target)[0]
+        per_rank[strategy] = mem["total_bytes"]
+        max_batch[strategy] = mem.get("max_micro_batch")
     return {"world_size": world_size, "strategy": str(config.training.sharding), "per_rank_bytes": per_rank,
-            "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}}
+            "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}, "max_micro_batch": max_batch}
 
 
 def all_facts(config: AprConfig, *, world_size: int, target: Target | None,

@@ -235,8 +235,22 @@ def _memory_lines(plan, colour: bool) -> list[str]:
         mb = mem["max_micro_batch"]
         out.append(f"  largest micro-batch that fits at seq_len {plan.config.data.seq_len:,}: "
                    + (f"batch_size {mb:,}" if mb else "none (not even batch_size 1)"))
+    out += _sharding_lines(plan.facts.get("sharding"))
     if not mem.get("calibrated"):
         out.append(_c("  modelled rows use uncalibrated coefficients (apr/plan/memory.py)", "dim", colour))
+    return out
+
+
+def _sharding_lines(sh: dict | None) -> list[str]:
+    """Per rank under each training.sharding strategy: total, fits, the largest micro-batch."""
+    if not sh:
+        return []
+    out = [f"  per rank at {sh['world_size']} ranks by training.sharding (configured: {sh['strategy']}):"]
+    for strategy, total in sh["per_rank_bytes"].items():
+        mb = (sh.get("max_micro_batch") or {}).get(strategy)
+        fits = "fits" if sh["fits"][strategy] else "does not fit"
+        largest = f", largest micro-batch {mb:,}" if mb else ""
+        out.append(f"    {strategy:<15}{format_bytes(total):>12}  {fits}{largest}")
     return out
 
 

@@ -107,3 +107,13 @@ def step_algebra(
         epochs_needed=epochs_needed,
         sequences_needed=sequences_needed,
     )
+
+
+def elastic_accumulation(world_size: int, accumulation: int, new_world_size: int) -> tuple[int | None, list[int]]:
+    """Resuming a run of ``world_size`` ranks x ``accumulation`` on ``new_world_size`` ranks with the
+    same global batch: the new accumulation (None when the ranks cannot split the step's
+    micro-batches evenly) and every world size that can (docs/distributed.md, "Resuming on another
+    number of ranks")."""
+    micro = accumulation * world_size  # micro-batches per optimizer step, over all ranks
+    valid = [w for w in range(1, micro + 1) if micro % w == 0]
+    return (micro // new_world_size if micro % new_world_size == 0 else None), valid

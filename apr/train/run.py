@@ -42,7 +42,7 @@ from apr.fsutil import atomic_write_json, atomic_write_text
 from apr.model.spec import param_count
 from apr.steps import distill as distill_schedule
 from apr.steps import stacking
-from apr.steps.algebra import step_count
+from apr.steps.algebra import elastic_accumulation, step_count
 from apr.steps.execution import Execution
 from apr.steps.schedule import LRSchedule
 from apr.track.protocol import NullRecorder, Recorder
@@ -184,19 +184,19 @@ class Run:
         if w1 == w0 or b0 != self.config.data.batch_size:
             return  # same layout, or a batch_size change the config comparison refuses
         micro = a0 * w0  # micro-batches of batch_size rows per optimizer step, over all ranks
-        if micro % w1:
-            valid = [w for w in range(1, micro + 1) if micro % w == 0]
+        accum, valid = elastic_accumulation(w0, a0, w1)
+        if accum is None:
             message = (f"{info.json_path} was saved by {w0} rank(s) x gradient_accumulation {a0}: a global batch of "
                        f"{micro} micro-batches of {b0} sequences, which {w1} ranks cannot split evenly; resume on "
                        f"{', '.join(map(str, valid))} ranks (or change data.batch_size and pass --force)")
             raise AprError(message, [Finding("error", "resume.world_size", message, path="training.world_size",
                                              expected=f"a world size dividing {micro}", got=str(w1))])
         doc = self.config.model_dump(mode="json")
-        doc["training"]["gradient_accumulation"] = micro // w1
+        doc["training"]["gradient_accumulation"] = accum
         self.config = AprConfig.model_validate(doc)
         self.elastic = {"from_world_size": w0, "to_world_size": w1, "from_accumulation": a0,
-                        "to_accumulation": micro // w1}
-        self.echo(f"resume: {w0} -> {w1} ranks; gradient_accumulation {a0} -> {micro // w1} keeps the global batch "
+                        "to_accumulation": accum}
+        self.echo(f"resume: {w0} -> {w1} ranks; gradient_accumulation {a0} -> {accum} keeps the global batch "
                   f"({micro * b0} sequences per step)")
 
     def _elastic_cursor(self, saved: dict) -> dict:

@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import os
 
+import torch
 from plan_helpers import apr_cli
 from typer.testing import CliRunner
 
+from apr.checkpoint.manager import CheckpointManager, TrainState
 from apr.cli.main import app
+from apr.config import load_config
+from apr.config.schema import AprConfig
+from apr.model.spec import param_specs
 from apr.plan.examples import materialize
 from apr.plan.planfile import load_plan_file
 
@@ -168,3 +173,60 @@ def test_apply_refuses_hostile_inputs_before_importing_torch(tmp_path):
         r = apr_cli("train", "apply", str(target), probe=True, cwd=tmp_path)
         assert r.returncode == 1, r.stderr
         assert "HEAVY []" in r.stderr and code in r.stdout + r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_run_that_fits_only_sharded_is_told_which_strategy_and_what_each_gives(tmp_path):
+    """~0.8B parameters (16 bytes each unsharded: 12 GiB) against 8 GiB per rank on 8 ranks: the
+    plan lists each strategy's per-rank total and largest micro-batch, and warns naming the first
+    strategy that fits."""
+    arch = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "intermediate_size": 5504}
+    cfg, _ = materialize({"config": {"model": {"architecture": arch}, "data": {"batch_size": 2},
+                                     "training": {"max_steps": 4, "warmup_steps": 0}}}, tmp_path)
+    r = plan(cfg, "--json", "--vram", "8GiB", "--world-size", "8")
+    doc = json.loads(r.stdout)
+    sh = doc["facts"]["sharding"]
+    per_rank = sh["per_rank_bytes"]
+    assert sh["world_size"] == 8 and sh["strategy"] == "none"
+    assert per_rank["none"] > 8 * 2**30 >= per_rank["shard_grad_op"] > per_rank["full"]
+    assert doc["memory"]["total_bytes"] == per_rank["none"]  # the configured strategy is the memory table
+    assert sh["fits"] == {"none": False, "shard_grad_op": True, "full": True}
+    assert sh["max_micro_batch"]["none"] == 0 < sh["max_micro_batch"]["shard_grad_op"] <= sh["max_micro_batch"]["full"]
+    warning = next(f for f in doc["findings"] if f["code"] == "plan.sharding")
+    assert warning["severity"] == "warning" and warning["path"] == "training.sharding"
+    assert "would with training.sharding: shard_grad_op" in warning["message"]
+    text = plan(cfg, "--vram", "8GiB", "--world-size", "8").stdout
+    assert "per rank at 8 ranks by training.sharding (configured: none):" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("full "))
+    assert "fits, largest micro-batch" in line
+    # configured full sharding: the memory table is one rank's at --world-size ranks, and fits
+    cfg, _ = materialize({"config": {"model": {"architecture": arch}, "data": {"batch_size": 2},
+                                     "training": {"max_steps": 4, "warmup_steps": 0, "sharding": "full"}}},
+                         tmp_path / "full")
+    doc = json.loads(plan(cfg, "--json", "--vram", "8GiB", "--world-size", "8").stdout)
+    assert doc["memory"]["total_bytes"] == per_rank["full"] <= doc["memory"]["vram_bytes"]
+    assert not any(f["code"] == "plan.sharding" for f in doc["findings"])
+
+
+def test_a_resume_on_a_world_size_that_cannot_keep_the_global_batch_fails_the_plan(tmp_path, monkeypatch):
+    """training.output_dir holds a checkpoint saved by 2 ranks x accumulation 2 (4 micro-batches a
+    step): planned on 3 ranks the plan fails naming both keys and the sizes that work; on 4 ranks
+    it says which accumulation a --resume will use."""
+    cfg, _ = materialize({"config": {"training": {"max_steps": 4, "warmup_steps": 0}}}, tmp_path)
+    monkeypatch.chdir(tmp_path)  # training.output_dir run/ is relative to the working directory
+    r = plan(cfg, "--json", "--world-size", "3")
+    assert not any(f["code"] == "plan.resume_world_size" for f in json.loads(r.stdout)["findings"])  # no checkpoint
+    config = load_config(cfg).config
+    saved = config.model_dump(mode="json")
+    saved["training"].update(world_size=2, gradient_accumulation=2)
+    tensors = {p.name: torch.zeros(p.shape) for p in param_specs(config.model.architecture)}
+    tensors.update({f"optimizer.{k}.{n}": torch.zeros_like(t) for n, t in list(tensors.items()) for k in "mv"})
+    CheckpointManager(tmp_path / "run", AprConfig.model_validate(saved)).save(TrainState(2, tensors, {"epoch": 0}))
+    r = plan(cfg, "--json", "--world-size", "3")
+    assert r.exit_code == 1
+    f = next(f for f in json.loads(r.stdout)["findings"] if f["code"] == "plan.resume_world_size")
+    assert f["severity"] == "error" and f["path"] == "training.world_size" and f["file"] == str(cfg)
+    assert "training.gradient_accumulation 2" in f["message"] and "resume on 1, 2, 4 ranks" in f["message"]
+    r = plan(cfg, "--json", "--world-size", "4")
+    f = next(f for f in json.loads(r.stdout)["findings"] if f["code"] == "plan.resume_world_size")
+    assert f["severity"] == "info" and "uses training.gradient_accumulation 1" in f["message"]
