@@ -21,7 +21,15 @@ from apr.model.spec import (
 )
 from apr.plan.datafacts import dataset_facts, shared_shards
 from apr.plan.gpus import Target, mfu_basis
-from apr.plan.memory import COEFFICIENTS, ExecutionChoice, MemoryRow, choose_execution, max_micro_batch, memory_table
+from apr.plan.memory import (
+    COEFFICIENTS,
+    ExecutionChoice,
+    MemoryRow,
+    choose_execution,
+    max_layers,
+    max_micro_batch,
+    memory_table,
+)
 from apr.plan.mixfacts import merged_train_facts, source_dataset_facts
 from apr.plan.stackfacts import stacking_facts
 from apr.plan.storage import storage_facts
@@ -211,17 +219,23 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
 def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
     """Per-rank bytes under each sharding strategy at ``world_size`` ranks (with the config's
     engine), and which ones fit the target."""
-    per_rank, max_batch = {}, {}
+    per_rank, max_batch, deepest = {}, {}, {}
     nodes = config.training.nodes
     hybrid = ("hybrid",) if nodes > 1 and world_size % nodes == 0 else ()
     for strategy in ("none", "shard_grad_op", "full", *hybrid):
         doc = config.model_dump(mode="json")
         doc["training"].update(world_size=world_size, sharding=strategy)
-        mem = memory_facts(AprConfig.model_validate(doc), target)[0]
+        ranked = AprConfig.model_validate(doc)
+        mem = memory_facts(ranked, target)[0]
         per_rank[strategy] = mem["total_bytes"]
         max_batch[strategy] = mem.get("max_micro_batch")
+        layers = max_layers(ranked, target.vram_bytes)
+        deepest[strategy] = {"num_hidden_layers": layers,
+                             "params": param_count(ranked.model.architecture.model_copy(
+                                 update={"num_hidden_layers": layers})) if layers else 0}
     return {"world_size": world_size, "strategy": str(config.training.sharding), "per_rank_bytes": per_rank,
-            "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}, "max_micro_batch": max_batch}
+            "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}, "max_micro_batch": max_batch,
+            "largest_model": deepest}
 
 
 def all_facts(config: AprConfig, *, world_size: int, target: Target | None,

@@ -181,6 +181,32 @@ def max_micro_batch(config: AprConfig, vram_bytes: int, limit: int = 1 << 16,
     return lo
 
 
+def with_layers(config: AprConfig, layers: int) -> AprConfig:
+    arch = config.model.architecture.model_copy(update={"num_hidden_layers": layers})
+    return config.model_copy(update={"model": config.model.model_copy(update={"architecture": arch})})
+
+
+def max_layers(config: AprConfig, vram_bytes: int, limit: int = 4096,
+               coefficients: MemoryCoefficients = COEFFICIENTS) -> int:
+    """The deepest model of this width (and batch) whose total fits in ``vram_bytes`` under the
+    leanest policy the config allows; 0 if not even one block does."""
+
+    def fits(n: int) -> bool:
+        cfg = with_layers(config, n)
+        return min(total_bytes(cfg, coefficients, e) for e in _lean_candidates(cfg)) <= vram_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def coefficients_dict(coefficients: MemoryCoefficients = COEFFICIENTS) -> dict:
     return asdict(coefficients)
 

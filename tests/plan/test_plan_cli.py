@@ -192,13 +192,16 @@ def test_a_run_that_fits_only_sharded_is_told_which_strategy_and_what_each_gives
     assert doc["memory"]["total_bytes"] == per_rank["none"]  # the configured strategy is the memory table
     assert sh["fits"] == {"none": False, "shard_grad_op": True, "full": True}
     assert sh["max_micro_batch"]["none"] == 0 < sh["max_micro_batch"]["shard_grad_op"] <= sh["max_micro_batch"]["full"]
+    deepest = {k: v["num_hidden_layers"] for k, v in sh["largest_model"].items()}
+    assert deepest["none"] < 16 <= deepest["shard_grad_op"] <= deepest["full"]  # 16 blocks fit only sharded
+    assert sh["largest_model"]["full"]["params"] > doc["facts"]["model"]["params"]
     warning = next(f for f in doc["findings"] if f["code"] == "plan.sharding")
     assert warning["severity"] == "warning" and warning["path"] == "training.sharding"
     assert "would with training.sharding: shard_grad_op" in warning["message"]
     text = plan(cfg, "--vram", "8GiB", "--world-size", "8").stdout
     assert "per rank at 8 ranks by training.sharding (configured: none):" in text
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("full "))
-    assert "fits, largest micro-batch" in line
+    assert "fits, largest micro-batch" in line and "blocks (" in line
     # configured full sharding: the memory table is one rank's at --world-size ranks, and fits
     cfg, _ = materialize({"config": {"model": {"architecture": arch}, "data": {"batch_size": 2},
                                      "training": {"max_steps": 4, "warmup_steps": 0, "sharding": "full"}}},
