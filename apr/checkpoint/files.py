@@ -42,6 +42,7 @@ ST_DTYPE_CODES = {
     "int8": "I8",
     "uint8": "U8",
 }
+ST_DTYPE_NAMES = {code: name for name, code in ST_DTYPE_CODES.items()} | {"BOOL": "bool"}  # code -> name
 _CHUNK = 8 << 20
 
 

@@ -303,15 +303,11 @@ def checkpoint_shapes(info: CheckpointInfo) -> tuple[dict, dict]:
     if problems:
         raise CheckpointError(f"{info.json_path.name}: its parts do not make one checkpoint: "
                               + "; ".join(problems[:4]), info.parts[0], "bad_weights")
-    return shapes, {n: _DTYPE_NAMES.get(d, d) for n, d in dtypes.items()}
-
-
-_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+    return shapes, {n: files.ST_DTYPE_NAMES.get(d, d) for n, d in dtypes.items()}
 
 
 def _header_shapes(path: Path) -> tuple[dict, dict]:
-    rev = _DTYPE_NAMES
+    rev = files.ST_DTYPE_NAMES
     header = _read_header(path)
     shapes, dtypes = {}, {}
     for name, entry in header.items():
@@ -326,12 +322,13 @@ def _header_shapes(path: Path) -> tuple[dict, dict]:
 
 
 def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = True,
-                    weights_only: bool = False, trainer_state: bool = False) -> TrainState:
+                    weights_only: bool = False, trainer_state: bool = False, lazy: bool = False) -> TrainState:
     """Load one checkpoint (its .json or .safetensors path). Raises CheckpointError when it is
     missing, truncated, corrupt (SHA-256), not an apr checkpoint, its tensors do not match the model
     of its own config ("foreign"), or (with ``config``) it was saved for a different model.
     ``weights_only`` leaves the optimizer state on disk (export needs only the weights);
-    ``trainer_state`` also requires the trainer's state a resume needs (data cursor, engine, RNG)."""
+    ``trainer_state`` also requires the trainer's state a resume needs (data cursor, engine, RNG);
+    ``lazy``: the tensors as a ``parts.LazyTensors`` (read when asked, or row by row) instead of a dict."""
     info = read_info(_json_for(Path(path)))
     meta = files.decode_floats({k: v for k, v in info.doc.items() if k not in RESERVED_KEYS})
     if trainer_state:
@@ -369,7 +366,9 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
     from safetensors.torch import load_file
 
     try:
-        if info.parts:
+        if lazy:
+            tensors = parts.LazyTensors(info.weights_files, lambda n: not (weights_only and is_optimizer_state(n)))
+        elif info.parts:
             tensors = parts.load(info.parts, lambda n: not (weights_only and is_optimizer_state(n)))
         elif weights_only:
             with safe_open(str(info.weights_path), framework="pt") as f:
@@ -421,7 +420,7 @@ def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
 
 def load_latest(run_dir: str | os.PathLike, config: Any = None,
                 warn: Callable[[str], None] | None = None, weights_only: bool = False,
-                trainer_state: bool = False) -> TrainState:
+                trainer_state: bool = False, lazy: bool = False) -> TrainState:
     """The newest usable step checkpoint of a run directory, falling back to older ones (and, when
     no step checkpoint is usable, to checkpoint-best) past truncated, corrupt or foreign ones. Each
     skipped checkpoint is reported through ``warn``."""
@@ -437,7 +436,8 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
             continue
         newest = newest or entry.json_path.name
         try:
-            state = read_checkpoint(entry.json_path, config, weights_only=weights_only, trainer_state=trainer_state)
+            state = read_checkpoint(entry.json_path, config, weights_only=weights_only, trainer_state=trainer_state,
+                                    lazy=lazy)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise
@@ -451,7 +451,7 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
     best = run_dir / f"{files.BEST_STEM}.json"
     if best.exists():
         try:
-            state = read_checkpoint(best, config, weights_only=weights_only, trainer_state=trainer_state)
+            state = read_checkpoint(best, config, weights_only=weights_only, trainer_state=trainer_state, lazy=lazy)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise
@@ -716,19 +716,20 @@ class CheckpointManager:
         else:
             log.warning(message)
 
-    def load(self, which: str | os.PathLike = "latest") -> tuple[TrainState, Path]:
+    def load(self, which: str | os.PathLike = "latest", lazy: bool = False) -> tuple[TrainState, Path]:
         """``"latest"``: the newest usable checkpoint in the output directory, falling back past damaged
         ones (each fallback is reported through ``on_warning`` and kept in ``self.warnings``). A path (a
         checkpoint's .json or .safetensors, or a run directory meaning its latest): exactly that one,
-        refused if damaged. Returns the state (CPU tensors) and the checkpoint's JSON path."""
+        refused if damaged. Returns the state (CPU tensors; ``lazy``: read when asked, see
+        ``read_checkpoint``) and the checkpoint's JSON path."""
         self.warnings = []
         if str(which) == "latest":
-            state = load_latest(self.output_dir, self.config, self._warn, trainer_state=self.trainer_state)
+            state = load_latest(self.output_dir, self.config, self._warn, trainer_state=self.trainer_state, lazy=lazy)
         else:
             path = Path(which)
             if path.is_dir():
-                state = load_latest(path, self.config, self._warn, trainer_state=self.trainer_state)
+                state = load_latest(path, self.config, self._warn, trainer_state=self.trainer_state, lazy=lazy)
             else:
-                state = read_checkpoint(path, self.config, trainer_state=self.trainer_state)
+                state = read_checkpoint(path, self.config, trainer_state=self.trainer_state, lazy=lazy)
         assert state.info is not None
         return state, state.info.json_path

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,18 +73,58 @@ def merged_shapes(headers: list[dict], names: list[str]) -> tuple[dict, dict, li
 
 def load(paths: list[Path], keep) -> dict[str, Any]:
     """Whole tensors (CPU) assembled from the parts, for the names ``keep(name)`` accepts."""
-    import torch
-    from safetensors import safe_open
+    lazy = LazyTensors(paths, keep)
+    return {name: lazy[name] for name in lazy}
 
-    handles = [safe_open(str(p), framework="pt") for p in paths]
-    try:
-        out = {}
-        for name in handles[0].keys():
-            if keep(name):
-                out[name] = torch.cat([h.get_tensor(name) for h in handles], dim=0)
-        return out
-    finally:
-        del handles
+
+class LazyTensors(Mapping):
+    """A checkpoint's tensors read when asked, from its weights file or its parts (each file holds
+    consecutive rows of every tensor): ``lazy[name]`` is the whole tensor, ``rows(name, start,
+    stop)`` reads only the files, and the rows of them, that overlap those rows. A sharded resume
+    reads each rank's rows this way (apr/train/sharded.py), so no process holds the whole model."""
+
+    def __init__(self, paths: list[Path], keep=lambda name: True):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(p), framework="pt") for p in paths]
+        self._names = [n for n in self._handles[0].keys() if keep(n)]
+        self._counts: dict[str, list[int]] = {}
+        self.shapes: dict[str, tuple] = {}
+        self.dtypes: dict[str, str] = {}
+        for name in self._names:
+            slices = [h.get_slice(name) for h in self._handles]
+            shapes = [tuple(sl.get_shape()) for sl in slices]
+            self._counts[name] = [sh[0] for sh in shapes]
+            self.shapes[name] = (sum(self._counts[name]), *shapes[0][1:])
+            self.dtypes[name] = slices[0].get_dtype()
+
+    def __getitem__(self, name: str):
+        import torch
+
+        if name not in self._counts:
+            raise KeyError(name)
+        return torch.cat([h.get_tensor(name) for h in self._handles], dim=0)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def rows(self, name: str, start: int, stop: int):
+        """Rows ``start:stop`` of the whole tensor ``name``."""
+        import torch
+
+        pieces, offset = [], 0
+        for handle, count in zip(self._handles, self._counts[name], strict=True):
+            a, b = max(start, offset), min(stop, offset + count)
+            if a < b:
+                pieces.append(handle.get_slice(name)[a - offset:b - offset])
+            offset += count
+        if not pieces:  # a rank past the last row
+            dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[self.dtypes[name]]
+            return torch.empty((0, *self.shapes[name][1:]), dtype=dtype)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
 def write_part(path: Path, tensors: dict[str, Any], step: int, rank: int, world: int) -> tuple[str, int]:

@@ -332,7 +332,8 @@ class Run:
 
     def _restore(self, which: str) -> None:
         try:
-            state, json_path = self.ckpt.load(which)
+            # a sharded engine reads each rank's own rows (apr/checkpoint/parts.py, LazyTensors)
+            state, json_path = self.ckpt.load(which, lazy=hasattr(self.engine, "local_state_tensors"))
         except CheckpointError as err:
             if err.reason != "model_mismatch" or err.path is None:
                 raise

@@ -29,11 +29,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 
 from apr.checkpoint import names
+from apr.checkpoint.files import ST_DTYPE_NAMES
+from apr.checkpoint.parts import LazyTensors
 from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
 from apr.model.llama import LlamaForCausalLM
-from apr.train.engine import NonFiniteError, StandardEngine, StepResult
+from apr.train.engine import NonFiniteError, StandardEngine, StepResult, group_specs
 
 
 class _LossModule(nn.Module):
@@ -197,7 +199,29 @@ class ShardedEngine(StandardEngine):
         return out
 
     @torch.no_grad()
-    def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_train_state_tensors(self, tensors) -> None:
+        """Re-shard a checkpoint's tensors: from a ``parts.LazyTensors`` each rank reads only its own
+        rows of every tensor (nothing whole in memory); from a dict of whole tensors, each is split."""
+        if isinstance(tensors, LazyTensors):
+            want = names.state_shapes((s.name, s.shape) for _, specs in group_specs(self.config) for s in specs)
+            problems = names.tensor_mismatches(tensors.shapes, {n: ST_DTYPE_NAMES.get(d, d)
+                                                                for n, d in tensors.dtypes.items()}, want)
+            if problems:
+                raise AprError("checkpoint tensors do not match the model: " + "; ".join(problems[:5]))
+            for name, p in self.named.items():
+                local = p.to_local()
+                start = self._row_start(p)
+
+                def mine(key: str, local=local, start=start) -> torch.Tensor:
+                    return tensors.rows(key, start, start + local.shape[0]).to(self.device, torch.float32)
+
+                local.copy_(mine(name))
+                m, v = torch.zeros_like(p), torch.zeros_like(p)
+                m.to_local().copy_(mine(names.OPT_M + name))
+                v.to_local().copy_(mine(names.OPT_V + name))
+                self.optimizer.state[p] = {"step": torch.tensor(float(self.optimizer_steps), dtype=torch.float32),
+                                           "exp_avg": m, "exp_avg_sq": v}
+            return
         self._check_state_names(tensors)
         for name, p in self.named.items():
             def shard(t: torch.Tensor, p=p):
@@ -209,3 +233,9 @@ class ShardedEngine(StandardEngine):
                 "exp_avg": shard(tensors[names.OPT_M + name]).clone(),
                 "exp_avg_sq": shard(tensors[names.OPT_V + name]).clone(),
             }
+
+    def _row_start(self, p) -> int:
+        """The first row of ``p`` this rank holds: FSDP2 splits the first dimension into chunks of
+        ceil(rows / ranks) in the order of the mesh's shard dimension."""
+        rows, ranks = p.shape[0], self.shard_group.size()
+        return p.device_mesh.get_local_rank("shard") * -(-rows // ranks)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from apr.checkpoint.export import export_hf
+from apr.checkpoint.files import write_safetensors
 from apr.checkpoint.manager import (
     CheckpointError,
     CheckpointManager,
@@ -20,6 +21,7 @@ from apr.checkpoint.manager import (
     read_checkpoint,
     scan,
 )
+from apr.checkpoint.parts import LazyTensors, write_part
 from tests.checkpoint.conftest import make_config
 from tests.checkpoint.test_export import ARCH, tokenizer_file, weights  # noqa: F401
 
@@ -171,3 +173,29 @@ def test_an_edited_parts_list_is_refused(tmp_path, config):
     with pytest.raises(CheckpointError) as err:
         read_checkpoint(path)
     assert err.value.reason == "bad_meta"
+
+
+def test_a_rank_reads_only_its_rows_across_any_parts(tmp_path, config):
+    """LazyTensors.rows: rows start:stop of the whole tensor from 3 parts (the last one holding no
+    rows of a 2-row tensor split 3 ways), and from a single file, as a 4-rank or 2-rank resume asks."""
+    tensors = weights(config)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:2].clone()  # fewer rows than parts
+    paths = []
+    for r in range(3):  # the parts, written directly (any tensors will do here)
+        path = tmp_path / f"checkpoint-step-4.part-{r}-of-3.safetensors"
+        write_part(path, {n: rows(t, r, 3) for n, t in tensors.items()}, 4, r, 3)
+        paths.append(path)
+    lazy = LazyTensors(paths)
+    assert lazy.shapes == {n: tuple(t.shape) for n, t in tensors.items()} and set(lazy) == set(tensors)
+    for name, whole in tensors.items():
+        n = whole.shape[0]
+        for ranks in (1, 2, 4, 5):
+            chunk = -(-n // ranks)
+            for r in range(ranks):
+                start, stop = min(r * chunk, n), min((r + 1) * chunk, n)
+                assert torch.equal(lazy.rows(name, start, stop), whole[start:stop]), (name, ranks, r)
+        assert torch.equal(lazy[name], whole)
+    single = tmp_path / "whole.safetensors"
+    write_safetensors(single, tensors)
+    one = LazyTensors([single])
+    assert torch.equal(one.rows("model.embed_tokens.weight", 3, 9), tensors["model.embed_tokens.weight"][3:9])
