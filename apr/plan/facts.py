@@ -316,7 +316,8 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
             facts["time"] = {"estimated_seconds": seconds, "total_flops": sheet.time_estimate["total_flops"],
                              "calibrated": True}
     total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None
-    facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"))
+    facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"),
+                                     world_size)
     if tr.price_per_gpu_hour is not None:
         facts["cost"] = cost_facts(tr.price_per_gpu_hour, world_size, tokens, sheet.time_estimate, facts)
     return sheet

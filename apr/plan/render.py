@@ -378,7 +378,9 @@ def _storage_lines(plan, colour: bool) -> list[str]:
                    f"{st['write_speed_basis']}")
         if "blocking_seconds" in st:
             how = ("in the background (training.checkpoint_async), one in flight: training waits when a write "
-                   "outlasts the steps to the next save" if st["background"] else "synchronously")
+                   "outlasts the steps to the next save" if st["background"] else
+                   f"synchronously, one part per rank written in parallel ({st['parts']} parts)"
+                   if st.get("parts", 1) > 1 else "synchronously")
             out.append(f"  saved {how}: ~{fmt_estimate(st['blocking_seconds'])} of waiting, "
                        f"{st['write_share']:.1%} of the run's estimated time")
     if "free_bytes" in st:

@@ -74,9 +74,13 @@ def checkpoints_written(total_steps: int, save_interval: int, eval_interval: int
     return {"scheduled": scheduled, "best_max": best_max, "max": scheduled + best_max}
 
 
-def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds: float | None) -> dict:
-    """The run's checkpoint storage. Without a step count only the per-checkpoint size is known."""
+def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds: float | None,
+                  world_size: int = 1) -> dict:
+    """The run's checkpoint storage. Without a step count only the per-checkpoint size is known. A
+    sharded run (``world_size`` > 1) writes one part per rank, synchronously, the ranks in parallel
+    (each at the assumed speed: storage that scales with writers; docs/checkpoints.md)."""
     tr = config.training
+    parts = world_size if str(tr.sharding) != "none" and world_size > 1 else 1
     validates = config.data.val is not None and tr.eval_interval > 0
     last_step = total_steps or tr.max_steps or 1
     weights = weights_file_bytes(config, last_step)
@@ -85,7 +89,8 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
         "output_dir": str(resolve(tr.output_dir)), "weights_bytes": weights, "sidecar_bytes": SIDECAR_BYTES,
         "checkpoint_bytes": each, "keep_last": tr.keep_last, "best": validates,
         "write_bytes_per_s": WRITE_BYTES_PER_S, "write_speed_basis": "assumed (a SATA SSD's sustained write)",
-        "seconds_per_checkpoint": each / WRITE_BYTES_PER_S, "background": tr.checkpoint_async,
+        "seconds_per_checkpoint": each / parts / WRITE_BYTES_PER_S,
+        "background": tr.checkpoint_async and parts == 1, "parts": parts,
     }
     probe = free_space(Path(out["output_dir"]))
     if probe is not None:
@@ -102,7 +107,7 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
     out.update({"written": written, "peak_checkpoints": peak_pairs, "peak_bytes": peak_pairs * each,
                 "kept_checkpoints": kept_pairs, "kept_bytes": kept_pairs * each,
                 "total_written_bytes": written["max"] * each,
-                "write_seconds": written["max"] * each / WRITE_BYTES_PER_S})
+                "write_seconds": written["max"] * out["seconds_per_checkpoint"]})
     if "free_bytes" in out:
         out["free_after_bytes"] = out["available_bytes"] - out["peak_bytes"]
     if estimated_seconds:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from apr.cli.main import app
 from apr.config import config_hash
+from apr.config.schema import AprConfig
 from apr.plan import storage
 from apr.plan.build import build_plan
 from apr.plan.examples import materialize
@@ -133,3 +134,20 @@ def test_background_saves_block_only_when_a_write_outlasts_the_steps_to_the_next
     facts["background"] = True
     assert storage.blocking_seconds(facts, 20, 4.0) == 20 * 6.0  # one in flight: the next save waits 6 s
     assert storage.blocking_seconds(facts, 20, 30.0) == 0.0  # hidden behind the steps
+
+
+def test_a_sharded_run_writes_its_parts_synchronously_in_parallel():
+    """Under sharding each rank writes 1/K of a checkpoint before the next step (no background
+    writer): the plan says so and times one part, not the whole file, per save."""
+    doc = {"model": {"architecture": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                      "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 64}},
+           "data": {"train": "x/", "batch_size": 2, "seq_len": 32}, "optimizer": {"lr": 1e-3},
+           "training": {"max_steps": 100, "save_interval": 10, "output_dir": "o/", "sharding": "full"}}
+    config = AprConfig.model_validate(doc)
+    one = storage.storage_facts(config, 100, 50.0, world_size=1)  # one process: sharding does not apply
+    eight = storage.storage_facts(config, 100, 50.0, world_size=8)
+    assert one["background"] and one["parts"] == 1
+    assert not eight["background"] and eight["parts"] == 8
+    assert eight["checkpoint_bytes"] == one["checkpoint_bytes"]  # the same bytes on disk, in 8 files
+    assert eight["seconds_per_checkpoint"] == one["seconds_per_checkpoint"] / 8
+    assert eight["blocking_seconds"] == eight["written"]["max"] * eight["seconds_per_checkpoint"]
