@@ -23,6 +23,7 @@ from apr.plan.datafacts import dataset_facts, shared_shards
 from apr.plan.gpus import Target, mfu_basis
 from apr.plan.memory import (
     COEFFICIENTS,
+    MAX_LAYERS_SEARCHED,
     ExecutionChoice,
     MemoryRow,
     choose_execution,
@@ -230,7 +231,7 @@ def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
         per_rank[strategy] = mem["total_bytes"]
         max_batch[strategy] = mem.get("max_micro_batch")
         layers = max_layers(ranked, target.vram_bytes)
-        deepest[strategy] = {"num_hidden_layers": layers,
+        deepest[strategy] = {"num_hidden_layers": layers, "at_least": layers >= MAX_LAYERS_SEARCHED,
                              "params": param_count(ranked.model.architecture.model_copy(
                                  update={"num_hidden_layers": layers})) if layers else 0}
     return {"world_size": world_size, "strategy": str(config.training.sharding), "per_rank_bytes": per_rank,

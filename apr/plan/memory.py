@@ -186,10 +186,13 @@ def with_layers(config: AprConfig, layers: int) -> AprConfig:
     return config.model_copy(update={"model": config.model.model_copy(update={"architecture": arch})})
 
 
-def max_layers(config: AprConfig, vram_bytes: int, limit: int = 4096,
+MAX_LAYERS_SEARCHED = 4096
+
+
+def max_layers(config: AprConfig, vram_bytes: int, limit: int = MAX_LAYERS_SEARCHED,
                coefficients: MemoryCoefficients = COEFFICIENTS) -> int:
     """The deepest model of this width (and batch) whose total fits in ``vram_bytes`` under the
-    leanest policy the config allows; 0 if not even one block does."""
+    leanest policy the config allows (``limit`` when even that many fit); 0 if not one block does."""
 
     def fits(n: int) -> bool:
         cfg = with_layers(config, n)

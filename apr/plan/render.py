@@ -252,7 +252,8 @@ def _sharding_lines(sh: dict | None) -> list[str]:
         largest = f", largest micro-batch {mb:,}" if mb else ""
         deepest = (sh.get("largest_model") or {}).get(strategy) or {}
         if deepest.get("num_hidden_layers"):
-            largest += (f"; deepest at this width and batch: {deepest['num_hidden_layers']:,} blocks "
+            largest += (f"; deepest at this width and batch: {deepest['num_hidden_layers']:,}"
+                        f"{' or more' if deepest.get('at_least') else ''} blocks "
                         f"({deepest['params'] / 1e9:.2f}B parameters)")
         out.append(f"    {strategy:<15}{format_bytes(total):>12}  {fits}{largest}")
     return out
