@@ -21,7 +21,8 @@ from apr.checkpoint.manager import (
     read_checkpoint,
     scan,
 )
-from apr.checkpoint.parts import LazyTensors, write_part
+from apr.checkpoint.parts import LazyTensors, index_digest, write_part
+from apr.config.loader import config_doc_hash
 from tests.checkpoint.conftest import make_config
 from tests.checkpoint.test_export import ARCH, tokenizer_file, weights  # noqa: F401
 
@@ -199,3 +200,26 @@ def test_a_rank_reads_only_its_rows_across_any_parts(tmp_path, config):
     write_safetensors(single, tensors)
     one = LazyTensors([single])
     assert torch.equal(one.rows("model.embed_tokens.weight", 3, 9), tensors["model.embed_tokens.weight"][3:9])
+
+
+def test_parts_that_do_not_make_one_checkpoint_are_refused_even_with_matching_digests(tmp_path, config):
+    """Part 1 rewritten without one tensor, its new digest and size put in the JSON (so the files
+    verify): the parts no longer assemble into the model, so the checkpoint is refused as damaged
+    and a resume falls back to the previous one."""
+    run = tmp_path / "run"
+    save_sharded(run, config, weights(config, seed=1), 2, world=2)
+    tensors = weights(config, seed=2)
+    save_sharded(run, config, tensors, 4, world=2)
+    part = run / "checkpoint-step-4.part-1-of-2.safetensors"
+    sha, size = write_part(part, {n: rows(t, 1, 2) for n, t in tensors.items() if n != "model.norm.weight"}, 4, 1, 2)
+    path = run / "checkpoint-step-4.json"
+    doc = json.loads(path.read_text())
+    doc["weights_parts"][1].update(sha256=sha, size=size)
+    doc["weights_sha256"] = index_digest([e["sha256"] for e in doc["weights_parts"]])
+    assert doc["config_hash"] == config_doc_hash(doc["config"])
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(path)
+    assert err.value.reason == "bad_weights" and "part-1-of-2" in err.value.message
+    warnings: list[str] = []
+    assert load_latest(run, warn=warnings.append).step == 2 and warnings
