@@ -160,25 +160,31 @@ def with_batch_size(config: AprConfig, batch_size: int) -> AprConfig:
     return config.model_copy(update={"data": config.data.model_copy(update={"batch_size": batch_size})})
 
 
-def max_micro_batch(config: AprConfig, vram_bytes: int, limit: int = 1 << 16,
-                    coefficients: MemoryCoefficients = COEFFICIENTS) -> int:
-    """The largest micro-batch (at this seq_len) whose total fits in ``vram_bytes`` under the leanest
-    policy the config allows; 0 if none does."""
-
-    def fits(b: int) -> bool:
-        cfg = with_batch_size(config, b)
-        return min(total_bytes(cfg, coefficients, e) for e in _lean_candidates(cfg)) <= vram_bytes
-
+def _largest_fitting(fits, limit: int) -> int:
+    """The largest n in 1..limit with ``fits(n)``, for a ``fits`` that turns false past some n
+    (memory grows with the batch and the depth): gallop, then bisect; 0 if not even 1 fits."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
-    while hi <= limit and fits(hi):  # memory grows with the batch: gallop, then bisect
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def _fits_leanest(cfg: AprConfig, vram_bytes: int, coefficients: MemoryCoefficients) -> bool:
+    return min(total_bytes(cfg, coefficients, e) for e in _lean_candidates(cfg)) <= vram_bytes
+
+
+def max_micro_batch(config: AprConfig, vram_bytes: int, limit: int = 1 << 16,
+                    coefficients: MemoryCoefficients = COEFFICIENTS) -> int:
+    """The largest micro-batch (at this seq_len) whose total fits in ``vram_bytes`` under the leanest
+    policy the config allows; 0 if none does."""
+    return _largest_fitting(
+        lambda b: _fits_leanest(with_batch_size(config, b), vram_bytes, coefficients), limit)
 
 
 def with_layers(config: AprConfig, layers: int) -> AprConfig:
@@ -193,21 +199,8 @@ def max_layers(config: AprConfig, vram_bytes: int, limit: int = MAX_LAYERS_SEARC
                coefficients: MemoryCoefficients = COEFFICIENTS) -> int:
     """The deepest model of this width (and batch) whose total fits in ``vram_bytes`` under the
     leanest policy the config allows (``limit`` when even that many fit); 0 if not one block does."""
-
-    def fits(n: int) -> bool:
-        cfg = with_layers(config, n)
-        return min(total_bytes(cfg, coefficients, e) for e in _lean_candidates(cfg)) <= vram_bytes
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return _largest_fitting(
+        lambda n: _fits_leanest(with_layers(config, n), vram_bytes, coefficients), limit)
 
 
 def coefficients_dict(coefficients: MemoryCoefficients = COEFFICIENTS) -> dict:
