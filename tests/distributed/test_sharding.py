@@ -105,13 +105,15 @@ def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, engi
 
 
 @pytest.mark.slow
-def test_hybrid_sharding_replicates_across_nodes_and_equals_one_process(tmp_path):
+@pytest.mark.parametrize(("engine", "accum", "clip_mode"), [("interleaved", 1, "adagc"), ("standard", 2, "global")])
+def test_hybrid_sharding_replicates_across_nodes_and_equals_one_process(tmp_path, engine, accum, clip_mode):
     """2 ranks as 2 one-rank 'nodes' (APR_SHARD_GROUP_SIZE=1): each holds a whole replica, gradients
     all-reduced across the replicas; the same weights as one process with twice the batch. The
-    interleaved walk with AdaGC (per-tensor norms from the shards') and no accumulation."""
+    interleaved walk with AdaGC (per-tensor norms from the shards') and no accumulation; the standard
+    engine with accumulation 2 and global clipping."""
     make_dataset(tmp_path, train_rows=160)
-    common = {"epochs": 1, "max_steps": 6, "save_interval": 6, "eval_interval": 3, "engine": "interleaved",
-              "grad_clip": 0.5, "clip_mode": "adagc"}
+    common = {"epochs": 1, "max_steps": 6, "save_interval": 6, "eval_interval": 3, "engine": engine,
+              "grad_clip": 0.5, "clip_mode": clip_mode, "gradient_accumulation": accum}
     one = config_doc(tmp_path, data={"batch_size": 4}, optimizer=OPT, training={**common, "output_dir": "one/"})
     two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
                      training={**common, "output_dir": "two/", "sharding": "hybrid", "nodes": 2})
