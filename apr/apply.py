@@ -76,12 +76,13 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     if plan_doc is None:  # read and check the config before importing torch: a bad one fails at once
 
         load_config(config_path, normalise_overrides(overrides) or None)
-    from apr.train.dist import env_world_size
+    from apr.train.dist import env_nodes, env_world_size
     from apr.train.run import ApplyOptions, prepare_run
 
     world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
     plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
-                      overrides=overrides or None, device_budget=_device_budget)
+                      nodes=env_nodes(world) if world > 1 else None, overrides=overrides or None,
+                      device_budget=_device_budget)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
     if plan_doc is None:

@@ -30,6 +30,7 @@ def parse_price(text: str) -> float:
 
 
 def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int | None, json_out: bool,
+             nodes: int | None = None,
              strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False,
              fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None,
              price: str | None = None, probe: bool = False, probe_steps: int = 3) -> int:
@@ -50,10 +51,10 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
 
             sys.stdout.write(explain_lines(load_config(config, overrides), explain))
             return 0
-        plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size, overrides=overrides)
+        plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size, nodes=nodes, overrides=overrides)
         if probe:  # synthetic ids: the probe runs even where the data is missing (the plan still fails)
             plan = probe_plan(plan, probe_steps, lambda: build_plan(config, gpu=gpu, vram=vram, world_size=world_size,
-                                                                    overrides=overrides))
+                                                                    nodes=nodes, overrides=overrides))
     except PlanUsageError as err:
         hint = {"plan.unknown_gpu": "'--gpu'", "plan.bad_vram": "'--vram'"}.get(
             err.findings[0].code if err.findings else "", "'--world-size'")
@@ -131,6 +132,9 @@ def register(app: typer.Typer) -> None:
             None, "--vram", metavar="SIZE", help="Target GPU memory, e.g. 24GiB (overrides --gpu's memory)."),
         world_size: int | None = typer.Option(
             None, "--world-size", min=1, metavar="N", help="Data-parallel GPUs (default: training.world_size)."),
+        nodes: int | None = typer.Option(
+            None, "--nodes", min=1, metavar="N",
+            help="Hosts the GPUs are spread over, for hybrid sharding's per-rank memory (default: training.nodes)."),
         json_out: bool = typer.Option(False, "--json", help="Print the plan as one JSON object (= --format json)."),
         fmt: str | None = typer.Option(
             None, "--format", metavar="FORMAT",
@@ -155,7 +159,8 @@ def register(app: typer.Typer) -> None:
         Exit 0 no errors, 1 errors (or warnings with --strict), 2 usage."""
 
         fmt = output_format(fmt, json_out)
-        raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, json_out=fmt == "json",
+        raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, nodes=nodes,
+                                  json_out=fmt == "json",
                                   strict=strict, out=out, verbose=verbose,
                                   overwrite=overwrite, fmt=fmt, settings=settings, explain=explain,
                                   price=price, probe=probe, probe_steps=probe_steps))

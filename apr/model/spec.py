@@ -194,7 +194,9 @@ def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]], execution
     step's update; the interleaved walk runs AdamW on each group's shard as it arrives and drops it
     (one group's shard at a time, ``grad_shard``), and keeps its blocks' inputs as it does unsharded."""
     tr = config.training
-    w = tr.world_size // tr.nodes if str(tr.sharding) == "hybrid" else tr.world_size  # ranks sharing a shard
+    # ranks sharing a shard: hybrid shards within a node (at least one rank, even for an uneven layout
+    # the plan reports as an error)
+    w = max(1, tr.world_size // tr.nodes) if str(tr.sharding) == "hybrid" else tr.world_size
     arch = config.model.architecture
     shard = {name: sum(-(-p.shape[0] // w) * (p.numel // p.shape[0]) for p in specs)
              for name, specs in optimizer_groups(config)}

@@ -51,8 +51,8 @@ PLAN_FORMAT_VERSION = "1"
 
 # Top-level keys of Plan.to_dict(), in order (docs/plan.md describes each).
 PLAN_KEYS = ("format", "format_version", "apr_version", "created", "config_path", "cwd", "config_hash",
-             "overrides", "layers", "world_size", "target", "config", "run", "facts", "memory", "time_estimate",
-             "mfu", "cost", "storage", "contracts", "findings", "summary", "data_fingerprint")
+             "overrides", "layers", "world_size", "nodes", "target", "config", "run", "facts", "memory",
+             "time_estimate", "mfu", "cost", "storage", "contracts", "findings", "summary", "data_fingerprint")
 
 # Command-line overrides `apr train apply` may pass; bare names mean keys of the training section.
 OVERRIDABLE = ("training.seed", "training.device", "training.max_steps")
@@ -80,6 +80,7 @@ class Plan:
     results: list[ContractResult]
     findings: list[Finding]
     data_fingerprint: dict
+    nodes: int = 1
     created: float = field(default_factory=time.time)
     cwd: str = field(default_factory=os.getcwd)
 
@@ -131,6 +132,7 @@ class Plan:
             "overrides": dict(self.overrides),
             "layers": layers_dict(self.loaded),
             "world_size": self.world_size,
+            "nodes": self.nodes,
             "target": target_dict(self.target, self.target_args),
             "config": self.config.model_dump(mode="json"),
             "run": run_summary(self),
@@ -308,14 +310,15 @@ def sharding_advice(loaded, facts: dict) -> list[Finding]:
 
 
 def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,
-               world_size: int | None = None, overrides: dict | None = None,
+               world_size: int | None = None, nodes: int | None = None, overrides: dict | None = None,
                contracts_dir: Path | None = None, device_budget=None) -> Plan:
     """Plan a run from ``config_path``.
 
     ``gpu``/``vram``: the target for the memory budget and time estimate (default: the config's
     training.gpu / training.vram, else none). ``world_size``: data-parallel processes (default:
-    training.world_size). ``overrides``: the command line's (``max_steps``, ``seed``, ``device`` from
-    apply's options, and any ``KEY.PATH=VALUE`` setting as ``{"training.lr": 0.001}``).
+    training.world_size); ``nodes``: the hosts they run on (default: training.nodes).
+    ``overrides``: the command line's (``max_steps``, ``seed``, ``device`` from apply's options, and
+    any ``KEY.PATH=VALUE`` setting as ``{"training.lr": 0.001}``).
     ``device_budget``: apply's ``config -> (bytes, source)``, the device's memory the
     execution policy must fit when no target is given. Raises ConfigError when the config does not
     load, PlanUsageError (exit code 2) for a bad argument, ContractFileError for a malformed contract
@@ -333,9 +336,13 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
         world_size = config.training.world_size
     if world_size < 1:
         raise PlanUsageError(f"--world-size must be at least 1, got {world_size}")
+    if nodes is None:
+        nodes = config.training.nodes
+    if nodes < 1:
+        raise PlanUsageError(f"--nodes must be at least 1, got {nodes}")
     target = resolve_plan_target(config, gpu, vram)
     budget = device_budget(config) if device_budget is not None and (target is None or not target.vram_bytes) else None
-    sheet = all_facts(config, world_size=world_size, target=target, device_budget=budget)
+    sheet = all_facts(config, world_size=world_size, nodes=nodes, target=target, device_budget=budget)
 
     init_facts, init_findings = init_from_check(loaded)
     if init_facts is not None:
@@ -382,12 +389,12 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
                        *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *survival_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *stacking_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
-                       *sharding_findings(loaded), *sharding_advice(loaded, sheet.facts),
+                       *sharding_findings(loaded, world_size, nodes), *sharding_advice(loaded, sheet.facts),
                        *resume_layout_findings(loaded, world_size)],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),
-        world_size=world_size, target=target, target_args={"gpu": gpu, "vram": vram},
+        world_size=world_size, nodes=nodes, target=target, target_args={"gpu": gpu, "vram": vram},
         overrides=normalise_overrides(overrides), facts=sheet.facts, memory=sheet.memory,
         time_estimate=sheet.time_estimate, results=results, findings=findings,
         data_fingerprint=data_fingerprint(config))

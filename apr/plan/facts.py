@@ -190,7 +190,7 @@ def peak_lr_reached(config: AprConfig, total_steps: int) -> float:
     return schedule(min(total_steps, warmup)) if warmup else schedule(1)
 
 
-def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
+def config_facts(config: AprConfig, *, world_size: int, nodes: int | None = None, target: Target | None,
                  device_budget: tuple[int, str] | None = None) -> FactSheet:
     """Facts that need only the config (and the target): what `apr train validate` evaluates."""
     tr = config.training
@@ -206,26 +206,28 @@ def config_facts(config: AprConfig, *, world_size: int, target: Target | None,
         facts["target"] = target.to_facts(str(tr.mixed_precision))
     # per rank at the planned number of ranks (--world-size): data parallelism's second gradient
     # workspace, the shards under training.sharding
-    ranked = config if tr.world_size == world_size else config.model_copy(
-        update={"training": tr.model_copy(update={"world_size": world_size})})
+    nodes = tr.nodes if nodes is None else nodes
+    ranked = config if (tr.world_size, tr.nodes) == (world_size, nodes) else config.model_copy(
+        update={"training": tr.model_copy(update={"world_size": world_size, "nodes": nodes})})
     facts["memory"], rows, choice = memory_facts(ranked, target, device_budget)
     if world_size > 1 and target is not None and target.vram_bytes:
-        facts["sharding"] = sharding_facts(config, world_size, target)
+        facts["sharding"] = sharding_facts(config, world_size, target, nodes)
     facts["execution"] = {**execution_facts(config, choice.execution), **choice.facts(config)}
     facts["mfu"] = mfu_facts(facts["model"]["flops_per_token"], target, str(tr.mixed_precision),
                              facts["execution"]["cost_f"])
     return FactSheet(facts=facts, memory=rows)
 
 
-def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
-    """Per-rank bytes under each sharding strategy at ``world_size`` ranks (with the config's
-    engine), and which ones fit the target."""
+def sharding_facts(config: AprConfig, world_size: int, target: Target, nodes: int | None = None) -> dict:
+    """Per-rank bytes under each sharding strategy at ``world_size`` ranks on ``nodes`` hosts
+    (default training.nodes; hybrid only where they split evenly) with the config's engine, and
+    which ones fit the target."""
     per_rank, max_batch, deepest = {}, {}, {}
-    nodes = config.training.nodes
+    nodes = config.training.nodes if nodes is None else nodes
     hybrid = ("hybrid",) if nodes > 1 and world_size % nodes == 0 else ()
     for strategy in ("none", "shard_grad_op", "full", *hybrid):
         doc = config.model_dump(mode="json")
-        doc["training"].update(world_size=world_size, sharding=strategy)
+        doc["training"].update(world_size=world_size, nodes=nodes, sharding=strategy)
         ranked = AprConfig.model_validate(doc)
         mem = memory_facts(ranked, target)[0]
         per_rank[strategy] = mem["total_bytes"]
@@ -234,16 +236,17 @@ def sharding_facts(config: AprConfig, world_size: int, target: Target) -> dict:
         deepest[strategy] = {"num_hidden_layers": layers, "at_least": layers >= MAX_LAYERS_SEARCHED,
                              "params": param_count(ranked.model.architecture.model_copy(
                                  update={"num_hidden_layers": layers})) if layers else 0}
-    return {"world_size": world_size, "strategy": str(config.training.sharding), "per_rank_bytes": per_rank,
+    return {"world_size": world_size, "nodes": nodes, "strategy": str(config.training.sharding),
+            "per_rank_bytes": per_rank,
             "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}, "max_micro_batch": max_batch,
             "largest_model": deepest}
 
 
-def all_facts(config: AprConfig, *, world_size: int, target: Target | None,
+def all_facts(config: AprConfig, *, world_size: int, target: Target | None, nodes: int | None = None,
               device_budget: tuple[int, str] | None = None) -> FactSheet:
     """Config facts plus data (Parquet footers), tokenizer and step algebra, and the time estimate."""
 
-    sheet = config_facts(config, world_size=world_size, target=target, device_budget=device_budget)
+    sheet = config_facts(config, world_size=world_size, nodes=nodes, target=target, device_budget=device_budget)
     facts = sheet.facts
     data, tr = config.data, config.training
     if data.sources is not None:  # a mixture: each source's facts, and the sources together as "train"

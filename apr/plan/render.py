@@ -245,7 +245,8 @@ def _sharding_lines(sh: dict | None) -> list[str]:
     """Per rank under each training.sharding strategy: total, fits, the largest micro-batch."""
     if not sh:
         return []
-    out = [f"  per rank at {sh['world_size']} ranks by training.sharding (configured: {sh['strategy']}):"]
+    hosts = f" on {sh['nodes']} nodes" if sh.get("nodes", 1) > 1 else ""
+    out = [f"  per rank at {sh['world_size']} ranks{hosts} by training.sharding (configured: {sh['strategy']}):"]
     for strategy, total in sh["per_rank_bytes"].items():
         mb = (sh.get("max_micro_batch") or {}).get(strategy)
         fits = "fits" if sh["fits"][strategy] else "does not fit"

@@ -233,12 +233,16 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
     return out
 
 
-def sharding_findings(loaded: LoadedConfig) -> list[Finding]:
+def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes: int | None = None) -> list[Finding]:
     """`training.sharding` with what it cannot run with yet: compiled blocks, distillation, LoRA,
-    progressive stacking, in-training task evaluation and samples (they read the whole model)."""
+    progressive stacking, in-training task evaluation and samples (they read the whole model);
+    hybrid over nodes that do not split the ranks evenly. ``world_size``/``nodes``: the plan's
+    (``--world-size``/``--nodes``; default the config's)."""
 
     c = loaded.config
     tr = c.training
+    world_size = tr.world_size if world_size is None else world_size
+    nodes = tr.nodes if nodes is None else nodes
     if str(tr.sharding) == "none":
         return []
     out = []
@@ -261,12 +265,14 @@ def sharding_findings(loaded: LoadedConfig) -> list[Finding]:
     if c.evaluation.tasks or c.evaluation.samples:
         finding("evaluation.tasks/samples", "in-training evaluation reads the whole model on rank 0",
                 "no evaluation tasks or samples (run apr eval on a checkpoint)", "evaluation set")
-    if str(tr.sharding) == "hybrid" and tr.world_size % tr.nodes:
-        out.append(Finding("error", "config.sharding", f"training.sharding hybrid with training.world_size "
-                           f"{tr.world_size} and training.nodes {tr.nodes}: every node needs the same number of ranks",
-                           path="training.nodes", file=file, line=line, column=column,
-                           expected=f"nodes dividing {tr.world_size}", got=str(tr.nodes)))
-    if tr.world_size == 1:
+    if str(tr.sharding) == "hybrid" and world_size > 1 and world_size % nodes:
+        where = loaded.source.where(("training", "nodes"))
+        out.append(Finding("error", "config.sharding", f"training.sharding hybrid with {world_size} ranks "
+                           f"(training.world_size / --world-size) on {nodes} nodes (training.nodes / --nodes): "
+                           "every node needs the same number of ranks",
+                           path="training.nodes", file=file, line=where[1] or line, column=where[2] or column,
+                           expected=f"nodes dividing {world_size}", got=str(nodes)))
+    if world_size == 1:
         out.append(Finding("info", "config.sharding", "training.sharding takes effect under torchrun with more than "
                            "one process; a single process holds everything", path="training.sharding", file=file,
                            line=line, column=column))

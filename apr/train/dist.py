@@ -75,6 +75,16 @@ def env_world_size() -> int:
         return 1
 
 
+def env_nodes(world: int) -> int:
+    """The hosts ``world`` ranks run on: world / torchrun's LOCAL_WORLD_SIZE (``APR_SHARD_GROUP_SIZE``
+    overrides the ranks per node, as for hybrid sharding); 1 when unknown or uneven."""
+    try:
+        per_node = int(os.environ.get("APR_SHARD_GROUP_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
+    except ValueError:
+        return 1
+    return world // per_node if per_node >= 1 and world % per_node == 0 else 1
+
+
 def from_env(device_kind: str) -> DataParallel | None:
     """Join the process group torchrun describes; None when this is a single process."""
     world = env_world_size()

@@ -211,6 +211,37 @@ def test_a_run_that_fits_only_sharded_is_told_which_strategy_and_what_each_gives
     assert not any(f["code"] == "plan.sharding" for f in doc["findings"])
 
 
+def test_hybrid_sharding_is_planned_at_the_nodes_given_and_refuses_uneven_nodes(tmp_path):
+    """--world-size 16 --nodes 2 under hybrid: each node's 8 ranks share a shard, so a rank holds
+    what full sharding over 8 ranks gives it; 6 ranks on 4 nodes fail the plan naming both keys; a
+    config that leaves world_size to torchrun is not refused for its nodes."""
+    arch = {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "intermediate_size": 5504}
+    cfg, _ = materialize({"config": {"model": {"architecture": arch}, "data": {"batch_size": 2},
+                                     "training": {"max_steps": 1, "warmup_steps": 0, "sharding": "hybrid",
+                                                  "nodes": 2}}}, tmp_path)
+    r = plan(cfg, "--json", "--vram", "8GiB", "--world-size", "16")
+    assert r.exit_code == 0, r.stdout
+    doc = json.loads(r.stdout)
+    sh = doc["facts"]["sharding"]
+    assert doc["nodes"] == sh["nodes"] == 2 and sh["world_size"] == 16
+    full_on_8 = json.loads(plan(cfg, "--json", "--vram", "8GiB", "--world-size", "8", "--nodes", "1",
+                                "training.sharding=full").stdout)["facts"]["sharding"]["per_rank_bytes"]["full"]
+    assert doc["memory"]["total_bytes"] == sh["per_rank_bytes"]["hybrid"] == full_on_8
+    assert sh["per_rank_bytes"]["full"] < sh["per_rank_bytes"]["hybrid"]  # full shards over all 16
+    text = plan(cfg, "--vram", "8GiB", "--world-size", "16").stdout
+    assert "per rank at 16 ranks on 2 nodes by training.sharding (configured: hybrid):" in text
+    # on 4 nodes of 4, a shard group is 4 ranks: more per rank than on 2 nodes of 8
+    four = json.loads(plan(cfg, "--json", "--vram", "8GiB", "--world-size", "16", "--nodes", "4").stdout)
+    assert four["nodes"] == 4 and four["memory"]["total_bytes"] > doc["memory"]["total_bytes"]
+    r = plan(cfg, "--json", "--world-size", "6", "--nodes", "4")
+    assert r.exit_code == 1
+    f = next(f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.sharding")
+    assert f["path"] == "training.nodes" and "--world-size" in f["message"] and "--nodes" in f["message"]
+    assert (f["expected"], f["got"]) == ("nodes dividing 6", "4")
+    assert plan(cfg, "--json").exit_code == 0  # one process: nothing to split yet
+
+
 def test_a_resume_on_a_world_size_that_cannot_keep_the_global_batch_fails_the_plan(tmp_path, monkeypatch):
     """training.output_dir holds a checkpoint saved by 2 ranks x accumulation 2 (4 micro-batches a
     step): planned on 3 ranks the plan fails naming both keys and the sizes that work; on 4 ranks
