@@ -239,6 +239,8 @@ def test_hybrid_sharding_is_planned_at_the_nodes_given_and_refuses_uneven_nodes(
     f = next(f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.sharding")
     assert f["path"] == "training.nodes" and "--world-size" in f["message"] and "--nodes" in f["message"]
     assert (f["expected"], f["got"]) == ("nodes dividing 6", "4")
+    r = plan(cfg, "--json", "--vram", "8GiB", "--world-size", "2", "--nodes", "4")  # more nodes than ranks
+    assert r.exit_code == 1 and any(f["code"] == "config.sharding" for f in json.loads(r.stdout)["findings"])
     assert plan(cfg, "--json").exit_code == 0  # one process: nothing to split yet
 
 
