@@ -330,10 +330,15 @@ class Run:
     def _warn(self, message: str) -> None:
         self.echo(f"warning: {message}")
 
+    def load_checkpoint(self, which: str | Path) -> tuple[TrainState, Path]:
+        """A checkpoint of this run (``latest``, ``best`` or a path) for :meth:`adopt`; a sharded
+        engine reads only its rank's rows of each tensor (apr/checkpoint/parts.py, LazyTensors), so
+        no rank holds the whole model in host memory."""
+        return self.ckpt.load(which, lazy=hasattr(self.engine, "local_state_tensors"))
+
     def _restore(self, which: str) -> None:
         try:
-            # a sharded engine reads each rank's own rows (apr/checkpoint/parts.py, LazyTensors)
-            state, json_path = self.ckpt.load(which, lazy=hasattr(self.engine, "local_state_tensors"))
+            state, json_path = self.load_checkpoint(which)
         except CheckpointError as err:
             if err.reason != "model_mismatch" or err.path is None:
                 raise

@@ -138,7 +138,7 @@ class Survival:
         window = self._window(run, start, step)
         kept = rb.state_dict()  # the run's rollback history outlives the restore
         run.echo(f"{run._step_label(step)}  rollback: {what}; restoring {targets[0].json_path.name}")
-        state, json_path = run.ckpt.load(targets[0].json_path)
+        state, json_path = run.load_checkpoint(targets[0].json_path)
         run.adopt(state)
         rb.load_state_dict(kept)
         rb.rollbacks += 1

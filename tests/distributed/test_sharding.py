@@ -259,3 +259,28 @@ def test_apply_plans_hybrid_at_the_nodes_torchrun_starts(monkeypatch):
         assert env_nodes(world) == nodes, (local, world)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert env_nodes(16) == 1
+
+
+@pytest.mark.slow
+def test_a_sharded_run_rolls_back_a_spike_and_ends_as_a_run_without_it(tmp_path):
+    """training.rollback under full sharding (the interleaved walk, 2 ranks): the random-token window
+    of steps 21-23 triggers a rollback to step 20's checkpoint, read in parts (one rank's rows each);
+    the run ends bitwise where the same 2 ranks end on data that never held the window."""
+    from tests.train.test_survive import BAD, ROLLBACK_CFG, _corpus
+
+    ref, run = tmp_path / "ref", tmp_path / "rb"
+    _corpus(ref, without_bad=True)
+    _corpus(run)
+    training = {"max_steps": 30, "warmup_steps": 0, "lr_scheduler": "constant", "save_interval": 5,
+                "log_interval": 5, "eval_interval": 0, "grad_clip": None, "keep_last": 10, "sharding": "full"}
+    data = {"shuffle": False, "batch_size": 2}
+    _launch(config_doc(ref, data=data, training=training), ref / "cfg.json", 2)
+    _launch(config_doc(run, data=data, training={**training, **ROLLBACK_CFG}), run / "cfg.json", 2)
+    state = json.loads((run / "run" / "training_state.json").read_text())
+    (event,) = [e for e in state["events"] if e["kind"] == "rollback"]
+    assert event["step"] == 23 and event["detail"]["restored_step"] == 20
+    assert [r["row"] for r in event["detail"]["rows"]] == list(BAD)
+    assert (run / "run" / "checkpoint-step-20.part-1-of-2.safetensors").is_file()
+    assert state["status"] == "finished"
+    a, b = _weights(ref / "run", 30), _weights(run / "run", 30)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # weights and AdamW moments
