@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import apr
-
 from apr.track.protocol import NullRecorder, Recorder
 from apr.track.recorder import RunRecorder
 
