@@ -258,16 +258,42 @@ def _part_paths(json_path: Path, doc: dict) -> list[Path]:
     return [json_path.parent / e["file"] for e in entries]
 
 
-def verify_weights(info: CheckpointInfo) -> None:
-    """Check that the weights file (or every part) exists and has the size and SHA-256 its JSON recorded."""
+@dataclass(frozen=True)
+class VerifyShare:
+    """Ranks that verify a checkpoint together (docs/checkpoints.md, "Sharded checkpoints"): every
+    rank checks every file's size, this rank hashes files ``rank``, ``rank + world``, ...; ``agree``
+    (a collective every rank calls once per checkpoint verified) is true when every rank found its
+    files intact. Each file is hashed once in all instead of once per rank."""
+
+    rank: int
+    world: int
+    agree: Callable[[bool], bool]
+
+
+def verify_weights(info: CheckpointInfo, share: VerifyShare | None = None) -> None:
+    """Check that the weights file (or every part) exists and has the size and SHA-256 its JSON
+    recorded; with ``share``, hash only this rank's share of the files and agree with the others."""
     if info.parts:
-        for path, entry in zip(info.parts, info.doc["weights_parts"], strict=True):
-            _verify_file(info, path, entry["size"], entry["sha256"])
-        return
-    _verify_file(info, info.weights_path, info.doc["weights_size"], info.doc["weights_sha256"])
+        files_ = [(path, e["size"], e["sha256"]) for path, e in zip(info.parts, info.doc["weights_parts"], strict=True)]
+    else:
+        files_ = [(info.weights_path, info.doc["weights_size"], info.doc["weights_sha256"])]
+    for path, size, _ in files_:  # the same answer on every rank: no collective needed before it
+        _check_size(info, path, size)
+    mine = files_ if share is None else files_[share.rank::share.world]
+    failed: CheckpointError | None = None
+    try:
+        for path, _, sha in mine:
+            _check_sha(path, sha)
+    except CheckpointError as err:
+        failed = err
+    if share is not None and not share.agree(failed is None) and failed is None:
+        failed = CheckpointError(f"{info.json_path.name}: another rank found one of its files corrupt (SHA-256 "
+                                 "mismatch; that rank's warning names it)", info.json_path, "sha_mismatch")
+    if failed is not None:
+        raise failed
 
 
-def _verify_file(info: CheckpointInfo, path: Path, want_size: int, want_sha: str) -> None:
+def _check_size(info: CheckpointInfo, path: Path, want_size: int) -> None:
     if not path.exists():
         raise CheckpointError(f"{path.name} (named by {info.json_path.name}) does not exist",
                               path, "missing_weights")
@@ -277,6 +303,9 @@ def _verify_file(info: CheckpointInfo, path: Path, want_size: int, want_sha: str
         what = "is truncated" if size < want_size else "has the wrong size"
         raise CheckpointError(f"{path.name} {what}: {size} bytes, its JSON recorded {want_size}",
                               path, reason, expected=f"{want_size} bytes", got=f"{size} bytes")
+
+
+def _check_sha(path: Path, want_sha: str) -> None:
     sha, _ = files.sha256_file(path)
     if sha != want_sha:
         raise CheckpointError(f"{path.name} is corrupt: its SHA-256 does not match its JSON", path,
@@ -322,13 +351,15 @@ def _header_shapes(path: Path) -> tuple[dict, dict]:
 
 
 def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = True,
-                    weights_only: bool = False, trainer_state: bool = False, lazy: bool = False) -> TrainState:
+                    weights_only: bool = False, trainer_state: bool = False, lazy: bool = False,
+                    share: VerifyShare | None = None) -> TrainState:
     """Load one checkpoint (its .json or .safetensors path). Raises CheckpointError when it is
     missing, truncated, corrupt (SHA-256), not an apr checkpoint, its tensors do not match the model
     of its own config ("foreign"), or (with ``config``) it was saved for a different model.
     ``weights_only`` leaves the optimizer state on disk (export needs only the weights);
     ``trainer_state`` also requires the trainer's state a resume needs (data cursor, engine, RNG);
-    ``lazy``: the tensors as a ``parts.LazyTensors`` (read when asked, or row by row) instead of a dict."""
+    ``lazy``: the tensors as a ``parts.LazyTensors`` (read when asked, or row by row) instead of a dict;
+    ``share``: the ranks that verify it together (every rank of a run calls this for the same files)."""
     info = read_info(_json_for(Path(path)))
     meta = files.decode_floats({k: v for k, v in info.doc.items() if k not in RESERVED_KEYS})
     if trainer_state:
@@ -337,7 +368,7 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
         except sidecar.SidecarProblem as err:
             raise CheckpointError(str(err), info.json_path, err.reason) from None
     if verify:
-        verify_weights(info)
+        verify_weights(info, share)
     else:
         for path in info.weights_files:
             if not path.exists():
@@ -420,10 +451,11 @@ def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
 
 def load_latest(run_dir: str | os.PathLike, config: Any = None,
                 warn: Callable[[str], None] | None = None, weights_only: bool = False,
-                trainer_state: bool = False, lazy: bool = False) -> TrainState:
+                trainer_state: bool = False, lazy: bool = False, share: VerifyShare | None = None) -> TrainState:
     """The newest usable step checkpoint of a run directory, falling back to older ones (and, when
     no step checkpoint is usable, to checkpoint-best) past truncated, corrupt or foreign ones. Each
-    skipped checkpoint is reported through ``warn``."""
+    skipped checkpoint is reported through ``warn``. ``share``: see ``read_checkpoint`` (the ranks
+    see the same files, so they take the same fallbacks)."""
     run_dir = Path(run_dir)
     warn = warn or log.warning
     entries = scan(run_dir)
@@ -437,7 +469,7 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
         newest = newest or entry.json_path.name
         try:
             state = read_checkpoint(entry.json_path, config, weights_only=weights_only, trainer_state=trainer_state,
-                                    lazy=lazy)
+                                    lazy=lazy, share=share)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise
@@ -451,7 +483,8 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
     best = run_dir / f"{files.BEST_STEM}.json"
     if best.exists():
         try:
-            state = read_checkpoint(best, config, weights_only=weights_only, trainer_state=trainer_state, lazy=lazy)
+            state = read_checkpoint(best, config, weights_only=weights_only, trainer_state=trainer_state, lazy=lazy,
+                                    share=share)
         except CheckpointError as err:
             if err.reason not in FALLBACK_REASONS:
                 raise
@@ -716,20 +749,22 @@ class CheckpointManager:
         else:
             log.warning(message)
 
-    def load(self, which: str | os.PathLike = "latest", lazy: bool = False) -> tuple[TrainState, Path]:
+    def load(self, which: str | os.PathLike = "latest", lazy: bool = False,
+             share: VerifyShare | None = None) -> tuple[TrainState, Path]:
         """``"latest"``: the newest usable checkpoint in the output directory, falling back past damaged
         ones (each fallback is reported through ``on_warning`` and kept in ``self.warnings``). A path (a
         checkpoint's .json or .safetensors, or a run directory meaning its latest): exactly that one,
         refused if damaged. Returns the state (CPU tensors; ``lazy``: read when asked, see
-        ``read_checkpoint``) and the checkpoint's JSON path."""
+        ``read_checkpoint``) and the checkpoint's JSON path. ``share``: the ranks verifying it together."""
         self.warnings = []
+        kw = {"trainer_state": self.trainer_state, "lazy": lazy, "share": share}
         if str(which) == "latest":
-            state = load_latest(self.output_dir, self.config, self._warn, trainer_state=self.trainer_state, lazy=lazy)
+            state = load_latest(self.output_dir, self.config, self._warn, **kw)
         else:
             path = Path(which)
             if path.is_dir():
-                state = load_latest(path, self.config, self._warn, trainer_state=self.trainer_state, lazy=lazy)
+                state = load_latest(path, self.config, self._warn, **kw)
             else:
-                state = read_checkpoint(path, self.config, trainer_state=self.trainer_state, lazy=lazy)
+                state = read_checkpoint(path, self.config, **kw)
         assert state.info is not None
         return state, state.info.json_path

@@ -47,6 +47,13 @@ class DataParallel:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags
 
+    def all_true(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a collective: every rank calls it)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def barrier(self) -> None:
         dist.barrier()
 

@@ -30,7 +30,7 @@ import torch
 from ruamel.yaml import YAML
 
 from apr.checkpoint.compat import compare_configs
-from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState, read_info, scan
+from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState, VerifyShare, read_info, scan
 from apr.checkpoint.rng import capture_rng, restore_rng
 from apr.config.schema import AprConfig
 from apr.data.loader import ShardLoader
@@ -333,8 +333,10 @@ class Run:
     def load_checkpoint(self, which: str | Path) -> tuple[TrainState, Path]:
         """A checkpoint of this run (``latest``, ``best`` or a path) for :meth:`adopt`; a sharded
         engine reads only its rank's rows of each tensor (apr/checkpoint/parts.py, LazyTensors), so
-        no rank holds the whole model in host memory."""
-        return self.ckpt.load(which, lazy=hasattr(self.engine, "local_state_tensors"))
+        no rank holds the whole model in host memory. Several ranks verify it together, each hashing
+        its share of the files (``VerifyShare``)."""
+        share = None if self.dp is None else VerifyShare(self.dp.rank, self.dp.world_size, self.dp.all_true)
+        return self.ckpt.load(which, lazy=hasattr(self.engine, "local_state_tensors"), share=share)
 
     def _restore(self, which: str) -> None:
         try:

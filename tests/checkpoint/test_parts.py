@@ -223,3 +223,66 @@ def test_parts_that_do_not_make_one_checkpoint_are_refused_even_with_matching_di
     assert err.value.reason == "bad_weights" and "part-1-of-2" in err.value.message
     warnings: list[str] = []
     assert load_latest(run, warn=warnings.append).step == 2 and warnings
+
+
+def test_ranks_verify_a_checkpoint_together_hashing_each_file_once(tmp_path, config, monkeypatch):
+    """2 ranks resume from 3 parts: each hashes its share (parts 0 and 2, part 1), every file is
+    hashed once in all; a corrupt part found by one rank makes both fall back to the same older
+    checkpoint (the agreement stands in for the all-reduce)."""
+    from apr.checkpoint import files
+    from apr.checkpoint.manager import VerifyShare
+
+    run = tmp_path / "run"
+    save_sharded(run, config, weights(config, seed=1), 2, world=3)
+    save_sharded(run, config, weights(config, seed=2), 4, world=3)
+    hashed: list[tuple[int, str]] = []
+    real_sha = files.sha256_file
+    local = threading.local()
+
+    def counting(path, *args, **kwargs):
+        hashed.append((local.rank, path.name))
+        return real_sha(path, *args, **kwargs)
+
+    monkeypatch.setattr(files, "sha256_file", counting)
+    barrier, votes = threading.Barrier(2, timeout=30), [True, True]
+
+    def agree(rank: int):
+        def all_true(ok: bool) -> bool:
+            votes[rank] = ok
+            barrier.wait()
+            out = all(votes)
+            barrier.wait()
+            return out
+        return all_true
+
+    def resume_on_two_ranks() -> list:
+        got: list = [None, None]
+
+        def rank_main(rank: int) -> None:
+            local.rank = rank
+            warnings: list[str] = []
+            state = load_latest(run, config, warnings.append, lazy=True, share=VerifyShare(rank, 2, agree(rank)))
+            got[rank] = (state.step, warnings)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return got
+
+    got = resume_on_two_ranks()
+    assert [g[0] for g in got] == [4, 4]
+    assert sorted(hashed) == [(0, "checkpoint-step-4.part-0-of-3.safetensors"),
+                              (0, "checkpoint-step-4.part-2-of-3.safetensors"),
+                              (1, "checkpoint-step-4.part-1-of-3.safetensors")]
+    part = run / "checkpoint-step-4.part-2-of-3.safetensors"  # rank 0's to hash
+    raw = bytearray(part.read_bytes())
+    raw[-1] ^= 0xFF
+    part.write_bytes(bytes(raw))
+    hashed.clear()
+    got = resume_on_two_ranks()
+    assert [g[0] for g in got] == [2, 2]  # both fell back, to the same checkpoint
+    assert any("part-2-of-3.safetensors is corrupt" in w for w in got[0][1])
+    assert any("another rank found one of its files corrupt" in w for w in got[1][1])
+    assert len([h for h in hashed if "step-2." in h[1]]) == 3  # step 2's parts, once each
