@@ -284,3 +284,27 @@ def test_a_sharded_run_rolls_back_a_spike_and_ends_as_a_run_without_it(tmp_path)
     assert state["status"] == "finished"
     a, b = _weights(ref / "run", 30), _weights(run / "run", 30)
     assert all(torch.equal(a[k], b[k]) for k in a)  # weights and AdamW moments
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["standard", "interleaved"])
+def test_fp16_loss_scaling_on_shards_skips_and_backs_off_as_data_parallel_does(tmp_path, engine):
+    """fp16 with a loss scale of 2^24: the first steps overflow, are skipped on every rank and halve
+    the scale; full sharding makes the same decisions as plain data parallelism (none) on the same
+    2 ranks and ends at its weights. Tolerance 1e-5, ten times fp32's: fp16's rounding amplifies
+    the different order of the reduce-scatter's sums (measured 1.4e-6 with the overflows, 1.5e-7
+    without; with accumulation 2 it reached 5.9e-4 between the two, each 5e-3 from one process
+    with twice the batch, so no accumulation here)."""
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "eval_interval": 0, "engine": engine,
+              "grad_clip": 0.5, "mixed_precision": "fp16"}
+    env = {"APR_TEST_LOSS_SCALE": str(2.0**24)}
+    ddp = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "ddp/"})
+    two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
+                     training={**common, "output_dir": "two/", "sharding": "full"})
+    _launch(ddp, tmp_path / "ddp.json", 2, extra_env=env)
+    _launch(two, tmp_path / "two.json", 2, extra_env=env)
+    scalers = [json.loads((tmp_path / d / "checkpoint-step-10.json").read_text())["engine"]["loss_scaler"]
+               for d in ("ddp", "two")]
+    assert scalers[0] == scalers[1] and scalers[0]["skipped_steps"] > 0 and scalers[0]["scale"] < 2.0**24
+    assert _rel(_weights(tmp_path / "two", 10), _weights(tmp_path / "ddp", 10)) <= 1e-5

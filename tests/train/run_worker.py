@@ -3,7 +3,8 @@ launched as a subprocess (or by torchrun) by the crash and data-parallel tests. 
 APR_TEST_ROWS_LOG set, rank 0 appends [micro-batch number, its row indices] to that file; with
 APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run (and the most
 gradient-shard elements the interleaved walk held at once); with
-APR_TEST_PIDS set, every rank appends "RANK PID" to that file."""
+APR_TEST_PIDS set, every rank appends "RANK PID" to that file; APR_TEST_LOSS_SCALE sets fp16's
+initial loss scale (a large one makes the first steps overflow)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def main() -> int:
         ShardedInterleavedEngine._arrived_grad = measured
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=False))
+    if os.environ.get("APR_TEST_LOSS_SCALE"):
+        run.engine.scaler.scale = float(os.environ["APR_TEST_LOSS_SCALE"])
     pids = os.environ.get("APR_TEST_PIDS")
     if pids:  # each rank's pid, for tests that kill one rank
         with open(pids, "a") as f:
