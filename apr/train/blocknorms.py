@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist  # loaded by `import torch` anyway
 
 from apr.track.state import BLOCK_NORM_LISTS
 
@@ -89,14 +90,24 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
             for p in params:
                 state = engine.optimizer.state.get(p)
                 if state:
-                    total += adamw_update_sq_norm(p, state["exp_avg"], state["exp_avg_sq"],
+                    total += adamw_update_sq_norm(_local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                                                   weight_decay=decay[p], **kw)
             out[name] = total
+        group = getattr(engine, "shard_group", None)
+        if group is not None:  # FSDP2 shards: each rank summed its own rows; one all-reduce (every rank logs)
+            sums = torch.stack(list(out.values()))
+            dist.all_reduce(sums, group=group)
+            out = dict(zip(out, sums.unbind(), strict=True))
         return out
     return {g.name: (torch.zeros((), dtype=torch.float32, device=engine.device) if g.name in idle else
                      adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=engine.weight_decay,
                                           decay_ranges=g.decay.ranges, **kw))
             for g in engine.groups}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter or moment's rows on this rank; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _finite(x: float) -> float | None:

@@ -285,8 +285,8 @@ class Run:
         engine.freeze(frozen_groups(config, step))
         if self.survival.bad_steps is not None:
             engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
-        if config.monitoring.block_norms and not (self.dp is not None and str(config.training.sharding) != "none"):
-            self.steplog.block_norms = partial(block_metrics, engine)  # not under sharding: the norms are shards
+        if config.monitoring.block_norms:  # under sharding too: the norms are all-reduced from the shards'
+            self.steplog.block_norms = partial(block_metrics, engine)
         return engine
 
     def _grow(self, step: int, recorder: Recorder | None) -> None:

@@ -102,6 +102,16 @@ def test_two_sharded_ranks_equal_one_process_with_twice_the_batch(tmp_path, engi
         assert 0 < shards["max_live_grad"] <= sum(planned[f"{g}.grad"] for g in real)
     state = json.loads((tmp_path / "two" / "training_state.json").read_text())
     assert state["status"] == "finished" and state["val_loss"] is not None
+    _assert_same_block_norms(tmp_path / "two", tmp_path / "one")
+
+
+def _assert_same_block_norms(run: Path, ref: Path) -> None:
+    """monitoring.block_norms on shards: each block's gradient and update norm, all-reduced from the
+    shards', as the unsharded run records them."""
+    got, want = (json.loads((d / "training_state.json").read_text())["block_norms"] for d in (run, ref))
+    assert got["step"] == want["step"] > 0
+    for key in ("block_grad_norm", "block_update_norm", "embed_update_norm", "head_grad_norm"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4), key
 
 
 @pytest.mark.slow
@@ -123,6 +133,7 @@ def test_hybrid_sharding_replicates_across_nodes_and_equals_one_process(tmp_path
     real = json.loads((tmp_path / "shards.json").read_text())["groups"]
     planned = _planned(two)
     assert all(planned[f"{g}.flat_params"] == r["params"] for g, r in real.items())  # a whole replica per node
+    _assert_same_block_norms(tmp_path / "two", tmp_path / "one")
 
 
 def _rows(path: Path) -> list[int]:
