@@ -91,6 +91,18 @@ def _synthetic(config, gen: torch.Generator) -> list[torch.Tensor]:
     return [torch.randint(0, v, (b, s + 1), generator=gen) for _ in range(config.training.gradient_accumulation)]
 
 
+def one_process_rows(config, execution_policy: dict) -> dict[str, int]:
+    """The plan's bytes by component for what the probe builds: one unsharded process. A plan at
+    several ranks models one rank's shards (``training.sharding``) or data parallelism's second
+    gradient workspace instead, which a single process cannot measure."""
+    from apr.plan.memory import memory_table
+
+    tr = config.training
+    one = config.model_copy(update={"training": tr.model_copy(update={"world_size": 1, "sharding": "none"})})
+    execution = Execution.from_dict(execution_policy, config.model.architecture.num_hidden_layers)
+    return {r.component: r.bytes for r in memory_table(one, execution=execution)}
+
+
 def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: int = 3) -> dict:
     """Build the engine under the plan's execution policy and measure ``steps`` timed steps (after
     one warm-up step, and one step measured for memory). ``modelled``: the plan's rows by component."""

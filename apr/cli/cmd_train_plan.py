@@ -102,12 +102,13 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
 def probe_plan(plan, steps: int, rebuild):
     """Run the probe (apr/probe.py), keep it in the calibration store, and plan again so the
     printed plan uses it; the probe's measurements go into the plan's facts."""
-    from apr.probe import run_probe
+    from apr.probe import one_process_rows, run_probe
     from apr.track import calibration
 
     policy = plan.execution["policy"]
     print(f"probing {plan.config.training.device} with the real engine ({steps} timed steps)...", file=sys.stderr)
-    result = run_probe(plan.config, policy, {r.component: r.bytes for r in plan.memory}, steps=steps)
+    result = run_probe(plan.config, policy, one_process_rows(plan.config, policy), steps=steps)
+    result["planned_world_size"] = plan.world_size
     result["calibration_id"] = calibration.record(result, calibration.shape(plan.config, policy))
     plan = rebuild()
     plan.facts["probe"] = result

@@ -308,6 +308,9 @@ def _probe_lines(plan, colour: bool) -> list[str]:
         diff = ("" if not r["modelled"] else f"{(r['measured'] - r['modelled']) / r['modelled']:+.1%}")
         modelled = format_bytes(r["modelled"]) if r["modelled"] is not None else "-"
         out.append(f"  {r['component'][:43]:<44}{modelled:>12}{format_bytes(r['measured']):>12}{diff:>9}")
+    if p.get("planned_world_size", 1) > 1:
+        out.append(f"  one process, unsharded, against the model of one process (the table above is one rank's of "
+                   f"{p['planned_world_size']}: the probe cannot measure shards or a second rank's workspace)")
     parts = next((r.get("parts") for r in p["rows"] if r.get("parts")), [])
     out.append(f"  transient = {' + '.join(parts)} (modelled); measured: {p['transient_how']}")
     out.append(f"  peak RSS of this process {format_bytes(p['peak_rss_bytes'])}")

@@ -59,6 +59,25 @@ def test_probe_records_a_calibration_that_the_next_plan_uses(tmp_path):
     assert missing.exit_code == 1 and "no calibration 7" in missing.output and "Traceback" not in missing.output
 
 
+def test_a_probe_of_a_sharded_multi_rank_plan_compares_with_one_process(tmp_path, monkeypatch):
+    """The plan's table is one rank's shards at --world-size 2; the probe builds one unsharded
+    process, so its buffers are compared with the model of one process and match exactly."""
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"sharding": "full"})
+    monkeypatch.setenv("APR_HOME", str(tmp_path / "home"))
+    r = runner.invoke(app, ["train", "plan", str(cfg), "--world-size", "2", "--probe", "--probe-steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    probe = doc["facts"]["probe"]
+    buffers = [row for row in probe["rows"] if row["component"] != "transient"]
+    assert buffers and all(row["measured"] == row["modelled"] for row in buffers), buffers
+    assert probe["planned_world_size"] == 2
+    sharded = {row["component"]: row["bytes"] for row in doc["memory"]["rows"]}  # one rank's of 2
+    assert sharded["adamw_m"] < next(row["modelled"] for row in buffers if row["component"] == "adamw_m")
+    text = runner.invoke(app, ["train", "plan", str(cfg), "--world-size", "2", "--probe", "--probe-steps", "1"]).stdout
+    assert "one process, unsharded, against the model of one process" in text
+
+
 def test_a_probe_that_runs_out_of_memory_names_the_step_and_exits_one(tmp_path, monkeypatch):
     make_dataset(tmp_path)
     cfg = write_config(tmp_path)
