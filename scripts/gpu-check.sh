@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call for a session on a CUDA machine (docs/cuda.md): what the GPU is, the GPU tests, the
-# kernel microbenchmarks, the VRAM calibration and the end-to-end engine benchmark.
+# kernel microbenchmarks, the VRAM calibration, the end-to-end engine benchmark and FSDP2 sharding
+# on one GPU against DDP (the 350M shape).
 #
-#   scripts/gpu-check.sh [STAGE ...]     stages: info tests bench vram engine  (default: all five)
+#   scripts/gpu-check.sh [STAGE ...]     stages: info tests bench vram engine sharding  (default: all six)
 #
 # Installs nothing from the network: it expects torch (a CUDA build), CuPy and apr's pure-Python
 # dependencies to be importable already, and puts this checkout first on PYTHONPATH (set
@@ -32,7 +33,7 @@ else
 fi
 
 STAGES=("$@")
-[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(info tests bench vram engine)
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(info tests bench vram engine sharding)
 SUMMARY=$OUT_DIR/summary.txt
 : >"$SUMMARY"
 FAILED=0
@@ -118,7 +119,9 @@ for stage in "${STAGES[@]}"; do
       else
         echo "engine: skipped (no benchmarks/bench_engine.py)" | tee -a "$SUMMARY"
       fi ;;
-    *) echo "unknown stage $stage (info tests bench vram engine)" >&2; exit 2 ;;
+    sharding) run_stage sharding "$PY" benchmarks/bench_sharding.py --device cuda --hidden 1024 --layers 24 \
+                --heads 16 --kv-heads 4 --intermediate 4096 --vocab 32768 --seq 1024 --batch 4 ;;
+    *) echo "unknown stage $stage (info tests bench vram engine sharding)" >&2; exit 2 ;;
   esac
 done
 
