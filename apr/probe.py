@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from apr import __version__
 from apr.errors import AprError, Finding
 from apr.model import spec
+from apr.plan.memory import memory_table
 from apr.steps.execution import Execution
 from apr.track.calibration import host_cpu_name
 from apr.train import engine as engine_module
@@ -95,8 +96,6 @@ def one_process_rows(config, execution_policy: dict) -> dict[str, int]:
     """The plan's bytes by component for what the probe builds: one unsharded process. A plan at
     several ranks models one rank's shards (``training.sharding``) or data parallelism's second
     gradient workspace instead, which a single process cannot measure."""
-    from apr.plan.memory import memory_table
-
     tr = config.training
     one = config.model_copy(update={"training": tr.model_copy(update={"world_size": 1, "sharding": "none"})})
     execution = Execution.from_dict(execution_policy, config.model.architecture.num_hidden_layers)

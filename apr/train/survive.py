@@ -140,6 +140,8 @@ class Survival:
         run.echo(f"{run._step_label(step)}  rollback: {what}; restoring {targets[0].json_path.name}")
         state, json_path = run.load_checkpoint(targets[0].json_path)
         run.adopt(state)
+        if run.dp is not None:  # every rank has read the checkpoint before rank 0 writes its step again
+            run.dp.barrier()  # below (deleting its files: on NFS another host's open file then goes stale)
         rb.load_state_dict(kept)
         rb.rollbacks += 1
         first, count = window["micro_batches"]

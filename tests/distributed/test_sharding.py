@@ -36,8 +36,9 @@ def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, rows: 
         env["APR_TEST_SHARDS"] = str(shards)
     env.update(extra_env or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    if ok:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if ok:  # each rank's error first: torchrun's own summary fills the end of stderr
+        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln and "torch/distributed" not in ln]
+        assert proc.returncode == 0, "\n".join(errors[-20:]) + "\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc
 
 
@@ -151,23 +152,21 @@ def _rows(path: Path) -> list[int]:
     return [by_position[p] for p in range(len(by_position))]
 
 
-def _kill_rank_0_mid_save(doc: dict, path: Path, at_line: str, rows: Path) -> None:
-    """Launch 2 ranks and SIGKILL rank 0 (the one that gathers and writes checkpoints) right after it
-    logs ``at_line``, while it saves that step's checkpoint."""
+def _kill_rank_0_mid_save(doc: dict, path: Path, step: int, rows: Path) -> None:
+    """Launch 2 ranks and SIGKILL rank 0 (the one that writes the JSON) inside step ``step``'s save:
+    every part is written, the JSON is not (the worker holds rank 0 there, APR_TEST_HOLD_SAVE)."""
     import signal
-    import time
 
     path.write_text(json.dumps(doc))
     pids = path.parent / "pids.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "60", "APR_TEST_PIDS": str(pids),
-           "APR_TEST_ROWS_LOG": str(rows), "APR_HOME": str(path.parent / "home")}
+           "APR_TEST_ROWS_LOG": str(rows), "APR_HOME": str(path.parent / "home"), "APR_TEST_HOLD_SAVE": str(step)}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              str(WORKER), str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env)
     try:
         for line in proc.stderr:
-            if line.startswith(at_line):
-                time.sleep(0.01)
+            if line.startswith(f"holding the save of step {step}"):
                 rank0 = next(int(p) for r, p in (x.split() for x in pids.read_text().splitlines()) if r == "0")
                 os.kill(rank0, signal.SIGKILL)
                 break
@@ -180,19 +179,22 @@ def _kill_rank_0_mid_save(doc: dict, path: Path, at_line: str, rows: Path) -> No
 
 @pytest.mark.slow
 def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_one(tmp_path):
-    """2 ranks, full sharding; rank 0 is killed while the ranks write their parts of step 4's
-    checkpoint. The run resumes in one process (elastic: accumulation 1 -> 2) from step 2's parts,
-    ends within 1e-6 of the uninterrupted 2-rank run and reads exactly its rows, in order."""
+    """2 ranks, full sharding; rank 0 is killed inside step 4's save, with both parts on disk and no
+    JSON yet: the save never looks complete. The run resumes in one process (elastic: accumulation
+    1 -> 2) from step 2's parts, ends within 1e-6 of the uninterrupted 2-rank run and reads exactly
+    its rows, in order."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "max_steps": 8, "save_interval": 2, "keep_last": 5, "eval_interval": 0, "log_interval": 1,
               "engine": "standard", "sharding": "full", "lr_scheduler": "constant", "warmup_steps": 0}
     full = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "full/"})
     _launch(full, tmp_path / "full.json", 2, rows=tmp_path / "full-rows.jsonl")
     doc = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "run/"})
-    _kill_rank_0_mid_save(doc, tmp_path / "run.json", "step 4/8", tmp_path / "run-rows.jsonl")
-    # each rank wrote its own part of step 2; step 4's, cut short, has no JSON naming its parts
+    _kill_rank_0_mid_save(doc, tmp_path / "run.json", 4, tmp_path / "run-rows.jsonl")
+    # each rank wrote its own part of step 2; step 4's parts are written but no JSON names them
+    parts = {r: f"part-{r}-of-2.safetensors" for r in range(2)}
     assert {p.name for p in (tmp_path / "run").glob("checkpoint-step-2.*")} >= {
-        "checkpoint-step-2.json", *(f"checkpoint-step-2.part-{r}-of-2.safetensors" for r in range(2))}
+        "checkpoint-step-2.json", *(f"checkpoint-step-2.{p}" for p in parts.values())}
+    assert all((tmp_path / "run" / f"checkpoint-step-4.{p}").is_file() for p in parts.values())
     assert not (tmp_path / "run" / "checkpoint-step-4.json").exists()
     proc = _launch(doc, tmp_path / "run.json", 1, "latest", rows=tmp_path / "run-rows.jsonl")
     assert "resume: 2 -> 1 ranks; gradient_accumulation 1 -> 2" in proc.stderr

@@ -4,7 +4,9 @@ APR_TEST_ROWS_LOG set, rank 0 appends [micro-batch number, its row indices] to t
 APR_TEST_SHARDS set, rank 0 writes its FSDP2 shard sizes there after a sharded run (and the most
 gradient-shard elements the interleaved walk held at once); with
 APR_TEST_PIDS set, every rank appends "RANK PID" to that file; APR_TEST_LOSS_SCALE sets fp16's
-initial loss scale (a large one makes the first steps overflow)."""
+initial loss scale (a large one makes the first steps overflow); APR_TEST_HOLD_SAVE=N makes rank 0
+of a sharded run stop inside step N's save, after the parts are written and before the JSON, and
+say "holding the save of step N" on stderr (a test kills it there)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,28 @@ from pathlib import Path
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.train.run import ApplyOptions, prepare_run
+
+
+def hold_step(hold: int) -> None:
+    """Rank 0 sleeps at the digest exchange of step ``hold``'s save (every part is on disk, the JSON
+    is not): the window in which a kill must leave the previous checkpoint the latest."""
+    import time
+
+    from apr.checkpoint.manager import CheckpointManager
+
+    save_part = CheckpointManager.save_part
+
+    def held(self, state, rank, world, exchange, *args, **kwargs):
+        def exchange_then_hold(sha, size):
+            records = exchange(sha, size)
+            if rank == 0 and sha and int(state.step) == hold:
+                print(f"holding the save of step {hold}", file=sys.stderr, flush=True)
+                time.sleep(300)
+            return records
+
+        return save_part(self, state, rank, world, exchange_then_hold, *args, **kwargs)
+
+    CheckpointManager.save_part = held
 
 
 def main() -> int:
@@ -37,6 +61,8 @@ def main() -> int:
         ShardedInterleavedEngine._arrived_grad = measured
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=False))
+    if os.environ.get("APR_TEST_HOLD_SAVE"):
+        hold_step(int(os.environ["APR_TEST_HOLD_SAVE"]))
     if os.environ.get("APR_TEST_LOSS_SCALE"):
         run.engine.scaler.scale = float(os.environ["APR_TEST_LOSS_SCALE"])
     pids = os.environ.get("APR_TEST_PIDS")
