@@ -336,10 +336,8 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
         world_size = config.training.world_size
     if world_size < 1:
         raise PlanUsageError(f"--world-size must be at least 1, got {world_size}")
-    if nodes is None:
+    if nodes is None:  # --nodes (typer: at least 1), else training.nodes (the schema: positive)
         nodes = config.training.nodes
-    if nodes < 1:
-        raise PlanUsageError(f"--nodes must be at least 1, got {nodes}")
     target = resolve_plan_target(config, gpu, vram)
     budget = device_budget(config) if device_budget is not None and (target is None or not target.vram_bytes) else None
     sheet = all_facts(config, world_size=world_size, nodes=nodes, target=target, device_budget=budget)

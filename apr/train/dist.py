@@ -47,10 +47,13 @@ class DataParallel:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags
 
+    def _device(self) -> torch.device:
+        """Where this backend's collectives take their tensors (NCCL: the current GPU)."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
     def all_true(self, ok: bool) -> bool:
         """Whether ``ok`` holds on every rank (a collective: every rank calls it)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self._device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
@@ -60,8 +63,7 @@ class DataParallel:
     def exchange_digests(self, sha: str, size: int) -> list[tuple[str, int]]:
         """Every rank's (SHA-256 hex or "", byte count), in rank order, on every rank (a checkpoint
         part's record; an all-gather of plain integers, no pickling)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        mine = torch.tensor([size, *sha.encode("ascii").ljust(64, b"\0")], dtype=torch.int64, device=device)
+        mine = torch.tensor([size, *sha.encode("ascii").ljust(64, b"\0")], dtype=torch.int64, device=self._device())
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
         out = []
@@ -82,14 +84,19 @@ def env_world_size() -> int:
         return 1
 
 
-def env_nodes(world: int) -> int:
-    """The hosts ``world`` ranks run on: world / torchrun's LOCAL_WORLD_SIZE (``APR_SHARD_GROUP_SIZE``
-    overrides the ranks per node, as for hybrid sharding); 1 when unknown or uneven."""
+def env_ranks_per_node(world: int) -> int | None:
+    """Ranks on each node: torchrun's LOCAL_WORLD_SIZE (``APR_SHARD_GROUP_SIZE`` overrides it, e.g.
+    to test hybrid sharding on one machine); ``world`` when neither is set; None when unreadable."""
     try:
-        per_node = int(os.environ.get("APR_SHARD_GROUP_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
+        return int(os.environ.get("APR_SHARD_GROUP_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
     except ValueError:
-        return 1
-    return world // per_node if per_node >= 1 and world % per_node == 0 else 1
+        return None
+
+
+def env_nodes(world: int) -> int:
+    """The hosts ``world`` ranks run on (world / ranks per node); 1 when unknown or uneven."""
+    per_node = env_ranks_per_node(world)
+    return world // per_node if per_node is not None and per_node >= 1 and world % per_node == 0 else 1
 
 
 def from_env(device_kind: str) -> DataParallel | None:

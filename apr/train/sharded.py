@@ -19,8 +19,6 @@ ranks. See docs/design.md, "Sharding and elastic resume".
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,6 +33,7 @@ from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
 from apr.model.llama import LlamaForCausalLM
+from apr.train.dist import env_ranks_per_node
 from apr.train.engine import NonFiniteError, StandardEngine, StepResult, group_specs
 
 
@@ -76,8 +75,8 @@ def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device
 def shard_group_size(world: int) -> int:
     """Ranks one shard group spans under hybrid sharding: the ranks of a node (torchrun's
     LOCAL_WORLD_SIZE; ``APR_SHARD_GROUP_SIZE`` overrides it, e.g. to test on one machine)."""
-    group = int(os.environ.get("APR_SHARD_GROUP_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or world)
-    if group < 1 or world % group:
+    group = env_ranks_per_node(world)
+    if group is None or group < 1 or world % group:
         raise AprError(f"hybrid sharding: {world} ranks do not split into nodes of {group}: every node needs the "
                        "same number of ranks")
     return group
