@@ -100,20 +100,82 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
+# apr's own records, refused as an output of any command (even with --overwrite): the experiment
+# stores and their SQLite side files, anything under a run's ``.apr/`` folder, a run's lock, and the
+# records of a run folder (a folder holding a training_state.json or a lock).
+STORE_NAMES = frozenset({"experiments.db", "experiments.db-wal", "experiments.db-shm", "experiments.db-journal"})
+RUN_RECORD_NAMES = frozenset({"training_state.json", "config.yaml", "plan.json", ".apr-run.lock"})
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def is_sqlite_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a regular file that starts with SQLite's header (read without following
+    a FIFO or a device: the caller has checked it is a regular file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(SQLITE_MAGIC)) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
+def is_apr_store(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an apr experiment store (SQLite holding apr's ``schema_version`` and
+    ``runs`` tables), whatever its name."""
+    if not is_sqlite_file(path):
+        return False
+    import sqlite3
+
+    try:
+        conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return True  # a SQLite file apr cannot even open read-only: never a safe target
+    try:
+        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        return {"schema_version", "runs"} <= names
+    except sqlite3.Error:
+        return True
+    finally:
+        conn.close()
+
+
+def apr_record_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is to apr if it is one of apr's own records (a store, a run's record file, a
+    checkpoint), else None. Such files are never a command's output."""
+    p = Path(os.path.abspath(path))
+    if p.name in STORE_NAMES:
+        return "an apr experiment store"
+    if ".apr" in p.parts[:-1]:
+        return "a file of a run's .apr/ records"
+    if p.name.startswith("checkpoint-") and p.suffix in (".json", ".safetensors"):
+        return "a checkpoint file"
+    if p.name in RUN_RECORD_NAMES:
+        folder = p.parent
+        if any(os.path.lexists(folder / n) for n in ("training_state.json", ".apr-run.lock", ".apr")):
+            return f"the {p.name} record of the run in {folder}"
+    return None
+
+
 def check_output_file(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
-                      overwrite: bool = False, option: str = "--out") -> Path:
+                      overwrite: bool = False, option: str = "--out", sqlite_ok: bool = False) -> Path:
     """Refuse an output file apr must not write: one that exists and is not a regular file (a
     device such as /dev/null, a FIFO, a folder, a symlink; an atomic write would replace it with a
-    file), one that is one of the command's own ``inputs``, or one that
-    exists without ``overwrite``. Every command that writes a file calls this before any work."""
+    file), one that is one of the command's own ``inputs``, one of apr's own records (a store, a
+    run's record, a checkpoint; :func:`apr_record_kind`), an existing SQLite database (unless
+    ``sqlite_ok``: the MLflow export writes into one, never into apr's store), a path under a file,
+    or one that exists without ``overwrite``. Every command that writes a file calls this before
+    any work, and :func:`write_output` calls it again just before the write."""
     path = Path(out)
+    if not str(out).strip():
+        raise _output_error(path, option, f"{option} is empty", "a file path", "an empty string")
     try:
         st = path.lstat()
     except FileNotFoundError:
         st = None
     except OSError as e:
-        raise _output_error(path, option, f"cannot inspect {option} {path}: {e.strerror or e}",
-                            "a path apr can write", "an unreadable path") from None
+        raise _output_error(path, option, f"cannot use {option} {path}: {e.strerror or e}",
+                            "a path apr can write", _errno_name(e)) from None
+    if st is None:
+        _check_parent(path, option)
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
                 else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
@@ -128,10 +190,114 @@ def check_output_file(out: str | os.PathLike, *, inputs: Iterable[str | os.PathL
             raise _output_error(path, option, f"{option} {path} is an input of this command ({source}); "
                                 "writing it would destroy the input", "a path that is not an input",
                                 f"the input {source}")
+    record = apr_record_kind(path) if st is not None or path.name in STORE_NAMES else None
+    if record is None and st is not None and is_apr_store(path):
+        record = "an apr experiment store"
+    if record is not None:
+        raise _output_error(path, option, f"{option} {path} is {record}; apr never writes a command's output "
+                            "over its own records", "a path outside apr's records", record)
+    if st is not None and not sqlite_ok and is_sqlite_file(path):
+        raise _output_error(path, option, f"{option} {path} is a SQLite database; apr will not replace a "
+                            "database with this output", "a new path or a file of this output's kind",
+                            "a SQLite database")
     if st is not None and not overwrite:
         raise _output_error(path, option, f"{option} {path} already exists; pass --overwrite to replace it",
                             "a new path, or --overwrite", "an existing file")
     return path
+
+
+def check_output_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
+                        option: str = "--out") -> Path:
+    """Refuse an output folder apr must not write into: one that exists and is not a folder (a file,
+    a FIFO, a device, a symlink), a path under a file, apr's own records (a run's ``.apr/``, an
+    APR_HOME), or one of the command's ``inputs``. Whether an
+    existing folder may be reused is the command's own rule (``--overwrite``)."""
+    path = Path(out)
+    if not str(out).strip():
+        raise _output_error(path, option, f"{option} is empty", "a folder path", "an empty string")
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise _output_error(path, option, f"cannot use {option} {path}: {e.strerror or e}",
+                            "a folder apr can write", _errno_name(e)) from None
+    if st is None:
+        _check_parent(path, option)
+    elif not stat.S_ISDIR(st.st_mode):
+        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a file" if stat.S_ISREG(st.st_mode) else "not a folder")
+        raise _output_error(path, option, f"{option} {path} is {kind}; expected a folder",
+                            "a folder or a new path", kind)
+    absolute = Path(os.path.abspath(path))
+    if ".apr" in absolute.parts or (st is not None and (path / "experiments.db").exists()):
+        raise _output_error(path, option, f"{option} {path} is inside apr's own records; choose another folder",
+                            "a folder outside apr's records", "apr's records")
+    for given in inputs:
+        source = Path(os.path.abspath(given))
+        if source == absolute:
+            raise _output_error(path, option, f"{option} {path} is an input of this command ({given})",
+                                "a folder that is not an input", f"the input {given}")
+    return path
+
+
+def _check_parent(path: Path, option: str) -> None:
+    """A new output's folder: the nearest existing ancestor must be a folder (not a file, a FIFO)."""
+    for parent in path.absolute().parents:
+        try:
+            st = parent.stat()
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise _output_error(path, option, f"cannot use {option} {path}: {parent}: {e.strerror or e}",
+                                "a path in a folder apr can write", _errno_name(e)) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise _output_error(path, option, f"{option} {path} lies under {parent}, which is not a folder",
+                                "a path in a folder", "a path under a file")
+        return
+
+
+def _errno_name(err: OSError) -> str:
+    import errno
+
+    return errno.errorcode.get(err.errno or 0, type(err).__name__)
+
+
+def output_write_error(path: str | os.PathLike, option: str, err: OSError) -> AprError:
+    """An OSError writing an output (read-only folder, disk full, file too large, name too long), as
+    the AprError that names the option and the path; the atomic write has left the old file as it was."""
+    message = f"cannot write {option} {path}: {err.strerror or err}; nothing was replaced"
+    return _output_error(Path(path), option, message, "a path apr can write", _errno_name(err))
+
+
+def write_output(path: str | os.PathLike, data: bytes | str, *, inputs: Iterable[str | os.PathLike] = (),
+                 overwrite: bool = False, option: str = "--out", make_parents: bool = True) -> Path:
+    """The one checked write of a command's output file: :func:`check_output_file`, then an atomic
+    write (parents created). OSErrors (EFBIG, ENOSPC, EROFS, ...) become an AprError naming ``option``;
+    the target is untouched on any failure."""
+    target = check_output_file(path, inputs=inputs, overwrite=overwrite, option=option)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        if make_parents:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(target, payload)
+    except OSError as err:
+        raise output_write_error(target, option, err) from None
+    return target
+
+
+@contextmanager
+def output_path(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (), overwrite: bool = False,
+                option: str = "--out") -> Iterator[Path]:
+    """:func:`write_output` for a writer that wants a file name (pyarrow): yields the temp path."""
+    target = check_output_file(path, inputs=inputs, overwrite=overwrite, option=option)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(target) as tmp:
+            yield tmp
+    except OSError as err:
+        raise output_write_error(target, option, err) from None
 
 
 def _output_error(path: Path, option: str, message: str, expected: str, got: str) -> AprError:

@@ -16,7 +16,9 @@ Suggestion rules, both computed on the bias-corrected EMA of the loss (``smoothi
 from __future__ import annotations
 
 import io
+import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,6 @@ from pathlib import Path
 from ruamel.yaml import YAML
 
 from apr.errors import AprError, Finding
-from apr.fsutil import atomic_write_text
 from apr.train.stop import StepReport, Stop
 
 RULES = {
@@ -186,11 +187,117 @@ def run_range_test(config_path: Path, test: RangeTest, *, settings: list[str] | 
     return curve
 
 
-def apply_suggestion(config_path: Path, target: Path, lr: float) -> None:
+PLOT_NAME, JSON_NAME = "lr-find.svg", "lr-find.json"
+
+
+@dataclass
+class OutputTargets:
+    """Where the sweep's files go, each checked (apr.fsutil.check_output_file) before the sweep."""
+
+    plot: Path
+    json_out: Path
+    apply_to: Path | None
+    inputs: list[Path]
+    overwrite: bool
+    replaceable: set[Path] = field(default_factory=set)  # default paths holding an earlier sweep's file
+
+
+def _earlier_sweep_file(path: Path) -> bool:
+    """A file an earlier ``apr train lr-find`` wrote at a default path (replaced without --overwrite)."""
+    from apr.fsutil import SQLITE_MAGIC
+
+    try:
+        if not path.is_file() or path.is_symlink() or path.stat().st_size > 16 << 20:
+            return False
+        head = path.read_bytes()[:4096]
+    except OSError:
+        return False
+    if head.startswith(SQLITE_MAGIC):
+        return False
+    if path.suffix == ".json":
+        return b'"format": "apr-lr-find"' in head
+    return head.startswith(b"<svg") and b"LR range test" in head
+
+
+def output_targets(config_path: Path, settings: list[str] | None, *, plot: Path | None, json_out: Path | None,
+                   apply_to: Path | None, overwrite: bool, apply: bool | None = None) -> OutputTargets:
+    """Resolve and check the sweep's outputs before any work. ``plot`` / ``json_out`` default to
+    ``lr-find.svg`` / ``lr-find.json`` in the config's ``training.output_dir`` (the run's folder,
+    never the current one); ``apply_to`` (given only with --apply) defaults to ``CONFIG.lr-find.yaml``
+    beside the config. Each must be a new path (or, with ``overwrite``, an existing regular file),
+    never the config, apr's stores or a run's records, a FIFO, a device or a symlink. Raises AprError."""
+    from apr.apply import command_line_overrides
+    from apr.config import load_config
+    from apr.fsutil import check_output_file
+    from apr.plan.build import normalise_overrides
+
+    config_path = Path(config_path)
+    wanted_apply = apply if apply is not None else apply_to is not None
+    inputs = [config_path]
+    if plot is None or json_out is None:
+        overrides = command_line_overrides(settings, False)
+        config = load_config(config_path, normalise_overrides(overrides) or None)
+        folder = Path(config.training.output_dir).expanduser()
+        if config.data.tokenizer:
+            inputs.append(Path(config.data.tokenizer).expanduser())
+    targets = OutputTargets(plot=plot if plot is not None else folder / PLOT_NAME,
+                            json_out=json_out if json_out is not None else folder / JSON_NAME,
+                            apply_to=None, inputs=inputs, overwrite=overwrite)
+    if wanted_apply:
+        targets.apply_to = (apply_to if apply_to is not None
+                            else config_path.with_name(config_path.stem + ".lr-find.yaml"))
+    checked = [("--plot", targets.plot, plot is None), ("--json-out", targets.json_out, json_out is None)]
+    if targets.apply_to is not None:
+        checked.append(("--apply-to", targets.apply_to, False))
+    seen: dict[str, str] = {}
+    for option, path, default in checked:
+        key = os.path.abspath(path)
+        if key in seen:
+            raise AprError(f"{option} {path} is also {seen[key]}: each output needs its own path", [Finding(
+                "error", "output.refused", f"{option} and {seen[key]} name the same file", path=option,
+                file=str(path), expected="distinct output paths", got=str(path))])
+        seen[key] = option
+        replace = overwrite or (default and _earlier_sweep_file(path))
+        if default and replace and not overwrite:
+            targets.replaceable.add(path)
+        check_output_file(path, inputs=inputs, overwrite=replace, option=option)
+    return targets
+
+
+def curve_document(curve: Curve, test: RangeTest, suggestion: float) -> dict:
+    """The curve's JSON (``"format": "apr-lr-find"``): the range, both rules' values and every point."""
+    return {"format": "apr-lr-find", "min_lr": test.min_lr, "max_lr": test.max_lr, "steps": test.steps,
+            "smoothing": test.smoothing, "rule": test.rule, "suggested_lr": suggestion,
+            "min10_lr": curve.suggest("min10"), "steepest_lr": curve.suggest("steepest"),
+            "stopped_early": curve.stopped_early,
+            "points": [{"step": i + 1, "lr": lr, "loss": loss, "smoothed": sm}
+                       for i, (lr, loss, sm) in enumerate(zip(curve.lrs, curve.losses, curve.smoothed, strict=True))]}
+
+
+def _write(targets: OutputTargets, option: str, path: Path, text: str) -> None:
+    from apr.fsutil import write_output
+
+    write_output(path, text, inputs=targets.inputs, overwrite=targets.overwrite or path in targets.replaceable,
+                 option=option)
+
+
+def write_results(curve: Curve, test: RangeTest, suggestion: float, targets: OutputTargets) -> None:
+    """The SVG plot and the JSON curve, through the checked writer (checked again at the write)."""
+    from apr.train.lrplot import svg_plot
+
+    _write(targets, "--plot", targets.plot, svg_plot(curve.lrs, curve.losses, curve.smoothed, suggestion, test.rule))
+    _write(targets, "--json-out", targets.json_out, json.dumps(curve_document(curve, test, suggestion), indent=2)
+           + "\n")
+
+
+def apply_suggestion(config_path: Path, target: Path, lr: float, targets: OutputTargets | None = None) -> None:
     """A copy of the config file (comments and layout kept) with ``optimizer.lr`` set to ``lr``."""
+    from apr.readers import read_text
+
     yaml = YAML()  # round trip
-    doc = yaml.load(Path(config_path).read_text())
+    doc = yaml.load(read_text(Path(config_path), "config", "config", error=AprError))
     doc.setdefault("optimizer", {})["lr"] = float(f"{lr:.3g}")
     buf = io.StringIO()
     yaml.dump(doc, buf)
-    atomic_write_text(target, buf.getvalue())
+    targets = targets or OutputTargets(Path(), Path(), target, [Path(config_path)], False)
+    _write(targets, "--apply-to", target, buf.getvalue())

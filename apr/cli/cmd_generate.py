@@ -10,6 +10,30 @@ import typer
 
 from apr.generate.prompts import read_prompts
 
+MAX_SEED = 2**63 - 1  # a seed torch's generator takes and JSON readers hold exactly
+
+
+def _check_numbers(*, max_new_tokens: int, temperature: float, top_p: float, repetition_penalty: float,
+                   seed: int | None) -> None:
+    """Numbers no generation can use (non-finite floats, a seed past 63 bits), refused by option name
+    before the model loads; the ranges of each option are checked where the option is defined."""
+    import math
+
+    from apr.errors import AprError, Finding
+
+    def bad(option: str, expected: str, got) -> AprError:
+        return AprError(f"{option} must be {expected}, not {got}", [Finding(
+            "error", "generate.option", f"{option} out of range", path=option, expected=expected, got=str(got))])
+
+    for option, value in (("--temperature", temperature), ("--top-p", top_p),
+                          ("--repetition-penalty", repetition_penalty)):
+        if not math.isfinite(value):
+            raise bad(option, "a finite number", value)
+    if max_new_tokens < 1:
+        raise bad("--max-new-tokens", ">= 1", max_new_tokens)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise bad("--seed", f"in [0, {MAX_SEED}]", seed)
+
 
 def register(app: typer.Typer) -> None:
     @app.command("generate")
@@ -40,6 +64,8 @@ def register(app: typer.Typer) -> None:
         from apr.generate.load import load_for_inference
         from apr.generate.sampling import Sampling
 
+        _check_numbers(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                       repetition_penalty=repetition_penalty, seed=seed)
         prompts = read_prompts(prompt, prompt_file)
         options = GenerateOptions(
             max_new_tokens=max_new_tokens, seed=seed, stop=tuple(stop), use_cache=not no_cache,

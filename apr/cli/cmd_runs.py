@@ -17,7 +17,7 @@ from apr.cli.render import error_exit
 from apr.cli.table import text_table
 from apr.errors import AprError
 from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
-from apr.fsutil import atomic_write_text
+from apr.fsutil import write_output
 from apr.track.state import BLOCK_NORM_LISTS
 
 if TYPE_CHECKING:
@@ -180,12 +180,16 @@ def run_show(run_id: str, global_: bool = False, json_out: bool = False) -> int:
     return 0
 
 
-def run_ledger(run_id: str, global_: bool = False, fmt: str = "table", output: Path | None = None) -> int:
+def run_ledger(run_id: str, global_: bool = False, fmt: str = "table", output: Path | None = None,
+               overwrite: bool = False) -> int:
     """Print (or write to ``output``) the rows a run's skipped steps and rollbacks left out."""
+    from apr.fsutil import check_output_file
     from apr.track.runs import LEDGER_COLUMNS, ledger, show_run
 
     warnings: list[str] = []
     try:
+        if output is not None:  # refused before any work: a device, a FIFO, a symlink, apr's store, ...
+            check_output_file(output, overwrite=overwrite, option="--output")
         entries = ledger(show_run(run_id, global_=global_, warnings=warnings))
     except AprError as err:
         return error_exit(err)
@@ -210,9 +214,9 @@ def run_ledger(run_id: str, global_: bool = False, fmt: str = "table", output: P
         sys.stdout.write(text)
         return 0
     try:
-        atomic_write_text(output, text)
-    except OSError as e:
-        return error_exit(AprError(f"{output}: cannot write the ledger: {e.strerror or e}"))
+        write_output(output, text, overwrite=overwrite, option="--output")
+    except AprError as err:
+        return error_exit(err)
     print(f"wrote {len(entries)} ledger rows to {output}", file=sys.stderr)
     return 0
 
@@ -261,9 +265,11 @@ def register(app: typer.Typer) -> None:
         run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough).", show_default=False),
         global_: bool = typer.Option(False, "--global", help="Look only in the global registry."),
         fmt: str = typer.Option("table", "--format", help="table, csv, json or jsonl."),
-        output: Path | None = typer.Option(None, "--output", "-o", help="Write to this file (atomically)."),
+        output: Path | None = typer.Option(None, "--output", "-o", help="Write to this file (atomically; a new "
+                                                                          "path unless --overwrite)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --output file."),
     ) -> None:
         """The bad-batch ledger: every data row a skipped bad step or a rollback left out."""
         if fmt not in ("table", "csv", "json", "jsonl"):
             raise typer.BadParameter(f"expected table, csv, json or jsonl, got {fmt!r}", param_hint="--format")
-        raise typer.Exit(run_ledger(run_id, global_, fmt, output))
+        raise typer.Exit(run_ledger(run_id, global_, fmt, output, overwrite))

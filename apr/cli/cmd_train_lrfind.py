@@ -6,8 +6,7 @@ from pathlib import Path
 
 import typer
 
-from apr.errors import AprError, Finding
-from apr.train.lrplot import text_plot, write_outputs
+from apr.train.lrplot import text_plot
 
 
 def register(app: typer.Typer) -> None:
@@ -23,32 +22,35 @@ def register(app: typer.Typer) -> None:
                                                              "min10 (the minimum's LR / 10)."),
         smoothing: float = typer.Option(0.98, "--smoothing", help="EMA decay of the smoothed loss."),
         diverge: float = typer.Option(4.0, "--diverge", help="Stop when the smoothed loss exceeds this x its minimum."),
-        plot: Path = typer.Option(Path("lr-find.svg"), "--plot", help="Where the SVG plot goes."),
-        json_out: Path = typer.Option(Path("lr-find.json"), "--json-out", help="Where the curve's JSON goes."),
+        plot: Path | None = typer.Option(None, "--plot", show_default=False, help=(
+            "Where the SVG plot goes (default: lr-find.svg in the config's training.output_dir).")),
+        json_out: Path | None = typer.Option(None, "--json-out", show_default=False, help=(
+            "Where the curve's JSON goes (default: lr-find.json in the config's training.output_dir).")),
         apply: bool = typer.Option(False, "--apply", help="Write a copy of the config with optimizer.lr set to "
                                                           "the suggestion (see --apply-to)."),
         apply_to: Path | None = typer.Option(None, "--apply-to", help="The copy --apply writes (default: "
                                                                       "CONFIG's name + .lr-find.yaml, beside it)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace existing --plot, --json-out and "
+                                                                  "--apply-to files."),
     ) -> None:
-        """Leslie Smith's LR range test on a throwaway copy of the run: nothing in its output folder is
-        touched. Prints the suggested learning rate and the rule used, draws the curve. Exit 0, 1 on bad input."""
-        from apr.lrfind import RULES, RangeTest, apply_suggestion, run_range_test
+        """Leslie Smith's LR range test on a throwaway copy of the run: its checkpoints and records are
+        never touched. Prints the suggested learning rate and the rule used, draws the curve. Exit 0, 1 on
+        bad input."""
+        from apr.lrfind import RULES, RangeTest, apply_suggestion, output_targets, run_range_test, write_results
 
-        target = apply_to if apply_to is not None else config.with_name(config.stem + ".lr-find.yaml")
-        if apply and target.resolve() == config.resolve():
-            raise AprError(f"--apply-to {target}: that is the config itself; --apply writes a copy", [Finding(
-                "error", "lr_find.options", "--apply-to names the config itself", path="--apply-to",
-                expected="a path other than the config", got=str(target))])
         test = RangeTest(min_lr=min_lr, max_lr=max_lr, steps=steps, smoothing=smoothing, diverge=diverge, rule=rule)
+        # every output is checked before the sweep (a FIFO, a device, the config, apr's store, an existing file)
+        targets = output_targets(config, settings or None, plot=plot, json_out=json_out,
+                                 apply_to=apply_to if apply else None, overwrite=overwrite)
         curve = run_range_test(config, test, settings=settings or None)
         suggestion = curve.suggest(rule)
-        write_outputs(curve, test, suggestion, plot, json_out)
+        write_results(curve, test, suggestion, targets)
         lines = [text_plot(curve.lrs, curve.smoothed, suggestion), "",
                  f"suggested lr {suggestion:.3g}  (rule {rule}: {RULES[rule]})",
                  f"  swept {curve.lrs[0]:.2g} -> {curve.lrs[-1]:.2g} over {len(curve.lrs)} steps"
                  + (f"; stopped early: {curve.stopped_early}" if curve.stopped_early else ""),
-                 f"  plot {plot}, curve {json_out}"]
+                 f"  plot {targets.plot}, curve {targets.json_out}"]
         if apply:
-            apply_suggestion(config, target, suggestion)
-            lines.append(f"  wrote {target} (optimizer.lr: {suggestion:.3g})")
+            apply_suggestion(config, targets.apply_to, suggestion, targets)
+            lines.append(f"  wrote {targets.apply_to} (optimizer.lr: {suggestion:.3g})")
         typer.echo("\n".join(lines))
