@@ -143,8 +143,9 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
     rows["block_activations"] = MemoryRow("block_activations", _block_activation_bytes(config, coefficients),
                                           "modelled", 0, DESCRIPTIONS["block_activations"])
     allocated = sum(r.bytes for r in rows.values())
-    rows["cuda_context"] = MemoryRow("cuda_context", coefficients.cuda_context_bytes, "modelled", 0,
-                                     DESCRIPTIONS["cuda_context"])
+    if str(config.training.device) != "cpu":  # a CPU run creates no CUDA context (device auto may be a GPU)
+        rows["cuda_context"] = MemoryRow("cuda_context", coefficients.cuda_context_bytes, "modelled", 0,
+                                         DESCRIPTIONS["cuda_context"])
     rows["allocator_slack"] = MemoryRow("allocator_slack", int(allocated * coefficients.allocator_slack_fraction),
                                         "modelled", 0, DESCRIPTIONS["allocator_slack"])
     order = [c for c in _ORDER if c in rows] + [c for c in rows if c not in _ORDER]

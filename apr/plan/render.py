@@ -211,14 +211,19 @@ def _memory_lines(plan, colour: bool) -> list[str]:
     t = plan.target
     mem = plan.facts["memory"]
     total = mem["total_bytes"]
-    if t is None and str(plan.config.training.device) == "cpu":
-        head = ("Resources per GPU (this run trains on the CPU: the budget is what the same config needs "
-                "on a GPU)")
+    device = str(plan.config.training.device)
+    on_host = t is not None and t.gpu is None and t.source.startswith("this machine's RAM")  # gpus.host_target
+    if (t is None and device == "cpu") or on_host:  # host memory of each process (device cpu: no CUDA context)
+        where = "CPU" if device == "cpu" else f"CPU here: training.device {device} finds no CUDA device"
+        per = " per rank" if plan.world_size > 1 else ""
+        budget = f"; budget {format_bytes(t.vram_bytes)}, this machine's RAM" if on_host else ""
+        head = f"Resources ({where}, host memory{per}{budget})"
     elif t is None:
         head = "Resources per GPU (no target: pass --gpu NAME or --vram SIZE to compare)"
     else:
         what = [t.gpu.label if t.gpu else t.name, format_bytes(t.vram_bytes) if t.vram_bytes else None]
-        head = f"Resources per GPU (target: {', '.join(w for w in what if w)}, from {t.source})"
+        cpu = "; training.device cpu: no CUDA context counted" if device == "cpu" else ""
+        head = f"Resources per GPU (target: {', '.join(w for w in what if w)}, from {t.source}{cpu})"
     out = [_section(head, colour),
            f"  {'component':<24}{'size':>12}  {'source':<20}what"]
     for r in plan.memory:

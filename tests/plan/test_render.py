@@ -1,0 +1,83 @@
+"""The plan's resources section says what the device is: host memory on the CPU (no CUDA context
+counted), per GPU on a GPU (issue 39 item 7)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.plan import gpus
+from apr.plan.build import build_plan
+from apr.plan.examples import materialize
+from apr.plan.render import render_text
+
+runner = CliRunner()
+GIB = 2**30
+
+
+def _resources(text: str) -> tuple[str, list[str]]:
+    """The resources heading and the component names of its table."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.lstrip().startswith("Resources"))
+    rows = []
+    for line in lines[i + 2:]:
+        if not line.startswith("  ") or line.split()[0] == "total":
+            break
+        rows.append(line.split()[0])
+    return lines[i].strip(), rows
+
+
+def test_a_cpu_plan_shows_host_memory_without_a_cuda_context(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpus, "host_memory_bytes", lambda: 16 * GIB)
+    cfg, _ = materialize({}, tmp_path / "cpu")  # the base example trains on device: cpu
+    plan = build_plan(cfg)
+    head, rows = _resources(render_text(plan))
+    assert head == "Resources (CPU, host memory; budget 16.00 GiB, this machine's RAM)"
+    assert "cuda_context" not in rows and "weights" in rows and "allocator_slack" in rows
+    assert "cuda_context" not in plan.facts["memory"]["by_component"]
+    assert plan.facts["memory"]["total_bytes"] == sum(r.bytes for r in plan.memory)
+    text = runner.invoke(app, ["train", "plan", str(cfg)]).stdout
+    assert "Resources (CPU, host memory" in text and "per GPU" not in text and "cuda_context" not in text
+
+    monkeypatch.setattr(gpus, "host_memory_bytes", lambda: None)  # RAM unknown: no budget to name
+    head, _ = _resources(render_text(build_plan(cfg)))
+    assert head == "Resources (CPU, host memory)"
+
+
+def test_a_cpu_plan_at_several_ranks_says_per_rank(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpus, "host_memory_bytes", lambda: None)
+    cfg, kwargs = materialize({"world_size": 2}, tmp_path / "cpu2")
+    head, _ = _resources(render_text(build_plan(cfg, **kwargs)))
+    assert head == "Resources (CPU, host memory per rank)"
+
+
+def test_a_gpu_plan_is_per_gpu_and_counts_the_cuda_context(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpus, "cuda_device_present", lambda: True)  # device auto would find a GPU
+    for device in ("cuda", "auto"):
+        cfg, _ = materialize({"config": {"training": {"device": device}}}, tmp_path / device)
+        plan = build_plan(cfg, gpu="RTX 4090")
+        head, rows = _resources(render_text(plan))
+        assert head == "Resources per GPU (target: NVIDIA GeForce RTX 4090 24GB, 23.99 GiB, from --gpu)"
+        assert "cuda_context" in rows
+        assert plan.facts["memory"]["by_component"]["cuda_context"] == 512 * 2**20
+        head, rows = _resources(render_text(build_plan(cfg)))
+        assert head == "Resources per GPU (no target: pass --gpu NAME or --vram SIZE to compare)"
+        assert "cuda_context" in rows
+
+
+def test_device_auto_without_a_cuda_device_says_it_plans_the_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpus, "cuda_device_present", lambda: False)
+    monkeypatch.setattr(gpus, "host_memory_bytes", lambda: 16 * GIB)
+    cfg, _ = materialize({"config": {"training": {"device": "auto"}}}, tmp_path / "auto")
+    head, _ = _resources(render_text(build_plan(cfg)))
+    assert head == ("Resources (CPU here: training.device auto finds no CUDA device, host memory; "
+                    "budget 16.00 GiB, this machine's RAM)")
+
+
+def test_a_cpu_config_compared_with_a_gpu_says_no_cuda_context_is_counted(tmp_path):
+    cfg, _ = materialize({}, tmp_path / "cpu")
+    plan = build_plan(cfg, gpu="RTX 4090")
+    head, rows = _resources(render_text(plan))
+    assert head == ("Resources per GPU (target: NVIDIA GeForce RTX 4090 24GB, 23.99 GiB, from --gpu; "
+                    "training.device cpu: no CUDA context counted)")
+    assert "cuda_context" not in rows
