@@ -73,8 +73,8 @@ def register(app: typer.Typer) -> None:
         uri: str | None = typer.Option(None, "--uri", metavar="URI", help="--to mlflow: a tracking URI instead "
                                                                           "of --out (http://HOST:PORT, ...)."),
         output_alias: Path | None = typer.Option(None, "--output", hidden=True),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (--to mlflow: "
-                                                                  "runs already exported)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file (--to mlflow, "
+                                                                  "--to tensorboard: runs already exported)."),
     ) -> None:
         """Write one run's metrics as a table (--format), or runs into TensorBoard or MLflow (--to)."""
         from apr.track.experiment import export_run, export_to_tracker

@@ -6,13 +6,14 @@ plotext and pyarrow are imported inside the functions that use them.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from apr.errors import AprError, Finding
-from apr.fsutil import atomic_path, check_output_file
+from apr.fsutil import check_output_file, check_output_folder, is_sqlite_file, output_path
 from apr.track import store
 from apr.track.names import validate_run_id
 from apr.track.trackers import EXTRA, PACKAGES, MlflowSink, TensorBoardSink, missing_package
@@ -211,8 +212,7 @@ def export_run(db: Path | str, run_id: str, fmt: str, output: Path | str, overwr
         columns[key] = pa.array([by_step[s].get(key) for s in steps], pa.float64())
     table = pa.table(columns)
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
+    with output_path(out, inputs=store_files, overwrite=overwrite) as tmp:  # checked again at the write
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
@@ -247,6 +247,7 @@ def export_to_tracker(db: Path | str, run_ids: list[str] | None, tracker: str, d
                        [Finding("error", "experiment.tracker_package", f"'{PACKAGES[tracker]}' is not installed",
                                 expected=f"pip install 'apr[{EXTRA}]'", got="not installed")])
     path = resolve_db(db)
+    dest = _checked_tracker_dest(tracker, dest, [path, Path(f"{path}-wal"), Path(f"{path}-shm")])
     conn = store.connect_readonly(path)
     try:
         ids, _ = _select_runs(conn, run_ids) if run_ids else ([r["id"] for r in store.query_runs(conn)], 0)
@@ -260,10 +261,18 @@ def export_to_tracker(db: Path | str, run_ids: list[str] | None, tracker: str, d
     if tracker == "mlflow" and "://" not in dest:
         dest = f"sqlite:///{Path(dest).resolve()}"
     out = TrackerExport([], [])
+    if tracker == "tensorboard":
+        Path(dest).mkdir(parents=True, exist_ok=True)
     for rid in ids:
         experiment = runs.get(rid, {}).get("experiment") or "default"
         status = runs.get(rid, {}).get("status")
         if tracker == "tensorboard":
+            log_dir = Path(dest) / experiment / rid
+            if os.path.lexists(log_dir):
+                if not overwrite:
+                    out.skipped.append((rid, f"already in {log_dir} (--overwrite replaces it)"))
+                    continue
+                check_output_folder(log_dir, option="--out")  # never through a symlink or onto a file
             sink = TensorBoardSink(Path(dest), experiment, rid, resume_step=-1)  # purge: replace an earlier export
             where = str(sink.log_dir)
         else:
@@ -276,3 +285,33 @@ def export_to_tracker(db: Path | str, run_ids: list[str] | None, tracker: str, d
         sink.close(status if status in ("finished", "stopped", "failed") else None)
         out.runs.append((rid, sum(1 for r in data[rid] if r[3] is not None), where))
     return out
+
+
+def _checked_tracker_dest(tracker: str, dest: str, inputs: list[Path]) -> str:
+    """``--out`` / ``--uri`` of a tracker export, refused before any work when it would write over
+    something else: TensorBoard wants a folder (not a file, a FIFO, a device, a symlink, apr's
+    records); MLflow wants a SQLite file that is its own store (new, or an MLflow database: never
+    apr's store, the export's input, a file of another kind, a FIFO or a device). A remote URI
+    (http, https, databricks) is the tracker's business."""
+    option = "--out"
+    if tracker == "mlflow" and "://" in dest:
+        scheme, _, rest = dest.partition("://")
+        if scheme == "sqlite":
+            target = rest[1:] if rest.startswith("/") else rest  # sqlite:///rel.db, sqlite:////abs.db
+            option = "--uri"
+        elif scheme == "file":
+            check_output_folder(rest, inputs=inputs, option="--uri")
+            return dest
+        else:
+            return dest
+    else:
+        target = dest
+    if tracker == "tensorboard":
+        check_output_folder(target, inputs=inputs, option=option)
+        return dest
+    checked = check_output_file(target, inputs=inputs, overwrite=True, option=option, sqlite_ok=True)
+    if checked.exists() and not is_sqlite_file(checked):
+        message = f"{option} {target} exists and is not a SQLite database; --to mlflow writes an MLflow store"
+        raise AprError(message, [Finding("error", "output.refused", message, path=option, file=str(target),
+                                         expected="a new path or an MLflow SQLite store", got="another file")])
+    return dest

@@ -187,10 +187,13 @@ def test_experiment_export_to_tensorboard_and_mlflow_writes_a_recorded_run(tmp_p
     expected = _history(_state(tmp_path / "run"), "loss")
     runner = CliRunner()
     db = str(tmp_path / "run")
-    for _ in range(2):  # a second export replaces the first: each step once
+    for again in ([], ["--overwrite"]):  # a second export replaces the first only with --overwrite
         r = runner.invoke(app, ["experiment", "export", "--db", db, "--to", "tensorboard",
-                                "--out", str(tmp_path / "tb")])
+                                "--out", str(tmp_path / "tb"), *again])
         assert r.exit_code == 0, r.output
+        skipped = runner.invoke(app, ["experiment", "export", "--db", db, "--to", "tensorboard",
+                                      "--out", str(tmp_path / "tb")])
+        assert "skipped, already in" in skipped.stdout, skipped.output
         assert _same(_scalars(tmp_path / "tb" / "old" / result.run_id, "loss"), expected)
     ml = tmp_path / "ml.db"
     args = ["experiment", "export", "--db", db, "--run", result.run_id, "--to", "mlflow", "--out", str(ml)]
