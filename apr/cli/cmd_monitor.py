@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from apr.monitor.web import serve as web_serve
+from apr.monitor.web import DEFAULT_MAX_SESSIONS
 
 
 def register(app: typer.Typer) -> None:
@@ -44,6 +44,13 @@ def register(app: typer.Typer) -> None:
         web: bool = typer.Option(False, "--web", help="Serve the dashboard to a browser (textual-serve)."),
         host: str = typer.Option("127.0.0.1", "--host", metavar="ADDR", help="With --web: the address to listen on."),
         port: int = typer.Option(8000, "--port", min=1, max=65535, metavar="N", help="With --web: the port."),
+        max_sessions: int = typer.Option(
+            DEFAULT_MAX_SESSIONS, "--max-sessions", min=1, metavar="N",
+            help="With --web: at most N browser tabs at once (each runs one dashboard process).",
+        ),
+        no_token: bool = typer.Option(
+            False, "--no-token", help="With --web: serve without the secret token in the URL (not recommended)."
+        ),
     ) -> None:
         """Watch a training run: full-screen dashboard, or JSON for scripts and agents.
 
@@ -52,6 +59,8 @@ def register(app: typer.Typer) -> None:
 
         if web and json_out:
             raise typer.BadParameter("--web serves the dashboard; --json prints JSON: give one", param_hint="--web")
+        if not web and (no_token or max_sessions != DEFAULT_MAX_SESSIONS):
+            raise typer.BadParameter("--no-token and --max-sessions go with --web", param_hint="--web")
         if follow and not json_out:
             raise typer.BadParameter(
                 "--follow needs --json (the dashboard follows by itself)", param_hint="--follow"
@@ -62,7 +71,7 @@ def register(app: typer.Typer) -> None:
 
         try:
             if web:
-                code = web_serve(run_dir, host, port, refresh, timeout)
+                code = _serve_web(run_dir, host, port, refresh, timeout, max_sessions, no_token)
             elif json_out and run_dir is None:
                 typer.echo(json.dumps(launch.active_runs_document(refresh)))
                 code = 0
@@ -75,3 +84,20 @@ def register(app: typer.Typer) -> None:
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         raise typer.Exit(code)
+
+
+def _serve_web(run_dir: Path | None, host: str, port: int, refresh: int | None, timeout: float | None,
+               max_sessions: int, no_token: bool) -> int:
+    """Print the address (with its token, once) and any warning, then serve until Ctrl-C."""
+    import sys
+
+    from apr.monitor.web import WebDashboard, check_port
+
+    server = WebDashboard(run_dir, host, port, refresh, timeout, max_sessions=max_sessions, use_token=not no_token)
+    check_port(host, port)
+    for warning in server.warnings:
+        bar = "!" * 78
+        print(f"{bar}\nWARNING: {warning}\n{bar}", file=sys.stderr, flush=True)
+    print(f"apr monitor --web: serving {server.title} at {server.url} (Ctrl-C stops; at most {max_sessions} "
+          "browser sessions)", flush=True)
+    return server.serve()
