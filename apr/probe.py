@@ -9,7 +9,9 @@ Measured:
 - the step's transient memory (activations, checkpoints, logits chunks, scratch): on CUDA the
   allocator's peak minus what was allocated before the step; on the CPU the peak of live tensor
   storage created during one step, tracked op by op (``_LiveBytes``), plus the process's peak RSS;
-- step time (median of the timed steps), tokens/s, and MFU/HFU where the GPU's peak is known.
+- step time (median of the timed steps, and each step: their spread is the estimate's range),
+  tokens/s, the start-up apply would see (imports, plan, engine, the first step's extra), at the
+  thread count apply would use (apr/threads.py) and the load average before it began.
 
 A layer of its own above ``apr.train`` (like ``apr.lrfind``): the plan package stays torch-free.
 """
@@ -27,12 +29,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from apr import __version__
+from apr import STARTED_AT, __version__
 from apr.errors import AprError, Finding
 from apr.model import spec
 from apr.plan.memory import memory_table
 from apr.steps.execution import Execution
+from apr.threads import apply_thread_policy
 from apr.track.calibration import host_cpu_name
+from apr.train import build as engine_build
 from apr.train import engine as engine_module
 
 TRANSIENT = ("activation_checkpoints", "kept_activations", "block_activations", "logits_chunk", "inputs")
@@ -102,10 +106,13 @@ def one_process_rows(config, execution_policy: dict) -> dict[str, int]:
     return {r.component: r.bytes for r in memory_table(one, execution=execution)}
 
 
-def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: int = 3) -> dict:
+def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: int = 3, world_size: int = 1) -> dict:
     """Build the engine under the plan's execution policy and measure ``steps`` timed steps (after
-    one warm-up step, and one step measured for memory). ``modelled``: the plan's rows by component."""
+    one warm-up step, and one step measured for memory). ``modelled``: the plan's rows by component.
+    The probe runs at the intra-op threads one of ``world_size`` ranks would get (apr/threads.py),
+    and records them with the load average before it started."""
     device = _resolve(config)
+    thread_choice = apply_thread_policy(config, world_size)
     arch = config.model.architecture
     execution = Execution.from_dict(execution_policy, arch.num_hidden_layers)
     phase, step = "building the engine", 0
@@ -113,11 +120,16 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = engine_module.build_engine(config, device, execution=execution)
+        engine = engine_build.build_engine(config, device, execution=execution)
         gen = torch.Generator().manual_seed(0)
         lr = float(config.optimizer.lr)
         phase, step = "the warm-up step", 1
+        t_warm = time.perf_counter()
         engine.train_step(_synthetic(config, gen), lr)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        # apply's start-up as this process lived it: imports, plan, engine, and the first step's extra
+        ready_at, warmup_s = time.time(), time.perf_counter() - t_warm
         buffers: dict[str, int] = {}
         names = {b.name: b.component for b in spec.buffer_plan(config, execution)}
         for name, nbytes in engine.buffer_bytes().items():
@@ -158,6 +170,7 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
                            got=type(err).__name__) from None
     tokens = config.data.batch_size * config.data.seq_len * config.training.gradient_accumulation
     step_s = statistics.median(times)
+    startup = ready_at - STARTED_AT + max(0.0, warmup_s - step_s)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     modelled_transient = sum(modelled.get(c, 0) for c in TRANSIENT)
     rows = []
@@ -172,5 +185,6 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
         "execution": execution.to_dict(), "steps": steps, "step_seconds": step_s, "step_seconds_all": times,
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "rows": rows, "transient_bytes": int(transient),
         "transient_how": how, "modelled_transient_bytes": modelled_transient, "peak_rss_bytes": int(rss),
-        "seconds": time.perf_counter() - t_start,
+        "seconds": time.perf_counter() - t_start, "startup_seconds": startup,
+        "threads": thread_choice["threads"], "thread_choice": thread_choice, "load": thread_choice["load"],
     }

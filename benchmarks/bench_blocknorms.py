@@ -90,7 +90,7 @@ def main() -> None:
 
     from apr.model.spec import trainable_param_count
     from apr.train.blocknorms import block_metrics
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     device = torch.device(args.device)
     config = make_config(args)

@@ -42,7 +42,7 @@ def main() -> None:
 
     from apr.checkpoint.manager import CheckpointManager, TrainState
     from apr.config.loader import load_config
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     config = load_config(args.config, settings=["training.device=cpu", "training.mixed_precision=fp32"]).config
     engine = build_engine(config, torch.device("cpu"))

@@ -137,7 +137,7 @@ class Approach:
 def build_apr(args, device: torch.device, name: str) -> Approach:
     from apr.plan.memory import choose_execution
     from apr.steps import execution as policy
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     engine_kind, clip_mode, execution = SETTINGS[COMPILED.get(name, NO_COPY.get(name, name))]
     config = make_config(args, engine=engine_kind, clip_mode=clip_mode, execution=execution,

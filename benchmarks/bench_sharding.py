@@ -101,7 +101,7 @@ def join(device_kind: str):
 
 def build_apr(args, name: str, device: torch.device, dp):
     from apr.steps import execution as policy
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     engine_kind, sharding, execution = APR[name]
     config = make_config(args, engine_kind, sharding, execution, dp.world_size)

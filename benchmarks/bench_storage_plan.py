@@ -37,7 +37,7 @@ def main() -> None:
     from apr.checkpoint.manager import CheckpointManager, TrainState, weights_file_bytes
     from apr.config.loader import load_config
     from apr.plan.storage import SIDECAR_BYTES, WRITE_BYTES_PER_S
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     config = load_config(args.config, settings=["training.device=cpu", "training.mixed_precision=fp32"]).config
     engine = build_engine(config, torch.device("cpu"))

@@ -102,7 +102,7 @@ def _demo_step_fn():
     the run loop does at a log step (loss and grad norm); random token batches of the demo's shape."""
     import torch
 
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     cfg, _ = _demo_config()
     torch.manual_seed(0)

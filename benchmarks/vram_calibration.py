@@ -84,7 +84,7 @@ def measure(path: str, batch: int | None, seq: int | None, steps: int, warmup: i
     import torch
 
     from apr.plan.memory import COEFFICIENTS, memory_table
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     config = case_config(path, batch, seq, kernels)
     b, s = config.data.batch_size, config.data.seq_len

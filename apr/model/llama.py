@@ -11,12 +11,14 @@ parameter at a view of its group's flat buffer and drives the blocks one at a ti
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from apr.config.schema import Architecture
-from apr.kernels.linear_ce import linear_cross_entropy
+from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
 from apr.model import spec
 
 
@@ -166,12 +168,22 @@ class LlamaForCausalLM(nn.Module):
         """Logits ``[batch, seq, vocab]`` (float32) without targets; with targets, the mean
         cross-entropy computed over sequence chunks of ``loss_chunk_size`` positions, so the full
         logits never exist."""
-        h = self.model.norm(self.hidden_states(input_ids, residual_dtype))
+        hidden = self.hidden_states(input_ids, residual_dtype)
         if targets is None:
-            return F.linear(h, self.head_weight).float()
+            return F.linear(self.model.norm(hidden), self.head_weight).float()
+        return self.loss(hidden, targets, chunk_size=loss_chunk_size or input_ids.shape[1])
 
-        chunk = loss_chunk_size or input_ids.shape[1]
-        return linear_cross_entropy(h, self.head_weight, targets, chunk_size=chunk)
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor, *, chunk_size: int, backend=None,
+             compute_dtype: torch.dtype | None = None, norm_context=None, total: bool = False) -> torch.Tensor:
+        """The causal-LM loss from the last block's output (``hidden_states``): the final norm
+        (under ``norm_context``, e.g. the run's autocast), then the LM head and cross-entropy over
+        sequence chunks of ``chunk_size`` positions, so the full logits never exist. The mean
+        (differentiable), or with ``total`` the sum without gradients (evaluation). The one loss
+        entry point of engines and evaluation (docs/design.md, "The composed engine")."""
+        with norm_context if norm_context is not None else contextlib.nullcontext():
+            h = self.model.norm(hidden)
+        fn = linear_cross_entropy_sum if total else linear_cross_entropy
+        return fn(h, self.head_weight, targets, chunk_size=chunk_size, backend=backend, compute_dtype=compute_dtype)
 
 
 @torch.no_grad()

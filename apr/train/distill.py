@@ -1,6 +1,7 @@
 """Blockwise distillation (``training.mode: distill``): the engine and the per-block autotune.
 
-``DistillEngine`` is the standard engine (torch's AdamW over the student) with another loss:
+``DistillLoss`` is a loss part of the composed engine (apr/train/build.py) on an autograd source
+(torch's AdamW over the student; one process, DDP or FSDP2 shards):
 
 - phase 1, step in block ``i``'s window (``apr.steps.distill.phase_at``): the teacher runs
   without gradients up to its block ``end_i``; student block ``i`` maps the teacher's hidden
@@ -28,7 +29,6 @@ from apr.checkpoint.hf_import import load_source_weights, source_architecture
 from apr.config.schema import AprConfig
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.steps import distill as schedule
-from apr.train.engine import NonFiniteError, StandardEngine, StepResult
 
 
 def load_teacher(config: AprConfig, device: torch.device) -> LlamaForCausalLM:
@@ -108,26 +108,39 @@ class Autotune:
             self.since, self.factor = [int(x) for x in state["since"]], [float(x) for x in state["factor"]]
 
 
-class DistillEngine(StandardEngine):
-    """The student under torch's AdamW, trained on the teacher (see the module docstring)."""
+class DistillLoss:
+    """The distillation loss part (see the module docstring) for either autograd source: one
+    process, DDP, or FSDP2 shards of the student (the teacher is whole on every rank)."""
 
     kind = "distill"
+    per_param_steps = True  # phase 1 updates one block at a time: AdamW step counts differ
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend,
-                 teacher: LlamaForCausalLM):
-        super().__init__(config, model, device, backend)
+    def __init__(self, config: AprConfig, teacher: LlamaForCausalLM, student_blocks: int):
+        self.config = config
         self.teacher = teacher
         d = config.training.distill
-        self.spans = schedule.spans(model.arch.num_hidden_layers, teacher.arch.num_hidden_layers, d.block_map)
+        self.spans = schedule.spans(student_blocks, teacher.arch.num_hidden_layers, d.block_map)
         self.block_loss, self.temperature, self.kd_weight = str(d.block_loss), d.temperature, d.kd_weight
-        self.autotune = Autotune(d.autotune, model.arch.num_hidden_layers)
-        self.current_step = 1  # set by the run loop before each step
+        self.autotune = Autotune(d.autotune, student_blocks)
         self.last_phase: tuple[int, int | None] = (0, None)
-        self.idle_groups: set[str] = set()  # groups the last step did not update (apr/train/blocknorms.py)
+
+    def begin_step(self, step: int) -> None:
+        self.last_phase = schedule.phase_at(self.config, step)
+
+    def __call__(self, engine, lm: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        phase, block = self.last_phase
+        return self.block_loss_of(engine, lm, block, ids) if phase == 1 else self.kd_loss(engine, lm, ids, targets)
+
+    def lr_factor(self, loss: torch.Tensor) -> float:
+        phase, block = self.last_phase
+        if phase != 1:
+            return 1.0
+        self.autotune.observe(block, float(loss))
+        return self.autotune.factor[block]
 
     # ------------------------------------------------------------------------------ losses
 
-    def block_loss_of(self, block: int, ids: torch.Tensor) -> torch.Tensor:
+    def block_loss_of(self, engine, lm: LlamaForCausalLM, block: int, ids: torch.Tensor) -> torch.Tensor:
         """Phase 1 loss of student block ``block`` on a batch of ids."""
         start, end = self.spans[block]
         t = self.teacher
@@ -139,19 +152,19 @@ class DistillEngine(StandardEngine):
                     h_in = x
                 x = t.model.layers[j](x, cos, sin)
             target = x
-        s_cos, s_sin = self.model.rope(ids.shape[1], ids.device)
-        with self.autocast():
-            out = self.model.model.layers[block](h_in, s_cos, s_sin)
+        s_cos, s_sin = lm.rope(ids.shape[1], ids.device)
+        with engine.autocast():
+            out = lm.model.layers[block](h_in, s_cos, s_sin)
         out = out.float()
         if self.block_loss == "cosine":
             return (1.0 - F.cosine_similarity(out, target, dim=-1)).mean()
         return F.mse_loss(out, target)
 
-    def kd_loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def kd_loss(self, engine, lm: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Phase 2: KD to the teacher's logits mixed with the LM loss."""
-        with self.autocast():
-            h = self.model.model.norm(self.model.hidden_states(ids, self.cdt))
-            logits = F.linear(h, self.model.head_weight)
+        with engine.autocast():
+            h = lm.model.norm(engine.hidden_states(lm, ids))
+            logits = F.linear(h, lm.head_weight)
         logits = logits.float()
         with torch.no_grad():
             teacher_logits = self.teacher(ids)
@@ -165,72 +178,21 @@ class DistillEngine(StandardEngine):
                       log_target=True, reduction="batchmean")
         return self.kd_weight * temp * temp * kl + (1.0 - self.kd_weight) * ce
 
-    # ------------------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------------------ state
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        self._skip = False
-        phase, block = schedule.phase_at(self.config, self.current_step)
-        self.last_phase = (phase, block)
-        params = list(self.named.values())
-        for p in params:
-            p.grad = None
-        accum = len(micro_batches)
-        loss_total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            ids, targets = self.split(batch)
-            loss = self.block_loss_of(block, ids) if phase == 1 else self.kd_loss(ids, targets)
-            self._check_loss(loss)
-            (loss / accum if accum != 1 else loss).backward()
-            loss_total += loss.detach() / accum
-        live = [p for p in params if p.grad is not None]
-        grads = [p.grad for p in live]
-        if self.dp is not None:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.dp.average_(flat)
-            torch._foreach_copy_(grads, [t.view_as(g) for t, g in
-                                         zip(flat.split([g.numel() for g in grads]), grads, strict=True)])
-        live_groups = {name for name, group in self.groups if all(p.grad is not None for p in group)}
-        self.idle_groups = {name for name, _ in self.groups} - live_groups  # phase 1: all but one block
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        sq = {name: (self.backend.sq_norm(torch.cat([p.grad.reshape(-1) for p in group])) if name in live_groups
-                     else zero) for name, group in self.groups}
-        self._keep_sq(sq)
-        norm = torch.stack(list(sq.values())).sum().sqrt()
-        if not bool(torch.isfinite(norm).item()):
-            raise NonFiniteError("gradients", state_is_last_good=True)
-        if self._gate(loss_total, norm):
-            return StepResult(loss_total, norm, flagged=True)
-        self._clip_grads(grads, sq, norm, live_groups)
-        factor = 1.0
-        if phase == 1:
-            self.autotune.observe(block, float(loss_total))
-            factor = self.autotune.factor[block]
-        for pg in self.optimizer.param_groups:
-            pg["lr"] = lr * factor
-        self.optimizer.step()
-        self.optimizer_steps += 1
-        return StepResult(loss_total, norm)
+    def state_dict(self) -> dict:
+        return {"autotune": self.autotune.state_dict()}
 
-    def meta_state(self) -> dict:
-        # each parameter's own AdamW step count: phase 1 updates one block at a time, so they differ
-        steps = {name: int(self.optimizer.state[p]["step"]) for name, p in self.named.items()
-                 if p in self.optimizer.state}
-        return {**super().meta_state(), "autotune": self.autotune.state_dict(), "param_steps": steps}
-
-    def load_meta_state(self, meta: dict) -> None:
-        super().load_meta_state(meta)
-        self.autotune.load_state_dict(meta.get("autotune"))
-        saved = meta.get("param_steps") or {}
-        for name, p in self.named.items():
-            state = self.optimizer.state.get(p)
-            if state is not None:
-                state["step"].fill_(float(saved.get(name, 0)))
+    def load_state_dict(self, meta: dict | None) -> None:
+        self.autotune.load_state_dict((meta or {}).get("autotune"))
 
 
-def build_distill_engine(config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend) -> DistillEngine:
+def distill_loss(config: AprConfig, student: LlamaForCausalLM, device: torch.device) -> DistillLoss:
+    """The teacher loaded (and, with ``init_from_teacher``, the student initialised from it) and the
+    loss part over it."""
     teacher = load_teacher(config, device)
-    if config.training.distill.init_from_teacher:
-        d = config.training.distill
-        init_student_from_teacher(model, teacher, schedule.spans(model.arch.num_hidden_layers,
-                                                                 teacher.arch.num_hidden_layers, d.block_map))
-    return DistillEngine(config, model.to(device), device, backend, teacher)
+    d = config.training.distill
+    spans = schedule.spans(student.arch.num_hidden_layers, teacher.arch.num_hidden_layers, d.block_map)
+    if d.init_from_teacher:
+        init_student_from_teacher(student, teacher, spans)
+    return DistillLoss(config, teacher, student.arch.num_hidden_layers)

@@ -33,20 +33,17 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from apr.checkpoint import names
-from apr.checkpoint.hf_import import load_into, source_digest
 from apr.config.schema import AprConfig
 from apr.errors import AprError
-from apr.kernels import KernelBackend, get_backend
-from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_fwd_bwd, linear_cross_entropy_sum
+from apr.kernels import KernelBackend
+from apr.kernels.linear_ce import linear_cross_entropy_fwd_bwd
 from apr.model import spec
-from apr.model.llama import LlamaForCausalLM, build_model
-from apr.model.lora import add_adapters
-from apr.steps import execution as execution_policy
+from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
-from apr.train.compile import compile_blocks
 from apr.train.dist import DataParallel
 from apr.train.flat import FlatGroup, flatten_group
+from apr.train.losses import CausalLM
 from apr.train.nonfinite import GRADIENTS, LOSS, NonFiniteFlags
 from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
 
@@ -89,18 +86,21 @@ def group_specs(config: AprConfig) -> list[tuple[str, list[spec.ParamSpec]]]:
 
 
 class Engine:
-    """What the two engines share: settings, precision, evaluation, clipping arithmetic."""
+    """What every gradient source shares: settings, precision, the loss part, evaluation, clipping
+    arithmetic, checkpoint metadata (docs/design.md, "The composed engine")."""
 
-    kind = "abstract"
+    source = "abstract"
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                 execution: Execution | None = None):
+                 execution: Execution, loss: CausalLM | None = None):
         tr, opt = config.training, config.optimizer
+        self.loss = loss or CausalLM()
+        self.current_step = 1  # the run's step in progress (set by the run loop; losses may follow it)
         self.config = config
         self.model = model
         self.device = device
         self.backend = backend
-        self.execution = execution or execution_policy.from_config(config)
+        self.execution = execution  # the plan's, never re-derived here (apr/train/build.py)
         self.strategy = step_strategy(config, self.execution)
         self.cdt = torch_dtype(tr.mixed_precision)
         self.scaler = DynamicLossScaler(enabled=self.strategy.loss_scaling)
@@ -134,6 +134,19 @@ class Engine:
         self.group_sq_scale = 1.0
         self.group_sq_steps = 0
 
+    @property
+    def kind(self) -> str:
+        """``interleaved`` or ``standard`` (the gradient source), or the loss's own (``distill``)."""
+        return self.loss.kind or self.source
+
+    def hidden_states(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding and the blocks (the last block's output), as the loss parts read them."""
+        return lm.hidden_states(ids, self.cdt)
+
+    def tensor_norms(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """Each gradient tensor's norm for AdaGC when ``grads`` are shards (None: computed locally)."""
+        return None
+
     def _gate(self, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
         """Ask ``step_gate`` once per step (a host read: the gate reads the figures it tests)."""
         if self.step_gate is not None and not self._skip:
@@ -156,9 +169,9 @@ class Engine:
         """Summed cross-entropy over a batch (device tensor) and the number of tokens it covers."""
         ids, targets = self.split(batch)
         with self.autocast():
-            h = self.model.model.norm(self.model.hidden_states(ids, self.cdt))
-        loss = linear_cross_entropy_sum(h, self.model.head_weight, targets, chunk_size=self.chunk_size,
-                                        backend=self.backend, compute_dtype=self.cdt)
+            hidden = self.hidden_states(self.model, ids)
+        loss = self.model.loss(hidden, targets, chunk_size=self.chunk_size, backend=self.backend,
+                               compute_dtype=self.cdt, norm_context=self.autocast(), total=True)
         return loss, targets.numel()
 
     def _check_loss(self, loss: torch.Tensor) -> None:
@@ -206,14 +219,19 @@ class Engine:
         ema.copy_(torch.where(keep, new, ema))
         torch._foreach_mul_(grads, list(coef.to(grads[0].dtype).unbind()))
 
-    def _coefs(self, sq_norms: dict[str, torch.Tensor], norm: torch.Tensor) -> dict[str, torch.Tensor | float]:
+    def _coefs(self, sq_norms: dict[str, torch.Tensor], norm: torch.Tensor,
+               sq_scale: float | None = None) -> dict[str, torch.Tensor | float]:
+        """Each group's clipping coefficient by ``training.clip_mode``: the one dispatch every
+        gradient source uses. ``sq_scale``: the loss scale still in ``sq_norms`` (default the
+        scaler's: the walk's norms are of scaled gradients; autograd's are unscaled, 1.0)."""
         clip = self.strategy.clip
-        if clip in ("off", "adagc"):  # adagc: per tensor, in ``_apply``
+        if clip in ("off", "adagc"):  # adagc: per tensor (``_adagc_clip``)
             return {name: 1.0 for name in sq_norms}
         if clip == "global":
             coef = self._clip_coef(norm)
             return {name: coef for name in sq_norms}
-        return {name: self._clip_coef(sq.sqrt() / self.scaler.scale) for name, sq in sq_norms.items()}
+        scale = self.scaler.scale if sq_scale is None else sq_scale
+        return {name: self._clip_coef(sq.sqrt() / scale) for name, sq in sq_norms.items()}
 
     def _known_norm(self, sq_norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """Global norm from complete per-group squared norms, checked before any update: on the
@@ -236,6 +254,9 @@ class Engine:
 
     def meta_state(self) -> dict:
         meta = {"engine": self.kind, "optimizer_steps": self.optimizer_steps, "loss_scaler": self.scaler.state_dict()}
+        loss_state = self.loss.state_dict()
+        if loss_state is not None:
+            meta.update(loss_state)
         if self.base_ref is not None:  # LoRA: the checkpoint holds adapters; this names their base
             meta["base"] = dict(self.base_ref)
         if self.adagc_ema:  # a few floats per tensor; float32 -> JSON float -> float32 is exact
@@ -256,6 +277,7 @@ class Engine:
                            "original base")
         self.optimizer_steps = int(meta["optimizer_steps"])
         self.scaler.load_state_dict(meta["loss_scaler"])
+        self.loss.load_state_dict(meta)
         if self.adagc_ema:
             saved = meta.get("adagc_ema")
             if saved is None:
@@ -280,10 +302,12 @@ class Engine:
 
 
 class InterleavedEngine(Engine):
-    kind = "interleaved"
+    """The flat-buffer walk (see the module docstring): the causal-LM loss fused into its head step."""
+
+    source = "interleaved"
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                 buffers: dict[str, torch.Tensor], execution: Execution | None = None):
+                 buffers: dict[str, torch.Tensor], execution: Execution):
         super().__init__(config, model, device, backend, execution)
         self.buffers = buffers  # the buffer plan's tensors by name (measured by apr/probe.py)
         self.groups: list[FlatGroup] = [
@@ -670,12 +694,14 @@ class InterleavedEngine(Engine):
 
 
 class StandardEngine(Engine):
-    """Full autograd backward, then clipping, then ``torch.optim.AdamW``."""
+    """Plain autograd over the model, then ``apr/train/finish.py`` (clip, ``torch.optim.AdamW``).
+    The gradient source of one process and DDP; ``sharded.py`` runs the same steps on FSDP2 shards."""
 
-    kind = "standard"
+    source = "standard"
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend):
-        super().__init__(config, model, device, backend)
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                 execution: Execution, loss: CausalLM | None = None):
+        super().__init__(config, model, device, backend, execution, loss)
         named = dict(model.named_parameters())
         self.groups = [(name, [named[s.name] for s in specs]) for name, specs in group_specs(config)]
         self.named = {s.name: named[s.name] for _, specs in group_specs(config) for s in specs}
@@ -687,20 +713,7 @@ class StandardEngine(Engine):
              {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}],
             lr=config.optimizer.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=fused or None,
         )
-
-    def _clip_grads(self, grads: list[torch.Tensor], sq: dict[str, torch.Tensor], norm: torch.Tensor,
-                    live: set[str] | None = None) -> None:
-        """Clip the parameters' gradients in place by ``training.clip_mode`` (``live``: the groups
-        that have gradients this step; default all)."""
-        groups = [(name, group) for name, group in self.groups if live is None or name in live]
-        if self.strategy.clip == "global":
-            torch._foreach_mul_(grads, self._clip_coef(norm))
-        elif self.strategy.clip == "per_block":
-            for name, group in groups:
-                torch._foreach_mul_([p.grad for p in group], self._clip_coef(sq[name].sqrt()))
-        elif self.strategy.clip == "adagc":
-            for name, group in groups:
-                self._adagc_clip(name, [p.grad for p in group])
+        self.idle_groups: set[str] = set()  # groups the last step gave no gradient (apr/train/blocknorms.py)
 
     def freeze(self, groups: set[str]) -> None:
         """Frozen groups leave torch's AdamW: no update of their weights or moments."""
@@ -709,52 +722,61 @@ class StandardEngine(Engine):
         for pg in self.optimizer.param_groups:
             pg["params"] = [p for p in pg["params"] if id(p) not in held]
 
+    # ------------------------------------------------------------------------------ the step
+
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        from apr.train.finish import finish_step
+
         self._skip = False
-        params = list(self.named.values())
-        for p in params:
+        self.loss.begin_step(self.current_step)
+        for p in self.named.values():
             p.grad = None
+        loss = self._backward(micro_batches)
+        for name, _ in self.groups:
+            self._probe(name)
+        local = self._reduced_grads()
+        self.idle_groups = {name for name, _ in self.groups} - set(local)
+        return finish_step(self, loss, local, self._group_sq(local), lr)
+
+    def _micro_loss(self, ids: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+        return self.loss(self, self.model, ids, targets)
+
+    def _backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        """Every micro-batch's loss part, backpropagated (scaled by the fp16 loss scale and divided
+        by the micro-batches); returns the step's mean loss."""
         accum, scale = len(micro_batches), self.scaler.scale
         loss_total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
+        for k, batch in enumerate(micro_batches):
             ids, targets = self.split(batch)
-            with self.autocast():
-                h = self.model.model.norm(self.model.hidden_states(ids, self.cdt))
-            loss = linear_cross_entropy(h, self.model.head_weight, targets, chunk_size=self.chunk_size,
-                                        backend=self.backend, compute_dtype=self.cdt)
+            loss = self._micro_loss(ids, targets, last=k == accum - 1)
             self._check_loss(loss)
             (loss * (scale / accum) if scale != 1.0 or accum != 1 else loss).backward()
             loss_total += loss.detach() / accum
-        for name, _ in self.groups:
-            self._probe(name)
-        grads = [p.grad for p in params]
-        if self.dp is not None:
+        return loss_total
+
+    def _reduced_grads(self) -> dict[str, list[torch.Tensor]]:
+        """Each live group's gradients (a group with every parameter's gradient; distillation's
+        phase 1 trains one block), averaged over the data-parallel ranks and unscaled."""
+        local = {name: [p.grad for p in group] for name, group in self.groups
+                 if all(p.grad is not None for p in group)}
+        grads = [g for gs in local.values() for g in gs]
+        if self.dp is not None and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.dp.average_(flat)
             parts = flat.split([g.numel() for g in grads])
             torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(parts, grads, strict=True)])
-            grads = [p.grad for p in params]
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        # Norms group by group over the concatenated gradients: the same reduction as the interleaved
-        # engine's flat buffers, so the two agree bitwise (clip_grad_norm_ differs only in rounding).
-        sq = {name: self.backend.sq_norm(torch.cat([p.grad.reshape(-1) for p in group])) for name, group in self.groups}
-        self._keep_sq(sq)
-        norm = torch.stack(list(sq.values())).sum().sqrt()
-        if not bool(torch.isfinite(norm).item()):
-            if self.scaler.enabled:
-                self.scaler.update(found_inf=True)
-                return StepResult(loss_total, norm, skipped=True)
-            raise NonFiniteError("gradients", state_is_last_good=True)
-        if self._gate(loss_total, norm):
-            return StepResult(loss_total, norm, flagged=True)
-        self._clip_grads(grads, sq, norm)
-        for pg in self.optimizer.param_groups:
-            pg["lr"] = lr
-        self.optimizer.step()
-        self.optimizer_steps += 1
-        self.scaler.update(found_inf=False)
-        return StepResult(loss_total, norm)
+        if self.scaler.scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        return local
+
+    def _group_sq(self, local: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Every group's squared norm over its concatenated gradients (the reduction of the walk's flat
+        buffers, so the two sources agree bitwise); zero for a group without gradients."""
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        return {name: self.backend.sq_norm(torch.cat([g.reshape(-1) for g in local[name]])) if name in local
+                else zero for name, _ in self.groups}
+
+    # ------------------------------------------------------------------------------ state
 
     def buffer_bytes(self) -> dict[str, int]:
         """The standard engine's parameters, gradients and AdamW moments (after a step), by component."""
@@ -791,71 +813,20 @@ class StandardEngine(Engine):
                 "exp_avg_sq": tensors[names.OPT_V + name].to(p.device, torch.float32).clone(),
             }
 
+    def meta_state(self) -> dict:
+        meta = super().meta_state()
+        if self.loss.per_param_steps:  # each parameter's own AdamW step count (distillation's phase 1)
+            meta["param_steps"] = {name: int(self.optimizer.state[p]["step"]) for name, p in self.named.items()
+                                   if p in self.optimizer.state}
+        return meta
+
     def load_meta_state(self, meta: dict) -> None:
         super().load_meta_state(meta)
-        for state in self.optimizer.state.values():
-            state["step"].fill_(float(self.optimizer_steps))
-
-
-def allocate_buffers(config: AprConfig, device: torch.device,
-                     execution: Execution | None = None) -> dict[str, torch.Tensor]:
-    """The engine's parameter, optimizer and gradient buffers, allocated from the buffer plan."""
-    wanted = {"weights", "compute_weights", "adapters", "adamw_m", "adamw_v", "gradients"}  # frozen: the model's
-    return {
-        b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
-        for b in spec.buffer_plan(config, execution)
-        if b.component in wanted and b.name != "head_saved_grad"
-    }
-
-
-def build_engine(
-    config: AprConfig, device: torch.device | str | None = None, *, seed: int | None = None,
-    backend: KernelBackend | None = None, dp: DataParallel | None = None, execution: Execution | None = None,
-) -> Engine:
-    """A freshly initialised model (or ``model.init_from``'s weights) inside the engine
-    ``training.engine`` names; ``dp``: average gradients over the data-parallel ranks before every
-    update; ``execution``: the plan's resolved policy (default: the config's, ``auto`` as if memory
-    were unlimited)."""
-    tr = config.training
-    device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
-    backend = backend or get_backend(str(tr.kernels), device)
-    model = build_model(config.model.architecture, tr.seed if seed is None else seed, device="cpu")
-    if config.model.init_from is not None:  # trained weights replace the random init
-
-        load_into(model, config.model.init_from)
-    if config.model.lora is not None:  # frozen base on the device as it is; adapters into flat buffers
-
-        add_adapters(model, config.model.lora, tr.seed if seed is None else seed)
-        model = model.to(device)
-    if str(tr.mode) == "distill":  # the student on the standard engine's AdamW, the teacher beside it
-        from apr.train.distill import build_distill_engine
-
-        engine: Engine = build_distill_engine(config, model, device, backend)
-    elif dp is not None and str(tr.sharding) != "none" and str(tr.engine) == "standard":  # FSDP2 (sharded.py)
-        from apr.train.sharded import ShardedEngine
-
-        engine = ShardedEngine(config, model, device, backend)
-    elif dp is not None and str(tr.sharding) != "none":  # the interleaved walk on FSDP2 (sharded_walk.py)
-        from apr.train.sharded_walk import ShardedInterleavedEngine
-
-        engine = ShardedInterleavedEngine(config, model, device, backend,
-                                          execution or execution_policy.from_config(config))
-    elif str(tr.engine) == "standard":
-        engine = StandardEngine(config, model.to(device), device, backend)
-    else:
-        execution = execution or execution_policy.from_config(config)
-        engine = InterleavedEngine(config, model, device, backend, allocate_buffers(config, device, execution),
-                                   execution)
-    engine.dp = dp
-    if engine.execution.compile:
-
-        compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,
-                       engine.autocast())
-    if config.model.lora is not None and config.model.init_from is not None:  # C-LORA-002 wants both
-
-        engine.base_ref = {"init_from": config.model.init_from,
-                           "sha256": source_digest(config.model.init_from, config.model.architecture)}
-    return engine
+        saved = meta.get("param_steps") or {} if self.loss.per_param_steps else {}
+        for name, p in self.named.items():
+            state = self.optimizer.state.get(p)
+            if state is not None:
+                state["step"].fill_(float(saved.get(name, 0) if self.loss.per_param_steps else self.optimizer_steps))
 
 
 # --------------------------------------------------------------------------- dropout replay

@@ -47,14 +47,14 @@ from apr.steps.execution import Execution
 from apr.steps.schedule import LRSchedule
 from apr.track.protocol import NullRecorder, Recorder
 from apr.track.recorder import RunRecorder
-from apr.train import engine as engine_module  # build_engine looked up at call time (tests spy on it)
+from apr.train import build as engine_build  # build_engine looked up at call time (tests spy on it)
 from apr.train.blocknorms import block_metrics
 from apr.train.cadence import Cadence
 from apr.train.calibrate import record_run
 from apr.train.dist import from_env
 from apr.train.drift import DriftCheck
 from apr.train.earlystop import EarlyStopping
-from apr.train.engine import NonFiniteError, resolve_device
+from apr.train.engine import Engine, NonFiniteError, resolve_device
 from apr.train.mfu import mfu_meter
 from apr.train.outdir import (
     RESOLVED_CONFIG,
@@ -148,6 +148,9 @@ class Run:
         """The device and, under torchrun, the process group; ``training.world_size`` becomes the real one."""
         self.device = resolve_device(str(self.config.training.device))
         self.dp = from_env(self.device.type)
+        from apr.threads import apply_thread_policy  # torch's intra-op threads, chosen and recorded
+
+        self.threads = apply_thread_policy(self.config, 1 if self.dp is None else self.dp.world_size)
         if self.dp is not None:
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", self.dp.local_rank)
@@ -268,7 +271,7 @@ class Run:
         # reads the task files now, so a malformed one fails before the first step
         self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
 
-    def _build_engine(self, step: int) -> engine_module.Engine:
+    def _build_engine(self, step: int) -> Engine:
         """The engine of the model at ``step`` (progressive stacking: that stage's depth, earlier
         blocks frozen with ``earlier: freeze``), hooked to the run."""
         config, options = self.config, self.options
@@ -277,10 +280,10 @@ class Run:
         execution = (None if options.execution is None
                      else Execution.from_dict(options.execution, staged.model.architecture.num_hidden_layers))
         if self.stack_stage == 0:
-            engine = engine_module.build_engine(staged, self.device, dp=self.dp, execution=execution)
+            engine = engine_build.build_engine(staged, self.device, dp=self.dp, execution=execution)
         else:  # a later stage's fresh blocks: their own seed; the run's RNG stream is left as it was
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                engine = engine_module.build_engine(staged, self.device, dp=self.dp, execution=execution,
+                engine = engine_build.build_engine(staged, self.device, dp=self.dp, execution=execution,
                                                     seed=config.training.seed + 1000 * self.stack_stage)
         engine.freeze(frozen_groups(config, step))
         if self.survival.bad_steps is not None:
@@ -495,18 +498,19 @@ class Run:
 
     def _distill_records(self, step: int, recorder: Recorder) -> None:
         """Distillation: an event where a phase-1 block or phase 2 starts, and the autotune's."""
-        phase, block = self.engine.last_phase
+        loss = self.engine.loss
+        phase, block = loss.last_phase
         if step == 1 or distill_schedule.phase_at(self.config, step - 1) != (phase, block):
             what = (f"phase 1: student block {block} learns teacher blocks "
-                    f"{self.engine.spans[block][0]}-{self.engine.spans[block][1] - 1}" if phase == 1
+                    f"{loss.spans[block][0]}-{loss.spans[block][1] - 1}" if phase == 1
                     else "phase 2: the whole student on KD + LM loss")
             recorder.log_event("distill", step, f"distillation {what} from step {step}",
                                {"phase": phase, "block": block})
             self.echo(f"{self._step_label(step)}  distillation {what}")
-        for kind, message, detail in self.engine.autotune.events:
+        for kind, message, detail in loss.autotune.events:
             recorder.log_event(kind, step, message, detail)
             self.echo(f"{self._step_label(step)}  autotune: {message}")
-        self.engine.autotune.events.clear()
+        loss.autotune.events.clear()
 
     def _stage_started(self, step: int, recorder: Recorder) -> None:
         """A mixture's next stage draws its first rows at ``step``: an event and a line."""

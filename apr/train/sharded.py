@@ -31,10 +31,11 @@ from apr.checkpoint.files import ST_DTYPE_NAMES
 from apr.checkpoint.parts import LazyTensors
 from apr.config.schema import AprConfig
 from apr.errors import AprError
-from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
 from apr.model.llama import LlamaForCausalLM
+from apr.steps.execution import Execution
 from apr.train.dist import env_ranks_per_node
-from apr.train.engine import NonFiniteError, StandardEngine, StepResult, group_specs
+from apr.train.engine import StandardEngine, group_specs
+from apr.train.losses import CausalLM
 
 
 class _LossModule(nn.Module):
@@ -46,11 +47,14 @@ class _LossModule(nn.Module):
         self._engine = [engine]  # not a submodule
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor, total: bool = False) -> torch.Tensor:
+        """The engine's loss part (training), or the summed causal-LM loss (``total``: evaluation)."""
         e = self._engine[0]
+        if not total:
+            return e.loss(e, self.lm, ids, targets)
         with e.autocast():
-            h = self.lm.model.norm(e.hidden_states(self.lm, ids))
-        fn = linear_cross_entropy_sum if total else linear_cross_entropy
-        return fn(h, self.lm.head_weight, targets, chunk_size=e.chunk_size, backend=e.backend, compute_dtype=e.cdt)
+            hidden = e.hidden_states(self.lm, ids)
+        return self.lm.loss(hidden, targets, chunk_size=e.chunk_size, backend=e.backend, compute_dtype=e.cdt,
+                            norm_context=e.autocast(), total=True)
 
 
 def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device: torch.device) -> _LossModule:
@@ -83,20 +87,15 @@ def shard_group_size(world: int) -> int:
 
 
 class ShardedEngine(StandardEngine):
-    """The standard engine's arithmetic on FSDP2 shards (see the module docstring)."""
+    """The autograd source on FSDP2 shards, with any loss part (see the module docstring)."""
 
-    kind = "standard"
-
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend):
+    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend,
+                 execution: Execution, loss: CausalLM | None = None):
         model = model.to(device)
         self.root = _shard(model, self, str(config.training.sharding), device)
-        super().__init__(config, model, device, backend)
+        super().__init__(config, model, device, backend, execution, loss)
 
     # ------------------------------------------------------------------------------ steps
-
-    def hidden_states(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding and the blocks (inside the root's forward): one autograd graph."""
-        return lm.hidden_states(ids, self.cdt)
 
     def _all_sq(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Squared norms over the whole tensors from their local shards' (one all-reduce over the shard
@@ -109,61 +108,37 @@ class ShardedEngine(StandardEngine):
     def _local_sq(grads: list[torch.Tensor]) -> torch.Tensor:
         return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device))
 
+    def tensor_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Each tensor's norm all-reduced from its shards' (AdaGC on shards)."""
+        return self._all_sq([g.float().pow(2).sum() for g in grads]).sqrt()
+
     def _adagc_sharded(self, name: str, grads: list[torch.Tensor], unscale: float = 1.0,
                        found_inf: torch.Tensor | None = None) -> None:
-        """AdaGC on shards: each tensor's norm all-reduced from its shards', then the same clip."""
-        norms = self._all_sq([g.float().pow(2).sum() for g in grads]).sqrt()
-        self._adagc_clip(name, grads, unscale, found_inf, norms=norms)
+        self._adagc_clip(name, grads, unscale, found_inf, norms=self.tensor_norms(grads))
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         ids, targets = self.split(batch)
         return self.root(ids, targets, total=True), targets.numel()
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        self._skip = False
-        params = list(self.named.values())
-        for p in params:
-            p.grad = None
-        accum, scale = len(micro_batches), self.scaler.scale
-        loss_total = torch.zeros((), device=self.device)
-        for k, batch in enumerate(micro_batches):
-            ids, targets = self.split(batch)
-            self.root.set_requires_gradient_sync(k == accum - 1)  # reduce-scatter once, after the last
-            loss = self.root(ids, targets)
-            self._check_loss(loss)
-            (loss * (scale / accum) if scale != 1.0 or accum != 1 else loss).backward()
-            loss_total += loss.detach() / accum
-        for name, _ in self.groups:
-            self._probe(name)
-        local = {name: [p.grad.to_local() for p in group] for name, group in self.groups}
-        if scale != 1.0:
-            torch._foreach_mul_([g for gs in local.values() for g in gs], 1.0 / scale)
-        sq_all = self._all_sq([self._local_sq(gs) for gs in local.values()])  # each group's squared norm
-        sq = dict(zip(local, sq_all.unbind(), strict=True))
-        self._keep_sq(sq)
-        norm = sq_all.sum().sqrt()
-        if not bool(torch.isfinite(norm).item()):
-            if self.scaler.enabled:  # fp16 overflow: every rank sees the same all-reduced norm
-                self.scaler.update(found_inf=True)
-                return StepResult(loss_total, norm, skipped=True)
-            raise NonFiniteError("gradients", state_is_last_good=True)
-        if self._gate(loss_total, norm):
-            return StepResult(loss_total, norm, flagged=True)
-        if self.strategy.clip == "global":
-            torch._foreach_mul_([g for gs in local.values() for g in gs], self._clip_coef(norm))
-        elif self.strategy.clip == "per_block":
-            for name, gs in local.items():
-                torch._foreach_mul_(gs, self._clip_coef(sq[name].sqrt()))
-        elif self.strategy.clip == "adagc":
-            for name, gs in local.items():
-                self._adagc_sharded(name, gs)
-        for pg in self.optimizer.param_groups:
-            pg["lr"] = lr
-        self.optimizer.step()
-        self.optimizer_steps += 1
-        self.scaler.update(found_inf=False)
-        return StepResult(loss_total, norm)
+    def _micro_loss(self, ids: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+        self.root.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro-batch
+        return self.root(ids, targets)
+
+    def _reduced_grads(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's shards of each live group's reduce-scattered gradients, unscaled."""
+        local = {name: [p.grad.to_local() for p in group] for name, group in self.groups
+                 if all(p.grad is not None for p in group)}
+        if self.scaler.scale != 1.0:
+            torch._foreach_mul_([g for gs in local.values() for g in gs], 1.0 / self.scaler.scale)
+        return local
+
+    def _group_sq(self, local: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Every group's squared norm, all-reduced from the shards' in one collective (zero without
+        gradients: every rank agrees which groups are live)."""
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq_all = self._all_sq([self._local_sq(local[name]) if name in local else zero for name, _ in self.groups])
+        return dict(zip([name for name, _ in self.groups], sq_all.unbind(), strict=True))
 
     # ------------------------------------------------------------------------------ state
 

@@ -42,20 +42,17 @@ from apr.kernels.interface import DecayRanges
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
-from apr.steps.strategy import step_strategy
 from apr.train.engine import StepResult, _sac_policy
 from apr.train.nonfinite import GRADIENTS, LOSS
 from apr.train.sharded import ShardedEngine
 
 
 class ShardedInterleavedEngine(ShardedEngine):
-    kind = "interleaved"
+    source = "interleaved"
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  execution: Execution):
-        super().__init__(config, model, device, backend)
-        self.execution = execution
-        self.strategy = step_strategy(config, execution)
+        super().__init__(config, model, device, backend, execution)
         self._lr = 0.0
         self.group_params = dict(self.groups)
         decays = {s.name: s.decay for _, specs in spec.optimizer_groups(config) for s in specs}

@@ -13,7 +13,7 @@ import yaml
 
 from apr.checkpoint.hf_import import ARCH_TO_HF, InitFromError, inspect_source, load_source_weights
 from apr.plan.examples import write_tokenizer
-from apr.train.engine import build_engine
+from apr.train.build import build_engine
 from tests.plan.plan_helpers import apr_cli
 from tests.train.tiny import TINY, batches, make_config
 

@@ -41,7 +41,7 @@ def test_a_model_state_matches_and_each_kind_of_difference_is_named():
 
 @pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
 def test_both_engines_write_the_names_the_checkpoint_expects(engine_kind):
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     config = make_config(**{"training.engine": engine_kind})
     engine = build_engine(config, torch.device("cpu"))
@@ -53,7 +53,7 @@ def test_both_engines_write_the_names_the_checkpoint_expects(engine_kind):
 @pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
 def test_both_engines_refuse_a_state_of_another_shape_naming_the_tensor(engine_kind):
     from apr.errors import AprError
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     config = make_config(**{"training.engine": engine_kind})
     engine = build_engine(config, torch.device("cpu"))

@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from apr.train.build import build_engine
 from apr.train.dist import DataParallel
-from apr.train.engine import build_engine
 from tests.train.tiny import batches, make_config
 
 

@@ -410,7 +410,7 @@ def test_get_backend_auto_picks_cupy_on_cuda(cb):
 
 
 def _engine_run(config, device: torch.device, steps: int):
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
     from tests.train.tiny import batches
 
     engine = build_engine(config, device)
@@ -958,7 +958,7 @@ def test_emulated_cross_entropy_special_rows_and_float32_only(emu):
 
 @pytest.mark.parametrize("engine,precision", [("interleaved", "fp32"), ("standard", "fp32"), ("interleaved", "fp16")])
 def test_emulated_kernels_train_the_engine_like_the_reference(emu, engine, precision):
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
     from tests.train.tiny import batches, make_config
 
     config = make_config(model={"architecture": {"vocab_size": 64}},

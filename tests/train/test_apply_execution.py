@@ -6,7 +6,7 @@ from run_helpers import make_dataset, write_config
 
 from apr.apply import run_apply
 from apr.plan.build import build_plan
-from apr.train import engine as engine_module
+from apr.train import build as engine_module
 
 
 def _capture(monkeypatch) -> list:

@@ -9,7 +9,7 @@ import torch
 
 from apr.train import blocknorms
 from apr.train.blocknorms import adamw_update_sq_norm, block_metrics
-from apr.train.engine import build_engine
+from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
 

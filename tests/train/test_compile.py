@@ -9,7 +9,7 @@ import torch
 from apr.errors import AprError
 from apr.steps.execution import compile_problem
 from apr.train import compile as compile_mod
-from apr.train.engine import build_engine
+from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
 

@@ -10,7 +10,7 @@ from tiny import batches, make_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apr.model import spec
-from apr.train.engine import build_engine
+from apr.train.build import build_engine
 
 POLICIES = [  # (activations, gradients, clip_mode): every walk the engine has
     ("keep", "kept", "global"), ("recompute", "workspace", "global"), ("selective", "workspace", "per_block"),

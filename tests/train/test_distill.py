@@ -71,7 +71,7 @@ def test_spans_split_evenly_or_follow_the_map_and_refuse_gaps():
 def test_a_student_copied_from_its_teacher_has_zero_loss_in_both_phases(teacher, tmp_path):
     """Mechanics: with a 1:1 mapping and the student initialised from the teacher, every phase-1
     block loss and the phase-2 KD loss are exactly zero."""
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     make_dataset(tmp_path)
     doc = _student_doc(tmp_path, teacher, kd_weight=1.0)
@@ -79,15 +79,15 @@ def test_a_student_copied_from_its_teacher_has_zero_loss_in_both_phases(teacher,
     engine = build_engine(AprConfig.model_validate(doc), "cpu")
     ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
     for block in range(4):
-        assert engine.block_loss_of(block, ids).item() == 0.0
-    assert engine.kd_loss(ids, ids).item() == pytest.approx(0.0, abs=1e-6)
+        assert engine.loss.block_loss_of(engine, engine.model, block, ids).item() == 0.0
+    assert engine.loss.kd_loss(engine, engine.model, ids, ids).item() == pytest.approx(0.0, abs=1e-6)
     doc["model"]["architecture"]["num_hidden_layers"] = 2  # two teacher blocks per student block: not a copy
     half = build_engine(AprConfig.model_validate(doc), "cpu")
-    assert half.block_loss_of(0, ids).item() > 0.0
+    assert half.loss.block_loss_of(half, half.model, 0, ids).item() > 0.0
 
 
 def test_phase_1_updates_only_the_block_in_training(teacher, tmp_path):
-    from apr.train.engine import build_engine
+    from apr.train.build import build_engine
 
     make_dataset(tmp_path)
     config = AprConfig.model_validate(_student_doc(tmp_path, teacher))

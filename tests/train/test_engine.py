@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from apr.model.spec import buffer_plan
-from apr.train.engine import InterleavedEngine, NonFiniteError, StandardEngine, build_engine
+from apr.train.build import build_engine
+from apr.train.engine import InterleavedEngine, NonFiniteError, StandardEngine
 from tests.train.tiny import batches, make_config
 
 

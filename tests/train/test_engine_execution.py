@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from apr.model.spec import buffer_plan
-from apr.train.engine import build_engine
+from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
 POLICIES = [(a, g) for a in ("keep", "keep_first:1", "keep_first:2", "selective", "recompute")

@@ -16,7 +16,7 @@ from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.model import spec
-from apr.train.engine import build_engine
+from apr.train.build import build_engine
 from apr.train.run import ApplyOptions, prepare_run
 from tests.train.tiny import batches, make_config
 

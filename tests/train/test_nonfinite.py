@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from apr.train import build as build_mod
 from apr.train import engine as engine_mod
-from apr.train.engine import NonFiniteError, build_engine
+from apr.train.build import build_engine
+from apr.train.engine import NonFiniteError
 from tests.train.tiny import batches, make_config
 
 # (activations, gradients, clip_mode): kept gradients, a norm-only pre-pass, one walk (per_block, adagc)
@@ -191,13 +193,13 @@ def test_a_run_stops_at_the_next_log_with_the_last_good_weights(tmp_path, monkey
     _, clean = run("clean/")
     assert clean.status == "finished"
     seen = _poison_loss_at(monkeypatch, {7})
-    real_build = engine_mod.build_engine
+    real_build = build_mod.build_engine
 
     def build(*a, **k):
         seen["engine"] = real_build(*a, **k)
         return seen["engine"]
 
-    monkeypatch.setattr(engine_mod, "build_engine", build)
+    monkeypatch.setattr(build_mod, "build_engine", build)
     bad_run, bad = run("bad/")
     assert (bad.status, bad.exit_code, bad.final_step) == ("failed", 1, 6)
     assert "non-finite loss at step 7" in str(bad.reason)

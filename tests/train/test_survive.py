@@ -23,7 +23,7 @@ from apr.monitor.view import messages
 from apr.track.names import global_db_path, local_db_path
 from apr.track.store import connect_readonly, events
 from apr.train.badsteps import BadStepTest, RunningStats
-from apr.train.engine import build_engine
+from apr.train.build import build_engine
 from apr.train.rollback import SpikeWatch
 from tests.train.run_helpers import SEQ, VOCAB, write_config
 from tests.train.tiny import batches, make_config

@@ -1,0 +1,103 @@
+"""Compose the engine from the resolved plan (docs/design.md, "The composed engine").
+
+``build_engine`` is the one place where a run's parts meet, in the order torchtitan's
+``parallelize_llama`` applies its transforms to one model:
+
+1. the model: random init from the seed, or ``model.init_from``'s weights;
+2. model transforms: LoRA adapters over a frozen base (``model.lora``), a distillation student
+   initialised from its teacher;
+3. the gradient source the plan chose, under FSDP2 hooks when ``training.sharding`` shards the
+   state (``sharded.py``, ``sharded_walk.py``), else the flat-buffer walk (``InterleavedEngine``,
+   buffers allocated from the plan's buffer list) or plain autograd (``StandardEngine``); the loss
+   is the causal-LM loss or the distillation loss (``distill.py``);
+4. recompute and compile: the execution policy's per-block modes, ``compile_blocks``.
+
+The engine receives the plan's ``Execution`` and never derives one: ``execution=None`` is the
+config's own policy (``auto`` as if memory were unlimited), for tests and tools without a plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apr.checkpoint.hf_import import load_into, source_digest
+from apr.config.schema import AprConfig
+from apr.kernels import KernelBackend, get_backend
+from apr.model import spec
+from apr.model.llama import LlamaForCausalLM, build_model
+from apr.model.lora import add_adapters
+from apr.steps import execution as execution_policy
+from apr.steps.execution import Execution
+from apr.train.compile import compile_blocks
+from apr.train.dist import DataParallel
+from apr.train.engine import Engine, InterleavedEngine, StandardEngine, resolve_device
+from apr.train.precision import torch_dtype
+
+
+def allocate_buffers(config: AprConfig, device: torch.device,
+                     execution: Execution | None = None) -> dict[str, torch.Tensor]:
+    """The engine's parameter, optimizer and gradient buffers, allocated from the buffer plan."""
+    wanted = {"weights", "compute_weights", "adapters", "adamw_m", "adamw_v", "gradients"}  # frozen: the model's
+    return {
+        b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
+        for b in spec.buffer_plan(config, execution)
+        if b.component in wanted and b.name != "head_saved_grad"
+    }
+
+
+def build_model_for(config: AprConfig, seed: int) -> LlamaForCausalLM:
+    """The model before any gradient source: init (or ``init_from``) then the LoRA transform."""
+    model = build_model(config.model.architecture, seed, device="cpu")
+    if config.model.init_from is not None:  # trained weights replace the random init
+        load_into(model, config.model.init_from)
+    if config.model.lora is not None:  # frozen base, adapters trained
+        add_adapters(model, config.model.lora, seed)
+    return model
+
+
+def _gradient_source(config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                     dp: DataParallel | None, execution: Execution) -> Engine:
+    """The engine for the plan's (loss, layout, gradient source): the flat-buffer walk or autograd,
+    either under FSDP2 hooks when ``training.sharding`` shards the state over the ranks."""
+    tr = config.training
+    sharded = dp is not None and str(tr.sharding) != "none"
+    loss = None
+    if str(tr.mode) == "distill":  # the student on autograd, the teacher whole beside it
+        from apr.train.distill import distill_loss
+
+        loss = distill_loss(config, model, device)
+    if sharded and (loss is not None or str(tr.engine) == "standard"):  # autograd under FSDP2 hooks
+        from apr.train.sharded import ShardedEngine
+
+        return ShardedEngine(config, model, device, backend, execution, loss)
+    if sharded:  # the flat-buffer walk's per-block steps under FSDP2 hooks
+        from apr.train.sharded_walk import ShardedInterleavedEngine
+
+        return ShardedInterleavedEngine(config, model, device, backend, execution)
+    if loss is not None or str(tr.engine) == "standard":
+        return StandardEngine(config, model.to(device), device, backend, execution, loss)
+    if config.model.lora is not None:  # the frozen base on the device as it is; adapters into flat buffers
+        model = model.to(device)
+    return InterleavedEngine(config, model, device, backend, allocate_buffers(config, device, execution), execution)
+
+
+def build_engine(
+    config: AprConfig, device: torch.device | str | None = None, *, seed: int | None = None,
+    backend: KernelBackend | None = None, dp: DataParallel | None = None, execution: Execution | None = None,
+) -> Engine:
+    """A freshly initialised model (or ``model.init_from``'s weights) inside the composed engine;
+    ``dp``: the data-parallel ranks (torchrun); ``execution``: the plan's resolved policy."""
+    tr = config.training
+    device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
+    backend = backend or get_backend(str(tr.kernels), device)
+    execution = execution or execution_policy.from_config(config)
+    model = build_model_for(config, tr.seed if seed is None else seed)
+    engine = _gradient_source(config, model, device, backend, dp, execution)
+    engine.dp = dp
+    if engine.execution.compile:
+        compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,
+                       engine.autocast())
+    if config.model.lora is not None and config.model.init_from is not None:  # C-LORA-002 wants both
+        engine.base_ref = {"init_from": config.model.init_from,
+                           "sha256": source_digest(config.model.init_from, config.model.architecture)}
+    return engine
