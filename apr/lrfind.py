@@ -236,7 +236,7 @@ def output_targets(config_path: Path, settings: list[str] | None, *, plot: Path 
     inputs = [config_path]
     if plot is None or json_out is None:
         overrides = command_line_overrides(settings, False)
-        config = load_config(config_path, normalise_overrides(overrides) or None)
+        config = load_config(config_path, normalise_overrides(overrides) or None).config
         folder = Path(config.training.output_dir).expanduser()
         if config.data.tokenizer:
             inputs.append(Path(config.data.tokenizer).expanduser())
