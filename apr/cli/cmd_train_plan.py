@@ -107,9 +107,11 @@ def probe_plan(plan, steps: int, rebuild):
 
     policy = plan.execution["policy"]
     print(f"probing {plan.config.training.device} with the real engine ({steps} timed steps)...", file=sys.stderr)
-    result = run_probe(plan.config, policy, one_process_rows(plan.config, policy), steps=steps)
+    result = run_probe(plan.config, policy, one_process_rows(plan.config, policy), steps=steps,
+                       world_size=plan.world_size)
     result["planned_world_size"] = plan.world_size
-    result["calibration_id"] = calibration.record(result, calibration.shape(plan.config, policy))
+    threads = result["threads"] if result["device"] == "cpu" else None  # a CPU's speed depends on them
+    result["calibration_id"] = calibration.record(result, calibration.shape(plan.config, policy, threads))
     plan = rebuild()
     plan.facts["probe"] = result
     return plan
@@ -153,6 +155,10 @@ def register(app: typer.Typer) -> None:
             "ids and show measured memory and speed beside the model; kept as a calibration for later plans."),
         probe_steps: int = typer.Option(3, "--probe-steps", min=1, max=100, metavar="N",
                                         help="Timed steps of --probe (after one warm-up and one memory step)."),
+        cpu_threads: int | None = typer.Option(
+            None, "--cpu-threads", min=1, metavar="N",
+            help="torch intra-op threads per process for the probe and the estimate (= APR_CPU_THREADS=N; "
+                 "default: training.cpu_threads, else the usable cores / ranks per node)."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="List skipped contracts and why."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing -out file."),
     ) -> None:
@@ -160,6 +166,10 @@ def register(app: typer.Typer) -> None:
         Exit 0 no errors, 1 errors (or warnings with --strict), 2 usage."""
 
         fmt = output_format(fmt, json_out)
+        if cpu_threads is not None:  # the same override apply reads (apr/threads.py)
+            import os
+
+            os.environ["APR_CPU_THREADS"] = str(cpu_threads)
         raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, nodes=nodes,
                                   json_out=fmt == "json",
                                   strict=strict, out=out, verbose=verbose,

@@ -562,6 +562,9 @@ class TrainingConfig(_Section):
     engine: Engine = Field(Engine.interleaved, description="interleaved (per-block backward+AdamW) or standard.")
     kernels: KernelBackend = Field(KernelBackend.auto, description="Fused-op backend: auto, cupy or torch.")
     device: Device = Field(Device.auto, description="Where to train: auto picks cuda when available.")
+    cpu_threads: PositiveCount | None = Field(
+        None, description="torch intra-op CPU threads per process; null: the usable cores / ranks per node "
+        "(APR_CPU_THREADS overrides; docs/performance.md, \"CPU threads\").")
     loss_chunk_size: PositiveCount = Field(
         256, description="Sequence positions per LM-head/cross-entropy chunk (full logits never exist)."
     )

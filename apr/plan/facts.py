@@ -6,6 +6,7 @@ than set to null; contracts list what they ``require`` and are skipped when it i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 
@@ -305,20 +306,20 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
         if sheet.time_estimate is not None:
             facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
                              "total_flops": sheet.time_estimate["total_flops"]}
-    calibrated = calibration_facts(config, facts["execution"]["policy"], target)
+    facts["threads"] = cpu_threads(config, world_size, nodes)
+    calibrated = calibration_facts(config, facts["execution"]["policy"], target, world_size=world_size, nodes=nodes)
+    if calibration.SKIPPED:  # malformed rows were left out: the plan says which
+        facts["calibration_skipped"] = calibration.skipped_warnings()
     if calibrated is not None:
         facts["calibration"] = calibrated
-        if tokens is not None:  # measured beats assumed: the probe's tokens/s on this device
-            startup = calibrated.get("startup_seconds") or 0.0  # runs measure it; probes do not
-            seconds = tokens / (calibrated["tokens_per_s"] * world_size) + startup
-            sheet.time_estimate = {
-                "calibrated": True, "tokens": tokens, "flops_per_token": facts["model"]["flops_per_token"],
-                "total_flops": tokens * facts["model"]["flops_per_token"], "tokens_per_s": calibrated["tokens_per_s"],
-                "gpus": world_size, "estimated_seconds": seconds, "basis": basis, "startup_seconds": startup,
-                "calibration": f"calibrated from {calibrated['what']} on {calibrated['date']} "
-                               f"({calibrated['device_name']})"}
-            facts["time"] = {"estimated_seconds": seconds, "total_flops": sheet.time_estimate["total_flops"],
-                             "calibrated": True}
+        if tokens is not None:  # measured beats assumed: the probe's or the runs' tokens/s on this device
+            sheet.time_estimate = calibrated_estimate(
+                config, tokens, facts["model"]["flops_per_token"], calibrated, world_size, basis,
+                facts["execution"]["cost_f"], facts["threads"])
+            facts["time"] = {k: sheet.time_estimate[k] for k in (
+                "estimated_seconds", "total_flops", "calibrated", "low_seconds", "high_seconds", "base_seconds",
+                "base_kind", "startup_seconds", "tokens_per_s", "loop_tokens_per_s", "tokens_per_s_low",
+                "tokens_per_s_high", "assumes")}
     total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None
     facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"),
                                      world_size)
@@ -327,18 +328,106 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
     return sheet
 
 
-def calibration_facts(config: AprConfig, policy: dict, target: Target | None) -> dict | None:
-    """Probes of this run's shape on its device with this torch and apr (apr/track/calibration.py):
-    a CPU run matches probes of this host's CPU; a GPU run those of the target GPU."""
-    shape_doc = calibration.shape(config, policy)
+def cpu_threads(config: AprConfig, world_size: int, nodes: int | None = None) -> dict:
+    """The intra-op threads apply and the probe give each process (apr/threads.py); the same
+    function decides at run time, so plan, probe and run agree."""
+    from apr import threads
+
+    return threads.for_config(config, world_size=world_size, nodes=nodes)
+
+
+def calibration_facts(config: AprConfig, policy: dict, target: Target | None, *, world_size: int = 1,
+                      nodes: int | None = None) -> dict | None:
+    """Probes and finished runs of this run's shape on its device with this torch and apr
+    (apr/track/calibration.py): a CPU run matches those of this host's CPU at the same intra-op
+    threads; a GPU run those of the target GPU."""
     if str(config.training.device) == "cpu":
+        shape_doc = calibration.shape(config, policy, cpu_threads(config, world_size, nodes)["threads"])
         rows = calibration.matching("cpu", calibration.host_cpu_name(), shape_doc, __version__)
     elif target is not None and target.gpu is not None:
+        shape_doc = calibration.shape(config, policy)
         rows = [r for r in calibration.matching_shape("cuda", shape_doc, __version__)
                 if (g := hardware.from_device_name(r["device_name"])) is not None and g.name == target.gpu.name]
     else:
         return None
     return calibration.summary(rows)
+
+
+RANGE_FLOOR = 0.10  # log-width no measurement removes: data, checkpoint writes, the OS (about +-10%)
+LOAD_WEIGHT = 0.5  # share of the CPU contention's log the load may move by while the run lasts
+FRESH_S = 120.0  # a probe this recent saw the load of now (the plan right after --probe)
+
+
+def contention(load: float | None, threads: int, cores: int) -> float:
+    """How oversubscribed the cores are with ``threads`` of ours on top of ``load`` (the 1-minute
+    load average): 1.0 while they fit, (load + threads) / cores beyond."""
+    return max(1.0, ((load or 0.0) + threads) / max(1, cores))
+
+
+def validations(config: AprConfig, total_steps: int) -> int:
+    """Validation passes of a run (apr/train/cadence.py): the start, every eval_interval steps, the end."""
+    interval = config.training.eval_interval
+    if config.data.val is None or interval <= 0 or total_steps < 1:
+        return 0
+    return 1 + total_steps // interval + (1 if total_steps % interval else 0)
+
+
+def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal: dict, world_size: int, basis: str,
+                        cost_f: float, threads_choice: dict, load_now: float | None = None) -> dict:
+    """Wall time from measured tokens/s, with a range (docs/plan.md, "The time estimate's range").
+
+    point = (compute + validation + start-up) x the runs' correction x the load change, where
+    compute = tokens / (tokens/s x processes); on a probe basis validation is its forward passes
+    at the probe's step rate (a forward is 1 of the step's ``cost_f`` forward-equivalents), and
+    start-up is the probe's own (imports, plan, engine). The range is point x exp(+-w), w the root
+    sum of squares of: the basis's spread (probe steps or runs), the correction's spread, the load
+    (``LOAD_WEIGHT`` x log contention at the busier of calibration time and now) and a floor."""
+    from apr import threads
+
+    tr = config.training
+    tokens_per_step = config.data.batch_size * config.data.seq_len * tr.gradient_accumulation * world_size
+    total_steps = max(1, tokens // max(1, tokens_per_step))
+    rate = cal["tokens_per_s"]
+    compute = tokens / (rate * world_size)
+    startup = cal.get("startup_seconds") or 0.0
+    evaluation = 0.0
+    if cal["basis"] == "probe":  # runs' rates include their validation; a probe's step does not
+        forward_s = cal["step_seconds"] / (tr.gradient_accumulation * max(cost_f, 1.0))
+        evaluation = validations(config, total_steps) * tr.eval_batches * forward_s
+    base = compute + evaluation + startup
+    correction = cal.get("correction") or {}
+    factor = correction.get("factor", 1.0)
+    n, cores = threads_choice["threads"], threads_choice["cores"]
+    load_cal = cal.get("load")
+    fresh = cal.get("basis_time") is not None and abs(_now() - cal["basis_time"]) < FRESH_S
+    if load_now is None:
+        load_now = load_cal if fresh else threads.load_average()
+    c_cal, c_now = contention(load_cal, n, cores), contention(load_now, n, cores)
+    load_factor = c_now / c_cal if load_cal is not None and load_now is not None else 1.0
+    point = (compute + evaluation) * factor * load_factor + startup * factor
+    widths = {"basis": cal.get("spread") or 0.0, "correction": correction.get("spread", 0.0),
+              "load": LOAD_WEIGHT * math.log(max(c_cal, c_now)), "floor": RANGE_FLOOR}
+    w = math.sqrt(sum(v * v for v in widths.values()))
+    loop_rate = rate / (factor * load_factor)  # per process, what drift compares the loop with
+    assumes = {"device": str(tr.device), "device_name": cal["device_name"], "threads": n,
+               "threads_source": threads_choice["source"], "cores": cores, "load_at_calibration": load_cal,
+               "load_now": load_now, "contention_at_calibration": c_cal, "contention_now": c_now,
+               "load_factor": load_factor, "correction_factor": factor, "basis": cal["basis"]}
+    return {
+        "calibrated": True, "tokens": tokens, "flops_per_token": flops_per_tok,
+        "total_flops": tokens * flops_per_tok, "tokens_per_s": rate, "gpus": world_size, "basis": basis,
+        "compute_seconds": compute, "evaluation_seconds": evaluation, "startup_seconds": startup,
+        "base_seconds": base, "base_kind": cal["basis"], "estimated_seconds": point,
+        "low_seconds": point * math.exp(-w), "high_seconds": point * math.exp(w), "range_log_width": w,
+        "range_widths": widths, "tokens_per_s_low": loop_rate * math.exp(-w), "tokens_per_s_high":
+        loop_rate * math.exp(w), "loop_tokens_per_s": loop_rate, "assumes": assumes,
+        "calibration": f"calibrated from {cal['what']} on {cal['date']} ({cal['device_name']})"}
+
+
+def _now() -> float:
+    import time
+
+    return time.time()
 
 
 def cost_facts(price: float, world_size: int, tokens: int | None, estimate: dict | None, facts: dict) -> dict:

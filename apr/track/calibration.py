@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import sqlite3
 import statistics
@@ -15,6 +16,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from apr.errors import AprError
 from apr.track.names import global_db_path
 from apr.track.store import StoreWriter, connect_readonly
 
@@ -22,10 +24,12 @@ SHAPE_KEYS = ("architecture", "batch_size", "seq_len", "gradient_accumulation", 
               "kernels", "execution")
 
 
-def shape(config, execution_policy: dict) -> dict:
-    """What makes two probes comparable besides the device and the versions."""
+def shape(config, execution_policy: dict, threads: int | None = None) -> dict:
+    """What makes two probes comparable besides the device and the versions; on the CPU also the
+    intra-op threads (apr/threads.py): one thread and two are different machines."""
     tr = config.training
-    return {"architecture": config.model.architecture.model_dump(mode="json"),
+    extra = {} if threads is None else {"cpu_threads": int(threads)}
+    return {**extra, "architecture": config.model.architecture.model_dump(mode="json"),
             "batch_size": config.data.batch_size, "seq_len": config.data.seq_len,
             "gradient_accumulation": tr.gradient_accumulation, "mixed_precision": str(tr.mixed_precision),
             "engine": str(tr.engine), "kernels": str(tr.kernels), "execution": execution_policy}
@@ -60,21 +64,90 @@ def record(result: dict, shape_doc: dict, apr_home: Path | None = None) -> int:
         writer.close()
 
 
+SKIPPED: list[dict] = []  # rows the last read skipped: {"id", "reason"} (the plan and `calibration ls` warn)
+
+
+def _number(value, positive: bool = False) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and (value > 0 if positive else True)
+
+
+def _malformed(row: dict) -> str | None:
+    """Why a stored row cannot be used, or None. Every field a reader of the store touches is
+    checked here, so one bad row (hand-edited, another version's, torn) is skipped, not a crash."""
+    if not _number(row.get("time")):
+        return f"time is {row.get('time')!r}, expected a number"
+    for key in ("device", "device_name", "apr", "shape_key"):
+        if not isinstance(row.get(key), str):
+            return f"{key} is {row.get(key)!r}, expected text"
+    for key in ("shape", "result"):
+        try:
+            row[key] = json.loads(row[key]) if isinstance(row[key], (str, bytes)) else None
+        except (ValueError, RecursionError) as err:
+            return f"{key} is not valid JSON ({type(err).__name__}: {str(err)[:80]})"
+        if not isinstance(row[key], dict):
+            return f"{key} is {type(row[key]).__name__}, expected a JSON object"
+    shape_doc, result = row["shape"], row["result"]
+    arch = shape_doc.get("architecture")
+    if not isinstance(arch, dict) or not all(_number(arch.get(k), True) for k in ("num_hidden_layers", "hidden_size")):
+        return "shape.architecture lacks num_hidden_layers / hidden_size"
+    if not all(_number(shape_doc.get(k), True) for k in ("batch_size", "seq_len")):
+        return "shape lacks batch_size / seq_len"
+    for key in ("tokens_per_s", "step_seconds"):
+        if not _number(result.get(key), True):
+            return f"result.{key} is {result.get(key)!r}, expected a positive number"
+    if result.get("source", "probe") not in ("probe", "run"):
+        return f"result.source is {result.get('source')!r}, expected probe or run"
+    for key in ("startup_seconds", "transient_bytes", "modelled_transient_bytes", "load", "threads",
+                "actual_seconds", "base_seconds"):
+        if result.get(key) is not None and not _number(result[key]):
+            return f"result.{key} is {result[key]!r}, expected a number"
+    times = result.get("step_seconds_all")
+    if times is not None and not (isinstance(times, list) and all(_number(t, True) for t in times)):
+        return "result.step_seconds_all is not a list of positive numbers"
+    if not isinstance(result.get("rows", []), list) or not all(
+            isinstance(r, dict) and isinstance(r.get("component"), str) and _number(r.get("measured"))
+            and (r.get("modelled") is None or _number(r.get("modelled"))) for r in result.get("rows", [])):
+        return "result.rows is not a list of {component, modelled, measured}"
+    return None
+
+
 def _rows(where: str = "", params: tuple = (), apr_home: Path | None = None) -> list[dict]:
+    """Stored rows, oldest first; malformed ones are left out and listed in ``SKIPPED``."""
+    SKIPPED.clear()
     path = global_db_path(apr_home)
     if not path.is_file():
         return []
-    conn = connect_readonly(path)
+    try:
+        conn = connect_readonly(path)
+    except AprError as err:
+        SKIPPED.append({"id": None, "reason": f"the registry {path} cannot be read: {err.message}"})
+        return []
     try:
         if conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='calibrations'").fetchone() is None:
             return []
         rows = conn.execute("SELECT id, time, device, device_name, torch, cuda, apr, shape_key, shape, result "
-                            f"FROM calibrations {where} ORDER BY time, id", params).fetchall()
-    except sqlite3.Error:
+                            f"FROM calibrations {where} ORDER BY id", params).fetchall()
+    except sqlite3.Error as err:
+        SKIPPED.append({"id": None, "reason": f"the calibrations table of {path} cannot be read: {err}"})
         return []
     finally:
         conn.close()
-    return [{**dict(r), "shape": json.loads(r["shape"]), "result": json.loads(r["result"])} for r in rows]
+    out = []
+    for r in rows:
+        row = dict(r)
+        reason = _malformed(row)
+        if reason is None:
+            out.append(row)
+        else:
+            SKIPPED.append({"id": row.get("id"), "reason": reason})
+    return sorted(out, key=lambda row: (row["time"], row["id"]))
+
+
+def skipped_warnings() -> list[str]:
+    """One line per row the last read skipped, naming it (for the plan and `apr calibration ls`)."""
+    return [f"calibration row {s['id']} skipped: {s['reason']}" if s["id"] is not None else
+            f"calibrations skipped: {s['reason']}" for s in SKIPPED]
 
 
 def host_cpu_name() -> str:
@@ -99,24 +172,76 @@ def matching_shape(device: str, shape_doc: dict, apr_version: str, apr_home: Pat
                  (device, shape_key(shape_doc), torch_version(), apr_version), apr_home)
 
 
+RECENT = 8  # finished runs the correction learns from: older ones describe older load and code
+
+
+def log_spread(values: list[float]) -> float:
+    """The largest distance of ``values`` from their median, in log space (0.1 = about +-10%)."""
+    if len(values) < 2:
+        return 0.0
+    mid = statistics.median(values)
+    return max(abs(math.log(v / mid)) for v in values)
+
+
+def _finished_ratio(result: dict) -> float | None:
+    """A finished run's actual seconds over the uncorrected estimate its plan made (None when its
+    plan had no calibrated estimate)."""
+    actual, base = result.get("actual_seconds"), result.get("base_seconds")
+    return actual / base if actual and base else None
+
+
 def summary(rows: list[dict]) -> dict | None:
-    """What a plan takes from matching records: the median tokens/s of finished runs of this shape
-    when there are any (their wall time includes validation, checkpoints and the loop's own work),
-    else of probes (the engine's step alone); and the probes' transient-memory ratio."""
+    """What a plan takes from matching records (docs/plan.md, "The time estimate's range").
+
+    - ``basis``: ``probe`` when there are probes (the latest one: it saw the machine's load of the
+      moment), else ``run`` (the median tokens/s of finished runs, whose wall time includes
+      validation, checkpoints and the loop's own work, and their start-up);
+    - ``correction``: on a probe basis, the median of actual / estimated seconds over the last
+      ``RECENT`` finished runs whose plan estimated from a probe (what a probe does not see: the
+      loop's own work, validation, checkpoints, data), and the spread of those ratios;
+    - ``spread``: the basis's own scatter in log space: the probe's timed steps, or the runs'
+      tokens/s;
+    - the probes' transient-memory ratio, as before."""
     if not rows:
         return None
     runs = [r for r in rows if r["result"].get("source") == "run"]
     probes = [r for r in rows if r["result"].get("source", "probe") == "probe"]
     timed = [r["result"] for r in (runs or probes)]
     ratios = [r["result"]["transient_bytes"] / r["result"]["modelled_transient_bytes"] for r in probes
-              if r["result"].get("modelled_transient_bytes")]
+              if r["result"].get("modelled_transient_bytes") and r["result"].get("transient_bytes") is not None]
     last = max(r["time"] for r in rows)
-    what = f"{len(runs)} run{'s' if len(runs) != 1 else ''}" if runs else \
-        f"{len(probes)} probe{'s' if len(probes) != 1 else ''}"
-    return {"probes": len(probes), "runs": len(runs), "what": what, "last": last,
-            "date": time.strftime("%Y-%m-%d", time.gmtime(last)),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "step_seconds": statistics.median(r["step_seconds"] for r in timed),
-            "startup_seconds": statistics.median(r["startup_seconds"] for r in timed) if runs else None,
-            "transient_ratio": statistics.median(ratios) if ratios else None,
-            "device_name": rows[-1]["device_name"], "ids": [r["id"] for r in rows]}
+    out = {"probes": len(probes), "runs": len(runs), "last": last,
+           "date": time.strftime("%Y-%m-%d", time.gmtime(last)),
+           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+           "step_seconds": statistics.median(r["step_seconds"] for r in timed),
+           "startup_seconds": statistics.median(r.get("startup_seconds") or 0.0 for r in timed) if runs else None,
+           "transient_ratio": statistics.median(ratios) if ratios else None,
+           "device_name": rows[-1]["device_name"], "ids": [r["id"] for r in rows], "correction": None}
+    plural = lambda n, what: f"{n} {what}{'s' if n != 1 else ''}"  # noqa: E731
+    if probes:
+        probe, when = probes[-1]["result"], probes[-1]["time"]
+        steps = probe.get("step_seconds_all") or [probe["step_seconds"]]
+        out.update(basis="probe", basis_id=probes[-1]["id"], tokens_per_s=probe["tokens_per_s"],
+                   step_seconds=probe["step_seconds"], startup_seconds=probe.get("startup_seconds"),
+                   spread=log_spread(steps), spread_of=plural(len(steps), "probe step"), load=probe.get("load"),
+                   threads=probe.get("threads"), basis_time=when,
+                   date=time.strftime("%Y-%m-%d", time.gmtime(when)))
+        finished = [(r["id"], x) for r in runs if r["result"].get("base_kind") == "probe"
+                    and (x := _finished_ratio(r["result"])) is not None][-RECENT:]
+        if finished:
+            values = [x for _, x in finished]
+            out["correction"] = {"factor": statistics.median(values), "runs": len(values), "spread": log_spread(values),
+                                 "ratios": values, "ids": [i for i, _ in finished]}
+        out["what"] = plural(1, "probe") + (f" (of {len(probes)}), corrected by {plural(len(finished), 'finished run')}"
+                                            if finished else (f" (of {len(probes)})" if len(probes) > 1 else ""))
+    else:
+        recent = [r["result"] for r in runs[-RECENT:]]
+        rates = [r["tokens_per_s"] for r in recent]
+        loads = [r["load"] for r in recent if r.get("load") is not None]
+        out.update(basis="run", basis_id=runs[-1]["id"], tokens_per_s=statistics.median(rates),
+                   step_seconds=statistics.median(r["step_seconds"] for r in recent),
+                   startup_seconds=statistics.median(r.get("startup_seconds") or 0.0 for r in recent),
+                   spread=log_spread(rates), spread_of=plural(len(rates), "finished run"),
+                   load=statistics.median(loads) if loads else None, threads=recent[-1].get("threads"),
+                   basis_time=runs[-1]["time"], what=plural(len(runs), "run"))
+    return out

@@ -1,7 +1,8 @@
 """A finished run calibrates the plan: its measured throughput (tokens over the training loop's wall
-time: steps, validation, checkpoints, records) goes to the global registry's calibration store
-(apr/track/calibration.py; docs/plan.md, "Probe"), so the next plan of the same shape on the same
-device estimates its time from what runs really did."""
+time: steps, validation, checkpoints, records) and its actual seconds beside what its plan
+estimated go to the global registry's calibration store (apr/track/calibration.py; docs/plan.md,
+"Probe"), so the next plan of the same shape on the same device estimates its time from what runs
+really did: their tokens/s, or a probe's corrected by their actual / estimated ratio."""
 
 from __future__ import annotations
 
@@ -10,10 +11,34 @@ import time
 
 import torch
 
-from apr import STARTED_AT, __version__
+from apr import STARTED_AT, __version__, threads
 from apr.track import calibration
 
 MIN_STEPS = 10  # fewer steps say more about start-up than about throughput
+
+
+def estimate_vs_actual(plan_doc: dict | None, actual_seconds: float, steps: int) -> dict:
+    """What the run's plan estimated (point, range, the uncorrected base) beside the actual wall
+    time; the base is scaled to the steps run when they differ from the plan's."""
+    time_facts = ((plan_doc or {}).get("facts") or {}).get("time") or {}
+    planned_steps = (((plan_doc or {}).get("facts") or {}).get("steps") or {}).get("total_steps")
+    out: dict = {"actual_seconds": actual_seconds}
+    if not time_facts.get("estimated_seconds"):
+        return out
+    scale = steps / planned_steps if planned_steps and steps != planned_steps else 1.0
+    startup = time_facts.get("startup_seconds") or 0.0
+
+    def scaled(seconds):
+        return None if seconds is None else startup + (seconds - startup) * scale
+
+    out.update(estimated_seconds=scaled(time_facts["estimated_seconds"]),
+               low_seconds=scaled(time_facts.get("low_seconds")), high_seconds=scaled(time_facts.get("high_seconds")))
+    if time_facts.get("calibrated") and time_facts.get("base_seconds"):
+        out.update(base_seconds=scaled(time_facts["base_seconds"]), base_kind=time_facts.get("base_kind"))
+    if out["low_seconds"] is not None and out["high_seconds"] is not None:
+        out["inside_range"] = out["low_seconds"] <= actual_seconds <= out["high_seconds"]
+    out["actual_over_estimate"] = actual_seconds / out["estimated_seconds"]
+    return out
 
 
 def record_run(run, seconds: float, steps: int, apr_home=None, loop_started_at: float | None = None) -> None:
@@ -25,14 +50,25 @@ def record_run(run, seconds: float, steps: int, apr_home=None, loop_started_at: 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else calibration.host_cpu_name()
     tokens = steps * run.tokens_per_step
     world = 1 if run.dp is None else run.dp.world_size
+    # from the process's first import of apr to the first step: imports, plan, data, engine
+    startup = (loop_started_at or time.time()) - STARTED_AT
+    choice = threads.applied() or {}
     result = {"source": "run", "run_id": run.run_id, "device": device.type, "device_name": name,
               "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "apr": __version__,
                            "python": platform.python_version()},
-              "steps": steps, "seconds": seconds, "step_seconds": seconds / steps,
-              # from the process's first import of apr to the first step: imports, plan, data, engine
-              "startup_seconds": (loop_started_at or time.time()) - STARTED_AT,
-              "tokens_per_s": tokens / seconds / world, "rows": []}
+              "steps": steps, "seconds": seconds, "step_seconds": seconds / steps, "startup_seconds": startup,
+              "tokens_per_s": tokens / seconds / world, "rows": [],
+              "threads": torch.get_num_threads(), "load": choice.get("load"), "load_at_end": threads.load_average(),
+              **estimate_vs_actual(getattr(run, "plan_doc", None), startup + seconds, steps)}
+    cpu_threads = result["threads"] if device.type == "cpu" else None
     try:
-        calibration.record(result, calibration.shape(run.config, run.engine.execution.to_dict()), apr_home)
+        calibration.record(result, calibration.shape(run.config, run.engine.execution.to_dict(), cpu_threads),
+                           apr_home)
     except Exception:
         pass
+    if result.get("estimated_seconds"):
+        low, high = result.get("low_seconds"), result.get("high_seconds")
+        run.echo(f"time: {result['actual_seconds']:.1f} s against ~{result['estimated_seconds']:.1f} s planned"
+                 + (f" ({low:.1f}-{high:.1f} s: {'inside' if result['inside_range'] else 'OUTSIDE'} the range)"
+                    if low is not None and high is not None else "")
+                 + (f"; load {result['load_at_end']:.1f}" if result["load_at_end"] is not None else ""))

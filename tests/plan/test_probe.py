@@ -50,7 +50,12 @@ def test_probe_records_a_calibration_that_the_next_plan_uses(tmp_path):
     assert after.exit_code == 0 and "Time (estimate, calibrated)" in after.stdout
     assert "calibrated from 1 probe on" in after.stdout
     seconds = json.loads(runner.invoke(app, ["train", "plan", str(cfg), "--json"]).stdout)["facts"]["time"]
-    assert seconds["calibrated"] and seconds["estimated_seconds"] == pytest.approx(768 / probe["tokens_per_s"])
+    assert seconds["calibrated"] and seconds["base_kind"] == "probe"
+    assert seconds["tokens_per_s"] == probe["tokens_per_s"]
+    # the probe's step rate for the steps, plus its start-up (imports, plan, engine) and validation
+    assert seconds["base_seconds"] > 768 / probe["tokens_per_s"] and seconds["startup_seconds"] > 0
+    assert seconds["low_seconds"] < seconds["estimated_seconds"] < seconds["high_seconds"]
+    assert seconds["assumes"]["threads"] == probe["threads"] >= 1 and seconds["assumes"]["device"] == "cpu"
     listed = json.loads(runner.invoke(app, ["calibration", "ls", "--json"]).stdout)
     assert [c["id"] for c in listed] == [1] and listed[0]["device"] == "cpu"
     shown = json.loads(runner.invoke(app, ["calibration", "show", "1", "--json"]).stdout)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from apr.apply import run_apply
 from apr.monitor.state import normalize
 from apr.monitor.view import messages
-from apr.train.drift import planned
+from apr.train.drift import compare, planned, planned_range
 from apr.train.stop import StepHook
 from tests.train.run_helpers import make_dataset, write_config
 
@@ -17,12 +19,12 @@ ALERT = {"condition": "drift_step_time > 2.0", "action": "warn", "message": "ste
 
 
 class Sleep(StepHook):
-    """Each step takes at least 4 x the planned step time (the calibrated rate): drift_step_time >= 3
-    however loaded the machine was when the plan was calibrated."""
+    """Each step takes at least 8 x the step time of the planned range's slow end: drift_step_time
+    past that edge >= 3 even if the load doubled the contention since the plan."""
 
     def after_step(self, run, report):
-        rate, _ = planned(run.plan_doc, 1)
-        time.sleep(4 * run.tokens_per_step / rate if rate else 0.8)
+        low = planned_range(run.plan_doc, 1)["low"]
+        time.sleep(8 * run.tokens_per_step / low if low else 0.8)
 
 
 def _state(root):
@@ -76,3 +78,30 @@ def test_the_plans_tokens_per_s_come_from_calibration_else_the_estimate():
     rate, source = planned({"facts": {"time": {"estimated_seconds": 10.0}, "steps": {"total_tokens": 8000}}}, 2)
     assert rate == 400.0 and source == "the plan's time estimate"
     assert planned(None, 1)[0] is None
+
+
+PLAN = {"tokens_per_s": 1000.0, "low": 800.0, "high": 1250.0, "source": "calibrated from 1 probe",
+        "assumes": {"threads": 2, "cores": 2, "load_now": 0.0}}
+
+
+def test_inside_the_range_is_no_drift_and_beyond_it_counts_from_the_edge():
+    assert compare(900.0, PLAN, load_now=2.0)["drift_step_time"] == 0.0  # 10% slow: inside the range
+    slow = compare(400.0, PLAN, load_now=2.0)  # the load average counts our own 2 threads: nobody else
+    assert slow["drift_step_time"] == pytest.approx(800 / 400 - 1) and slow["load_explains"] is None
+    assert slow["drift_step_time_point"] == pytest.approx(1000 / 400 - 1)
+    fast = compare(2500.0, PLAN, load_now=2.0)
+    assert fast["drift_step_time"] == pytest.approx(1250 / 2500 - 1)
+
+
+def test_a_machine_busier_than_at_plan_time_moves_the_slow_edge_and_says_so():
+    # 2 more runnable processes on 2 cores with our 2 threads: contention 2x the plan's
+    loaded = compare(400.0, PLAN, load_now=4.0)
+    assert loaded["load_explains"] == pytest.approx(2.0) and loaded["drift_step_time"] == 0.0
+    # a real mismatch stays one under load: 8x slower than the moved edge
+    assert compare(50.0, PLAN, load_now=4.0)["drift_step_time"] == pytest.approx(400 / 50 - 1)
+
+
+def test_a_plan_file_from_before_the_range_compares_with_its_point():
+    rate = planned_range({"facts": {"calibration": {"tokens_per_s": 500.0, "what": "2 runs"}}}, 1)
+    assert rate["low"] == rate["high"] == 500.0
+    assert compare(400.0, rate, load_now=None)["drift_step_time"] == pytest.approx(0.25)
