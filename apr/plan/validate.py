@@ -7,16 +7,15 @@ strategy): the same contracts, facts and messages `apr train plan` shows, withou
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from apr.config import LoadedConfig
 from apr.config.paths import data_path_problems, output_dir_problems
 from apr.errors import Finding
+from apr.plan.configfacts import config_facts
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
-from apr.plan.distillfacts import distill_config_findings
-from apr.plan.facts import config_facts
 from apr.plan.gpus import resolve_target
-from apr.plan.mixfacts import key_loc, mixture_config_findings
 from apr.steps.execution import compile_problem
 from apr.track.alerts import alert_findings
 from apr.track.trackers import EXTRA, missing_package
@@ -35,7 +34,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False) -> list
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
     findings += (alert_config_findings(loaded) + output_dir_findings(loaded) + data_path_findings(loaded)
-                 + compile_findings(loaded) + sink_findings(loaded) + mixture_config_findings(loaded)
+                 + compile_findings(loaded) + sink_findings(loaded) + _mixture_findings(loaded)
                  + early_stopping_findings(loaded, tr.max_steps) + survival_findings(loaded, tr.max_steps)
                  + stacking_findings(loaded, tr.max_steps) + distill_config_findings(loaded)
                  + sharding_findings(loaded))
@@ -55,6 +54,68 @@ def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
             file, line, column = loaded.source.where(("monitoring", "alerts", index, "condition"))
             f = replace(f, file=file)
         out.append(replace(f, line=line, column=column))
+    return out
+
+
+def key_loc(key: str) -> tuple:
+    """``data.stages[1].weights.web`` -> ``("data", "stages", 1, "weights", "web")``."""
+    out: list = []
+    for part in key.split("."):
+        m = re.fullmatch(r"([A-Za-z0-9_]+)\[(\d+)\]", part)
+        out += [m.group(1), int(m.group(2))] if m else [part]
+    return tuple(out)
+
+
+def _mixture_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``mixture_config_findings`` where the config has mixture keys at all."""
+    data, tr = loaded.config.data, loaded.config.training
+    if data.sources is None and not data.stages and not tr.decay_stage:
+        return []
+    from apr.plan.mixfacts import mixture_config_findings  # lazy: the data mixture modules, only for a mixture
+
+    return mixture_config_findings(loaded)
+
+
+def _distill_finding(loaded: LoadedConfig, key: tuple, message: str, expected: str | None = None,
+                     got: str | None = None, severity: str = "error") -> Finding:
+    file, line, column = loaded.source.where(key)
+    if line is None:
+        file, line, column = loaded.source.where(key[:2])
+    return Finding(severity, "config.distill", message, path=".".join(key), file=file, line=line, column=column,
+                   expected=expected, got=got)
+
+
+def distill_config_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``training.mode: distill`` and the ``training.distill`` section go together; distillation runs
+    on the standard engine and refuses fp16, AdaGC, LoRA, stacking and init_from (validate and plan;
+    the teacher itself is checked by the plan, apr/plan/distillfacts.py)."""
+    c = loaded.config
+    tr = c.training
+    out: list[Finding] = []
+    if str(tr.mode) != "distill":
+        if tr.distill is not None:
+            out.append(_distill_finding(loaded, ("training", "distill"), "training.distill is set but training.mode "
+                                        f"is {tr.mode}", "mode: distill", str(tr.mode)))
+        return out
+    if tr.distill is None:
+        return [_distill_finding(loaded, ("training", "mode"), "training.mode distill needs a training.distill "
+                                 "section (at least its teacher)", "training.distill.teacher", "none")]
+    checks = [
+        (str(tr.engine) != "standard", ("training", "engine"), "distillation runs on the standard engine",
+         "engine: standard", str(tr.engine)),
+        (str(tr.mixed_precision) == "fp16", ("training", "mixed_precision"), "distillation supports fp32 and bf16",
+         "fp32 or bf16", "fp16"),
+        (str(tr.clip_mode) == "adagc", ("training", "clip_mode"), "distillation clips globally or per block",
+         "global or per_block", "adagc"),
+        (c.model.lora is not None, ("model", "lora"), "distillation trains the whole student; LoRA is not "
+         "supported with it", "no lora", "lora set"),
+        (c.model.stacking is not None, ("model", "stacking"), "distillation and progressive stacking cannot be "
+         "combined", "no stacking", "stacking set"),
+        (c.model.init_from is not None, ("model", "init_from"), "the student starts from the teacher "
+         "(init_from_teacher) or at random, not from model.init_from", "no init_from", "init_from set"),
+    ]
+    out += [_distill_finding(loaded, key, message, expected, got) for bad, key, message, expected, got in checks
+            if bad]
     return out
 
 
