@@ -205,7 +205,7 @@ class SparkPanel(Panel):
         view: SparkView | None = self.value  # type: ignore[assignment]
         if view is None:
             return Text("")
-        text = Text(sparkline(view.values, width), style=_style("train"))
+        text = Text(sparkline(view.values, width, view.steps), style=_style("train"))
         text.append("\n" + view.caption[:width], style=_style("label"))
         return text
 
@@ -222,7 +222,7 @@ class BlockPanel(Panel):
         text = Text()
         for i, (label, values) in enumerate((("g ", view.grads), ("u ", view.updates))):
             peak = " " + view.peak(values)
-            bars = level_bars(values, max(1, width - len(label) - len(peak)))
+            bars = level_bars(values, max(1, width - len(label) - len(peak)), fill=True)
             if i:
                 text.append("\n")
             text.append(label, style=_style("label"))

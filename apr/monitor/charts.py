@@ -8,6 +8,7 @@ what a loss curve needs on an 80x24 terminal.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,20 +179,42 @@ def _merge(runs: list[Run]) -> list[Run]:
     return out
 
 
-def sparkline(values: Sequence[float], width: int) -> str:
-    """An 8-level sparkline at most ``width`` characters wide (bucket means when longer)."""
-    vals = [v for v in values if math.isfinite(v)]
-    if not vals or width <= 0:
+def sparkline(values: Sequence[float], width: int, steps: Sequence[float] | None = None) -> str:
+    """An 8-level sparkline exactly ``width`` characters wide, over the steps from the first value
+    to the last (``steps``: each value's step; default evenly spaced). More values than columns:
+    each column is the mean of its steps'; fewer: the columns between two values are interpolated,
+    so a short history (or one thinned out, whose steps are uneven) still spans the whole panel."""
+    if steps is None:
+        steps = range(len(values))
+    points = [(float(s), float(v)) for s, v in zip(steps, values, strict=False)
+              if v is not None and math.isfinite(v) and s is not None and math.isfinite(s)]
+    if not points or width <= 0:
         return ""
-    n = len(vals)
-    if n > width:
-        buckets = [vals[i * n // width : (i + 1) * n // width] for i in range(width)]
-        vals = [sum(b) / len(b) for b in buckets if b]
-    lo, hi = min(vals), max(vals)
+    points.sort(key=lambda p: p[0])
+    first, span = points[0][0], points[-1][0] - points[0][0]
+    sums, counts = [0.0] * width, [0] * width
+    for step, value in points:
+        col = 0 if span <= 0 else min(width - 1, int((step - first) / span * width))
+        sums[col] += value
+        counts[col] += 1
+    filled = [c for c in range(width) if counts[c]]
+    means = {c: sums[c] / counts[c] for c in filled}
+    cols: list[float] = []
+    for c in range(width):
+        if c in means:
+            cols.append(means[c])
+            continue
+        i = bisect.bisect(filled, c)  # filled[i - 1] < c < filled[i]
+        if i == len(filled):  # after the last value (one step only): it holds
+            cols.append(means[filled[-1]])
+        else:
+            before, after = filled[i - 1], filled[i]
+            cols.append(means[before] + (means[after] - means[before]) * (c - before) / (after - before))
+    lo, hi = min(cols), max(cols)
     if hi - lo <= abs(hi) * 1e-12:
-        return SPARK_LEVELS[3] * len(vals)
+        return SPARK_LEVELS[3] * width
     top = len(SPARK_LEVELS) - 1
-    return "".join(SPARK_LEVELS[round((v - lo) / (hi - lo) * top)] for v in vals)
+    return "".join(SPARK_LEVELS[round((v - lo) / (hi - lo) * top)] for v in cols)
 
 
 def bar(fraction: float | None, width: int) -> str:
@@ -204,10 +227,11 @@ def bar(fraction: float | None, width: int) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def level_bars(values: Sequence[float | None], width: int, top: float | None = None) -> str:
+def level_bars(values: Sequence[float | None], width: int, top: float | None = None, fill: bool = False) -> str:
     """One column per value, ``▁`` to ``█`` scaled from 0 to ``top`` (default: the largest), ``!``
     for a missing (non-finite) one; at most ``width`` columns (each the largest of its bucket, so a
-    spike in one block is not averaged away)."""
+    spike in one block is not averaged away). ``fill``: exactly ``width`` columns, each value
+    widened to an equal share of them (``▂▂▂███▅▅▅``), so a few blocks still span the panel."""
     vals = list(values)
     if not vals or width <= 0:
         return ""
@@ -226,4 +250,7 @@ def level_bars(values: Sequence[float | None], width: int, top: float | None = N
             out.append(SPARK_LEVELS[0])
         else:
             out.append(SPARK_LEVELS[round(min(1.0, max(0.0, v / hi)) * steps)])
+    if fill and len(out) < width:
+        n = len(out)
+        return "".join(out[c * n // width] for c in range(width))
     return "".join(out)

@@ -153,8 +153,11 @@ def gpu_lines(gpu: dict | None) -> tuple[str, float | None, tuple[str, ...]] | N
 
 @dataclass(frozen=True)
 class SparkView:
+    """A sparkline's values, the step of each (a thinned history's steps are uneven), a caption."""
+
     values: tuple[float, ...]
     caption: str
+    steps: tuple[float, ...] | None = None
 
 
 def lr_view(state: dict | None) -> SparkView:
@@ -162,7 +165,8 @@ def lr_view(state: dict | None) -> SparkView:
     values = tuple(v for _, v in hist)
     if not values:
         return SparkView((), f"now {fmt_sci(state.get('lr'))}" if state else "no data yet")
-    return SparkView(values, f"{fmt_sci(values[0])} → {fmt_sci(values[-1])}  max {fmt_sci(max(values))}")
+    return SparkView(values, f"{fmt_sci(values[0])} → {fmt_sci(values[-1])}  max {fmt_sci(max(values))}",
+                     tuple(s for s, _ in hist))
 
 
 def grad_view(state: dict | None) -> SparkView:
@@ -171,7 +175,7 @@ def grad_view(state: dict | None) -> SparkView:
     if not values:
         return SparkView((), f"now {fmt_sci(state.get('grad_norm'))}" if state else "no data yet")
     last = state.get("grad_norm") if state.get("grad_norm") is not None else values[-1]
-    return SparkView(values, f"now {fmt_sci(last)}  max {fmt_sci(max(values))}")
+    return SparkView(values, f"now {fmt_sci(last)}  max {fmt_sci(max(values))}", tuple(s for s, _ in hist))
 
 
 @dataclass(frozen=True)

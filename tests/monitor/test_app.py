@@ -326,3 +326,27 @@ def test_quit_after_a_timeout_and_refresh_from_the_run_config(tmp_path):
         await wait_for(pilot, lambda: not app.is_running, timeout=5.0)
 
     drive(app, body)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+@pytest.mark.parametrize("points", [1, 2, 15, 400])
+def test_sparkline_panels_fill_their_width(tmp_path, size, points):
+    """A short history (a 150-step run logs ~15 points) draws across the whole panel, not part of it."""
+    run = tmp_path / "run"
+    path = copy_fixture("mid_run", run)
+    doc = json.loads(path.read_text())
+    for key in ("lr_history", "grad_norm_history"):
+        doc[key] = [[10 * i, 1e-4 * (1 + (i % 7))] for i in range(points)]
+    path.write_text(json.dumps(doc))
+    app = MonitorApp(run, settings=MonitorSettings(), clock=fixed_clock)
+
+    async def body(pilot):
+        sparks = app.query_one("#sparks")
+        panels = [app.query_one(p) for p in ("#lr", "#grad")]
+        assert sum(p.outer_size.width for p in panels) == sparks.size.width  # the row is shared out
+        for panel in panels:
+            line = panel.plain.splitlines()[0]
+            assert len(line) == panel.content_size.width > 20, (panel.id, line)
+            assert line.strip() == line  # drawn to both edges
+
+    drive(app, body, size=size)

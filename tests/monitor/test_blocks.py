@@ -35,6 +35,17 @@ def test_block_view_and_its_peaks():
     assert block_view({"block_norms": None}) is None and block_view(None) is None
 
 
+def _runs(bars: str) -> str:
+    """'▂▂▃▃' -> '▂▃'."""
+    return "".join(c for i, c in enumerate(bars) if i == 0 or bars[i - 1] != c)
+
+
+def test_level_bars_can_fill_the_width():
+    assert level_bars([0.0, 0.5, 1.0], 9, fill=True) == "▁▁▁▅▅▅███"
+    assert len(level_bars([0.1, 0.2, 0.3], 10, fill=True)) == 10
+    assert level_bars([0.1] * 7 + [5.0], 4, fill=True) == "▁▁▁█"  # more values than columns: as before
+
+
 def _state_with_norms(tmp_path):
     run = tmp_path / "run"
     path = copy_fixture("mid_run", run)
@@ -52,8 +63,11 @@ def test_the_panel_shows_the_last_recorded_norms(tmp_path):
         assert panel.display is True
         shown = text(app, "#blocks")
         g, u = shown.splitlines()
-        assert g.startswith("g ▂▃█▅") and g.endswith("0.800 #2")
-        assert u.startswith("u ▃█▆▂") and u.endswith("0.030 #1")
+        assert g.startswith("g ▂") and g.endswith("0.800 #2")
+        assert u.startswith("u ▃") and u.endswith("0.030 #1")
+        # four blocks, each an equal share of the panel's width: the bars fill it
+        assert _runs(g[2:-len(" 0.800 #2")]) == "▂▃█▅" and _runs(u[2:-len(" 0.030 #1")]) == "▃█▆▂"
+        assert len(g) == len(u) == panel.content_size.width
         assert panel.border_title == "Blocks @ step 12840"
         region = panel.region
         assert region.right <= 80 and region.bottom <= 24

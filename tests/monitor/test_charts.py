@@ -99,8 +99,25 @@ def test_sparkline_levels_and_width():
     assert sparkline([0, 1, 2, 3, 4, 5, 6, 7], 8) == SPARK_LEVELS
     long = sparkline([math.sin(i / 10) for i in range(1000)], 30)
     assert len(long) == 30
-    assert sparkline([3.0] * 5, 10) == SPARK_LEVELS[3] * 5
-    assert sparkline([], 10) == "" and sparkline([1.0, float("nan"), 2.0], 10) == "▁█"
+    assert sparkline([], 10) == "" and sparkline([1.0], 0) == ""
+
+
+def test_a_short_history_spans_the_whole_width():
+    # fewer values than columns (a short run, a history thinned out): interpolated, never half a line
+    assert sparkline([0.0, 7.0], 8) == SPARK_LEVELS
+    assert sparkline([3.0] * 5, 10) == SPARK_LEVELS[3] * 10
+    assert sparkline([2.0], 6) == SPARK_LEVELS[3] * 6
+    assert sparkline([1.0, float("nan"), 2.0], 10) == "▁▂▃▃▄▅▆▆▇█"  # the gap is bridged, not dropped
+    for n in (2, 3, 15, 57, 58, 59, 400):
+        assert len(sparkline([math.sin(i) for i in range(n)], 58)) == 58, n
+
+
+def test_a_sparkline_is_spread_over_steps_not_over_points():
+    # a thinned history: steps 0..8 one by one, then 16, 32, 64; the line is a ramp over steps
+    steps = [0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
+    line = sparkline([float(s) for s in steps], 64, steps)
+    assert line == "".join(sorted(line)) and line[0] == SPARK_LEVELS[0] and line[-1] == SPARK_LEVELS[-1]
+    assert line[32] in SPARK_LEVELS[3:5]  # half way in steps is half way up (by points it would be the top)
 
 
 def test_bar_fills_proportionally_and_clamps():
