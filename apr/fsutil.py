@@ -128,12 +128,12 @@ def is_apr_store(path: str | os.PathLike) -> bool:
     try:
         conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=1.0)
     except sqlite3.Error:
-        return True  # a SQLite file apr cannot even open read-only: never a safe target
+        return False  # not readable as a store; still a SQLite file, which check_output_file refuses
     try:
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         return {"schema_version", "runs"} <= names
     except sqlite3.Error:
-        return True
+        return False
     finally:
         conn.close()
 
@@ -146,12 +146,13 @@ def apr_record_kind(path: str | os.PathLike) -> str | None:
         return "an apr experiment store"
     if ".apr" in p.parts[:-1]:
         return "a file of a run's .apr/ records"
-    if p.name.startswith("checkpoint-") and p.suffix in (".json", ".safetensors"):
+    folder = p.parent
+    run_folder = any(os.path.lexists(folder / n) for n in ("training_state.json", ".apr-run.lock", ".apr"))
+    if p.name.startswith("checkpoint-") and p.suffix in (".json", ".safetensors") and (
+            run_folder or os.path.lexists(p)):
         return "a checkpoint file"
-    if p.name in RUN_RECORD_NAMES:
-        folder = p.parent
-        if any(os.path.lexists(folder / n) for n in ("training_state.json", ".apr-run.lock", ".apr")):
-            return f"the {p.name} record of the run in {folder}"
+    if p.name in RUN_RECORD_NAMES and run_folder:
+        return f"the {p.name} record of the run in {folder}"
     return None
 
 
@@ -190,7 +191,7 @@ def check_output_file(out: str | os.PathLike, *, inputs: Iterable[str | os.PathL
             raise _output_error(path, option, f"{option} {path} is an input of this command ({source}); "
                                 "writing it would destroy the input", "a path that is not an input",
                                 f"the input {source}")
-    record = apr_record_kind(path) if st is not None or path.name in STORE_NAMES else None
+    record = apr_record_kind(path)
     if record is None and st is not None and is_apr_store(path):
         record = "an apr experiment store"
     if record is not None:

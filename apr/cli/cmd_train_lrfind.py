@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         test = RangeTest(min_lr=min_lr, max_lr=max_lr, steps=steps, smoothing=smoothing, diverge=diverge, rule=rule)
         # every output is checked before the sweep (a FIFO, a device, the config, apr's store, an existing file)
         targets = output_targets(config, settings or None, plot=plot, json_out=json_out,
-                                 apply_to=apply_to if apply else None, overwrite=overwrite)
+                                 apply_to=apply_to, overwrite=overwrite, apply=apply)
         curve = run_range_test(config, test, settings=settings or None)
         suggestion = curve.suggest(rule)
         write_results(curve, test, suggestion, targets)

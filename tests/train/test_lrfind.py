@@ -39,7 +39,7 @@ def test_bad_ranges_are_findings_naming_the_option():
 
 
 @pytest.mark.slow
-def test_lr_find_cli_on_tiny_data_writes_plot_json_and_config_copy_and_leaves_output_dir_alone(tmp_path, monkeypatch):
+def test_lr_find_cli_on_tiny_data_writes_plot_json_beside_the_run_and_a_config_copy(tmp_path, monkeypatch):
     make_dataset(tmp_path)
     cfg = write_config(tmp_path, training={"max_steps": 12})
     home = tmp_path / "home"
@@ -49,14 +49,16 @@ def test_lr_find_cli_on_tiny_data_writes_plot_json_and_config_copy_and_leaves_ou
                                       "--steps", "30", "--apply"])
     assert result.exit_code == 0, result.output
     assert "suggested lr " in result.output and "rule steepest" in result.output
-    # the run's folder and the global store untouched (the data loader's token cache may fill)
-    assert not (tmp_path / "run").exists() and not (home / "experiments.db").exists()
-    doc = json.loads((tmp_path / "lr-find.json").read_text())
+    # the run's folder gets the plot and the curve, nothing else; the global store and the current
+    # folder are untouched (the data loader's token cache may fill)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["lr-find.json", "lr-find.svg"]
+    assert not (home / "experiments.db").exists() and not (tmp_path / "lr-find.json").exists()
+    doc = json.loads((tmp_path / "run" / "lr-find.json").read_text())
     assert doc["rule"] == "steepest" and 1e-5 <= doc["suggested_lr"] <= 3
     points = doc["points"]
     assert points[0]["lr"] == 1e-5 and 3 <= len(points) <= 30
     assert all(b["lr"] > a["lr"] for a, b in zip(points, points[1:], strict=False))
-    svg = (tmp_path / "lr-find.svg").read_text()
+    svg = (tmp_path / "run" / "lr-find.svg").read_text()
     assert svg.startswith("<svg") and svg.count("<path") == 2
     copy = (tmp_path / "cfg.lr-find.yaml").read_text()
     rounded = float(f"{doc['suggested_lr']:.3g}")
@@ -85,3 +87,32 @@ def test_the_sweep_turns_off_what_would_fight_a_rising_loss(tmp_path):
     assert swept.early_stopping.patience is None and swept.rollback.threshold is None
     assert swept.bad_steps.loss_z is None and swept.bad_steps.grad_norm_z is None
     assert swept.max_steps == 20 and swept.output_dir == str(tmp_path / "out")
+
+
+def test_outputs_default_to_the_runs_folder_and_are_checked_before_the_sweep(tmp_path, monkeypatch):
+    from apr.errors import AprError
+    from apr.lrfind import output_targets
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    targets = output_targets(cfg, None, plot=None, json_out=None, apply_to=None, overwrite=False, apply=True)
+    out_dir = tmp_path / "run"
+    assert (targets.plot, targets.json_out) == (out_dir / "lr-find.svg", out_dir / "lr-find.json")
+    assert targets.apply_to == cfg.with_name("cfg.lr-find.yaml")
+    # an earlier sweep's files at the default paths are replaced; anything else needs --overwrite
+    out_dir.mkdir()
+    (out_dir / "lr-find.json").write_text('{"format": "apr-lr-find", "points": []}')
+    (out_dir / "lr-find.svg").write_text("<svg><text>LR range test</text></svg>")
+    output_targets(cfg, None, plot=None, json_out=None, apply_to=None, overwrite=False)
+    (out_dir / "lr-find.json").write_text("my notes")
+    with pytest.raises(AprError, match="--json-out .* already exists"):
+        output_targets(cfg, None, plot=None, json_out=None, apply_to=None, overwrite=False)
+    with pytest.raises(AprError, match="--plot .* is an input"):
+        output_targets(cfg, None, plot=cfg, json_out=tmp_path / "c.json", apply_to=None, overwrite=True)
+    with pytest.raises(AprError, match="is also --plot"):
+        output_targets(cfg, None, plot=tmp_path / "x", json_out=tmp_path / "x", apply_to=None, overwrite=False)
+    # a settings override of the output folder moves the defaults with it
+    moved = output_targets(cfg, ["training.output_dir=elsewhere"], plot=None, json_out=None, apply_to=None,
+                           overwrite=False)
+    assert moved.plot.resolve() == tmp_path / "elsewhere" / "lr-find.svg"
