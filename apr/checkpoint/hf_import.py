@@ -59,6 +59,49 @@ def architecture_fields(hf: Mapping) -> dict:
     return out
 
 
+def unsupported_math(hf: Mapping) -> list[tuple[str, object, str]]:
+    """(key path, value, what apr computes) for every config.json key whose value changes what a
+    LLaMA computes in a way apr's model does not implement: RoPE scaling of any kind (llama3, linear,
+    dynamic, yarn, longrope, ...; in ``rope_scaling`` or transformers 5's ``rope_parameters``), partial
+    rotary embeddings, biases on attention or MLP projections, another activation, or a ``head_dim``
+    other than hidden_size / num_attention_heads. Such a model imported as plain RoPE would load and
+    run but compute something else; every reader of a Hugging Face config refuses these."""
+    out: list[tuple[str, object, str]] = []
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Mapping):
+            out.append((key, value, "null or a mapping with rope_type default"))
+            continue
+        kind = value.get("rope_type", value.get("type"))
+        if kind not in (None, "default"):
+            out.append((f"{key}.{'rope_type' if 'rope_type' in value else 'type'}", kind,
+                        '"default" (apr builds the plain RoPE)'))
+        elif key == "rope_scaling" and value:  # a scaling block without a type still carries a factor
+            extra = sorted(k for k in value if k not in ("rope_type", "type", "rope_theta"))
+            if extra:
+                out.append((f"{key}.{extra[0]}", value[extra[0]], "no RoPE scaling"))
+        factor = value.get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            out.append((f"{key}.partial_rotary_factor", factor, "1 (rotary over the whole head)"))
+    if hf.get("partial_rotary_factor") not in (None, 1, 1.0):
+        out.append(("partial_rotary_factor", hf["partial_rotary_factor"], "1 (rotary over the whole head)"))
+    for key, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
+        if key in hf and hf[key] != want and not (key == "hidden_act" and hf[key] is None):
+            out.append((key, hf[key], repr(want)))
+    heads, hidden, head_dim = hf.get("num_attention_heads"), hf.get("hidden_size"), hf.get("head_dim")
+    if (head_dim is not None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0
+            and head_dim != hidden // heads):
+        out.append(("head_dim", head_dim, f"hidden_size / num_attention_heads = {hidden // heads}"))
+    return out
+
+
+def unsupported_message(where: Path | str, key: str, value: object, expected: str) -> str:
+    return (f"{where}: {key} is {value!r}, which apr's LLaMA does not implement (it computes {expected}); "
+            "importing it as plain RoPE/LLaMA would silently change the model's outputs")
+
+
 # Keys that do not change what the weights compute: not compared.
 _NOT_COMPARED = {"initializer_range"}
 # Architecture attribute -> the config key a user edits (kv_heads is a property).
@@ -240,18 +283,10 @@ def _check_hf_config(src: InitSource, cfg_path: Path, hf: dict, arch) -> None:
             "architecture", f"{cfg_path}: model_type is {model_type!r}; apr imports LLaMA-family models "
             "(LlamaForCausalLM)", cfg_path, path=KEY, expected='"llama"', got=repr(model_type)))
         return
-    fixed = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
-    for key, want in fixed.items():
-        if key in hf and hf[key] != want:
-            src.findings.append(_finding("architecture", f"{cfg_path}: {key} is {hf[key]!r}; apr's LLaMA has "
-                                         f"{want!r}", cfg_path, expected=repr(want), got=repr(hf[key])))
+    for key, value, want in unsupported_math(hf):
+        src.findings.append(_finding("architecture", unsupported_message(cfg_path, key, value, want), cfg_path,
+                                     expected=want, got=f"{key}: {value!r}"))
     rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    scaling = hf.get("rope_scaling") if isinstance(hf.get("rope_scaling"), dict) else {}
-    rope_type = (rope or scaling).get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
-        src.findings.append(_finding("architecture", f"{cfg_path}: RoPE scaling {rope_type!r} is not supported "
-                                     "(apr builds the default RoPE)", cfg_path, expected='"default"',
-                                     got=repr(rope_type)))
     source = {attr: hf[key] for attr, key in ARCH_TO_HF if key in hf}
     if "num_key_value_heads" not in hf and "num_attention_heads" in hf:
         source["kv_heads"] = hf["num_attention_heads"]
@@ -518,6 +553,8 @@ def source_architecture(path_text: str):
             if not isinstance(hf, dict) or hf.get("model_type") != "llama":
                 raise ValueError(f"{path / 'config.json'} is not a LLaMA config.json (model_type "
                                  f"{hf.get('model_type') if isinstance(hf, dict) else None!r})")
+            for key, value, want in unsupported_math(hf)[:1]:
+                raise ValueError(unsupported_message(path / "config.json", key, value, want))
             fields = architecture_fields(hf)
             fields.setdefault("max_position_embeddings", 2048)
             return Architecture.model_validate(fields)

@@ -15,7 +15,7 @@ from apr.checkpoint.export import (
     EOS_NAMES,  # end-of-text names, most specific first
     merged_weights,
 )
-from apr.checkpoint.hf_import import architecture_fields
+from apr.checkpoint.hf_import import architecture_fields, unsupported_math, unsupported_message
 from apr.checkpoint.manager import load_latest, read_checkpoint
 from apr.config.schema import AprConfig, Architecture
 from apr.data.tokenizer import load_tokenizer
@@ -221,6 +221,10 @@ def hf_architecture(doc: dict, where: Path):
             "error", "generate.hf_config", "unsupported model type", path="model_type", file=str(where),
             expected="llama", got=str(doc.get("model_type")))])
 
+    for key, value, want in unsupported_math(doc)[:1]:
+        raise LoadError(unsupported_message(where, key, value, want), [Finding(
+            "error", "generate.hf_config", f"{key} is not implemented by apr", path=key, file=str(where),
+            expected=want, got=repr(value))])
     try:
         return Architecture.model_validate(architecture_fields(doc))
     except Exception as err:  # pydantic ValidationError

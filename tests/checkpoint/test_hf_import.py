@@ -219,3 +219,57 @@ def test_a_shape_edited_tensor_is_named(tmp_path):
 def test_missing_source_is_a_finding(tmp_path):
     src = inspect_source(str(tmp_path / "nope"), make_config().model.architecture)
     assert [f.code for f in src.findings] == ["init_from.missing"]
+
+
+LLAMA31_SCALING = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                   "original_max_position_embeddings": 32, "rope_type": "llama3"}
+
+
+@pytest.mark.parametrize("edit,key", [
+    # transformers 4.x form (Llama 3.1's config.json on the Hub), and the older "type" spelling
+    ({"rope_scaling": LLAMA31_SCALING}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.type"),
+    ({"rope_scaling": {"factor": 4.0}}, "rope_scaling.factor"),  # no type: still a scaling
+    ({"rope_scaling": "yarn"}, "rope_scaling"),
+    # transformers 5.x form: rope_parameters carries the type, and rope_scaling can be null
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}},
+     "rope_parameters.rope_type"),
+    ({"rope_parameters": {"rope_theta": 10000.0}, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope_scaling.rope_type"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"head_dim": 16}, "head_dim"),
+])
+def test_hf_keys_that_change_the_math_are_refused_by_every_reader(tmp_path, edit, key):
+    """A config.json apr would otherwise import as plain RoPE / bias-free LLaMA (computing other
+    logits than transformers) is refused at plan (init_from), by generate and as a distillation teacher,
+    each naming the key and its value."""
+    from apr.checkpoint.hf_import import source_architecture
+    from apr.generate.load import LoadError, hf_architecture
+
+    folder = tmp_path / "hf"
+    hf_llama(folder)
+    cfg_path = folder / "config.json"
+    doc = json.loads(cfg_path.read_text())
+    doc.update(edit)
+    cfg_path.write_text(json.dumps(doc))
+    arch = config_for(folder).model.architecture
+    src = inspect_source(str(folder), arch)
+    found = [f for f in src.findings if f.code == "init_from.architecture" and key in f.got]
+    assert found, [f.message for f in src.findings]
+    assert repr(doc[key.split(".")[0]]) in found[0].message or key in found[0].message
+    with pytest.raises(LoadError, match=key.replace(".", r"\.")):
+        hf_architecture(doc, cfg_path)
+    with pytest.raises(InitFromError, match=key.replace(".", r"\.")):
+        source_architecture(str(folder))
+
+
+def test_a_plain_rope_config_written_by_transformers_passes(tmp_path):
+    """The checks refuse only what changes the math: transformers' own plain LLaMA (rope_parameters
+    with rope_type default, head_dim = hidden / heads, no biases) is imported."""
+    hf_llama(tmp_path / "hf")
+    src = inspect_source(str(tmp_path / "hf"), config_for(tmp_path / "hf").model.architecture)
+    assert not src.findings, [f.message for f in src.findings]
