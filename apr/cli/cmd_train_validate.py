@@ -36,28 +36,35 @@ def output_format(fmt: str | None, json_out: bool) -> str:
 
 def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = None) -> int:
     """Validate ``config``; print findings (text, JSON or GitHub annotations); return the exit code
-    (0 valid, 1 invalid)."""
-    from apr.config import load_config
+    (0 valid, 1 invalid). Schema errors come with the findings of every check whose inputs are valid."""
+    from apr.config.loader import PartialConfig, load_config_partial
     from apr.plan.validate import config_findings
 
+    error = None
     try:
-        loaded = load_config(config, settings)
-        findings = config_findings(loaded)
-        valid = not any(f.severity == "error" for f in findings)
+        loaded = load_config_partial(config, settings)
+        if isinstance(loaded, PartialConfig):
+            error = loaded.error
+            findings = [*error.findings, *(config_findings(loaded.loaded, tainted=loaded.tainted)
+                                           if loaded.loaded is not None else [])]
+        else:
+            findings = config_findings(loaded)
     except ConfigError as err:
         if fmt == "text":
             print_error(err)
             return 1
-        findings, valid = err.findings or [_unlocated(err, config)], False
+        findings, error = err.findings or [_unlocated(err, config)], err
+    valid = error is None and not any(f.severity == "error" for f in findings)
     if fmt == "json":
         print(findings_json(findings, file=str(config), valid=valid))
     elif fmt == "github":
-
         n_err = sum(f.severity == "error" for f in findings)
         verdict = ("valid" if valid else "invalid") + f" ({n_err} errors, {len(findings) - n_err} other findings)"
         emit(findings, summary_markdown(f"apr train validate {config}", verdict, findings, str(config)),
              str(config), sys.stdout)
     else:
+        if error is not None:
+            print(f"error: {error.message}", file=sys.stderr)
         print_findings(findings)
         n_warn = sum(f.severity == "warning" for f in findings)
         n_err = sum(f.severity == "error" for f in findings)

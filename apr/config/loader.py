@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import hashlib
 import json
 import re
@@ -246,6 +248,53 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
 
 
+# Names Hugging Face's TrainingArguments (and habit) use for keys apr names otherwise.
+_HF_NAMES = {"learning_rate": "lr", "num_train_epochs": "epochs", "max_grad_norm": "grad_clip",
+             "gradient_accumulation_steps": "gradient_accumulation", "per_device_train_batch_size": "batch_size",
+             "lr_scheduler_type": "lr_scheduler", "sequence_length": "seq_len", "max_seq_length": "seq_len",
+             "train_batch_size": "batch_size", "steps": "max_steps"}
+
+
+@functools.cache
+def schema_key_paths() -> tuple[tuple[str, ...], ...]:
+    """Every key path the schema knows (list items skipped: ``monitoring.alerts.condition``)."""
+    out: list[tuple[str, ...]] = []
+
+    def walk(cls: type[BaseModel], loc: tuple[str, ...]) -> None:
+        for name in cls.model_fields:
+            out.append((*loc, name))
+            sub = _model_at((*loc, name))
+            if sub is not None and len(loc) < MAX_YAML_DEPTH:
+                walk(sub, (*loc, name))
+
+    walk(AprConfig, ())
+    return tuple(out)
+
+
+def did_you_mean(loc: tuple) -> str:
+    """``"; did you mean 'seq_len'?"`` for an unknown key at ``loc``: a close name in the same
+    section, else a key of that name (or close to it) in another section, named by its whole path
+    (``training.lr`` -> ``optimizer.lr``); '' when nothing is close."""
+    name = str(loc[-1])
+    owner = _model_at(loc[:-1])
+    close = difflib.get_close_matches(name, sorted(owner.model_fields) if owner else [], n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    paths = schema_key_paths()
+    name = _HF_NAMES.get(name, name)
+    same = [p for p in paths if p[-1] == name]
+    if not same:
+        leaves = difflib.get_close_matches(name, sorted({p[-1] for p in paths}), n=1, cutoff=0.75)
+        same = [p for p in paths if leaves and p[-1] == leaves[0]]
+    if not same:
+        return ""
+    where = tuple(p for p in loc[:-1] if isinstance(p, str))
+    # the candidate sharing the most leading sections with where the key was written, then the shortest
+    best = sorted(same, key=lambda p: (-sum(1 for a, b in zip(p, where, strict=False) if a == b), len(p), p))[:2]
+    names = " or ".join(f"'{'.'.join(p)}'" for p in best)
+    return f"; did you mean {names}?"
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, dict):
         return "a mapping"
@@ -263,8 +312,7 @@ _UNION_TAG = re.compile(r"^(str|int|float|[\w-]+\[.*\])$")
 def _finding_from_error(err: dict, source: SourceMap) -> Finding:
     # pydantic names the member of a union it tried ('str', 'list[DataSource]') after the union's
     # key: not a key of the file. Only after the first element (a top-level key is always the user's).
-    raw = tuple(err["loc"])
-    loc = raw[:1] + tuple(p for p in raw[1:] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+    loc = _user_loc(err["loc"])
     path = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
     file, line, col = source.where(loc)
     etype = err["type"]
@@ -272,8 +320,7 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
     if etype == "extra_forbidden":
         owner = _model_at(loc[:-1])
         known = sorted(owner.model_fields) if owner else []
-        close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(loc)
         return Finding("error", "schema.unknown_key", f"unknown key '{loc[-1]}'{hint}", path=path,
                        file=file, line=line, column=col,
                        expected="one of: " + ", ".join(known) if known else None, got=f"'{loc[-1]}'")
@@ -325,9 +372,47 @@ def validate_data(data: Any, source: SourceMap) -> AprConfig:
 
 def load_config(path: str | Path, settings: list[str] | dict | None = None) -> LoadedConfig:
     """Read, parse and validate a config file, the bases it ``extends`` and the command-line
-    ``settings`` (``["training.lr=1e-3"]``; apr/config/layers.py). Raises ConfigError listing every
+    ``settings`` (``["optimizer.lr=1e-3"]``; apr/config/layers.py). Raises ConfigError listing every
     problem found."""
     path = Path(path)
+    data, source, text, layers = _read_layered(path, settings)
+    config = validate_data(data, source)
+    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers)
+
+
+@dataclass
+class PartialConfig:
+    """What `apr train validate` can still check in a config that fails the schema: the schema
+    error, and (where one can be built) the config with every bad value taken out, its default or a
+    placeholder in its place. ``tainted`` holds the key paths whose value is not the user's: a check
+    that reads one of them (or a key under or above it) is not run."""
+
+    error: ConfigError
+    loaded: LoadedConfig | None = None
+    tainted: frozenset[tuple] = frozenset()
+
+
+def load_config_partial(path: str | Path, settings: list[str] | dict | None = None) -> LoadedConfig | PartialConfig:
+    """``load_config``, but a schema error returns a PartialConfig instead of raising, so that the
+    checks whose inputs are valid run in the same round (YAML, ``extends`` and setting errors still
+    raise: there is no config to check)."""
+    path = Path(path)
+    data, source, text, layers = _read_layered(path, settings)
+    try:
+        config = validate_data(data, source)
+    except ConfigError as err:
+        if not isinstance(data, dict) or not err.findings or not all(
+                f.code.startswith("schema.") for f in err.findings):
+            return PartialConfig(err)
+        salvaged, tainted = _salvage(data)
+        if salvaged is None:
+            return PartialConfig(err, tainted=frozenset(tainted))
+        loaded = LoadedConfig(config=salvaged, path=path, raw=data, source=source, text=text, layers=layers)
+        return PartialConfig(err, loaded, frozenset(tainted))
+    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers)
+
+
+def _read_layered(path: Path, settings: list[str] | dict | None) -> tuple[Any, SourceMap, str, Layers]:
     data, positions, files, text, layers = read_layered(path)
     source = SourceMap(str(path), positions, files)
     parsed = parse_settings(settings) if isinstance(settings, list) else dict(settings or {})
@@ -339,5 +424,84 @@ def load_config(path: str | Path, settings: list[str] | dict | None = None) -> L
                 if parts[:i] not in source.positions or i == len(parts):
                     source.positions[parts[:i]] = (None, None)
                     source.files[parts[:i]] = COMMAND_LINE
-    config = validate_data(data, source)
-    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers)
+    return data, source, text, layers
+
+
+# Values tried in place of a required key that is missing or was taken out (the first the schema
+# accepts): a section, a count, a name, a number, a list. Checks never read them (they are tainted).
+_PLACEHOLDERS: tuple = ({}, 64, "placeholder", 1.0, [])
+_SALVAGE_ROUNDS = 8
+
+
+def _salvage(data: dict) -> tuple[AprConfig | None, set[tuple]]:
+    """(the config with every invalid value removed, or None when none can be built; the key paths
+    whose value is not the user's). An unknown key is dropped without taint: it set nothing."""
+    patched = copy.deepcopy(data)
+    tainted: set[tuple] = set()
+    for _ in range(_SALVAGE_ROUNDS):
+        try:
+            return AprConfig.model_validate(patched), tainted
+        except ValidationError as e:
+            errors = e.errors()
+        for err in sorted(errors, key=lambda err: len(_user_loc(err["loc"]))):
+            loc = _user_loc(err["loc"])
+            if not loc:
+                return None, tainted
+            if err["type"] == "missing":
+                if not _fill(patched, loc):
+                    return None, tainted
+                tainted.add(loc)
+                continue
+            if err["type"] != "extra_forbidden":
+                tainted.add(_owning_key(loc))
+            _remove(patched, _owning_key(loc) if err["type"] != "extra_forbidden" else loc)
+    return None, tainted
+
+
+def _user_loc(raw: tuple) -> tuple:
+    """A pydantic error location without the union members it names ('str', 'list[DataSource]')."""
+    raw = tuple(raw)
+    return raw[:1] + tuple(p for p in raw[1:] if not (isinstance(p, str) and _UNION_TAG.match(p)))
+
+
+def _owning_key(loc: tuple) -> tuple:
+    """The innermost mapping key at or above ``loc``: a bad list item takes its list out whole, so
+    the items after it keep their places (and their lines)."""
+    for i in range(len(loc) - 1, -1, -1):
+        if isinstance(loc[i], int):
+            return loc[:i]
+    return loc
+
+
+def _remove(data: dict, loc: tuple) -> None:
+    node: Any = data
+    for part in loc[:-1]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return
+    if isinstance(node, dict):
+        node.pop(loc[-1], None)
+
+
+def _fill(data: dict, loc: tuple) -> bool:
+    """Put the first placeholder the schema accepts at ``loc`` (a missing required key)."""
+    node: Any = data
+    for part in loc[:-1]:
+        if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
+            node[part] = {}
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if not isinstance(node, dict):
+        return False
+    for value in _PLACEHOLDERS:
+        node[loc[-1]] = copy.deepcopy(value)
+        try:
+            AprConfig.model_validate(data)
+            return True
+        except ValidationError as e:
+            if not any(_user_loc(err["loc"])[:len(loc)] == loc for err in e.errors()):
+                return True
+    return False

@@ -12,6 +12,7 @@ alert: the engine raises NonFiniteError on them and the run stops (docs/training
 
 from __future__ import annotations
 
+import difflib
 import re
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,16 @@ def _sample_variables(condition: str = "") -> dict[str, Any]:
     return sample
 
 
+def metric_suggestions(unknown: list[str]) -> str:
+    """``"; did you mean 'loss'?"`` for the unknown metric names close to a known one ('' if none)."""
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(ALERT_VARIABLES), n=1, cutoff=0.6)
+        if close:
+            hints.append(f"'{close[0]}'" if len(unknown) == 1 else f"'{close[0]}' for {name}")
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
+
+
 def alert_findings(alerts: list, file: str | None = None, block_norms: bool = True) -> list[Finding]:
     """Check `monitoring.alerts` entries up front: CEL syntax, known metric names, boolean result,
     no per-block norm when `monitoring.block_norms` is off (the condition could never be evaluated).
@@ -99,7 +110,8 @@ def alert_findings(alerts: list, file: str | None = None, block_norms: bool = Tr
                 Finding(
                     "error",
                     "alert.unknown_metric",
-                    f"alert condition {condition!r} uses unknown metric(s) {', '.join(unknown)}",
+                    f"alert condition {condition!r} uses unknown metric(s) {', '.join(unknown)}"
+                    + metric_suggestions(unknown),
                     path=path,
                     file=file,
                     expected="names among " + ", ".join(ALERT_VARIABLES) + ", eval.<task>.acc, eval.<task>.acc_norm",
