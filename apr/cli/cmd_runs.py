@@ -240,7 +240,8 @@ def register(app: typer.Typer) -> None:
         global_: bool = typer.Option(False, "--global", help="Read the global registry ($APR_HOME, default ~/.apr)."),
         json_out: bool = typer.Option(False, "--json", help="Print a JSON array (schema in docs/runs.md)."),
         status: str | None = typer.Option(
-            None, "--status", help="Only runs with this status: starting, running, finished, failed, stopped, stale."
+            None, "--status",
+            help="Only runs with this status: starting, running, finished, failed, stopped, stale, dead.",
         ),
         experiment: str | None = typer.Option(None, "--experiment", help="Only runs of this experiment."),
         limit: int | None = typer.Option(None, "--limit", min=0, help="At most this many runs (newest first)."),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from apr.fmt import fmt_duration, fmt_int
-from apr.monitor.state import ACTIVE_STATUSES, heartbeat_age, read_once, stale_threshold
+from apr.monitor.state import ACTIVE_STATUSES, heartbeat_age, read_once, stale_threshold, trainer_gone
 
 MAX_CANDIDATES = 500  # registry rows looked at (newest first); each costs one small file read
 
@@ -119,7 +119,7 @@ def find_active_runs(
         if not reading.ok:
             continue
         state = reading.state
-        if state["status"] not in ACTIVE_STATUSES:
+        if state["status"] not in ACTIVE_STATUSES or trainer_gone(state):
             continue
         age = heartbeat_age(state, now)
         if age is None or age > stale_threshold(refresh_s, state):

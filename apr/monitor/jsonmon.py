@@ -7,8 +7,9 @@ Every object has the same shape (``format_version`` "1")::
      "problem": null | {"kind": "missing" | "unreadable" | "malformed" | "unsupported", "message": "..."},
      "missing_fields": [], "state": {... training_state.json as written ...} | null}
 
-``status`` is the recorded status, or "stale" when an active run's heartbeat is older than
-``stale_after_s``; it is null exactly when ``state`` is null (then ``problem`` says why).
+``status`` is the recorded status, "dead" when an active run of this host has lost its trainer
+process, or "stale" when an active run's heartbeat is older than ``stale_after_s``; it is null
+exactly when ``state`` is null (then ``problem`` says why).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from apr.readers import MAX_JSON_DEPTH, InputError, read_bytes, too_deep_at
+from apr.track.liveness import trainer_alive
 
 STATE_FILE = "training_state.json"
 SCHEMA_VERSION = 1
@@ -393,10 +394,20 @@ def heartbeat_age(state: dict, now: float) -> float | None:
     return None if hb is None else max(0.0, now - hb)
 
 
+def trainer_gone(state: dict) -> bool:
+    """An active run recorded on this host whose trainer process no longer runs (killed with
+    SIGKILL, out of memory): certain, so there is no need to wait for the heartbeat to age."""
+    return state.get("status") in ACTIVE_STATUSES and trainer_alive(
+        state.get("host"), state.get("pid"), num(state.get("heartbeat"))) is False
+
+
 def effective_status(state: dict, now: float, threshold_s: float) -> str:
-    """The recorded status, or "stale" for an active run whose heartbeat is too old."""
+    """The recorded status; "dead" for an active run of this host whose trainer process is gone;
+    "stale" for an active run whose heartbeat is too old."""
     status = state.get("status") or "unknown"
     if status in ACTIVE_STATUSES:
+        if trainer_gone(state):
+            return "dead"
         age = heartbeat_age(state, now)
         if age is not None and age > threshold_s:
             return "stale"

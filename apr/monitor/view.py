@@ -26,6 +26,7 @@ STATUS_LABELS = {
     "starting": ("○ STARTING", "status.starting"),
     "running": ("● RUNNING", "status.running"),
     "stale": ("▲ STALE", "status.stale"),
+    "dead": ("✗ DEAD", "status.failed"),
     "finished": ("✓ FINISHED", "status.finished"),
     "failed": ("✗ FAILED", "status.failed"),
     "stopped": ("■ STOPPED", "status.stopped"),
@@ -226,6 +227,10 @@ def messages(
             out.append((f"{status}: {reason}", "msg.problem" if status == "failed" else "msg.info"))
         elif status == "failed":
             out.append(("failed (no reason recorded)", "msg.problem"))
+        if status == "dead":
+            out.append((f"the trainer (pid {state.get('pid')} on this host) is gone without recording an end: "
+                        "killed (SIGKILL, out of memory)? Resume with apr train apply --resume latest",
+                        "msg.problem"))
         if status == "stale":
             age = heartbeat_age(state, now)
             out.append(

@@ -13,11 +13,12 @@ from pathlib import Path
 
 from apr.errors import AprError, Finding
 from apr.track import store
+from apr.track.liveness import trainer_alive
 from apr.track.names import global_db_path, validate_experiment, validate_run_id
 from apr.track.state import ACTIVE_STATUSES, STATUSES, is_stale
 
 RUNS_SCHEMA_VERSION = 1
-STATUS_FILTERS = (*STATUSES, "stale")
+STATUS_FILTERS = (*STATUSES, "stale", "dead")
 CHECKPOINT_KINDS = ("checkpoint", "checkpoint_best")  # weights files; "checkpoint_meta" is their JSON
 DISCOVERY_DEPTH = 3  # <root>/.apr, <root>/*/.apr, ... down to <root>/*/*/*/.apr
 _MAX_DIRS = 20_000  # give up scanning a huge tree rather than hang
@@ -87,13 +88,20 @@ def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: floa
     row's values do not have the types apr writes."""
     _check_row(row)
     recorded = row.get("status")
-    status = "stale" if recorded in ACTIVE_STATUSES and is_stale(row, now, stale_after_s) else recorded
+    alive = trainer_alive(row.get("host"), row.get("pid"), row.get("heartbeat")) if recorded in ACTIVE_STATUSES \
+        else None
+    if alive is False:
+        status = "dead"  # recorded here, and its PID no longer runs it: no need to wait for staleness
+    elif recorded in ACTIVE_STATUSES and is_stale(row, now, stale_after_s):
+        status = "stale"
+    else:
+        status = recorded
     started, ended, heartbeat = row.get("started"), row.get("ended"), row.get("heartbeat")
     if started is None:
         duration = None
     elif ended is not None:
         duration = ended - started
-    elif status == "stale" or recorded not in ACTIVE_STATUSES:
+    elif status in ("stale", "dead") or recorded not in ACTIVE_STATUSES:
         duration = (heartbeat or started) - started
     else:
         duration = now - started
@@ -114,6 +122,7 @@ def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: floa
         "duration_s": duration,
         "host": row.get("host"),
         "pid": row.get("pid"),
+        "pid_alive": alive,
         "output_dir": row.get("output_dir"),
         "config_path": row.get("config_path"),
         "config_hash": row.get("config_hash"),
@@ -151,7 +160,8 @@ def list_runs(
 ) -> RunListing:
     """Runs newest first. ``global_``: the registry at ``$APR_HOME``; else the local stores under
     ``root`` (default: the current folder). ``status`` may be "stale" (recorded as running, no
-    heartbeat for too long). A run present in several local stores is listed once."""
+    heartbeat for too long) or "dead" (recorded as running on this host, its PID gone). A run
+    present in several local stores is listed once."""
     _check_status(status)
     if experiment is not None:
         validate_experiment(experiment)
@@ -162,7 +172,7 @@ def list_runs(
     # Stale-ness is decided after the query, so a filter on an active status reads all active rows.
     # Any other query may stop at `limit` rows per store: a store's newest `limit` runs include every
     # run of the merged newest `limit` that it holds (a run's start time is the same in every store).
-    if status in ("stale", *ACTIVE_STATUSES):
+    if status in ("stale", "dead", *ACTIVE_STATUSES):
         sql_statuses: tuple[str, ...] | None = ACTIVE_STATUSES
         sql_limit = None
     else:

@@ -350,3 +350,22 @@ def test_sparkline_panels_fill_their_width(tmp_path, size, points):
             assert line.strip() == line  # drawn to both edges
 
     drive(app, body, size=size)
+
+
+def test_a_run_whose_trainer_was_killed_shows_dead_with_the_reason(tmp_path):
+    import socket
+
+    from .test_state import _gone_pid
+
+    run = tmp_path / "run"
+    path = copy_fixture("mid_run", run)
+    doc = json.loads(path.read_text())
+    doc.update(host=socket.gethostname(), pid=_gone_pid(), heartbeat=fixed_clock() - 1)
+    path.write_text(json.dumps(doc))
+    app = MonitorApp(run, settings=MonitorSettings(), clock=fixed_clock)
+
+    async def body(pilot):
+        assert app.status == "dead" and "✗ DEAD" in text(app, "#header")
+        assert "is gone without recording an end" in text(app, "#messages")
+
+    drive(app, body, size=(120, 40))

@@ -93,3 +93,19 @@ def test_a_bad_run_config_falls_back_to_defaults(tmp_path, text):
     assert (s.refresh_ms, s.ema_window, s.show_eta) == (1000, None, True)
     if text == "monitoring: [":
         assert s.note and "config.yaml not used" in s.note
+
+
+def test_a_run_of_this_host_whose_trainer_is_gone_is_not_active(tmp_path):
+    import socket
+
+    from .test_state import _gone_pid
+
+    now = time.time()
+    killed = _state(tmp_path / "killed", heartbeat=now - 1, host=socket.gethostname(), pid=_gone_pid())
+    elsewhere = _state(tmp_path / "elsewhere", heartbeat=now - 1, host="gpu-box", pid=_gone_pid(), run_id="remote")
+    db = make_registry(tmp_path / "home" / "experiments.db", [
+        {"id": "k", "experiment": "e", "status": "running", "output_dir": str(killed), "started": 2.0},
+        {"id": "r", "experiment": "e", "status": "running", "output_dir": str(elsewhere), "started": 1.0},
+    ])
+    found = find_active_runs(db, now=now)
+    assert [r.run_id for r in found.runs] == ["remote"]

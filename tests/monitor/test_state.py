@@ -199,3 +199,25 @@ def test_deeply_nested_state_is_malformed(run_dir):
     (run_dir / "training_state.json").write_text('{"schema_version": 1, "x": ' + "[" * 100 + "]" * 100 + "}")
     reading = read_once(run_dir)
     assert reading.kind == "malformed" and "levels deep" in reading.problem
+
+
+def _gone_pid() -> int:
+    """The PID of a process that has exited and been reaped."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_an_active_run_of_this_host_whose_trainer_is_gone_is_dead_at_once():
+    import os
+    import socket
+
+    gone = {"status": "running", "heartbeat": FIXTURE_NOW - 1, "host": socket.gethostname(), "pid": _gone_pid()}
+    assert effective_status(gone, FIXTURE_NOW, 30.0) == "dead"  # a fresh heartbeat: not stale, yet dead
+    assert effective_status({**gone, "status": "starting"}, FIXTURE_NOW, 30.0) == "dead"
+    assert effective_status({**gone, "pid": os.getpid()}, FIXTURE_NOW, 30.0) == "running"
+    assert effective_status({**gone, "host": "gpu-box"}, FIXTURE_NOW, 30.0) == "running"  # cannot be checked here
+    assert effective_status({**gone, "status": "finished"}, FIXTURE_NOW, 30.0) == "finished"

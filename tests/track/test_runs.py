@@ -1,6 +1,7 @@
 """apr.track.runs (the library) and `apr runs ls/show` (through typer's CliRunner)."""
 
 import json
+import os
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from apr.track.store import Batch, StoreWriter
 RUN_KEYS = {
     "run_id", "experiment", "status", "recorded_status", "status_reason", "step", "total_steps", "last_loss",
     "last_val_loss", "tokens_seen", "started_at", "ended_at", "heartbeat", "duration_s", "host", "pid",
-    "output_dir", "config_path", "config_hash", "model_params", "store",
+    "pid_alive", "output_dir", "config_path", "config_hash", "model_params", "store",
 }
 
 runner = CliRunner()
@@ -80,6 +81,110 @@ def test_stale_runs_are_detected_and_filterable(tmp_path, runs_tree):
     assert [r["run_id"] for r in list_runs(status="stale").runs] == [dead]
     assert list_runs(status="running").runs == []
     assert list_runs(status="running", stale_after_s=10 * 3600).runs[0]["run_id"] == dead
+
+
+TRAINER = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {helpers!r})
+from track_helpers import make_config
+from apr.track.recorder import RunRecorder
+rec = RunRecorder(Path({out!r}), make_config(), config_hash="c0ffee", total_steps=100, tokens_per_step=64,
+                  run_id={run_id!r}, background=False)
+rec.start()
+rec.log_step(1, {{"loss": 2.0}})
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def _wait_for_status(run_id, status, seconds=30.0):
+    deadline = time.monotonic() + seconds
+    while True:
+        run = next(r for r in list_runs().runs if r["run_id"] == run_id)
+        if run["status"] == status or time.monotonic() > deadline:
+            return run
+        time.sleep(0.05)
+
+
+def test_a_trainer_killed_with_sigkill_is_dead_at_once_not_running_until_stale(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run_id = "20261125-000000-k1ll09"
+    helpers = str(Path(__file__).resolve().parent)
+    code = TRAINER.format(helpers=helpers, out=str(tmp_path / "run"), run_id=run_id)
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        monkeypatch.chdir(tmp_path)
+        run = _wait_for_status(run_id, "running")
+        assert (run["status"], run["pid"], run["pid_alive"]) == ("running", trainer.pid, True)
+        os.kill(trainer.pid, signal.SIGKILL)
+        run = _wait_for_status(run_id, "dead")  # a zombie until reaped: already dead
+        assert (run["status"], run["recorded_status"], run["pid_alive"]) == ("dead", "running", False)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    run = _wait_for_status(run_id, "dead")
+    assert run["status"] == "dead" and time.time() - run["heartbeat"] < 60  # long before the stale threshold
+    assert run["duration_s"] == pytest.approx(run["heartbeat"] - run["started_at"])
+    assert [r["run_id"] for r in list_runs(status="dead").runs] == [run_id]
+    assert list_runs(status="running").runs == [] and list_runs(status="stale").runs == []
+    out = runner.invoke(app, ["runs", "ls"]).output
+    assert run_id in out and "dead" in out.split(run_id, 1)[1].splitlines()[0]
+    assert json.loads(runner.invoke(app, ["runs", "show", run_id, "--json"]).output)["run"]["status"] == "dead"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc to see whose a PID is")
+def test_a_reused_pid_is_not_the_trainer(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from apr.track.liveness import trainer_alive
+
+    here = socket.gethostname()
+    now = time.time()
+    other = subprocess.Popen(["sleep", "60"])  # not Python, not apr
+    try:
+        for _ in range(1000):  # until the forked child has exec'd sleep
+            if open(f"/proc/{other.pid}/cmdline", "rb").read().startswith(b"sleep"):
+                break
+            time.sleep(0.01)
+        assert trainer_alive(here, other.pid, now + 30) is False  # alive, but not a trainer
+        assert trainer_alive(here, other.pid, now - 3600) is False  # started after the run's last heartbeat
+        assert trainer_alive(here, os.getpid(), now) is True
+    finally:
+        other.kill()
+        other.wait()
+    python = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert trainer_alive(here, python.pid, time.time() + 5) is True  # started before its heartbeat
+        assert trainer_alive(here, python.pid, now - 3600) is False  # the PID of a run long gone, reused
+        assert trainer_alive("another-host", python.pid, now) is None  # nothing can be known from here
+    finally:
+        python.kill()
+        python.wait()
+    assert trainer_alive(here, python.pid, now) is False
+    assert trainer_alive(here, None, now) is None and trainer_alive(None, 123, now) is None
+    assert trainer_alive(here, True, now) is None and trainer_alive(here, -1, now) is None
+
+
+def test_a_run_recorded_on_another_host_waits_for_the_stale_threshold(tmp_path, monkeypatch):
+    now = time.time()
+    db = tmp_path / "r" / ".apr" / "experiments.db"
+    w = StoreWriter(db)
+    for run_id, host in (("20261125-000000-0the01", "another-host"), ("20261125-000000-0the02", None)):
+        w.write(Batch(run={"id": run_id, "experiment": "exp", "status": "running", "started": now - 60,
+                           "heartbeat": now - 5, "step": 3, "total_steps": 10, "host": host, "pid": 999_999},
+                      register={"params": {}}))
+    w.close()
+    monkeypatch.chdir(tmp_path)
+    assert {(r["status"], r["pid_alive"]) for r in list_runs().runs} == {("running", None)}
+    assert {r["status"] for r in list_runs(now=now + 3600).runs} == {"stale"}
 
 
 def test_bad_filters_are_errors(runs_tree):
