@@ -38,7 +38,14 @@ from apr.track.names import (
 from apr.track.state import BLOCK_NORM_KEYS, STATE_FILE, RunState, read_state
 from apr.track.store import BUSY_TIMEOUT_S, Batch, StoreWriter, flatten_params
 from apr.track.telemetry import gpu_snapshot
-from apr.track.trackers import open_sink
+from apr.track.trackers import (
+    SinkWorker,
+    close_workers,
+    open_sink,
+    run_params,
+    sink_target_problems,
+    stall_limits,
+)
 
 if TYPE_CHECKING:
     from apr.config import AprConfig
@@ -221,6 +228,7 @@ class RunRecorder:
         apr_home: Path | None = None,
         config_path: str | None = None,
         model_params: int | None = None,
+        plan: dict | None = None,
         enabled: bool = True,
         background: bool = True,
         flush_interval_s: float = FLUSH_INTERVAL_S,
@@ -273,7 +281,9 @@ class RunRecorder:
                 _Sink("global", global_db_path(Path(apr_home) if apr_home is not None else None), busy_timeout_s),
             ]
         self._sink_configs = list(config.monitoring.sinks)  # external trackers, opened by start()
-        self._trackers: list[tuple[str, Any]] = []
+        self._trackers: list[SinkWorker] = []  # each on its own thread (apr/track/trackers.py)
+        self._plan = plan
+        self._apr_home = None if apr_home is None else Path(apr_home)
         self._warnings: list[str] = []
         self._unprinted: list[str] = []  # warnings not printed yet (see _warn)
         self._state_warned = False
@@ -348,17 +358,42 @@ class RunRecorder:
         self._request(state=True, fsync=True, db=True)
 
     def _open_trackers(self) -> None:
-        """Open the monitoring.sinks trackers (apr/track/trackers.py); one that cannot open is a warning."""
+        """Start the monitoring.sinks trackers, each on its own thread (apr/track/trackers.py): it is
+        opened there and gets the run's params first; one that cannot open is a warning."""
         if not self._sink_configs or self._trackers:
             return
-        for cfg in self._sink_configs:
-            try:
-                tracker = open_sink(cfg, self.output_dir, self.experiment, self.run_id, self._resume_step)
-            except Exception as e:  # a missing package, an unwritable folder: the run goes on without it
-                self._warn(f"{cfg.type} sink: {type(e).__name__}: {e}; training continues without it")
-                continue
+        refused = {key.split("]", 1)[0]: message for key, message, _, _ in sink_target_problems(
+            self.config, apr_home=self._apr_home, stores=[s.path for s in self._sinks])}
+        params = self._tracker_params()
+        for i, cfg in enumerate(self._sink_configs):
+            problem = refused.get(f"monitoring.sinks[{i}")  # validate and plan refuse it; checked again here
+
+            def open_tracker(cfg=cfg, problem=problem):
+                if problem is not None:
+                    raise ValueError(problem)
+                return open_sink(cfg, self.output_dir, self.experiment, self.run_id, self._resume_step)
+
+            worker = SinkWorker(str(cfg.type), open_tracker, self._sink_warning, params=params,
+                                limits=stall_limits(cfg, self.output_dir))
             with self._lock:
-                self._trackers.append((str(cfg.type), tracker))
+                self._trackers.append(worker)
+
+    def _tracker_params(self) -> dict:
+        """What the trackers get as params: the resolved config, the plan's key facts (the plan this
+        run was applied from: ``plan`` or the run folder's plan.json of the same config hash) and
+        the run's own figures."""
+        plan = self._plan
+        if plan is None:
+            try:
+                plan = load_json(self.output_dir / "plan.json", "plan", "plan file")
+            except (AprError, OSError):
+                plan = None
+            if not isinstance(plan, dict) or plan.get("config_hash") != self.config_hash:
+                plan = None
+        return run_params(self.config.model_dump(mode="json"), plan, {
+            "id": self.run_id, "experiment": self.experiment, "total_steps": self.total_steps,
+            "tokens_per_step": self.tokens_per_step, "model_params": self.state["model_params"],
+            "config_hash": self.config_hash, "resumed_from_step": self._resume_step})
 
     def _restore_latest_values(self) -> None:
         """A resumed run shows its last recorded values (up to its checkpoint) until it logs new ones."""
@@ -576,6 +611,13 @@ class RunRecorder:
             self._out_status.append((self.run_id, status, reason, now))
             self._state_dirty = self._state_fsync = self._db_force = True
         self.flush()
+        if self._trackers:  # the last rows are queued: a bounded wait for every tracker to take them
+            with self._lock:
+                workers, self._trackers = self._trackers, []
+            warned = len(self._warnings)
+            close_workers(workers, status)
+            if len(self._warnings) > warned:  # a tracker that failed or hung at the end: in the state file too
+                self.flush()
         if self._thread is not None:
             with self._cv:
                 self._stopping = True
@@ -584,11 +626,6 @@ class RunRecorder:
         self._print_warnings()
         for sink in self._sinks:
             sink.close()
-        for label, tracker in self._trackers:
-            try:
-                tracker.close(status)
-            except Exception as e:
-                self._warn(f"{label} sink: {type(e).__name__}: {e}")
         try:
             atexit.unregister(self._atexit)
         except Exception:
@@ -624,12 +661,12 @@ class RunRecorder:
             st["eta_s"] = None
         st["cost"] = run_cost(self.config.training, st["elapsed_s"], st["eta_s"])
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, print_now: bool = True) -> None:
         """Record a warning once: stderr, `warnings`, and the state file's `store_warnings`.
 
-        Only the trainer's thread prints (a warning found by the writer thread waits for the
-        trainer's next call into the recorder), one whole line per write, so warnings never land in
-        the middle of the trainer's own console lines."""
+        Only the trainer's thread prints (a warning found by the writer thread or a tracker's
+        thread waits for the trainer's next call into the recorder), one whole line per write, so
+        warnings never land in the middle of the trainer's own console lines."""
         with self._lock:
             if message in self._warnings:
                 return
@@ -637,8 +674,13 @@ class RunRecorder:
             self._unprinted.append(message)
             self.state["store_warnings"] = list(self._warnings)
             self._state_dirty = True
-        if threading.current_thread() is not self._thread:
+        if print_now and threading.current_thread() is not self._thread:
             self._print_warnings()
+
+    def _sink_warning(self, message: str) -> None:
+        """A tracker's warning (from its own thread, or the writer's): recorded now, printed by the
+        trainer's next call into the recorder, written with the next state file."""
+        self._warn(message, print_now=threading.current_thread() is threading.main_thread())
 
     def _print_warnings(self) -> None:
         if not self._unprinted:  # the common case, without the lock
@@ -731,18 +773,11 @@ class RunRecorder:
         self._write_state(data, fsync)
 
     def _feed_trackers(self, metrics: list) -> None:
-        """The metric rows to each tracker; a tracker that fails is warned about once and dropped."""
-        for label, tracker in list(self._trackers):
-            try:
-                tracker.write(metrics)
-            except Exception as e:
-                with self._lock:
-                    self._trackers.remove((label, tracker))
-                self._warn(f"{label} sink: {type(e).__name__}: {e}; training continues without it")
-                try:
-                    tracker.close()
-                except Exception:
-                    pass
+        """The metric rows to each tracker's queue (never waits on a tracker; one that failed takes none)."""
+        with self._lock:
+            workers = list(self._trackers)
+        for worker in workers:
+            worker.submit(metrics)
 
     def _write_state(self, data: bytes, fsync: bool) -> None:
         try:

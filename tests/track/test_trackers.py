@@ -22,6 +22,29 @@ pytest.importorskip("tensorboard", reason="the sinks extra (tensorboard) is not 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 
+def _hparams(log_dir: Path) -> dict:
+    """The params of a TensorBoard run as its hparams plugin stores them (the latest session)."""
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    return {k: getattr(v, v.WhichOneof("kind")) for k, v in hparams.items()}
+
+
+def _params_text(log_dir: Path) -> str:
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return tensor_util.make_ndarray(acc.Tensors("apr/params/text_summary")[-1].tensor_proto).item().decode()
+
+
+def _plan_facts(run_dir: Path) -> dict:
+    return json.loads((run_dir / "plan.json").read_text())["facts"]
+
+
 def _scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
@@ -51,6 +74,15 @@ def test_a_run_writes_every_logged_metric_to_tensorboard_and_a_resume_appends(tm
     assert first.status == "finished"
     log_dir = tmp_path / "run" / "tensorboard" / "tb" / first.run_id
     assert _same(_scalars(log_dir, "loss"), _history(_state(tmp_path / "run"), "loss"))
+    facts = _plan_facts(tmp_path / "run")
+    hp = _hparams(log_dir)  # the resolved config as key paths, the plan's key facts, the run's figures
+    assert hp["optimizer.lr"] == pytest.approx(1e-2) and hp["training.max_steps"] == 6
+    assert hp["model.architecture.hidden_size"] == 32 and hp["data.val"] == str(tmp_path / "data" / "val")
+    assert hp["plan.params"] == facts["model"]["params"] and hp["plan.world_size"] == 1
+    assert hp["plan.total_steps"] == 6
+    assert hp["plan.execution.activations"] == facts["execution"]["policy"]["activations"]
+    assert hp["run.id"] == first.run_id
+    assert "| optimizer.lr | 0.01 |" in _params_text(log_dir)
     resumed = run_apply(cfg, resume="latest", **quiet)  # max_steps back to 12: the same run goes on
     assert resumed.status == "finished" and resumed.run_id == first.run_id and resumed.final_step == 12
     loss = _scalars(log_dir, "loss")
@@ -60,6 +92,10 @@ def test_a_run_writes_every_logged_metric_to_tensorboard_and_a_resume_appends(tm
     assert _same(val, _history(_state(tmp_path / "run"), "val_loss"))
     assert [s for s, _ in val] == [0, 4, 6, 8, 12]  # the first run ended (and evaluated) at 6
     assert list((tmp_path / "run" / "tensorboard" / "tb").iterdir()) == [log_dir]  # one TensorBoard run
+    # hparams keep the first session's values (one session per TensorBoard run); the text table of
+    # the params is written by every session, at the step it starts from
+    assert _hparams(log_dir)["training.max_steps"] == 6
+    assert "| training.max_steps | 12 |" in _params_text(log_dir)
 
 
 def test_mlflow_gets_the_same_metrics_in_one_run_across_a_resume(tmp_path):
@@ -82,12 +118,22 @@ def test_mlflow_gets_the_same_metrics_in_one_run_across_a_resume(tmp_path):
     for key in ("loss", "val_loss"):
         history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert _same(history, _history(state, key)), key
+    params, facts = run.data.params, _plan_facts(tmp_path / "run")
+    assert params["optimizer.lr"] == "0.01" and params["model.architecture.num_hidden_layers"] == "2"
+    assert params["monitoring.sinks"] == json.dumps([{"dir": None, "type": "mlflow", "uri": uri}])
+    assert params["plan.params"] == str(facts["model"]["params"]) and params["plan.world_size"] == "1"
+    assert params["plan.total_tokens"] == "384"  # 6 steps x 64 tokens: the first session's plan
+    assert run.data.tags["apr.changed.plan.total_tokens"] == str(facts["steps"]["total_tokens"]) == "768"
+    assert params["plan.execution.gradients"] == facts["execution"]["policy"]["gradients"]
+    assert params["run.id"] == first.run_id
+    # MLflow keeps a param's first value: the resume's max_steps is a tag
+    assert params["training.max_steps"] == "6" and run.data.tags["apr.changed.training.max_steps"] == "12"
 
 
-def _wandb_history(run_file: Path) -> list[dict]:
-    """History rows of a W&B offline run file, read with wandb's own record protobuf. The file is a
-    LevelDB-style log (a 7-byte ':W&B' header, then 32 KiB blocks of CRC/length/type framed chunks);
-    wandb ships no reader for it since its core moved to Go."""
+def _wandb_history(run_file: Path, config: dict | None = None) -> list[dict]:
+    """History rows of a W&B offline run file, read with wandb's own record protobuf (its config
+    updates into ``config``). The file is a LevelDB-style log (a 7-byte ':W&B' header, then 32 KiB
+    blocks of CRC/length/type framed chunks); wandb ships no reader for it since its core moved to Go."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
@@ -108,6 +154,9 @@ def _wandb_history(run_file: Path) -> list[dict]:
         if kind in (1, 4):
             record = pb.Record()
             record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "config" and config is not None:
+                for item in record.config.update:
+                    config[item.key or ".".join(item.nested_key)] = json.loads(item.value_json)
             if record.WhichOneof("record_type") == "history":
                 rows.append({"_step": record.history.step.num,
                              **{i.key or ".".join(i.nested_key): json.loads(i.value_json)
@@ -129,8 +178,9 @@ def test_wandb_offline_gets_the_same_metrics_under_the_apr_run_id(tmp_path, monk
     assert len(files) == 2 and all(f.name == f"run-{first.run_id}.wandb" for f in files)  # one W&B run id
     seen: dict[int, dict] = {}
     per_file = []
+    config: dict = {}
     for f in files:
-        rows = _wandb_history(f)
+        rows = _wandb_history(f, config)
         per_file.append((f.parent.name, f.stat().st_size, [r["_step"] for r in rows]))
         for row in rows:
             seen.setdefault(int(row["_step"]), {}).update(row)
@@ -138,6 +188,11 @@ def test_wandb_offline_gets_the_same_metrics_under_the_apr_run_id(tmp_path, monk
     for key in ("loss", "val_loss"):
         got = [(s, r[key]) for s, r in sorted(seen.items()) if key in r]
         assert _same(got, _history(state, key)), (key, per_file, state.get("store_warnings"))
+    facts = _plan_facts(tmp_path / "run")
+    assert config["optimizer.lr"] == pytest.approx(1e-2)
+    assert config["training.max_steps"] == 12  # the resumed session's value
+    assert config["plan.params"] == facts["model"]["params"] and config["plan.world_size"] == 1
+    assert config["plan.execution.activations"] == facts["execution"]["policy"]["activations"]
 
 
 def test_a_sink_that_cannot_write_is_a_warning_and_the_run_finishes(tmp_path, capsys):
