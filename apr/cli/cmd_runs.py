@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,26 +79,44 @@ def run_ls(
     return 0
 
 
-def _final_metric_rows(final: dict) -> list[tuple[str, str, object]]:
-    """(name, value, step) per final metric; a per-block list (block_grad_norm.0, .1, ...) is one
-    row, ``block_grad_norm[N]``, showing its largest value and that block (``0.52 #3``)."""
-    rows: list[tuple[str, str, object]] = []
-    lists: dict[str, list[tuple[int, dict]]] = {}
+def _split_lists(final: dict) -> tuple[dict, dict[str, list[tuple[int, dict]]]]:
+    """Final metrics apart from list metrics: a list is recorded one row per element as
+    ``name.0``, ``name.1``, ... (the per-block norms); those are grouped under ``name``, by index."""
+    indexed: dict[str, list[tuple[int, dict]]] = {}
     for key, m in final.items():
         base, _, index = key.rpartition(".")
-        if base in BLOCK_NORM_LISTS and index.isdigit():
-            if base not in lists:
-                rows.append((base, "", None))  # filled below, in the place of its first block
-            lists.setdefault(base, []).append((int(index), m))
-            continue
-        rows.append((key, fmt_value(m["value"]), m["step"]))
-    for i, (key, _, _) in enumerate(rows):
-        if key in lists:
-            blocks = lists[key]
-            known = [(m["value"], b) for b, m in blocks if m["value"] is not None]
-            value = f"{fmt_value(max(known)[0])} #{max(known)[1]}" if known else fmt_value(None)
-            rows[i] = (f"{key}[{len(blocks)}]", value, max(m["step"] for _, m in blocks))
-    return rows
+        if base and index.isdigit() and base not in final:
+            indexed.setdefault(base, []).append((int(index), m))
+    lists = {base: sorted(items, key=lambda item: item[0]) for base, items in indexed.items()
+             if base in BLOCK_NORM_LISTS or len(items) > 1}
+    scalars = {k: m for k, m in final.items() if k.rpartition(".")[0] not in lists}
+    return scalars, lists
+
+
+def list_metric_lines(lists: dict[str, list[tuple[int, dict]]], per_line: int = 8) -> list[str]:
+    """Each list metric on its own lines: a summary (blocks, step, min, max, mean, non-finite ones)
+    then every element as ``#index value``, ``per_line`` to a line."""
+    out: list[str] = []
+    for name, items in lists.items():
+        known = [(m["value"], i) for i, m in items
+                 if isinstance(m["value"], (int, float)) and not isinstance(m["value"], bool)
+                 and math.isfinite(m["value"])]
+        steps = {m["step"] for _, m in items}
+        step = fmt_value(max(steps)) if len(steps) == 1 else f"{fmt_value(min(steps))}-{fmt_value(max(steps))}"
+        summary = f"  {safe_text(name)}  {len(items)} values at step {step}"
+        if known:
+            lo, hi = min(known), max(known, key=lambda vi: (vi[0], -vi[1]))
+            summary += (f": max {fmt_value(hi[0])} (#{hi[1]}), min {fmt_value(lo[0])} (#{lo[1]}), "
+                        f"mean {fmt_value(sum(v for v, _ in known) / len(known))}")
+        bad = [i for i, m in items if (m["value"], i) not in known]
+        if bad:
+            summary += f"; not finite: {', '.join(f'#{i}' for i in bad)}"
+        out.append(summary)
+        cells = [f"#{i} {fmt_value(m['value']) if (m['value'], i) in known else '-'}" for i, m in items]
+        width = max(len(c) for c in cells)
+        for start in range(0, len(cells), per_line):
+            out.append("    " + "  ".join(c.ljust(width) for c in cells[start:start + per_line]).rstrip())
+    return out
 
 
 def cost_lines(detail: dict) -> list[str]:
@@ -131,13 +150,16 @@ def show_text(detail: dict) -> str:
         "",
         "final metrics:",
     ]
-    rows = _final_metric_rows(detail["final_metrics"])
-    width = max([14, *(len(t(k)) for k, _, _ in rows)])  # eval.<task>.acc_norm is long
-    for key, value, step in rows:
-        out.append(f"  {t(key):<{width}} {value:<12} (step {fmt_value(step)})")
+    scalars, lists = _split_lists(detail["final_metrics"])
+    width = max([14, *(len(t(k)) for k in scalars)])  # eval.<task>.acc_norm is long
+    for key, m in scalars.items():
+        out.append(f"  {t(key):<{width}} {fmt_value(m['value']):<12} (step {fmt_value(m['step'])})")
     if detail["best_val_loss"]:
         b = detail["best_val_loss"]
         out.append(f"  best val_loss  {fmt_value(b['value'])} (step {fmt_value(b['step'])})")
+    if lists:
+        out += ["", "list metrics (#N is element N; of a per-block norm, block N, #0 nearest the embedding):",
+                *list_metric_lines(lists)]
     out += ["", "checkpoints:"]
     for a in detail["checkpoints"] or []:
         sha = t((a["sha256"] or "-")[:16])

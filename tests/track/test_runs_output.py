@@ -121,7 +121,7 @@ def test_show_lists_the_config_tracking_tags(tmp_path, recorder_factory, monkeyp
     assert doc["tags"] == {"stage": "pretrain", "data": "code-v2"}
 
 
-def test_show_folds_a_per_block_list_into_one_row(tmp_path, recorder_factory, monkeypatch):
+def test_show_prints_each_list_metric_with_its_values_and_summary(tmp_path, recorder_factory, monkeypatch):
     rec = recorder_factory(tmp_path / "runs" / "c", experiment="exp", background=False,
                            run_id="20261122-000000-aaaa03")
     rec.start()
@@ -131,10 +131,30 @@ def test_show_folds_a_per_block_list_into_one_row(tmp_path, recorder_factory, mo
     rec.finish("finished")
     monkeypatch.chdir(tmp_path)
     out = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa03"]).output
-    assert "block_grad_norm[3]" in out and "block_grad_norm.1" not in out
-    row = next(line for line in out.splitlines() if "block_grad_norm[3]" in line)
-    assert row.split()[1:] == ["10", "#1", "(step", "20)"]  # the largest block's value, its index
-    assert next(line for line in out.splitlines() if "block_update_norm[3]" in line).split()[1:3] == ["0.02", "#1"]
-    assert "max_block_grad_norm" in out
+    assert "block_grad_norm.1" not in out and "block_grad_norm[" not in out  # not one cryptic row per list
+    lines = out.splitlines()
+    i = next(n for n, line in enumerate(lines) if line.strip().startswith("block_grad_norm "))
+    assert lines[i].split() == ["block_grad_norm", "3", "values", "at", "step", "20:", "max", "10", "(#1),",
+                                "min", "2", "(#0),", "mean", "5.33333"]
+    assert lines[i + 1].split() == ["#0", "2", "#1", "10", "#2", "4"]  # every block's value, in order
+    j = next(n for n, line in enumerate(lines) if line.strip().startswith("block_update_norm "))
+    assert "max 0.02 (#1), min 0.01 (#0)" in lines[j] and lines[j].endswith("not finite: #2")
+    assert lines[j + 1].split() == ["#0", "0.01", "#1", "0.02", "#2", "-"]
+    assert "max_block_grad_norm" in out and "list metrics" in out
     doc = json.loads(runner.invoke(app, ["runs", "show", "20261122-000000-aaaa03", "--json"]).output)
     assert doc["final_metrics"]["block_grad_norm.1"]["value"] == 10.0  # JSON keeps every block
+
+
+def test_a_long_list_wraps_in_order_and_any_indexed_metric_is_a_list():
+    from apr.cli.cmd_runs import _split_lists, list_metric_lines
+
+    final = {"loss": {"step": 5, "value": 2.0}, "eval.task.acc": {"step": 5, "value": 0.4}}
+    final.update({f"block_grad_norm.{i}": {"step": 5, "value": 0.5 + i / 100} for i in range(24)})
+    final.update({f"group_lr.{i}": {"step": 5, "value": 1e-3 * (i + 1)} for i in range(2)})
+    scalars, lists = _split_lists(final)
+    assert set(scalars) == {"loss", "eval.task.acc"} and list(lists) == ["block_grad_norm", "group_lr"]
+    lines = list_metric_lines(lists)
+    assert lines[0].startswith("  block_grad_norm  24 values at step 5: max 0.73 (#23), min 0.5 (#0)")
+    cells = " ".join(lines[1:4]).split()
+    assert cells[0::2] == [f"#{i}" for i in range(24)] and cells[-1] == "0.73"  # 8 a line, block order
+    assert lines[4].startswith("  group_lr  2 values")
