@@ -4,12 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=configs/train/demo-tiny.yaml
-OUT=demo-run
+OUT="${APR_DEMO_OUT:-demo-run}"
 export APR_HOME="${APR_HOME:-$PWD/$OUT/apr-home}"
 rm -rf "$OUT/run"
 mkdir -p "$OUT"
 
-step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+# Bold headings on a terminal only: a piped or logged run (make demo | tee log) gets plain text, and
+# NO_COLOR (https://no-color.org) turns them off anywhere. The apr commands follow the same rule.
+if [ -t 1 ] && [ -z "${NO_COLOR:-}" ]; then BOLD=$'\033[1m' PLAIN=$'\033[0m'; else BOLD='' PLAIN=''; fi
+step() { printf '\n%s==> %s%s\n' "$BOLD" "$*" "$PLAIN"; }
 
 step "1/6 Train a byte-level BPE tokenizer on the standard library's source"
 apr data train-tokenizer --builtin stdlib --vocab-size 2048 --overwrite --out "$OUT/tokenizer.json"
