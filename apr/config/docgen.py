@@ -85,19 +85,38 @@ def _default(field) -> str:
     return f"`{json.dumps(value)}`"
 
 
+def _sections_in(ann, listed: bool = False) -> list[tuple[type[BaseModel], bool]]:
+    """The sections a key's type holds, each with whether it is a list item (``str | list[DataSource]``
+    -> DataSource, listed; ``LoraConfig | None`` -> LoraConfig, a single optional section)."""
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [(ann, listed)]
+    origin = typing.get_origin(ann)
+    args = typing.get_args(ann)
+    if origin is typing.Annotated:
+        return _sections_in(args[0], listed)
+    return [found for a in args for found in _sections_in(a, listed or origin is list)]
+
+
 def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list):
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
         ann = field.annotation
-        inner = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+        inner = _sections_in(ann)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             sections.append((path, ann))
             out.append(f"| `{path}` | section | {_default(field)} | see below |")
             continue
-        if inner:
-            sections.append((path + "[]", inner[0]))
         desc = (field.description or "").replace("|", "\\|")
+        if inner:
+            model_cls, listed = inner[0]
+            sections.append((path + "[]" if listed else path, model_cls))
+            desc = (desc + " " if desc else "") + "See below."
         out.append(f"| `{path}` | {_type_name(ann)} | {_default(field)} | {desc} |")
+
+
+def _summary(doc: str) -> str:
+    """A class docstring's first paragraph, whole (its lines joined)."""
+    return " ".join(line.strip() for line in doc.strip().split("\n\n")[0].splitlines())
 
 
 def render_markdown() -> str:
@@ -108,7 +127,7 @@ def render_markdown() -> str:
         title = path or "top level"
         parts.append(f"\n## `{title}`\n")
         if model.__doc__ and model is not AprConfig:
-            parts.append(model.__doc__.strip().splitlines()[0] + "\n")
+            parts.append(_summary(model.__doc__) + "\n")
         parts.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
         rows: list[str] = []
         found: list = []

@@ -12,7 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_validator
 
-from apr.config.numbers import parse_bytes, parse_count
+from apr.config.numbers import MAX_COUNT, parse_bytes, parse_count
 
 # Experiment names and run ids: letters, digits, '.', '_' and '-'; starts with a letter or digit;
 # never '..'; at most 128 characters (they become folder names and SQL values, and are printed).
@@ -59,6 +59,42 @@ ByteSize = Annotated[
 ]
 
 
+# Numbers the trainer puts in float32 tensors, or the records in SQLite's signed 64-bit integers:
+# beyond these a value is a typo (``1e300``) that would turn into inf or lose the run's records.
+MAX_FLOAT = 3.4028234663852886e38  # float32's largest finite value
+MAX_SEED = 2**63 - 1  # SQLite INTEGER and JSON readers hold it exactly; torch.manual_seed takes it
+MAX_INDEX = 2**31 - 1  # block indices and thread counts torch takes as C ints
+
+
+def _number(value: object) -> object:
+    # pydantic would read `lr: true` as 1.0; a boolean where a number belongs is a mistake
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got a boolean ({str(value).lower()})")
+    if isinstance(value, (int, float)) and abs(value) > MAX_FLOAT and abs(value) != float("inf"):
+        raise ValueError(f"expected a number between -{MAX_FLOAT:.4g} and {MAX_FLOAT:.4g} (float32's range), "
+                         f"got {value!r}")
+    return value
+
+
+def _integer(value: object) -> object:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got a boolean ({str(value).lower()})")
+    return value
+
+
+def _seed(value: object) -> object:
+    _integer(value)
+    if isinstance(value, int) and not 0 <= value <= MAX_SEED:
+        raise ValueError(f"expected a seed from 0 to 2**63 - 1 ({MAX_SEED:,}: the run's records store it as a "
+                         f"signed 64-bit integer), got {value:,}")
+    return value
+
+
+Float = Annotated[float, BeforeValidator(_number)]
+Bool = Annotated[bool, Field(strict=True)]  # `shuffle: 1` or `"yes"` is not read as true
+BlockIndex = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=MAX_INDEX)]
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: `lr: 1e400`, `.inf`, `.nan` fail validate at their line (issue 24 item 14)
     model_config = ConfigDict(extra="forbid", validate_default=True, defer_build=True, allow_inf_nan=False)
@@ -84,10 +120,10 @@ class Architecture(_Section):
     vocab_size: PositiveCount = Field(
         le=2**32, description="Embedding rows and LM-head outputs (token ids are uint32, so at most 2**32).")
     max_position_embeddings: PositiveCount = Field(description="Longest sequence RoPE is built for.")
-    rms_norm_eps: float = Field(1.0e-5, gt=0, description="RMSNorm epsilon.")
-    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
-    tie_word_embeddings: bool = Field(False, description="Share the embedding matrix with the LM head.")
-    initializer_range: float = Field(0.02, gt=0, description="Std of the normal init of linear layers.")
+    rms_norm_eps: Float = Field(1.0e-5, gt=0, description="RMSNorm epsilon.")
+    rope_theta: Float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    tie_word_embeddings: Bool = Field(False, description="Share the embedding matrix with the LM head.")
+    initializer_range: Float = Field(0.02, gt=0, description="Std of the normal init of linear layers.")
 
     @property
     def kv_heads(self) -> int:
@@ -142,13 +178,13 @@ class LoraConfig(_Section):
     """Low-rank adapters (LoRA) on the blocks' linear layers; everything else is frozen."""
 
     rank: PositiveCount = Field(description="Rank r of each adapter (B @ A, A: r x in, B: out x r).")
-    alpha: float = Field(16.0, gt=0, description="Adapter scale numerator: scaling = alpha / rank "
+    alpha: Float = Field(16.0, gt=0, description="Adapter scale numerator: scaling = alpha / rank "
                          "(alpha / sqrt(rank) with rslora).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (training only).")
+    dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (training only).")
     targets: Annotated[str | list[str], BeforeValidator(_lora_targets)] = Field(
         "attention", description="Layers that get adapters: attention (q/k/v/o_proj), mlp (gate/up/down_proj), "
         "all, or a list of those names.")
-    rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski, 2023).")
+    rslora: Bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski, 2023).")
     trunk_dtype: TrunkDtype = Field(
         TrunkDtype.fp32, description="Storage of the frozen blocks' projection weights: fp32, or bf16 (half the "
         "frozen memory; needs mixed_precision bf16; export merges onto the bf16-rounded weights).")
@@ -236,7 +272,7 @@ class DataSource(_Section):
 
     name: SourceName = Field(description="The source's name: in stages' weights, records and the monitor.")
     path: str = Field(description="Folder (or file) of the source's pretokenized Parquet shards.")
-    weight: float = Field(1.0, ge=0, description="Share of the mixture (normalised over the sources; in "
+    weight: Float = Field(1.0, ge=0, description="Share of the mixture (normalised over the sources; in "
                           "data.weight_unit). Used when data.stages is not given.")
     val: str | None = Field(None, description="The source's own validation shards: val_loss/<name> is "
                             "recorded at every evaluation.")
@@ -248,8 +284,9 @@ class WeightUnit(StrEnum):
 
 
 def _stage_start(value: object) -> object:
-    if isinstance(value, bool):
-        raise ValueError(f"expected a step (integer) or a fraction of the run in [0, 1), got {value!r}")
+    if isinstance(value, bool) or (isinstance(value, int) and abs(value) > MAX_COUNT):
+        raise ValueError(f"expected a step (integer up to {MAX_COUNT:,}) or a fraction of the run in [0, 1), "
+                         f"got {value!r}")
     return value
 
 
@@ -260,7 +297,7 @@ class DataStage(_Section):
     start: Annotated[int | float, BeforeValidator(_stage_start)] = Field(
         0, description="First step of the stage: a step (integer) or a fraction of "
                                "the run in [0, 1) (floored to a step). The first stage starts at 0.")
-    weights: dict[str, float] = Field(description="Source name -> weight (in data.weight_unit); sources not "
+    weights: dict[str, Float] = Field(description="Source name -> weight (in data.weight_unit); sources not "
                                       "named get weight 0 in this stage.")
 
 
@@ -282,7 +319,7 @@ class DataConfig(_Section):
     stages: list[DataStage] | None = Field(
         None, description="Stages of the mixture, each with its own weights and start (step or fraction of the "
         "run). Default: one stage with the sources' weights.")
-    repeat: bool = Field(
+    repeat: Bool = Field(
         True, description="A mixture source read to its end starts its next epoch (true) or the plan refuses a "
         "run that would exhaust it (false).")
     val: str | None = Field(None, description="Folder (or file) of Parquet shards for validation.")
@@ -290,7 +327,7 @@ class DataConfig(_Section):
     seq_len: PositiveCount = Field(description="Tokens per training sequence (rows hold seq_len + 1).")
     tokenizer: str | None = Field(None, description="tokenizer.json (Hugging Face tokenizers format).")
     input_column: str = Field("input_ids", description="Parquet column holding list<uint32> token ids.")
-    shuffle: bool = Field(True, description="Shuffle rows each epoch (deterministically from the seed).")
+    shuffle: Bool = Field(True, description="Shuffle rows each epoch (deterministically from the seed).")
 
     @property
     def sources(self) -> list[DataSource] | None:
@@ -318,13 +355,13 @@ class OptimizerName(StrEnum):
 
 class OptimizerConfig(_Section):
     name: OptimizerName = Field(OptimizerName.adamw, description="Optimizer. Only adamw for now.")
-    lr: float = Field(3.0e-4, gt=0, description="Peak learning rate.")
-    min_lr: float | None = Field(None, ge=0, description="Floor of the schedule. Default: 10% of lr.")
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.95, ge=0, lt=1)
-    eps: float = Field(1.0e-8, gt=0)
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay (not applied to norms).")
-    decay_embeddings: bool = Field(False, description="Apply weight decay to the embedding matrix too.")
+    lr: Float = Field(3.0e-4, gt=0, description="Peak learning rate.")
+    min_lr: Float | None = Field(None, ge=0, description="Floor of the schedule. Default: 10% of lr.")
+    beta1: Float = Field(0.9, ge=0, lt=1)
+    beta2: Float = Field(0.95, ge=0, lt=1)
+    eps: Float = Field(1.0e-8, gt=0)
+    weight_decay: Float = Field(0.1, ge=0, description="Decoupled weight decay (not applied to norms).")
+    decay_embeddings: Bool = Field(False, description="Apply weight decay to the embedding matrix too.")
 
     @property
     def resolved_min_lr(self) -> float:
@@ -356,16 +393,16 @@ class AutotuneConfig(_Section):
 
     mode: AutotuneMode = Field(AutotuneMode.off, description="off; monitor (record spikes and plateaus of each "
                                "block's loss and what active mode would do); active (also lower that block's LR).")
-    spike_factor: float = Field(2.0, gt=1, description="A step whose block loss exceeds this x the block's loss "
+    spike_factor: Float = Field(2.0, gt=1, description="A step whose block loss exceeds this x the block's loss "
                                 "EMA is a spike.")
     plateau_patience: PositiveCount = Field(50, description="Steps of a block without a new best loss (by "
                                             "min_delta) before it is a plateau.")
-    min_delta: float = Field(0.01, ge=0, lt=1, description="A new best must be below best x (1 - min_delta).")
-    lr_decay: float = Field(0.5, gt=0, lt=1, description="active: the block's LR factor is multiplied by this "
+    min_delta: Float = Field(0.01, ge=0, lt=1, description="A new best must be below best x (1 - min_delta).")
+    lr_decay: Float = Field(0.5, gt=0, lt=1, description="active: the block's LR factor is multiplied by this "
                             "on a spike or a plateau.")
-    min_lr_factor: float = Field(0.01, gt=0, le=1, description="active: the block's LR factor never goes below "
+    min_lr_factor: Float = Field(0.01, gt=0, le=1, description="active: the block's LR factor never goes below "
                                  "this.")
-    ema_beta: float = Field(0.9, gt=0, lt=1, description="Decay of the block loss EMA.")
+    ema_beta: Float = Field(0.9, gt=0, lt=1, description="Decay of the block loss EMA.")
 
 
 class DistillConfig(_Section):
@@ -373,7 +410,7 @@ class DistillConfig(_Section):
 
     teacher: str = Field(description="The teacher: an apr checkpoint (.json, or a run folder: its newest) or a "
                          "local Hugging Face LLaMA folder (config.json + safetensors).")
-    block_map: list[list[int]] | None = Field(
+    block_map: list[list[BlockIndex]] | None = Field(
         None, description="Per student block, the teacher blocks [start, end) it learns to reproduce; they must "
         "cover the teacher's blocks in order. Default: teacher blocks split evenly (teacher depth a multiple "
         "of the student's).")
@@ -381,10 +418,10 @@ class DistillConfig(_Section):
         100, description="Phase 1 optimizer steps per student block (block 0 first). 0 skips phase 1.")
     block_loss: BlockLoss = Field(BlockLoss.mse, description="Phase 1 loss between the student block's output "
                                   "and the teacher's: mse, or cosine (1 - cosine similarity per position).")
-    temperature: float = Field(2.0, gt=0, description="Phase 2 softmax temperature of the KL to the teacher.")
-    kd_weight: float = Field(0.5, ge=0, le=1, description="Phase 2 loss = kd_weight x T^2 x KL(teacher || "
+    temperature: Float = Field(2.0, gt=0, description="Phase 2 softmax temperature of the KL to the teacher.")
+    kd_weight: Float = Field(0.5, ge=0, le=1, description="Phase 2 loss = kd_weight x T^2 x KL(teacher || "
                              "student) + (1 - kd_weight) x cross-entropy.")
-    init_from_teacher: bool = Field(True, description="Start the student from the teacher: its embedding, final "
+    init_from_teacher: Bool = Field(True, description="Start the student from the teacher: its embedding, final "
                                     "norm, head and, for each student block, the first teacher block it maps to.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
 
@@ -438,14 +475,14 @@ class ExecutionConfig(_Section):
     gradients: GradientsPolicy = Field(
         GradientsPolicy.auto, description="auto, kept (every group's gradient for the whole step: global "
         "clipping costs no extra walk) or workspace (one shared buffer of the largest group's size).")
-    compile: bool = Field(False, description="torch.compile each decoder block (needs a working compiler).")
+    compile: Bool = Field(False, description="torch.compile each decoder block (needs a working compiler).")
 
 
 class AdaGCConfig(_Section):
     """Adaptive per-tensor gradient clipping (clip_mode: adagc)."""
 
-    beta: float = Field(0.98, gt=0, lt=1, description="EMA decay of each tensor's clipped gradient norm.")
-    threshold: float = Field(1.05, gt=0, description="Clip a tensor's gradient to threshold x its norm EMA.")
+    beta: Float = Field(0.98, gt=0, lt=1, description="EMA decay of each tensor's clipped gradient norm.")
+    threshold: Float = Field(1.05, gt=0, description="Clip a tensor's gradient to threshold x its norm EMA.")
     warmup_steps: NonNegCount = Field(
         100, description="Steps clipping each tensor to grad_clip (absolute) while the EMAs settle.")
 
@@ -456,7 +493,7 @@ class EarlyStoppingConfig(_Section):
     patience: PositiveCount | None = Field(
         None, description="Validations in a row without an improvement of min_delta that end the run; "
         "null disables early stopping.")
-    min_delta: float = Field(0.0, ge=0, description="How much lower than the best so far a validation "
+    min_delta: Float = Field(0.0, ge=0, description="How much lower than the best so far a validation "
                              "loss must be to count as an improvement.")
 
 
@@ -464,10 +501,10 @@ class BadStepsConfig(_Section):
     """Skip an optimizer step whose loss or gradient norm is an outlier against the run's recent
     history (a z-score test; docs/training.md "Bad-step skipping")."""
 
-    loss_z: float | None = Field(
+    loss_z: Float | None = Field(
         None, gt=0, description="Skip a step whose loss is this many standard deviations above its running "
         "mean; null: no loss test.")
-    grad_norm_z: float | None = Field(
+    grad_norm_z: Float | None = Field(
         None, gt=0, description="Skip a step whose gradient norm is this many standard deviations above its "
         "running mean; null: no gradient-norm test (with one gradient workspace and no global clipping it "
         "adds a norm-only backward walk: the norm must be known before the first update).")
@@ -481,7 +518,7 @@ class RollbackConfig(_Section):
     """Roll back to the last good checkpoint on a loss spike that persists, skipping the spike's data
     (docs/training.md "Spike rollback")."""
 
-    threshold: float | None = Field(
+    threshold: Float | None = Field(
         None, gt=1, description="A step whose loss is above threshold x the EMA of the loss is a spike step; "
         "null disables rollback.")
     patience: PositiveCount = Field(3, description="Spike steps in a row that trigger a rollback.")
@@ -489,7 +526,7 @@ class RollbackConfig(_Section):
     min_history: PositiveCount = Field(20, description="Steps recorded before spikes are tested.")
     max_rollbacks: PositiveCount = Field(
         3, description="Rollbacks a run may make; the next persistent spike stops it (status failed).")
-    lr_factor: float = Field(
+    lr_factor: Float = Field(
         1.0, gt=0, le=1, description="After a rollback, multiply the learning rate by this for lr_steps steps.")
     lr_steps: NonNegCount = Field(0, description="Steps the lowered learning rate lasts after a rollback.")
 
@@ -528,14 +565,14 @@ class TrainingConfig(_Section):
     )
     warmup_steps: NonNegCount = Field(0, description="Linear warmup from 0 to lr.")
     lr_scheduler: LRScheduler = Field(LRScheduler.cosine, description="Shape after warmup.")
-    decay_fraction: float = Field(
+    decay_fraction: Float = Field(
         0.2, gt=0, le=1, description="wsd only: the final fraction of steps spent decaying to min_lr."
     )
     decay_stage: str | None = Field(
         None, description="wsd only: start the decay where this data stage (data.stages[].name) starts, "
         "instead of decay_fraction.")
     gradient_accumulation: PositiveCount = Field(1, description="Micro-batches per optimizer step.")
-    grad_clip: float | None = Field(1.0, gt=0, description="Clip gradients to this norm; null disables.")
+    grad_clip: Float | None = Field(1.0, gt=0, description="Clip gradients to this norm; null disables.")
     clip_mode: ClipMode = Field(
         ClipMode.global_norm,
         description="global: exact global-norm clipping (one extra backward walk in the interleaved "
@@ -548,7 +585,7 @@ class TrainingConfig(_Section):
     output_dir: str = Field("checkpoints/run", description="Run directory: checkpoints and records.")
     save_interval: PositiveCount = Field(1000, description="Checkpoint every N optimizer steps.")
     keep_last: PositiveCount = Field(1, description="Step checkpoints kept besides the best one.")
-    checkpoint_async: bool = Field(
+    checkpoint_async: Bool = Field(
         True, description="Write checkpoints on a background thread: training waits only for a copy of the state "
         "in host memory (one at a time); false writes them before the next step.")
     log_interval: PositiveCount = Field(10, description="Log and record metrics every N steps.")
@@ -557,29 +594,30 @@ class TrainingConfig(_Section):
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
     bad_steps: BadStepsConfig = Field(default_factory=BadStepsConfig)
     rollback: RollbackConfig = Field(default_factory=RollbackConfig)
-    seed: int = Field(42, ge=0, le=2**64 - 1,
-                      description="Seed of init, data order and dropout-free RNG use (0 to 2**64 - 1).")
+    seed: Annotated[int, BeforeValidator(_seed)] = Field(
+        42, ge=0, le=MAX_SEED, description="Seed of init, data order and dropout-free RNG use (0 to 2**63 - 1).")
     engine: Engine = Field(Engine.interleaved, description="interleaved (per-block backward+AdamW) or standard.")
     kernels: KernelBackend = Field(KernelBackend.auto, description="Fused-op backend: auto, cupy or torch.")
     device: Device = Field(Device.auto, description="Where to train: auto picks cuda when available.")
     cpu_threads: PositiveCount | None = Field(
-        None, description="torch intra-op CPU threads per process; null: the usable cores / ranks per node "
+        None, le=4096, description="torch intra-op CPU threads per process; null: the usable cores / ranks per node "
         "(APR_CPU_THREADS overrides; docs/performance.md, \"CPU threads\").")
     loss_chunk_size: PositiveCount = Field(
         256, description="Sequence positions per LM-head/cross-entropy chunk (full logits never exist)."
     )
-    world_size: PositiveCount = Field(1, description="Data-parallel processes (torchrun sets this at run time).")
+    world_size: PositiveCount = Field(
+        1, le=MAX_INDEX, description="Data-parallel processes (torchrun sets this at run time).")
     sharding: Sharding = Field(
         Sharding.none, description="Under torchrun: none (every rank holds everything, gradients all-reduced), "
         "shard_grad_op (gradients and AdamW moments sharded, ZeRO-2) or full (weights too, gathered per block "
         "for its forward and backward, ZeRO-3) or hybrid (full sharding within a node, replicas across nodes), "
         "on torch FSDP2, per decoder block, for either engine.")
     nodes: PositiveCount = Field(
-        1, description="Nodes the ranks run on (the plan's per-rank memory under sharding: hybrid shards over "
-        "world_size / nodes ranks). At run time torchrun's LOCAL_WORLD_SIZE decides.")
+        1, le=MAX_INDEX, description="Nodes the ranks run on (the plan's per-rank memory under sharding: hybrid "
+        "shards over world_size / nodes ranks). At run time torchrun's LOCAL_WORLD_SIZE decides.")
     gpu: str | None = Field(None, description="Target GPU for the plan's memory and time budget (e.g. h100).")
     vram: ByteSize = Field(None, description="Target VRAM for the plan, e.g. 24GiB (overrides gpu's).")
-    price_per_gpu_hour: float | None = Field(
+    price_per_gpu_hour: Float | None = Field(
         None, gt=0, strict=True,
         description="Price of one GPU for one hour (any currency): the plan's cost estimate and the live "
                     "cost in training_state.json, `apr runs show` and the monitor. `apr train plan --price` "
@@ -623,11 +661,11 @@ class ChartConfig(_Section):
     window: PositiveCount | None = Field(
         None, description="Smoothing window (EMA span in steps). Default: from the run's length, "
                           "total_steps / 50 between 1 and 100, so a short run's curve does not lag.")
-    show_eta: bool = True
+    show_eta: Bool = True
 
 
 class TerminalConfig(_Section):
-    enabled: bool = Field(True, description="Draw the progress bar of `apr train apply` on a terminal (the "
+    enabled: Bool = Field(True, description="Draw the progress bar of `apr train apply` on a terminal (the "
                           "step lines print either way).")
     refresh_rate: PositiveCount = Field(1000, description="Dashboard refresh period in ms.")
     metrics: list[StepLineMetric] = Field(
@@ -642,7 +680,7 @@ class TrackingBackend(StrEnum):
 
 
 class TrackingConfig(_Section):
-    enabled: bool = True
+    enabled: Bool = True
     backend: TrackingBackend = TrackingBackend.sqlite
     experiment: ExperimentName = Field(
         None, description="Experiment name (1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit, no "
@@ -652,7 +690,7 @@ class TrackingConfig(_Section):
 
 
 class SystemConfig(_Section):
-    enabled: bool = True
+    enabled: Bool = True
     interval: PositiveCount = Field(5000, description="GPU telemetry period in ms.")
     metrics: list[SystemMetric] = Field(
         default_factory=lambda: [SystemMetric.gpu_utilization, SystemMetric.memory, SystemMetric.temperature,
@@ -703,7 +741,7 @@ class MonitoringConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     system: SystemConfig = Field(default_factory=SystemConfig)
     alerts: list[AlertConfig] = Field(default_factory=list)
-    block_norms: bool = Field(True, description="Record each block's gradient and update norm (and the "
+    block_norms: Bool = Field(True, description="Record each block's gradient and update norm (and the "
                               "embedding's and head's) at every log step: block_grad_norm, block_update_norm, ... "
                               "in the stores, training_state.json, alert conditions and the monitor (docs/monitor.md).")
     drift_after_steps: NonNegCount = Field(

@@ -118,45 +118,14 @@ def _mixture_findings(loaded: LoadedConfig) -> list[Finding]:
     return mixture_config_findings(loaded)
 
 
-def _distill_finding(loaded: LoadedConfig, key: tuple, message: str, expected: str | None = None,
-                     got: str | None = None, severity: str = "error") -> Finding:
-    file, line, column = loaded.source.where(key)
-    if line is None:
-        file, line, column = loaded.source.where(key[:2])
-    return Finding(severity, "config.distill", message, path=".".join(key), file=file, line=line, column=column,
-                   expected=expected, got=got)
+def _distill_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``apr.plan.distillfacts.distill_config_findings`` where the config names distillation at all."""
+    tr = loaded.config.training
+    if str(tr.mode) != "distill" and tr.distill is None:
+        return []
+    from apr.plan.distillfacts import distill_config_findings  # lazy: the plan's facts, only for distillation
 
-
-def distill_config_findings(loaded: LoadedConfig) -> list[Finding]:
-    """``training.mode: distill`` and the ``training.distill`` section go together; distillation runs
-    on the standard engine and refuses fp16, AdaGC, LoRA, stacking and init_from (validate and plan;
-    the teacher itself is checked by the plan, apr/plan/distillfacts.py)."""
-    c = loaded.config
-    tr = c.training
-    out: list[Finding] = []
-    if str(tr.mode) != "distill":
-        if tr.distill is not None:
-            out.append(_distill_finding(loaded, ("training", "distill"), "training.distill is set but training.mode "
-                                        f"is {tr.mode}", "mode: distill", str(tr.mode)))
-        return out
-    if tr.distill is None:
-        return [_distill_finding(loaded, ("training", "mode"), "training.mode distill needs a training.distill "
-                                 "section (at least its teacher)", "training.distill.teacher", "none")]
-    checks = [
-        (str(tr.mixed_precision) == "fp16", ("training", "mixed_precision"), "distillation supports fp32 and bf16",
-         "fp32 or bf16", "fp16"),
-        (str(tr.clip_mode) == "adagc", ("training", "clip_mode"), "distillation clips globally or per block",
-         "global or per_block", "adagc"),
-        (c.model.lora is not None, ("model", "lora"), "distillation trains the whole student; LoRA is not "
-         "supported with it", "no lora", "lora set"),
-        (c.model.stacking is not None, ("model", "stacking"), "distillation and progressive stacking cannot be "
-         "combined", "no stacking", "stacking set"),
-        (c.model.init_from is not None, ("model", "init_from"), "the student starts from the teacher "
-         "(init_from_teacher) or at random, not from model.init_from", "no init_from", "init_from set"),
-    ]
-    out += [_distill_finding(loaded, key, message, expected, got) for bad, key, message, expected, got in checks
-            if bad]
-    return out
+    return distill_config_findings(loaded)
 
 
 def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
@@ -387,6 +356,6 @@ _CHECKS: tuple = (
     (lambda loaded: survival_findings(loaded, loaded.config.training.max_steps), (("training",),)),
     (lambda loaded: stacking_findings(loaded, loaded.config.training.max_steps),
      (("model",), ("training", "max_steps"))),
-    (distill_config_findings, (("training",), ("model",))),
+    (_distill_findings, (("training",), ("model",))),
     (sharding_findings, (("training",), ("model",), ("evaluation",))),
 )
