@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
                                       help="A config YAML, or a plan file saved with `apr train plan -out`."),
         settings: list[str] | None = typer.Argument(
             None, metavar="KEY=VALUE", show_default=False,
-            help="Override config keys for this run (training.lr=1e-3); recorded, and needed again to resume."),
+            help="Override config keys for this run (optimizer.lr=1e-3); recorded, and needed again to resume."),
         seed: int | None = typer.Option(None, "--seed", help="Override training.seed."),
         device: DeviceChoice | None = typer.Option(None, "--device", help="Override training.device."),
         max_steps: int | None = typer.Option(None, "--max-steps", min=1, help="Override training.max_steps."),

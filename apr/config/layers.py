@@ -35,7 +35,7 @@ class Layers:
     command-line settings, plus the origin of every key path."""
 
     files: list[str] = field(default_factory=list)
-    settings: dict[str, Any] = field(default_factory=dict)  # "training.lr" -> parsed value
+    settings: dict[str, Any] = field(default_factory=dict)  # "optimizer.lr" -> parsed value
     origin: dict[tuple, str] = field(default_factory=dict)  # key path -> file, or COMMAND_LINE
     base_values: dict[tuple, Any] = field(default_factory=dict)  # leaves the file or the command line replaced
 
@@ -160,7 +160,7 @@ def _exists(p: Path) -> bool:
 
 
 def parse_settings(settings: list[str]) -> dict[str, Any]:
-    """``["training.lr=1e-3", "data.val=null"]`` -> ``{"training.lr": 0.001, "data.val": None}``; values
+    """``["optimizer.lr=1e-3", "data.val=null"]`` -> ``{"optimizer.lr": 0.001, "data.val": None}``; values
     are read as YAML (numbers, booleans, null, flow lists and mappings), so they are typed as in a file."""
     from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
