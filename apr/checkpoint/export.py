@@ -28,7 +28,7 @@ from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest,
 from apr.checkpoint.names import is_optimizer_state
 from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
-from apr.fsutil import fsync_dir
+from apr.fsutil import check_output_folder, fsync_dir
 from apr.readers import read_text
 from apr.steps import stacking
 
@@ -168,18 +168,26 @@ def _read_weights(checkpoint: str | os.PathLike, warnings: list[str]):
 
 
 def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
-              overwrite: bool = False, fmt: str = "hf") -> ExportResult:
+              overwrite: bool = False, fmt: str = "hf", base: str | os.PathLike | None = None) -> ExportResult:
     """Export a checkpoint (.json, .safetensors, or a run directory meaning its latest good one) as a
     Hugging Face Llama folder at ``out``. ``tokenizer`` overrides the config's ``data.tokenizer``.
 
     A LoRA checkpoint (adapters only) is merged into its base (``model.init_from``, checked against
     the SHA-256 the checkpoint recorded); ``fmt="peft"`` writes the adapters as a PEFT folder instead
     (adapter_config.json + adapter_model.safetensors) that ``peft.PeftModel.from_pretrained`` loads
-    onto the base."""
+    onto the base, with the base itself exported as a Hugging Face folder in ``out/base/`` unless
+    ``base`` names one (``--base HF_DIR``); ``base_model_name_or_path`` is that folder's absolute path.
+    OSErrors while writing (a read-only folder, a full disk, EFBIG) become an AprError naming ``--out``;
+    ``out`` is left as it was."""
 
     out = Path(out)
     warnings: list[str] = []
     # The output is checked before the checkpoint is read: a refusal is instant at any model size.
+    check_output_folder(out, inputs=[checkpoint], option="--out")
+    if base is not None and fmt != "peft":
+        raise AprError("--base is for --format peft (the folder the adapters load onto)", [Finding(
+            "error", "export.base_option", "--base given without --format peft", path="--base",
+            expected="--format peft", got=f"--format {fmt}")])
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if overwrite and not _is_previous_export(out):
             raise AprError(
@@ -203,7 +211,7 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     config = stacking.config_at(config, info.step)  # progressive stacking: the depth at that step
     arch = config.model.architecture
     if fmt == "peft":
-        return _export_peft(state, info, config, out)
+        return _export_peft(state, info, config, out, tokenizer=tokenizer, base_dir=base, warnings=warnings)
     weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
     if config.model.lora is not None:
         weights = merged_weights(weights, info, config)
@@ -218,7 +226,6 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     major = installed_transformers_major()
     cfg_doc, rope_form = hf_config(arch, specials, major)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     del state
     _write_atomically(out, lambda tmp: _write_export(tmp, weights, info, cfg_doc, tok_path, specials, arch))
     return ExportResult(out_dir=out, step=info.step, checkpoint=info.json_path,
@@ -261,7 +268,39 @@ def merged_weights(adapters: dict, info: CheckpointInfo, config) -> dict:
 PEFT_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 
 
-def _export_peft(state, info: CheckpointInfo, config, out: Path) -> ExportResult:
+PEFT_BASE = "base"  # the base model, exported beside the adapters, inside the PEFT folder
+
+
+def _given_base(base_dir: str | os.PathLike, base: str, info: CheckpointInfo, config) -> Path:
+    """``--base HF_DIR``: a Hugging Face LLaMA folder of the config's architecture holding the very
+    weights the adapters were trained on (same file digest, or equal tensors), else AprError."""
+    import torch
+
+    from apr.checkpoint.hf_import import check_source
+
+    arch = config.model.architecture
+    given = Path(base_dir).expanduser()
+    src = check_source(str(given), arch) if given.exists() else None
+    if src is None or src.kind != "hf" or src.findings:
+        why = (src.findings[0].message if src is not None and src.findings else
+               f"{given} is not a Hugging Face folder (config.json + model.safetensors)")
+        raise AprError(f"--base {given}: {why}", [Finding(
+            "error", "export.base_invalid", why, path="--base", file=str(given),
+            expected="a Hugging Face LLaMA folder of the adapters' base", got=str(given))])
+    recorded = ((info.doc.get("engine") or {}).get("base") or {}).get("sha256")
+    if source_digest(str(given), arch) != recorded:
+        ours, theirs = load_source_weights(base, arch), load_source_weights(str(given), arch)
+        differ = sorted(n for n in ours if n not in theirs or not torch.equal(ours[n], theirs[n]))
+        if differ:
+            raise AprError(f"--base {given} holds other weights than the adapters' base {base} ({differ[0]} "
+                           "differs)", [Finding("error", "export.base_changed", "other base weights",
+                                                path="--base", file=str(given), expected=f"the weights of {base}",
+                                                got=f"{differ[0]} differs")])
+    return given.resolve()
+
+
+def _export_peft(state, info: CheckpointInfo, config, out: Path, *, tokenizer=None, base_dir=None,
+                 warnings: list[str]) -> ExportResult:
     from apr.model.lora import peft_config, peft_name
 
     if config.model.lora is None:
@@ -269,8 +308,28 @@ def _export_peft(state, info: CheckpointInfo, config, out: Path) -> ExportResult
                        "(use --format hf)", [Finding("error", "export.not_lora", "no adapters to export",
                                                      path="model.lora", file=str(info.json_path))])
     base = _checked_base(info, config)
+    arch = config.model.architecture
     adapters = {peft_name(k): v for k, v in state.tensors.items() if not is_optimizer_state(k)}
-    doc = peft_config(config.model.architecture, config.model.lora, base)
+    write_base = None
+    if base_dir is not None:
+        base_ref = _given_base(base_dir, base, info, config)
+    else:
+        # the base as a Hugging Face folder inside the export: transformers cannot load an apr run folder
+        base_ref = Path(os.path.abspath(out)) / PEFT_BASE
+        weights = load_source_weights(base, arch)
+        if tokenizer is None and config.data.tokenizer is None and (Path(base) / "tokenizer.json").is_file():
+            tokenizer = Path(base) / "tokenizer.json"
+        try:
+            tok_path = _resolve_tokenizer(tokenizer, config, info)
+            specials = _special_tokens(tok_path, arch.vocab_size)
+        except AprError as err:
+            if tokenizer is not None:  # a tokenizer the user named must be usable
+                raise
+            tok_path, specials = None, {"eos": None, "bos": None, "pad": None, "unk": None}
+            warnings.append(f"the base is exported without a tokenizer ({err.message})")
+        cfg_doc, _ = hf_config(arch, specials, installed_transformers_major())
+        write_base = (weights, cfg_doc, tok_path, specials)
+    doc = peft_config(arch, config.model.lora, str(base_ref))
 
     def write(tmp: Path) -> None:
         files.write_safetensors(tmp / "adapter_model.safetensors", adapters, metadata={
@@ -278,16 +337,32 @@ def _export_peft(state, info: CheckpointInfo, config, out: Path) -> ExportResult
         _write_json(tmp / "adapter_config.json", doc)
         with open(tmp / "adapter_config.json", "rb") as f:
             os.fsync(f.fileno())
+        if write_base is not None:
+            weights, cfg_doc, tok_path, specials = write_base
+            (tmp / PEFT_BASE).mkdir()
+            _write_export(tmp / PEFT_BASE, weights, info, cfg_doc, tok_path, specials, arch)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     _write_atomically(out, write)
     return ExportResult(out_dir=out, step=info.step, checkpoint=info.json_path,
                         files=sorted(p.name for p in out.iterdir()), eos_token=None, tokenizer=None,
-                        rope_form="", base=Path(base))
+                        rope_form="", warnings=warnings, base=base_ref)
 
 
 def _write_atomically(out: Path, write) -> None:
-    """``write(tmp)`` fills a temp folder beside ``out``, which then replaces ``out`` by renames."""
+    """``write(tmp)`` fills a temp folder beside ``out``, which then replaces ``out`` by renames. An
+    OSError (read-only folder, full disk, file too large) is an AprError naming ``--out``; the temp
+    folder is removed and ``out`` left as it was."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically_unchecked(out, write)
+    except OSError as err:
+        message = f"cannot write the export to --out {out}: {err.strerror or err}; nothing was replaced"
+        raise AprError(message, [Finding("error", "export.write_failed", message, path="--out", file=str(out),
+                                         expected="a folder apr can write", got=err.strerror or str(err))]
+                       ) from None
+
+
+def _write_atomically_unchecked(out: Path, write) -> None:
     _remove_leftovers(out)
     tmp = _temp_name(out, os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
@@ -362,8 +437,9 @@ def _write_export(tmp: Path, weights: dict, info, cfg_doc: dict, tok_path: Path,
     if "transformers_version" in cfg_doc:
         gen["transformers_version"] = cfg_doc["transformers_version"]
     _write_json(tmp / "generation_config.json", gen)
-    shutil.copyfile(tok_path, tmp / "tokenizer.json")
-    _write_json(tmp / "tokenizer_config.json", tokenizer_config(specials, arch.max_position_embeddings))
+    if tok_path is not None:  # a PEFT export's base may have none: the model loads without it
+        shutil.copyfile(tok_path, tmp / "tokenizer.json")
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(specials, arch.max_position_embeddings))
     for p in tmp.iterdir():
         with open(p, "rb") as f:
             os.fsync(f.fileno())
@@ -384,6 +460,11 @@ def _is_previous_export(out: Path) -> bool:
         return False
     entries = list(out.iterdir())
     names = {p.name for p in entries}
+    if names == PEFT_FILES | {PEFT_BASE}:  # a PEFT export with its base inside
+        entries = [p for p in entries if p.name != PEFT_BASE]
+        names = PEFT_FILES
+        if not _is_previous_export(out / PEFT_BASE) or (out / PEFT_BASE).is_symlink():
+            return False
     return (({"config.json", "model.safetensors"} <= names and names <= EXPORT_FILES
              or names == PEFT_FILES) and all(p.is_file() and not p.is_symlink() for p in entries))
 

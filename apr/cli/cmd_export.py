@@ -28,18 +28,28 @@ def register(app: typer.Typer) -> None:
             None, "--tokenizer", help="tokenizer.json to ship (default: the config's data.tokenizer)."),
         overwrite: bool = typer.Option(
             False, "--overwrite", help="Replace an earlier export in --out (only if it holds nothing else)."),
+        base: Path | None = typer.Option(
+            None, "--base", metavar="HF_DIR", show_default=False,
+            help="--format peft: a Hugging Face folder of the adapters' base weights to point at (default: "
+                 "the base is exported into DIR/base)."),
     ) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
 
-        result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite, fmt=fmt.value)
+        result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite, fmt=fmt.value, base=base)
         for w in result.warnings:
             typer.echo(f"warning: {w}", err=True)
         typer.echo(f"exported {result.checkpoint.name} (step {result.step}) to {result.out_dir}")
         if fmt == ExportFormat.peft:
+            adapters = str(result.out_dir.absolute())
             typer.echo(f"  files: {', '.join(result.files)}")
-            typer.echo(f"  load with: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
-                       f"{str(result.base)!r}), {str(result.out_dir)!r})")
+            typer.echo(f"  base: {result.base} ({'--base' if base is not None else 'exported with the adapters'}; "
+                       "adapter_config.json names it by this absolute path)")
+            typer.echo("  load with: from transformers import AutoModelForCausalLM; from peft import PeftModel; "
+                       f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(result.base)!r}), "
+                       f"{adapters!r})")
+            typer.echo(f"  or: from peft import AutoPeftModelForCausalLM; "
+                       f"model = AutoPeftModelForCausalLM.from_pretrained({adapters!r})")
             return
         typer.echo(f"  files: {', '.join(result.files)}")
         typer.echo(f"  eos token: {result.eos_token or '(none)'}; RoPE as {result.rope_form}")

@@ -202,7 +202,7 @@ def test_export_merges_and_peft_loads_the_adapters_with_the_same_logits(root, tm
     export_hf(root / "base", tmp_path / "base-hf", tokenizer=tok)
     export_hf(root / "lora3", tmp_path / "adapter", fmt="peft")
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
-                                                                     "adapter_model.safetensors"]
+                                                                     "adapter_model.safetensors", "base"]
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf")
     model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
