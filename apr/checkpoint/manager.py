@@ -503,6 +503,59 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
 # ------------------------------------------------------------------------------------ manager
 
 
+def checkpoint_run_id(json_path: str | os.PathLike) -> str | None:
+    """The run id a checkpoint's JSON records (``run_id``, written by the trainer), or None when the
+    file is unreadable or older than run ids."""
+    try:
+        doc = load_json(json_path, "checkpoint", "checkpoint")
+    except AprError:
+        return None
+    value = doc.get("run_id") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def folder_run_ids(run_dir: str | os.PathLike) -> dict[str, list[str]]:
+    """Run id -> checkpoint JSON names in ``run_dir`` (step checkpoints and checkpoint-best) that
+    record it: which runs' checkpoints a folder holds. Files without a run id are not counted."""
+    run_dir = Path(run_dir)
+    out: dict[str, list[str]] = {}
+    jsons = [e.json_path for e in scan(run_dir) if e.json_path.exists()]
+    best = run_dir / f"{files.BEST_STEM}.json"
+    if best.exists():
+        jsons.append(best)
+    for j in jsons:
+        rid = checkpoint_run_id(j)
+        if rid is not None:
+            out.setdefault(rid, []).append(j.name)
+    return out
+
+
+class OtherRunError(CheckpointError):
+    """A resume would write one run's checkpoints into a folder holding another run's."""
+
+
+def refuse_other_runs(output_dir: str | os.PathLike, json_path: str | os.PathLike,
+                      allow: bool = False) -> None:
+    """Resuming from ``json_path`` into ``output_dir``: refuse (unless ``allow``, the explicit
+    ``--allow-other-run``) when the folder holds checkpoints of a run other than the checkpoint's.
+    Saving there would replace that run's ``checkpoint-best`` and mix two timelines in one folder."""
+    mine = checkpoint_run_id(json_path)
+    if mine is None or allow:
+        return
+    others = {rid: names for rid, names in folder_run_ids(output_dir).items() if rid != mine}
+    if not others:
+        return
+    rid, names = sorted(others.items())[0]
+    shown = ", ".join(sorted(names)[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+    message = (f"{output_dir} holds checkpoints of run {rid} ({shown}), but the checkpoint to resume, "
+               f"{json_path}, is of run {mine}: resuming would write its checkpoints (and checkpoint-best) "
+               "over that run's folder. Choose another training.output_dir, move those files away, or pass "
+               "--allow-other-run to resume into it anyway (the other run's step checkpoints are never pruned)")
+    raise OtherRunError(message, Path(json_path), "other_run", findings=[Finding(
+        "error", "resume.other_run", message, path="training.output_dir", file=str(json_path),
+        expected=f"an output folder holding only run {mine}'s checkpoints", got=f"checkpoints of run {rid}")])
+
+
 class CheckpointManager:
     """Writes a run's checkpoints, keeps the latest ``keep_last`` plus the best, and loads them back.
 
@@ -527,6 +580,7 @@ class CheckpointManager:
         # Recorded as the stored doc's own hash, which readers check it against (sidecar.check_head);
         # a caller's ``config_hash`` (of the config as loaded, before run-time resolution) is not used.
         self.config_hash = config_doc_hash(self.config_doc)
+        self.allow_other_run = False  # --allow-other-run: resume into a folder holding another run's checkpoints
         self.keep_last = int(keep_last if keep_last is not None else default_keep)
         if self.keep_last < 1:
             raise ValueError("keep_last must be at least 1")
@@ -723,11 +777,18 @@ class CheckpointManager:
         ones before it; also incomplete pairs, pairs from later steps (a timeline abandoned by resuming
         from an earlier checkpoint) and temp files of interrupted saves. JSON goes first, so a pair
         being deleted never looks complete. Returns the deleted paths."""
-        keep = {keep_step}
-        older = [e for e in scan(self.output_dir) if e.complete and e.step < keep_step]
+        mine = checkpoint_run_id(self.step_paths(keep_step)[0])
+        entries = scan(self.output_dir)
+        runs = {e.step: checkpoint_run_id(e.json_path) if e.json_path.exists() else None for e in entries}
+        # another run's checkpoints (a folder shared with --allow-other-run) are never deleted, nor
+        # counted in keep_last; while any is there, a pair that names no run is left alone too
+        foreign = {step for step, rid in runs.items() if mine is not None and rid is not None and rid != mine}
+        unattributed = {step for step, rid in runs.items() if rid is None} if foreign else set()
+        keep = {keep_step} | foreign | unattributed
+        older = [e for e in entries if e.complete and e.step < keep_step and e.step not in foreign]
         keep.update(e.step for e in older[: self.keep_last - 1])
         deleted = []
-        for entry in scan(self.output_dir):
+        for entry in entries:
             if entry.step in keep:
                 continue
             for p in (entry.json_path, entry.weights_path, *entry.parts):
@@ -767,4 +828,5 @@ class CheckpointManager:
             else:
                 state = read_checkpoint(path, self.config, **kw)
         assert state.info is not None
+        refuse_other_runs(self.output_dir, state.info.json_path, allow=self.allow_other_run)
         return state, state.info.json_path

@@ -7,7 +7,8 @@ when the process ends, however it ends, so a
 ``kill -9`` never leaves a stale lock; the file itself stays (removing it would let two writers
 lock two different files). It holds the holder's pid, host and start time, which a refused second
 writer names. ``refuse_foreign_files`` keeps a fresh run out of a folder holding another run's
-checkpoints, or a ``config.yaml`` that apr did not write. docs/training.md, "The output folder".
+checkpoints; ``refuse_user_records`` keeps any run off a ``config.yaml``, ``training_state.json``,
+``plan.json`` or lock file that apr did not write. docs/training.md, "The output folder".
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ class OutputDirLock:
             f.close()
             raise
         f.seek(0)
+        previous = f.read(4097)
+        if previous.strip() and not _is_lock_record(previous):
+            f.close()  # a file of the user's under the lock's name: never truncated
+            raise _in_use(f"{self.path} is not a lock apr wrote; apr will not overwrite it", config_path,
+                          "apply.output_dir_record", f"move {LOCK_FILE} out of the output directory, or "
+                          "choose another training.output_dir")
+        f.seek(0)
         f.truncate()
         f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}) + "\n")
         f.flush()
@@ -81,6 +89,14 @@ class OutputDirLock:
                 self._file.close()  # closing the descriptor drops the flock
             finally:
                 self._file = None
+
+
+def _is_lock_record(text: str) -> bool:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and {"pid", "host", "since"} <= set(doc)
 
 
 def _describe(text: str) -> str:
@@ -110,9 +126,58 @@ def refuse_foreign_files(run_dir: Path, config_path: Path) -> None:
     refuse_user_config(run_dir, config_path)
 
 
-def refuse_user_config(run_dir: Path, config_path: Path) -> None:
+def _apr_json(path: Path, kind: str, check) -> bool:
+    """Whether ``path`` is a regular JSON file (bounded read) that ``check(doc)`` recognises as apr's."""
+    from apr.readers import load_json
+
+    try:
+        return bool(check(load_json(path, kind, "record")))
+    except AprError:
+        return False
+
+
+def _is_state(doc) -> bool:
+    return isinstance(doc, dict) and isinstance(doc.get("schema_version"), int) and "run_id" in doc
+
+
+def _is_plan(doc) -> bool:
+    from apr.plan.build import PLAN_FORMAT
+
+    return isinstance(doc, dict) and doc.get("format") == PLAN_FORMAT
+
+
+# Record files apr writes into an output folder, and how apr recognises its own: a file of that
+# name that apr did not write is the user's, and is never overwritten.
+RECORD_FILES = {
+    "training_state.json": lambda p: _apr_json(p, "state", _is_state),
+    "plan.json": lambda p: _apr_json(p, "plan", _is_plan),
+}
+
+
+def refuse_user_records(run_dir: Path, config_path: Path) -> None:
+    """Refuse a run (fresh or resumed) whose output folder holds a file named like one of apr's
+    records (``training_state.json``, ``plan.json``, ``config.yaml``) that apr did not write, or
+    something that is not a regular file under that name (a folder, a FIFO, a symlink)."""
+    for name, is_apr in RECORD_FILES.items():
+        target = run_dir / name
+        if not os.path.lexists(target):
+            continue
+        if target.is_file() and not target.is_symlink() and is_apr(target):
+            continue
+        raise _in_use(
+            f"{target} is not a record apr wrote; apr records a run's {name} under that name and will not "
+            "overwrite yours", config_path, "apply.output_dir_record",
+            f"move {name} out of the output directory, or choose another training.output_dir")
+    refuse_user_config(run_dir, config_path, records=False)
+
+
+def refuse_user_config(run_dir: Path, config_path: Path, records: bool = True) -> None:
     """apr writes the resolved config to ``<output_dir>/config.yaml``; refuse if a file of that name is
-    there that apr did not write (its first line is not apr's header)."""
+    there that apr did not write (its first line is not apr's header). With ``records`` (the default)
+    every other record file is checked too (:func:`refuse_user_records`)."""
+    if records:
+        refuse_user_records(run_dir, config_path)
+        return
     target = run_dir / RESOLVED_CONFIG
     if not target.exists() and not target.is_symlink():
         return
