@@ -489,9 +489,10 @@ class SinkWorker:
     """One tracker on its own daemon thread: ``open_tracker()`` runs there, then the params and the
     metric batches handed to ``submit``, in order. The caller never waits on the tracker (it only
     takes a lock briefly). ``warn(message)`` is called once per kind of trouble, the sink's label
-    first: the tracker raised (it is closed and takes no more rows), a call has not returned within
-    its bound (``limits``: seconds to open, seconds per other call; its rows wait), the queue
-    overflowed (the oldest batches are dropped), or it was left behind at the end of the run."""
+    first, for the first trouble only: the tracker raised (it is closed and takes no more rows), a
+    call has not returned within its bound (``limits``: seconds to open, seconds per other call; its
+    rows wait), the queue overflowed (the oldest batches are dropped), or it was left behind at the
+    end of the run."""
 
     def __init__(self, label: str, open_tracker: Callable[[], Any], warn: Callable[[str], None],
                  params: dict[str, Any] | None = None, limits: tuple[float, float] = LOCAL_STALL_S):
@@ -573,11 +574,13 @@ class SinkWorker:
         if not self._stalled_locked():
             return []
         return self._once("stall", f"no answer for {self._busy_limit:g} s while {self._busy_what}; training "
-                                   f"continues and its rows wait (up to {QUEUE_BATCHES} batches)")
+                                   f"continues without waiting for it (its rows wait, up to {QUEUE_BATCHES} "
+                                   "batches, and are dropped if it has not answered when the run ends)")
 
     def _once(self, kind: str, text: str) -> list[str]:
-        """The warning text the first time this kind of trouble happens (caller holds the lock)."""
-        if kind in self._warned:
+        """The warning text of this sink's first trouble; later ones (a stall that ends in a failure,
+        a queue that overflows because it stalled) are not repeated (caller holds the lock)."""
+        if self._warned:
             return []
         self._warned.add(kind)
         return [f"{self.label} sink: {text}"]

@@ -128,6 +128,7 @@ def test_mlflow_gets_the_same_metrics_in_one_run_across_a_resume(tmp_path):
     assert params["run.id"] == first.run_id
     # MLflow keeps a param's first value: the resume's max_steps is a tag
     assert params["training.max_steps"] == "6" and run.data.tags["apr.changed.training.max_steps"] == "12"
+    _mlflow_params_respect_the_value_length_and_batch_limits(uri)
 
 
 def _wandb_history(run_file: Path, config: dict | None = None) -> list[dict]:
@@ -263,3 +264,178 @@ def test_experiment_export_to_tensorboard_and_mlflow_writes_a_recorded_run(tmp_p
     bad = runner.invoke(app, ["experiment", "export", "--db", db, "--to", "tensorboard", "--format", "csv",
                               "--out", str(tmp_path / "x")])
     assert bad.exit_code == 2
+
+
+class _SilentServer:
+    """A loopback TCP server that accepts every connection and never answers (a hung tracking server)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held: list = []
+        self.accepted = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)  # kept open, never read, never answered
+            self.accepted += 1
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_tracking_server_that_never_answers_does_not_hold_the_run(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("mlflow", reason="the sinks extra (mlflow-skinny) is not installed")
+    # a server is taken for dead after this long without an answer (15 s by default)
+    monkeypatch.setattr(trackers, "REMOTE_STALL_S", (0.5, 0.5))
+    server = _SilentServer()
+    try:
+        make_dataset(tmp_path)
+        cfg = write_config(tmp_path, training={"max_steps": 8, "log_interval": 1, "eval_interval": 4,
+                                               "save_interval": 4},
+                           monitoring={"sinks": [{"type": "mlflow", "uri": f"http://127.0.0.1:{server.port}"}]})
+        result = run_apply(cfg, apr_home=tmp_path / "home", echo=lambda line: None)
+        assert server.accepted >= 1  # the sink did reach the server, which never answered
+    finally:
+        server.close()
+    # every step trained and was recorded although the sink never opened
+    assert result.status == "finished" and result.exit_code == 0 and result.final_step == 8
+    state = _state(tmp_path / "run")
+    assert [s for s, _ in _history(state, "loss")] == list(range(1, 9)) and state["status"] == "finished"
+    (warning,) = [w for w in state["store_warnings"] if w.startswith("mlflow sink:")]  # once, naming it
+    assert "while opening the run" in warning
+    assert f"apr: warning: {warning}" in capsys.readouterr().err
+    assert (tmp_path / "run" / ".apr" / "experiments.db").exists()  # apr's own stores were written
+
+
+class _Tracker:
+    """A fake tracker: records what it is given; ``gate`` (an Event) holds every write until set."""
+
+    def __init__(self, gate=None, fail_on_write: bool = False):
+        import threading
+
+        self.gate, self.fail_on_write = gate, fail_on_write
+        self.params: list[dict] = []
+        self.rows: list[list] = []
+        self.closed: list = []
+        self.writing = threading.Event()
+
+    def log_params(self, params: dict) -> None:
+        self.params.append(params)
+
+    def write(self, rows: list) -> None:
+        self.writing.set()
+        if self.fail_on_write:
+            raise OSError("disk full")
+        if self.gate is not None:
+            self.gate.wait()
+        self.rows.append(rows)
+
+    def close(self, status=None) -> None:
+        self.closed.append(status)
+
+
+def _until(predicate, what: str) -> None:
+    """Wait for a background thread to get somewhere (not a timing assertion: the bound is generous)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_sink_worker_sends_params_then_rows_in_order_and_closes_with_the_runs_status():
+    tracker, warnings = _Tracker(), []
+    worker = trackers.SinkWorker("fake", lambda: tracker, warnings.append, params={"optimizer.lr": 0.01})
+    batches = [[("r", step, "loss", 1.0 / step, 0.0)] for step in range(1, 6)]
+    for batch in batches:
+        worker.submit(batch)
+    assert worker.close("stopped", timeout=60)
+    assert tracker.params == [{"optimizer.lr": 0.01}] and tracker.rows == batches
+    assert tracker.closed == ["stopped"] and warnings == []
+    worker.submit(batches[0])  # after the end: ignored
+    assert tracker.rows == batches
+
+
+def test_a_sink_that_stalls_keeps_a_bounded_queue_warns_once_and_is_left_behind_at_the_end(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(trackers, "QUEUE_BATCHES", 4)
+    gate = threading.Event()
+    tracker, warnings = _Tracker(gate=gate), []
+    worker = trackers.SinkWorker("slow", lambda: tracker, warnings.append, limits=(60.0, 0.05))
+    worker.submit([("r", 1, "loss", 1.0, 0.0)])
+    _until(tracker.writing.is_set, "the first write never started")
+    _until(worker.stalled, "the held write never counted as stalled")
+    for step in range(2, 12):  # the caller never waits: 10 more batches, 4 kept
+        worker.submit([("r", step, "loss", 1.0, 0.0)])
+    assert worker.dropped_batches == 6
+    assert not worker.close("finished", timeout=60)  # stalled: not waited for
+    gate.set()
+    # one warning for the sink's trouble, not one for each of its consequences
+    assert [w.split(";")[0] for w in warnings] == ["slow sink: no answer for 0.05 s while writing metrics"]
+    assert "dropped if it has not answered when the run ends" in warnings[0]
+
+
+def test_a_sink_that_answers_slowly_is_waited_for_at_the_end():
+    import threading
+
+    gate = threading.Event()
+    tracker, warnings = _Tracker(gate=gate), []
+    worker = trackers.SinkWorker("busy", lambda: tracker, warnings.append, limits=(60.0, 60.0))
+    worker.submit([("r", 1, "loss", 1.0, 0.0)])
+    worker.submit([("r", 2, "loss", 0.5, 0.0)])
+    _until(tracker.writing.is_set, "the first write never started")
+    worker.request_close("finished")
+    threading.Timer(0.2, gate.set).start()  # the write returns after the run ended
+    assert worker.wait(deadline=float("inf"))
+    assert [r[0][1] for r in tracker.rows] == [1, 2] and tracker.closed == ["finished"] and warnings == []
+
+
+def test_a_sink_that_fails_is_warned_about_once_closed_and_fed_no_more():
+    tracker, warnings = _Tracker(fail_on_write=True), []
+    worker = trackers.SinkWorker("broken", lambda: tracker, warnings.append)
+    worker.submit([("r", 1, "loss", 1.0, 0.0)])
+    _until(lambda: worker.failed, "the failure was never noticed")
+    worker.submit([("r", 2, "loss", 1.0, 0.0)])
+    assert worker.close("finished", timeout=60)
+    assert warnings == ["broken sink: OSError while writing metrics: disk full; training continues without it"]
+    assert tracker.closed == ["failed"]
+    opening, warnings = [], []
+
+    def cannot_open():
+        opening.append(1)
+        raise PermissionError("no access")
+
+    worker = trackers.SinkWorker("locked", cannot_open, warnings.append)
+    assert worker.close("finished", timeout=60) and opening == [1]
+    assert warnings == ["locked sink: PermissionError while opening the run: no access; training continues without it"]
+
+
+def _mlflow_params_respect_the_value_length_and_batch_limits(uri: str) -> None:
+    """(In an existing store: a new MLflow SQLite store takes ~20 s to create on a loaded machine.)"""
+    from mlflow import MlflowClient
+
+    sink = trackers.MlflowSink(uri, "limits", "run-1")
+    params = {f"p.{i:03d}": i for i in range(250)}  # three batches of at most 100
+    params["long"] = "x" * 10_000
+    params["odd key@x"] = None
+    sink.log_params(params)
+    sink.log_params({**params, "p.000": 7})  # a second session: one changed value
+    got = MlflowClient(tracking_uri=uri).get_run(sink.run_id).data
+    assert len(got.params) == 252 and got.params["p.249"] == "249" and got.params["odd key_x"] == "null"
+    assert len(got.params["long"]) == trackers.MLFLOW_PARAM_VALUE_MAX and got.params["long"].endswith("[10,000 chars]")
+    assert got.params["p.000"] == "0" and got.tags["apr.changed.p.000"] == "7"
