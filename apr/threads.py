@@ -15,12 +15,18 @@ its slowest thread. apr decides instead, in this order:
 
 Torch-free: the plan and ``validate`` compute the same choice without importing torch; only
 ``apply_thread_policy`` (apply and the probe) hands it to torch.
+
+Waiting threads sleep: importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` unless the user set
+it or torch is already loaded (OpenMP reads it once, when torch loads). OpenMP's default spins
+waiting threads; on a 2-core machine with a load of 6 that made a 0.36 s step take 7.3 s with 2
+threads (docs/performance.md, "CPU threads"). apply and plan import this module before torch.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 from apr.errors import AprError, Finding
@@ -29,6 +35,19 @@ ENV = "APR_CPU_THREADS"
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
 _applied: dict | None = None  # the last choice handed to torch in this process
+WAIT_POLICY = "PASSIVE"
+
+
+def set_wait_policy(environ=None) -> str | None:
+    """``OMP_WAIT_POLICY`` for this process: the user's if set, else PASSIVE when torch is not
+    loaded yet; returns what OpenMP will use (None: torch loaded first with OpenMP's default)."""
+    env = os.environ if environ is None else environ
+    if not env.get("OMP_WAIT_POLICY") and "torch" not in sys.modules:
+        env["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return env.get("OMP_WAIT_POLICY")
+
+
+set_wait_policy()  # before anything imports torch (see the module's docstring)
 
 
 def cgroup_cpu_limit(v2: Path = _CGROUP_V2, v1: tuple[Path, Path] = _CGROUP_V1) -> float | None:
@@ -122,7 +141,10 @@ def describe(choice: dict) -> str:
                f"{ranks} rank{'s' if ranks != 1 else ''} per node")
     else:
         why = f"from {choice['source']}; {choice['cores']} usable cores"
-    return f"{n} CPU thread{'s' if n != 1 else ''} per process ({why})"
+    wait = os.environ.get("OMP_WAIT_POLICY")
+    return f"{n} CPU thread{'s' if n != 1 else ''} per process ({why})" + (
+        f"; waiting threads {'sleep' if wait.upper() == 'PASSIVE' else 'spin'} (OMP_WAIT_POLICY={wait})"
+        if wait else "")
 
 
 def apply_thread_policy(config, world: int = 1) -> dict:
@@ -138,7 +160,8 @@ def apply_thread_policy(config, world: int = 1) -> dict:
     if choice["threads"] != default:
         torch.set_num_threads(choice["threads"])
     # the load of the moment, before our threads run: what the estimate's load terms compare
-    _applied = {**choice, "torch_default": default, "load": load_average()}
+    _applied = {**choice, "torch_default": default, "load": load_average(),
+                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "OpenMP default (active)"}
     return dict(_applied)
 
 
@@ -153,3 +176,9 @@ def load_average() -> float | None:
         return float(os.getloadavg()[0])
     except (AttributeError, OSError):
         return None
+
+
+def contention(load: float | None, threads: int, cores: int) -> float:
+    """How oversubscribed the cores are with ``threads`` of ours on top of ``load`` (other runnable
+    processes, the 1-minute load average): 1.0 while they fit, (load + threads) / cores beyond."""
+    return max(1.0, ((load or 0.0) + threads) / max(1, cores))

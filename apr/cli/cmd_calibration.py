@@ -26,10 +26,19 @@ def _summary(row: dict) -> dict:
             "transient_bytes": r.get("transient_bytes"), "modelled_transient_bytes": r.get("modelled_transient_bytes")}
 
 
+def _warn_skipped() -> None:
+    """Rows the store could not use, named on stderr (they never stop a listing or a plan)."""
+    from apr.track.calibration import skipped_warnings
+
+    for line in skipped_warnings():
+        print(f"warning: {safe_text(line)}", file=sys.stderr)
+
+
 def run_ls(json_out: bool) -> int:
     from apr.track.calibration import list_calibrations
 
     rows = [_summary(r) for r in list_calibrations()]
+    _warn_skipped()
     if json_out:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return 0
@@ -52,6 +61,7 @@ def run_show(calibration_id: int, json_out: bool) -> int:
     from apr.track.calibration import list_calibrations
 
     found = [r for r in list_calibrations() if r["id"] == calibration_id]
+    _warn_skipped()
     if not found:
         message = f"no calibration {calibration_id} in the global registry (apr calibration ls lists them)"
         return error_exit(AprError(message, [Finding("error", "calibration.not_found", message,

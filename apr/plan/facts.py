@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 
-from apr import __version__, hardware
+from apr import __version__, hardware, threads  # threads first: it sets OpenMP's wait policy before torch loads
 from apr.config.schema import AprConfig
 from apr.model.spec import (
     block_numel,
@@ -331,8 +331,6 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
 def cpu_threads(config: AprConfig, world_size: int, nodes: int | None = None) -> dict:
     """The intra-op threads apply and the probe give each process (apr/threads.py); the same
     function decides at run time, so plan, probe and run agree."""
-    from apr import threads
-
     return threads.for_config(config, world_size=world_size, nodes=nodes)
 
 
@@ -358,12 +356,6 @@ LOAD_WEIGHT = 0.5  # share of the CPU contention's log the load may move by whil
 FRESH_S = 120.0  # a probe this recent saw the load of now (the plan right after --probe)
 
 
-def contention(load: float | None, threads: int, cores: int) -> float:
-    """How oversubscribed the cores are with ``threads`` of ours on top of ``load`` (the 1-minute
-    load average): 1.0 while they fit, (load + threads) / cores beyond."""
-    return max(1.0, ((load or 0.0) + threads) / max(1, cores))
-
-
 def validations(config: AprConfig, total_steps: int) -> int:
     """Validation passes of a run (apr/train/cadence.py): the start, every eval_interval steps, the end."""
     interval = config.training.eval_interval
@@ -382,8 +374,6 @@ def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal:
     start-up is the probe's own (imports, plan, engine). The range is point x exp(+-w), w the root
     sum of squares of: the basis's spread (probe steps or runs), the correction's spread, the load
     (``LOAD_WEIGHT`` x log contention at the busier of calibration time and now) and a floor."""
-    from apr import threads
-
     tr = config.training
     tokens_per_step = config.data.batch_size * config.data.seq_len * tr.gradient_accumulation * world_size
     total_steps = max(1, tokens // max(1, tokens_per_step))
@@ -402,7 +392,7 @@ def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal:
     fresh = cal.get("basis_time") is not None and abs(_now() - cal["basis_time"]) < FRESH_S
     if load_now is None:
         load_now = load_cal if fresh else threads.load_average()
-    c_cal, c_now = contention(load_cal, n, cores), contention(load_now, n, cores)
+    c_cal, c_now = threads.contention(load_cal, n, cores), threads.contention(load_now, n, cores)
     load_factor = c_now / c_cal if load_cal is not None and load_now is not None else 1.0
     point = (compute + evaluation) * factor * load_factor + startup * factor
     widths = {"basis": cal.get("spread") or 0.0, "correction": correction.get("spread", 0.0),

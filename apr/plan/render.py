@@ -9,6 +9,7 @@ errors.`` Presentation only: every number comes from the plan's facts.
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 
 from apr.errors import AprError, Finding
@@ -278,14 +279,8 @@ def _time_lines(plan, colour: bool) -> list[str]:
         return [_section("Time (estimate)", colour), f"  not estimated: {why}",
                 *(lines[:1] if "MFU unknown" in why else lines)]
     if te.get("calibrated"):
-        return [
-            _section("Time (estimate, calibrated)", colour),
-            f"  {format_count(te['tokens'])} tokens (from {te['basis']}) at {fmt_number(te['tokens_per_s'])} "
-            f"tokens/s measured x {te['gpus']} process{'es' if te['gpus'] != 1 else ''}"
-            + (f" + {te['startup_seconds']:.1f} s start-up" if te.get("startup_seconds") else "")
-            + f": ~{fmt_estimate(te['estimated_seconds'])}",
-            f"  {te['calibration']} (apr calibration ls)",
-        ] + _mfu_lines(mfu)
+        return [_section("Time (estimate, calibrated)", colour), *_calibrated_time_lines(te, plan.facts),
+                *_mfu_lines(mfu)]
     label = plan.target.gpu.label if plan.target and plan.target.gpu else "the target"
     return [
         _section("Time (estimate)", colour),
@@ -299,6 +294,42 @@ def _time_lines(plan, colour: bool) -> list[str]:
     ] + ([f"  progressive stacking: the stages at their own depths need {fmt_flops(te['stacked_flops'])}"
           f" of model compute, ~{fmt_estimate(te['stacked_seconds'])}; the run's estimate uses that"]
          if te.get("stacked_flops") else []) + _evaluation_lines(te.get("evaluation")) + _mfu_lines(mfu)
+
+
+def _calibrated_time_lines(te: dict, facts: dict) -> list[str]:
+    """The measured estimate: how it is built, its range and what it assumes."""
+    a = te.get("assumes") or {}
+    extra = "".join(f" + {te[k]:.1f} s {what}" for k, what in (("evaluation_seconds", "validation"),
+                                                                ("startup_seconds", "start-up")) if te.get(k))
+    out = [f"  {format_count(te['tokens'])} tokens (from {te['basis']}) at {fmt_number(te['tokens_per_s'])} "
+           f"tokens/s measured x {te['gpus']} process{'es' if te['gpus'] != 1 else ''}{extra}"]
+    if "low_seconds" not in te:  # a plan file from before the range
+        return [out[0] + f": ~{fmt_estimate(te['estimated_seconds'])}", f"  {te['calibration']} (apr calibration ls)"]
+    if a.get("correction_factor", 1.0) != 1.0:
+        out.append(f"  x {a['correction_factor']:.2f}: the median actual / estimated of the finished runs since "
+                   "probed (what a probe does not see: the loop, data, checkpoints)")
+    if a.get("load_factor", 1.0) != 1.0:
+        out.append(f"  x {a['load_factor']:.2f}: the cores are {'busier' if a['load_factor'] > 1 else 'quieter'} now "
+                   f"(load {a['load_now']:.1f}) than when measured (load {a['load_at_calibration']:.1f})")
+    widths = te.get("range_widths") or {}
+    why = ", ".join(f"{k} {math.exp(v) - 1:.0%}" for k, v in widths.items() if v > 0.005)
+    out.append(f"  ~{fmt_estimate(te['estimated_seconds'])}, range {fmt_estimate(te['low_seconds'])} to "
+               f"{fmt_estimate(te['high_seconds'])} (x/{math.exp(te['range_log_width']):.2f}: {why})")
+    load = (f"load {a['load_at_calibration']:.1f} when measured, {a['load_now']:.1f} now"
+            if a.get("load_at_calibration") is not None and a.get("load_now") is not None else "load unknown")
+    out.append(f"  assumes {a.get('device', '?')} \"{a.get('device_name', '?')}\", {a.get('threads', '?')} "
+               f"thread{'s' if a.get('threads') != 1 else ''} per process ({a.get('threads_source', '?')}) on "
+               f"{a.get('cores', '?')} usable cores, {load}")
+    out.append(f"  {te['calibration']} (apr calibration ls)")
+    return out
+
+
+def _thread_lines(facts: dict) -> list[str]:
+    """The intra-op thread choice apply and the probe make (apr/threads.py), and skipped calibrations."""
+    from apr.threads import describe
+
+    out = [f"  CPU: {describe(facts['threads'])}"] if facts.get("threads") else []
+    return out + [f"  warning: {w}" for w in facts.get("calibration_skipped") or []]
 
 
 def _probe_lines(plan, colour: bool) -> list[str]:
@@ -319,6 +350,12 @@ def _probe_lines(plan, colour: bool) -> list[str]:
     parts = next((r.get("parts") for r in p["rows"] if r.get("parts")), [])
     out.append(f"  transient = {' + '.join(parts)} (modelled); measured: {p['transient_how']}")
     out.append(f"  peak RSS of this process {format_bytes(p['peak_rss_bytes'])}")
+    times = p.get("step_seconds_all") or []
+    if p.get("threads"):
+        load = f", load {p['load']:.1f} before it began" if p.get("load") is not None else ""
+        out.append(f"  at {p['threads']} CPU thread{'s' if p['threads'] != 1 else ''} per process{load}"
+                   + (f"; steps {min(times):.3f}-{max(times):.3f} s" if len(times) > 1 else "")
+                   + (f"; start-up {p['startup_seconds']:.1f} s" if p.get("startup_seconds") is not None else ""))
     out.append(f"  step {p['step_seconds']:.3f} s (median of {p['steps']}), {fmt_number(p['tokens_per_s'])} tokens/s"
                + (f"; recorded as calibration {p['calibration_id']} (apr calibration show {p['calibration_id']})"
                   if p.get("calibration_id") else ""))
@@ -451,6 +488,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         *_memory_lines(plan, colour),
         "",
         *_time_lines(plan, colour),
+        *_thread_lines(plan.facts),
         *_probe_lines(plan, colour),
         "",
         *_cost_lines(plan, colour),

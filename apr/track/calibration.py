@@ -99,7 +99,7 @@ def _malformed(row: dict) -> str | None:
     if result.get("source", "probe") not in ("probe", "run"):
         return f"result.source is {result.get('source')!r}, expected probe or run"
     for key in ("startup_seconds", "transient_bytes", "modelled_transient_bytes", "load", "threads",
-                "actual_seconds", "base_seconds"):
+                "actual_seconds", "base_seconds", "load_factor", "load_at_end"):
         if result.get(key) is not None and not _number(result[key]):
             return f"result.{key} is {result[key]!r}, expected a number"
     times = result.get("step_seconds_all")
@@ -184,10 +184,13 @@ def log_spread(values: list[float]) -> float:
 
 
 def _finished_ratio(result: dict) -> float | None:
-    """A finished run's actual seconds over the uncorrected estimate its plan made (None when its
-    plan had no calibrated estimate)."""
+    """A finished run's actual seconds over the uncorrected estimate its plan made, net of the load
+    change between its probe and the run (None when its plan had no calibrated estimate)."""
     actual, base = result.get("actual_seconds"), result.get("base_seconds")
-    return actual / base if actual and base else None
+    if not (actual and base):
+        return None
+    load = result.get("load_factor")  # the cores' contention during the run over the probe's
+    return actual / base / (load if load and load > 0 else 1.0)
 
 
 def summary(rows: list[dict]) -> dict | None:

@@ -34,11 +34,26 @@ def estimate_vs_actual(plan_doc: dict | None, actual_seconds: float, steps: int)
     out.update(estimated_seconds=scaled(time_facts["estimated_seconds"]),
                low_seconds=scaled(time_facts.get("low_seconds")), high_seconds=scaled(time_facts.get("high_seconds")))
     if time_facts.get("calibrated") and time_facts.get("base_seconds"):
-        out.update(base_seconds=scaled(time_facts["base_seconds"]), base_kind=time_facts.get("base_kind"))
+        out.update(base_seconds=scaled(time_facts["base_seconds"]), base_kind=time_facts.get("base_kind"),
+                   plan_assumes=time_facts.get("assumes") or {})
     if out["low_seconds"] is not None and out["high_seconds"] is not None:
         out["inside_range"] = out["low_seconds"] <= actual_seconds <= out["high_seconds"]
     out["actual_over_estimate"] = actual_seconds / out["estimated_seconds"]
     return out
+
+
+def _load_factor(result: dict) -> float | None:
+    """How much busier the cores were during the run than when its plan's probe measured: the
+    contention of the mean of the other load at the start and at the end (the load average then
+    counts our own threads too) over the probe's. The calibration divides a run's actual /
+    estimated by it, so a correction learns the loop's overhead, not that day's load."""
+    assumes = result.get("plan_assumes") or {}
+    start, end, probe_load = result.get("load"), result.get("load_at_end"), assumes.get("load_at_calibration")
+    cores, n = assumes.get("cores"), result.get("threads")
+    if None in (start, end, probe_load, cores, n) or result.get("device") != "cpu":
+        return None
+    others = (start + max(0.0, end - n)) / 2
+    return threads.contention(others, n, cores) / threads.contention(probe_load, n, cores)
 
 
 def record_run(run, seconds: float, steps: int, apr_home=None, loop_started_at: float | None = None) -> None:
@@ -60,6 +75,7 @@ def record_run(run, seconds: float, steps: int, apr_home=None, loop_started_at: 
               "tokens_per_s": tokens / seconds / world, "rows": [],
               "threads": torch.get_num_threads(), "load": choice.get("load"), "load_at_end": threads.load_average(),
               **estimate_vs_actual(getattr(run, "plan_doc", None), startup + seconds, steps)}
+    result["load_factor"] = _load_factor(result)
     cpu_threads = result["threads"] if device.type == "cpu" else None
     try:
         calibration.record(result, calibration.shape(run.config, run.engine.execution.to_dict(), cpu_threads),

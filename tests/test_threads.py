@@ -1,0 +1,101 @@
+"""The CPU thread policy (apr/threads.py): what a user or torchrun sets wins in a stated order, the
+automatic choice divides the cores this process may use among the ranks on the node, and bad
+values are refused with the variable's name."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from apr import threads
+from apr.errors import AprError
+
+
+def _cores() -> int:
+    return threads.usable_cores()[0]
+
+
+def test_auto_divides_the_usable_cores_among_the_ranks_on_the_node():
+    one = threads.choose(world_size=1, environ={})
+    assert one["source"] == "auto" and one["threads"] == _cores() and one["ranks_per_node"] == 1
+    # torchrun's LOCAL_WORLD_SIZE is the ranks sharing this host's cores
+    shared = threads.choose(world_size=8, nodes=2, environ={"LOCAL_WORLD_SIZE": str(_cores() * 4)})
+    assert shared["threads"] == 1 and shared["ranks_from"] == "LOCAL_WORLD_SIZE"
+    # the plan, before torchrun exists: world_size / nodes ranks per host
+    planned = threads.choose(world_size=2 * _cores(), nodes=1, environ={})
+    assert planned["ranks_per_node"] == 2 * _cores() and planned["threads"] == 1
+
+
+def test_a_cgroup_quota_caps_the_cores(tmp_path):
+    assert threads.usable_cores(quota=1.5)[0] == min(2, len(os.sched_getaffinity(0)))
+    v2 = tmp_path / "cpu.max"
+    v2.write_text("150000 100000\n")
+    assert threads.cgroup_cpu_limit(v2) == 1.5
+    v2.write_text("max 100000\n")
+    assert threads.cgroup_cpu_limit(v2, (tmp_path / "none", tmp_path / "none")) is None
+    quota, period = tmp_path / "cfs_quota_us", tmp_path / "cfs_period_us"
+    quota.write_text("200000\n")
+    period.write_text("100000\n")
+    assert threads.cgroup_cpu_limit(tmp_path / "missing", (quota, period)) == 2.0
+    quota.write_text("-1\n")  # cgroup v1: no limit
+    assert threads.cgroup_cpu_limit(tmp_path / "missing", (quota, period)) is None
+
+
+def test_overrides_win_in_order_env_then_config_then_omp():
+    both = {"APR_CPU_THREADS": "3", "OMP_NUM_THREADS": "5"}
+    assert threads.choose(7, environ=both)["threads"] == 3
+    config = threads.choose(7, environ={"OMP_NUM_THREADS": "5"})
+    assert config["threads"] == 7 and config["source"] == "training.cpu_threads"
+    omp = threads.choose(None, environ={"OMP_NUM_THREADS": "5"})
+    assert omp["threads"] == 5 and omp["source"] == "env OMP_NUM_THREADS"
+    # torchrun sets OMP_NUM_THREADS=1 for every multi-rank launch: the policy replaces it
+    under_torchrun = threads.choose(None, world_size=2, environ={"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1"})
+    assert under_torchrun["source"] == "auto" and under_torchrun["threads"] == _cores()
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5", " "])
+def test_a_bad_thread_override_names_the_variable(value):
+    with pytest.raises(AprError) as err:
+        threads.choose(None, environ={"APR_CPU_THREADS": value, "LOCAL_WORLD_SIZE": "1"} if value.strip()
+                       else {"OMP_NUM_THREADS": value + "x"})
+    finding = err.value.findings[0]
+    assert finding.path in ("APR_CPU_THREADS", "OMP_NUM_THREADS") and "whole number of threads" in err.value.message
+
+
+def test_the_config_key_is_read_and_the_choice_described(tmp_path):
+    from tests.train.tiny import make_config
+
+    cfg = make_config()
+    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"cpu_threads": 1})})
+    choice = threads.for_config(cfg)
+    assert choice["threads"] == 1 and choice["source"] in ("training.cpu_threads", "env APR_CPU_THREADS")
+    assert threads.describe(choice).startswith("1 CPU thread per process")
+
+
+def test_apply_sets_torch_and_records_the_choice(monkeypatch):
+    import torch
+
+    from tests.train.tiny import make_config
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("APR_CPU_THREADS", "1")
+    try:
+        got = threads.apply_thread_policy(make_config(), 1)
+        assert torch.get_num_threads() == 1 and got["threads"] == 1 and got["torch_default"] == before
+        assert threads.applied()["threads"] == 1 and "load" in got
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_waiting_threads_sleep_unless_the_user_said_otherwise(monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, "torch", raising=False)  # as if torch were not loaded yet
+    env: dict = {}
+    assert threads.set_wait_policy(env) == "PASSIVE" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert threads.set_wait_policy(mine) == "ACTIVE"
+
+
+def test_contention_counts_only_beyond_the_cores():
+    assert threads.contention(0.0, 2, 2) == 1.0 and threads.contention(None, 1, 2) == 1.0
+    assert threads.contention(4.0, 2, 2) == 3.0
