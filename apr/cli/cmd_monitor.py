@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import typer
 
+from apr.monitor import web as web_dashboard
 from apr.monitor.web import DEFAULT_MAX_SESSIONS
 
 
@@ -89,12 +91,9 @@ def register(app: typer.Typer) -> None:
 def _serve_web(run_dir: Path | None, host: str, port: int, refresh: int | None, timeout: float | None,
                max_sessions: int, no_token: bool) -> int:
     """Print the address (with its token, once) and any warning, then serve until Ctrl-C."""
-    import sys
-
-    from apr.monitor.web import WebDashboard, check_port
-
-    server = WebDashboard(run_dir, host, port, refresh, timeout, max_sessions=max_sessions, use_token=not no_token)
-    check_port(host, port)
+    server = web_dashboard.WebDashboard(run_dir, host, port, refresh, timeout, max_sessions=max_sessions,
+                                        use_token=not no_token)
+    web_dashboard.check_port(host, port)
     for warning in server.warnings:
         bar = "!" * 78
         print(f"{bar}\nWARNING: {warning}\n{bar}", file=sys.stderr, flush=True)
