@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from apr.config.schema import AprConfig, Architecture, LoraConfig, MixedPrecision
-from apr.steps.execution import Execution, from_config
+from apr.steps.execution import Execution, from_config, gradient_source
 from apr.steps.strategy import step_strategy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
@@ -173,7 +173,7 @@ def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> 
 
     tr = config.training
     compiled = (execution or from_config(config)).compile
-    return (str(tr.engine) == "interleaved" and config.model.lora is None and not compiled
+    return (gradient_source(config) == "interleaved" and config.model.lora is None and not compiled
             and compute_dtype_name(tr.mixed_precision) != "float32")
 
 
@@ -204,7 +204,7 @@ def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]], execution
     for name, _ in groups:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (shard[name],), "float32"))
         bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (shard[name],), "float32"))
-    interleaved = str(tr.engine) == "interleaved"
+    interleaved = gradient_source(config) == "interleaved"
     if not interleaved or step_strategy(config, execution).keeps_all_grads:
         bufs += [Buffer(f"{name}.grad", "gradients", (shard[name],), "float32") for name, _ in groups]
     else:  # AdamW on each group's gradient shard as it arrives, then the shard is dropped
@@ -242,7 +242,7 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
     tr = config.training
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
     cdt = compute_dtype_name(tr.mixed_precision)
-    interleaved = str(tr.engine) == "interleaved"
+    interleaved = gradient_source(config) == "interleaved"
     bufs: list[Buffer] = []
 
     lora = config.model.lora

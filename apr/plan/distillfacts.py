@@ -1,9 +1,9 @@
 """What the plan says about blockwise distillation (``training.mode: distill``).
 
 Config-only findings (validate too): the mode and the ``training.distill`` section go together;
-the engine is the standard one; fp16, AdaGC, LoRA and stacking are refused. Plan findings: the
-teacher must be readable (its architecture from config.json or the checkpoint's stored config,
-without loading weights), share the student's vocabulary, width and tokenizer, and the block
+it runs on autograd (the plan resolves the gradient source); fp16, AdaGC, LoRA and stacking are
+refused. Plan findings: the teacher must be readable (its architecture from config.json or the
+checkpoint's stored config, without loading weights), share the student's vocabulary, width and tokenizer, and the block
 mapping must cover the teacher; phase 1 must end inside the run. Facts: the teacher, each phase's
 steps, FLOPs and time, and two memory rows (the teacher's weights; phase 2's logits). See
 docs/design.md, "Blockwise distillation".
@@ -46,8 +46,6 @@ def distill_config_findings(loaded: LoadedConfig) -> list[Finding]:
         return [_finding(loaded, ("training", "mode"), "training.mode distill needs a training.distill section "
                          "(at least its teacher)", "training.distill.teacher", "none")]
     checks = [
-        (str(tr.engine) != "standard", ("training", "engine"), "distillation runs on the standard engine",
-         "engine: standard", str(tr.engine)),
         (str(tr.mixed_precision) == "fp16", ("training", "mixed_precision"), "distillation supports fp32 and bf16",
          "fp32 or bf16", "fp16"),
         (str(tr.clip_mode) == "adagc", ("training", "clip_mode"), "distillation clips globally or per block",

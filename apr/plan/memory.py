@@ -107,7 +107,7 @@ def _block_activation_bytes(config: AprConfig, c: MemoryCoefficients) -> int:
 
 def _kept_activation_bytes(config: AprConfig, execution: Execution, c: MemoryCoefficients) -> int:
     arch = config.model.architecture
-    if str(config.training.engine) != "interleaved":
+    if policy.gradient_source(config) != "interleaved":
         # the standard engine is one autograd graph: every block's activations live from the forward
         # to the backward (the last block's are the block_activations row)
         b, s = config.data.batch_size, config.data.seq_len

@@ -98,7 +98,7 @@ def parse(activations: str, gradients: str, layers: int, compile: bool = False) 
 def gradients_forced(config) -> str | None:
     """``kept`` when the config leaves no choice (the standard engine, gradient accumulation)."""
     tr = config.training
-    if str(tr.engine) == "standard" or tr.gradient_accumulation > 1:
+    if gradient_source(config) == "standard" or tr.gradient_accumulation > 1:
         return "kept"
     return None
 
@@ -126,8 +126,7 @@ def needs_prepass(config, execution: Execution) -> bool:
     """A norm-only walk before the stepping walk: exact global clipping, fp16's overflow check or
     the bad-step gradient-norm test when gradients are not all kept (kept gradients know the norm
     after one walk)."""
-    tr = config.training
-    if str(tr.engine) == "standard" or keeps_all_grads(config, execution):
+    if gradient_source(config) == "standard" or keeps_all_grads(config, execution):
         return False
     return bool(prepass_reasons(config))
 
@@ -147,9 +146,17 @@ def prepass_reasons(config) -> list[str]:
 
 
 def step_cost_f(config, execution: Execution) -> float:
-    if str(config.training.engine) == "standard":
+    if gradient_source(config) == "standard":
         return 3.0
     return execution.cost_f(needs_prepass(config, execution))
+
+
+def gradient_source(config) -> str:
+    """What computes the gradients: ``interleaved`` (the flat-buffer walk) or ``standard`` (autograd).
+    ``training.engine`` names it, except that distillation's losses read the teacher beside the
+    student and run on autograd whatever it says (the plan prints that choice)."""
+    tr = config.training
+    return "standard" if str(tr.engine) == "standard" or str(tr.mode) == "distill" else "interleaved"
 
 
 def fastest(config) -> Execution:
@@ -169,7 +176,7 @@ def from_config(config) -> Execution:
 def describe(config, execution: Execution) -> str:
     """One line: cost and what is kept, e.g. "3F: nothing recomputed, gradients kept"."""
     cost = step_cost_f(config, execution)
-    if str(config.training.engine) == "standard":
+    if gradient_source(config) == "standard":
         return f"{fmt_f(cost)}: standard engine (full autograd backward, every gradient kept)"
     n = execution.recomputed_blocks
     if n == 0:

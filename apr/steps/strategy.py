@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apr.steps.execution import from_config, keeps_all_grads, needs_prepass, prepass_reasons
+from apr.steps.execution import from_config, gradient_source, keeps_all_grads, needs_prepass, prepass_reasons
 
 
 @dataclass(frozen=True)
@@ -56,5 +56,6 @@ def step_strategy(config, execution=None) -> StepStrategy:
     tr = config.training
     clip = "off" if tr.grad_clip is None else str(tr.clip_mode)
     execution = execution or from_config(config)
-    return StepStrategy(str(tr.engine), clip, keeps_all_grads(config, execution), needs_prepass(config, execution),
-                        str(tr.mixed_precision) == "fp16", tuple(prepass_reasons(config)))
+    return StepStrategy(gradient_source(config), clip, keeps_all_grads(config, execution),
+                        needs_prepass(config, execution), str(tr.mixed_precision) == "fp16",
+                        tuple(prepass_reasons(config)))

@@ -62,11 +62,12 @@ def _gradient_source(config: AprConfig, model: LlamaForCausalLM, device: torch.d
     tr = config.training
     sharded = dp is not None and str(tr.sharding) != "none"
     loss = None
+    autograd = execution_policy.gradient_source(config) == "standard"
     if str(tr.mode) == "distill":  # the student on autograd, the teacher whole beside it
         from apr.train.distill import distill_loss
 
         loss = distill_loss(config, model, device)
-    if sharded and (loss is not None or str(tr.engine) == "standard"):  # autograd under FSDP2 hooks
+    if sharded and autograd:  # autograd under FSDP2 hooks
         from apr.train.sharded import ShardedEngine
 
         return ShardedEngine(config, model, device, backend, execution, loss)
@@ -74,7 +75,7 @@ def _gradient_source(config: AprConfig, model: LlamaForCausalLM, device: torch.d
         from apr.train.sharded_walk import ShardedInterleavedEngine
 
         return ShardedInterleavedEngine(config, model, device, backend, execution)
-    if loss is not None or str(tr.engine) == "standard":
+    if autograd:
         return StandardEngine(config, model.to(device), device, backend, execution, loss)
     if config.model.lora is not None:  # the frozen base on the device as it is; adapters into flat buffers
         model = model.to(device)

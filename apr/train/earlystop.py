@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from apr.train.stop import StepReport, Stop
 
 if TYPE_CHECKING:
-    from apr.train.run import Run
+    from apr.train.stop import RunContext as Run
 
 REASON_PREFIX = "early stopping"
 

@@ -25,8 +25,7 @@ standard engine, the textbook loop, reads the loss and the norm every step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -42,32 +41,12 @@ from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
 from apr.train.dist import DataParallel
+from apr.train.finish import finish_step
 from apr.train.flat import FlatGroup, flatten_group
 from apr.train.losses import CausalLM
 from apr.train.nonfinite import GRADIENTS, LOSS, NonFiniteFlags
+from apr.train.outcome import NonFiniteError, StepResult
 from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
-
-
-@dataclass
-class StepResult:
-    loss: torch.Tensor  # mean cross-entropy over the step's tokens (0-dim, on the device)
-    grad_norm: torch.Tensor  # global gradient norm before clipping, unscaled (0-dim, on the device)
-    skipped: bool = False  # fp16 overflow: no update this step, loss scale reduced
-    flagged: bool = False  # the bad-step test (``step_gate``) said skip: no update, AdamW's count unchanged
-
-
-class NonFiniteError(AprError):
-    """The loss or the gradients are NaN/inf. ``state_is_last_good``: no parameter was updated
-    with them, so the current weights are those before the first bad step and may be checkpointed.
-    ``steps_back``: how many of the ``train_step`` calls so far are not in the weights (the first
-    bad one and every one after it): 1 when raised by ``train_step`` itself, more when found by a
-    later ``check_finite``."""
-
-    def __init__(self, what: str, state_is_last_good: bool, steps_back: int = 1):
-        super().__init__(f"non-finite {what}")
-        self.what = what
-        self.state_is_last_good = state_is_last_good
-        self.steps_back = steps_back
 
 
 def resolve_device(name: str) -> torch.device:
@@ -90,6 +69,7 @@ class Engine:
     arithmetic, checkpoint metadata (docs/design.md, "The composed engine")."""
 
     source = "abstract"
+    sharded = False  # state sharded over the ranks by FSDP2 (apr/train/sharded.py): checkpoints in parts
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  execution: Execution, loss: CausalLM | None = None):
@@ -142,6 +122,11 @@ class Engine:
     def hidden_states(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
         """The embedding and the blocks (the last block's output), as the loss parts read them."""
         return lm.hidden_states(ids, self.cdt)
+
+    def whole_weights(self):
+        """A context in which ``self.model`` holds its whole weights (evaluation, samples): as it is
+        here; sharded engines gather them on every rank for its duration."""
+        return nullcontext()
 
     def tensor_norms(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Each gradient tensor's norm for AdaGC when ``grads`` are shards (None: computed locally)."""
@@ -288,7 +273,9 @@ class Engine:
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         raise NotImplementedError
 
-    def train_state_tensors(self) -> dict[str, torch.Tensor]:
+    def train_state_tensors(self, everywhere: bool = False) -> dict[str, torch.Tensor]:
+        """Weights and AdamW moments under checkpoint names (``everywhere``: on every rank, not only
+        the one that writes; a sharded engine gathers them)."""
         raise NotImplementedError
 
     def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -673,7 +660,7 @@ class InterleavedEngine(Engine):
 
     # ------------------------------------------------------------------------------------ state
 
-    def train_state_tensors(self) -> dict[str, torch.Tensor]:
+    def train_state_tensors(self, everywhere: bool = False) -> dict[str, torch.Tensor]:
         """Weights under HF names and AdamW moments as ``optimizer.m.<name>`` / ``optimizer.v.<name>``
         (views of the device buffers; the checkpoint manager copies them)."""
         out: dict[str, torch.Tensor] = {}
@@ -725,8 +712,6 @@ class StandardEngine(Engine):
     # ------------------------------------------------------------------------------ the step
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        from apr.train.finish import finish_step
-
         self._skip = False
         self.loss.begin_step(self.current_step)
         for p in self.named.values():
@@ -791,7 +776,7 @@ class StandardEngine(Engine):
                     out[component] += state[key].untyped_storage().nbytes()
         return out
 
-    def train_state_tensors(self) -> dict[str, torch.Tensor]:
+    def train_state_tensors(self, everywhere: bool = False) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named.items():
             state = self.optimizer.state.get(p, {})

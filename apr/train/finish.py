@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from apr.train.engine import NonFiniteError, StepResult
+from apr.train.outcome import NonFiniteError, StepResult
 
 
 def clip_(engine, local: dict[str, list[torch.Tensor]], sq: dict[str, torch.Tensor], norm: torch.Tensor) -> None:

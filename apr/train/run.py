@@ -256,7 +256,7 @@ class Run:
         self.cadence = Cadence.from_config(tr, self.total_steps,
                                            validates=self.val_loader is not None or bool(self.source_vals))
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
-                               echo=self.echo, label=self._step_label,
+                               echo=self.echo, label=self.step_label,
                                shown=tuple(config.monitoring.terminal.metrics))
 
     def _setup_engine(self) -> None:
@@ -296,14 +296,14 @@ class Run:
         """Progressive stacking: the engine of ``step``'s stage, filled from the current one."""
         old, old_depth = self.engine, len(self.engine.model.model.layers)
         meta = old.meta_state()
-        before = {k: v.detach().clone() for k, v in old.train_state_tensors().items()}
+        before = {k: v.detach().clone() for k, v in old.train_state_tensors(everywhere=True).items()}
         self.engine = None
         del old
         engine = self._build_engine(step)
         new_depth = len(engine.model.model.layers)
         st = self.config.model.stacking
-        engine.load_train_state_tensors(grown_tensors(before, engine.train_state_tensors(), old_depth, new_depth,
-                                                      str(st.init)))
+        fresh = engine.train_state_tensors(everywhere=True)
+        engine.load_train_state_tensors(grown_tensors(before, fresh, old_depth, new_depth, str(st.init)))
         engine.load_meta_state(meta)
         self.engine = engine
         if recorder is not None:
@@ -311,7 +311,7 @@ class Run:
                        f"({st.init}{', earlier blocks frozen' if engine.frozen else ''})")
             recorder.log_event("stack", step, message, {"stage": self.stack_stage, "blocks": new_depth,
                                                         "from_blocks": old_depth, "init": str(st.init)})
-            self.echo(f"{self._step_label(step)}  {message}")
+            self.echo(f"{self.step_label(step)}  {message}")
 
     def _setup_output(self) -> None:
         """Lock the output folder (rank 0), then restore the checkpoint to resume or refuse foreign files."""
@@ -339,7 +339,7 @@ class Run:
         no rank holds the whole model in host memory. Several ranks verify it together, each hashing
         its share of the files (``VerifyShare``)."""
         share = None if self.dp is None else VerifyShare(self.dp.rank, self.dp.world_size, self.dp.all_true)
-        return self.ckpt.load(which, lazy=hasattr(self.engine, "local_state_tensors"), share=share)
+        return self.ckpt.load(which, lazy=self.engine.sharded, share=share)
 
     def _restore(self, which: str) -> None:
         try:
@@ -492,7 +492,7 @@ class Run:
         self._echo_val(step, self.val_loss, is_best)
         self._record_mixture(step, recorder)
         if self.source_val:
-            self.echo(f"{self._step_label(step)}  val loss by source: " + "  ".join(
+            self.echo(f"{self.step_label(step)}  val loss by source: " + "  ".join(
                 f"{n} {v:.4f}" for n, v in self.source_val.items() if v is not None))
         return self.val_loss, is_best
 
@@ -506,10 +506,10 @@ class Run:
                     else "phase 2: the whole student on KD + LM loss")
             recorder.log_event("distill", step, f"distillation {what} from step {step}",
                                {"phase": phase, "block": block})
-            self.echo(f"{self._step_label(step)}  distillation {what}")
+            self.echo(f"{self.step_label(step)}  distillation {what}")
         for kind, message, detail in loss.autotune.events:
             recorder.log_event(kind, step, message, detail)
-            self.echo(f"{self._step_label(step)}  autotune: {message}")
+            self.echo(f"{self.step_label(step)}  autotune: {message}")
         loss.autotune.events.clear()
 
     def _stage_started(self, step: int, recorder: Recorder) -> None:
@@ -520,7 +520,7 @@ class Run:
         message = f"data stage {self.loader.stage_name!r} starts at step {step}: {mix} of tokens"
         recorder.log_event("stage", step, message, {"stage": self.loader.stage, "name": self.loader.stage_name,
                                                     "token_shares": {n: w / total for n, w in st.weights.items()}})
-        self.echo(f"{self._step_label(step)}  {message}")
+        self.echo(f"{self.step_label(step)}  {message}")
 
     def _record_mixture(self, step: int, recorder: Recorder) -> None:
         """A mixture's stage, tokens/rows/epochs per source and per-source val losses, recorded."""
@@ -534,19 +534,22 @@ class Run:
     def _evaluate_tasks(self, step: int, recorder: Recorder) -> Stop | None:
         """evaluation.tasks / samples on the model in training (apr.evaluate.during_training); the new
         scores are recorded and checked by the alerts (``eval.<task>.acc`` conditions)."""
-        if self.dp is not None and self.dp.rank != 0:
+        if self.dp is not None and self.dp.rank != 0 and not self.engine.sharded:
+            return None  # data parallel: rank 0 holds the whole model; shards: every rank gathers it
+        with self.engine.whole_weights():
+            result = self.evaluator.run(self.engine.model, step)
+        if not self.is_main:
             return None
-        result = self.evaluator.run(self.engine.model, step)
         recorder.log_task_evals(step, result)
         scores = "  ".join(f"{name} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}"
                            for name, s in result["tasks"].items())
-        self.echo(f"{self._step_label(step)}  eval {scores}  ({result['seconds']:.1f} s)".replace("  (", " (")
-                  if scores else f"{self._step_label(step)}  samples ({result['seconds']:.1f} s)")
+        self.echo(f"{self.step_label(step)}  eval {scores}  ({result['seconds']:.1f} s)".replace("  (", " (")
+                  if scores else f"{self.step_label(step)}  samples ({result['seconds']:.1f} s)")
         for sample in result["samples"]:
             self.echo(f"  sample: {sample['prompt']!r} -> {sample['text']!r}")
-        return self._check_alerts({"step": step}, step, recorder) if result["tasks"] else None
+        return self.check_alerts({"step": step}, step, recorder) if result["tasks"] else None
 
-    def _check_alerts(self, metrics: dict, step: int, recorder: Recorder) -> Stop | None:
+    def check_alerts(self, metrics: dict, step: int, recorder: Recorder) -> Stop | None:
         """Print the alerts ``metrics`` fire; the first ``stop`` alert stops the run."""
         fired = recorder.check_alerts(metrics)
         for alert in fired:
@@ -583,7 +586,7 @@ class Run:
         """Write a checkpoint of ``step`` (on the background writer with ``training.checkpoint_async``:
         recorded once written, see ``record_checkpoints``)."""
         self.survival.before_save(recorder)
-        if self.dp is not None and hasattr(self.engine, "local_state_tensors"):  # sharded: a part per rank
+        if self.dp is not None and self.engine.sharded:  # a part per rank
             state = TrainState(step=step, tensors=self.engine.local_state_tensors(), meta=self.checkpoint_meta(step))
             self.last_checkpoint = self.ckpt.save_part(state, self.dp.rank, self.dp.world_size,
                                                        self.dp.exchange_digests, is_best=is_best,
@@ -710,7 +713,7 @@ class Run:
             if self.cadence.log(step, stopping=signals.received is not None):
                 report.metrics = self.steplog.log(step, lr, report.result, self._epoch(), recorder)
                 self._record_mixture(step, recorder)
-                stop = self._check_alerts(report.metrics, step, recorder)
+                stop = self.check_alerts(report.metrics, step, recorder)
             if self.cadence.validate(step):
                 report.val_loss, report.is_best = self._validate(step, recorder)
                 self.steplog.restart_clock()
@@ -786,11 +789,11 @@ class Run:
         """Epochs read so far, fractional."""
         return self.loader.epoch + self.loader.position / max(self.loader.micro_batches_per_epoch, 1)
 
-    def _step_label(self, step: int) -> str:
+    def step_label(self, step: int) -> str:
         return f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}"
 
     def _echo_val(self, step: int, val: float, best: bool) -> None:
-        self.echo(f"{self._step_label(step)}  val loss {val:.4f} (ppl {math.exp(min(val, 700)):.1f})"
+        self.echo(f"{self.step_label(step)}  val loss {val:.4f} (ppl {math.exp(min(val, 700)):.1f})"
                   + ("  best" if best else ""))
 
     def _banner(self) -> str:

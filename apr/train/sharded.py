@@ -19,6 +19,8 @@ ranks. See docs/design.md, "Sharding and elastic resume".
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -89,6 +91,8 @@ def shard_group_size(world: int) -> int:
 class ShardedEngine(StandardEngine):
     """The autograd source on FSDP2 shards, with any loss part (see the module docstring)."""
 
+    sharded = True
+
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend,
                  execution: Execution, loss: CausalLM | None = None):
         model = model.to(device)
@@ -116,6 +120,23 @@ class ShardedEngine(StandardEngine):
                        found_inf: torch.Tensor | None = None) -> None:
         self._adagc_clip(name, grads, unscale, found_inf, norms=self.tensor_norms(grads))
 
+    @contextmanager
+    def whole_weights(self):
+        """Every FSDP2 unit's weights gathered on every rank (in-training evaluation and samples read
+        the model outside the units' forwards: KV-cache decoding walks the layers' parts); resharded
+        after. Costs the whole model's weights, not its optimizer state, for the duration."""
+        units = [*self.model.model.layers, self.root]
+        reshard = str(self.config.training.sharding) in ("full", "hybrid")
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)  # a forward inside keeps them gathered
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(reshard, recurse=False)
+
     @torch.no_grad()
     def eval_loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         ids, targets = self.split(batch)
@@ -142,10 +163,11 @@ class ShardedEngine(StandardEngine):
 
     # ------------------------------------------------------------------------------ state
 
-    def train_state_tensors(self) -> dict[str, torch.Tensor]:
-        """Full tensors in host memory on rank 0, gathered one at a time (a collective: every rank
-        calls it; the device holds one gathered tensor at a time, the other ranks keep nothing)."""
-        keep = dist.get_rank() == 0
+    def train_state_tensors(self, everywhere: bool = False) -> dict[str, torch.Tensor]:
+        """Full tensors in host memory on rank 0 (``everywhere``: on every rank, as stacking's growth
+        needs), gathered one at a time (a collective: every rank calls it; the device holds one
+        gathered tensor at a time)."""
+        keep = everywhere or dist.get_rank() == 0
         out: dict[str, torch.Tensor] = {}
 
         def gather(name: str, t: torch.Tensor | None, like: torch.Tensor) -> None:

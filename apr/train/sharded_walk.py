@@ -117,6 +117,9 @@ class ShardedInterleavedEngine(ShardedEngine):
     def _apply(self, name: str, coef) -> None:
         """AdamW on this rank's shard of every tensor of the group (then the gradient shard is dropped)."""
         found_inf = self._flags.bad
+        if name in self.frozen:  # progressive stacking's frozen blocks: no update at all
+            self._drop(name)
+            return
         grads = self._grads(name)
         if self.strategy.clip == "adagc":
             self._adagc_sharded(name, grads, 1.0 / self.scaler.scale, found_inf)

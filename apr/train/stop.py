@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from apr.train.signals import SIGNAL_EXIT
 
 if TYPE_CHECKING:
+    import torch
+
+    from apr.config.schema import AprConfig
+    from apr.track.protocol import Recorder
     from apr.train.engine import StepResult
-    from apr.train.run import Run
 
 
 @dataclass(frozen=True)
@@ -64,8 +68,35 @@ class StepReport:
     is_best: bool = False  # val_loss beat every earlier one (a "best" checkpoint is written)
 
 
+class RunContext(Protocol):
+    """What the run loop shows its components (hooks, survival, drift, calibration): a narrow view of
+    the run, so they never import the run loop (docs/design.md, "The composed engine")."""
+
+    config: AprConfig
+    device: torch.device
+    dp: Any  # apr.train.dist.DataParallel | None
+    engine: Any  # apr.train.engine.Engine
+    loader: Any  # the shard or mixture loader
+    recorder: Recorder
+    run_id: str | None
+    run_dir: Path
+    is_main: bool
+    step: int
+    start_step: int
+    tokens_per_step: int
+    steplog: Any
+
+    def echo(self, line: str) -> None: ...
+    def step_label(self, step: int) -> str: ...
+    def check_alerts(self, metrics: dict, step: int, recorder: Recorder) -> Stop | None: ...
+    def load_checkpoint(self, which: str | Path) -> tuple: ...
+    def adopt(self, state: Any, force: bool = False) -> None: ...
+    def save(self, step: int, is_best: bool, recorder: Recorder) -> Path: ...
+    def record_checkpoints(self, recorder: Recorder, wait: bool = False) -> None: ...
+
+
 class StepHook(Protocol):
     """Called by the run loop after each step's logging and evaluation, before the checkpoint decision.
     Return None to go on, or a ``Stop`` to end the run after this step (its checkpoint is written)."""
 
-    def after_step(self, run: Run, report: StepReport) -> Stop | None: ...
+    def after_step(self, run: RunContext, report: StepReport) -> Stop | None: ...

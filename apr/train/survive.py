@@ -21,7 +21,7 @@ from apr.train.stop import Stop
 
 if TYPE_CHECKING:
     from apr.track.protocol import Recorder
-    from apr.train.run import Run
+    from apr.train.stop import RunContext as Run
     from apr.train.stop import StepReport
 
 
@@ -60,7 +60,7 @@ class Survival:
         skip = self.rollback.due_skip(run.loader.absolute)
         if skip is not None:
             run.loader.seek(skip["at"] + skip["count"])
-            run.echo(f"{run._step_label(run.step)}  skipping {skip['count']} micro-batches of data "
+            run.echo(f"{run.step_label(run.step)}  skipping {skip['count']} micro-batches of data "
                      f"(rolled back; see `apr runs ledger {run.run_id}`)")
 
     def after_step(self, run: Run, report: StepReport, recorder: Recorder) -> Stop | bool:
@@ -72,7 +72,7 @@ class Survival:
             detail = {**v.to_dict(), **self._window(run, step, step)}
             recorder.log_event("bad_step", step, v.message(), detail)
             self.unflushed = True
-            run.echo(f"{run._step_label(step)}  {v.message()}")
+            run.echo(f"{run.step_label(step)}  {v.message()}")
         if self.spikes is None:
             return False
         loss_t = report.result.loss.detach().clone()
@@ -137,7 +137,7 @@ class Survival:
                         "roll back to (checkpoint more often: training.save_interval)", 1)
         window = self._window(run, start, step)
         kept = rb.state_dict()  # the run's rollback history outlives the restore
-        run.echo(f"{run._step_label(step)}  rollback: {what}; restoring {targets[0].json_path.name}")
+        run.echo(f"{run.step_label(step)}  rollback: {what}; restoring {targets[0].json_path.name}")
         state, json_path = run.load_checkpoint(targets[0].json_path)
         run.adopt(state)
         if run.dp is not None:  # every rank has read the checkpoint before rank 0 writes its step again
@@ -166,7 +166,7 @@ class Survival:
         recorder.rewind(restored)
         recorder.log_event("rollback", step, message, event["detail"])
         recorder.flush()
-        run.echo(f"{run._step_label(step)}  {message}")
+        run.echo(f"{run.step_label(step)}  {message}")
         run.steplog.start(restored)
         return True
 

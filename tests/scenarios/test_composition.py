@@ -1,0 +1,103 @@
+"""The composition table (docs/design.md, "The composition table"): features that the sharded
+layout used to refuse, run on FSDP2 shards (2 gloo ranks, full sharding) and compared with one
+process reading twice the micro-batch, as tests/distributed/test_sharding.py compares plain
+pretraining. One cell per feature; each names its bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from apr.checkpoint.manager import read_checkpoint
+from tests.distributed.test_sharding import _launch, _rel, _weights
+from tests.evaluate.test_during_training import counting_task, word_tokenizer
+from tests.train.run_helpers import config_doc, make_dataset
+
+OPT = {"lr": 3e-3, "min_lr": 3e-4}
+
+
+def _pair(root: Path, name: str, batch: int = 2, **sections) -> tuple[Path, Path]:
+    """The same config as one process (micro-batch 2 x batch) and as 2 sharded ranks (batch each);
+    returns both run folders."""
+    training = sections.pop("training", {})
+    data = sections.pop("data", {})
+    one = config_doc(root, data={**data, "batch_size": 2 * batch}, optimizer=OPT,
+                     training={**training, "output_dir": f"{name}-one/"}, **sections)
+    two = config_doc(root, data={**data, "batch_size": batch}, optimizer=OPT,
+                     training={**training, "output_dir": f"{name}-two/", "sharding": "full"}, **sections)
+    _launch(one, root / f"{name}-one.json", 1)
+    _launch(two, root / f"{name}-two.json", 2)
+    return root / f"{name}-one", root / f"{name}-two"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The pattern data, a word tokenizer and a counting task, and a 4-block model trained on the data
+    for 6 steps (``base/``: LoRA's base and distillation's teacher)."""
+    root = tmp_path_factory.mktemp("composition")
+    make_dataset(root, train_rows=160)
+    word_tokenizer(root / "tok.json")
+    counting_task(root / "count.jsonl")
+    base = config_doc(root, model={"architecture": {"num_hidden_layers": 4}},
+                      training={"max_steps": 6, "save_interval": 6, "eval_interval": 0, "output_dir": "base/"})
+    _launch(base, root / "base.json", 1)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["interleaved", "standard"])
+def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(root, engine):
+    """Only the adapters train and are checkpointed, alike on shards (each rank's rows of each adapter)
+    and in one process; in-training task scores and samples run on every rank (the whole weights
+    gathered) and rank 0 records them."""
+    one, two = _pair(
+        root, f"lora-{engine}",
+        model={"architecture": {"num_hidden_layers": 4}, "init_from": str(root / "base"),
+               "lora": {"rank": 4, "alpha": 8.0, "targets": "all"}},
+        data={"tokenizer": str(root / "tok.json")},
+        evaluation={"tasks": [str(root / "count.jsonl")], "interval": 4,
+                    "samples": {"prompts": ["1 2 3"], "max_new_tokens": 3}},
+        training={"max_steps": 8, "save_interval": 8, "eval_interval": 4, "engine": engine, "grad_clip": 0.5})
+    got, want = _weights(two, 8), _weights(one, 8)
+    assert set(got) == set(want) and all("lora_" in k for k in got)  # adapters (and their moments) only
+    assert _rel(got, want) <= 1e-6
+    state, ref = (json.loads((d / "training_state.json").read_text()) for d in (two, one))
+    assert state["status"] == "finished"
+    assert state["evals"]["count"]["acc"] == ref["evals"]["count"]["acc"]
+    assert state["samples"]["items"] == ref["samples"]["items"]
+    assert read_checkpoint(two / "checkpoint-step-8.json").meta["engine"]["base"]["init_from"] == str(root / "base")
+
+
+@pytest.mark.slow
+def test_progressive_stacking_grows_and_freezes_on_shards_as_in_one_process(root):
+    """2 -> 4 blocks at step 4, earlier blocks frozen: the grown model is re-sharded from the
+    gathered one, the frozen blocks never move, and the end equals one process."""
+    one, two = _pair(
+        root, "stack",
+        model={"architecture": {"num_hidden_layers": 4},
+               "stacking": {"stages": [{"blocks": 2, "steps": 4}, {"blocks": 4}], "init": "copy_top",
+                            "earlier": "freeze"}},
+        training={"max_steps": 8, "save_interval": 4, "eval_interval": 4, "engine": "interleaved",
+                  "grad_clip": 0.5})
+    assert _rel(_weights(two, 8), _weights(one, 8)) <= 1e-6
+    at_growth, end = _weights(two, 4), _weights(two, 8)
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+        assert (at_growth[name] == end[name]).all(), name  # frozen after the growth
+
+
+@pytest.mark.slow
+def test_blockwise_distillation_on_shards_equals_one_process(root):
+    """Distillation's loss part on the autograd source under FSDP2 (the teacher whole on each rank):
+    both phases (phase 1 one student block at a time, then KD) match one process. The configured
+    default engine (interleaved) is not refused: distillation runs on autograd. Bound 1e-5: the KD
+    loss's softmax over the vocabulary sums in another order on half the batch per rank."""
+    one, two = _pair(
+        root, "distill",
+        model={"architecture": {"num_hidden_layers": 2}},
+        training={"mode": "distill", "max_steps": 8, "save_interval": 8, "eval_interval": 4,
+                  "distill": {"teacher": str(root / "base"), "phase1_steps": 2, "init_from_teacher": True}})
+    assert _rel(_weights(two, 8), _weights(one, 8)) <= 1e-5
+    meta = read_checkpoint(two / "checkpoint-step-8.json").meta["engine"]
+    assert meta["engine"] == "distill" and "autotune" in meta
