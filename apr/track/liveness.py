@@ -14,7 +14,7 @@ import os
 import socket
 from functools import lru_cache
 
-START_SLACK_S = 2.0  # /proc's start time is in clock ticks after a boot time in whole seconds
+START_SLACK_S = 5.0  # /proc gives clock ticks after a boot time in whole seconds; wall-clock steps
 
 
 @lru_cache(maxsize=1)
