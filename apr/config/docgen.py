@@ -50,6 +50,24 @@ the bases < the file < the command line.
   changes the run in a way a resume cannot take (e.g. `training.seed`) is refused like any config
   change, with the settings the run was started with. A saved plan (`-out`) fixes its settings;
   `apply PLAN.json` takes none.
+
+### Where `extends` may point
+
+A config is often checked by CI on a pull request, so `extends` cannot be a way to read the
+machine's files:
+
+- A base is a YAML file (`.yaml` or `.yml`), named relative to the file that extends it.
+- It must lie inside the repository holding the top config (the nearest folder above it with a
+  `.git`), or, outside a repository, inside the current folder (when the config is there) or the
+  config's own folder. An absolute path, a `../` path above that root, or a symlink that resolves
+  outside it is refused (`config.extends_outside`). Set `APR_EXTENDS_ANYWHERE=1` in the environment
+  to allow any path (the environment, never a config, can opt in).
+- Errors about a base's keys name the key path, the base file and the line, never the value found
+  there: a file that is not an apr config is never echoed, in text, JSON or GitHub annotations.
+- All the layers together are bounded: at most 32 files read (a base reached twice, as in a
+  diamond, counts twice), 128 KiB and 4,000 values in all, besides each file's own limits (64 KiB,
+  2,000 values). Past a bound the error is at the `extends` line that crossed it
+  (`config.extends_too_many`, `config.extends_too_large`).
 """
 
 

@@ -21,6 +21,15 @@ from apr.errors import ConfigError, Finding
 
 COMMAND_LINE = "command line"
 MAX_EXTENDS_DEPTH = 16
+# Bounds on all the layers together (docs/config.md, "Where extends may point"): each file is
+# bounded on its own by read_yaml; a fan-out of bases (a diamond or a tree) re-reads and re-merges
+# them, so the files read (repeats counted), their bytes and their values are bounded in total.
+MAX_EXTENDS_FILES = 32
+MAX_LAYERED_BYTES = 128 * 1024
+MAX_LAYERED_VALUES = 4_000
+BASE_SUFFIXES = (".yaml", ".yml")
+# Set to 1 to let `extends` name a file anywhere (an absolute path, or outside the repository).
+EXTENDS_ANYWHERE_ENV = "APR_EXTENDS_ANYWHERE"
 SETTING = re.compile(r"^(?P<key>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)=(?P<value>.*)$", re.S)
 
 
@@ -77,7 +86,7 @@ def _claim(value: Any, loc: tuple, file: str, origin: dict) -> None:
             _claim(sub, loc + (key,), file, origin)
 
 
-def _extends_list(data: dict, file: str, positions: dict) -> list[str]:
+def _extends_list(data: dict, file: str, positions: dict, is_base: bool = False) -> list[str]:
     ext = data.get("extends")
     if ext is None:
         return []
@@ -87,18 +96,86 @@ def _extends_list(data: dict, file: str, positions: dict) -> list[str]:
         raise ConfigError(f"{file}: extends must name a base config file", [Finding(
             "error", "config.extends", "extends must be a file name or a list of file names", path="extends",
             file=file, line=line, column=col, expected="a path such as base.yaml, relative to this file",
-            got=repr(ext)[:60])])
+            got=type(ext).__name__ if is_base else repr(ext)[:60])])  # a base's values are never echoed
     return items
+
+
+def tree_root(config: Path) -> Path:
+    """Where a config's bases may live: the repository holding it (the nearest folder above it with a
+    ``.git``), else the current folder when the config lies inside it, else the config's own folder."""
+    here = Path(os.path.realpath(config)).parent
+    for folder in (here, *here.parents):
+        if os.path.lexists(folder / ".git"):
+            return folder
+    cwd = Path(os.path.realpath(os.getcwd()))
+    return cwd if _within(here, cwd) else here
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def _count_values(node: Any) -> int:
+    if isinstance(node, dict):
+        return 1 + sum(_count_values(v) for v in node.values())
+    if isinstance(node, list):
+        return 1 + sum(_count_values(v) for v in node)
+    return 1
+
+
+def _base_problem(name: str, base: Path, root: Path) -> tuple[str, str, str] | None:
+    """(code, message, expected) when ``extends`` may not name ``name`` (resolved to ``base``)."""
+    anywhere = os.environ.get(EXTENDS_ANYWHERE_ENV) == "1"
+    if Path(name).suffix.lower() not in BASE_SUFFIXES:
+        return ("config.extends_kind", f"base config {name} is not a YAML file (.yaml or .yml)",
+                "a .yaml or .yml apr config")
+    if anywhere:
+        return None
+    if Path(name).is_absolute() or name.startswith("~"):
+        return ("config.extends_outside", f"extends names an absolute path ({name}): bases are named relative to "
+                f"the config, inside {root} (set {EXTENDS_ANYWHERE_ENV}=1 to allow any path)",
+                f"a path relative to the config, inside {root}")
+    if not _within(Path(os.path.realpath(base)), root):
+        return ("config.extends_outside", f"base config {name} lies outside {root} (the repository, or the "
+                f"current folder, holding the config; set {EXTENDS_ANYWHERE_ENV}=1 to allow any path)",
+                f"a file inside {root}")
+    return None
 
 
 def read_layered(path: Path) -> tuple[Any, dict, dict, str, Layers]:
     """Read ``path`` and the bases it extends. Returns (merged data, positions, files by key path,
-    the top file's text, layers). Raises ConfigError on a missing or cyclic base."""
+    the top file's text, layers). Raises ConfigError on a missing, cyclic, misplaced or oversized
+    base (docs/config.md, "Where extends may point")."""
     from apr.config.loader import read_yaml
 
     layers = Layers()
     positions: dict = {}
     files: dict = {}
+    root = tree_root(Path(path))
+    parsed: dict[Path, tuple] = {}  # a base reached twice (a diamond) is read once
+    spent = {"files": 0, "bytes": 0, "values": 0}
+
+    def refuse(named_at, code: str, message: str, expected: str, got: str | None = None):
+        file, line, col = named_at
+        raise ConfigError(f"{file}: {message}", [Finding("error", code, message, path="extends", file=file,
+                                                         line=line, column=col, expected=expected, got=got)])
+
+    def spend(p: Path, named_at) -> None:
+        try:
+            size = os.stat(p).st_size
+        except OSError:
+            size = 0  # read_yaml names what is wrong with it
+        spent["files"] += 1
+        spent["bytes"] += size
+        if named_at is None:
+            return
+        if spent["files"] > MAX_EXTENDS_FILES:
+            refuse(named_at, "config.extends_too_many", f"extends reads more than {MAX_EXTENDS_FILES} files in all "
+                   "(a base named twice counts twice)", f"at most {MAX_EXTENDS_FILES} files", "more")
+        if spent["bytes"] > MAX_LAYERED_BYTES:
+            refuse(named_at, "config.extends_too_large", f"the config and its bases hold more than "
+                   f"{MAX_LAYERED_BYTES // 1024} KiB in all (a base named twice counts twice)",
+                   f"at most {MAX_LAYERED_BYTES // 1024} KiB", f"{spent['bytes'] // 1024} KiB or more")
 
     def load(p: Path, chain: list[Path], named_at: tuple[str, int | None, int | None] | None) -> Any:
         try:
@@ -107,29 +184,35 @@ def read_layered(path: Path) -> tuple[Any, dict, dict, str, Layers]:
             resolved = Path(os.path.abspath(p))
         if resolved in chain:
             cycle = " -> ".join(str(c) for c in [*chain[chain.index(resolved):], resolved])
-            file, line, col = named_at
-            raise ConfigError(f"{file}: extends makes a cycle", [Finding(
-                "error", "config.extends_cycle", f"extends makes a cycle: {cycle}", path="extends", file=file,
-                line=line, column=col, expected="a chain of bases that ends", got=cycle)])
+            refuse(named_at, "config.extends_cycle", f"extends makes a cycle: {cycle}", "a chain of bases that ends",
+                   cycle)
         if len(chain) > MAX_EXTENDS_DEPTH:
-            file, line, col = named_at
-            raise ConfigError(f"{file}: extends chains more than {MAX_EXTENDS_DEPTH} files", [Finding(
-                "error", "config.extends_depth", f"more than {MAX_EXTENDS_DEPTH} bases deep", path="extends",
-                file=file, line=line, column=col, expected=f"at most {MAX_EXTENDS_DEPTH}", got="more")])
+            refuse(named_at, "config.extends_depth", f"more than {MAX_EXTENDS_DEPTH} bases deep",
+                   f"at most {MAX_EXTENDS_DEPTH}", "more")
         if named_at is not None and not _exists(p):
-            file, line, col = named_at
-            what = "does not exist"
-            raise ConfigError(f"{file}: the base config {p} {what}", [Finding(
-                "error", "config.extends_missing", f"base config {p} {what}", path="extends", file=file,
-                line=line, column=col, expected="a readable YAML config file", got=what)])
-        data, source, text = read_yaml(p, what="config file" if named_at is None else "base config")
+            refuse(named_at, "config.extends_missing", f"base config {p} does not exist",
+                   "a readable YAML config file", "does not exist")
+        spend(p, named_at)
+        if resolved not in parsed:
+            parsed[resolved] = read_yaml(p, what="config file" if named_at is None else "base config")
+        data, source, text = parsed[resolved]
+        spent["values"] += _count_values(data)
+        if spent["values"] > MAX_LAYERED_VALUES and named_at is not None:
+            refuse(named_at, "config.extends_too_large", f"the config and its bases hold more than "
+                   f"{MAX_LAYERED_VALUES:,} values in all (a base named twice counts twice)",
+                   f"at most {MAX_LAYERED_VALUES:,} values", f"{spent['values']:,} or more")
         if not isinstance(data, dict):
             return data, text
+        source_file = str(p)
         my_pos = source.positions
         merged: Any = {}
-        for name in _extends_list(data, source.file, my_pos):
+        for name in _extends_list(data, source_file, my_pos, is_base=named_at is not None):
             line, col = my_pos.get(("extends",), (None, None))
-            base, _ = load(p.parent / name, [*chain, resolved], (source.file, line, col))
+            here = (source_file, line, col)
+            problem = _base_problem(name, p.parent / name, root)
+            if problem is not None:
+                refuse(here, *problem)
+            base, _ = load(p.parent / name, [*chain, resolved], here)
             if not isinstance(base, dict):
                 raise ConfigError(f"{p.parent / name}: a base config must be a mapping", [Finding(
                     "error", "schema.type", "the top level must be a mapping of sections", file=str(p.parent / name),
@@ -140,12 +223,12 @@ def read_layered(path: Path) -> tuple[Any, dict, dict, str, Layers]:
             if loc and loc[0] == "extends":
                 continue
             positions[loc] = pos
-            files[loc] = source.file
-        layers.files.append(source.file)
+            files[loc] = source_file
+        layers.files.append(source_file)
         # every file claims its own keys (bases are loaded first, so later files win); only the top
         # file's replacements are "changed from the base"
         replaced = layers.base_values if named_at is None else {}
-        return _merge(merged, own, (), source.file, layers.origin, replaced), text
+        return _merge(merged, own, (), source_file, layers.origin, replaced), text
 
     data, text = load(Path(path), [], None)
     return data, positions, files, text, layers

@@ -345,8 +345,15 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
                 expected = f"a number {word} {ctx[key]}"
     if expected is None:
         expected = msg[0].lower() + msg[1:] if msg else None
+    if file not in (source.file, COMMAND_LINE):  # a base config: say where, never what it holds
+        msg, got = _VALUE_TAIL.sub("", msg), "a value in a base config (not shown)"
     return Finding("error", f"schema.{etype}", msg, path=path, file=file, line=line, column=col,
                    expected=expected, got=got)
+
+
+# ", got 'the value'" at the end of a validator's message: left out for a value from a base file,
+# which may not be an apr config at all (`extends: ../../.env`), so an error never prints its content.
+_VALUE_TAIL = re.compile(r"[,;:(]?\s*\bgot\b.*$", re.S)
 
 
 def validate_data(data: Any, source: SourceMap) -> AprConfig:

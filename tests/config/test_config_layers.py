@@ -154,3 +154,100 @@ def test_a_plan_made_with_settings_stays_fresh_and_apply_refuses_new_settings_wi
     check_plan_fresh(doc)  # the same settings are applied again: not stale
     with pytest.raises(AprError, match="saved plan"):
         run_apply(out, settings=["training.seed=3"], apr_home=layered / "home", echo=lambda line: None)
+
+
+def _validate_json(config):
+    r = runner.invoke(app, ["train", "validate", str(config), "--json"])
+    return r.exit_code, json.loads(r.stdout)["findings"]
+
+
+@pytest.fixture
+def repo_tree(tmp_path, monkeypatch):
+    """A repository (a .git folder) holding configs/, with a secret file beside the repository."""
+    monkeypatch.delenv("APR_EXTENDS_ANYWHERE", raising=False)
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "configs" / "train").mkdir(parents=True)
+    base, _ = materialize({}, repo / "example")
+    base.rename(repo / "configs" / "base.yaml")
+    (tmp_path / "secrets.yaml").write_text("model: {architecture: {hidden_size: hunter2}}\n")
+    return repo
+
+
+def test_extends_may_name_a_base_anywhere_in_the_repository(repo_tree):
+    top = repo_tree / "configs" / "train" / "run.yaml"
+    top.write_text("extends: ../base.yaml\ntraining: {max_steps: 7}\n")
+    loaded = load_config(top)
+    assert loaded.config.training.max_steps == 7 and loaded.layers.files[0].endswith("base.yaml")
+
+
+@pytest.mark.parametrize("name", ["../../../secrets.yaml", "{abs}", "../base-link.yaml"])
+def test_extends_outside_the_repository_is_refused_unless_allowed(repo_tree, monkeypatch, name):
+    secret = repo_tree.parent / "secrets.yaml"
+    (repo_tree / "configs" / "base-link.yaml").symlink_to(secret)  # inside by name, outside once resolved
+    top = repo_tree / "configs" / "train" / "run.yaml"
+    top.write_text(f"extends: {name.format(abs=secret)}\n")
+    code, findings = _validate_json(top)
+    assert code == 1 and [f["code"] for f in findings] == ["config.extends_outside"]
+    assert findings[0]["path"] == "extends" and findings[0]["line"] == 1 and "APR_EXTENDS_ANYWHERE" in \
+        findings[0]["message"]
+    monkeypatch.setenv("APR_EXTENDS_ANYWHERE", "1")
+    code, findings = _validate_json(top)
+    assert "config.extends_outside" not in {f["code"] for f in findings}
+    assert "hunter2" not in json.dumps(findings)  # allowed, and still never echoed
+
+
+def test_extends_names_only_yaml_files(repo_tree, monkeypatch):
+    monkeypatch.setenv("APR_EXTENDS_ANYWHERE", "1")
+    top = repo_tree / "configs" / "run.yaml"
+    for name in ("/etc/passwd", "../.env", "base.json"):
+        top.write_text(f"extends: {name}\n")
+        code, findings = _validate_json(top)
+        assert code == 1 and findings[0]["code"] == "config.extends_kind", name
+
+
+def test_errors_in_a_base_name_the_key_file_and_line_but_never_its_values(repo_tree):
+    (repo_tree / "configs" / "leaky.yaml").write_text(
+        "password: hunter2\nmodel:\n  architecture: {hidden_size: s3cr3t-token}\n  api_key: sk-live-123\n")
+    top = repo_tree / "configs" / "run.yaml"
+    top.write_text("extends: [base.yaml, leaky.yaml]\n")
+    for fmt in ("--json", "--format=github", None):
+        r = runner.invoke(app, ["train", "validate", str(top), *([fmt] if fmt else [])])
+        out = r.stdout + (r.stderr if r.stderr_bytes is not None else "")
+        assert r.exit_code == 1
+        for secret in ("hunter2", "s3cr3t", "sk-live"):
+            assert secret not in out, (fmt, out)
+    code, findings = _validate_json(top)
+    by_path = {f["path"]: f for f in findings}
+    assert {"password", "model.api_key", "model.architecture.hidden_size"} <= set(by_path)
+    assert all(f["file"].endswith("leaky.yaml") and f["line"] for f in by_path.values())
+
+
+def test_a_fan_out_of_bases_is_bounded_in_total(repo_tree):
+    folder = repo_tree / "configs"
+    for depth in range(1, 14):  # a binary tree of bases: 2**13 reads without a bound
+        nxt = f"[l{depth + 1}a.yaml, l{depth + 1}b.yaml]" if depth < 13 else "base.yaml"
+        for side in "ab":
+            (folder / f"l{depth}{side}.yaml").write_text(f"extends: {nxt}\n")
+    top = folder / "run.yaml"
+    top.write_text("extends: [l1a.yaml, l1b.yaml]\n")
+    code, findings = _validate_json(top)
+    assert code == 1 and findings[0]["code"] == "config.extends_too_many"
+    # bytes: a few bases near the per-file limit together exceed the total
+    filler = "".join(f"# {'x' * 70}\n" for _ in range(800))  # ~58 KiB of comments each
+    names = [f"big{i}.yaml" for i in range(3)]
+    for name in names:
+        (folder / name).write_text(filler + "training: {max_steps: 5}\n")
+    top.write_text(f"extends: [base.yaml, {', '.join(names)}]\n")
+    code, findings = _validate_json(top)
+    assert code == 1 and findings[0]["code"] == "config.extends_too_large" and findings[0]["path"] == "extends"
+
+
+def test_a_diamond_of_bases_is_read_once_per_file_and_merges_as_before(repo_tree):
+    folder = repo_tree / "configs"
+    (folder / "left.yaml").write_text("extends: base.yaml\nmonitoring: {block_norms: false}\n")
+    (folder / "right.yaml").write_text("extends: base.yaml\ntraining: {max_steps: 9}\n")
+    top = folder / "run.yaml"
+    top.write_text("extends: [left.yaml, right.yaml]\n")
+    config = load_config(top).config
+    assert config.monitoring.block_norms is False and config.training.max_steps == 9
