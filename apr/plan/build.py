@@ -45,6 +45,7 @@ from apr.plan.validate import (
     survival_findings,
 )
 from apr.steps.algebra import elastic_accumulation
+from apr.track.trackers import sink_target_findings
 
 PLAN_FORMAT = "apr-plan"
 PLAN_FORMAT_VERSION = "1"
@@ -383,7 +384,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),
                        *output_dir_findings(loaded), *init_findings, *compile_findings(loaded),
-                       *sink_findings(loaded), *mixture_findings,
+                       *sink_findings(loaded), *sink_target_findings(loaded), *mixture_findings,
                        *early_stopping_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *survival_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),
                        *stacking_findings(loaded, (sheet.facts.get("steps") or {}).get("total_steps")),

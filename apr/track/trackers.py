@@ -195,7 +195,8 @@ def sink_target_problems(config, *, apr_home: Path | None = None,
             writes = [root, root / (_experiment(config) if str(sink.type) == "tensorboard" else "wandb")]
         target = writes[0]
         what = "file" if kind == "file" else "folder"
-        refuse = _refusal(problems, key, f"{key} {given!r}: the {sink.type} sink would write", expected)
+        lead = f"the {sink.type} sink's {key.rsplit('.', 1)[1]} {given!r} would write"
+        refuse = _refusal(problems, key, lead, expected)
         if any(_within(w, own_store_dir) for w in writes):
             refuse(f"into the run's own experiment store ({own_store_dir})", f"{target}, inside {own_store_dir}")
         elif any(w in store_files for w in writes) or (kind == "file" and target.name in STORE_FILES):

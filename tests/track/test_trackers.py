@@ -439,3 +439,97 @@ def _mlflow_params_respect_the_value_length_and_batch_limits(uri: str) -> None:
     assert len(got.params) == 252 and got.params["p.249"] == "249" and got.params["odd key_x"] == "null"
     assert len(got.params["long"]) == trackers.MLFLOW_PARAM_VALUE_MAX and got.params["long"].endswith("[10,000 chars]")
     assert got.params["p.000"] == "0" and got.tags["apr.changed.p.000"] == "7"
+
+
+def _sink_config(tmp_path: Path, sink: dict, experiment: str = "runtest"):
+    from run_helpers import config_doc
+
+    from apr.config.schema import AprConfig
+
+    return AprConfig.model_validate(config_doc(tmp_path, monitoring={"tracking": {"experiment": experiment},
+                                                                     "sinks": [sink]}))
+
+
+def _apr_store(path: Path) -> Path:
+    """A SQLite file with apr's store tables (as `apr runs` finds it), under any name."""
+    import sqlite3
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE schema_version (version INTEGER)")
+        db.execute("CREATE TABLE runs (id TEXT)")
+    db.close()
+    return path
+
+
+def test_sinks_that_would_write_onto_apr_files_or_the_data_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_dataset(tmp_path)
+    run, home, data = tmp_path / "run", tmp_path / "home", tmp_path / "data"
+    monkeypatch.setenv("APR_HOME", str(home))
+    (tmp_path / "to-train").symlink_to(data / "train")
+    renamed = _apr_store(tmp_path / "copies" / "my-runs.sqlite")
+    refused = [
+        ({"type": "mlflow", "uri": f"sqlite:///{run}/.apr/experiments.db"}, "uri", "own experiment store"),
+        ({"type": "mlflow", "uri": "sqlite:///run/.apr/experiments.db"}, "uri", "own experiment store"),  # relative
+        ({"type": "mlflow", "uri": f"sqlite:///{home}/experiments.db"}, "uri", "an apr experiment store"),
+        ({"type": "mlflow", "uri": f"sqlite:///{home}/experiments.db-wal"}, "uri", "an apr experiment store"),
+        ({"type": "mlflow", "uri": f"sqlite:///{tmp_path}/elsewhere/experiments.db"}, "uri", "experiment store"),
+        ({"type": "mlflow", "uri": f"sqlite:///{renamed}?timeout=5"}, "uri", "apr's runs table"),
+        ({"type": "mlflow", "uri": f"sqlite:///{run}/training_state.json"}, "uri", "run's records"),
+        ({"type": "mlflow", "uri": f"file://{data}/val/mlruns"}, "uri", "inside data.val"),
+        ({"type": "mlflow", "uri": str(data / "train")}, "uri", "at data.train"),
+        ({"type": "tensorboard", "dir": str(run / ".apr")}, "dir", "own experiment store"),
+        ({"type": "wandb", "dir": "run/.apr/wandb"}, "dir", "own experiment store"),
+        ({"type": "tensorboard", "dir": str(run / "checkpoint-step-4.safetensors")}, "dir", "run's records"),
+        ({"type": "tensorboard", "dir": str(run / "plan.json")}, "dir", "run's records"),
+        ({"type": "wandb", "dir": "data/train"}, "dir", "at data.train"),
+        ({"type": "tensorboard", "dir": str(data / "val" / "tb")}, "dir", "inside data.val"),
+        ({"type": "tensorboard", "dir": "to-train/tb"}, "dir", "inside data.train"),  # through a symlink
+        ({"type": "tensorboard", "dir": str(tmp_path / "data" / "train" / "..")}, "dir", None),  # allowed: data/
+    ]
+    for sink, key, why in refused:
+        problems = trackers.sink_target_problems(_sink_config(tmp_path, sink))
+        if why is None:
+            assert problems == [], sink
+            continue
+        ((path, message, expected, got),) = problems
+        assert path == f"monitoring.sinks[0].{key}" and f"the {sink['type']} sink's {key}" in message, (sink, message)
+        assert why in f"{message} {got}", (sink, message, got)
+        assert expected
+    # TensorBoard writes <dir>/<experiment>/<run_id>: a dir whose experiment folder is the data is refused
+    (problem,) = trackers.sink_target_problems(_sink_config(tmp_path, {"type": "tensorboard", "dir": "data"},
+                                                            experiment="train"))
+    assert "data.train" in problem[1]
+    # an explicit registry (apply's apr_home) and the recorder's stores are protected too
+    other = tmp_path / "other-home"
+    (problem,) = trackers.sink_target_problems(
+        _sink_config(tmp_path, {"type": "mlflow", "uri": f"sqlite:///{other}/experiments.db-shm"}), apr_home=other)
+    assert "experiment store" in problem[1]
+
+
+def test_sinks_of_their_own_and_servers_are_accepted(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_dataset(tmp_path)
+    for sink in ({"type": "tensorboard"}, {"type": "wandb"}, {"type": "mlflow"},
+                 {"type": "tensorboard", "dir": "run/tb"}, {"type": "wandb", "dir": str(tmp_path / "wandb")},
+                 {"type": "mlflow", "uri": "sqlite:///run/mlflow.db"}, {"type": "mlflow", "uri": "mlruns"},
+                 {"type": "mlflow", "uri": "http://127.0.0.1:5000"}, {"type": "mlflow", "uri": "sqlite://"},
+                 {"type": "mlflow", "uri": "postgresql://u@db/mlflow"}, {"type": "tensorboard", "dir": "."}):
+        assert trackers.sink_target_problems(_sink_config(tmp_path, sink)) == [], sink
+
+
+def test_plan_and_apply_refuse_a_sink_on_the_runs_store_at_its_line_and_write_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, monitoring={"sinks": [
+        {"type": "tensorboard"},
+        {"type": "mlflow", "uri": f"sqlite:///{tmp_path / 'run' / '.apr' / 'experiments.db'}"}]})
+    r = CliRunner().invoke(app, ["train", "plan", str(cfg), "--json"])
+    assert r.exit_code == 1, r.output
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.sink_target"]
+    assert f["path"] == "monitoring.sinks[1].uri" and f["severity"] == "error"
+    assert f["line"] == next(i for i, line in enumerate(cfg.read_text().splitlines(), 1) if "uri:" in line)
+    r = CliRunner().invoke(app, ["train", "apply", str(cfg)])
+    assert r.exit_code == 1 and "monitoring.sinks[1].uri" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "run").exists()  # refused before anything was written
