@@ -134,6 +134,9 @@ def show_text(detail: dict) -> str:
     r = detail["run"]
     t = safe_text
     reason = f" ({t(r['status_reason'])})" if r["status_reason"] else ""
+    if r["status"] == "dead":  # recorded as running; its process is gone (docs/runs.md, stale and dead runs)
+        reason = (f" (recorded as {t(r['recorded_status'])}; its trainer, pid {fmt_value(r['pid'])} on this host, "
+                  "is gone: killed or out of memory?)")
     out = [
         f"run        {t(r['run_id'])}",
         f"experiment {t(r['experiment'])}",

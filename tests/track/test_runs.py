@@ -136,6 +136,8 @@ def test_a_trainer_killed_with_sigkill_is_dead_at_once_not_running_until_stale(t
     out = runner.invoke(app, ["runs", "ls"]).output
     assert run_id in out and "dead" in out.split(run_id, 1)[1].splitlines()[0]
     assert json.loads(runner.invoke(app, ["runs", "show", run_id, "--json"]).output)["run"]["status"] == "dead"
+    shown = runner.invoke(app, ["runs", "show", run_id]).output
+    assert f"status     dead (recorded as running; its trainer, pid {run['pid']} on this host, is gone" in shown
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc to see whose a PID is")
