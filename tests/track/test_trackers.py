@@ -533,3 +533,20 @@ def test_plan_and_apply_refuse_a_sink_on_the_runs_store_at_its_line_and_write_no
     r = CliRunner().invoke(app, ["train", "apply", str(cfg)])
     assert r.exit_code == 1 and "monitoring.sinks[1].uri" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_the_recorder_refuses_a_sink_on_its_own_registry_when_it_opens_and_the_run_goes_on(tmp_path,
+                                                                                          recorder_factory):
+    from track_helpers import make_config
+
+    home = tmp_path / "elsewhere"  # apply's apr_home, which the plan could not know
+    cfg = make_config(monitoring={"system": {"enabled": False},
+                                  "sinks": [{"type": "mlflow", "uri": f"sqlite:///{home}/experiments.db"}]})
+    rec = recorder_factory(tmp_path / "run", cfg, apr_home=home)
+    rec.start()
+    rec.log_step(1, {"loss": 2.0})
+    rec.finish("finished")
+    (warning,) = [w for w in rec.warnings if w.startswith("mlflow sink:")]
+    assert "experiment store" in warning and "continues without it" in warning
+    assert json.loads((tmp_path / "run" / "training_state.json").read_text())["status"] == "finished"
+    assert not (home / "mlruns").exists() and (home / "experiments.db").exists()  # apr's registry, untouched by MLflow
