@@ -536,8 +536,9 @@ class OtherRunError(CheckpointError):
 
 def refuse_other_runs(output_dir: str | os.PathLike, json_path: str | os.PathLike,
                       allow: bool = False) -> None:
-    """Resuming from ``json_path`` into ``output_dir``: refuse (unless ``allow``, the explicit
-    ``--allow-other-run``) when the folder holds checkpoints of a run other than the checkpoint's.
+    """Resuming from ``json_path`` into ``output_dir``: refuse (unless ``allow``, an explicit opt-in:
+    ``CheckpointManager.allow_other_run``) when the folder holds checkpoints of a run other than the
+    checkpoint's.
     Saving there would replace that run's ``checkpoint-best`` and mix two timelines in one folder."""
     mine = checkpoint_run_id(json_path)
     if mine is None or allow:
@@ -549,8 +550,8 @@ def refuse_other_runs(output_dir: str | os.PathLike, json_path: str | os.PathLik
     shown = ", ".join(sorted(names)[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
     message = (f"{output_dir} holds checkpoints of run {rid} ({shown}), but the checkpoint to resume, "
                f"{json_path}, is of run {mine}: resuming would write its checkpoints (and checkpoint-best) "
-               "over that run's folder. Choose another training.output_dir, move those files away, or pass "
-               "--allow-other-run to resume into it anyway (the other run's step checkpoints are never pruned)")
+               "over that run's folder. Choose another training.output_dir (an empty folder takes the resume), "
+               "or move that run's checkpoints away")
     raise OtherRunError(message, Path(json_path), "other_run", findings=[Finding(
         "error", "resume.other_run", message, path="training.output_dir", file=str(json_path),
         expected=f"an output folder holding only run {mine}'s checkpoints", got=f"checkpoints of run {rid}")])
@@ -580,7 +581,7 @@ class CheckpointManager:
         # Recorded as the stored doc's own hash, which readers check it against (sidecar.check_head);
         # a caller's ``config_hash`` (of the config as loaded, before run-time resolution) is not used.
         self.config_hash = config_doc_hash(self.config_doc)
-        self.allow_other_run = False  # --allow-other-run: resume into a folder holding another run's checkpoints
+        self.allow_other_run = False  # opt in to resuming into a folder holding another run's checkpoints
         self.keep_last = int(keep_last if keep_last is not None else default_keep)
         if self.keep_last < 1:
             raise ValueError("keep_last must be at least 1")

@@ -37,7 +37,7 @@ def test_resuming_another_runs_checkpoint_into_a_third_runs_folder_is_refused(tm
     with pytest.raises(OtherRunError) as err:
         mgr.load(tmp_path / "a" / "checkpoint-step-4.json")
     message = err.value.message
-    assert "run-b" in message and "run-a" in message and "--allow-other-run" in message
+    assert "run-b" in message and "run-a" in message and "another training.output_dir" in message
     assert err.value.findings[0].path == "training.output_dir"
     assert _hashes(tmp_path / "b") == before
     # the same checkpoint into an empty folder, or the folder's own run, is a plain resume
@@ -127,7 +127,7 @@ def test_apply_resume_from_another_run_into_a_third_runs_folder_is_refused_and_c
     run("a/").execute()
     run("b/").execute()
     before = {p: h for p, h in _hashes(tmp_path / "b").items() if p != ".apr-run.lock"}
-    with pytest.raises(AprError, match="--allow-other-run"):
+    with pytest.raises(AprError, match="holds checkpoints of run"):
         run("b/", resume=str(tmp_path / "a" / "checkpoint-step-2.json")).execute()
     after = {p: h for p, h in _hashes(tmp_path / "b").items() if p != ".apr-run.lock"}
     assert after == before
