@@ -93,29 +93,32 @@ def _split_lists(final: dict) -> tuple[dict, dict[str, list[tuple[int, dict]]]]:
     return scalars, lists
 
 
-def list_metric_lines(lists: dict[str, list[tuple[int, dict]]], per_line: int = 8) -> list[str]:
-    """Each list metric on its own lines: a summary (blocks, step, min, max, mean, non-finite ones)
-    then every element as ``#index value``, ``per_line`` to a line."""
+def list_metric_lines(lists: dict[str, list[tuple[int, dict]]], per_line: int = 6) -> list[str]:
+    """Each list metric on its own lines: a summary (how many values, the step, max and min with
+    where they are, the mean, the non-finite ones) then every value, ``per_line`` to a line, named
+    by its block (``block 3: 0.52``) for the per-block norms, by its index (``#3: 0.52``) otherwise."""
     out: list[str] = []
     for name, items in lists.items():
+        label = "block " if name in BLOCK_NORM_LISTS else "#"
         known = [(m["value"], i) for i, m in items
                  if isinstance(m["value"], (int, float)) and not isinstance(m["value"], bool)
                  and math.isfinite(m["value"])]
         steps = {m["step"] for _, m in items}
         step = fmt_value(max(steps)) if len(steps) == 1 else f"{fmt_value(min(steps))}-{fmt_value(max(steps))}"
-        summary = f"  {safe_text(name)}  {len(items)} values at step {step}"
+        count = f"{len(items)} blocks" if label == "block " else f"{len(items)} values"
+        summary = f"  {safe_text(name)}: {count} at step {step}"
         if known:
             lo, hi = min(known), max(known, key=lambda vi: (vi[0], -vi[1]))
-            summary += (f": max {fmt_value(hi[0])} (#{hi[1]}), min {fmt_value(lo[0])} (#{lo[1]}), "
+            summary += (f"; max {fmt_value(hi[0])} ({label}{hi[1]}), min {fmt_value(lo[0])} ({label}{lo[1]}), "
                         f"mean {fmt_value(sum(v for v, _ in known) / len(known))}")
         bad = [i for i, m in items if (m["value"], i) not in known]
         if bad:
-            summary += f"; not finite: {', '.join(f'#{i}' for i in bad)}"
+            summary += f"; not finite: {', '.join(f'{label}{i}' for i in bad)}"
         out.append(summary)
-        cells = [f"#{i} {fmt_value(m['value']) if (m['value'], i) in known else '-'}" for i, m in items]
+        cells = [f"{label}{i}: {fmt_value(m['value']) if (m['value'], i) in known else '-'}" for i, m in items]
         width = max(len(c) for c in cells)
         for start in range(0, len(cells), per_line):
-            out.append("    " + "  ".join(c.ljust(width) for c in cells[start:start + per_line]).rstrip())
+            out.append("    " + "   ".join(c.ljust(width) for c in cells[start:start + per_line]).rstrip())
     return out
 
 
@@ -161,7 +164,7 @@ def show_text(detail: dict) -> str:
         b = detail["best_val_loss"]
         out.append(f"  best val_loss  {fmt_value(b['value'])} (step {fmt_value(b['step'])})")
     if lists:
-        out += ["", "list metrics (#N is element N; of a per-block norm, block N, #0 nearest the embedding):",
+        out += ["", "per-block and other list metrics (block 0 is the one nearest the embedding):",
                 *list_metric_lines(lists)]
     out += ["", "checkpoints:"]
     for a in detail["checkpoints"] or []:

@@ -133,13 +133,12 @@ def test_show_prints_each_list_metric_with_its_values_and_summary(tmp_path, reco
     out = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa03"]).output
     assert "block_grad_norm.1" not in out and "block_grad_norm[" not in out  # not one cryptic row per list
     lines = out.splitlines()
-    i = next(n for n, line in enumerate(lines) if line.strip().startswith("block_grad_norm "))
-    assert lines[i].split() == ["block_grad_norm", "3", "values", "at", "step", "20:", "max", "10", "(#1),",
-                                "min", "2", "(#0),", "mean", "5.33333"]
-    assert lines[i + 1].split() == ["#0", "2", "#1", "10", "#2", "4"]  # every block's value, in order
-    j = next(n for n, line in enumerate(lines) if line.strip().startswith("block_update_norm "))
-    assert "max 0.02 (#1), min 0.01 (#0)" in lines[j] and lines[j].endswith("not finite: #2")
-    assert lines[j + 1].split() == ["#0", "0.01", "#1", "0.02", "#2", "-"]
+    i = next(n for n, line in enumerate(lines) if line.strip().startswith("block_grad_norm:"))
+    assert lines[i].strip() == "block_grad_norm: 3 blocks at step 20; max 10 (block 1), min 2 (block 0), mean 5.33333"
+    assert lines[i + 1].split() == ["block", "0:", "2", "block", "1:", "10", "block", "2:", "4"]  # every block
+    j = next(n for n, line in enumerate(lines) if line.strip().startswith("block_update_norm:"))
+    assert "max 0.02 (block 1), min 0.01 (block 0)" in lines[j] and lines[j].endswith("not finite: block 2")
+    assert lines[j + 1].split() == ["block", "0:", "0.01", "block", "1:", "0.02", "block", "2:", "-"]
     assert "max_block_grad_norm" in out and "list metrics" in out
     doc = json.loads(runner.invoke(app, ["runs", "show", "20261122-000000-aaaa03", "--json"]).output)
     assert doc["final_metrics"]["block_grad_norm.1"]["value"] == 10.0  # JSON keeps every block
@@ -154,7 +153,9 @@ def test_a_long_list_wraps_in_order_and_any_indexed_metric_is_a_list():
     scalars, lists = _split_lists(final)
     assert set(scalars) == {"loss", "eval.task.acc"} and list(lists) == ["block_grad_norm", "group_lr"]
     lines = list_metric_lines(lists)
-    assert lines[0].startswith("  block_grad_norm  24 values at step 5: max 0.73 (#23), min 0.5 (#0)")
-    cells = " ".join(lines[1:4]).split()
-    assert cells[0::2] == [f"#{i}" for i in range(24)] and cells[-1] == "0.73"  # 8 a line, block order
-    assert lines[4].startswith("  group_lr  2 values")
+    assert lines[0].startswith("  block_grad_norm: 24 blocks at step 5; max 0.73 (block 23), min 0.5 (block 0)")
+    cells = " ".join(lines[1:5]).split()
+    assert cells[1::3] == [f"{i}:" for i in range(24)] and cells[-1] == "0.73"  # 6 a line, in block order
+    assert all(len(line.split()) == 18 for line in lines[1:5])
+    assert lines[5] == "  group_lr: 2 values at step 5; max 0.002 (#1), min 0.001 (#0), mean 0.0015"
+    assert lines[6].split() == ["#0:", "0.001", "#1:", "0.002"]
