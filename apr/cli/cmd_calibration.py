@@ -23,7 +23,10 @@ def _summary(row: dict) -> dict:
             "model": f"{arch['num_hidden_layers']}x{arch['hidden_size']}",
             "batch": f"{row['shape']['batch_size']}x{row['shape']['seq_len']}",
             "tokens_per_s": r["tokens_per_s"], "step_seconds": r["step_seconds"],
-            "transient_bytes": r.get("transient_bytes"), "modelled_transient_bytes": r.get("modelled_transient_bytes")}
+            "transient_bytes": r.get("transient_bytes"), "modelled_transient_bytes": r.get("modelled_transient_bytes"),
+            "threads": r.get("threads"), "load": r.get("load"), "estimated_seconds": r.get("estimated_seconds"),
+            "low_seconds": r.get("low_seconds"), "high_seconds": r.get("high_seconds"),
+            "actual_seconds": r.get("actual_seconds"), "inside_range": r.get("inside_range")}
 
 
 def _warn_skipped() -> None:
@@ -48,11 +51,18 @@ def run_ls(json_out: bool) -> int:
     def size(value) -> str:
         return format_bytes(value) if value is not None else "-"
 
-    print(text_table(["ID", "SOURCE", "DATE", "DEVICE", "MODEL", "BATCH", "TOK/S", "TRANSIENT", "MODELLED", "TORCH",
-                      "APR"], [
+    def versus(r: dict) -> str:  # a finished run: its actual seconds against its plan's estimate
+        if r["actual_seconds"] is None or r["estimated_seconds"] is None:
+            return "-"
+        inside = "" if r["inside_range"] is None else (" in" if r["inside_range"] else " OUT")
+        return f"{r['actual_seconds']:.0f}/{r['estimated_seconds']:.0f} s{inside}"
+
+    print(text_table(["ID", "SOURCE", "DATE", "DEVICE", "MODEL", "BATCH", "THREADS", "TOK/S", "ACTUAL/EST",
+                      "TRANSIENT", "MODELLED", "TORCH", "APR"], [
         [str(r["id"]), r["source"], time.strftime("%Y-%m-%d %H:%M", time.gmtime(r["time"])),
-         safe_text(r["device_name"]), r["model"], r["batch"], f"{r['tokens_per_s']:,.0f}", size(r["transient_bytes"]),
-         size(r["modelled_transient_bytes"]), safe_text(r["torch"] or "-"), safe_text(r["apr"])]
+         safe_text(r["device_name"]), r["model"], r["batch"], str(r["threads"] or "-"), f"{r['tokens_per_s']:,.0f}",
+         versus(r), size(r["transient_bytes"]), size(r["modelled_transient_bytes"]), safe_text(r["torch"] or "-"),
+         safe_text(r["apr"])]
         for r in rows]))
     return 0
 
@@ -78,6 +88,12 @@ def run_show(calibration_id: int, json_out: bool) -> int:
           f"apr {safe_text(s['apr'])}")
     print(f"shape       model {s['model']}, micro-batch {s['batch']} (key {s['shape_key']})")
     print(f"speed       {s['step_seconds']:.4f} s/step, {s['tokens_per_s']:,.1f} tokens/s")
+    if s["threads"] is not None:
+        print(f"threads     {s['threads']}" + (f", load {s['load']:.1f} at the start" if s["load"] is not None else ""))
+    if s["actual_seconds"] is not None and s["estimated_seconds"] is not None:
+        span = (f" (range {s['low_seconds']:.1f}-{s['high_seconds']:.1f} s: "
+                f"{'inside' if s['inside_range'] else 'outside'})" if s["low_seconds"] is not None else "")
+        print(f"time        {s['actual_seconds']:.1f} s actual against ~{s['estimated_seconds']:.1f} s estimated{span}")
     for r in row["result"]["rows"]:
         modelled = format_bytes(r["modelled"]) if r["modelled"] is not None else "-"
         print(f"  {r['component']:<20} modelled {modelled:>12}  measured {format_bytes(r['measured']):>12}")

@@ -118,3 +118,13 @@ def test_only_the_recent_runs_count_and_runs_alone_give_their_own_spread():
     assert alone["basis"] == "run" and alone["correction"] is None and alone["spread"] > 0
     assert alone["tokens_per_s"] == pytest.approx(sorted(900.0 + i for i in range(12, 20))[3:5][0] / 2
                                                   + sorted(900.0 + i for i in range(12, 20))[3:5][1] / 2)
+
+
+def test_ls_and_show_put_a_runs_actual_time_beside_its_estimate():
+    calibration.record(_run(135.6, 60.0, estimated_seconds=66.3, low_seconds=25.9, high_seconds=169.4,
+                            inside_range=True), SHAPE)
+    listed = runner.invoke(app, ["calibration", "ls"])
+    assert listed.exit_code == 0 and "136/66 s in" in listed.stdout
+    shown = runner.invoke(app, ["calibration", "show", "1"])
+    assert "135.6 s actual against ~66.3 s estimated (range 25.9-169.4 s: inside)" in shown.stdout
+    assert json.loads(runner.invoke(app, ["calibration", "ls", "--json"]).stdout)[0]["inside_range"] is True
