@@ -28,6 +28,8 @@ from ruamel.yaml import YAML
 from apr.errors import AprError, Finding
 from apr.train.stop import StepReport, Stop
 
+MAX_STEPS = 100_000  # a sweep is a few hundred steps; more is a typo (10**30) that would never end
+
 RULES = {
     "steepest": "steepest descent of the smoothed loss (most negative d loss / d ln lr, before its minimum)",
     "min10": "the smoothed loss's minimum LR / 10",
@@ -64,6 +66,9 @@ def range_findings(test: RangeTest) -> list[Finding]:
             f"below --max-lr ({test.max_lr:g})", test.min_lr)
     if test.steps < 10:
         bad("--steps", "too few steps to see a curve", "at least 10", test.steps)
+    elif test.steps > MAX_STEPS:
+        bad("--steps", "a range test needs a few hundred steps, not a training run", f"at most {MAX_STEPS:,}",
+            test.steps)
     if not 0 <= test.smoothing < 1:
         bad("--smoothing", "the EMA decay must lie in [0, 1)", "0 <= smoothing < 1", test.smoothing)
     if not test.diverge > 1:

@@ -37,8 +37,9 @@ def register(app: typer.Typer) -> None:
         metric: str = typer.Option("loss", "--metric", help="Metric to plot: loss, val_loss, lr, grad_norm, ..."),
         params: bool = typer.Option(False, "--params", help="Also print the hyperparameters that differ."),
         all_params: bool = typer.Option(False, "--all-params", help="With --params: print every parameter."),
-        width: int | None = typer.Option(None, "--width", min=40, help="Chart width (default: terminal)."),
-        height: int = typer.Option(24, "--height", min=10, help="Chart height in lines."),
+        width: int | None = typer.Option(None, "--width", min=40, max=1000,
+                                         help="Chart width, 40 to 1000 (default: terminal)."),
+        height: int = typer.Option(24, "--height", min=10, max=500, help="Chart height in lines, 10 to 500."),
     ) -> None:
         """Compare runs of one store: a terminal chart of a metric by step, and their params."""
         from apr.track.experiment import load_view, param_table, render_chart

@@ -182,8 +182,8 @@ def _typed(value: Any) -> tuple[Any, str]:
         return None, "null"
     if isinstance(value, bool):
         return int(value), "bool"
-    if isinstance(value, int):
-        return value, "int"
+    if isinstance(value, int):  # SQLite integers are 64-bit: a larger one (a seed of 2**64) is kept as text
+        return (value if -2**63 <= value < 2**63 else str(value)), "int"
     if isinstance(value, float):
         return (value if math.isfinite(value) else str(value)), "float"
     if isinstance(value, str):
@@ -202,6 +202,11 @@ def untyped(value: Any, kind: str) -> Any:
             return value
     if kind == "float" and isinstance(value, str):
         return float(value)
+    if kind == "int" and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return value
     return value
 
 
