@@ -152,3 +152,45 @@ def test_the_check_flags_a_needless_local_import_and_accepts_a_lazy_heavy_one(tm
     finally:
         _top_imports.cache_clear()
         _closure.cache_clear()
+
+
+# What `apr train validate CONFIG` may load (docs/performance.md, "apr train validate"): the schema, the
+# config-only facts and contracts, and the CLI's rendering; never the plan's data, tokenizer, storage,
+# checkpoint or calibration modules, nor a heavy package. A new import on this path must be added here
+# on purpose (and measured: validate runs in CI on every push).
+VALIDATE_APR_MODULES = {
+    "apr", "apr.cel", "apr.cli", "apr.cli.cmd_runs", "apr.cli.cmd_train_validate", "apr.cli.entry",
+    "apr.cli.ghactions", "apr.cli.render", "apr.cli.table", "apr.config", "apr.config.layers",
+    "apr.config.loader", "apr.config.numbers", "apr.config.paths", "apr.config.schema", "apr.errors", "apr.fmt",
+    "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
+    "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
+    "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.strategy", "apr.track", "apr.track.alerts",
+    "apr.track.state", "apr.track.trackers",
+}
+VALIDATE_PACKAGES = {"pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
+                     "ruamel", "cel"}
+NEVER_ON_VALIDATE = {"apr.plan.facts", "apr.plan.storage", "apr.plan.datafacts", "apr.plan.distillfacts",
+                     "apr.plan.mixfacts", "apr.plan.build", "apr.track.calibration", "apr.track.store", "sqlite3",
+                     "typer", "click", "rich", *HEAVY - {"pydantic", "pydantic_core", "ruamel", "cel"}}
+
+
+def _modules_of_a_validate_run(config: Path) -> tuple[set[str], set[str]]:
+    import json
+    import subprocess
+
+    probe = ("import json, sys\nfrom apr.cli.entry import run\nsys.argv = ['apr', 'train', 'validate', sys.argv[1]]\n"
+             "try:\n    run()\nexcept SystemExit:\n    pass\n"
+             "print(json.dumps(sorted(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(config)], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout.splitlines()[-1]))
+    third_party = {m.split(".")[0] for m in loaded if not m.startswith(("_", "apr"))} - set(sys.stdlib_module_names)
+    return loaded, third_party
+
+
+def test_a_validate_run_imports_only_the_config_only_modules():
+    loaded, third_party = _modules_of_a_validate_run(ROOT / "configs/train/pretrain-350m-v2.yaml")
+    apr_modules = {m for m in loaded if m == "apr" or m.startswith("apr.")}
+    assert apr_modules <= VALIDATE_APR_MODULES, f"new on validate's path: {sorted(apr_modules - VALIDATE_APR_MODULES)}"
+    assert third_party <= VALIDATE_PACKAGES, f"packages on validate's path: {sorted(third_party - VALIDATE_PACKAGES)}"
+    assert not loaded & NEVER_ON_VALIDATE, sorted(loaded & NEVER_ON_VALIDATE)
+    assert {"apr.plan.configfacts", "apr.plan.contracts", "apr.config.schema"} <= apr_modules  # it did validate

@@ -68,3 +68,27 @@ def data_path_problems(config: AprConfig) -> list[tuple[str, str, str]]:
             problems.append((key, f"{key} {value!r} is your home folder itself: point it at a folder of pretokenized "
                                   "shards (apr data pretokenize --out DIR)", f"{target} (the home folder)"))
     return problems
+
+
+def train_val_problems(config: AprConfig) -> list[tuple[str, str, str, str]]:
+    """(val key, train key, message, what was found) for every validation input that is, holds or
+    lies inside a training input once paths are resolved (``data.val: ./data/train/`` against
+    ``data.train: data/train``, or a mixture source's path): the loader reads a folder's shards
+    recursively, so the validation loss would be measured on training data."""
+    data = config.data
+    trains = [(key, value, _resolve(value)) for key, value in data.train_paths() if value]
+    problems = []
+    for val_key, val_text in data.val_paths():
+        val = _resolve(val_text)
+        for train_key, train_text, train in trains:
+            if val == train:
+                how = "is"
+            elif _within(val, train):
+                how = "lies inside"
+            elif _within(train, val):
+                how = "holds"
+            else:
+                continue
+            problems.append((val_key, train_key, f"{val_key} ({val_text}) {how} {train_key} ({train_text}): the "
+                             "validation loss would be measured on training data", f"{val}, which {how} {train}"))
+    return problems

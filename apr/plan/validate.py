@@ -11,7 +11,7 @@ import re
 from dataclasses import replace
 
 from apr.config import LoadedConfig
-from apr.config.paths import data_path_problems, output_dir_problems
+from apr.config.paths import data_path_problems, output_dir_problems, train_val_problems
 from apr.errors import Finding
 from apr.plan.configfacts import config_facts
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
@@ -139,13 +139,19 @@ def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
 
 
 def data_path_findings(loaded: LoadedConfig) -> list[Finding]:
-    """`data.train` / `data.val` that is a filesystem root or the home folder, at the key's line."""
+    """`data.train` / `data.val` that cannot be right, at the key's line: a filesystem root or the
+    home folder; validation data that is (or holds, or lies inside) training data once paths are
+    resolved (the message names both keys; the plan's C-DATA-015 also finds copied shards)."""
 
     out = []
     for key, message, got in data_path_problems(loaded.config):
         file, line, column = loaded.source.where(key_loc(key))
         out.append(Finding("error", "config.data_path", message, path=key, file=file, line=line,
                            column=column, expected="a folder of pretokenized shards (or one shard)", got=got))
+    for val_key, train_key, message, got in train_val_problems(loaded.config):
+        file, line, column = loaded.source.where(key_loc(val_key))
+        out.append(Finding("error", "config.val_is_train", message, path=val_key, file=file, line=line,
+                           column=column, expected=f"validation data apart from {train_key}", got=got))
     return out
 
 

@@ -1,0 +1,117 @@
+"""Config-only checks (apr/plan/validate.py): one round of findings, train data reused as val, and
+the config facts validate computes being the plan's."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.config import load_config
+from apr.config.loader import PartialConfig, load_config_partial
+from apr.plan import configfacts, facts
+from apr.plan.validate import config_findings, data_path_findings
+
+runner = CliRunner()
+
+ARCH = ("model:\n  architecture:\n    hidden_size: {hidden}\n    num_hidden_layers: 2\n    num_attention_heads: 4\n"
+        "    num_key_value_heads: 3\n    intermediate_size: 256\n    vocab_size: 512\n"
+        "    max_position_embeddings: 64\n")
+
+
+def _codes(config, *settings) -> list[str]:
+    r = runner.invoke(app, ["train", "validate", str(config), *settings, "--json"])
+    return [f["code"] for f in json.loads(r.stdout)["findings"]]
+
+
+def test_schema_errors_and_contract_errors_come_in_one_round(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(ARCH.format(hidden=64) + "data:\n  train: t/\n  batch_size: 2\n  seq_len: 128\n  seq_length: 3\n"
+                   "training:\n  lr: 3\n  max_steps: 10\n  warmup_steps: 10\n"
+                   "monitoring:\n  alerts:\n    - condition: 'los > 3'\n")
+    r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    doc = json.loads(r.stdout)
+    codes = {f["code"] for f in doc["findings"]}
+    assert r.exit_code == 1 and doc["valid"] is False
+    # the typos, and what the valid keys say: GQA (4 heads, 3 kv heads), seq_len > positions, warmup, alert
+    assert {"schema.unknown_key", "C-ARCH-002", "C-ARCH-004", "C-TRAINCFG-008", "alert.unknown_metric"} <= codes
+    by_code = {f["code"]: f for f in doc["findings"]}
+    assert "did you mean 'loss'?" in by_code["alert.unknown_metric"]["message"]
+    assert any("did you mean 'optimizer.lr'?" in f["message"] for f in doc["findings"])
+    text = runner.invoke(app, ["train", "validate", str(cfg)])
+    assert text.exit_code == 1 and "C-ARCH-002" in text.output and "unknown key 'seq_length'" in text.output
+
+
+def test_a_check_reading_a_bad_value_is_not_run_on_a_stand_in(tmp_path):
+    """hidden_size: wide fails the schema; contracts that read it (heads divide it) are skipped, those
+    that do not (seq_len against positions) still run."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(ARCH.format(hidden="wide") + "data:\n  train: t/\n  batch_size: 2\n  seq_len: 128\n")
+    partial = load_config_partial(cfg)
+    assert isinstance(partial, PartialConfig) and ("model", "architecture", "hidden_size") in partial.tainted
+    codes = _codes(cfg)
+    assert "schema.value_error" in codes and "C-ARCH-004" in codes
+    assert "C-ARCH-001" not in codes and "C-ARCH-003" not in codes and "C-MEM-001" not in codes
+
+
+def test_an_unusable_config_still_reports_its_schema_errors(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: 3\ndata: []\n")
+    r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    assert r.exit_code == 1 and {f["code"] for f in json.loads(r.stdout)["findings"]} <= {
+        "schema.model_type", "schema.model_attributes_type", "schema.missing", "schema.dict_type"}
+
+
+@pytest.mark.parametrize(("val", "train", "how"), [
+    ("t", "t", "is"), ("./t/", "t", "is"), ("t/val", "t", "lies inside"), ("d", "d/train", "holds")])
+def test_validation_data_that_is_training_data_is_an_error_naming_both_keys(tmp_path, monkeypatch, val, train, how):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(ARCH.format(hidden=64).replace("num_key_value_heads: 3", "num_key_value_heads: 2")
+                   + f"data:\n  train: {train}\n  val: {val}\n  batch_size: 2\n  seq_len: 32\n")
+    (f,) = [f for f in data_path_findings(load_config(cfg)) if f.code == "config.val_is_train"]
+    assert f.severity == "error" and f.path == "data.val" and f.line == 12
+    assert f"data.val ({val}) {how} data.train ({train})" in f.message and "data.train" in f.expected
+
+
+def test_a_mixture_source_reused_as_validation_is_found(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path / "web", target_is_directory=True)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(ARCH.format(hidden=64).replace("num_key_value_heads: 3", "num_key_value_heads: 2")
+                   + "data:\n  train:\n    - {name: web, path: web}\n    - {name: code, path: code, val: code/held}\n"
+                   f"  val: {tmp_path}/link\n  batch_size: 2\n  seq_len: 32\n")
+    found = {(f.path, f.message.split(":")[0]) for f in config_findings(load_config(cfg))
+             if f.code == "config.val_is_train"}
+    assert found == {("data.val", f"data.val ({tmp_path}/link) is data.train[0].path (web)"),
+                     ("data.train[1].val", "data.train[1].val (code/held) lies inside data.train[1].path (code)")}
+
+
+def test_the_plan_refuses_training_data_as_validation_data_too(tmp_path, monkeypatch):
+    from apr.plan.examples import materialize
+
+    config, _ = materialize({}, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    train = load_config(config).config.data.train
+    r = runner.invoke(app, ["train", "plan", str(config), f"data.val={train}/", "--json"])
+    assert r.exit_code == 1
+    findings = json.loads(r.stdout)["findings"]
+    assert any(f["code"] == "config.val_is_train" and f["path"] == "data.val" and "data.train" in f["message"]
+               for f in findings)
+
+
+NAMES = ("FactSheet", "lora_facts", "model_facts", "memory_facts", "mfu_facts", "execution_facts", "config_facts",
+         "sharding_facts")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_validate_computes_the_config_facts_the_plan_computes(name):
+    """apr/plan/configfacts.py holds what validate needs without the plan's heavy imports; until
+    apr/plan/facts.py imports these from it, the two definitions must stay the same."""
+    assert inspect.getsource(getattr(facts, name)) == inspect.getsource(getattr(configfacts, name)), (
+        f"apr/plan/facts.py and apr/plan/configfacts.py define {name} differently: facts.py should import it "
+        "from configfacts")
+
