@@ -17,6 +17,7 @@ docs/monitor.md ("In a browser") documents all of it.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hmac
 import html
@@ -387,7 +388,20 @@ class WebDashboard:
                 open_sockets.discard(ws)
                 await service.stop()
                 await ws.close()
+                await reap(service)
             return ws
+
+        async def reap(service) -> None:
+            """Wait for the session's dashboard process (textual-serve asks it to quit but does not wait),
+            so that a session's place is free only once its process is gone."""
+            process = getattr(service, "_process", None)
+            if process is None:
+                return
+            try:
+                await asyncio.wait_for(process.wait(), 10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
 
         async def close_sessions(_app) -> None:  # on Ctrl-C: end each dashboard now, not after a timeout
             for ws in list(open_sockets):
