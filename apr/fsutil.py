@@ -259,6 +259,20 @@ def _check_parent(path: Path, option: str) -> None:
         return
 
 
+def probe_writable(path: str | os.PathLike, option: str) -> None:
+    """Before long work whose result goes to ``path``: create its folder and a temp file there (removed
+    at once), so a read-only or immutable folder, a full disk or a bad name is an error now, naming
+    ``option``, not after the work."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:64]}.", suffix=".probe", dir=target.parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as err:
+        raise output_write_error(target, option, err) from None
+
+
 def _errno_name(err: OSError) -> str:
     import errno
 

@@ -233,7 +233,7 @@ def output_targets(config_path: Path, settings: list[str] | None, *, plot: Path 
     never the config, apr's stores or a run's records, a FIFO, a device or a symlink. Raises AprError."""
     from apr.apply import command_line_overrides
     from apr.config import load_config
-    from apr.fsutil import check_output_file
+    from apr.fsutil import check_output_file, probe_writable
     from apr.plan.build import normalise_overrides
 
     config_path = Path(config_path)
@@ -266,6 +266,8 @@ def output_targets(config_path: Path, settings: list[str] | None, *, plot: Path 
         if default and replace and not overwrite:
             targets.replaceable.add(path)
         check_output_file(path, inputs=inputs, overwrite=replace, option=option)
+    for option, path, _ in checked:  # a read-only folder fails now, not after the sweep
+        probe_writable(path, option)
     return targets
 
 

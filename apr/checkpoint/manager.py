@@ -430,7 +430,7 @@ def scan(run_dir: str | os.PathLike) -> list[CheckpointEntry]:
     steps: set[int] = set()
     try:
         names = os.listdir(run_dir)
-    except FileNotFoundError:
+    except OSError:  # missing, a file, a path under a file, a name too long: no checkpoints there
         return []
     by_stem: dict[str, list[Path]] = {}
     for name in names:

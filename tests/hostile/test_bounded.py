@@ -70,3 +70,40 @@ def test_lr_find_refuses_extreme_numbers_before_any_work(args, option):
     value = float(args[1]) if option != "--steps" else int(args[1])
     found = range_findings(RangeTest(**{kw[option]: value}))
     assert [f.path for f in found] == [option], found
+
+
+@pytest.fixture(scope="module")
+def odd_root(tmp_path_factory):
+    from apr.plan.examples import materialize
+
+    root = tmp_path_factory.mktemp("odd")
+    config, _ = materialize({"config": {"training": {"warmup_steps": 0}}}, root / "w")
+    (root / "afile").write_text("the user's file\n")
+    return root, config
+
+
+def _odd_output_dir(root, kind: str) -> str:
+    return {"a_file": str(root / "afile"), "under_a_file": str(root / "afile" / "run"),
+            "too_long": str(root / ("n" * 300))}[kind]
+
+
+@pytest.mark.parametrize("kind", ["a_file", "under_a_file", "too_long"])
+def test_lr_find_refuses_an_odd_output_dir_before_the_sweep(odd_root, kind):
+    root, config = odd_root
+    r = runner.invoke(app, ["train", "lr-find", str(config), "--steps", "10",
+                            f"training.output_dir={_odd_output_dir(root, kind)}"])
+    assert r.exit_code == 1 and "--plot" in r.output and "Traceback" not in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert (root / "afile").read_text() == "the user's file\n"
+
+
+@pytest.mark.parametrize("kind", ["a_file", "under_a_file"])
+def test_apply_and_plan_take_an_odd_output_dir_without_a_traceback(odd_root, kind):
+    root, config = odd_root
+    setting = f"training.output_dir={_odd_output_dir(root, kind)}"
+    planned = runner.invoke(app, ["train", "plan", str(config), setting])
+    assert planned.exception is None or isinstance(planned.exception, SystemExit), planned.output
+    applied = runner.invoke(app, ["train", "apply", str(config), setting])
+    assert applied.exit_code == 1 and "training.output_dir" in applied.output, applied.output
+    assert applied.exception is None or isinstance(applied.exception, SystemExit)
+    assert (root / "afile").read_text() == "the user's file\n"
