@@ -42,6 +42,20 @@ class FactSheet:
     time_estimate: dict | None = None
 
 
+def base_facts(config: AprConfig, world_size: int) -> dict:
+    """The facts ``config_facts`` starts from, without a target: the ranks, the model's shapes and
+    the step's sequences and tokens. Without a target every memory, execution, MFU and target fact
+    is moot for the contracts (they require the target's memory), so validate stops here."""
+    per_step = sequences_per_step(config.data.batch_size, config.training.gradient_accumulation, world_size)
+    return {
+        "world_size": world_size,
+        "model": model_facts(config),
+        "schedule": {"sequences_per_step": per_step,
+                     "tokens_per_step": per_step * config.data.seq_len,
+                     "min_lr": config.optimizer.resolved_min_lr},
+    }
+
+
 def lora_facts(config: AprConfig) -> dict:
     """Adapter counts and the smallest dimension a rank must not exceed (spec.lora_block_specs)."""
     arch, lora = config.model.architecture, config.model.lora

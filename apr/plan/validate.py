@@ -13,7 +13,7 @@ from dataclasses import replace
 from apr.config import LoadedConfig
 from apr.config.paths import data_path_problems, output_dir_problems, train_val_problems
 from apr.errors import Finding
-from apr.plan.configfacts import config_facts
+from apr.plan.configfacts import base_facts, config_facts
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
 from apr.plan.gpus import resolve_target
 from apr.steps.execution import compile_problem
@@ -34,14 +34,17 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False,
     tr = config.training
     contracts = [c for c in load_contracts().contracts if c.config_only and not _reads_tainted(c, tainted)]
     facts: dict = {}
-    if any("facts." in _contract_text(c) for c in contracts):
-        target = resolve_target(None, None, config_gpu=tr.gpu, config_vram=tr.vram)
-        try:
+    target = resolve_target(None, None, config_gpu=tr.gpu, config_vram=tr.vram)
+    try:
+        if target is None:  # no memory budget: the memory, execution and target contracts are all skipped
+            facts = base_facts(config, tr.world_size)
+            contracts = [c for c in contracts if set(_FACT_REF.findall(_contract_text(c))) <= set(facts)]
+        elif any("facts." in _contract_text(c) for c in contracts):
             facts = config_facts(config, world_size=tr.world_size, target=target).facts
-        except Exception:  # noqa: BLE001 - placeholders need not make a computable model
-            if not tainted:
-                raise
-            contracts = [c for c in contracts if "facts." not in _contract_text(c)]
+    except Exception:  # noqa: BLE001 - placeholders need not make a computable model
+        if not tainted:
+            raise
+        contracts = [c for c in contracts if "facts." not in _contract_text(c)]
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), facts, loaded.source)
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]

@@ -115,3 +115,12 @@ def test_validate_computes_the_config_facts_the_plan_computes(name):
         f"apr/plan/facts.py and apr/plan/configfacts.py define {name} differently: facts.py should import it "
         "from configfacts")
 
+
+
+def test_base_facts_are_the_start_of_the_config_facts(repo):
+    """Without a target validate stops at base_facts: they must be exactly what config_facts holds."""
+    for name in ("demo-tiny.yaml", "lora-350m.yaml"):
+        config = load_config(repo / "configs/train" / name).config
+        base = configfacts.base_facts(config, 2)
+        full = configfacts.config_facts(config, world_size=2, target=None).facts
+        assert base == {k: full[k] for k in base}, name
