@@ -238,13 +238,14 @@ def output_targets(config_path: Path, settings: list[str] | None, *, plot: Path 
 
     config_path = Path(config_path)
     wanted_apply = apply if apply is not None else apply_to is not None
-    inputs = [config_path]
-    if plot is None or json_out is None:
-        overrides = command_line_overrides(settings, False)
-        config = load_config(config_path, normalise_overrides(overrides) or None).config
-        folder = Path(config.training.output_dir).expanduser()
-        if config.data.tokenizer:
-            inputs.append(Path(config.data.tokenizer).expanduser())
+    overrides = command_line_overrides(settings, False)
+    loaded = load_config(config_path, normalise_overrides(overrides) or None)
+    config = loaded.config
+    folder = Path(config.training.output_dir).expanduser()
+    # every file the sweep reads: the config, the bases it extends, the tokenizer
+    inputs = [config_path, *(Path(f) for f in loaded.layers.files)]
+    if config.data.tokenizer:
+        inputs.append(Path(config.data.tokenizer).expanduser())
     targets = OutputTargets(plot=plot if plot is not None else folder / PLOT_NAME,
                             json_out=json_out if json_out is not None else folder / JSON_NAME,
                             apply_to=None, inputs=inputs, overwrite=overwrite)

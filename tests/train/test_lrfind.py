@@ -101,7 +101,7 @@ def test_outputs_default_to_the_runs_folder_and_are_checked_before_the_sweep(tmp
     assert (targets.plot, targets.json_out) == (out_dir / "lr-find.svg", out_dir / "lr-find.json")
     assert targets.apply_to == cfg.with_name("cfg.lr-find.yaml")
     # an earlier sweep's files at the default paths are replaced; anything else needs --overwrite
-    out_dir.mkdir()
+    assert out_dir.is_dir()  # made (and probed for writing) before the sweep
     (out_dir / "lr-find.json").write_text('{"format": "apr-lr-find", "points": []}')
     (out_dir / "lr-find.svg").write_text("<svg><text>LR range test</text></svg>")
     output_targets(cfg, None, plot=None, json_out=None, apply_to=None, overwrite=False)
@@ -116,3 +116,20 @@ def test_outputs_default_to_the_runs_folder_and_are_checked_before_the_sweep(tmp
     moved = output_targets(cfg, ["training.output_dir=elsewhere"], plot=None, json_out=None, apply_to=None,
                            overwrite=False)
     assert moved.plot.resolve() == tmp_path / "elsewhere" / "lr-find.svg"
+
+
+def test_no_output_may_be_a_file_the_config_extends(tmp_path, monkeypatch):
+    from apr.errors import AprError
+    from apr.lrfind import output_targets
+
+    make_dataset(tmp_path)
+    base = write_config(tmp_path, name="base.yaml")
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: base.yaml\noptimizer:\n  lr: 0.02\n")
+    monkeypatch.chdir(tmp_path)
+    before = base.read_bytes()
+    for option in ("plot", "json_out", "apply_to"):
+        kw = {"plot": tmp_path / "p.svg", "json_out": tmp_path / "c.json", "apply_to": None, option: base}
+        with pytest.raises(AprError, match="is an input"):
+            output_targets(child, None, overwrite=True, apply=True, **kw)
+    assert base.read_bytes() == before
