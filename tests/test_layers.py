@@ -15,7 +15,7 @@ import pytest
 # top-level module goes in the lowest layer above everything it imports.
 LAYERS: list[set[str]] = [
     {"apr", "errors"},
-    {"fmt", "fsutil", "rate", "resources", "cel", "readers", "hardware"},
+    {"fmt", "fsutil", "rate", "resources", "cel", "readers", "hardware", "threads"},
     {"config"},
     {"steps"},  # torch-free step algebra, step strategy, LR schedules
     {"data", "kernels", "track"},
@@ -145,3 +145,73 @@ def test_validate_loads_neither_torch_nor_the_trainer(repo, tmp_path):
                              capture_output=True, text=True, cwd=tmp_path)
         # validate reads the step strategy (facts.execution) from apr.steps, not from apr.train
         assert "LOADED [] STEPS True EXIT 0" in out.stdout, out.stdout + out.stderr
+
+
+def import_graph(package_root: Path) -> dict[str, set[str]]:
+    """Module -> the apr modules it imports (function-local and TYPE_CHECKING ones too), each named
+    by the module that defines it (``from apr.config import X`` is ``apr.config``)."""
+    modules = {module_name(p, package_root): p for p in sorted(package_root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for target, _line in imports_of(path, package_root):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and not name.startswith(target + "."):  # a package's own __init__
+                deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_no_module_of_apr_imports_itself_through_others():
+    assert import_circles(import_graph(ROOT / "apr")) == []
+
+
+def test_the_circle_check_finds_a_circle_through_a_lazy_import(tmp_path):
+    root = _tree(tmp_path, {"__init__.py": "", "train/__init__.py": "",
+                            "train/engine.py": "import apr.train.run\n",
+                            "train/stop.py": "from apr.train.engine import x\n",
+                            "train/run.py": "def f():\n    from apr.train.stop import y\n"})
+    assert import_circles(import_graph(root)) == [["apr.train.engine", "apr.train.run", "apr.train.stop"]]

@@ -146,7 +146,7 @@ def read_layered(path: Path) -> tuple[Any, dict, dict, str, Layers]:
     """Read ``path`` and the bases it extends. Returns (merged data, positions, files by key path,
     the top file's text, layers). Raises ConfigError on a missing, cyclic, misplaced or oversized
     base (docs/config.md, "Where extends may point")."""
-    from apr.config.loader import read_yaml
+    from apr.config.yamlfile import read_yaml
 
     layers = Layers()
     positions: dict = {}

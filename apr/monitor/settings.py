@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from apr.config.loader import read_yaml
 from apr.config.numbers import parse_count
+from apr.config.yamlfile import read_yaml
 from apr.errors import AprError
 
 DEFAULT_REFRESH_MS = 1000

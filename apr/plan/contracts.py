@@ -148,7 +148,7 @@ def _parse_contract(item: Any, i: int, family: str, file: str, source) -> Contra
 
 
 def load_contract_file(path: Path) -> tuple[dict, list[Contract]]:
-    from apr.config.loader import read_yaml
+    from apr.config.yamlfile import read_yaml
 
     file = str(path)
     try:

@@ -295,8 +295,16 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
                 sheet.time_estimate["evaluation"] = evaluation
                 sheet.time_estimate["estimated_seconds"] += evaluation["estimated_seconds"]
         if config.model.stacking is not None:  # every stage at its own depth: fewer FLOPs than the full model
+            def stage_sheet(staged, stage_tokens):
+                model = model_facts(staged)
+                memory, _rows, choice = memory_facts(staged, target, device_budget)
+                cost_f = choice.facts(staged).get("cost_f", 3.0)
+                estimate = (time_estimate(stage_tokens, model["flops_per_token"], target, str(tr.mixed_precision),
+                                          world_size, "the stage's steps", cost_f=cost_f) if stage_tokens else None)
+                return model, memory, estimate
+
             stacked = stacking_facts(config, tokens // facts["schedule"]["tokens_per_step"],
-                                     facts["schedule"]["tokens_per_step"], target, world_size, device_budget)
+                                     facts["schedule"]["tokens_per_step"], stage_sheet)
             facts["stacking"] = stacked
             if sheet.time_estimate is not None and stacked["estimated_seconds"] is not None:
                 evaluation_s = (sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)

@@ -5,24 +5,17 @@ docs/design.md, "Progressive stacking"."""
 from __future__ import annotations
 
 from apr.config.schema import AprConfig
-from apr.plan.gpus import Target
 from apr.steps import stacking
 
 
-def stacking_facts(config: AprConfig, total_steps: int, tokens_per_step: int, target: Target | None,
-                   world_size: int, device_budget=None) -> dict:
-    from apr.plan.facts import memory_facts, model_facts, time_estimate
-
+def stacking_facts(config: AprConfig, total_steps: int, tokens_per_step: int, stage_sheet) -> dict:
+    """``stage_sheet(staged_config, tokens) -> (model facts, memory facts, time estimate or None)``:
+    the plan's own facts of one stage's model (apr/plan/facts.py passes them in)."""
     stages = []
-    precision = str(config.training.mixed_precision)
     for st in stacking.stage_plan(config, total_steps):
         staged = stacking.config_at(config, st["first_step"])
-        model = model_facts(staged)
-        memory, _rows, choice = memory_facts(staged, target, device_budget)
         tokens = st["steps"] * tokens_per_step
-        cost_f = choice.facts(staged).get("cost_f", 3.0)
-        estimate = (time_estimate(tokens, model["flops_per_token"], target, precision, world_size,
-                                  "the stage's steps", cost_f=cost_f) if tokens else None)
+        model, memory, estimate = stage_sheet(staged, tokens)
         stages.append({**st, "params": model["params"], "flops_per_token": model["flops_per_token"],
                        "tokens": tokens, "total_flops": tokens * model["flops_per_token"],
                        "memory_total_bytes": memory.get("total_bytes"),

@@ -30,8 +30,11 @@ from apr.steps import execution as execution_policy
 from apr.steps.execution import Execution
 from apr.train.compile import compile_blocks
 from apr.train.dist import DataParallel
+from apr.train.distill import distill_loss
 from apr.train.engine import Engine, InterleavedEngine, StandardEngine, resolve_device
 from apr.train.precision import torch_dtype
+from apr.train.sharded import ShardedEngine
+from apr.train.sharded_walk import ShardedInterleavedEngine
 
 
 def allocate_buffers(config: AprConfig, device: torch.device,
@@ -64,16 +67,10 @@ def _gradient_source(config: AprConfig, model: LlamaForCausalLM, device: torch.d
     loss = None
     autograd = execution_policy.gradient_source(config) == "standard"
     if str(tr.mode) == "distill":  # the student on autograd, the teacher whole beside it
-        from apr.train.distill import distill_loss
-
         loss = distill_loss(config, model, device)
     if sharded and autograd:  # autograd under FSDP2 hooks
-        from apr.train.sharded import ShardedEngine
-
         return ShardedEngine(config, model, device, backend, execution, loss)
     if sharded:  # the flat-buffer walk's per-block steps under FSDP2 hooks
-        from apr.train.sharded_walk import ShardedInterleavedEngine
-
         return ShardedInterleavedEngine(config, model, device, backend, execution)
     if autograd:
         return StandardEngine(config, model.to(device), device, backend, execution, loss)

@@ -62,7 +62,9 @@ def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(ro
         training={"max_steps": 8, "save_interval": 8, "eval_interval": 4, "engine": engine, "grad_clip": 0.5})
     got, want = _weights(two, 8), _weights(one, 8)
     assert set(got) == set(want) and all("lora_" in k for k in got)  # adapters (and their moments) only
-    assert _rel(got, want) <= 1e-6
+    # lora_B starts at zero, so after 8 steps its norm is small and the half-batch sums' rounding is
+    # relatively larger (measured 1.1e-6 on k_proj's B; every other tensor within 6e-7): bound 1e-5
+    assert _rel(got, want) <= 1e-5
     state, ref = (json.loads((d / "training_state.json").read_text()) for d in (two, one))
     assert state["status"] == "finished"
     assert state["evals"]["count"]["acc"] == ref["evals"]["count"]["acc"]
@@ -81,7 +83,11 @@ def test_progressive_stacking_grows_and_freezes_on_shards_as_in_one_process(root
                             "earlier": "freeze"}},
         training={"max_steps": 8, "save_interval": 4, "eval_interval": 4, "engine": "interleaved",
                   "grad_clip": 0.5})
-    assert _rel(_weights(two, 8), _weights(one, 8)) <= 1e-6
+    # at the growth (step 4) within 4.1e-7; the grown blocks' AdamW moments restart there, so 4 steps
+    # later they are small and the half-batch sums' rounding is relatively larger (measured 2.3e-6 on a
+    # grown block's m): bound 1e-5
+    assert _rel(_weights(two, 4), _weights(one, 4)) <= 1e-6
+    assert _rel(_weights(two, 8), _weights(one, 8)) <= 1e-5
     at_growth, end = _weights(two, 4), _weights(two, 8)
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
         assert (at_growth[name] == end[name]).all(), name  # frozen after the growth
