@@ -72,7 +72,8 @@ log = logging.getLogger("apr.checkpoint")
 
 # Errors that mean "no room to write" rather than a bug: reported as such, with the space needed.
 _DISK_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-                errno.EROFS: "the file system is read-only"}
+                errno.EROFS: "the file system is read-only",
+                errno.EFBIG: "the file would exceed the largest file the file system or a limit allows"}
 _JSON_ALLOWANCE = 1 << 20  # the JSON sidecar and the safetensors header, generously
 
 

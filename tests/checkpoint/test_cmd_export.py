@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from apr.checkpoint.manager import CheckpointManager, TrainState
@@ -55,14 +56,13 @@ def test_export_never_replaces_a_device_or_a_fifo(tmp_path, tokenizer_file):  # 
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
+@pytest.mark.slow  # a subprocess that imports torch: several seconds on a loaded 2-core machine
 def test_a_read_only_target_or_a_file_size_limit_is_an_error_and_leaves_the_earlier_export(
         tmp_path, tokenizer_file):  # noqa: F811
     import os
     import shutil
     import subprocess
     import sys
-
-    import pytest
 
     config = make_config(**ARCH, **{"data.tokenizer": str(tokenizer_file)})
     ckpt = CheckpointManager(tmp_path / "run", config).save(TrainState(3, make_tensors(config), {}))

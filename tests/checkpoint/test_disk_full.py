@@ -46,7 +46,7 @@ def _fail_writes(monkeypatch, code):
 
 
 @pytest.mark.parametrize("code, what", [(errno.ENOSPC, "the disk is full"), (errno.EDQUOT, "quota"),
-                                        (errno.EROFS, "read-only")])
+                                        (errno.EROFS, "read-only"), (errno.EFBIG, "largest file")])
 def test_a_failed_write_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, tiny_config, monkeypatch,
                                                                         code, what):
     mgr = CheckpointManager(tmp_path, tiny_config)
@@ -103,3 +103,32 @@ def test_a_run_whose_disk_fills_fails_cleanly_and_resumes_from_the_last_checkpoi
     assert state["status"] == "failed" and "the disk is full" in state["status_reason"]
     monkeypatch.undo()
     assert CheckpointManager(tmp_path / "run", cfg).load("latest")[0].step == 2
+
+
+@pytest.mark.slow  # a subprocess that imports torch: several seconds on a loaded 2-core machine
+def test_a_file_size_limit_while_saving_is_a_clear_error_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real EFBIG: RLIMIT_FSIZE far below the weights, in a subprocess (SIGXFSZ ignored, as a
+    file system's own size limit gives EFBIG without a signal)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal, sys
+from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState
+from tests.checkpoint.conftest import make_config, make_tensors
+config = make_config()
+mgr = CheckpointManager({str(tmp_path)!r}, config)
+mgr.save(TrainState(step=5, tensors=make_tensors(config, 5), meta={{"epoch": 0}}))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    mgr.save(TrainState(step=10, tensors=make_tensors(config, 10), meta={{"epoch": 0}}))
+except CheckpointError as err:
+    print(err.reason, err.message)
+    sys.exit(1)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.startswith("disk_full") and "largest file" in done.stdout and "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-step-5.json", "checkpoint-step-5.safetensors"]
