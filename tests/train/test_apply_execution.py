@@ -30,12 +30,12 @@ def test_apply_runs_the_policy_the_plan_chose_for_the_budget(tmp_path, monkeypat
     assert roomy.execution["policy"]["activations"] == "keep" and roomy.execution["policy"]["gradients"] == "kept"
     lean = alts[("recompute", "workspace")]
     assert lean["total_bytes"] == min(a["total_bytes"] for a in alts.values())
-    vram = lean["total_bytes"] + 1  # only the leanest policy fits
+    vram = f"{lean['total_bytes'] + 1}B"  # only the leanest policy fits (under 1 MiB on the CPU: a unit)
     plan = build_plan(cfg, vram=vram)
     assert plan.execution["policy"]["activations"] == "recompute"
     assert plan.execution["policy"]["gradients"] == "workspace" and not plan.errors
     built = _capture(monkeypatch)
-    result = run_apply(cfg, vram=str(vram), apr_home=tmp_path / "home", echo=lambda line: None)
+    result = run_apply(cfg, vram=vram, apr_home=tmp_path / "home", echo=lambda line: None)
     assert result.status == "finished"
     (engine,) = built
     assert engine.execution.activations == "recompute" and engine.execution.gradients == "workspace"
