@@ -111,14 +111,54 @@ def one_run(i: int, name: str, cfg: Path, work: Path, env: dict, probe_steps: in
     return row
 
 
+def replay(work: Path) -> None:
+    """Recompute each finished run's estimate with the code as it is now, from the store rows
+    recorded before that run (its probe included): a model change judged on the same runs."""
+    os.environ["APR_HOME"] = str(work / "home")
+    from apr.plan.build import build_plan
+    from apr.plan.facts import calibrated_estimate, cpu_threads
+    from apr.track import calibration
+
+    by_key = {}
+    for path in sorted(work.glob("*.yaml")):
+        plan = build_plan(path)
+        threads = cpu_threads(plan.config, 1)
+        key = calibration.shape_key(calibration.shape(plan.config, plan.execution["policy"], threads["threads"]))
+        by_key[key] = (path.stem, plan, threads)
+    rows = calibration.list_calibrations()
+    inside, errors = 0, []
+    print("| run | config | estimate | range | actual | point error | inside |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for n, run in enumerate(r for r in rows if r["result"].get("source") == "run"):
+        name, plan, threads = by_key[run["shape_key"]]
+        prior = [r for r in rows if r["id"] < run["id"] and r["shape_key"] == run["shape_key"]]
+        cal = calibration.summary(prior)
+        facts = plan.facts
+        te = calibrated_estimate(plan.config, facts["steps"]["total_tokens"], facts["model"]["flops_per_token"], cal, 1,
+                                 "replay", facts["execution"]["cost_f"], threads, load_now=cal.get("load"))
+        actual = run["result"]["actual_seconds"]
+        ok = te["low_seconds"] <= actual <= te["high_seconds"]
+        inside += ok
+        errors.append(actual / te["estimated_seconds"] - 1)
+        print(f"| {n + 1} | {name} | {te['estimated_seconds']:.1f} s | {te['low_seconds']:.1f}-"
+              f"{te['high_seconds']:.1f} s | {actual:.1f} s | {errors[-1]:+.0%} | {'yes' if ok else '**no**'} |")
+    print(f"\n{inside}/{len(errors)} inside; median |point error| "
+          f"{sorted(abs(e) for e in errors)[len(errors) // 2]:.0%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=9)
     ap.add_argument("--probe-steps", type=int, default=5)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/apr-bench-time"))
     ap.add_argument("--keep-registry", action="store_true", help="keep the workdir's calibrations from before")
+    ap.add_argument("--replay", action="store_true",
+                    help="run nothing: recompute the estimates of the workdir's recorded runs with this code")
     args = ap.parse_args()
     work = args.workdir.resolve()
+    if args.replay:
+        replay(work)
+        return
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "APR_HOME": str(work / "home"), "NO_COLOR": "1"}
     if not args.keep_registry:

@@ -173,6 +173,7 @@ def matching_shape(device: str, shape_doc: dict, apr_version: str, apr_home: Pat
 
 
 RECENT = 8  # finished runs the correction learns from: older ones describe older load and code
+POOLED = 3  # latest probes whose median is the basis: one probe of a few steps can hit a load spike
 
 
 def log_spread(values: list[float]) -> float:
@@ -196,14 +197,16 @@ def _finished_ratio(result: dict) -> float | None:
 def summary(rows: list[dict]) -> dict | None:
     """What a plan takes from matching records (docs/plan.md, "The time estimate's range").
 
-    - ``basis``: ``probe`` when there are probes (the latest one: it saw the machine's load of the
-      moment), else ``run`` (the median tokens/s of finished runs, whose wall time includes
+    - ``basis``: ``probe`` when there are probes (the median of the latest ``POOLED``: recent, so
+      they saw the machine's load of the moment, and more than one, so one load spike does not
+      decide), else ``run`` (the median tokens/s of finished runs, whose wall time includes
       validation, checkpoints and the loop's own work, and their start-up);
     - ``correction``: on a probe basis, the median of actual / estimated seconds over the last
       ``RECENT`` finished runs whose plan estimated from a probe (what a probe does not see: the
-      loop's own work, validation, checkpoints, data), and the spread of those ratios;
-    - ``spread``: the basis's own scatter in log space: the probe's timed steps, or the runs'
-      tokens/s;
+      loop's own work, validation, checkpoints, data), net of each run's load change, shrunk toward
+      1 by n / (n + 1) for n runs; its spread is that of the ratios and the shrunk distance;
+    - ``spread``: the basis's own scatter in log space: the pooled probes' timed steps, or the
+      runs' tokens/s;
     - the probes' transient-memory ratio, as before."""
     if not rows:
         return None
@@ -222,21 +225,29 @@ def summary(rows: list[dict]) -> dict | None:
            "device_name": rows[-1]["device_name"], "ids": [r["id"] for r in rows], "correction": None}
     plural = lambda n, what: f"{n} {what}{'s' if n != 1 else ''}"  # noqa: E731
     if probes:
-        probe, when = probes[-1]["result"], probes[-1]["time"]
-        steps = probe.get("step_seconds_all") or [probe["step_seconds"]]
-        out.update(basis="probe", basis_id=probes[-1]["id"], tokens_per_s=probe["tokens_per_s"],
-                   step_seconds=probe["step_seconds"], startup_seconds=probe.get("startup_seconds"),
-                   spread=log_spread(steps), spread_of=plural(len(steps), "probe step"), load=probe.get("load"),
-                   threads=probe.get("threads"), basis_time=when,
-                   date=time.strftime("%Y-%m-%d", time.gmtime(when)))
+        pool = [r["result"] for r in probes[-POOLED:]]
+        when = probes[-1]["time"]
+        steps = [t for p in pool for t in (p.get("step_seconds_all") or [p["step_seconds"]])]
+        loads = [p["load"] for p in pool if p.get("load") is not None]
+        startups = [p["startup_seconds"] for p in pool if p.get("startup_seconds") is not None]
+        out.update(basis="probe", basis_id=probes[-1]["id"],
+                   tokens_per_s=statistics.median(p["tokens_per_s"] for p in pool),
+                   step_seconds=statistics.median(p["step_seconds"] for p in pool),
+                   startup_seconds=statistics.median(startups) if startups else None,
+                   spread=log_spread(steps), spread_of=plural(len(steps), "probe step"),
+                   load=statistics.median(loads) if loads else None, threads=pool[-1].get("threads"),
+                   basis_time=when, date=time.strftime("%Y-%m-%d", time.gmtime(when)))
         finished = [(r["id"], x) for r in runs if r["result"].get("base_kind") == "probe"
                     and (x := _finished_ratio(r["result"])) is not None][-RECENT:]
         if finished:
             values = [x for _, x in finished]
-            out["correction"] = {"factor": statistics.median(values), "runs": len(values), "spread": log_spread(values),
+            n, raw = len(values), statistics.median(values)
+            # few runs say little: shrink toward 1 and count the distance as uncertainty
+            out["correction"] = {"factor": math.exp(math.log(raw) * n / (n + 1)), "raw_factor": raw, "runs": n,
+                                 "spread": math.sqrt(log_spread(values) ** 2 + math.log(raw) ** 2 / (n + 1)),
                                  "ratios": values, "ids": [i for i, _ in finished]}
-        out["what"] = plural(1, "probe") + (f" (of {len(probes)}), corrected by {plural(len(finished), 'finished run')}"
-                                            if finished else (f" (of {len(probes)})" if len(probes) > 1 else ""))
+        pooled = plural(1, "probe") if len(pool) == 1 else f"the median of the last {plural(len(pool), 'probe')}"
+        out["what"] = pooled + (f", corrected by {plural(len(finished), 'finished run')}" if finished else "")
     else:
         recent = [r["result"] for r in runs[-RECENT:]]
         rates = [r["tokens_per_s"] for r in recent]

@@ -103,9 +103,21 @@ def test_finished_runs_correct_a_probe_net_of_the_load_change():
     rows += [{"id": 2, "time": 2.0, "device_name": "cpu", "result": _run(12.0, 10.0)},
              {"id": 3, "time": 3.0, "device_name": "cpu", "result": _run(15.0, 10.0, load_factor=1.25)}]
     corrected = calibration.summary(rows)["correction"]
-    assert corrected["ratios"] == pytest.approx([1.2, 1.2]) and corrected["factor"] == pytest.approx(1.2)
-    assert corrected["spread"] == pytest.approx(0.0, abs=1e-12)
-    assert calibration.summary(rows)["what"] == "1 probe (of 1), corrected by 2 finished runs"
+    assert corrected["ratios"] == pytest.approx([1.2, 1.2]) and corrected["raw_factor"] == pytest.approx(1.2)
+    # two runs say little: shrunk toward 1 by n / (n + 1), the distance counted as uncertainty
+    assert corrected["factor"] == pytest.approx(1.2 ** (2 / 3))
+    assert corrected["spread"] == pytest.approx(math.log(1.2) / math.sqrt(3))
+    assert calibration.summary(rows)["what"] == "1 probe, corrected by 2 finished runs"
+
+
+def test_the_basis_is_the_median_of_the_latest_probes():
+    rates = [1000.0, 100.0, 900.0, 1100.0]  # the second probe hit a load spike
+    rows = [{"id": i, "time": float(i), "device_name": "cpu", "result": _probe(tokens_per_s=r, load=float(i))}
+            for i, r in enumerate(rates)]
+    assert calibration.summary(rows[:2])["tokens_per_s"] == pytest.approx(550.0)
+    three = calibration.summary(rows)
+    assert three["tokens_per_s"] == 900.0 and three["what"] == "the median of the last 3 probes"
+    assert three["load"] == 2.0 and three["basis_time"] == 3.0
 
 
 def test_only_the_recent_runs_count_and_runs_alone_give_their_own_spread():
@@ -113,7 +125,7 @@ def test_only_the_recent_runs_count_and_runs_alone_give_their_own_spread():
              "result": _run(10.0 * (3.0 if i < 5 else 1.1), 10.0, tokens_per_s=900.0 + i)} for i in range(20)]
     probe = {"id": 99, "time": 0.5, "device_name": "cpu", "result": _probe()}
     corrected = calibration.summary([probe, *runs])["correction"]
-    assert corrected["runs"] == calibration.RECENT and corrected["factor"] == pytest.approx(1.1)
+    assert corrected["runs"] == calibration.RECENT and corrected["raw_factor"] == pytest.approx(1.1)
     alone = calibration.summary(runs)  # no probe: the runs' own tokens/s, their scatter the range
     assert alone["basis"] == "run" and alone["correction"] is None and alone["spread"] > 0
     assert alone["tokens_per_s"] == pytest.approx(sorted(900.0 + i for i in range(12, 20))[3:5][0] / 2
