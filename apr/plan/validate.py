@@ -18,7 +18,6 @@ from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contract
 from apr.plan.gpus import resolve_target
 from apr.steps.execution import compile_problem
 from apr.track.alerts import alert_findings
-from apr.track.trackers import EXTRA, missing_package
 
 
 def config_findings(loaded: LoadedConfig, *, include_info: bool = False,
@@ -179,8 +178,13 @@ def compile_findings(loaded: LoadedConfig) -> list[Finding]:
 def sink_findings(loaded: LoadedConfig) -> list[Finding]:
     """`monitoring.sinks` whose tracker package is not installed (an error: the run would record
     nowhere the user asked), at the sink's line, naming the extra that installs it."""
+    sinks = loaded.config.monitoring.sinks
+    if not sinks:
+        return []
+    from apr.track.trackers import EXTRA, missing_package  # lazy: the tracker adapters, only with sinks
+
     out = []
-    for i, sink in enumerate(loaded.config.monitoring.sinks):
+    for i, sink in enumerate(sinks):
         package = missing_package(str(sink.type))
         if package is None:
             continue
