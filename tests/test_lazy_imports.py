@@ -170,7 +170,8 @@ VALIDATE_APR_MODULES = {
 }
 VALIDATE_PACKAGES = {"pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
                      "ruamel", "cel"}
-NEVER_ON_VALIDATE = {"apr.plan.facts", "apr.plan.storage", "apr.track.trackers", "apr.plan.datafacts", "apr.plan.distillfacts",
+NEVER_ON_VALIDATE = {"apr.plan.facts", "apr.plan.storage", "apr.track.trackers", "apr.plan.datafacts",
+                     "apr.plan.distillfacts",
                      "apr.plan.mixfacts", "apr.plan.build", "apr.track.calibration", "apr.track.store", "sqlite3",
                      "typer", "click", "rich", *HEAVY - {"pydantic", "pydantic_core", "ruamel", "cel"}}
 
