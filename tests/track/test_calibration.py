@@ -140,3 +140,20 @@ def test_ls_and_show_put_a_runs_actual_time_beside_its_estimate():
     shown = runner.invoke(app, ["calibration", "show", "1"])
     assert "135.6 s actual against ~66.3 s estimated (range 25.9-169.4 s: inside)" in shown.stdout
     assert json.loads(runner.invoke(app, ["calibration", "ls", "--json"]).stdout)[0]["inside_range"] is True
+
+
+def test_apply_survives_a_malformed_row_and_records_its_own(tmp_path):
+    from apr.apply import run_apply
+    from tests.train.run_helpers import make_dataset, write_config
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 12})
+    assert run_apply(cfg, echo=lambda line: None).status == "finished"  # the first run: one good row
+    (row,) = calibration.list_calibrations()
+    _corrupt(row["id"], "result", json.dumps({**row["result"], "tokens_per_s": float("nan")}).replace("NaN", "1e999"))
+    (tmp_path / "run").rename(tmp_path / "run-1")
+    assert run_apply(cfg, echo=lambda line: None).status == "finished"
+    rows = calibration.list_calibrations()
+    assert [r["id"] for r in rows] == [row["id"] + 1]  # the new run's row; the torn one skipped and named
+    assert calibration.skipped_warnings() == [f"calibration row {row['id']} skipped: result.tokens_per_s is inf, "
+                                              "expected a positive number"]
