@@ -307,7 +307,7 @@ def test_a_tracking_server_that_never_answers_does_not_hold_the_run(tmp_path, mo
                                                "save_interval": 4},
                            monitoring={"sinks": [{"type": "mlflow", "uri": f"http://127.0.0.1:{server.port}"}]})
         result = run_apply(cfg, apr_home=tmp_path / "home", echo=lambda line: None)
-        assert server.accepted >= 1  # the sink did reach the server, which never answered
+        _until(lambda: server.accepted >= 1, "the sink never reached the server")  # which never answered
     finally:
         server.close()
     # every step trained and was recorded although the sink never opened
@@ -315,7 +315,7 @@ def test_a_tracking_server_that_never_answers_does_not_hold_the_run(tmp_path, mo
     state = _state(tmp_path / "run")
     assert [s for s, _ in _history(state, "loss")] == list(range(1, 9)) and state["status"] == "finished"
     (warning,) = [w for w in state["store_warnings"] if w.startswith("mlflow sink:")]  # once, naming it
-    assert "while opening the run" in warning
+    assert "opening the run" in warning  # stalled while training, or still opening when the run ended
     assert f"apr: warning: {warning}" in capsys.readouterr().err
     assert (tmp_path / "run" / ".apr" / "experiments.db").exists()  # apr's own stores were written
 
