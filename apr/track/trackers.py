@@ -134,9 +134,10 @@ def _is_apr_store(path: Path) -> bool:
     except OSError:
         return False
     import sqlite3
+    from urllib.parse import quote
 
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)
+        conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, timeout=1.0)
     except sqlite3.Error:
         return True  # a SQLite file that cannot even be opened read-only: never a safe target
     try:
