@@ -53,6 +53,22 @@ def command_line_overrides(settings: list[str] | None, from_plan_file: bool, **n
     return {**parsed, **overrides}
 
 
+def _layout(config, resume: str | None, world: int) -> tuple[dict, dict | None]:
+    """The layout the run will execute, as settings the plan is built with: the world size torchrun
+    started and, resuming a checkpoint of another world size, the gradient accumulation that keeps
+    its global batch (apr/train/layout.py). The plan then sizes what runs; the run edits nothing."""
+    from apr.train.layout import elastic_layout, laid_out
+
+    settings: dict = {}
+    if world > 1 and config.training.world_size != world:
+        settings["training.world_size"] = world
+    run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
+    elastic = elastic_layout(laid_out(config, max(world, 1)), run_dir, resume, max(world, 1))
+    if elastic is not None:
+        settings["training.gradient_accumulation"] = elastic["to_accumulation"]
+    return settings, elastic
+
+
 def run_apply(target: Path, *, seed: int | None = None, device: str | None = None, max_steps: int | None = None,
               resume: str | None = None, force: bool = False, gpu: str | None = None, vram: str | None = None,
               apr_home: Path | None = None, echo=None, progress=None, handle_signals: bool = True,
@@ -73,16 +89,16 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
         config_path = target
     overrides = command_line_overrides(settings, plan_doc is not None, seed=seed, device=device,
                                        max_steps=max_steps)
-    if plan_doc is None:  # read and check the config before importing torch: a bad one fails at once
-
-        load_config(config_path, normalise_overrides(overrides) or None)
+    # read and check the config before importing torch: a bad one fails at once
+    loaded = load_config(config_path, normalise_overrides(overrides) or None)
     from apr.train.dist import env_nodes, env_world_size
     from apr.train.run import ApplyOptions, prepare_run
 
     world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
+    layout_settings, elastic = _layout(loaded.config, resume, world)
     plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
-                      nodes=env_nodes(world) if world > 1 else None, overrides=overrides or None,
-                      device_budget=_device_budget)
+                      nodes=env_nodes(world) if world > 1 else None,
+                      overrides={**overrides, **layout_settings} or None, device_budget=_device_budget)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
     if plan_doc is None:
@@ -91,7 +107,8 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     if not plan.config.monitoring.terminal.enabled:  # monitoring.terminal.enabled: false draws no bar
         progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
-                           progress=progress, overrides=overrides, execution=plan.execution["policy"])
+                           progress=progress, overrides=overrides, execution=plan.execution["policy"],
+                           elastic=elastic)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"

@@ -452,15 +452,23 @@ class InterleavedEngine(Engine):
         The gradient is that of ``grad_mult * mean loss`` (loss scale / micro-batches), formed in the
         same order of float operations as autograd in the standard engine, so both agree bitwise.
         """
-        model, n_layers = self.model, len(self.block_groups)
-        kept = accumulate
-        cos, sin = model.rope(ids.shape[1], ids.device)
         if not self.strategy.keeps_all_grads:
             for g in self.groups:
                 if g.own_grad is not None:  # a tied embedding's buffer: fresh for every walk
                     g.own_grad.zero_()
+        loss_sum, grad_x = self._walk_head(targets, inputs, grad_mult, on_done, free_inputs, check_loss, accumulate,
+                                           gate_loss)
+        grad_x = self._walk_blocks(ids, inputs, graphs, grad_x, on_done, free_inputs)
+        if self.embed is not None:  # LoRA: a frozen embedding needs no gradient
+            self._walk_embedding(ids, grad_x, on_done, accumulate)
+        self._drain()
+        return loss_sum
 
-        # Final norm, LM head and cross-entropy, chunk by chunk.
+    def _walk_head(self, targets, inputs, grad_mult: float, on_done, free_inputs: bool, check_loss: bool,
+                   accumulate: bool, gate_loss: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm, LM head and cross-entropy, chunk by chunk: the loss sum and the gradient of the
+        last block's output."""
+        model, n_layers, kept = self.model, len(self.block_groups), accumulate
         if self.tied:
             self._grad_buffer(self.embed)  # the head's weight gradient adds into the embedding's
         frozen_head = self.head is None  # LoRA: only the hidden states' gradient is needed
@@ -496,10 +504,13 @@ class InterleavedEngine(Engine):
             inputs[n_layers] = None
         if head_buf is not None:
             self._done(self.head, head_buf, on_done)
+        return loss_sum, grad_x
 
-        # Blocks, last to first: backprop through the kept graph (or recompute it from the saved
-        # input), hand over.
-        for i in reversed(range(n_layers)):
+    def _walk_blocks(self, ids, inputs, graphs, grad_x: torch.Tensor, on_done, free_inputs: bool) -> torch.Tensor:
+        """Blocks, last to first: backprop through the kept graph (or recompute it from the saved input),
+        hand over; returns the gradient of the embedding's output."""
+        cos, sin = self.model.rope(ids.shape[1], ids.device)
+        for i in reversed(range(len(self.block_groups))):
             group = self.block_groups[i]
             buf = self._grad_buffer(group)
             # a selective graph can be backpropagated once only: the norm-only walk recomputes it
@@ -520,21 +531,18 @@ class InterleavedEngine(Engine):
             if free_inputs:
                 inputs[i] = graphs[i] = None
             self._done(group, buf, on_done)
+        return grad_x
 
-        if self.embed is None:  # LoRA: a frozen embedding needs no gradient
-            self._drain()
-            return loss_sum
-        # Embedding: scatter the input gradient into the rows looked up (no dense autograd temporary).
+    def _walk_embedding(self, ids, grad_x: torch.Tensor, on_done, accumulate: bool) -> None:
+        """Scatter the input gradient into the embedding rows looked up (no dense autograd temporary)."""
         buf = self._grad_buffer(self.embed)
         embed_grad = self.embed.params[0].grad
-        fresh = not (kept or self.tied)  # the buffer was just zeroed and holds nothing else
+        fresh = not (accumulate or self.tied)  # the buffer was just zeroed and holds nothing else
         lookup_grad = embed_grad if fresh else self._scratch(embed_grad.shape)
         lookup_grad.index_add_(0, ids.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]).float())
         if not fresh:
             embed_grad.add_(lookup_grad)
         self._done(self.embed, buf, on_done)
-        self._drain()
-        return loss_sum
 
     def _scratch(self, shape) -> torch.Tensor:
         """A zeroed float32 scratch of ``shape``: the accumulation scratch, else the free workspace."""

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.readers import load_json
 
 LOCK_FILE = Path(".apr-run.lock")
 RESOLVED_CONFIG = "config.yaml"
@@ -128,8 +129,6 @@ def refuse_foreign_files(run_dir: Path, config_path: Path) -> None:
 
 def _apr_json(path: Path, kind: str, check) -> bool:
     """Whether ``path`` is a regular JSON file (bounded read) that ``check(doc)`` recognises as apr's."""
-    from apr.readers import load_json
-
     try:
         return bool(check(load_json(path, kind, "record")))
     except AprError:

@@ -25,6 +25,7 @@ import torch
 from apr.checkpoint import names
 from apr.config.schema import AprConfig
 from apr.steps import stacking
+from apr.train import events
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -73,3 +74,20 @@ def frozen_groups(config: AprConfig, step: int) -> set[str]:
     if k == 0:
         return set()
     return {f"block.{i}" for i in range(st.stages[k - 1].blocks)}
+
+
+def grow(run, step: int, recorder) -> None:
+    """The engine of ``step``'s stage, filled from the run's current one (a collective under
+    sharding: every rank gathers the whole state once per stage)."""
+    old, old_depth = run.engine, len(run.engine.model.model.layers)
+    meta = old.meta_state()
+    before = {k: v.detach().clone() for k, v in old.train_state_tensors(everywhere=True).items()}
+    run.engine = None
+    del old
+    engine = run.build_engine(step)
+    fresh = engine.train_state_tensors(everywhere=True)
+    engine.load_train_state_tensors(grown_tensors(before, fresh, old_depth, len(engine.model.model.layers),
+                                                  str(run.config.model.stacking.init)))
+    engine.load_meta_state(meta)
+    run.engine = engine
+    events.grown(run, step, old_depth, recorder)

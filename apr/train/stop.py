@@ -100,3 +100,20 @@ class StepHook(Protocol):
     Return None to go on, or a ``Stop`` to end the run after this step (its checkpoint is written)."""
 
     def after_step(self, run: RunContext, report: StepReport) -> Stop | None: ...
+
+
+def agree(stop: Stop | None, signals, dp, device) -> Stop | None:
+    """Under DDP every rank stops at the same step: a signal or a stop on any rank stops all (one
+    collective per step)."""
+    if dp is None:
+        return stop
+    import torch
+
+    flags = torch.tensor([signals.received or 0, stop is not None], dtype=torch.float32, device=device)
+    sig_flag, stop_flag = (int(v) for v in dp.any_(flags).tolist())
+    if sig_flag and signals.received is None:
+        signals.received = sig_flag
+    if stop_flag and stop is None:
+        stop = Stop("stopped", "alert on rank 0", 1)
+    return stop
+

@@ -183,6 +183,18 @@ def test_the_plan_counts_the_teacher_and_both_phases(distilled, teacher):
     ({"training": {"engine": "interleaved"}}, "training.engine"),
     ({"training": {"distill": {"teacher": "/nonexistent/teacher"}}}, "training.distill.teacher"),
 ])
+def test_distillation_with_the_default_engine_plans_on_autograd_instead_of_refusing(teacher, tmp_path):
+    """The interleaved walk cannot form phase 2's full logits: the plan picks the autograd source for
+    distillation whatever training.engine says, and says so (issue 39: it used to refuse)."""
+    from tests.train.run_helpers import merge
+
+    make_dataset(tmp_path)
+    doc = merge(_student_doc(tmp_path, teacher), {"training": {"engine": "interleaved"}})
+    proc = _plan(tmp_path, _write(tmp_path, "default-engine.json", doc))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "standard engine (full autograd backward" in proc.stdout
+
+
 def test_incompatible_teacher_and_student_are_refused_at_plan_time(teacher, tmp_path, change, path):
     from tests.train.run_helpers import merge
 

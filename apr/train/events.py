@@ -1,0 +1,142 @@
+"""What the run loop says and records besides the step's metrics: the banner, a mixture's stages and
+per-source figures, distillation's phases and autotune, stacking's growth."""
+
+from __future__ import annotations
+
+import io
+
+from ruamel.yaml import YAML
+
+from apr.fsutil import atomic_write_json, atomic_write_text
+from apr.model.spec import param_count
+from apr.steps import distill as distill_schedule
+from apr.track.protocol import NullRecorder
+from apr.track.recorder import RunRecorder
+from apr.train.outdir import RESOLVED_CONFIG, RESOLVED_CONFIG_HEADER
+from apr.train.stop import Stop
+
+
+def banner(run) -> str:
+    c, tr = run.config, run.config.training
+    params = param_count(c.model.architecture)
+    what = f"resuming at step {run.start_step + 1}" if run.resumed_from else "starting"
+    loader = run.loader
+    epochs = run.total_steps / loader.steps_per_epoch
+    return (f"apply: {what}; run {run.run_id} -> {run.run_dir}\n"
+            f"  model {params / 1e6:.2f}M params; {run.engine.strategy.describe()}; "
+            f"kernels {run.engine.backend.name}, {tr.mixed_precision} on {run.device}\n"
+            f"  {run.total_steps:,} steps x {run.tokens_per_step:,} tokens = {epochs:.3g} epochs of "
+            f"{loader.steps_per_epoch:,} steps ({loader.num_rows:,} sequences)"
+            + (f"\n  mixture of {len(loader.names)} sources ({', '.join(loader.names)}) in "
+               f"{len(loader.stages)} stage(s), stage {loader.stage_name!r} now" if run.mixture else ""))
+
+
+def record_mixture(run, step: int, recorder) -> None:
+    """A mixture's stage, tokens/rows/epochs per source and per-source val losses, recorded."""
+    if not run.mixture:
+        return
+    figures = run.loader.figures()
+    for name, value in (run.validation.by_source or {}).items():
+        figures["sources"][name]["val_loss"] = value
+    recorder.log_mixture(step, figures)
+
+
+def stage_started(run, step: int, recorder) -> None:
+    """A mixture's next stage draws its first rows at ``step``: an event and a line."""
+    loader = run.loader
+    st = loader.stages[loader.stage]
+    total = sum(st.weights.values()) or 1.0
+    mix = ", ".join(f"{n} {w / total:.0%}" for n, w in st.weights.items() if w > 0)
+    message = f"data stage {loader.stage_name!r} starts at step {step}: {mix} of tokens"
+    recorder.log_event("stage", step, message, {"stage": loader.stage, "name": loader.stage_name,
+                                                "token_shares": {n: w / total for n, w in st.weights.items()}})
+    run.echo(f"{run.step_label(step)}  {message}")
+
+
+def distill_records(run, step: int, recorder) -> None:
+    """Distillation: an event where a phase-1 block or phase 2 starts, and the autotune's."""
+    loss = run.engine.loss
+    phase, block = loss.last_phase
+    if step == 1 or distill_schedule.phase_at(run.config, step - 1) != (phase, block):
+        what = (f"phase 1: student block {block} learns teacher blocks "
+                f"{loss.spans[block][0]}-{loss.spans[block][1] - 1}" if phase == 1
+                else "phase 2: the whole student on KD + LM loss")
+        recorder.log_event("distill", step, f"distillation {what} from step {step}", {"phase": phase, "block": block})
+        run.echo(f"{run.step_label(step)}  distillation {what}")
+    for kind, message, detail in loss.autotune.events:
+        recorder.log_event(kind, step, message, detail)
+        run.echo(f"{run.step_label(step)}  autotune: {message}")
+    loss.autotune.events.clear()
+
+
+def grown(run, step: int, old_depth: int, recorder) -> None:
+    """Stacking's growth at ``step``: an event and a line."""
+    st = run.config.model.stacking
+    new_depth = len(run.engine.model.model.layers)
+    message = (f"stacking stage {run.stack_stage} starts at step {step}: {old_depth} -> {new_depth} blocks "
+               f"({st.init}{', earlier blocks frozen' if run.engine.frozen else ''})")
+    recorder.log_event("stack", step, message, {"stage": run.stack_stage, "blocks": new_depth,
+                                                "from_blocks": old_depth, "init": str(st.init)})
+    run.echo(f"{run.step_label(step)}  {message}")
+
+
+def tasks_and_samples(run, step: int, recorder):
+    """evaluation.tasks / samples on the model in training (apr.evaluate.during_training); the new
+    scores are recorded and checked by the alerts (``eval.<task>.acc`` conditions). Data parallel:
+    rank 0 holds the whole model; shards: every rank gathers it and rank 0 records."""
+    if run.dp is not None and run.dp.rank != 0 and not run.engine.sharded:
+        return None
+    with run.engine.whole_weights():
+        result = run.evaluator.run(run.engine.model, step)
+    if not run.is_main:
+        return None
+    recorder.log_task_evals(step, result)
+    scores = "  ".join(f"{name} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}" for name, s in result["tasks"].items())
+    run.echo(f"{run.step_label(step)}  eval {scores}  ({result['seconds']:.1f} s)".replace("  (", " (")
+             if scores else f"{run.step_label(step)}  samples ({result['seconds']:.1f} s)")
+    for sample in result["samples"]:
+        run.echo(f"  sample: {sample['prompt']!r} -> {sample['text']!r}")
+    return run.check_alerts({"step": step}, step, recorder) if result["tasks"] else None
+
+
+def check_alerts(run, metrics: dict, step: int, recorder):
+    """Print the alerts ``metrics`` fire; the first ``stop`` alert stops the run."""
+    fired = recorder.check_alerts(metrics)
+    for alert in fired:
+        run.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
+    stops = [a for a in fired if a.action == "stop"]
+    return Stop.alert(stops[0].message) if stops else None
+
+
+def open_recorder(run):
+    """Rank 0 writes the run files (the resolved config, the plan) and records; the other ranks record
+    nothing."""
+    if not run.is_main:
+        return NullRecorder(run.run_id)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    yaml = YAML()
+    yaml.default_flow_style = False
+    yaml.dump(run.config.model_dump(mode="json"), buf)
+    atomic_write_text(run.run_dir / RESOLVED_CONFIG,
+                      f"{RESOLVED_CONFIG_HEADER} (from {run.config_path}); hash {run.config_hash}\n" + buf.getvalue())
+    if run.plan_doc is not None:
+        atomic_write_json(run.run_dir / "plan.json", run.plan_doc)
+    return RunRecorder(run.run_dir, run.config, config_hash=run.config_hash, total_steps=run.total_steps,
+                       tokens_per_step=run.tokens_per_step, run_id=run.run_id, apr_home=run.options.apr_home,
+                       config_path=str(run.config_path), model_params=param_count(run.config.model.architecture))
+
+
+def validated_initially(run, recorder) -> None:
+    """Step 0's validation loss (data.val, or a mixture's per-source val folders alone): a later
+    checkpoint is "best" only if it beats the initial weights, and early stopping counts from them."""
+    val = run.validation.initial(run.engine, recorder)
+    if run.early_stopping is not None and val is not None:
+        run.early_stopping.observe(0, val)
+    record_mixture(run, 0, recorder)
+
+
+def epochs_read(loader) -> float:
+    """Epochs read so far, fractional."""
+    return loader.epoch + loader.position / max(loader.micro_batches_per_epoch, 1)
+

@@ -1,0 +1,114 @@
+"""The run's layout: its device, its ranks, and a resume on another number of ranks (docs/distributed.md,
+"Resuming on another number of ranks").
+
+``apr train apply`` decides the layout before it plans (``elastic_layout`` on the newest or named
+checkpoint), so the plan sizes the run that will execute: the world size torchrun started and the
+gradient accumulation that keeps the checkpoint's global batch. The run loop then finds its config
+already laid out and changes nothing; only a caller that skipped the plan (``prepare_run`` directly:
+tests, tools) gets the layout applied here, and is told it was not planned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apr.checkpoint.manager import read_info, scan
+from apr.config.schema import AprConfig
+from apr.data.loader import ShardLoader
+from apr.errors import AprError, Finding
+from apr.steps.algebra import elastic_accumulation
+from apr.train.dist import DataParallel, from_env
+from apr.train.engine import resolve_device
+
+
+def device_and_ranks(config: AprConfig) -> tuple[torch.device, DataParallel | None]:
+    """The device ``training.device`` names and, under torchrun, the process group."""
+    device = resolve_device(str(config.training.device))
+    dp = from_env(device.type)
+    if dp is not None and device.type == "cuda":
+        device = torch.device("cuda", dp.local_rank)
+    return device, dp
+
+
+def laid_out(config: AprConfig, world_size: int, accumulation: int | None = None) -> AprConfig:
+    """The config at ``world_size`` ranks (and ``accumulation``), as a new validated config; the
+    same object when nothing changes."""
+    tr = config.training
+    if tr.world_size == world_size and (accumulation is None or tr.gradient_accumulation == accumulation):
+        return config
+    doc = config.model_dump(mode="json")
+    doc["training"]["world_size"] = world_size
+    if accumulation is not None:
+        doc["training"]["gradient_accumulation"] = accumulation
+    return AprConfig.model_validate(doc)
+
+
+def elastic_layout(config: AprConfig, run_dir, resume: str | None, world_size: int) -> dict | None:
+    """Resuming on ``world_size`` ranks a checkpoint saved on another number: the gradient
+    accumulation that keeps its global batch (``{"from_world_size", "to_world_size",
+    "from_accumulation", "to_accumulation", "message"}``), None when the layout is the same or the
+    checkpoint is unreadable (the resume reports that). Refused, naming the world sizes that can
+    keep it, when none does."""
+    if resume is None:
+        return None
+    try:
+        if resume == "latest":
+            found = [e for e in scan(run_dir) if e.complete]
+            if not found:
+                return None
+            info = read_info(found[0].json_path)
+        else:
+            info = read_info(resume)
+        saved_tr, saved_data = info.config["training"], info.config["data"]
+        w0, a0 = int(saved_tr.get("world_size", 1)), int(saved_tr.get("gradient_accumulation", 1))
+        b0 = int(saved_data["batch_size"])
+    except (AprError, OSError, KeyError, TypeError, ValueError):
+        return None
+    if world_size == w0 or b0 != config.data.batch_size:
+        return None  # same layout, or a batch_size change the config comparison refuses
+    micro = a0 * w0  # micro-batches of batch_size rows per optimizer step, over all ranks
+    accum, valid = elastic_accumulation(w0, a0, world_size)
+    if accum is None:
+        message = (f"{info.json_path} was saved by {w0} rank(s) x gradient_accumulation {a0}: a global batch of "
+                   f"{micro} micro-batches of {b0} sequences, which {world_size} ranks cannot split evenly; resume on "
+                   f"{', '.join(map(str, valid))} ranks (or change data.batch_size and pass --force)")
+        raise AprError(message, [Finding("error", "resume.world_size", message, path="training.world_size",
+                                         expected=f"a world size dividing {micro}", got=str(world_size))])
+    return {"from_world_size": w0, "to_world_size": world_size, "from_accumulation": a0, "to_accumulation": accum,
+            "message": f"resume: {w0} -> {world_size} ranks; gradient_accumulation {a0} -> {accum} keeps the global "
+                       f"batch ({micro * b0} sequences per step)"}
+
+
+def elastic_cursor(saved: dict, loader, elastic: dict | None) -> dict:
+    """A saved single-source cursor of another world size, at the same global row: ``position``
+    counts micro-batches of batch_size x world_size rows, so it scales by the world sizes."""
+    if saved.get("kind") == "mixture" or not isinstance(loader, ShardLoader):
+        return saved  # a mixture's cursor counts global draws: valid at any world size
+    w0, w1 = int(saved.get("world_size", 1)), loader.world_size
+    if w0 == w1 or elastic is None:
+        return saved
+    rows = int(saved["position"]) * w0
+    if rows % w1:
+        return saved  # not at a step boundary of the new layout: load_state_dict refuses it
+    return {**saved, "position": rows // w1, "world_size": w1, "gradient_accumulation": loader.gradient_accumulation}
+
+
+def remap_cursor(loader, saved: dict, mixture: bool, accumulation: int) -> str:
+    """A forced resume whose data layout changed (rows, batch, accumulation, ranks, seed or shuffle):
+    keep the saved epoch and the fraction of it already read, at the new layout. Not exact; returns
+    the warning that says so."""
+    if mixture:  # the same number of rows drawn, under the new layout and stages
+        draws = int((saved.get("cursor") or {}).get("draws", 0))
+        loader.seek(draws // loader.rows_per_micro)
+        return (f"the data mixture or layout changed since the checkpoint; the data cursor was re-mapped to "
+                f"micro-batch {loader.absolute} (the run is no longer exactly reproducible)")
+    ga = int(saved.get("gradient_accumulation", 1))
+    per_step = int(saved.get("batch_size", 1)) * ga * int(saved.get("world_size", 1))
+    old_micro_batches = int(saved.get("num_rows", 0)) // max(per_step, 1) * ga
+    done = int(saved.get("position", 0)) / max(old_micro_batches, 1)
+    position = min(int(done * loader.micro_batches_per_epoch) // accumulation * accumulation,
+                   loader.micro_batches_per_epoch)
+    loader.load_state_dict({"epoch": int(saved.get("epoch", 0)), "position": position})
+    return (f"the data layout changed since the checkpoint; the data cursor was re-mapped to epoch "
+            f"{loader.epoch}, micro-batch {position} of {loader.micro_batches_per_epoch} "
+            "(the run is no longer exactly reproducible)")

@@ -1,0 +1,90 @@
+"""Validation during a run: the loss over ``data.val`` (and a mixture's per-source val folders) at the
+cadence's steps and at step 0, the best and first losses (for "best" checkpoints and early stopping),
+averaged over the data-parallel ranks. A stateful part of the checkpoint (``best_val_loss``,
+``first_val_loss``)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from apr.data.loader import ShardLoader
+
+
+class Validation:
+    def __init__(self, config, loader_options: dict, dp, device: torch.device, echo, label):
+        data, tr = config.data, config.training
+        self.eval_batches = tr.eval_batches
+        self.dp, self.device, self.echo, self.label = dp, device, echo, label
+        self.val_loader: ShardLoader | None = None
+        self.source_vals: dict[str, ShardLoader] = {}
+        if tr.eval_interval > 0:
+            if data.val is not None:
+                self.val_loader = ShardLoader(os.path.expanduser(data.val), shuffle=False, **loader_options)
+            self.source_vals = {s.name: ShardLoader(os.path.expanduser(s.val), shuffle=False, **loader_options)
+                                for s in data.sources or [] if s.val}
+        self.best: float | None = None
+        self.first: float | None = None
+        self.last: float | None = None  # the last measured validation loss
+        self.by_source: dict[str, float | None] = {}  # a mixture's per-source val losses, last measured
+
+    @property
+    def configured(self) -> bool:
+        return self.val_loader is not None or bool(self.source_vals)
+
+    def measure(self, engine) -> float | None:
+        """Validation loss over ``training.eval_batches``; None without a val set. Without data.val a
+        mixture's loss is the plain mean of its sources' (the same sources whatever the stage)."""
+        self.by_source = {name: self._loss_over(engine, loader) for name, loader in self.source_vals.items()}
+        if self.val_loader is not None:
+            return self._loss_over(engine, self.val_loader)
+        known = [v for v in self.by_source.values() if v is not None]
+        return sum(known) / len(known) if known else None
+
+    def _loss_over(self, engine, loader: ShardLoader) -> float | None:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = 0
+        for batch in loader.iter_sequential(self.eval_batches):
+            loss_sum, n = engine.eval_loss_sum(batch)
+            total += loss_sum.double()
+            count += n
+        if self.dp is not None:
+            both = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=self.device)])
+            total, count = self.dp.sum_(both)[0], int(both[1].item())
+        if count == 0:
+            return None
+        return float(total.item() / count)
+
+    def initial(self, engine, recorder) -> float | None:
+        """A fresh run measures the initial weights: a later checkpoint is "best" only if it beats them."""
+        self.last = self.first = self.best = self.measure(engine)
+        recorder.log_eval(0, self.last)
+        self._echo(0, self.last, best=False)
+        return self.last
+
+    def at(self, step: int, engine, recorder) -> tuple[float | None, bool]:
+        """Validation loss at ``step``, recorded and printed, and whether it beats every earlier one."""
+        self.last = self.measure(engine)
+        recorder.log_eval(step, self.last)
+        is_best = self.last is not None and (self.best is None or self.last < self.best)
+        if is_best:
+            self.best = self.last
+        self._echo(step, self.last, is_best)
+        if self.by_source:
+            self.echo(f"{self.label(step)}  val loss by source: " + "  ".join(
+                f"{n} {v:.4f}" for n, v in self.by_source.items() if v is not None))
+        return self.last, is_best
+
+    def _echo(self, step: int, val: float | None, best: bool) -> None:
+        if val is None:
+            return
+        self.echo(f"{self.label(step)}  val loss {val:.4f} (ppl {math.exp(min(val, 700)):.1f})"
+                  + ("  best" if best else ""))
+
+    def state_dict(self) -> dict:
+        return {"best_val_loss": self.best, "first_val_loss": self.first}
+
+    def load_state_dict(self, meta: dict) -> None:
+        self.best, self.first = meta.get("best_val_loss"), meta.get("first_val_loss")

@@ -1,0 +1,31 @@
+"""The composed engine: build_engine picks the gradient source and loss the config and plan say, and
+hands the plan's execution policy through unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from apr.steps.execution import gradient_source, parse
+from apr.train.build import build_engine
+from apr.train.engine import InterleavedEngine, StandardEngine
+from apr.train.losses import CausalLM
+from tests.train.tiny import make_config
+
+
+@pytest.mark.parametrize(("engine", "cls"), [("interleaved", InterleavedEngine), ("standard", StandardEngine)])
+def test_the_configured_gradient_source_is_built_with_the_causal_lm_loss(engine, cls):
+    built = build_engine(make_config(training={"engine": engine}))
+    assert type(built) is cls and isinstance(built.loss, CausalLM) and built.kind == engine
+    assert not built.sharded
+
+
+def test_the_plans_execution_policy_is_the_engines_own_object():
+    config = make_config(training={"execution": {"activations": "keep", "gradients": "workspace"}})
+    chosen = parse("recompute", "workspace", 3, False)  # what a plan under a tight budget would choose
+    assert build_engine(config, execution=chosen).execution is chosen
+
+
+def test_distillation_runs_on_autograd_whatever_training_engine_says():
+    config = make_config(training={"mode": "distill", "engine": "interleaved", "distill": {"teacher": "unused"}})
+    assert gradient_source(config) == "standard"
+    assert gradient_source(make_config(training={"engine": "interleaved"})) == "interleaved"

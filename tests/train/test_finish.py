@@ -1,0 +1,66 @@
+"""The one step tail of the autograd sources (apr/train/finish.py): clipping dispatched once by
+clip_mode with clip_grad_norm_'s coefficient, a non-finite norm stops before any update, the bad-step
+gate skips the update, and the loss part's LR factor scales the step's LR."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apr.train.build import build_engine
+from apr.train.finish import clip_, finish_step
+from apr.train.outcome import NonFiniteError
+from tests.train.tiny import batches, make_config
+
+
+def _backward(clip_mode: str, grad_clip: float | None = 0.3):
+    engine = build_engine(make_config(training={"engine": "standard", "clip_mode": clip_mode,
+                                                "grad_clip": grad_clip}))
+    loss = engine._backward(batches(engine.config, 1))
+    local = engine._reduced_grads()
+    return engine, loss, local, engine._group_sq(local)
+
+
+def test_global_clipping_scales_every_gradient_as_clip_grad_norm_does():
+    engine, _, local, sq = _backward("global")
+    norm = torch.stack(list(sq.values())).sum().sqrt()
+    reference = []
+    for g in (g for gs in local.values() for g in gs):
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g.clone()
+        reference.append(p)
+    torch.nn.utils.clip_grad_norm_(reference, 0.3)
+    clip_(engine, local, sq, norm)
+    got = [g for gs in local.values() for g in gs]
+    assert norm > 0.3  # the case where clipping acts
+    for g, p in zip(got, reference, strict=True):
+        assert torch.allclose(g, p.grad, rtol=1e-6, atol=0)
+    assert torch.stack([g.pow(2).sum() for g in got]).sum().sqrt() == pytest.approx(0.3, rel=1e-5)
+
+
+def test_per_block_clipping_bounds_each_group_on_its_own():
+    engine, _, local, sq = _backward("per_block", grad_clip=1e-3)
+    clip_(engine, local, sq, torch.stack(list(sq.values())).sum().sqrt())
+    for gs in local.values():
+        assert torch.stack([g.pow(2).sum() for g in gs]).sum().sqrt() == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_a_non_finite_gradient_stops_before_any_update():
+    engine, loss, local, sq = _backward("global")
+    before = {k: v.clone() for k, v in engine.train_state_tensors().items()}
+    next(iter(local.values()))[0].view(-1)[0] = float("inf")
+    with pytest.raises(NonFiniteError) as err:
+        finish_step(engine, loss, local, engine._group_sq(local), 1e-2)
+    assert err.value.state_is_last_good and engine.optimizer_steps == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.train_state_tensors().items())
+
+
+def test_the_gate_skips_the_update_and_the_loss_part_scales_the_lr():
+    engine, loss, local, sq = _backward("off", grad_clip=None)
+    engine.step_gate = lambda loss, norm: True
+    assert finish_step(engine, loss, local, sq, 1e-2).flagged and engine.optimizer_steps == 0
+    engine.step_gate, engine._skip = None, False
+    engine.loss.lr_factor = lambda loss: 0.5
+    result = finish_step(engine, loss, local, sq, 1e-2)
+    assert not result.flagged and engine.optimizer_steps == 1
+    assert all(pg["lr"] == 5e-3 for pg in engine.optimizer.param_groups)
