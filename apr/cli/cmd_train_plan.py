@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -167,8 +168,6 @@ def register(app: typer.Typer) -> None:
 
         fmt = output_format(fmt, json_out)
         if cpu_threads is not None:  # the same override apply reads (apr/threads.py)
-            import os
-
             os.environ["APR_CPU_THREADS"] = str(cpu_threads)
         raise typer.Exit(run_plan(config, gpu=gpu, vram=vram, world_size=world_size, nodes=nodes,
                                   json_out=fmt == "json",

@@ -7,6 +7,7 @@ than set to null; contracts list what they ``require`` and are skipped when it i
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 
@@ -423,8 +424,6 @@ def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal:
 
 
 def _now() -> float:
-    import time
-
     return time.time()
 
 

@@ -15,6 +15,7 @@ import textwrap
 from apr.errors import AprError, Finding
 from apr.fmt import fmt_estimate, fmt_flops, fmt_giga, fmt_lr, fmt_number, fmt_percent, format_bytes, format_count
 from apr.steps.execution import fmt_f
+from apr.threads import describe
 
 WIDTH = 100
 _COLOURS = {"error": "31", "warning": "33", "info": "36", "ok": "32", "dim": "2", "bold": "1"}
@@ -326,8 +327,6 @@ def _calibrated_time_lines(te: dict, facts: dict) -> list[str]:
 
 def _thread_lines(facts: dict) -> list[str]:
     """The intra-op thread choice apply and the probe make (apr/threads.py), and skipped calibrations."""
-    from apr.threads import describe
-
     out = [f"  CPU: {describe(facts['threads'])}"] if facts.get("threads") else []
     return out + [f"  warning: {w}" for w in facts.get("calibration_skipped") or []]
 
