@@ -5,6 +5,7 @@ Readers never see a torn file; a crash leaves either the old file or the new one
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -123,7 +124,7 @@ def is_apr_store(path: str | os.PathLike) -> bool:
     ``runs`` tables), whatever its name."""
     if not is_sqlite_file(path):
         return False
-    import sqlite3
+    import sqlite3  # lazy: sqlite3 stays off validate's import path (tests/test_lazy_imports.py)
 
     try:
         conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=1.0)
@@ -274,8 +275,6 @@ def probe_writable(path: str | os.PathLike, option: str) -> None:
 
 
 def _errno_name(err: OSError) -> str:
-    import errno
-
     return errno.errorcode.get(err.errno or 0, type(err).__name__)
 
 

@@ -26,6 +26,9 @@ from pathlib import Path
 from ruamel.yaml import YAML
 
 from apr.errors import AprError, Finding
+from apr.fsutil import SQLITE_MAGIC, check_output_file, probe_writable, write_output
+from apr.readers import read_text
+from apr.train.lrplot import svg_plot
 from apr.train.stop import StepReport, Stop
 
 MAX_STEPS = 100_000  # a sweep is a few hundred steps; more is a typo (10**30) that would never end
@@ -209,8 +212,6 @@ class OutputTargets:
 
 def _earlier_sweep_file(path: Path) -> bool:
     """A file an earlier ``apr train lr-find`` wrote at a default path (replaced without --overwrite)."""
-    from apr.fsutil import SQLITE_MAGIC
-
     try:
         if not path.is_file() or path.is_symlink() or path.stat().st_size > 16 << 20:
             return False
@@ -233,7 +234,6 @@ def output_targets(config_path: Path, settings: list[str] | None, *, plot: Path 
     never the config, apr's stores or a run's records, a FIFO, a device or a symlink. Raises AprError."""
     from apr.apply import command_line_overrides
     from apr.config import load_config
-    from apr.fsutil import check_output_file, probe_writable
     from apr.plan.build import normalise_overrides
 
     config_path = Path(config_path)
@@ -283,16 +283,12 @@ def curve_document(curve: Curve, test: RangeTest, suggestion: float) -> dict:
 
 
 def _write(targets: OutputTargets, option: str, path: Path, text: str) -> None:
-    from apr.fsutil import write_output
-
     write_output(path, text, inputs=targets.inputs, overwrite=targets.overwrite or path in targets.replaceable,
                  option=option)
 
 
 def write_results(curve: Curve, test: RangeTest, suggestion: float, targets: OutputTargets) -> None:
     """The SVG plot and the JSON curve, through the checked writer (checked again at the write)."""
-    from apr.train.lrplot import svg_plot
-
     _write(targets, "--plot", targets.plot, svg_plot(curve.lrs, curve.losses, curve.smoothed, suggestion, test.rule))
     _write(targets, "--json-out", targets.json_out, json.dumps(curve_document(curve, test, suggestion), indent=2)
            + "\n")
@@ -300,8 +296,6 @@ def write_results(curve: Curve, test: RangeTest, suggestion: float, targets: Out
 
 def apply_suggestion(config_path: Path, target: Path, lr: float, targets: OutputTargets | None = None) -> None:
     """A copy of the config file (comments and layout kept) with ``optimizer.lr`` set to ``lr``."""
-    from apr.readers import read_text
-
     yaml = YAML()  # round trip
     doc = yaml.load(read_text(Path(config_path), "config", "config", error=AprError))
     doc.setdefault("optimizer", {})["lr"] = float(f"{lr:.3g}")

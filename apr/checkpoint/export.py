@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from apr.checkpoint import files
-from apr.checkpoint.hf_import import ARCH_TO_HF, load_source_weights, source_digest
+from apr.checkpoint.hf_import import ARCH_TO_HF, check_source, load_source_weights, source_digest
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
 from apr.checkpoint.names import is_optimizer_state
 from apr.config.schema import AprConfig
@@ -275,8 +275,6 @@ def _given_base(base_dir: str | os.PathLike, base: str, info: CheckpointInfo, co
     """``--base HF_DIR``: a Hugging Face LLaMA folder of the config's architecture holding the very
     weights the adapters were trained on (same file digest, or equal tensors), else AprError."""
     import torch
-
-    from apr.checkpoint.hf_import import check_source
 
     arch = config.model.architecture
     given = Path(base_dir).expanduser()

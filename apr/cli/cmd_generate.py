@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import typer
 
+from apr.errors import AprError, Finding
 from apr.generate.prompts import read_prompts
 
 MAX_SEED = 2**63 - 1  # a seed torch's generator takes and JSON readers hold exactly
@@ -17,10 +19,6 @@ def _check_numbers(*, max_new_tokens: int, temperature: float, top_p: float, rep
                    seed: int | None) -> None:
     """Numbers no generation can use (non-finite floats, a seed past 63 bits), refused by option name
     before the model loads; the ranges of each option are checked where the option is defined."""
-    import math
-
-    from apr.errors import AprError, Finding
-
     def bad(option: str, expected: str, got) -> AprError:
         return AprError(f"{option} must be {expected}, not {got}", [Finding(
             "error", "generate.option", f"{option} out of range", path=option, expected=expected, got=str(got))])

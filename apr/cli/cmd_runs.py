@@ -18,7 +18,7 @@ from apr.cli.render import error_exit
 from apr.cli.table import text_table
 from apr.errors import AprError
 from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
-from apr.fsutil import write_output
+from apr.fsutil import check_output_file, write_output
 from apr.track.state import BLOCK_NORM_LISTS
 
 if TYPE_CHECKING:
@@ -211,7 +211,6 @@ def run_show(run_id: str, global_: bool = False, json_out: bool = False) -> int:
 def run_ledger(run_id: str, global_: bool = False, fmt: str = "table", output: Path | None = None,
                overwrite: bool = False) -> int:
     """Print (or write to ``output``) the rows a run's skipped steps and rollbacks left out."""
-    from apr.fsutil import check_output_file
     from apr.track.runs import LEDGER_COLUMNS, ledger, show_run
 
     warnings: list[str] = []
