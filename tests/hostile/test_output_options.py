@@ -29,10 +29,12 @@ from apr.plan.examples import materialize
 runner = CliRunner()
 
 # Words of an option's name that mean "a path apr writes".
-OUTPUT_WORDS = {"out", "output", "o", "plot", "to", "uri", "dest", "save", "dump", "write", "logdir"}
+OUTPUT_WORDS = {"out", "output", "o", "plot", "to", "uri", "dest", "save", "dump", "write", "logdir", "dir",
+                "export", "report"}
 # Options whose name has such a word but that name no path apr writes.
 NOT_OUTPUTS = {
     ("experiment", "export", "to"): "picks the tracker (tensorboard or mlflow); the path is --out or --uri",
+    ("monitor", "run_dir"): "the run folder the monitor reads",
 }
 
 
