@@ -309,7 +309,7 @@ def _calibrated_time_lines(te: dict, facts: dict) -> list[str]:
     if a.get("correction_factor", 1.0) != 1.0:
         out.append(f"  x {a['correction_factor']:.2f}: the finished runs' median actual / estimated, shrunk toward 1 "
                    "by their count (what a probe does not see: the loop, data, checkpoints)")
-    if a.get("load_factor", 1.0) != 1.0:
+    if abs(a.get("load_factor", 1.0) - 1.0) >= 0.005:  # shown as x 1.00 otherwise
         out.append(f"  x {a['load_factor']:.2f}: the cores are {'busier' if a['load_factor'] > 1 else 'quieter'} now "
                    f"(load {a['load_now']:.1f}) than when measured (load {a['load_at_calibration']:.1f})")
     widths = te.get("range_widths") or {}
