@@ -215,3 +215,19 @@ def test_the_circle_check_finds_a_circle_through_a_lazy_import(tmp_path):
                             "train/stop.py": "from apr.train.engine import x\n",
                             "train/run.py": "def f():\n    from apr.train.stop import y\n"})
     assert import_circles(import_graph(root)) == [["apr.train.engine", "apr.train.run", "apr.train.stop"]]
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node, node.end_lineno - node.lineno + 1
+
+
+def test_the_trainer_reads_in_short_pieces():
+    """docs/design.md, "The composed engine": no function in apr/train/ over 60 lines, and the run
+    loop's class under 300 (it composes components; it does not hold them)."""
+    long = [f"{p.name}:{n.lineno} {n.name} ({size} lines)" for p in sorted((ROOT / "apr" / "train").glob("*.py"))
+            for n, size in _functions(p) if not isinstance(n, ast.ClassDef) and size > 60]
+    assert long == []
+    run = {n.name: size for n, size in _functions(ROOT / "apr" / "train" / "run.py") if isinstance(n, ast.ClassDef)}
+    assert run["Run"] < 300

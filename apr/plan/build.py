@@ -45,9 +45,9 @@ from apr.plan.validate import (
     survival_findings,
 )
 from apr.steps.algebra import elastic_accumulation
+from apr.track.names import PLAN_FORMAT
 from apr.track.trackers import sink_target_findings
 
-PLAN_FORMAT = "apr-plan"
 PLAN_FORMAT_VERSION = "1"
 
 # Top-level keys of Plan.to_dict(), in order (docs/plan.md describes each).

@@ -67,3 +67,6 @@ def global_db_path(home: Path | None = None) -> Path:
 
 def local_db_path(output_dir: Path) -> Path:
     return Path(output_dir) / ".apr" / "experiments.db"
+
+# The "format" of a plan file (apr train plan -out) and of a run's plan.json.
+PLAN_FORMAT = "apr-plan"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from apr.errors import AprError, Finding
 from apr.readers import load_json
+from apr.track.names import PLAN_FORMAT
 
 LOCK_FILE = Path(".apr-run.lock")
 RESOLVED_CONFIG = "config.yaml"
@@ -140,8 +141,6 @@ def _is_state(doc) -> bool:
 
 
 def _is_plan(doc) -> bool:
-    from apr.plan.build import PLAN_FORMAT
-
     return isinstance(doc, dict) and doc.get("format") == PLAN_FORMAT
 
 
