@@ -104,7 +104,8 @@ def one_run(i: int, name: str, cfg: Path, work: Path, env: dict, probe_steps: in
            "point_error": actual / te["estimated_seconds"] - 1, "threads": te["assumes"]["threads"],
            "correction": te["assumes"]["correction_factor"], "load_plan": load_plan, "load_apply": load_apply,
            "load_end": load_end, "plan_s": plan_s, "calibration": facts["calibration"]["what"],
-           "time_line": next((ln for ln in applied.stdout.splitlines() if ln.startswith("time:")), "")}
+           "time_line": next((ln.strip() for ln in (applied.stdout + applied.stderr).splitlines()
+                               if ln.strip().startswith("time:")), "")}
     print(f"{i:>2} {name:<18} est {row['estimate_s']:6.1f} s [{row['low_s']:6.1f}, {row['high_s']:6.1f}] actual "
           f"{actual:6.1f} s {'in ' if inside else 'OUT'} {row['point_error']:+.0%}  load {load_plan:.1f}/"
           f"{load_apply:.1f}/{load_end:.1f}  corr {row['correction']:.2f}", flush=True)

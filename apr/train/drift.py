@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from apr.threads import load_average
+from apr.threads import applied, load_average
 from apr.train.stop import StepReport, Stop
 
 WARMUP = 2
@@ -111,7 +111,8 @@ class DriftCheck:
         plan_rate, source = plan["tokens_per_s"], plan["source"]
         drift = {"step": report.step, "steps_timed": steps, "tokens_per_s": actual, "planned_tokens_per_s": plan_rate,
                  "planned_from": source, "drift_memory": None,
-                 **compare(actual, plan, load_average() if run.device.type == "cpu" else None)}
+                 **compare(actual, plan, load_average() if run.device.type == "cpu" else None),
+                 "thread_choice": applied()}  # the threads this process runs (apr/threads.py), in the run's record
         planned_bytes = ((self.plan_doc or {}).get("memory") or {}).get("total_bytes")
         if run.device.type == "cuda" and planned_bytes:
             peak = torch.cuda.max_memory_allocated(run.device)

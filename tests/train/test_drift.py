@@ -62,6 +62,7 @@ def test_a_throttled_run_raises_the_drift_alert_and_a_normal_one_does_not(tmp_pa
         drift = state["drift"]
         assert drift["step"] == 8 and drift["planned_from"].startswith("calibrated from")
         assert drift["memory_unknown"] == "no allocator peak on the CPU"
+        assert drift["thread_choice"]["threads"] >= 1 and drift["thread_choice"]["source"]  # what the run ran with
         fired = [a for a in state["alerts"] if a["condition"] == ALERT["condition"]]
         shown, _ = normalize(state)  # the dashboard's plan-vs-actual line
         assert any(text.startswith("plan vs actual at step 8:") and "step_time" in text
