@@ -401,6 +401,8 @@ def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal:
     fresh = cal.get("basis_time") is not None and abs(_now() - cal["basis_time"]) < FRESH_S
     if load_now is None:
         load_now = load_cal if fresh else threads.load_average()
+    if str(tr.device) != "cpu":  # a GPU's step does not share the host's cores: no load terms
+        load_cal = load_now = None
     c_cal, c_now = threads.contention(load_cal, n, cores), threads.contention(load_now, n, cores)
     load_factor = c_now / c_cal if load_cal is not None and load_now is not None else 1.0
     point = (compute + evaluation) * factor * load_factor + startup * factor

@@ -76,3 +76,10 @@ def test_processes_divide_the_compute():
     cfg = _config(eval_interval=0)
     te = calibrated_estimate(cfg, 100_000, 1, _cal(), 4, "x", 3.0, THREADS, load_now=0.0)
     assert te["compute_seconds"] == pytest.approx(25.0) and te["gpus"] == 4
+
+
+def test_a_gpu_estimate_has_no_load_terms():
+    cfg = _config(eval_interval=0, device="cuda")
+    te = calibrated_estimate(cfg, 100_000, 1, _cal(load=0.0), 1, "x", 3.0, THREADS, load_now=8.0)
+    assert te["assumes"]["load_factor"] == 1.0 and te["range_widths"]["load"] == 0.0
+    assert te["estimated_seconds"] == pytest.approx(105.0)
