@@ -148,7 +148,8 @@ def apr_record_kind(path: str | os.PathLike) -> str | None:
     if ".apr" in p.parts[:-1]:
         return "a file of a run's .apr/ records"
     folder = p.parent
-    run_folder = any(os.path.lexists(folder / n) for n in ("training_state.json", ".apr-run.lock", ".apr"))
+    # a run's folder holds its lock or its state (not merely a .apr/ folder: ~ holds APR_HOME's ~/.apr)
+    run_folder = any(os.path.lexists(folder / n) for n in ("training_state.json", ".apr-run.lock"))
     if p.name.startswith("checkpoint-") and p.suffix in (".json", ".safetensors") and (
             run_folder or os.path.lexists(p)):
         return "a checkpoint file"

@@ -83,8 +83,11 @@ def test_apr_records_are_refused_even_with_overwrite(tmp_path):
         assert apr_record_kind(path) is not None, path
         with pytest.raises(AprError):
             check_output_file(path, overwrite=True)
-    # the same names outside a run folder are ordinary outputs
+    # the same names outside a run folder are ordinary outputs, also beside an APR_HOME (~/.apr)
     assert apr_record_kind(tmp_path / "plan.json") is None
+    (tmp_path / ".apr").mkdir()
+    (tmp_path / ".apr" / "experiments.db").write_bytes(b"")
+    assert apr_record_kind(tmp_path / "config.yaml") is None
 
 
 def test_a_sqlite_file_under_any_name_is_never_replaced(tmp_path):
