@@ -39,6 +39,7 @@ from apr.track.calibration import host_cpu_name
 from apr.train import build as engine_build
 from apr.train import engine as engine_module
 
+STARTUP_MAX_S = 300.0  # longer since the process started: it is not a CLI's start-up
 TRANSIENT = ("activation_checkpoints", "kept_activations", "block_activations", "logits_chunk", "inputs")
 
 
@@ -171,6 +172,8 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
     tokens = config.data.batch_size * config.data.seq_len * config.training.gradient_accumulation
     step_s = statistics.median(times)
     startup = ready_at - STARTED_AT + max(0.0, warmup_s - step_s)
+    if ready_at - STARTED_AT > STARTUP_MAX_S:  # a long-lived process (a notebook): not apply's start-up
+        startup = None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     modelled_transient = sum(modelled.get(c, 0) for c in TRANSIENT)
     rows = []
