@@ -33,13 +33,17 @@ import logging
 import math
 import os
 import re
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from apr.config.schema import SinkConfig
+from apr.errors import Finding
+from apr.track.names import experiment_from_dir, global_db_path
 
 EXTRA = "sinks"  # pip install 'apr[sinks]'
 PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}  # sink type -> its package
@@ -133,9 +137,6 @@ def _is_apr_store(path: Path) -> bool:
                 return False
     except OSError:
         return False
-    import sqlite3
-    from urllib.parse import quote
-
     try:
         conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, timeout=1.0)
     except sqlite3.Error:
@@ -150,8 +151,6 @@ def _is_apr_store(path: Path) -> bool:
 
 
 def _experiment(config) -> str:
-    from apr.track.names import experiment_from_dir
-
     return config.monitoring.tracking.experiment or experiment_from_dir(Path(config.training.output_dir))
 
 
@@ -164,8 +163,6 @@ def sink_target_problems(config, *, apr_home: Path | None = None,
     data folder (or the tokenizer). ``stores``: more store files to protect (the recorder's own).
     Paths are taken as the run opens them (relative to the current folder, symlinks followed).
     Servers (``http://``, a database elsewhere) are not checked: they are not files here."""
-    from apr.track.names import global_db_path
-
     output_dir = _resolve(config.training.output_dir)
     own_store_dir = output_dir / ".apr"
     registry = _resolve(global_db_path(apr_home))
@@ -232,8 +229,6 @@ def _refusal(problems: list, key: str, lead: str, expected: str) -> Callable[[st
 def sink_target_findings(loaded, *, apr_home: Path | None = None) -> list:
     """``sink_target_problems`` as error findings at the sink's line (code ``config.sink_target``),
     for validate, plan and apply (which refuses a plan with errors before writing anything)."""
-    from apr.errors import Finding
-
     out = []
     for key, message, expected, got in sink_target_problems(loaded.config, apr_home=apr_home):
         index = int(key.split("[", 1)[1].split("]", 1)[0])
