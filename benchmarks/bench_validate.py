@@ -3,8 +3,9 @@
 Runs `python -m apr train validate CONFIG` --repeat times, each a fresh interpreter, and prints the
 min / median / max wall time and the median CPU time (user + system) of the process, with the load
 average before and after: on a shared machine the wall time follows the load, the CPU time much
-less. With --baseline DIR (a checkout of another commit, e.g. `git archive REV | tar -x -C DIR`)
-the two trees run alternately, so that both see the same load.
+less. Bytecode caches are written by a warm-up run (an installed apr has them; without them every
+module is compiled at each start). With --baseline DIR (a checkout of another commit, e.g.
+`git archive REV | tar -x -C DIR`) the two trees run alternately, so that both see the same load.
 
     .venv/bin/python benchmarks/bench_validate.py [--repeat 10] [--config PATH] [--baseline DIR]
 """
@@ -29,6 +30,7 @@ def one_run(tree: Path, config: Path) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, exit code) of one validate in a fresh process importing ``tree``
     (run from ``tree``: `python -m` puts the current folder first on sys.path)."""
     env = dict(os.environ, PYTHONPATH=str(tree), NO_COLOR="1")
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as installed: the warm-up run writes the bytecode caches
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(config)], env=env, cwd=tree,
