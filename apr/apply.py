@@ -71,6 +71,7 @@ def _layout(config, resume: str | None, world: int) -> tuple[dict, dict | None]:
 
 def run_apply(target: Path, *, seed: int | None = None, device: str | None = None, max_steps: int | None = None,
               resume: str | None = None, force: bool = False, gpu: str | None = None, vram: str | None = None,
+              allow_other_run: bool = False,
               apr_home: Path | None = None, echo=None, progress=None, handle_signals: bool = True,
               settings: list[str] | None = None):
     """Plan and run; returns ``apr.train.run.RunResult``. Raises AprError for anything a user can fix."""
@@ -108,12 +109,14 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
         progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
                            progress=progress, overrides=overrides, execution=plan.execution["policy"],
-                           elastic=elastic)
+                           elastic=elastic, allow_other_run=allow_other_run)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"
     for w in plan.warnings if is_main else []:
         options.echo(f"plan warning [{w.code}] {w.path + ': ' if w.path else ''}{w.message}")
+    for skipped in (plan.facts.get("calibration_skipped") or []) if is_main else []:
+        options.echo(f"warning: calibration row skipped: {skipped}")
     run = prepare_run(plan.config, config_hash=plan.config_hash, config_path=config_path, options=options,
                       plan_doc=plan_doc)
     return run.execute()

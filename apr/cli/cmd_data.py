@@ -219,7 +219,9 @@ def register(app: typer.Typer) -> None:
         """Write stand-in data of a config's shape (shards + tokenizer) so `apr train plan` runs on a
         fresh clone. Not text: do not train on it. Exit 0 ok, 1 error."""
         from apr.data.standin import synth_like
+        from apr.fsutil import check_output_folder
 
+        check_output_folder(out, inputs=[like], option="--out")
         t0 = time.monotonic()
         s = synth_like(like, out, train_rows=train_rows, val_rows=val_rows, overwrite=overwrite)
         typer.echo(f"wrote a stand-in for {like} under {s.out} in {time.monotonic() - t0:.1f} s:")

@@ -33,6 +33,9 @@ def register(app: typer.Typer) -> None:
                                    "checkpoint .json/.safetensors or run directory."),
         force: bool = typer.Option(False, "--force", help="Resume although the config changed in a way that "
                                                           "breaks exactness."),
+        allow_other_run: bool = typer.Option(
+            False, "--allow-other-run", help="Resume into an output_dir holding another run's checkpoints "
+                                             "(its files are kept, never pruned)."),
         gpu: str | None = typer.Option(None, "--gpu", help="Target GPU for the plan's memory check."),
         vram: str | None = typer.Option(None, "--vram", help="Target VRAM for the plan's memory check."),
     ) -> None:
@@ -45,6 +48,7 @@ def register(app: typer.Typer) -> None:
         try:
             result = run_apply(target, seed=seed, device=None if device is None else str(device),
                                max_steps=max_steps, resume=resume, force=force, gpu=gpu, vram=vram,
+                               allow_other_run=allow_other_run,
                                echo=progress.echo, progress=progress.update, settings=settings or None)
         finally:
             progress.close()

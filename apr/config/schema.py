@@ -748,8 +748,9 @@ class MonitoringConfig(_Section):
         20, description="Compare the run with its plan after this many steps (step time, tokens/s, peak memory on "
         "a GPU): drift_* in training_state.json, the stores and alert conditions (docs/monitor.md); 0 disables.")
     sinks: list[SinkConfig] = Field(
-        default_factory=list, description="External trackers fed the same metrics as the stores, from the "
-                                          "recorder's thread; a failing one is a warning, never a failed run.")
+        default_factory=list, description="External trackers fed the same metrics as the stores, each on a "
+                                          "thread of its own with a bounded queue; a failing or silent one is a "
+                                          "warning, never a failed or held run.")
 
 
 # ------------------------------------------------------------------------------------ evaluation

@@ -1,6 +1,6 @@
 """Reading one YAML file, bounded, with each key's line and column (``SourceMap``): the reader
-every config layer, contract file and settings file goes through (docs/design.md, "Bounded
-reading")."""
+every config layer, contract file and settings file goes through
+(docs/design.md, "Bounded reading")."""
 
 from __future__ import annotations
 

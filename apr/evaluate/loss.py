@@ -2,8 +2,10 @@
 
 The loss is computed exactly as the trainer's validation does it (``Engine.eval_loss_sum``): the
 same chunked LM-head cross-entropy, summed per batch in float32 and over batches in float64, so
-``apr eval`` on a run's val folder with the run's batch size and ``eval_batches`` reproduces the
-val loss the run recorded (float32 weights; a run trained in bf16 evaluated in bf16 differs).
+``apr eval`` on a run's val folder with the run's batch size reproduces the val loss the run
+recorded with ``--max-batches`` = ``eval_batches`` for one process, and ``eval_batches`` x the world
+size under data parallelism (each rank reads its own batches; docs/eval.md); float32 weights (a run
+trained in bf16 evaluated in bf16 differs).
 """
 
 from __future__ import annotations

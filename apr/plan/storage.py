@@ -30,9 +30,9 @@ WRITE_SHARE_WARN = 0.05  # contract C-DISK-002: checkpoint writes above this sha
 def free_space(path: Path) -> tuple[Path, int] | None:
     """(the nearest existing folder at or above ``path``, its free bytes), or None if unreadable."""
     probe = path
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    try:
+    try:  # a name too long for the file system, or a path under a file: unreadable
+        while not probe.exists() and probe.parent != probe:
+            probe = probe.parent
         return probe, shutil.disk_usage(probe).free
     except OSError:
         return None

@@ -196,6 +196,15 @@ def sink_findings(loaded: LoadedConfig) -> list[Finding]:
     return out
 
 
+def _sink_target_findings(loaded: LoadedConfig) -> list[Finding]:
+    """Sinks aimed at apr's own stores, records or the data (apr/track/trackers.py)."""
+    if not loaded.config.monitoring.sinks:
+        return []
+    from apr.track.trackers import sink_target_findings  # lazy: the tracker adapters, only with sinks
+
+    return sink_target_findings(loaded)
+
+
 def early_stopping_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
     """`training.early_stopping.patience` set where it cannot act: no validation (no data.val, or
     training.eval_interval 0), or more validations than the run has (``total_steps``; validate knows
@@ -317,7 +326,7 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
 
 
 def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes: int | None = None) -> list[Finding]:
-    """`training.sharding` with what it cannot run with (docs/design.md, "The composition table"):
+    """`training.sharding` with what it cannot run with (docs/design.md, "The composed engine"):
     compiled blocks, a bf16 LoRA trunk; hybrid over nodes that do not split the ranks evenly.
     ``world_size``/``nodes``: the plan's (``--world-size``/``--nodes``; default the config's)."""
 
@@ -363,6 +372,7 @@ _CHECKS: tuple = (
     (data_path_findings, (("data",),)),
     (compile_findings, (("training", "execution"), ("training", "device"))),
     (sink_findings, (("monitoring", "sinks"),)),
+    (_sink_target_findings, (("monitoring", "sinks"), ("data",), ("training", "output_dir"))),
     (_mixture_findings, (("data",), ("training",))),
     (lambda loaded: early_stopping_findings(loaded, loaded.config.training.max_steps),
      (("training",), ("data", "val"))),

@@ -124,7 +124,8 @@ def open_recorder(run):
         atomic_write_json(run.run_dir / "plan.json", run.plan_doc)
     return RunRecorder(run.run_dir, run.config, config_hash=run.config_hash, total_steps=run.total_steps,
                        tokens_per_step=run.tokens_per_step, run_id=run.run_id, apr_home=run.options.apr_home,
-                       config_path=str(run.config_path), model_params=param_count(run.config.model.architecture))
+                       config_path=str(run.config_path), model_params=param_count(run.config.model.architecture),
+                       plan=run.plan_doc)
 
 
 def validated_initially(run, recorder) -> None:

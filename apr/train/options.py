@@ -24,6 +24,7 @@ class ApplyOptions:
     execution: dict | None = None  # the plan's resolved execution policy (facts.execution.policy)
     hooks: list[StepHook] = field(default_factory=list)  # called after every step (apr.train.stop.StepHook)
     elastic: dict | None = None  # the layout apply planned for a resume on another world size (layout.py)
+    allow_other_run: bool = False  # resume into a folder holding another run's checkpoints (--allow-other-run)
 
 
 @dataclass

@@ -152,8 +152,10 @@ class Run:
 
     def _setup_output(self) -> None:
         """Lock the output folder (rank 0), then restore the checkpoint to resume or refuse foreign files."""
-        self.checkpoints = Checkpoints(self, CheckpointManager(self.run_dir, self.config, config_hash=self.config_hash,
-                                                               on_warning=self.warn, trainer_state=True))
+        manager = CheckpointManager(self.run_dir, self.config, config_hash=self.config_hash, on_warning=self.warn,
+                                    trainer_state=True)
+        manager.allow_other_run = self.options.allow_other_run
+        self.checkpoints = Checkpoints(self, manager)
         self.lock = OutputDirLock(self.run_dir)
         try:
             if self.is_main:  # only rank 0 writes the folder

@@ -197,7 +197,7 @@ def _target(kind: str, w: World, tmp: Path, key: tuple[str, ...]) -> tuple[Path,
 # hostile target; strict, so the case fails once fixed and the entry must go. apr data synth: one call
 # `check_output_folder(out, inputs=[like], option="--out")` from apr.fsutil at the top of synth_cmd
 # (apr/cli/cmd_data.py) fixes every target (today: NotADirectoryError, a traceback).
-KNOWN_UNFIXED = {("data", "synth", "out"): "apr data synth does not check --out yet (issue 39, reported)"}
+KNOWN_UNFIXED: dict = {}  # (command words, option) -> why it is not fixed yet
 
 
 def _cases():

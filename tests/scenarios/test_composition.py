@@ -1,4 +1,4 @@
-"""The composition table (docs/design.md, "The composition table"): features that the sharded
+"""The composition table (docs/design.md, "The composed engine"): features that the sharded
 layout used to refuse, run on FSDP2 shards (2 gloo ranks, full sharding) and compared with one
 process reading twice the micro-batch, as tests/distributed/test_sharding.py compares plain
 pretraining. One cell per feature; each names its bound."""

@@ -533,6 +533,8 @@ def test_plan_and_apply_refuse_a_sink_on_the_runs_store_at_its_line_and_write_no
     r = CliRunner().invoke(app, ["train", "apply", str(cfg)])
     assert r.exit_code == 1 and "monitoring.sinks[1].uri" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "run").exists()  # refused before anything was written
+    r = CliRunner().invoke(app, ["train", "validate", str(cfg), "--json"])  # knowable from the config alone
+    assert r.exit_code == 1 and "config.sink_target" in r.stdout and "monitoring.sinks[1].uri" in r.stdout
 
 
 def test_the_recorder_refuses_a_sink_on_its_own_registry_when_it_opens_and_the_run_goes_on(tmp_path,

@@ -175,14 +175,6 @@ def test_the_plan_counts_the_teacher_and_both_phases(distilled, teacher):
     assert d["phases"][0]["flops_per_token"] < d["phases"][1]["flops_per_token"]
 
 
-@pytest.mark.parametrize("change, path", [
-    ({"model": {"architecture": {"vocab_size": 80}}}, "model.architecture.vocab_size"),
-    ({"model": {"architecture": {"hidden_size": 64}}}, "model.architecture.hidden_size"),
-    ({"training": {"distill": {"block_map": [[0, 2], [3, 4]]}}}, "training.distill.block_map"),
-    ({"training": {"distill": {"phase1_steps": 50}}}, "training.distill.phase1_steps"),
-    ({"training": {"engine": "interleaved"}}, "training.engine"),
-    ({"training": {"distill": {"teacher": "/nonexistent/teacher"}}}, "training.distill.teacher"),
-])
 def test_distillation_with_the_default_engine_plans_on_autograd_instead_of_refusing(teacher, tmp_path):
     """The interleaved walk cannot form phase 2's full logits: the plan picks the autograd source for
     distillation whatever training.engine says, and says so (issue 39: it used to refuse)."""
@@ -195,6 +187,13 @@ def test_distillation_with_the_default_engine_plans_on_autograd_instead_of_refus
     assert "standard engine (full autograd backward" in proc.stdout
 
 
+@pytest.mark.parametrize("change, path", [
+    ({"model": {"architecture": {"vocab_size": 80}}}, "model.architecture.vocab_size"),
+    ({"model": {"architecture": {"hidden_size": 64}}}, "model.architecture.hidden_size"),
+    ({"training": {"distill": {"block_map": [[0, 2], [3, 4]]}}}, "training.distill.block_map"),
+    ({"training": {"distill": {"phase1_steps": 50}}}, "training.distill.phase1_steps"),
+    ({"training": {"distill": {"teacher": "/nonexistent/teacher"}}}, "training.distill.teacher"),
+])
 def test_incompatible_teacher_and_student_are_refused_at_plan_time(teacher, tmp_path, change, path):
     from tests.train.run_helpers import merge
 

@@ -56,7 +56,7 @@ def test_a_non_finite_gradient_stops_before_any_update():
 
 
 def test_the_gate_skips_the_update_and_the_loss_part_scales_the_lr():
-    engine, loss, local, sq = _backward("off", grad_clip=None)
+    engine, loss, local, sq = _backward("global", grad_clip=None)  # no clipping
     engine.step_gate = lambda loss, norm: True
     assert finish_step(engine, loss, local, sq, 1e-2).flagged and engine.optimizer_steps == 0
     engine.step_gate, engine._skip = None, False
