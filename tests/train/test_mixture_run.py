@@ -153,6 +153,10 @@ def test_tokens_and_val_loss_per_source_reach_the_stores(two_stage):
         names = {r[0] for r in con.execute("select distinct key from metrics")}
     assert {"tokens/web", "tokens/code", "tokens/books", "val_loss/web", "val_loss/code"} <= names
     assert "val_loss/books" not in names  # books has no val folder
+    with sqlite3.connect(db) as con:  # no data.val: the sources' val folders measure the initial weights too
+        first = {k: s for k, s in con.execute("select key, min(step) from metrics where key like 'val_loss%' "
+                                               "group by key")}
+    assert first == {"val_loss": 0, "val_loss/web": 0, "val_loss/code": 0}
     show = cli("runs", "show", json.loads((root / "run" / "training_state.json").read_text())["run_id"], cwd=root)
     assert show.returncode == 0 and "tokens/code" in show.stdout and "data stage 'decay' starts" in show.stdout
 
