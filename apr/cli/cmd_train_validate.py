@@ -63,9 +63,9 @@ def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = N
         emit(findings, summary_markdown(f"apr train validate {config}", verdict, findings, str(config)),
              str(config), sys.stdout)
     else:
-        if error is not None:
-            print(f"error: {error.message}", file=sys.stderr)
-        print_findings(findings)
+        if error is not None:  # the schema errors under their heading, then what else was found
+            print_error(error)
+        print_findings(findings[len(error.findings):] if error is not None else findings)
         n_warn = sum(f.severity == "warning" for f in findings)
         n_err = sum(f.severity == "error" for f in findings)
         print(f"{config}: {'valid' if valid else 'invalid'} ({n_err} errors, {n_warn} warnings)")
