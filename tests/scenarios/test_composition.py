@@ -18,17 +18,20 @@ from tests.train.run_helpers import config_doc, make_dataset
 OPT = {"lr": 3e-3, "min_lr": 3e-4}
 
 
-def _pair(root: Path, name: str, batch: int = 2, **sections) -> tuple[Path, Path]:
-    """The same config as one process (micro-batch 2 x batch) and as 2 sharded ranks (batch each);
-    returns both run folders."""
+def _pair(root: Path, name: str, batch: int = 2, sharding: str = "full", **sections) -> tuple[Path, Path]:
+    """The same config as one process (micro-batch 2 x batch) and as 2 sharded ranks (batch each;
+    ``hybrid``: two one-rank "nodes", as tests/distributed/test_sharding.py simulates them); returns
+    both run folders."""
     training = sections.pop("training", {})
     data = sections.pop("data", {})
     one = config_doc(root, data={**data, "batch_size": 2 * batch}, optimizer=OPT,
                      training={**training, "output_dir": f"{name}-one/"}, **sections)
+    layout = {"sharding": sharding, **({"nodes": 2} if sharding == "hybrid" else {})}
     two = config_doc(root, data={**data, "batch_size": batch}, optimizer=OPT,
-                     training={**training, "output_dir": f"{name}-two/", "sharding": "full"}, **sections)
+                     training={**training, "output_dir": f"{name}-two/", **layout}, **sections)
     _launch(one, root / f"{name}-one.json", 1)
-    _launch(two, root / f"{name}-two.json", 2)
+    _launch(two, root / f"{name}-two.json", 2,
+            extra_env={"APR_SHARD_GROUP_SIZE": "1"} if sharding == "hybrid" else None)
     return root / f"{name}-one", root / f"{name}-two"
 
 
@@ -47,13 +50,14 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["interleaved", "standard"])
-def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(root, engine):
+@pytest.mark.parametrize(("engine", "sharding"), [("interleaved", "full"), ("standard", "full"),
+                                                  ("interleaved", "hybrid")])
+def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(root, engine, sharding):
     """Only the adapters train and are checkpointed, alike on shards (each rank's rows of each adapter)
     and in one process; in-training task scores and samples run on every rank (the whole weights
     gathered) and rank 0 records them."""
     one, two = _pair(
-        root, f"lora-{engine}",
+        root, f"lora-{engine}-{sharding}", sharding=sharding,
         model={"architecture": {"num_hidden_layers": 4}, "init_from": str(root / "base"),
                "lora": {"rank": 4, "alpha": 8.0, "targets": "all"}},
         data={"tokenizer": str(root / "tok.json")},

@@ -1,0 +1,51 @@
+"""One memory model (docs/design.md, "The composed engine"): the plan's buffer rows for weights,
+adapters, AdamW moments and gradients are what the composed engine really holds after a step, for
+the compositions whose buffers torch allocates (autograd, with and without LoRA) as for the walk
+(which allocates from the plan by name)."""
+
+from __future__ import annotations
+
+import pytest
+
+from apr.model.spec import buffer_plan
+from apr.steps.execution import from_config
+from apr.train.build import build_engine
+from tests.train.tiny import batches, make_config
+
+LORA = {"rank": 3, "alpha": 6.0, "targets": "all"}
+
+
+def _planned(config) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for b in buffer_plan(config, from_config(config)):
+        if b.component in ("weights", "adapters", "adamw_m", "adamw_v") or b.name.endswith(".grad"):
+            key = "gradients" if b.name.endswith(".grad") else b.component
+            out[key] = out.get(key, 0) + b.nbytes
+    return out
+
+
+@pytest.mark.parametrize("sections", [
+    {"training": {"engine": "standard"}},
+    {"training": {"engine": "standard", "gradient_accumulation": 2}},
+    {"training": {"engine": "standard"}, "model": {"init_from": None, "lora": LORA}},
+    {"training": {"engine": "interleaved", "execution": {"activations": "keep", "gradients": "kept"}}},
+    {"training": {"engine": "interleaved"}, "model": {"init_from": None, "lora": LORA}},
+], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora"])
+def test_the_plans_rows_are_what_the_engine_holds(sections):
+    config = make_config(**sections)
+    engine = build_engine(config, execution=from_config(config))
+    engine.train_step(batches(config, config.training.gradient_accumulation), 1e-3)
+    held = engine.buffer_bytes()
+    if engine.source == "interleaved":  # by buffer name: map each to its plan row
+        rows = {b.name: b for b in buffer_plan(config, from_config(config))}
+        by: dict[str, int] = {}
+        for name, nbytes in held.items():
+            key = "gradients" if name.endswith(".grad") else rows[name].component
+            if key in ("weights", "adapters", "adamw_m", "adamw_v", "gradients") and \
+                    (key != "gradients" or name.endswith(".grad")):
+                by[key] = by.get(key, 0) + nbytes
+        held = by
+    elif config.model.lora is not None:  # torch's parameters are the adapters
+        held = {("adapters" if k == "weights" else k): v for k, v in held.items()}
+    planned = _planned(config)
+    assert {k: v for k, v in held.items() if v} == planned
