@@ -97,3 +97,24 @@ def test_validate_checks_memory_against_the_config_gpu(tmp_path):
     cfg.write_text(unknown)
     result = runner.invoke(app, ["train", "validate", str(cfg)])
     assert result.exit_code == 1 and 'error[C-MEM-003]' in result.output and ":14:3" in result.output
+
+
+def test_validate_and_plan_refuse_the_same_bad_overrides(tmp_path, monkeypatch):
+    """A setting validate accepts, plan accepts too, and the other way round: both read KEY=VALUE through
+    the same layering and schema (a boolean for a number, a seed past int64, an unknown key)."""
+    from apr.plan.examples import materialize
+
+    config, _ = materialize({}, tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    cases = {"optimizer.lr=true": ("schema.value_error", "optimizer.lr", "boolean"),
+             f"training.seed={2**63}": ("schema.value_error", "training.seed", "2**63 - 1"),
+             "training.lr=1e-3": ("schema.unknown_key", "training.lr", "did you mean 'optimizer.lr'?")}
+    for setting, (code, path, text) in cases.items():
+        for command in ("validate", "plan"):
+            r = runner.invoke(app, ["train", command, str(config), setting, "--json"])
+            findings = json.loads(r.stdout)["findings"]
+            assert r.exit_code == 1, (command, setting, r.output)
+            assert any(f["code"] == code and f["path"] == path and text in f["message"] and f["file"] == "command line"
+                       for f in findings), (command, setting, findings)
+    for command in ("validate", "plan"):  # and a good one passes both
+        assert runner.invoke(app, ["train", command, str(config), "optimizer.lr=1e-3"]).exit_code == 0, command
