@@ -535,6 +535,21 @@ class OtherRunError(CheckpointError):
     """A resume would write one run's checkpoints into a folder holding another run's."""
 
 
+def refuse_overwriting_other_run(json_path: Path, run_id: str | None) -> None:
+    """Never write over a checkpoint another run wrote (a folder shared with --allow-other-run whose
+    step numbers collide, or its ``checkpoint-best``): the other run's files stay as they are."""
+    if run_id is None or not json_path.exists():
+        return
+    theirs = checkpoint_run_id(json_path)
+    if theirs is None or theirs == run_id:
+        return
+    message = (f"{json_path} is run {theirs}'s checkpoint; run {run_id} would overwrite it: another run's files "
+               "are never replaced (resume into an empty training.output_dir instead)")
+    raise OtherRunError(message, json_path, "other_run", findings=[Finding(
+        "error", "checkpoint.other_run", message, path="training.output_dir", file=str(json_path),
+        expected=f"no checkpoint of another run named {json_path.name}", got=f"run {theirs}'s checkpoint")])
+
+
 def refuse_other_runs(output_dir: str | os.PathLike, json_path: str | os.PathLike,
                       allow: bool = False) -> None:
     """Resuming from ``json_path`` into ``output_dir``: refuse (unless ``allow``, an explicit opt-in:
@@ -647,6 +662,9 @@ class CheckpointManager:
         step = int(state.step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         json_path, weights_path = self.step_paths(step)
+        if self.allow_other_run:  # a shared folder: never over another run's files
+            for path in (json_path, *([self.best_paths[0]] if is_best else [])):
+                refuse_overwriting_other_run(path, state.meta.get("run_id"))
         needed = sum(t.numel() * t.element_size() for t in state.tensors.values()) + _JSON_ALLOWANCE
         if not background:
             self.wait()  # never two writers in one folder

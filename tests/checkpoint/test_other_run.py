@@ -118,11 +118,11 @@ def test_apply_resume_from_another_run_into_a_third_runs_folder_is_refused_and_c
 
     make_dataset(tmp_path, train_rows=32, val_rows=8)
 
-    def run(out: str, resume=None):
+    def run(out: str, resume=None, allow=False):
         cfg = AprConfig.model_validate(config_doc(tmp_path, training={
             "max_steps": 4, "save_interval": 2, "eval_interval": 0, "epochs": 1, "output_dir": out}))
         return prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
-                           options=ApplyOptions(resume=resume, echo=lambda line: None))
+                           options=ApplyOptions(resume=resume, echo=lambda line: None, allow_other_run=allow))
 
     run("a/").execute()
     run("b/").execute()
@@ -131,3 +131,18 @@ def test_apply_resume_from_another_run_into_a_third_runs_folder_is_refused_and_c
         run("b/", resume=str(tmp_path / "a" / "checkpoint-step-2.json")).execute()
     after = {p: h for p, h in _hashes(tmp_path / "b").items() if p != ".apr-run.lock"}
     assert after == before
+    # --allow-other-run: the resume goes on from step 2, but never writes over run b's own files: its
+    # checkpoint-step-4 is b's, so the save there is refused and b's files stay as they were
+    with pytest.raises(AprError, match="would overwrite it"):
+        run("b/", resume=str(tmp_path / "a" / "checkpoint-step-2.json"), allow=True).execute()
+    ckpts = {p: h for p, h in before.items() if p.startswith("checkpoint-")}
+    assert {p: h for p, h in _hashes(tmp_path / "b").items() if p in ckpts} == ckpts
+    # into a folder of another run whose step numbers do not collide, it finishes beside that run's files
+    run("c/").execute()
+    for p in (tmp_path / "c").glob("checkpoint-step-4*"):
+        p.rename(p.with_name(p.name.replace("step-4", "step-40")))
+    kept = {p: h for p, h in _hashes(tmp_path / "c").items() if "step-40" in p}
+    (tmp_path / "c" / "checkpoint-best.json").unlink(missing_ok=True)
+    result = run("c/", resume=str(tmp_path / "a" / "checkpoint-step-2.json"), allow=True).execute()
+    assert result.status == "finished" and result.start_step == 2
+    assert {p: h for p, h in _hashes(tmp_path / "c").items() if "step-40" in p} == kept
