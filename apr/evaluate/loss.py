@@ -131,7 +131,6 @@ def _source_loss(loaded, name: str, path: Path, batch_size: int, max_batches: in
     import torch
 
     from apr.data.loader import ShardLoader
-    from apr.kernels.linear_ce import linear_cross_entropy_sum
 
     width = row_width(path, column)
     seq_len = width - 1
@@ -155,9 +154,8 @@ def _source_loss(loaded, name: str, path: Path, batch_size: int, max_batches: in
                     expected=f"ids below {vocab}", got=str(top))])
             batch = batch.to(device)
             ids, targets = batch[:, :-1], batch[:, 1:]
-            h = model.model.norm(model.hidden_states(ids, torch.float32))
-            total += linear_cross_entropy_sum(h, model.head_weight, targets, chunk_size=chunk_size,
-                                              backend=backend, compute_dtype=torch.float32).double()
+            total += model.loss(model.hidden_states(ids, torch.float32), targets, chunk_size=chunk_size,
+                                backend=backend, compute_dtype=torch.float32, total=True).double()
             tokens += targets.numel()
             rows += batch.shape[0]
     return SourceLoss(name=name, path=path, rows=rows, tokens=tokens, loss=float(total.item() / tokens),
