@@ -13,7 +13,7 @@ from apr.data.corpus import builtin_corpus_files
 from apr.data.sources import expand_inputs, iter_documents
 from apr.data.tokenizer import train_tokenizer
 from apr.errors import AprError, Finding
-from apr.fsutil import check_output_file
+from apr.fsutil import check_output_file, check_output_folder
 
 
 def _count(value: str, flag: str) -> int:
@@ -219,7 +219,6 @@ def register(app: typer.Typer) -> None:
         """Write stand-in data of a config's shape (shards + tokenizer) so `apr train plan` runs on a
         fresh clone. Not text: do not train on it. Exit 0 ok, 1 error."""
         from apr.data.standin import synth_like
-        from apr.fsutil import check_output_folder
 
         check_output_folder(out, inputs=[like], option="--out")
         t0 = time.monotonic()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 
-from apr.cli.cmd_runs import fast_path as runs_fast_path
 from apr.cli.cmd_train_validate import fast_path
 
 
@@ -15,6 +14,7 @@ def run() -> None:
 
     code = fast_path(sys.argv[1:])
     if code is None:  # `apr runs ls [--global] [--json]`, which agents poll, also skips typer
+        from apr.cli.cmd_runs import fast_path as runs_fast_path  # lazy: keeps `runs` off validate's path
 
         code = runs_fast_path(sys.argv[1:])
     if code is not None:

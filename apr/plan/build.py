@@ -203,7 +203,7 @@ def normalise_overrides(overrides: dict | None) -> dict:
     value and its findings say "command line"."""
     out = {}
     for key, value in (overrides or {}).items():
-        if value is None:
+        if value is None and "." not in key:  # a named option not given; ``data.val=null`` is a setting
             continue
         dotted = key if "." in key else f"training.{key}"
         if "." not in key and dotted not in OVERRIDABLE:
@@ -319,7 +319,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     training.gpu / training.vram, else none). ``world_size``: data-parallel processes (default:
     training.world_size); ``nodes``: the hosts they run on (default: training.nodes).
     ``overrides``: the command line's (``max_steps``, ``seed``, ``device`` from apply's options, and
-    any ``KEY.PATH=VALUE`` setting as ``{"training.lr": 0.001}``).
+    any ``KEY.PATH=VALUE`` setting as ``{"optimizer.lr": 0.001}``).
     ``device_budget``: apply's ``config -> (bytes, source)``, the device's memory the
     execution policy must fit when no target is given. Raises ConfigError when the config does not
     load, PlanUsageError (exit code 2) for a bad argument, ContractFileError for a malformed contract

@@ -8,107 +8,27 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from importlib.util import find_spec
 
 from apr import __version__, hardware, threads  # threads first: it sets OpenMP's wait policy before torch loads
 from apr.config.schema import AprConfig
 from apr.model.spec import (
-    block_numel,
     flops_per_token,
-    linear_dims,
-    non_embedding_param_count,
-    param_count,
-    trainable_param_count,
+)
+from apr.plan.configfacts import (  # validate's facts (config only), shared
+    FactSheet,
+    config_facts,
+    memory_facts,
+    model_facts,
 )
 from apr.plan.datafacts import dataset_facts, shared_shards
-from apr.plan.gpus import Target, mfu_basis
-from apr.plan.memory import (
-    COEFFICIENTS,
-    MAX_LAYERS_SEARCHED,
-    ExecutionChoice,
-    MemoryRow,
-    choose_execution,
-    max_layers,
-    max_micro_batch,
-    memory_table,
-)
+from apr.plan.gpus import Target
 from apr.plan.mixfacts import merged_train_facts, source_dataset_facts
 from apr.plan.stackfacts import stacking_facts
 from apr.plan.storage import storage_facts
 from apr.plan.tokfacts import tokenizer_facts
-from apr.steps.algebra import sequences_per_step, step_algebra
+from apr.steps.algebra import step_algebra
 from apr.steps.schedule import LRSchedule
-from apr.steps.strategy import step_strategy
 from apr.track import calibration
-
-
-@dataclass
-class FactSheet:
-    facts: dict
-    memory: list[MemoryRow] = field(default_factory=list)
-    time_estimate: dict | None = None
-
-
-def lora_facts(config: AprConfig) -> dict:
-    """Adapter counts and the smallest dimension a rank must not exceed (spec.lora_block_specs)."""
-    arch, lora = config.model.architecture, config.model.lora
-    dims = {m: min(linear_dims(arch, m)) for m in lora.modules}
-    smallest = min(dims, key=dims.__getitem__)
-    return {"trainable_params": trainable_param_count(config), "frozen_params": param_count(arch),
-            "scaling": lora.scaling, "modules": list(lora.modules), "min_dim": dims[smallest],
-            "min_dim_module": smallest, "min_dim_shape": list(linear_dims(arch, smallest))}
-
-
-def model_facts(config: AprConfig) -> dict:
-    arch = config.model.architecture
-    extra = {} if config.model.lora is None else {"lora": lora_facts(config)}
-    return {
-        **extra,
-        "trainable_params": trainable_param_count(config),
-        "params": param_count(arch),
-        "non_embedding_params": non_embedding_param_count(arch),
-        "block_params": block_numel(arch),
-        "head_dim": arch.head_dim,
-        "kv_heads": arch.kv_heads,
-        "flops_per_token": flops_per_token(arch, config.data.seq_len),
-    }
-
-
-def memory_facts(config: AprConfig, target: Target | None,
-                 device_budget: tuple[int, str] | None = None) -> tuple[dict, list[MemoryRow], ExecutionChoice]:
-    """Memory facts and rows under the execution policy the plan chooses, and that choice's facts.
-    The budget: the target's memory, else ``device_budget`` (apply: the device's real memory)."""
-    if target is not None and target.vram_bytes:
-        budget: tuple[int | None, str | None] = (target.vram_bytes, target.source)
-    else:
-        budget = device_budget or (None, None)
-    choice = choose_execution(config, *budget)
-    rows = memory_table(config, execution=choice.execution)
-    total = sum(r.bytes for r in rows)
-    facts: dict = {"total_bytes": total, "by_component": {r.component: r.bytes for r in rows},
-                   "calibrated": COEFFICIENTS.calibrated}
-    if target is not None and target.vram_bytes:  # a zero size compares with nothing
-        facts["vram_bytes"] = target.vram_bytes
-        facts["usage_fraction"] = total / target.vram_bytes
-        facts["max_micro_batch"] = max_micro_batch(config, target.vram_bytes)
-    return facts, rows, choice
-
-
-def mfu_facts(flops_per_tok: int, target: Target | None, precision: str, cost_f: float) -> dict:
-    """What MFU and HFU are quoted against: the peak of the target GPU for the run's dtype (or why
-    it is unknown: no fallback number), the model FLOPs per token (6N + attention, PaLM appendix B)
-    and the hardware FLOPs per token (model FLOPs x the execution's ``cost_f / 3``: recompute and a
-    norm-only pre-pass are work the GPU does that the model's FLOPs do not count)."""
-    gpu = target.gpu if target is not None else None
-    out = {**mfu_basis(gpu, precision, target.name if target is not None else None),
-           "formula": "6N + 12 x layers x hidden x seq_len", "model_flops_per_token": flops_per_tok,
-           "execution_cost_f": cost_f, "hardware_flops_per_token": flops_per_tok * cost_f / 3.0,
-           "hfu_per_mfu": cost_f / 3.0}
-    if out["known"]:
-        out["assumed_mfu"] = gpu.mfu
-        out["assumed_hfu"] = gpu.mfu * cost_f / 3.0
-    return out
 
 
 def time_estimate(tokens: int, flops_per_tok: int, target: Target | None, precision: str,
@@ -160,29 +80,6 @@ def evaluation_estimate(config: AprConfig, total_steps: int, target: Target | No
     return out
 
 
-def execution_facts(config: AprConfig, execution=None) -> dict:
-    """How apply will execute: engine, device, kernel backend, precision and clipping. Torch-free:
-    ``auto`` choices are described, since they are made on the machine that applies."""
-
-    tr = config.training
-    st = step_strategy(config, execution)
-    device, kernels = str(tr.device), str(tr.kernels)
-    if kernels != "auto":
-        kernels_resolved = kernels
-    elif device == "cpu":
-        kernels_resolved = "torch"
-    else:
-        kernels_resolved = "cupy if the device is CUDA and CuPy is available at apply time, else torch"
-    device_resolved = "cuda if torch sees a CUDA device at apply time, else cpu" if device == "auto" else device
-    return {
-        "engine": st.engine, "device": device, "device_resolved": device_resolved, "kernels": kernels,
-        "kernels_resolved": kernels_resolved, "cupy_installed_here": find_spec("cupy") is not None,
-        "precision": str(tr.mixed_precision), "clip": st.clip, "keeps_all_grads": st.keeps_all_grads,
-        "norm_prepass": st.norm_prepass, "backward_walks": st.backward_walks, "loss_scaling": st.loss_scaling,
-        "strategy": st.describe(),
-    }
-
-
 def peak_lr_reached(config: AprConfig, total_steps: int) -> float:
     """The highest learning rate the schedule reaches in ``total_steps`` steps (warmup may not end)."""
     if total_steps < 1:
@@ -190,58 +87,6 @@ def peak_lr_reached(config: AprConfig, total_steps: int) -> float:
     schedule = LRSchedule.from_config(config, total_steps)
     warmup = config.training.warmup_steps
     return schedule(min(total_steps, warmup)) if warmup else schedule(1)
-
-
-def config_facts(config: AprConfig, *, world_size: int, nodes: int | None = None, target: Target | None,
-                 device_budget: tuple[int, str] | None = None) -> FactSheet:
-    """Facts that need only the config (and the target): what `apr train validate` evaluates."""
-    tr = config.training
-    per_step = sequences_per_step(config.data.batch_size, tr.gradient_accumulation, world_size)
-    facts: dict = {
-        "world_size": world_size,
-        "model": model_facts(config),
-        "schedule": {"sequences_per_step": per_step,
-                     "tokens_per_step": per_step * config.data.seq_len,
-                     "min_lr": config.optimizer.resolved_min_lr},
-    }
-    if target is not None:
-        facts["target"] = target.to_facts(str(tr.mixed_precision))
-    # per rank at the planned number of ranks (--world-size): data parallelism's second gradient
-    # workspace, the shards under training.sharding
-    nodes = tr.nodes if nodes is None else nodes
-    ranked = config if (tr.world_size, tr.nodes) == (world_size, nodes) else config.model_copy(
-        update={"training": tr.model_copy(update={"world_size": world_size, "nodes": nodes})})
-    facts["memory"], rows, choice = memory_facts(ranked, target, device_budget)
-    if world_size > 1 and target is not None and target.vram_bytes:
-        facts["sharding"] = sharding_facts(config, world_size, target, nodes)
-    facts["execution"] = {**execution_facts(config, choice.execution), **choice.facts(config)}
-    facts["mfu"] = mfu_facts(facts["model"]["flops_per_token"], target, str(tr.mixed_precision),
-                             facts["execution"]["cost_f"])
-    return FactSheet(facts=facts, memory=rows)
-
-
-def sharding_facts(config: AprConfig, world_size: int, target: Target, nodes: int | None = None) -> dict:
-    """Per-rank bytes under each sharding strategy at ``world_size`` ranks on ``nodes`` hosts
-    (default training.nodes; hybrid only where they split evenly) with the config's engine, and
-    which ones fit the target."""
-    per_rank, max_batch, deepest = {}, {}, {}
-    nodes = config.training.nodes if nodes is None else nodes
-    hybrid = ("hybrid",) if nodes > 1 and world_size % nodes == 0 else ()
-    for strategy in ("none", "shard_grad_op", "full", *hybrid):
-        doc = config.model_dump(mode="json")
-        doc["training"].update(world_size=world_size, nodes=nodes, sharding=strategy)
-        ranked = AprConfig.model_validate(doc)
-        mem = memory_facts(ranked, target)[0]
-        per_rank[strategy] = mem["total_bytes"]
-        max_batch[strategy] = mem.get("max_micro_batch")
-        layers = max_layers(ranked, target.vram_bytes)
-        deepest[strategy] = {"num_hidden_layers": layers, "at_least": layers >= MAX_LAYERS_SEARCHED,
-                             "params": param_count(ranked.model.architecture.model_copy(
-                                 update={"num_hidden_layers": layers})) if layers else 0}
-    return {"world_size": world_size, "nodes": nodes, "strategy": str(config.training.sharding),
-            "per_rank_bytes": per_rank,
-            "fits": {k: v <= target.vram_bytes for k, v in per_rank.items()}, "max_micro_batch": max_batch,
-            "largest_model": deepest}
 
 
 def all_facts(config: AprConfig, *, world_size: int, target: Target | None, nodes: int | None = None,
