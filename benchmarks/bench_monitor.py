@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -151,7 +152,9 @@ def measure_web(run_dir: Path, env: dict, seconds: float, warmup: float, state: 
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "apr", "monitor", str(run_dir), "--web", "--port", str(port),
                                *refresh], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    server.stdout.readline()
+    started = server.stdout.readline()  # names the URL with its token (apr monitor --web)
+    found = re.search(r"[?&]token=([\w-]+)", started)
+    token = f"&token={found.group(1)}" if found else ""
     received = [0]
     stop = threading.Event()
 
@@ -159,7 +162,7 @@ def measure_web(run_dir: Path, env: dict, seconds: float, warmup: float, state: 
         for _ in range(100):
             try:
                 async with aiohttp.ClientSession() as session:
-                    async with session.ws_connect(f"http://127.0.0.1:{port}/ws?width=80&height=24") as ws:
+                    async with session.ws_connect(f"http://127.0.0.1:{port}/ws?width=80&height=24{token}") as ws:
                         while not stop.is_set():
                             try:
                                 msg = await ws.receive(timeout=0.2)
