@@ -66,7 +66,7 @@ def test_a_bad_price_option_is_a_clear_error_exit_1(tmp_path, price):
 
 
 @pytest.mark.parametrize("value, code", [("abc", "schema.float_type"), ("-2", "schema.greater_than"),
-                                         ("true", "schema.float_type"), (".inf", "schema.finite_number")])
+                                         ("true", "schema.value_error"), (".inf", "schema.finite_number")])
 def test_a_bad_price_in_the_config_fails_validate_and_plan_at_its_line(tmp_path, value, code):
     cfg, _ = _plan(tmp_path, {"price_per_gpu_hour": 1.5})
     text = cfg.read_text()
