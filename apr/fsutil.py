@@ -119,22 +119,24 @@ def is_sqlite_file(path: str | os.PathLike) -> bool:
         return False
 
 
-def is_apr_store(path: str | os.PathLike) -> bool:
+def is_apr_store(path: str | os.PathLike, unreadable: bool = False) -> bool:
     """Whether ``path`` is an apr experiment store (SQLite holding apr's ``schema_version`` and
-    ``runs`` tables), whatever its name."""
-    if not is_sqlite_file(path):
+    ``runs`` tables), whatever its name. ``unreadable``: the answer for a SQLite file that cannot be
+    read as one (check_output_file refuses any SQLite file anyway; a sink target is refused then)."""
+    if not Path(path).is_file() or not is_sqlite_file(path):
         return False
     import sqlite3  # lazy: sqlite3 stays off validate's import path (tests/test_lazy_imports.py)
+    from urllib.parse import quote  # lazy: with sqlite3
 
     try:
-        conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, timeout=1.0)
+        conn = sqlite3.connect(f"file:{quote(str(Path(path).resolve()))}?mode=ro", uri=True, timeout=1.0)
     except sqlite3.Error:
-        return False  # not readable as a store; still a SQLite file, which check_output_file refuses
+        return unreadable
     try:
         names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         return {"schema_version", "runs"} <= names
     except sqlite3.Error:
-        return False
+        return unreadable
     finally:
         conn.close()
 
@@ -168,17 +170,7 @@ def check_output_file(out: str | os.PathLike, *, inputs: Iterable[str | os.PathL
     or one that exists without ``overwrite``. Every command that writes a file calls this before
     any work, and :func:`write_output` calls it again just before the write."""
     path = Path(out)
-    if not str(out).strip():
-        raise _output_error(path, option, f"{option} is empty", "a file path", "an empty string")
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise _output_error(path, option, f"cannot use {option} {path}: {e.strerror or e}",
-                            "a path apr can write", _errno_name(e)) from None
-    if st is None:
-        _check_parent(path, option)
+    st = _lstat_output(out, option, "a file path", "a path apr can write")
     if st is not None and not stat.S_ISREG(st.st_mode):
         kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode)
                 else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
@@ -209,6 +201,24 @@ def check_output_file(out: str | os.PathLike, *, inputs: Iterable[str | os.PathL
     return path
 
 
+def _lstat_output(out: str | os.PathLike, option: str, what: str, writable: str) -> os.stat_result | None:
+    """The output target's own stat (None: it does not exist yet, and its folder was checked); an
+    empty or unusable path is an error naming the option."""
+    path = Path(out)
+    if not str(out).strip():
+        raise _output_error(path, option, f"{option} is empty", what, "an empty string")
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise _output_error(path, option, f"cannot use {option} {path}: {e.strerror or e}", writable,
+                            _errno_name(e)) from None
+    if st is None:
+        _check_parent(path, option)
+    return st
+
+
 def check_output_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.PathLike] = (),
                         option: str = "--out") -> Path:
     """Refuse an output folder apr must not write into: one that exists and is not a folder (a file,
@@ -216,18 +226,8 @@ def check_output_folder(out: str | os.PathLike, *, inputs: Iterable[str | os.Pat
     APR_HOME), or one of the command's ``inputs``. Whether an
     existing folder may be reused is the command's own rule (``--overwrite``)."""
     path = Path(out)
-    if not str(out).strip():
-        raise _output_error(path, option, f"{option} is empty", "a folder path", "an empty string")
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        st = None
-    except OSError as e:
-        raise _output_error(path, option, f"cannot use {option} {path}: {e.strerror or e}",
-                            "a folder apr can write", _errno_name(e)) from None
-    if st is None:
-        _check_parent(path, option)
-    elif not stat.S_ISDIR(st.st_mode):
+    st = _lstat_output(out, option, "a folder path", "a folder apr can write")
+    if st is not None and not stat.S_ISDIR(st.st_mode):
         kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                 else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
                 else "a file" if stat.S_ISREG(st.st_mode) else "not a folder")

@@ -242,6 +242,16 @@ def _exists(p: Path) -> bool:
         return False
 
 
+def key_loc(key: str) -> tuple:
+    """A dotted key path as a location: ``data.stages[1].weights.web`` -> ``("data", "stages", 1,
+    "weights", "web")``."""
+    out: list = []
+    for part in key.split("."):
+        m = re.fullmatch(r"([A-Za-z0-9_]+)\[(\d+)\]", part)
+        out += [m.group(1), int(m.group(2))] if m else [part]
+    return tuple(out)
+
+
 def parse_settings(settings: list[str]) -> dict[str, Any]:
     """``["optimizer.lr=1e-3", "data.val=null"]`` -> ``{"optimizer.lr": 0.001, "data.val": None}``; values
     are read as YAML (numbers, booleans, null, flow lists and mappings), so they are typed as in a file."""

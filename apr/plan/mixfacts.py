@@ -18,6 +18,7 @@ import re
 from dataclasses import replace
 
 from apr.config import LoadedConfig
+from apr.config.layers import key_loc
 from apr.config.schema import AprConfig
 from apr.data.mixconfig import raw_stages, stage_names, token_stages
 from apr.data.mixplan import account, check_compatible, stage_starts
@@ -26,15 +27,6 @@ from apr.errors import Finding
 
 WARN_EPOCHS = 4.0  # repeated data stops helping after ~4 epochs (Muennighoff et al., 2023)
 _KEY_RE = re.compile(r"^(data\.[A-Za-z_]+(?:\[\d+\])?(?:\.[A-Za-z_]+)*(?:\.[A-Za-z0-9_]+)?)")
-
-
-def key_loc(key: str) -> tuple:
-    """``data.stages[1].weights.web`` -> ``("data", "stages", 1, "weights", "web")``."""
-    out: list = []
-    for part in key.split("."):
-        m = re.fullmatch(r"([A-Za-z0-9_]+)\[(\d+)\]", part)
-        out += [m.group(1), int(m.group(2))] if m else [part]
-    return tuple(out)
 
 
 def _finding(loaded: LoadedConfig, severity: str, key: str, message: str, expected: str | None = None,

@@ -11,6 +11,7 @@ import re
 from dataclasses import replace
 
 from apr.config import LoadedConfig
+from apr.config.layers import key_loc
 from apr.config.paths import data_path_problems, output_dir_problems, train_val_problems
 from apr.errors import Finding
 from apr.plan.configfacts import base_facts, config_facts
@@ -99,15 +100,6 @@ def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
             f = replace(f, file=file)
         out.append(replace(f, line=line, column=column))
     return out
-
-
-def key_loc(key: str) -> tuple:
-    """``data.stages[1].weights.web`` -> ``("data", "stages", 1, "weights", "web")``."""
-    out: list = []
-    for part in key.split("."):
-        m = re.fullmatch(r"([A-Za-z0-9_]+)\[(\d+)\]", part)
-        out += [m.group(1), int(m.group(2))] if m else [part]
-    return tuple(out)
 
 
 def _mixture_findings(loaded: LoadedConfig) -> list[Finding]:

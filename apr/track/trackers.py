@@ -33,16 +33,15 @@ import logging
 import math
 import os
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from apr.config.schema import SinkConfig
 from apr.errors import Finding
+from apr.fsutil import is_apr_store
 from apr.track.names import experiment_from_dir, global_db_path
 
 EXTRA = "sinks"  # pip install 'apr[sinks]'
@@ -127,29 +126,6 @@ def _within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def _is_apr_store(path: Path) -> bool:
-    """A regular SQLite file holding apr's ``schema_version`` and ``runs`` tables, whatever its name."""
-    try:
-        if not path.is_file():
-            return False
-        with open(path, "rb") as f:
-            if f.read(16) != b"SQLite format 3\x00":
-                return False
-    except OSError:
-        return False
-    try:
-        conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, timeout=1.0)
-    except sqlite3.Error:
-        return True  # a SQLite file that cannot even be opened read-only: never a safe target
-    try:
-        names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        return {"schema_version", "runs"} <= names
-    except sqlite3.Error:
-        return True
-    finally:
-        conn.close()
-
-
 def _experiment(config) -> str:
     return config.monitoring.tracking.experiment or experiment_from_dir(Path(config.training.output_dir))
 
@@ -199,7 +175,7 @@ def sink_target_problems(config, *, apr_home: Path | None = None,
             refuse(f"into the run's own experiment store ({own_store_dir})", f"{target}, inside {own_store_dir}")
         elif any(w in store_files for w in writes) or (kind == "file" and target.name in STORE_FILES):
             refuse("onto an apr experiment store", f"{target} (an apr experiment store)")
-        elif kind == "file" and _is_apr_store(target):
+        elif kind == "file" and is_apr_store(target, unreadable=True):
             refuse("into an apr experiment store", f"{target} (a SQLite file with apr's runs table)")
         elif _within(target, output_dir) and target != output_dir and (
                 target.relative_to(output_dir).parts[0] in RECORD_FILES
