@@ -19,14 +19,14 @@ OPT = {"lr": 3e-3, "min_lr": 3e-4}
 
 
 def _pair(root: Path, name: str, batch: int = 2, sharding: str = "full", **sections) -> tuple[Path, Path]:
-    """The same config as one process (micro-batch 2 x batch) and as 2 sharded ranks (batch each;
-    ``hybrid``: two one-rank "nodes", as tests/distributed/test_sharding.py simulates them); returns
-    both run folders."""
+    """The same config as one process (micro-batch 2 x batch) and as 2 ranks (batch each) under
+    ``sharding`` (``hybrid``: two one-rank "nodes", as tests/distributed/test_sharding.py simulates
+    them; ``none``: plain data parallelism); returns both run folders."""
     training = sections.pop("training", {})
     data = sections.pop("data", {})
     one = config_doc(root, data={**data, "batch_size": 2 * batch}, optimizer=OPT,
                      training={**training, "output_dir": f"{name}-one/"}, **sections)
-    layout = {"sharding": sharding, **({"nodes": 2} if sharding == "hybrid" else {})}
+    layout = {"sharding": sharding, **({"nodes": 2} if sharding == "hybrid" else {})}  # none: DDP
     two = config_doc(root, data={**data, "batch_size": batch}, optimizer=OPT,
                      training={**training, "output_dir": f"{name}-two/", **layout}, **sections)
     _launch(one, root / f"{name}-one.json", 1)
@@ -51,7 +51,7 @@ def root(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("engine", "sharding"), [("interleaved", "full"), ("standard", "full"),
-                                                  ("interleaved", "hybrid")])
+                                                  ("interleaved", "hybrid"), ("interleaved", "none")])
 def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(root, engine, sharding):
     """Only the adapters train and are checkpointed, alike on shards (each rank's rows of each adapter)
     and in one process; in-training task scores and samples run on every rank (the whole weights
@@ -98,13 +98,14 @@ def test_progressive_stacking_grows_and_freezes_on_shards_as_in_one_process(root
 
 
 @pytest.mark.slow
-def test_blockwise_distillation_on_shards_equals_one_process(root):
+@pytest.mark.parametrize("sharding", ["full", "none"])
+def test_blockwise_distillation_on_shards_equals_one_process(root, sharding):
     """Distillation's loss part on the autograd source under FSDP2 (the teacher whole on each rank):
     both phases (phase 1 one student block at a time, then KD) match one process. The configured
     default engine (interleaved) is not refused: distillation runs on autograd. Bound 1e-5: the KD
     loss's softmax over the vocabulary sums in another order on half the batch per rank."""
     one, two = _pair(
-        root, "distill",
+        root, f"distill-{sharding}", sharding=sharding,
         model={"architecture": {"num_hidden_layers": 2}},
         training={"mode": "distill", "max_steps": 8, "save_interval": 8, "eval_interval": 4,
                   "distill": {"teacher": str(root / "base"), "phase1_steps": 2, "init_from_teacher": True}})
