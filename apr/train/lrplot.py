@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
-
-from apr.fsutil import atomic_write_text
 
 
 def _scale(values: list[float], lo: float, hi: float, size: int) -> list[int]:
@@ -73,17 +69,3 @@ def svg_plot(lrs: list[float], losses: list[float], smoothed: list[float], mark:
         f'<path d="{path(smoothed)}" fill="none" stroke="#1f77b4" stroke-width="2"/>',
         f'<line x1="{mx:.1f}" y1="{top}" x2="{mx:.1f}" y2="{h - bottom}" stroke="#d62728" stroke-dasharray="4 3"/>',
         "</svg>", ""])
-
-
-def write_outputs(curve, test, suggestion: float, svg_path: Path | None, json_path: Path | None) -> None:
-    if svg_path is not None:
-        atomic_write_text(svg_path, svg_plot(curve.lrs, curve.losses, curve.smoothed, suggestion, test.rule))
-    if json_path is not None:
-        doc = {"format": "apr-lr-find", "min_lr": test.min_lr, "max_lr": test.max_lr, "steps": test.steps,
-               "smoothing": test.smoothing, "rule": test.rule, "suggested_lr": suggestion,
-               "min10_lr": curve.suggest("min10"), "steepest_lr": curve.suggest("steepest"),
-               "stopped_early": curve.stopped_early,
-               "points": [{"step": i + 1, "lr": lr, "loss": loss, "smoothed": sm}
-                          for i, (lr, loss, sm)
-                          in enumerate(zip(curve.lrs, curve.losses, curve.smoothed, strict=True))]}
-        atomic_write_text(json_path, json.dumps(doc, indent=2) + "\n")
