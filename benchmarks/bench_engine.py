@@ -76,7 +76,7 @@ COMPILED = {"auto+compile": "auto", "lean/selective+adagc+compile": "lean/select
 # re-casting the fp32 masters in every forward (docs/design.md, "The engines")
 NO_COPY = {"auto-nocopy": "auto", "lean/recompute+per_block-nocopy": "lean/recompute+per_block"}
 DEFAULT = (*SETTINGS, "baseline")
-APPROACHES = (*SETTINGS, *COMPILED, *NO_COPY, "baseline")
+APPROACHES = (*SETTINGS, *COMPILED, *NO_COPY, "baseline", "baseline+compile")
 LR = 3e-4
 SEED = 1234
 
@@ -171,8 +171,9 @@ def build_apr(args, device: torch.device, name: str) -> Approach:
     return ap
 
 
-def build_baseline(args, device: torch.device) -> Approach:
-    """The nanoGPT-style loop: model(ids) -> full logits, F.cross_entropy, backward, clip, AdamW."""
+def build_baseline(args, device: torch.device, compiled: bool = False) -> Approach:
+    """The nanoGPT-style loop: model(ids) -> full logits, F.cross_entropy, backward, clip, AdamW
+    (``compiled``: the model under ``torch.compile``, as nanoGPT's ``compile=True``)."""
     from apr.model import spec
     from apr.model.llama import build_model
 
@@ -192,13 +193,16 @@ def build_baseline(args, device: torch.device) -> Approach:
     low = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     cast = (torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[low])
             if low != "fp32" else torch.autocast(device.type, enabled=False))
-    ap = Approach("baseline", note=f"full logits + F.cross_entropy, clip_grad_norm_, torch AdamW ({how})")
+    ap = Approach("baseline+compile" if compiled else "baseline",
+                  note=f"full logits + F.cross_entropy, clip_grad_norm_, torch AdamW ({how})"
+                       f"{'; torch.compile(model)' if compiled else ''}")
+    forward = torch.compile(model) if compiled else model
 
     def step(batch: torch.Tensor, measure: bool) -> torch.Tensor:
         batch = batch.to(device, non_blocking=True)
         ids, targets = batch[:, :-1], batch[:, 1:]
         with cast:
-            logits = model(ids)  # [batch, seq, vocab] float32
+            logits = forward(ids)  # [batch, seq, vocab] float32
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         loss.backward()
         if measure:
@@ -209,15 +213,17 @@ def build_baseline(args, device: torch.device) -> Approach:
         return loss.detach()
 
     def free() -> None:
-        nonlocal model, opt, params, named
-        del model, opt, params, named
+        nonlocal model, opt, params, named, forward
+        del model, opt, params, named, forward
 
     ap.step_fn, ap.free_fn = step, free
     return ap
 
 
 def build(args, device: torch.device, name: str) -> Approach:
-    return build_baseline(args, device) if name == "baseline" else build_apr(args, device, name)
+    if name.startswith("baseline"):
+        return build_baseline(args, device, compiled=name == "baseline+compile")
+    return build_apr(args, device, name)
 
 
 def timed_step(ap: Approach, batch: torch.Tensor, device: torch.device) -> None:
@@ -350,6 +356,12 @@ def run(args) -> dict:
             "max_rel_loss_diff_base": max_rel_diff(ap.losses, ref),
             "max_rel_loss_diff_std": max_rel_diff(ap.losses, std),
         })
+    from apr.model.spec import flops_per_token
+
+    flops = flops_per_token(arch, args.seq)  # forward + backward, the plan's figure (docs/plan.md)
+    peak_tflops = args.peak_tflops
+    for r in rows:
+        r["mfu"] = None if not peak_tflops else r["tokens_per_s"] * flops / (peak_tflops * 1e12)
     if device.type == "cuda":
         machine = torch.cuda.get_device_name(device)
     else:
@@ -366,6 +378,7 @@ def run(args) -> dict:
         "warmup": args.warmup, "steps": args.steps, "results": rows,
         "full_logits_mib": tokens * args.vocab * 4 / 2**20,
         "chunk_logits_mib": args.batch * min(args.loss_chunk, args.seq) * args.vocab * 4 / 2**20,
+        "flops_per_token": flops, "peak_tflops": peak_tflops,
     }
 
 
@@ -431,6 +444,10 @@ def render(res: dict) -> str:
             "differently from apr's chunked one, the standard engine's is the same code).",
             f"Logits: the baseline materialises [batch, seq, vocab] float32 = {res['full_logits_mib']:.1f} MiB "
             f"(plus its gradient); apr's chunks hold {res['chunk_logits_mib']:.1f} MiB.", ""]
+    if res.get("peak_tflops"):
+        out += [f"MFU ({res['flops_per_token'] / 1e9:.2f} GFLOP/token from apr/model/spec.py, peak "
+                f"{res['peak_tflops']:.0f} TFLOP/s): " + ", ".join(f"{r['approach']} {r['mfu']:.1%}"
+                                                             for r in res["results"]), ""]
     out += [f"{r['approach']}: {r['note']} (build + warmup {r['warm_s']:.1f} s)" for r in res["results"]]
     return "\n".join(out)
 
@@ -464,6 +481,8 @@ def main() -> None:
                     help="the memory budget the plan's chooser resolves auto against (default: roomy)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's dense peak for the precision (e.g. 989 for an H100/H200 in bf16): adds MFU")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: torch sees no CUDA device")
