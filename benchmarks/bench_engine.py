@@ -129,6 +129,7 @@ class Approach:
     cost_f: float = 3.0
     grad_bytes: int = 0
     peak_bytes: int | None = None
+    profile: str | None = None  # --profile: the profiler tables
     last_loss: float | None = None
     step_fn: object = None  # (batch, probe: bool) -> loss tensor
     free_fn: object = None
@@ -243,6 +244,24 @@ def warm(ap: Approach, batches: list[torch.Tensor], device: torch.device) -> Non
     sync(device)
 
 
+def profile_steps(ap: Approach, batches: list[torch.Tensor], device: torch.device) -> str:
+    """torch.profiler over a few steps: the top kernels by device time and the top host ops by
+    self CPU time, to say where a step's time goes (docs/performance.md)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for batch in batches:
+            ap.step_fn(batch, False)
+        sync(device)
+    ev = prof.key_averages()
+    out = []
+    if device.type == "cuda":
+        out.append(ev.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    out.append(ev.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    return "\n".join(out)
+
+
 def peak_rss_mib(args, name: str) -> float:
     """Peak resident set of a fresh process that builds ``name`` and runs the warmup steps."""
     import subprocess
@@ -302,6 +321,8 @@ def run(args) -> dict:
                 timed_step(ap, batch, device)
             if cuda:
                 ap.peak_bytes = torch.cuda.max_memory_allocated(device)
+            if args.profile:
+                ap.profile = profile_steps(ap, timed_data[:3], device)
             ap.losses = [float(x) for x in ap.losses]
             ap.free_fn()
             ap.step_fn = ap.free_fn = None
@@ -352,7 +373,7 @@ def run(args) -> dict:
             "cpu_ms_median": statistics.median(ap.cpu_times) * 1e3,
             "grad_mib": ap.grad_bytes / 2**20,
             "peak_mib": None if ap.peak_bytes is None else ap.peak_bytes / 2**20, "cost_F": ap.cost_f,
-            "last_loss": ap.losses[-1], "losses": ap.losses, "note": ap.note,
+            "last_loss": ap.losses[-1], "losses": ap.losses, "note": ap.note, "profile": ap.profile,
             "max_rel_loss_diff_base": max_rel_diff(ap.losses, ref),
             "max_rel_loss_diff_std": max_rel_diff(ap.losses, std),
         })
@@ -449,6 +470,9 @@ def render(res: dict) -> str:
                 f"{res['peak_tflops']:.0f} TFLOP/s): " + ", ".join(f"{r['approach']} {r['mfu']:.1%}"
                                                              for r in res["results"]), ""]
     out += [f"{r['approach']}: {r['note']} (build + warmup {r['warm_s']:.1f} s)" for r in res["results"]]
+    for r in res["results"]:
+        if r.get("profile"):
+            out += ["", f"== profile of {r['approach']} (3 timed steps)", r["profile"]]
     return "\n".join(out)
 
 
@@ -481,6 +505,8 @@ def main() -> None:
                     help="the memory budget the plan's chooser resolves auto against (default: roomy)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA/--sequential: torch.profiler over 3 steps of each approach (top kernels, top host ops)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the device's dense peak for the precision (e.g. 989 for an H100/H200 in bf16): adds MFU")
     args = ap.parse_args()

@@ -24,7 +24,9 @@ CASES = [("interleaved", "full", "recompute", "workspace"), ("standard", "shard_
 
 def _run(tmp_path: Path, device: str, engine: str, sharding: str, kernels: str, activations: str,
          gradients: str) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # this checkout first, keeping what the caller had (a GPU image with apr's dependencies elsewhere)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "store"), device, engine, sharding, kernels,
                            "4", activations, gradients], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
