@@ -163,6 +163,8 @@ class Survival:
         # The decision first (a kill from here on resumes past the window, and the resumed run
         # records the event if this one could not: ``restore_records``), then the records.
         run.save(restored, False, recorder)
+        if run.is_main:  # on disk before anything says it happened: a kill after the message must
+            run.record_checkpoints(recorder, wait=True)  # not resume from the undecided checkpoint
         recorder.rewind(restored)
         recorder.log_event("rollback", step, message, event["detail"])
         recorder.flush()

@@ -222,6 +222,36 @@ def test_rollback_skips_the_window_and_ends_as_a_run_without_it(tmp_path, monkey
                                                                          for i in BAD]
 
 
+def test_the_rollback_is_on_disk_before_it_is_reported(tmp_path, monkeypatch):
+    """A kill right after "rollback 1/3" must resume past the window: so the rewritten checkpoint
+    is written (not still on the background writer) before the run says it rolled back. The writer
+    is slowed here so that a report that did not wait would find the old checkpoint."""
+    import time
+
+    from apr.checkpoint import background
+
+    submit = background.BackgroundWriter.submit
+
+    def slow_submit(self, step, is_best, write):
+        def slow():
+            time.sleep(0.3)
+            return write()
+        submit(self, step, is_best, slow)
+
+    monkeypatch.setattr(background.BackgroundWriter, "submit", slow_submit)
+    _corpus(tmp_path)
+    seen = []
+
+    def echo(line: str) -> None:
+        if "rollback 1/" in line:
+            meta = json.loads((tmp_path / "run" / "checkpoint-step-20.json").read_text())
+            seen.append(json.dumps(meta))
+
+    result = run_apply(_cfg(tmp_path, 25, **ROLLBACK_CFG), apr_home=tmp_path / "home", echo=echo)
+    assert result.status == "finished" and len(seen) == 1
+    assert '"rollbacks": 1' in seen[0] and '"skips": [{"at": 20, "count": 3}]' in seen[0]  # the decision and its skip
+
+
 def test_too_many_rollbacks_stop_the_run_keeping_the_last_good_checkpoint(tmp_path):
     _corpus(tmp_path)  # patience 1: each bad step is a rollback of its own; the second is one too many
     cfg = _cfg(tmp_path, 30, rollback={**ROLLBACK_CFG["rollback"], "patience": 1, "max_rollbacks": 1})
