@@ -243,8 +243,11 @@ def _memory_lines(plan, colour: bool) -> list[str]:
         out.append(f"  largest micro-batch that fits at seq_len {plan.config.data.seq_len:,}: "
                    + (f"batch_size {mb:,}" if mb else "none (not even batch_size 1)"))
     out += _sharding_lines(plan.facts.get("sharding"))
-    if not mem.get("calibrated"):
+    coefficients = mem.get("coefficients") or {}
+    if not coefficients.get("calibrated"):
         out.append(_c("  modelled rows use uncalibrated coefficients (apr/plan/memory.py)", "dim", colour))
+    else:
+        out.append(_c(f"  modelled rows: {coefficients.get('source')} (apr/plan/memory.py)", "dim", colour))
     return out
 
 

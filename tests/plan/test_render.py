@@ -9,6 +9,7 @@ from apr.cli.main import app
 from apr.plan import gpus
 from apr.plan.build import build_plan
 from apr.plan.examples import materialize
+from apr.plan.memory import COEFFICIENTS
 from apr.plan.render import render_text
 
 runner = CliRunner()
@@ -59,7 +60,7 @@ def test_a_gpu_plan_is_per_gpu_and_counts_the_cuda_context(tmp_path, monkeypatch
         head, rows = _resources(render_text(plan))
         assert head == "Resources per GPU (target: NVIDIA GeForce RTX 4090 24GB, 23.99 GiB, from --gpu)"
         assert "cuda_context" in rows
-        assert plan.facts["memory"]["by_component"]["cuda_context"] == 512 * 2**20
+        assert plan.facts["memory"]["by_component"]["cuda_context"] == COEFFICIENTS.cuda_context_bytes
         head, rows = _resources(render_text(build_plan(cfg)))
         assert head == "Resources per GPU (no target: pass --gpu NAME or --vram SIZE to compare)"
         assert "cuda_context" in rows
