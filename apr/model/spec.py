@@ -107,6 +107,20 @@ def optimizer_groups(config: AprConfig) -> list[tuple[str, list[ParamSpec]]]:
     return groups + [("head", head_param_specs(arch))]
 
 
+def group_sizes(config: AprConfig) -> list[tuple[str, int]]:
+    """``(group, numel)`` of ``optimizer_groups`` without building each block's specs: every block
+    has the same size, so the plan's depth searches (thousands of layers, ``plan/memory.py``) stay
+    linear in the groups' count and cheap."""
+    arch, lora = config.model.architecture, config.model.lora
+    layers = arch.num_hidden_layers
+    if lora is not None:
+        per_block = sum(p.numel for p in lora_block_specs(arch, lora, 0))
+        return [(f"block.{i}", per_block) for i in range(layers)]
+    per_block = block_numel(arch)
+    return ([("embed", arch.vocab_size * arch.hidden_size)] + [(f"block.{i}", per_block) for i in range(layers)]
+            + [("head", sum(p.numel for p in head_param_specs(arch)))])
+
+
 def trainable_param_count(config: AprConfig) -> int:
     """Parameters the optimizer updates: every one, or with LoRA ``layers x sum(rank x (in + out))``."""
     return sum(p.numel for _, specs in optimizer_groups(config) for p in specs)
@@ -117,8 +131,10 @@ def block_numel(arch: Architecture) -> int:
 
 
 def param_count(arch: Architecture) -> int:
-    """Exact number of trainable parameters (tied embeddings counted once)."""
-    return sum(p.numel for p in param_specs(arch))
+    """Exact number of trainable parameters (tied embeddings counted once): the sum over
+    ``param_specs``, with every block the same size (no specs built per block)."""
+    return (sum(p.numel for p in embed_param_specs(arch)) + arch.num_hidden_layers * block_numel(arch)
+            + sum(p.numel for p in head_param_specs(arch)))
 
 
 def non_embedding_param_count(arch: Architecture) -> int:
@@ -183,6 +199,21 @@ def sharded(config: AprConfig) -> bool:
     return str(tr.sharding) != "none" and tr.world_size > 1
 
 
+def _group_shards(config: AprConfig, w: int) -> dict[str, int]:
+    """Each optimizer group's largest shard over ``w`` ranks (first dimension split, rounded up);
+    every block's is the same, so one block's specs are built (see ``group_sizes``)."""
+    arch, lora = config.model.architecture, config.model.lora
+
+    def shard_of(specs: list[ParamSpec]) -> int:
+        return sum(-(-p.shape[0] // w) * (p.numel // p.shape[0]) for p in specs)
+
+    per_block = shard_of(lora_block_specs(arch, lora, 0) if lora is not None else block_param_specs(arch, 0))
+    blocks = {f"block.{i}": per_block for i in range(arch.num_hidden_layers)}
+    if lora is not None:
+        return blocks
+    return {"embed": shard_of(embed_param_specs(arch)), **blocks, "head": shard_of(head_param_specs(arch))}
+
+
 def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]], execution: Execution | None) -> list[Buffer]:
     """One rank's buffers under FSDP2 (docs/distributed.md, "Sharding"): every parameter is split
     along its first dimension into ``world_size`` shards (rank 0 holds ``ceil(rows / world_size)``
@@ -198,8 +229,7 @@ def _sharded_buffers(config: AprConfig, groups: list[tuple[str, int]], execution
     # the plan reports as an error)
     w = max(1, tr.world_size // tr.nodes) if str(tr.sharding) == "hybrid" else tr.world_size
     arch = config.model.architecture
-    shard = {name: sum(-(-p.shape[0] // w) * (p.numel // p.shape[0]) for p in specs)
-             for name, specs in optimizer_groups(config)}
+    shard = _group_shards(config, w)
     bufs = [Buffer(f"{name}.flat_params", "weights", (shard[name],), "float32") for name, _ in groups]
     for name, _ in groups:
         bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (shard[name],), "float32"))
@@ -246,7 +276,7 @@ def buffer_plan(config: AprConfig, execution: Execution | None = None) -> list[B
     bufs: list[Buffer] = []
 
     lora = config.model.lora
-    groups = [(name, sum(p.numel for p in specs)) for name, specs in optimizer_groups(config)]
+    groups = group_sizes(config)
     if lora is not None:
         # the frozen base: the model's own tensors (no gradient, no moments), adapters in flat buffers;
         # with a bf16 trunk the blocks' projections are stored in bf16

@@ -33,8 +33,6 @@ from apr.train.dist import DataParallel
 from apr.train.distill import distill_loss
 from apr.train.engine import Engine, InterleavedEngine, StandardEngine, resolve_device
 from apr.train.precision import torch_dtype
-from apr.train.sharded import ShardedEngine
-from apr.train.sharded_walk import ShardedInterleavedEngine
 
 
 def allocate_buffers(config: AprConfig, device: torch.device,
@@ -68,10 +66,13 @@ def _gradient_source(config: AprConfig, model: LlamaForCausalLM, device: torch.d
     autograd = execution_policy.gradient_source(config) == "standard"
     if str(tr.mode) == "distill":  # the student on autograd, the teacher whole beside it
         loss = distill_loss(config, model, device)
-    if sharded and autograd:  # autograd under FSDP2 hooks
-        return ShardedEngine(config, model, device, backend, execution, loss)
-    if sharded:  # the flat-buffer walk's per-block steps under FSDP2 hooks
-        return ShardedInterleavedEngine(config, model, device, backend, execution)
+    if sharded:
+        from apr.train.sharded import ShardedEngine  # lazy: FSDP2 and DTensor are ~1 s of import, sharded runs only
+        from apr.train.sharded_walk import ShardedInterleavedEngine  # lazy: as above
+
+        if autograd:  # autograd under FSDP2 hooks
+            return ShardedEngine(config, model, device, backend, execution, loss)
+        return ShardedInterleavedEngine(config, model, device, backend, execution)  # the walk under FSDP2 hooks
     if autograd:
         return StandardEngine(config, model.to(device), device, backend, execution, loss)
     if config.model.lora is not None:  # the frozen base on the device as it is; adapters into flat buffers
