@@ -319,7 +319,7 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
 
 def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes: int | None = None) -> list[Finding]:
     """`training.sharding` with what it cannot run with (docs/design.md, "The composed engine"):
-    compiled blocks, a bf16 LoRA trunk; hybrid over nodes that do not split the ranks evenly.
+    a bf16 LoRA trunk; hybrid over nodes that do not split the ranks evenly.
     ``world_size``/``nodes``: the plan's (``--world-size``/``--nodes``; default the config's)."""
 
     c = loaded.config
@@ -336,9 +336,6 @@ def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes
                            path="training.sharding", file=file, line=line, column=column, expected=expected,
                            got=got))
 
-    if tr.execution.compile:
-        finding("training.execution.compile", "compiled blocks are not sharded (FSDP2 wraps the eager blocks)",
-                "compile: false", "compile: true")
     if c.model.lora is not None and str(c.model.lora.trunk_dtype) == "bf16":
         finding("model.lora.trunk_dtype bf16", "FSDP2 gathers each block's parameters into one buffer of one dtype; "
                 "a bf16 trunk beside float32 adapters is two", "trunk_dtype: fp32", "bf16")

@@ -95,7 +95,7 @@ def build_engine(
     engine.dp = dp
     if engine.execution.compile:
         compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,
-                       engine.autocast())
+                       engine.autocast(), sharded=engine.sharded)
     if config.model.lora is not None and config.model.init_from is not None:  # C-LORA-002 wants both
         engine.base_ref = {"init_from": config.model.init_from,
                            "sha256": source_digest(config.model.init_from, config.model.architecture)}

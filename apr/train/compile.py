@@ -17,7 +17,7 @@ HINT = "set training.execution.compile: false"
 
 
 def compile_blocks(model, device: torch.device, sample_shape: tuple[int, int], dtype: torch.dtype,
-                   autocast_ctx) -> None:
+                   autocast_ctx, sharded: bool = False) -> None:
     """``torch.compile`` every decoder block in place, then compile block 0 on a ``[batch, seq]``
     input so that a failure surfaces now as an ``AprError``."""
     problem = compile_problem(device.type)
@@ -26,6 +26,8 @@ def compile_blocks(model, device: torch.device, sample_shape: tuple[int, int], d
     layers = model.model.layers
     for layer in layers:
         layer.compile(dynamic=False)
+    if sharded:  # a block under FSDP2 runs only inside the root's forward (its lazy init, the
+        return  # all-gather streams): the first step compiles it (validate checked the toolchain)
     batch, seq = sample_shape
     x = torch.zeros(batch, seq, model.arch.hidden_size, device=device, dtype=dtype, requires_grad=True)
     cos, sin = model.rope(seq, device)

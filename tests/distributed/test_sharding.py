@@ -251,14 +251,22 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones
 
 def test_sharding_with_what_it_cannot_run_fails_validate_naming_both_keys(tmp_path):
     make_dataset(tmp_path)
-    doc = config_doc(tmp_path, training={"sharding": "full", "execution": {"compile": True}})
+    doc = config_doc(tmp_path, model={"lora": {"rank": 4, "alpha": 8.0, "trunk_dtype": "bf16"}},
+                     training={"sharding": "full"})
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(doc))
     proc = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(path)], capture_output=True,
                           text=True, timeout=60, env={**os.environ, "APR_HOME": str(tmp_path / "home")})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     out = proc.stdout + proc.stderr
-    assert "training.sharding" in out and "training.execution.compile" in out
+    assert "training.sharding" in out and "model.lora.trunk_dtype" in out
+    # compiled blocks are no longer refused on shards (tests/scenarios/test_composition.py runs them)
+    doc = config_doc(tmp_path, training={"sharding": "full", "execution": {"compile": True}})
+    path.write_text(json.dumps(doc))
+    proc = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(path), "--json"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "APR_HOME": str(tmp_path / "home")})
+    assert not [f for f in json.loads(proc.stdout)["findings"] if f["code"] == "config.sharding"], proc.stdout
 
 
 def test_apply_plans_hybrid_at_the_nodes_torchrun_starts(monkeypatch):
