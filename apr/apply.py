@@ -108,8 +108,8 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     if not plan.config.monitoring.terminal.enabled:  # monitoring.terminal.enabled: false draws no bar
         progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
-                           progress=progress, overrides=overrides, execution=plan.execution["policy"],
-                           elastic=elastic, allow_other_run=allow_other_run)
+                           progress=progress, overrides=overrides, resolved=plan.resolved.with_elastic(elastic),
+                           allow_other_run=allow_other_run)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"

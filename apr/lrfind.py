@@ -20,7 +20,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ruamel.yaml import YAML
@@ -180,7 +180,7 @@ def run_range_test(config_path: Path, test: RangeTest, *, settings: list[str] | 
     with tempfile.TemporaryDirectory(prefix="apr-lr-find-") as tmp:
         config = sweep_config(plan.config, test, Path(tmp) / "run")
         options = ApplyOptions(apr_home=Path(tmp) / "home", echo=echo or (lambda line: None),
-                               handle_signals=False, execution=plan.execution["policy"],
+                               handle_signals=False, resolved=replace(plan.resolved, config=config),
                                hooks=[_Sweep(test, curve)])
         run = prepare_run(config, config_hash=config_hash(config), config_path=Path(config_path), options=options)
         run.schedule = test.lr  # the exponential sweep replaces the config's schedule

@@ -45,6 +45,8 @@ from apr.plan.validate import (
     survival_findings,
 )
 from apr.steps.algebra import elastic_accumulation
+from apr.steps.execution import Execution
+from apr.steps.resolved import Resolved
 from apr.track.names import PLAN_FORMAT
 from apr.track.trackers import sink_target_findings
 
@@ -105,6 +107,14 @@ class Plan:
     @property
     def kernels(self) -> str:
         return self.execution["kernels_resolved"]
+
+    @property
+    def resolved(self) -> Resolved:
+        """What the trainer receives (apr/steps/resolved.py): this plan's config and choices, frozen."""
+        layers = self.config.model.architecture.num_hidden_layers
+        return Resolved(config=self.config, execution=Execution.from_dict(self.execution["policy"], layers),
+                        world_size=self.world_size, nodes=self.nodes,
+                        total_steps=(self.facts.get("steps") or {}).get("total_steps"))
 
     def summary(self) -> dict:
         # An info contract whose rule is false is a note, not a failure: `failed` counts errors and warnings.

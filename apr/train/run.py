@@ -26,7 +26,6 @@ from apr.checkpoint.manager import CheckpointManager, TrainState
 from apr.config.schema import AprConfig
 from apr.evaluate.during_training import TrainingEvaluator
 from apr.steps import stacking
-from apr.steps.execution import Execution
 from apr.threads import apply_thread_policy
 from apr.track.protocol import Recorder
 from apr.train import build as engine_build  # build_engine looked up at call time (tests spy on it)
@@ -94,9 +93,13 @@ class Run:
         return self
 
     def _elastic_layout(self) -> None:
-        """A resume on another number of ranks keeps the checkpoint's global batch (apr/train/layout.py)."""
-        self.elastic = self.options.elastic or layout.elastic_layout(
-            self.config, self.run_dir, self.options.resume, self.config.training.world_size)
+        """A resume on another number of ranks keeps the checkpoint's global batch (apr/train/layout.py):
+        the plan decided it (``options.resolved``), or, for a caller without a plan, it is decided here."""
+        resolved = self.options.resolved
+        self.elastic = (dict(resolved.elastic) if resolved is not None and resolved.elastic is not None
+                        else None if resolved is not None
+                        else layout.elastic_layout(self.config, self.run_dir, self.options.resume,
+                                                   self.config.training.world_size))
         if self.elastic is not None:
             self.config = layout.laid_out(self.config, self.elastic["to_world_size"],
                                           self.elastic["to_accumulation"])
@@ -135,8 +138,8 @@ class Run:
         config, options = self.config, self.options
         staged = stacking.config_at(config, step)
         self.stack_stage = stacking.stage_at(config, step)
-        execution = (None if options.execution is None
-                     else Execution.from_dict(options.execution, staged.model.architecture.num_hidden_layers))
+        execution = (None if options.resolved is None
+                     else options.resolved.execution_at(staged.model.architecture.num_hidden_layers))
         if self.stack_stage == 0:
             engine = engine_build.build_engine(staged, self.device, dp=self.dp, execution=execution)
         else:  # a later stage's fresh blocks: their own seed; the run's RNG stream is left as it was
