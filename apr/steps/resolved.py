@@ -1,5 +1,5 @@
-"""What the plan decided for one run, frozen and handed to the trainer (docs/design.md, "The
-composed engine", decision 13 of the product's design).
+"""What the plan decided for one run, frozen and handed to the trainer (decision 13 of the design;
+docs/design.md, "The composed engine").
 
 ``apr train apply`` plans first (at the world size torchrun started, with a resume's elastic
 layout and the device's memory) and hands the run one ``Resolved``: the config after layering,

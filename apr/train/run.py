@@ -95,11 +95,9 @@ class Run:
     def _elastic_layout(self) -> None:
         """A resume on another number of ranks keeps the checkpoint's global batch (apr/train/layout.py):
         the plan decided it (``options.resolved``), or, for a caller without a plan, it is decided here."""
-        resolved = self.options.resolved
-        self.elastic = (dict(resolved.elastic) if resolved is not None and resolved.elastic is not None
-                        else None if resolved is not None
-                        else layout.elastic_layout(self.config, self.run_dir, self.options.resume,
-                                                   self.config.training.world_size))
+        planned = self.options.resolved
+        self.elastic = (dict(planned.elastic) if planned.elastic else None) if planned is not None else \
+            layout.elastic_layout(self.config, self.run_dir, self.options.resume, self.config.training.world_size)
         if self.elastic is not None:
             self.config = layout.laid_out(self.config, self.elastic["to_world_size"],
                                           self.elastic["to_accumulation"])
