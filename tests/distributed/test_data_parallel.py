@@ -16,17 +16,19 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
 
+from tests.distributed.ranks import run_ranks  # noqa: E402
+
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
 
 
 def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None) -> subprocess.CompletedProcess:
     path.write_text(json.dumps(doc))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKER), str(path)] + ([resume] if resume else [])
-    if nproc == 1:
-        cmd = [sys.executable, str(WORKER), str(path)] + ([resume] if resume else [])
+    args = [str(WORKER), str(path)] + ([resume] if resume else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    if nproc > 1:  # the ranks as torchrun describes them, without its process (tests/distributed/ranks.py)
+        proc = run_ranks(args, nproc, env, timeout=240)
+    else:
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -124,3 +124,23 @@ def test_compiled_blocks_on_shards_equal_one_process(root):
                                                 "engine": "interleaved", "execution": {"compile": True}})
     assert _rel(_weights(two, 4), _weights(one, 4)) <= 1e-5
     assert read_checkpoint(two / "checkpoint-step-4.json").meta["engine"]["engine"] == "interleaved"
+
+
+@pytest.mark.slow
+def test_a_mixture_with_adagc_on_shards_equals_one_process(root):
+    """A two-source mixture (the loader deals each global micro-batch's rows to the ranks, so the
+    layout does not change what is drawn) with AdaGC's per-tensor clipping on FSDP2 shards: the
+    same weights as one process (bound 1e-5, as the other cells), and the same rows per source."""
+    from tests.train.test_mixture_run import write_source
+
+    for i, name in enumerate(("web", "code")):
+        write_source(root / "mix" / name, 40, seed=20 + i)
+    sources = [{"name": "web", "path": str(root / "mix/web/train"), "weight": 0.6},
+               {"name": "code", "path": str(root / "mix/code/train"), "weight": 0.4}]
+    one, two = _pair(root, "mixture", data={"train": sources, "val": None},
+                     training={"max_steps": 6, "save_interval": 6, "eval_interval": 0, "engine": "interleaved",
+                               "clip_mode": "adagc"})
+    assert _rel(_weights(two, 6), _weights(one, 6)) <= 1e-5
+    rows = [{n: s["rows"] for n, s in json.loads((d / "training_state.json").read_text())["mixture"]["sources"].items()}
+            for d in (two, one)]
+    assert rows[0] == rows[1] and rows[0]["web"] > 0 and rows[0]["code"] > 0

@@ -59,7 +59,7 @@ def config_doc(root: Path, **sections) -> dict:
     """BASE with overrides, its relative paths made absolute under ``root``."""
     doc = merge(BASE, sections)
     for key in ("train", "val"):
-        if doc["data"].get(key):
+        if isinstance(doc["data"].get(key), str):  # a mixture's sources (a list) name their own paths
             doc["data"][key] = str(root / doc["data"][key])
     doc["training"]["output_dir"] = str(root / doc["training"]["output_dir"])
     return doc
