@@ -52,7 +52,8 @@ class Validation:
             count += n
         if self.dp is not None:
             both = torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=self.device)])
-            total, count = self.dp.sum_(both)[0], int(both[1].item())
+            summed = self.dp.sum_(both)  # read what the reduction returns, not the tensor handed in
+            total, count = summed[0], int(summed[1].item())
         if count == 0:
             return None
         return float(total.item() / count)
