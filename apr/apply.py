@@ -10,6 +10,7 @@ config. Either way the plan is built again from the config as it is now, so the 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from apr.config import load_config
@@ -108,7 +109,7 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     if not plan.config.monitoring.terminal.enabled:  # monitoring.terminal.enabled: false draws no bar
         progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
-                           progress=progress, overrides=overrides, resolved=plan.resolved.with_elastic(elastic),
+                           progress=progress, overrides=overrides, resolved=replace(plan.resolved, elastic=elastic),
                            allow_other_run=allow_other_run)
     if echo is not None:
         options.echo = echo

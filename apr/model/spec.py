@@ -108,17 +108,10 @@ def optimizer_groups(config: AprConfig) -> list[tuple[str, list[ParamSpec]]]:
 
 
 def group_sizes(config: AprConfig) -> list[tuple[str, int]]:
-    """``(group, numel)`` of ``optimizer_groups`` without building each block's specs: every block
-    has the same size, so the plan's depth searches (thousands of layers, ``plan/memory.py``) stay
-    linear in the groups' count and cheap."""
-    arch, lora = config.model.architecture, config.model.lora
-    layers = arch.num_hidden_layers
-    if lora is not None:
-        per_block = sum(p.numel for p in lora_block_specs(arch, lora, 0))
-        return [(f"block.{i}", per_block) for i in range(layers)]
-    per_block = block_numel(arch)
-    return ([("embed", arch.vocab_size * arch.hidden_size)] + [(f"block.{i}", per_block) for i in range(layers)]
-            + [("head", sum(p.numel for p in head_param_specs(arch)))])
+    """``(group, numel)`` of ``optimizer_groups`` without building each block's specs (one rank's
+    shard of the whole: ``_group_shards`` at one rank), so the plan's depth searches over thousands
+    of layers (``plan/memory.py``) stay cheap."""
+    return list(_group_shards(config, 1).items())
 
 
 def trainable_param_count(config: AprConfig) -> int:

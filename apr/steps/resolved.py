@@ -31,6 +31,3 @@ class Resolved:
         if layers == self.execution.layers:
             return self.execution
         return Execution.from_dict(self.execution.to_dict(), layers)
-
-    def with_elastic(self, elastic: Mapping | None) -> Resolved:
-        return Resolved(self.config, self.execution, self.world_size, self.nodes, self.total_steps, elastic)

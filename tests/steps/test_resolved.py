@@ -37,7 +37,7 @@ def test_the_plan_resolves_its_config_policy_and_layout(tmp_path):
     resolved = plan.resolved
     assert resolved.config is plan.config and resolved.world_size == 1 and resolved.total_steps == 3
     assert resolved.execution.to_dict() == {k: plan.execution["policy"][k] for k in resolved.execution.to_dict()}
-    assert resolved.elastic is None and resolved.with_elastic({"to_world_size": 2}).elastic == {"to_world_size": 2}
+    assert resolved.elastic is None
 
 
 def test_apply_runs_what_the_plan_resolved_without_deriving_a_policy(tmp_path, monkeypatch):
