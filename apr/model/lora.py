@@ -32,7 +32,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xa = F.dropout(x, self.dropout, self.training) if self.dropout else x
-        return F.linear(x, self.weight) + F.linear(F.linear(xa, self.lora_A), self.lora_B) * self.scaling
+        weight = self.weight
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            # a bf16 trunk read outside autocast (evaluation and samples compute in float32): the
+            # bf16 values widened exactly, as autocast's cast of them back to bf16 would be
+            weight = weight.to(x.dtype)
+        return F.linear(x, weight) + F.linear(F.linear(xa, self.lora_A), self.lora_B) * self.scaling
 
 
 @torch.no_grad()

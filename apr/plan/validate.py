@@ -336,9 +336,6 @@ def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes
                            path="training.sharding", file=file, line=line, column=column, expected=expected,
                            got=got))
 
-    if c.model.lora is not None and str(c.model.lora.trunk_dtype) == "bf16":
-        finding("model.lora.trunk_dtype bf16", "FSDP2 gathers each block's parameters into one buffer of one dtype; "
-                "a bf16 trunk beside float32 adapters is two", "trunk_dtype: fp32", "bf16")
     if str(tr.sharding) == "hybrid" and world_size > 1 and world_size % nodes:
         where = loaded.source.where(("training", "nodes"))
         out.append(Finding("error", "config.sharding", f"training.sharding hybrid with {world_size} ranks "

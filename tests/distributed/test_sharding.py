@@ -254,25 +254,26 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones
 
 
 def test_sharding_with_what_it_cannot_run_fails_validate_naming_both_keys(tmp_path):
+    """The one refusal left is a layout that cannot exist (hybrid over nodes that do not split the
+    ranks); a bf16 LoRA trunk and compiled blocks validate on shards (the composition tests run them)."""
     make_dataset(tmp_path)
-    doc = config_doc(tmp_path, model={"lora": {"rank": 4, "alpha": 8.0, "trunk_dtype": "bf16"}},
-                     training={"sharding": "full"})
+    env = {**os.environ, "APR_HOME": str(tmp_path / "home")}
     path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(doc))
+    path.write_text(json.dumps(config_doc(tmp_path, training={"sharding": "hybrid", "world_size": 4, "nodes": 3})))
     proc = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(path)], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "APR_HOME": str(tmp_path / "home")})
+                          text=True, timeout=60, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     out = proc.stdout + proc.stderr
-    assert "training.sharding" in out and "model.lora.trunk_dtype" in out
-    # compiled blocks are no longer refused on shards (tests/scenarios/test_composition.py runs them)
-    doc = config_doc(tmp_path, training={"sharding": "full", "execution": {"compile": True}})
-    path.write_text(json.dumps(doc))
-    proc = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(path), "--json"],
-                          capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "APR_HOME": str(tmp_path / "home")})
-    refusals = [f for f in json.loads(proc.stdout)["findings"] if f["code"] == "config.sharding" and
-                f["severity"] == "error"]
-    assert proc.returncode == 0 and not refusals, proc.stdout
+    assert "training.sharding" in out and "training.nodes" in out
+    for extra in ({"model": {"lora": {"rank": 4, "alpha": 8.0, "trunk_dtype": "bf16"}},
+                   "training": {"sharding": "full", "mixed_precision": "bf16"}},
+                  {"training": {"sharding": "full", "execution": {"compile": True}}}):
+        path.write_text(json.dumps(config_doc(tmp_path, **extra)))
+        proc = subprocess.run([sys.executable, "-m", "apr", "train", "validate", str(path), "--json"],
+                              capture_output=True, text=True, timeout=60, env=env)
+        refusals = [f for f in json.loads(proc.stdout)["findings"] if f["code"] == "config.sharding" and
+                    f["severity"] == "error"]
+        assert proc.returncode == 0 and not refusals, proc.stdout
 
 
 def test_apply_plans_hybrid_at_the_nodes_torchrun_starts(monkeypatch):

@@ -305,6 +305,24 @@ def test_a_bf16_trunk_halves_the_frozen_projections_and_both_engines_agree(tmp_p
         torch.testing.assert_close(weights["interleaved"][k], weights["standard"][k], atol=1e-6, rtol=1e-5)
 
 
+def test_a_bf16_trunk_is_read_in_float32_outside_autocast():
+    """Evaluation and samples compute in float32 without autocast: a bf16 trunk is widened (exactly),
+    so they see the weights training multiplies under bf16 autocast."""
+    from apr.model.lora import LoRALinear
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=gen).bfloat16(), requires_grad=False)
+    layer = LoRALinear(weight, rank=2, scaling=2.0, dropout=0.0)
+    with torch.no_grad():
+        layer.lora_A.normal_(generator=gen)
+        layer.lora_B.normal_(generator=gen)
+    x = torch.randn(3, 4, generator=gen)
+    want = x @ weight.float().T + (x @ layer.lora_A.T) @ layer.lora_B.T * 2.0
+    torch.testing.assert_close(layer(x), want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # training: the bf16 matmul, unchanged
+        assert layer(x).dtype == torch.bfloat16
+
+
 def test_merging_onto_a_bf16_trunk_uses_the_rounded_weights():
     from apr.config.schema import LoraConfig
     from apr.model.lora import merge
