@@ -318,8 +318,8 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
 
 
 def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes: int | None = None) -> list[Finding]:
-    """`training.sharding` with what it cannot run with (docs/design.md, "The composed engine"):
-    a bf16 LoRA trunk; hybrid over nodes that do not split the ranks evenly.
+    """`training.sharding` with a layout that cannot exist (docs/design.md, "The composed engine"):
+    hybrid over nodes that do not split the ranks evenly; every feature runs on shards.
     ``world_size``/``nodes``: the plan's (``--world-size``/``--nodes``; default the config's)."""
 
     c = loaded.config
@@ -330,11 +330,6 @@ def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes
         return []
     out = []
     file, line, column = loaded.source.where(("training", "sharding"))
-
-    def finding(other: str, message: str, expected: str, got: str) -> None:
-        out.append(Finding("error", "config.sharding", f"training.sharding {tr.sharding} with {other}: {message}",
-                           path="training.sharding", file=file, line=line, column=column, expected=expected,
-                           got=got))
 
     if str(tr.sharding) == "hybrid" and world_size > 1 and world_size % nodes:
         where = loaded.source.where(("training", "nodes"))
