@@ -1,6 +1,6 @@
 """The per-GPU memory budget: the trainer's buffer plan plus the few things it cannot list.
 
-Everything the trainer allocates up front comes from ``apr.model.spec.buffer_plan`` (docs/design.md,
+Everything the trainer allocates up front comes from ``apr.model.buffers.buffer_plan`` (docs/design.md,
 "The buffer plan"): the plan sums exactly what ``apply`` allocates. Only four things are modelled, and
 their coefficients live in ``COEFFICIENTS`` below and nowhere else, so that a calibration against
 measured peaks on a real GPU changes one place:
@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from apr.config.schema import AprConfig
-from apr.model.spec import DTYPE_BYTES, block_numel, buffer_plan, compute_dtype_name
+from apr.model.buffers import buffer_plan, compute_dtype_name
+from apr.model.spec import DTYPE_BYTES, block_numel
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
 

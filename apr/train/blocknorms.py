@@ -77,10 +77,11 @@ def adamw_update_sq_norm(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, l
 
 def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
     """Each optimizer group's squared update norm of the engine's last applied step (device tensors)."""
-    kw = {"lr": lr, "beta1": engine.beta1, "beta2": engine.beta2, "eps": engine.eps, "step": engine.optimizer_steps}
+    up = engine.updater
+    kw = {"lr": lr, "beta1": up.beta1, "beta2": up.beta2, "eps": up.eps, "step": engine.optimizer_steps}
     idle = set(engine.frozen) | set(getattr(engine, "idle_groups", ()))  # groups the step did not update
-    if hasattr(engine, "optimizer"):  # the standard engine and distillation's: torch's AdamW
-        decay = {p: pg["weight_decay"] for pg in engine.optimizer.param_groups for p in pg["params"]}
+    if up.optimizer is not None:  # the autograd sources (and the sharded walk's moments): torch's AdamW
+        decay = up.weight_decay_of()
         out = {}
         for name, params in engine.groups:
             total = torch.zeros((), dtype=torch.float32, device=engine.device)
@@ -88,9 +89,9 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
                 out[name] = total
                 continue
             for p in params:
-                state = engine.optimizer.state.get(p)
-                if state:
-                    total += adamw_update_sq_norm(_local(p), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                moments = up.moments(p)
+                if moments:
+                    total += adamw_update_sq_norm(_local(p), _local(moments[0]), _local(moments[1]),
                                                   weight_decay=decay[p], **kw)
             out[name] = total
         group = getattr(engine, "shard_group", None)
@@ -100,7 +101,7 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
             out = dict(zip(out, sums.unbind(), strict=True))
         return out
     return {g.name: (torch.zeros((), dtype=torch.float32, device=engine.device) if g.name in idle else
-                     adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=engine.weight_decay,
+                     adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=up.weight_decay,
                                           decay_ranges=g.decay.ranges, **kw))
             for g in engine.groups}
 

@@ -23,7 +23,6 @@ import torch
 from apr.checkpoint.hf_import import load_into, source_digest
 from apr.config.schema import AprConfig
 from apr.kernels import KernelBackend, get_backend
-from apr.model import spec
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.model.lora import add_adapters
 from apr.steps import execution as execution_policy
@@ -41,8 +40,7 @@ def allocate_buffers(config: AprConfig, device: torch.device,
     wanted = {"weights", "compute_weights", "adapters", "adamw_m", "adamw_v", "gradients"}  # frozen: the model's
     return {
         b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
-        for b in spec.buffer_plan(config, execution)
-        if b.component in wanted and b.name != "head_saved_grad"
+        for b in InterleavedEngine.declares(config, execution) if b.component in wanted
     }
 
 

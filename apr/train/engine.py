@@ -37,6 +37,7 @@ from apr.errors import AprError
 from apr.kernels import KernelBackend
 from apr.kernels.linear_ce import linear_cross_entropy_fwd_bwd
 from apr.model import spec
+from apr.model.buffers import autograd_buffers, uses_compute_copy, walk_buffers
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
@@ -47,6 +48,7 @@ from apr.train.losses import CausalLM
 from apr.train.nonfinite import GRADIENTS, LOSS, NonFiniteFlags
 from apr.train.outcome import NonFiniteError, StepResult
 from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
+from apr.train.updaters import AdamW
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,11 +71,13 @@ class Engine:
     arithmetic, checkpoint metadata (docs/design.md, "The composed engine")."""
 
     source = "abstract"
+    # the gradient source's own buffers (apr/model/buffers.py): what the plan's memory table sums for it
+    declares: Callable = staticmethod(lambda config, execution=None: [])
     sharded = False  # state sharded over the ranks by FSDP2 (apr/train/sharded.py): checkpoints in parts
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  execution: Execution, loss: CausalLM | None = None):
-        tr, opt = config.training, config.optimizer
+        tr = config.training
         self.loss = loss or CausalLM()
         self.current_step = 1  # the run's step in progress (set by the run loop; losses may follow it)
         self.config = config
@@ -86,7 +90,7 @@ class Engine:
         self.scaler = DynamicLossScaler(enabled=self.strategy.loss_scaling)
         self.chunk_size = tr.loss_chunk_size
         self.grad_clip = tr.grad_clip
-        self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
+        self.updater = AdamW(config.optimizer, backend)  # the update part (apr/train/updaters.py)
         self.optimizer_steps = 0  # updates applied (fp16 overflow steps are not counted)
         self.adagc = tr.adagc
         # AdaGC: per tensor, an EMA of its clipped gradient norm (float32, on the device), one vector
@@ -292,6 +296,7 @@ class InterleavedEngine(Engine):
     """The flat-buffer walk (see the module docstring): the causal-LM loss fused into its head step."""
 
     source = "interleaved"
+    declares = staticmethod(walk_buffers)  # its buffers, allocated from this list (build.allocate_buffers)
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  buffers: dict[str, torch.Tensor], execution: Execution):
@@ -322,7 +327,7 @@ class InterleavedEngine(Engine):
         # written by AdamW's param_copy after every update; the blocks' matmuls read it instead of
         # autocast re-casting the fp32 masters in every forward and recompute.
         self._matmul_params: list[list[tuple[str, int]]] = []
-        if spec.uses_compute_copy(config, self.execution):
+        if uses_compute_copy(config, self.execution):
             for i, g in enumerate(self.block_groups):
                 g.compute = buffers[f"{g.name}.compute"]
                 prefix = f"model.layers.{i}."
@@ -560,11 +565,9 @@ class InterleavedEngine(Engine):
         scale = coef if self.scaler.scale == 1.0 else coef * (1.0 / self.scaler.scale)
         if group.name in self.frozen:  # progressive stacking's frozen blocks: no update at all
             return
-        self.backend.adamw_step(
-            group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr, beta1=self.beta1,
-            beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay, step=self.optimizer_steps + 1,
-            decay=group.decay, grad_scale=scale, found_inf=found_inf, param_copy=group.compute,
-        )
+        self.updater.update_flat(group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr,
+                                 step=self.optimizer_steps + 1, decay=group.decay, grad_scale=scale,
+                                 found_inf=found_inf, param_copy=group.compute)
         self._flags.stepped()
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
@@ -689,10 +692,11 @@ class InterleavedEngine(Engine):
 
 
 class StandardEngine(Engine):
-    """Plain autograd over the model, then ``apr/train/finish.py`` (clip, ``torch.optim.AdamW``).
+    """Plain autograd over the model, then ``apr/train/finish.py`` (clip, the updater's torch AdamW).
     The gradient source of one process and DDP; ``sharded.py`` runs the same steps on FSDP2 shards."""
 
     source = "standard"
+    declares = staticmethod(autograd_buffers)  # torch allocates these at the declared sizes
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  execution: Execution, loss: CausalLM | None = None):
@@ -701,21 +705,13 @@ class StandardEngine(Engine):
         self.groups = [(name, [named[s.name] for s in specs]) for name, specs in group_specs(config)]
         self.named = {s.name: named[s.name] for _, specs in group_specs(config) for s in specs}
         decay_names = {s.name for _, specs in group_specs(config) for s in specs if s.decay}
-        params = list(self.named.items())
-        fused = device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
-            [{"params": [p for n, p in params if n in decay_names], "weight_decay": self.weight_decay},
-             {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}],
-            lr=config.optimizer.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=fused or None,
-        )
+        self.updater.bind(self.named, decay_names, device)
         self.idle_groups: set[str] = set()  # groups the last step gave no gradient (apr/train/blocknorms.py)
 
     def freeze(self, groups: set[str]) -> None:
-        """Frozen groups leave torch's AdamW: no update of their weights or moments."""
+        """Frozen groups leave the updater: no update of their weights or moments."""
         super().freeze(groups)
-        held = {id(p) for name, ps in self.groups if name in self.frozen for p in ps}
-        for pg in self.optimizer.param_groups:
-            pg["params"] = [p for p in pg["params"] if id(p) not in held]
+        self.updater.freeze([p for name, ps in self.groups if name in self.frozen for p in ps])
 
     # ------------------------------------------------------------------------------ the step
 
@@ -778,48 +774,40 @@ class StandardEngine(Engine):
             out["weights"] += p.untyped_storage().nbytes()
             if p.grad is not None:
                 out["gradients"] += p.grad.untyped_storage().nbytes()
-            state = self.optimizer.state.get(p, {})
-            for key, component in (("exp_avg", "adamw_m"), ("exp_avg_sq", "adamw_v")):
-                if key in state:
-                    out[component] += state[key].untyped_storage().nbytes()
+            for t, component in zip(self.updater.moments(p) or (), ("adamw_m", "adamw_v"), strict=False):
+                out[component] += t.untyped_storage().nbytes()
         return out
 
     def train_state_tensors(self, everywhere: bool = False) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named.items():
-            state = self.optimizer.state.get(p, {})
+            m, v = self.updater.moments(p) or (torch.zeros_like(p), torch.zeros_like(p))
             out[name] = p.detach()
-            out[names.OPT_M + name] = state.get("exp_avg", torch.zeros_like(p))
-            out[names.OPT_V + name] = state.get("exp_avg_sq", torch.zeros_like(p))
+            out[names.OPT_M + name] = m
+            out[names.OPT_V + name] = v
         return out
 
     @torch.no_grad()
     def load_train_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._check_state_names(tensors)
-        fused = bool(self.optimizer.defaults.get("fused"))
         for name, p in self.named.items():
             p.copy_(tensors[name])
-            step_device = p.device if fused else "cpu"
-            self.optimizer.state[p] = {
-                "step": torch.tensor(float(self.optimizer_steps), dtype=torch.float32, device=step_device),
-                "exp_avg": tensors[names.OPT_M + name].to(p.device, torch.float32).clone(),
-                "exp_avg_sq": tensors[names.OPT_V + name].to(p.device, torch.float32).clone(),
-            }
+            self.updater.set_moments(p, tensors[names.OPT_M + name].to(p.device, torch.float32).clone(),
+                                     tensors[names.OPT_V + name].to(p.device, torch.float32).clone(),
+                                     self.optimizer_steps)
 
     def meta_state(self) -> dict:
         meta = super().meta_state()
         if self.loss.per_param_steps:  # each parameter's own AdamW step count (distillation's phase 1)
-            meta["param_steps"] = {name: int(self.optimizer.state[p]["step"]) for name, p in self.named.items()
-                                   if p in self.optimizer.state}
+            steps = {name: self.updater.steps_of(p) for name, p in self.named.items()}
+            meta["param_steps"] = {name: n for name, n in steps.items() if n is not None}
         return meta
 
     def load_meta_state(self, meta: dict) -> None:
         super().load_meta_state(meta)
         saved = meta.get("param_steps") or {} if self.loss.per_param_steps else {}
         for name, p in self.named.items():
-            state = self.optimizer.state.get(p)
-            if state is not None:
-                state["step"].fill_(float(saved.get(name, 0) if self.loss.per_param_steps else self.optimizer_steps))
+            self.updater.set_steps(p, saved.get(name, 0) if self.loss.per_param_steps else self.optimizer_steps)
 
 
 # --------------------------------------------------------------------------- dropout replay

@@ -41,10 +41,7 @@ def finish_step(engine, loss: torch.Tensor, local: dict[str, list[torch.Tensor]]
     if engine._gate(loss, norm):
         return StepResult(loss, norm, flagged=True)
     clip_(engine, local, sq, norm)
-    factor = engine.loss.lr_factor(loss)
-    for pg in engine.optimizer.param_groups:
-        pg["lr"] = lr * factor
-    engine.optimizer.step()
+    engine.updater.step(lr * engine.loss.lr_factor(loss))
     engine.optimizer_steps += 1
     engine.scaler.update(found_inf=False)
     return StepResult(loss, norm)

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from apr.model.spec import DTYPE_BYTES, compute_dtype_name
+from apr.model.buffers import compute_dtype_name
+from apr.model.spec import DTYPE_BYTES
 
 
 def torch_dtype(precision: str) -> torch.dtype:

@@ -33,6 +33,7 @@ from apr.checkpoint.files import ST_DTYPE_NAMES
 from apr.checkpoint.parts import LazyTensors
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.model.buffers import fsdp2_buffers
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
 from apr.train.dist import env_ranks_per_node
@@ -92,6 +93,7 @@ class ShardedEngine(StandardEngine):
     """The autograd source on FSDP2 shards, with any loss part (see the module docstring)."""
 
     sharded = True
+    declares = staticmethod(fsdp2_buffers)  # one rank's shards, either source
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend,
                  execution: Execution, loss: CausalLM | None = None):
@@ -176,10 +178,10 @@ class ShardedEngine(StandardEngine):
                 out[name] = full.cpu()
 
         for name, p in self.named.items():
-            state = self.optimizer.state.get(p, {})
+            m, v = self.updater.moments(p) or (None, None)
             gather(name, p.detach(), p)
-            gather(names.OPT_M + name, state.get("exp_avg"), p)
-            gather(names.OPT_V + name, state.get("exp_avg_sq"), p)
+            gather(names.OPT_M + name, m, p)
+            gather(names.OPT_V + name, v, p)
         return out
 
     def local_state_tensors(self) -> dict[str, torch.Tensor]:
@@ -188,10 +190,10 @@ class ShardedEngine(StandardEngine):
         out: dict[str, torch.Tensor] = {}
         for name, p in self.named.items():
             local = p.detach().to_local()
-            state = self.optimizer.state.get(p, {})
+            moments = self.updater.moments(p)
             out[name] = local
-            for key, prefix in (("exp_avg", names.OPT_M), ("exp_avg_sq", names.OPT_V)):
-                out[prefix + name] = state[key].to_local() if key in state else torch.zeros_like(local)
+            for k, prefix in enumerate((names.OPT_M, names.OPT_V)):
+                out[prefix + name] = moments[k].to_local() if moments else torch.zeros_like(local)
         return out
 
     @torch.no_grad()
@@ -215,8 +217,7 @@ class ShardedEngine(StandardEngine):
                 m, v = torch.zeros_like(p), torch.zeros_like(p)
                 m.to_local().copy_(mine(names.OPT_M + name))
                 v.to_local().copy_(mine(names.OPT_V + name))
-                self.optimizer.state[p] = {"step": torch.tensor(float(self.optimizer_steps), dtype=torch.float32),
-                                           "exp_avg": m, "exp_avg_sq": v}
+                self.updater.set_moments(p, m, v, self.optimizer_steps)
             return
         self._check_state_names(tensors)
         for name, p in self.named.items():
@@ -224,11 +225,8 @@ class ShardedEngine(StandardEngine):
                 return distribute_tensor(t.to(self.device, torch.float32), p.device_mesh, p.placements)
 
             p.to_local().copy_(shard(tensors[name]).to_local())
-            self.optimizer.state[p] = {
-                "step": torch.tensor(float(self.optimizer_steps), dtype=torch.float32),
-                "exp_avg": shard(tensors[names.OPT_M + name]).clone(),
-                "exp_avg_sq": shard(tensors[names.OPT_V + name]).clone(),
-            }
+            self.updater.set_moments(p, shard(tensors[names.OPT_M + name]).clone(),
+                                     shard(tensors[names.OPT_V + name]).clone(), self.optimizer_steps)
 
     def _row_start(self, p) -> int:
         """The first row of ``p`` this rank holds: FSDP2 splits the first dimension into chunks of

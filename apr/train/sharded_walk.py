@@ -68,8 +68,7 @@ class ShardedInterleavedEngine(ShardedEngine):
         for pname, p in self.named.items():
             local = p.to_local()
             self._decay[id(p)] = DecayRanges.from_segments([(local.numel(), decays[pname])])
-            self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                       "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            self.updater.set_moments(p, torch.zeros_like(p), torch.zeros_like(p), 0)
 
     # ------------------------------------------------------------------------------ forward
 
@@ -128,13 +127,10 @@ class ShardedInterleavedEngine(ShardedEngine):
             local = p.to_local()
             if local.numel() == 0:  # a rank past the tensor's last row holds nothing of it
                 continue
-            state = self.optimizer.state[p]
-            self.backend.adamw_step(
-                local.view(-1), g.reshape(-1), state["exp_avg"].to_local().view(-1),
-                state["exp_avg_sq"].to_local().view(-1), lr=self._lr, beta1=self.beta1, beta2=self.beta2,
-                eps=self.eps, weight_decay=self.weight_decay, step=self.optimizer_steps + 1, decay=self._decay[id(p)],
-                grad_scale=scale, found_inf=found_inf,
-            )
+            m, v = self.updater.moments(p)
+            self.updater.update_flat(local.view(-1), g.reshape(-1), m.to_local().view(-1), v.to_local().view(-1),
+                                     lr=self._lr, step=self.optimizer_steps + 1, decay=self._decay[id(p)],
+                                     grad_scale=scale, found_inf=found_inf)
         self._flags.stepped()
         self._drop(name)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from apr.config import load_config
-from apr.model.spec import buffer_plan, param_count, trainable_param_count
+from apr.model.buffers import buffer_plan
+from apr.model.spec import param_count, trainable_param_count
 from apr.plan.validate import config_findings
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import torch
 
 from apr.checkpoint.manager import read_checkpoint
 from apr.config.schema import AprConfig
-from apr.model.spec import buffer_plan
+from apr.model.buffers import buffer_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
@@ -273,7 +273,8 @@ def test_sharding_with_what_it_cannot_run_fails_validate_naming_both_keys(tmp_pa
                               capture_output=True, text=True, timeout=60, env=env)
         refusals = [f for f in json.loads(proc.stdout)["findings"] if f["code"] == "config.sharding" and
                     f["severity"] == "error"]
-        assert proc.returncode == 0 and not refusals, proc.stdout
+        assert not refusals, proc.stdout  # (the LoRA config lacks a base, which validate reports apart)
+        assert proc.returncode == 0 or "model" in extra, proc.stdout
 
 
 def test_apply_plans_hybrid_at_the_nodes_torchrun_starts(monkeypatch):

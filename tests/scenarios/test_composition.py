@@ -18,7 +18,8 @@ from tests.train.run_helpers import config_doc, make_dataset
 OPT = {"lr": 3e-3, "min_lr": 3e-4}
 
 
-def _pair(root: Path, name: str, batch: int = 2, sharding: str = "full", **sections) -> tuple[Path, Path]:
+def _pair(root: Path, name: str, batch: int = 2, sharding: str = "full", shards: Path | None = None,
+          **sections) -> tuple[Path, Path]:
     """The same config as one process (micro-batch 2 x batch) and as 2 ranks (batch each) under
     ``sharding`` (``hybrid``: two one-rank "nodes", as tests/distributed/test_sharding.py simulates
     them; ``none``: plain data parallelism); returns both run folders."""
@@ -30,7 +31,7 @@ def _pair(root: Path, name: str, batch: int = 2, sharding: str = "full", **secti
     two = config_doc(root, data={**data, "batch_size": batch}, optimizer=OPT,
                      training={**training, "output_dir": f"{name}-two/", **layout}, **sections)
     _launch(one, root / f"{name}-one.json", 1)
-    _launch(two, root / f"{name}-two.json", 2,
+    _launch(two, root / f"{name}-two.json", 2, shards=shards,
             extra_env={"APR_SHARD_GROUP_SIZE": "1"} if sharding == "hybrid" else None)
     return root / f"{name}-one", root / f"{name}-two"
 
@@ -57,7 +58,7 @@ def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(ro
     and in one process; in-training task scores and samples run on every rank (the whole weights
     gathered) and rank 0 records them."""
     one, two = _pair(
-        root, f"lora-{engine}-{sharding}", sharding=sharding,
+        root, f"lora-{engine}-{sharding}", sharding=sharding, shards=root / f"lora-{engine}-{sharding}.shards",
         model={"architecture": {"num_hidden_layers": 4}, "init_from": str(root / "base"),
                "lora": {"rank": 4, "alpha": 8.0, "targets": "all"}},
         data={"tokenizer": str(root / "tok.json")},
@@ -74,6 +75,18 @@ def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(ro
     assert state["evals"]["count"]["acc"] == ref["evals"]["count"]["acc"]
     assert state["samples"]["items"] == ref["samples"]["items"]
     assert read_checkpoint(two / "checkpoint-step-8.json").meta["engine"]["base"]["init_from"] == str(root / "base")
+    if sharding != "none":  # the plan's frozen base per rank is the rows FSDP2 gave rank 0
+        _frozen_rows_are_planned(root / f"lora-{engine}-{sharding}.shards", two)
+
+
+def _frozen_rows_are_planned(shards: Path, run: Path) -> None:
+    from apr.config.schema import AprConfig
+    from apr.model.buffers import buffer_plan
+
+    doc = json.loads((run.parent / f"{run.name}.json").read_text())
+    config = AprConfig.model_validate({**doc, "training": {**doc["training"], "world_size": 2}})
+    planned = sum(b.nbytes for b in buffer_plan(config) if b.component == "frozen_weights")
+    assert json.loads(shards.read_text())["frozen_bytes"] == planned
 
 
 @pytest.mark.slow
@@ -96,8 +109,9 @@ def test_a_bf16_lora_trunk_on_shards_trains_as_data_parallel(root):
             training={"max_steps": 8, "save_interval": 8, "eval_interval": 4, "engine": "interleaved",
                       "mixed_precision": "bf16", "grad_clip": 0.5, "sharding": sharding,
                       "output_dir": f"bf16-trunk-{sharding}/"})
-        _launch(doc, root / f"bf16-trunk-{sharding}.json", 2)
+        _launch(doc, root / f"bf16-trunk-{sharding}.json", 2, shards=root / f"bf16-trunk-{sharding}.shards")
         runs[sharding] = root / f"bf16-trunk-{sharding}"
+    _frozen_rows_are_planned(root / "bf16-trunk-full.shards", runs["full"])
     got, want = _weights(runs["full"], 8), _weights(runs["none"], 8)
     assert set(got) == set(want) and all("lora_" in k for k in got)  # the adapters, in each rank's rows
     assert _rel(got, want) <= 3e-2

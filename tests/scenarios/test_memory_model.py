@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from apr.model.spec import buffer_plan
+from apr.model.buffers import buffer_plan
 from apr.steps.execution import from_config
 from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config

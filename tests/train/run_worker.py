@@ -82,10 +82,13 @@ def main() -> int:
         loader.next_batch = logged
     result = run.execute()
     if shards_log and run.is_main and hasattr(run.engine, "root"):  # rank 0's FSDP2 shard sizes, by group
-        opt = run.engine.optimizer.state
-        Path(shards_log).write_text(json.dumps({"max_live_grad": live["max"], "groups": {name: {
+        up = run.engine.updater
+        frozen = [p.to_local() for p in run.engine.model.parameters() if not p.requires_grad]
+        Path(shards_log).write_text(json.dumps({
+            "max_live_grad": live["max"], "frozen_bytes": sum(t.numel() * t.element_size() for t in frozen),
+            "groups": {name: {
             "params": sum(p.to_local().numel() for p in group),
-            "adam_m": sum(opt[p]["exp_avg"].to_local().numel() for p in group)} for name, group in run.engine.groups}}))
+            "adam_m": sum(up.moments(p)[0].to_local().numel() for p in group)} for name, group in run.engine.groups}}))
     return result.exit_code
 
 

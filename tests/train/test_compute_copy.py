@@ -9,7 +9,7 @@ import torch
 from tiny import batches, make_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from apr.model import spec
+from apr.model import buffers, spec
 from apr.train.build import build_engine
 
 POLICIES = [  # (activations, gradients, clip_mode): every walk the engine has
@@ -110,7 +110,7 @@ def test_a_resumed_run_derives_its_copy_from_the_loaded_masters():
 
 def test_the_plan_counts_the_copy_and_the_engine_allocates_exactly_that():
     config = _config("bf16", "recompute", "workspace", "global")
-    rows = [b for b in spec.buffer_plan(config) if b.component == "compute_weights"]
+    rows = [b for b in buffers.buffer_plan(config) if b.component == "compute_weights"]
     arch = config.model.architecture
     assert len(rows) == arch.num_hidden_layers and all(r.dtype == "bfloat16" for r in rows)
     engine = build_engine(config)
@@ -118,4 +118,4 @@ def test_the_plan_counts_the_copy_and_the_engine_allocates_exactly_that():
         r.nbytes for r in rows)
     for fp32 in (_config("fp32", "recompute", "workspace", "global"),
                  _config("bf16", "recompute", "workspace", "global", engine="standard")):
-        assert not [b for b in spec.buffer_plan(fp32) if b.component == "compute_weights"]
+        assert not [b for b in buffers.buffer_plan(fp32) if b.component == "compute_weights"]

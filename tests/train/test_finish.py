@@ -63,4 +63,4 @@ def test_the_gate_skips_the_update_and_the_loss_part_scales_the_lr():
     engine.loss.lr_factor = lambda loss: 0.5
     result = finish_step(engine, loss, local, sq, 1e-2)
     assert not result.flagged and engine.optimizer_steps == 1
-    assert all(pg["lr"] == 5e-3 for pg in engine.optimizer.param_groups)
+    assert all(pg["lr"] == 5e-3 for pg in engine.updater.optimizer.param_groups)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
-from apr.model import spec
+from apr.model import buffers, spec
 from apr.train.build import build_engine
 from apr.train.run import ApplyOptions, prepare_run
 from tests.train.tiny import batches, make_config
@@ -55,13 +55,13 @@ def test_trainable_parameters_and_optimizer_memory_follow_the_formula():
     r, h, inter = 3, arch.hidden_size, arch.intermediate_size
     formula = arch.num_hidden_layers * (r * (h + arch.num_attention_heads * arch.head_dim) + r * (inter + h))
     assert spec.trainable_param_count(config) == formula == 3 * (3 * 64 + 3 * 96)
-    plan = spec.buffer_plan(config)
+    plan = buffers.buffer_plan(config)
     by = {}
     for b in plan:
         by[b.component] = by.get(b.component, 0) + b.nbytes
     assert by["adamw_m"] == by["adamw_v"] == by["adapters"] == 4 * formula
     assert by["frozen_weights"] == 4 * spec.param_count(arch) and "weights" not in by
-    full = spec.buffer_plan(make_config())
+    full = buffers.buffer_plan(make_config())
     full_by = {}
     for b in full:
         full_by[b.component] = full_by.get(b.component, 0) + b.nbytes
@@ -290,7 +290,7 @@ def test_a_bf16_trunk_halves_the_frozen_projections_and_both_engines_agree(tmp_p
     cfg = make_config(model={"init_from": "x", "lora": lora}, training={"mixed_precision": "bf16"})
     arch = cfg.model.architecture
     proj = arch.num_hidden_layers * sum(p.numel for p in spec.block_param_specs(arch, 0) if p.decay)
-    frozen = sum(b.nbytes for b in spec.buffer_plan(cfg) if b.component == "frozen_weights")
+    frozen = sum(b.nbytes for b in buffers.buffer_plan(cfg) if b.component == "frozen_weights")
     assert frozen == 4 * (spec.param_count(arch) - proj) + 2 * proj
     data = batches(make_config(), 2, seed=2)
     weights = {}
