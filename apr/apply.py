@@ -16,6 +16,7 @@ from pathlib import Path
 from apr.config import load_config
 from apr.config.layers import parse_settings
 from apr.errors import AprError, Finding
+from apr.launch import env_nodes, env_world_size
 from apr.plan.build import build_plan, normalise_overrides
 from apr.plan.planfile import check_plan_fresh, load_plan_file
 
@@ -93,16 +94,16 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
                                        max_steps=max_steps)
     # read and check the config before importing torch: a bad one fails at once
     loaded = load_config(config_path, normalise_overrides(overrides) or None)
-    from apr.train.dist import env_nodes, env_world_size
-    from apr.train.run import ApplyOptions, prepare_run
-
     world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
-    layout_settings, elastic = _layout(loaded.config, resume, world)
+    # the layout reads checkpoints with the trainer's modules (torch): only for a resume or torchrun,
+    # so that a config the plan refuses fails before torch is imported
+    layout_settings, elastic = _layout(loaded.config, resume, world) if resume is not None or world > 1 else ({}, None)
     plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
                       nodes=env_nodes(world) if world > 1 else None,
                       overrides={**overrides, **layout_settings} or None, device_budget=_device_budget)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
+    from apr.train.run import ApplyOptions, prepare_run  # imports torch: only once the plan is sound
     if plan_doc is None:
         plan_doc = plan.to_dict()
 

@@ -18,3 +18,26 @@ def test_a_resume_on_another_world_size_is_planned_with_the_accumulation_that_ke
     settings, elastic = _layout(config, None, 4)  # a fresh run: only the world size
     assert settings == {"training.world_size": 4} and elastic is None
     assert _layout(config, None, 1) == ({}, None)  # one process, as configured
+
+
+def test_a_config_the_plan_refuses_fails_before_torch_is_imported(tmp_path):
+    """A fresh apply (no resume, no torchrun) plans before it loads the trainer: a config with an
+    error costs the plan's second, not torch's import, and says what is wrong."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "configs/train/demo-tiny.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("num_attention_heads: 4 ", "num_attention_heads: 7 "))
+    assert bad.read_text() != text
+    probe = ("import json, sys\nfrom apr.cli.entry import run\nsys.argv = ['apr', 'train', 'apply', sys.argv[1]]\n"
+             "code = 0\ntry:\n    run()\nexcept SystemExit as e:\n    code = e.code\n"
+             "print(json.dumps([code, 'torch' in sys.modules]))\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(bad)], capture_output=True, text=True, cwd=tmp_path,
+                         env={**__import__("os").environ, "APR_HOME": str(tmp_path / "home")})
+    code, torch_loaded = json.loads(out.stdout.splitlines()[-1])
+    assert code == 1 and not torch_loaded, out.stdout + out.stderr
+    assert "num_attention_heads" in out.stdout + out.stderr and "Traceback" not in out.stderr

@@ -33,10 +33,10 @@ from apr.checkpoint.files import ST_DTYPE_NAMES
 from apr.checkpoint.parts import LazyTensors
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.launch import env_ranks_per_node
 from apr.model.buffers import fsdp2_buffers
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
-from apr.train.dist import env_ranks_per_node
 from apr.train.engine import StandardEngine, group_specs
 from apr.train.losses import CausalLM
 

@@ -280,7 +280,7 @@ def test_sharding_with_what_it_cannot_run_fails_validate_naming_both_keys(tmp_pa
 def test_apply_plans_hybrid_at_the_nodes_torchrun_starts(monkeypatch):
     """Under torchrun, apply plans at WORLD_SIZE / LOCAL_WORLD_SIZE nodes; an uneven or unreadable
     layout counts as one node (the run itself then refuses hybrid)."""
-    from apr.train.dist import env_nodes
+    from apr.launch import env_nodes
 
     monkeypatch.delenv("APR_SHARD_GROUP_SIZE", raising=False)
     for local, world, nodes in (("8", 16, 2), ("4", 16, 4), ("16", 16, 1), ("3", 16, 1), ("x", 16, 1)):
