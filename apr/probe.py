@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from apr import STARTED_AT, __version__
 from apr.errors import AprError, Finding
+from apr.model.buffers import buffer_plan
 from apr.plan.memory import memory_table
 from apr.steps.execution import Execution
 from apr.threads import apply_thread_policy
@@ -131,7 +132,7 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
         # apply's start-up as this process lived it: imports, plan, engine, and the first step's extra
         ready_at, warmup_s = time.time(), time.perf_counter() - t_warm
         buffers: dict[str, int] = {}
-        names = {b.name: b.component for b in buffers.buffer_plan(config, execution)}
+        names = {b.name: b.component for b in buffer_plan(config, execution)}
         for name, nbytes in engine.buffer_bytes().items():
             component = names.get(name, name)
             buffers[component] = buffers.get(component, 0) + nbytes

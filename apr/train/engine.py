@@ -36,8 +36,8 @@ from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels import KernelBackend
 from apr.kernels.linear_ce import linear_cross_entropy_fwd_bwd
+from apr.model import buffers as planned_buffers
 from apr.model import spec
-from apr.model.buffers import autograd_buffers, uses_compute_copy, walk_buffers
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
@@ -296,7 +296,7 @@ class InterleavedEngine(Engine):
     """The flat-buffer walk (see the module docstring): the causal-LM loss fused into its head step."""
 
     source = "interleaved"
-    declares = staticmethod(walk_buffers)  # its buffers, allocated from this list (build.allocate_buffers)
+    declares = staticmethod(planned_buffers.walk_buffers)  # allocated from this list (build.allocate_buffers)
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  buffers: dict[str, torch.Tensor], execution: Execution):
@@ -327,7 +327,7 @@ class InterleavedEngine(Engine):
         # written by AdamW's param_copy after every update; the blocks' matmuls read it instead of
         # autocast re-casting the fp32 masters in every forward and recompute.
         self._matmul_params: list[list[tuple[str, int]]] = []
-        if uses_compute_copy(config, self.execution):
+        if planned_buffers.uses_compute_copy(config, self.execution):
             for i, g in enumerate(self.block_groups):
                 g.compute = buffers[f"{g.name}.compute"]
                 prefix = f"model.layers.{i}."
@@ -696,7 +696,7 @@ class StandardEngine(Engine):
     The gradient source of one process and DDP; ``sharded.py`` runs the same steps on FSDP2 shards."""
 
     source = "standard"
-    declares = staticmethod(autograd_buffers)  # torch allocates these at the declared sizes
+    declares = staticmethod(planned_buffers.autograd_buffers)  # torch allocates these at the declared sizes
 
     def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
                  execution: Execution, loss: CausalLM | None = None):

@@ -25,7 +25,7 @@ def _config(precision: str, activations: str, gradients: str, clip: str, **train
 
 def _train(config, steps: int = 4, copy: bool = True, monkeypatch=None):
     if not copy:
-        monkeypatch.setattr(spec, "uses_compute_copy", lambda *a, **k: False)
+        monkeypatch.setattr(buffers, "uses_compute_copy", lambda *a, **k: False)
     engine = build_engine(config)
     for b in batches(config, steps, seed=4):
         engine.train_step([b], lr=1e-2)
@@ -80,7 +80,7 @@ def test_no_forward_casts_the_block_weights(activations, monkeypatch):
     counts = {}
     for copy in (True, False):
         if not copy:
-            monkeypatch.setattr(spec, "uses_compute_copy", lambda *a, **k: False)
+            monkeypatch.setattr(buffers, "uses_compute_copy", lambda *a, **k: False)
         engine = build_engine(config)
         engine.train_step([data[0]], lr=1e-2)
         with _Casts(shapes) as casts:
