@@ -24,7 +24,8 @@ LAYERS: list[set[str]] = [
     {"generate"},  # loading a model for inference, KV-cache decoding, sampling
     {"evaluate"},  # loss over shards, multiple-choice scoring (in-loop evaluation calls it from train)
     {"plan", "train", "monitor"},
-    {"apply", "probe"},  # plan-then-apply, and the plan's probe (the real engine): above both plan and train
+    {"apply", "probe", "sweep"},  # plan-then-apply, the plan's probe (the real engine), sweeps (plan, then apply
+    #                               processes): above both plan and train
     {"lrfind"},  # the LR range test: runs apply on a throwaway copy
     {"cli"},
     {"__main__"},

@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "numpy", "pyarrow", "textual", "transformers", "tokenizers", "safetensors", "cupy", "peft",
          "sqlite_utils", "plotext", "pydantic", "pydantic_core", "typer", "click", "rich", "ruamel", "celpy",
-         "cel", "huggingface_hub", "pexpect", "tensorboard", "mlflow", "wandb", "textual_serve"}
+         "cel", "huggingface_hub", "pexpect", "tensorboard", "mlflow", "wandb", "textual_serve", "optuna",
+         "sqlalchemy"}
 
 
 def _modules() -> dict[str, Path]:

@@ -1,0 +1,79 @@
+"""The sweep's search space, sampler and pruner as Optuna objects (the samplers are Optuna's own:
+GridSampler, RandomSampler, TPESampler; the pruners HyperbandPruner and MedianPruner).
+
+Optuna is imported inside the functions: importing apr.sweep stays cheap for `--help` and for the
+spec checks (tests/test_lazy_imports.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from apr.sweep.spec import Param, SweepSpec, grid_values
+
+
+def grid_space(spec: SweepSpec) -> dict[str, list]:
+    """``{config key: [points]}`` of a grid sweep (spec.py has refused continuous ranges)."""
+    return {p.key: grid_values(p) for p in spec.params}
+
+
+def grid_size(spec: SweepSpec) -> int:
+    return math.prod(len(v) for v in grid_space(spec).values()) if spec.params else 1
+
+
+def make_sampler(spec: SweepSpec):
+    """grid -> GridSampler, random -> RandomSampler, bayes -> TPESampler, all seeded by ``spec.seed``
+    (every worker gets the same seed: GridSampler needs it to agree on the grid's order)."""
+    import optuna
+
+    if spec.method == "grid":
+        return _quiet_grid(optuna.samplers.GridSampler)(grid_space(spec), seed=spec.seed)
+    if spec.method == "random":
+        return optuna.samplers.RandomSampler(seed=spec.seed)
+    return optuna.samplers.TPESampler(seed=spec.seed)
+
+
+def _quiet_grid(grid_sampler: type) -> type:
+    """Optuna's GridSampler, whose ``after_trial`` calls ``study.stop()`` when the grid is covered: that
+    only works inside ``study.optimize``, and the sweep's workers ask and tell themselves and stop at
+    the trial budget (a grid's budget is at most its size), so the stop is left out."""
+
+    class SweepGridSampler(grid_sampler):
+        def after_trial(self, study, trial, state, values) -> None:
+            return None
+
+    return SweepGridSampler
+
+
+def make_pruner(spec: SweepSpec):
+    """``early_terminate`` as an Optuna pruner; a pruner's step is the metric's evaluation count
+    (W&B's iterations), reported by apr.sweep.watch."""
+    import optuna
+
+    early = spec.early_terminate
+    if early is None:
+        return optuna.pruners.NopPruner()
+    if early.type == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=max(early.min_iter - 1, 0))
+    return optuna.pruners.HyperbandPruner(min_resource=early.min_iter, max_resource=early.max_iter or "auto",
+                                          reduction_factor=early.eta)
+
+
+def suggest(trial, spec: SweepSpec) -> dict[str, Any]:
+    """Ask ``trial`` for every parameter; returns the config settings ``{key: value}`` the trial runs."""
+    return {p.key: suggest_one(trial, p) for p in spec.params}
+
+
+def suggest_one(trial, p: Param) -> Any:
+    if p.kind in ("constant", "categorical"):
+        return trial.suggest_categorical(p.key, list(p.values))
+    if p.kind == "int_uniform":
+        return trial.suggest_int(p.key, int(p.low), int(p.high))
+    if p.kind == "q_uniform":
+        return trial.suggest_float(p.key, float(p.low), float(p.high), step=float(p.q))
+    value = trial.suggest_float(p.key, float(p.low), float(p.high), log=p.log)
+    if p.q is not None and p.kind.startswith("q_"):  # Optuna has no stepped log scale: W&B rounds to q
+        value = max(round(value / p.q) * p.q, p.q)
+        value = int(value) if float(p.q).is_integer() else value
+    return value

@@ -1,0 +1,139 @@
+"""Where a sweep's Optuna study lives: an RDB URL (SQLite in the sweep folder by default, any
+SQLAlchemy URL Optuna accepts with ``--storage``), opened only when it is empty or already an
+Optuna storage, and a study that is this sweep's (same fingerprint) or new.
+
+A file that is not SQLite, a database holding other tables, or a study made by another sweep is
+refused with a SweepError and left exactly as it was: a storage is never overwritten or mixed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from apr.errors import Finding
+from apr.sweep.space import make_pruner, make_sampler
+from apr.sweep.spec import SweepError, SweepSpec
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+OPTUNA_TABLES = {"studies", "trials", "version_info"}
+SWEEP_ATTR = "apr_sweep"  # the study's user attribute holding what the sweep is (spec fingerprint, metric)
+
+
+def default_url(sweep_dir: Path) -> str:
+    return f"sqlite:///{Path(os.path.abspath(sweep_dir)) / 'study.db'}"
+
+
+def _refuse(url: str, message: str, expected: str, got: str) -> SweepError:
+    return SweepError(f"storage {display_url(url)}: {message}", [Finding(
+        "error", "sweep.storage", message, path="--storage", file=display_url(url), expected=expected, got=got)])
+
+
+def display_url(url: str) -> str:
+    """The URL without its password (user:secret@host -> user:***@host)."""
+    head, sep, rest = url.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:
+        cred, at, host = rest.partition("@")
+        user = cred.split(":", 1)[0]
+        return f"{head}://{user}:***@{host}"
+    return url
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a ``sqlite:///path`` URL, None for an in-memory or non-SQLite URL."""
+    if not url.startswith("sqlite:///"):
+        return None
+    path = url[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def check_sqlite_file(url: str, path: Path) -> None:
+    """A SQLite file that exists must be a SQLite database; its folder must exist."""
+    if not path.parent.is_dir():
+        raise _refuse(url, f"folder {path.parent} does not exist", "an existing folder", "no such folder")
+    if not os.path.lexists(path):
+        return
+    if not path.is_file():
+        raise _refuse(url, f"{path} is not a regular file", "a SQLite file", "something else")
+    with open(path, "rb") as f:
+        head = f.read(len(SQLITE_MAGIC))
+    if head != SQLITE_MAGIC:
+        got = "an empty file" if not head else "another kind of file"
+        raise _refuse(url, f"{path} is not a SQLite database (corrupt, or another file): refused, left as it is",
+                      "a SQLite database made by `apr sweep run`", got)
+
+
+def check_tables(url: str) -> None:
+    """The database holds Optuna's tables or none at all: a foreign database is refused (Optuna
+    would add its tables beside the owner's), a corrupt one too."""
+    import sqlalchemy  # lazy: Optuna's dependency, only for commands that open a storage
+
+    try:
+        engine = sqlalchemy.create_engine(url)
+        try:
+            tables = set(sqlalchemy.inspect(engine).get_table_names())
+            if tables and url.startswith("sqlite"):
+                with engine.connect() as conn:  # reads every page: a damaged file fails here, not mid-sweep
+                    verdict = conn.exec_driver_sql("PRAGMA quick_check").scalar()
+                if verdict != "ok":
+                    raise _refuse(url, f"the database is damaged ({verdict})", "a sound database", str(verdict))
+        finally:
+            engine.dispose()
+    except SweepError:
+        raise
+    except Exception as err:  # SQLAlchemy and every DB driver raise their own types
+        raise _refuse(url, f"cannot be opened: {type(err).__name__}: {str(err).splitlines()[0][:200]}",
+                      "a reachable database URL (sqlite:///path, postgresql://user@host/db, ...)",
+                      type(err).__name__) from None
+    if tables and not OPTUNA_TABLES <= tables:
+        raise _refuse(url, f"the database holds other tables ({', '.join(sorted(tables)[:5])}): not an Optuna "
+                      "storage; refused, left as it is", "an empty database or an Optuna storage",
+                      f"{len(tables)} other table(s)")
+
+
+def open_storage(url: str):
+    """An Optuna RDBStorage at ``url`` after the checks above."""
+    import optuna
+
+    path = sqlite_path(url)
+    if path is not None:
+        check_sqlite_file(url, path)
+    check_tables(url)
+    kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    except Exception as err:  # version mismatches, drivers, permissions
+        raise _refuse(url, f"cannot be opened: {type(err).__name__}: {str(err).splitlines()[0][:200]}",
+                      "an Optuna storage this version can use", type(err).__name__) from None
+
+
+def sweep_identity(spec: SweepSpec) -> dict:
+    return {"fingerprint": spec.fingerprint(), "metric": spec.metric, "goal": spec.goal, "method": spec.method,
+            "sweep_file": str(Path(os.path.abspath(spec.path)))}
+
+
+def open_study(spec: SweepSpec, url: str, *, create: bool = True):
+    """This sweep's study in the storage at ``url`` (made when ``create`` and absent). A study of the
+    same name made by another sweep, or outside apr, is refused."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = open_storage(url)
+    names = {s.study_name for s in storage.get_all_studies()}
+    if spec.name not in names and not create:
+        raise _refuse(url, f"holds no sweep named {spec.name!r} (sweeps there: {', '.join(sorted(names)) or 'none'})",
+                      f"a storage `apr sweep run` used for {spec.name}", "no such study")
+    study = optuna.create_study(study_name=spec.name, storage=storage, sampler=make_sampler(spec),
+                                pruner=make_pruner(spec), direction=spec.goal, load_if_exists=True)
+    mine = sweep_identity(spec)
+    theirs = study.user_attrs.get(SWEEP_ATTR)
+    if theirs is None:
+        if study.trials:
+            raise _refuse(url, f"study {spec.name!r} was not made by `apr sweep run`; refused, left as it is",
+                          "a study made by apr sweep", "a study without apr's identity")
+        study.set_user_attr(SWEEP_ATTR, mine)
+    elif theirs.get("fingerprint") != mine["fingerprint"]:
+        raise _refuse(url, f"study {spec.name!r} holds another sweep (its method, metric, parameters, pruning or "
+                      f"seed differ from {spec.path}); give this one another name or storage",
+                      f"the sweep of {theirs.get('sweep_file')}", f"fingerprint {mine['fingerprint']}")
+    return study
