@@ -57,7 +57,7 @@ def register(app: typer.Typer) -> None:
         where = sweep_dir(spec, folder)
         common = dict(storage=storage, count=count, nproc=nproc, gpu=gpu, vram=vram)
         if worker_id is not None:  # a helper started by `--workers N`
-            report = run_helper(spec, where, tag=f"[w{worker_id}] ", echo=_echo, **common)
+            report = run_helper(spec, where, worker=worker_id, echo=_echo, **common)
             raise typer.Exit(report.exit_code)
 
         def helper(i: int) -> list[str]:

@@ -10,6 +10,7 @@ import html
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,10 @@ def importances(study) -> dict[str, float] | None:
     if len(finished) < 2:
         return None
     try:
-        return {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
+        with warnings.catch_warnings():  # Optuna warns about degenerate splits of a few trials: not the user's to fix
+            warnings.simplefilter("ignore")
+            found = optuna.importance.get_param_importances(study)
+        return {k: float(v) for k, v in found.items()}
     except (ValueError, RuntimeError):  # a single distinct value of every parameter, and the like
         return None
 

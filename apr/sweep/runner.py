@@ -63,6 +63,7 @@ class Job:
     run_dir: Path
     lock_fd: int
     resumed: bool
+    reported: frozenset = frozenset()  # evaluations already told to Optuna before an interruption
 
 
 @dataclass
@@ -150,7 +151,8 @@ class Worker:
             trial = optuna.trial.Trial(self.study, frozen._trial_id)
             trial.set_user_attr("resumes", int(frozen.user_attrs.get("resumes", 0)) + 1)
             trial.set_user_attr("worker", self.name)
-            return Job(trial, dict(frozen.user_attrs["settings"]), Path(frozen.user_attrs["run_dir"]), fd, True)
+            return Job(trial, dict(frozen.user_attrs["settings"]), Path(frozen.user_attrs["run_dir"]), fd, True,
+                       frozenset(frozen.intermediate_values))
         return None
 
     def _ask_new(self) -> Job | None:
@@ -214,7 +216,7 @@ class Worker:
             resume = resume or has_checkpoint(job.run_dir)
             process = TrialProcess(apply_command(self.base, job.settings, resume=resume, nproc=self.nproc),
                                    job.run_dir, log, self.spec.metric, interval)
-            outcome = process.run(job.trial, lambda: self.report.signal)
+            outcome = process.run(job.trial, lambda: self.report.signal, job.reported)
             if not outcome.locked or time.monotonic() > deadline or self.report.signal is not None:
                 return outcome
             time.sleep(1.0)  # the apply of a killed sweep is still writing its checkpoint
@@ -263,15 +265,14 @@ class SweepRun:
         return self.report.exit_code or next((c for c in self.helper_codes if c), 0)
 
 
-def prepare(spec: SweepSpec, folder: Path, storage: str | None, count: int | None, create: bool = True):
+def prepare(spec: SweepSpec, folder: Path, storage: str | None, count: int | None, worker: int = 0):
     """Everything checked before any trial: the base config and the listed values, the budget, the
     storage and the study. Returns (base config, study, url, budget)."""
     base = check_base(spec)
     budget = trial_budget(spec, count)
-    if create:
-        folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     url = storage or default_url(folder)
-    study = open_study(spec, url, create=create)
+    study = open_study(spec, url, worker=worker)
     return base, study, url, budget
 
 
@@ -307,8 +308,9 @@ def _wait(proc: subprocess.Popen) -> int:
 
 
 def run_helper(spec: SweepSpec, folder: Path, *, storage: str | None, count: int | None, nproc: int = 1,
-               gpu: str | None = None, vram: str | None = None, tag: str = "",
+               gpu: str | None = None, vram: str | None = None, worker: int = 1,
                echo: Callable[[str], None] = lambda s: None) -> WorkerReport:
-    """A helper worker of `run_sweep` (or a worker started by hand on another machine)."""
-    base, study, _url, budget = prepare(spec, folder, storage, count)
-    return Worker(spec, study, base, folder, budget, nproc=nproc, gpu=gpu, vram=vram, echo=echo, tag=tag).run()
+    """A helper worker of `run_sweep` (``worker`` >= 1: its index)."""
+    base, study, _url, budget = prepare(spec, folder, storage, count, worker=worker)
+    return Worker(spec, study, base, folder, budget, nproc=nproc, gpu=gpu, vram=vram, echo=echo,
+                  tag=f"[w{worker}] ").run()

@@ -7,7 +7,10 @@ spec checks (tests/test_lazy_imports.py).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import socket
 from typing import Any
 
 from apr.sweep.spec import Param, SweepSpec, grid_values
@@ -22,16 +25,30 @@ def grid_size(spec: SweepSpec) -> int:
     return math.prod(len(v) for v in grid_space(spec).values()) if spec.params else 1
 
 
-def make_sampler(spec: SweepSpec):
-    """grid -> GridSampler, random -> RandomSampler, bayes -> TPESampler, all seeded by ``spec.seed``
-    (every worker gets the same seed: GridSampler needs it to agree on the grid's order)."""
+def make_sampler(spec: SweepSpec, stream: int = 0):
+    """grid -> GridSampler, random -> RandomSampler, bayes -> TPESampler. A grid is seeded by
+    ``spec.seed`` alone: every worker must agree on its order. Random and TPE draw from
+    ``spec.seed`` mixed with ``stream``: a worker that joins or continues a sweep must not replay
+    the draws of the one that started it (they would repeat its trials); ``stream`` 0 is a fresh
+    sweep's first worker, so a one-worker sweep is reproducible from its seed."""
     import optuna
 
     if spec.method == "grid":
         return _quiet_grid(optuna.samplers.GridSampler)(grid_space(spec), seed=spec.seed)
+    seed = spec.seed if stream == 0 else int.from_bytes(
+        hashlib.sha256(f"{spec.seed}:{stream}".encode()).digest()[:4], "little")
     if spec.method == "random":
-        return optuna.samplers.RandomSampler(seed=spec.seed)
-    return optuna.samplers.TPESampler(seed=spec.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def worker_stream(trials_so_far: int, worker: int) -> int:
+    """The sampler stream of a worker: 0 for the first worker of a fresh sweep, else distinct per
+    process (host, pid) and per point of the sweep it starts at."""
+    if trials_so_far == 0 and worker == 0:
+        return 0
+    who = f"{socket.gethostname()}:{os.getpid()}:{worker}:{trials_so_far}"
+    return 1 + int.from_bytes(hashlib.sha256(who.encode()).digest()[:4], "little")
 
 
 def _quiet_grid(grid_sampler: type) -> type:
@@ -55,7 +72,8 @@ def make_pruner(spec: SweepSpec):
     if early is None:
         return optuna.pruners.NopPruner()
     if early.type == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=max(early.min_iter - 1, 0))
+        # Optuna decides from step n_warmup_steps on: the first decision is at evaluation min_iter
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=early.min_iter)
     return optuna.pruners.HyperbandPruner(min_resource=early.min_iter, max_resource=early.max_iter or "auto",
                                           reduction_factor=early.eta)
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from apr.errors import Finding
-from apr.sweep.space import make_pruner, make_sampler
+from apr.sweep.space import make_pruner, make_sampler, worker_stream
 from apr.sweep.spec import SweepError, SweepSpec
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -112,12 +112,17 @@ def sweep_identity(spec: SweepSpec) -> dict:
             "sweep_file": str(Path(os.path.abspath(spec.path)))}
 
 
-def open_study(spec: SweepSpec, url: str, *, create: bool = True):
+def open_study(spec: SweepSpec, url: str, *, create: bool = True, worker: int = 0):
     """This sweep's study in the storage at ``url`` (made when ``create`` and absent). A study of the
-    same name made by another sweep, or outside apr, is refused."""
+    same name made by another sweep, or outside apr, is refused. ``worker``: this process's index
+    among the workers started together (its sampler stream, apr.sweep.space.make_sampler)."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    path = sqlite_path(url)
+    if not create and path is not None and not path.exists():
+        raise _refuse(url, f"no sweep has run here yet ({path} does not exist)", "the storage of `apr sweep run`",
+                      "no such file")
     storage = open_storage(url)
     names = {s.study_name for s in storage.get_all_studies()}
     if spec.name not in names and not create:
@@ -136,4 +141,5 @@ def open_study(spec: SweepSpec, url: str, *, create: bool = True):
         raise _refuse(url, f"study {spec.name!r} holds another sweep (its method, metric, parameters, pruning or "
                       f"seed differ from {spec.path}); give this one another name or storage",
                       f"the sweep of {theirs.get('sweep_file')}", f"fingerprint {mine['fingerprint']}")
+    study.sampler = make_sampler(spec, worker_stream(len(study.trials), worker))
     return study

@@ -114,11 +114,11 @@ class TrialProcess:
             except ProcessLookupError:
                 pass
 
-    def run(self, trial, stop_signal) -> Outcome:
+    def run(self, trial, stop_signal, reported: frozenset = frozenset()) -> Outcome:
         """Run to the end; ``trial`` is the Optuna trial (None: no pruning); ``stop_signal()`` returns
-        the signal the worker got, if any."""
+        the signal the worker got, if any; ``reported``: evaluations told before a resume."""
         self.start()
-        reported: set[int] = set()
+        reported = set(reported)
         pruned = None
         forwarded = None
         while self.proc.poll() is None:

@@ -1,0 +1,92 @@
+"""Planned before spent (apr/sweep/planning.py): each trial is apr's own plan; invalid trials are
+counted with their findings and cost nothing; values the schema refuses are the sweep file's error."""
+
+from __future__ import annotations
+
+import pytest
+from sweep_helpers import tiny_root, write_sweep
+
+from apr.sweep.planning import check_base, plan_sweep, plan_trial
+from apr.sweep.spec import SweepError, load_sweep
+
+GRID = """
+config: cfg.yaml
+method: grid
+parameters:
+  model.architecture.num_attention_heads: {values: [3, 4, 5, 8]}
+  optimizer.lr: {values: [0.01, 0.003]}
+"""
+
+
+def test_a_grid_plan_counts_the_valid_points_and_names_the_findings_of_the_others(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny_root(tmp_path)
+    plan = plan_sweep(load_sweep(write_sweep(tmp_path, GRID)))
+    doc = plan.to_dict()
+    assert (doc["planned"], doc["valid"], doc["invalid"], doc["sampled"]) == (8, 4, 4, False)
+    for t in plan.trials:
+        heads = t.settings["model.architecture.num_attention_heads"]
+        assert t.valid == (heads in (4, 8))
+        if not t.valid:  # 32 / heads leaves a remainder: the architecture contract says so
+            assert t.errors[0].code == "C-ARCH-001" and t.reason().startswith("plan: [C-ARCH-001]")
+    # tokens of the valid trials only: 12 steps x 4 rows x 16 tokens each
+    assert doc["total"]["tokens"] == 4 * 12 * 4 * 16 and doc["total"]["invalid_trials_cost"] == 0
+    assert doc["total"]["seconds"] is None  # no GPU named, no probe: the plan does not guess
+
+
+def test_a_gpu_target_gives_time_and_cost_per_trial_and_in_total(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny_root(tmp_path)
+    spec = load_sweep(write_sweep(tmp_path, GRID))
+    plan = plan_sweep(spec, gpu="4090", settings={"training.price_per_gpu_hour": 2.0})
+    valid = [t for t in plan.trials if t.valid]
+    assert all(t.seconds and t.cost for t in valid)
+    total = plan.total()
+    assert total["seconds"] == pytest.approx(sum(t.seconds for t in valid))
+    assert total["cost"] == pytest.approx(sum(t.cost for t in valid))
+
+
+def test_a_sample_of_a_random_sweep_is_projected_to_its_run_cap(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny_root(tmp_path)
+    spec = load_sweep(write_sweep(tmp_path, """
+config: cfg.yaml
+method: random
+run_cap: 40
+parameters:
+  optimizer.lr: {distribution: log_uniform_values, min: 0.001, max: 0.01}
+  model.architecture.num_attention_heads: {values: [3, 4]}
+"""))
+    plan = plan_sweep(spec, sample=8)
+    doc = plan.to_dict()
+    assert doc["planned"] == 8 and doc["sampled"] and doc["trial_count"] == 40
+    share = doc["valid"] / 8
+    assert doc["total"]["valid_trials"] == pytest.approx(40 * share)
+    assert doc["total"]["tokens"] == pytest.approx(40 * share * 12 * 4 * 16)
+
+
+def test_a_value_the_schema_refuses_is_the_sweep_files_error_at_its_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny_root(tmp_path)
+    spec = load_sweep(write_sweep(tmp_path, """
+config: cfg.yaml
+method: grid
+parameters:
+  optimizer.lr: {values: [0.01, -1.0]}
+  training.mixed_precision: {values: [fp32, fp8]}
+"""))
+    with pytest.raises(SweepError) as info:
+        check_base(spec)
+    found = {f.path: f for f in info.value.findings}
+    assert set(found) == {"parameters.optimizer.lr.values.1", "parameters.training.mixed_precision.values.1"}
+    assert found["parameters.optimizer.lr.values.1"].line == 4 and found["parameters.optimizer.lr.values.1"].file \
+        .endswith("sweep.yaml")
+
+
+def test_a_trial_refused_by_the_schema_or_a_contract_is_an_invalid_trial_not_an_exception(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_root(tmp_path)
+    schema = plan_trial(cfg, {"data.batch_size": 0})
+    assert not schema.valid and schema.tokens is None and schema.errors[0].path == "data.batch_size"
+    contract = plan_trial(cfg, {"optimizer.lr": 1e-4, "optimizer.min_lr": 1e-3})
+    assert not contract.valid and contract.reason().startswith("plan: [C-")
