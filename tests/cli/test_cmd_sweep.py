@@ -1,0 +1,162 @@
+"""`apr sweep` through the CLI: bad input exits 1 before any trial, naming the file, key and line;
+two workers share one storage; a killed sweep resumes its trial exactly; the best trial's config
+trains to the same metric bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
+from run_helpers import make_dataset, write_config  # noqa: E402
+
+runner = CliRunner()
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "NO_COLOR": "1"}
+
+
+def apr(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apr", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env=_env())
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    make_dataset(tmp_path)
+    write_config(tmp_path, training={"max_steps": 3, "warmup_steps": 1, "eval_interval": 3, "save_interval": 3})
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _json(*args: str) -> dict:
+    """`apr sweep status|best ... --json`, in this process (a subprocess costs seconds of imports)."""
+    result = runner.invoke(app, ["sweep", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _sweep(root: Path, text: str) -> Path:
+    path = root / "sweep.yaml"
+    path.write_text(text.lstrip("\n"))
+    return path
+
+
+@pytest.mark.parametrize("text, path, line", [
+    ("config: cfg.yaml\nmethod: grid\nparameters:\n  optimizer.lrr: {values: [0.1]}\n", "parameters.optimizer.lrr", 4),
+    ("config: cfg.yaml\nmethod: random\nrun_cap: 2\nparameters:\n  optimizer.lr: {min: 0.1, max: 0.01}\n",
+     "parameters.optimizer.lr.min", 5),
+    ("config: cfg.yaml\nmethod: grid\nmetric: {name: accuracy}\nparameters:\n  optimizer.lr: {value: 0.1}\n",
+     "metric.name", 3),
+    ("config: cfg.yaml\nmethod: grid\nparameters:\n  optimizer.lr: {values: [0.01, -1]}\n",
+     "parameters.optimizer.lr.values.1", 4),
+])
+def test_bad_sweep_files_exit_1_before_any_trial(root, text, path, line):
+    sweep = _sweep(root, text)
+    for command in ("run", "plan"):
+        result = runner.invoke(app, ["sweep", command, str(sweep)])
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert f"sweep.yaml:{line}:" in result.output and path in result.output
+    assert not (root / "sweeps").exists()
+
+
+def test_a_storage_that_cannot_be_opened_exits_1_before_any_trial(root):
+    sweep = _sweep(root, "config: cfg.yaml\nmethod: grid\nparameters:\n  optimizer.lr: {values: [0.01]}\n")
+    (root / "foreign.db").write_bytes(b"this is not sqlite" * 20)
+    result = runner.invoke(app, ["sweep", "run", str(sweep), "--storage", f"sqlite:///{root / 'foreign.db'}"])
+    assert result.exit_code == 1 and "--storage" in result.output and "not a SQLite database" in result.output
+    assert (root / "foreign.db").read_bytes() == b"this is not sqlite" * 20
+    assert not (root / "sweeps" / "sweep" / "trials").exists()
+
+
+def test_plan_prints_valid_invalid_and_the_total(root):
+    sweep = _sweep(root, "config: cfg.yaml\nmethod: grid\nparameters:\n"
+                         "  model.architecture.num_attention_heads: {values: [3, 4, 8]}\n")
+    result = runner.invoke(app, ["sweep", "plan", str(sweep), "--json"])
+    doc = json.loads(result.output)
+    assert result.exit_code == 0 and (doc["valid"], doc["invalid"]) == (2, 1)
+    assert doc["trials"][[t["valid"] for t in doc["trials"]].index(False)]["errors"][0]["code"] == "C-ARCH-001"
+    text = runner.invoke(app, ["sweep", "plan", str(sweep)]).output
+    assert "2 valid, 1 invalid" in text and "tokens 384" in text  # 2 x 3 steps x 4 rows x 16 tokens
+
+
+TWELVE = """
+config: cfg.yaml
+method: grid
+parameters:
+  model.architecture.num_attention_heads: {min: 3, max: 14}
+"""
+
+
+def test_two_workers_on_one_storage_finish_twelve_trials_none_twice_none_lost(root):
+    # 12 grid points: heads 4 and 8 divide hidden_size 32 and train (3 steps each); the other 10 are
+    # refused by their plans. What is tested is the storage's bookkeeping under two processes.
+    proc = apr("sweep", "run", "sweep.yaml", "--workers", "2", cwd=_sweep(root, TWELVE).parent)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    done = [line for line in proc.stdout.splitlines() if ": invalid, not trained" in line or ": finished" in line]
+    numbers = [int(line.split("trial ")[1].split(":")[0]) for line in done]
+    assert sorted(numbers) == list(range(12))  # each trial reported once, by one worker
+    assert {line[:4] for line in done} == {"[w0]", "[w1]"}  # both workers took trials
+    status = _json("status", "sweep.yaml")
+    heads = sorted(t["params"]["model.architecture.num_attention_heads"] for t in status["trials"])
+    assert heads == list(range(3, 15)) and status["counts"] == {"finished": 2, "invalid": 10}
+    assert all(t["resumes"] == 0 for t in status["trials"])
+    finished = [t for t in status["trials"] if t["state"] == "finished"]
+    assert sorted(t["params"]["model.architecture.num_attention_heads"] for t in finished) == [4, 8]
+    assert len({t["run_id"] for t in finished}) == 2
+
+
+def test_a_killed_sweep_resumes_its_trial_and_the_best_config_reproduces_it_bitwise(root):
+    write_config(root, training={"max_steps": 8, "warmup_steps": 2, "eval_interval": 4, "save_interval": 4})
+    _sweep(root, """
+name: resume-test
+config: cfg.yaml
+method: random
+run_cap: 1
+parameters:
+  optimizer.lr: {distribution: log_uniform_values, min: 0.001, max: 0.01}
+""")
+    first = subprocess.Popen([sys.executable, "-m", "apr", "sweep", "run", "sweep.yaml"], cwd=root, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_dir = root / "sweeps" / "resume-test" / "trials" / "0000"
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoint-step-4.json").exists():
+        assert first.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    status = _json("status", "sweep.yaml")
+    assert [t["state"] for t in status["trials"]] == ["interrupted"]
+
+    again = runner.invoke(app, ["sweep", "run", "sweep.yaml"])
+    assert again.exit_code == 0, again.output[-2000:]
+    assert "trial 0: resuming" in again.stdout and "1 finished of 1" in again.stdout
+    assert "resumed from" in (run_dir.with_suffix(".log")).read_text()
+    best = _json("best", "sweep.yaml")
+    assert best["number"] == 0 and best["resumes"] == 1
+    assert (root / "sweeps" / "resume-test" / "metric_vs_params.svg").is_file()
+
+    # an uninterrupted run of the best config ends at the interrupted trial's metric, bitwise
+    repro = apr("train", "apply", best["best_config"], cwd=root)
+    assert repro.returncode == 0, repro.stderr[-2000:]
+    state = json.loads((root / "sweeps" / "resume-test" / "best-run" / "training_state.json").read_text())
+    assert state["val_loss"] == best["value"] and state["experiment"] == "resume-test"
+
+
+def test_status_and_best_of_a_sweep_that_never_ran(root):
+    sweep = _sweep(root, "config: cfg.yaml\nmethod: grid\nparameters:\n  optimizer.lr: {values: [0.01]}\n")
+    for command in ("status", "best"):
+        result = runner.invoke(app, ["sweep", command, str(sweep)])
+        assert result.exit_code == 1 and "no sweep has run here yet" in result.output
+    assert not (root / "sweeps" / "sweep" / "study.db").exists()
