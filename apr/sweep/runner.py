@@ -148,9 +148,18 @@ class Worker:
             fd = _try_lock(lock)
             if fd is None:
                 continue  # its worker is alive
+            # Its worker tells the result before it lets go of the lock: read the state again now
+            # that we hold it, or a trial that finished a moment ago would be "resumed".
+            if self.study._storage.get_trial(frozen._trial_id).state != optuna.trial.TrialState.RUNNING:
+                os.close(fd)
+                continue
             trial = optuna.trial.Trial(self.study, frozen._trial_id)
-            trial.set_user_attr("resumes", int(frozen.user_attrs.get("resumes", 0)) + 1)
-            trial.set_user_attr("worker", self.name)
+            try:
+                trial.set_user_attr("resumes", int(frozen.user_attrs.get("resumes", 0)) + 1)
+                trial.set_user_attr("worker", self.name)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                os.close(fd)
+                continue
             return Job(trial, dict(frozen.user_attrs["settings"]), Path(frozen.user_attrs["run_dir"]), fd, True,
                        frozenset(frozen.intermediate_values))
         return None
