@@ -210,8 +210,8 @@ def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_
 def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path):
     """One process (interleaved engine, accumulation 4) stopped at step 4, resumed on 2 fully sharded
     ranks (the interleaved walk on FSDP2, accumulation 2) to step 8, whose checkpoint is in 2 parts,
-    then on 4 ranks (accumulation 1) to step 12: the uninterrupted run's weights to 1e-6 at both
-    steps, its rows in order."""
+    then on 4 ranks as 2 nodes of 2 under hybrid sharding (a 2 x 2 mesh, accumulation 1) to step 12:
+    the uninterrupted run's weights to 1e-6 at both steps, its rows in order."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "save_interval": 4, "keep_last": 5, "eval_interval": 0, "gradient_accumulation": 4,
               "lr_scheduler": "constant", "warmup_steps": 0, "sharding": "full"}
@@ -226,8 +226,9 @@ def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path):
     assert "resume: 1 -> 2 ranks; gradient_accumulation 4 -> 2" in proc.stderr
     assert (tmp_path / "part" / "checkpoint-step-8.part-1-of-2.safetensors").is_file()
     assert _rel(_weights(tmp_path / "part", 8), _weights(tmp_path / "full", 8)) <= 1e-6
-    part["training"]["max_steps"] = 12
-    proc = _launch(part, tmp_path / "part.json", 4, "latest", rows=tmp_path / "part-rows.jsonl")
+    part["training"].update(max_steps=12, sharding="hybrid", nodes=2)
+    proc = _launch(part, tmp_path / "part.json", 4, "latest", rows=tmp_path / "part-rows.jsonl",
+                   extra_env={"APR_SHARD_GROUP_SIZE": "2"})
     assert "resume: 2 -> 4 ranks; gradient_accumulation 2 -> 1" in proc.stderr
     assert _rel(_weights(tmp_path / "part", 12), _weights(tmp_path / "full", 12)) <= 1e-6
     assert _rows(tmp_path / "part-rows.jsonl") == _rows(tmp_path / "full-rows.jsonl")
@@ -291,20 +292,24 @@ def test_apply_plans_hybrid_at_the_nodes_torchrun_starts(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_sharded_run_rolls_back_a_spike_and_ends_as_a_run_without_it(tmp_path):
-    """training.rollback under full sharding (the interleaved walk, 2 ranks): the random-token window
-    of steps 21-23 triggers a rollback to step 20's checkpoint, read in parts (one rank's rows each);
-    the run ends bitwise where the same 2 ranks end on data that never held the window."""
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_a_sharded_run_rolls_back_a_spike_and_ends_as_a_run_without_it(tmp_path, sharding):
+    """training.rollback under sharding (the interleaved walk, 2 ranks; hybrid: two one-rank nodes,
+    each a whole replica): the random-token window of steps 21-23 triggers a rollback to step 20's
+    checkpoint, read in parts; the run ends bitwise where the same 2 ranks end on data that never
+    held the window."""
     from tests.train.test_survive import BAD, ROLLBACK_CFG, _corpus
 
     ref, run = tmp_path / "ref", tmp_path / "rb"
     _corpus(ref, without_bad=True)
     _corpus(run)
     training = {"max_steps": 30, "warmup_steps": 0, "lr_scheduler": "constant", "save_interval": 5,
-                "log_interval": 5, "eval_interval": 0, "grad_clip": None, "keep_last": 10, "sharding": "full"}
+                "log_interval": 5, "eval_interval": 0, "grad_clip": None, "keep_last": 10, "sharding": sharding,
+                **({"nodes": 2} if sharding == "hybrid" else {})}
     data = {"shuffle": False, "batch_size": 2}
-    _launch(config_doc(ref, data=data, training=training), ref / "cfg.json", 2)
-    _launch(config_doc(run, data=data, training={**training, **ROLLBACK_CFG}), run / "cfg.json", 2)
+    env = {"APR_SHARD_GROUP_SIZE": "1"} if sharding == "hybrid" else None
+    _launch(config_doc(ref, data=data, training=training), ref / "cfg.json", 2, extra_env=env)
+    _launch(config_doc(run, data=data, training={**training, **ROLLBACK_CFG}), run / "cfg.json", 2, extra_env=env)
     state = json.loads((run / "run" / "training_state.json").read_text())
     (event,) = [e for e in state["events"] if e["kind"] == "rollback"]
     assert event["step"] == 23 and event["detail"]["restored_step"] == 20

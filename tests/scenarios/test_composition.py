@@ -22,18 +22,21 @@ def _pair(root: Path, name: str, batch: int = 2, sharding: str = "full", shards:
           **sections) -> tuple[Path, Path]:
     """The same config as one process (micro-batch 2 x batch) and as 2 ranks (batch each) under
     ``sharding`` (``hybrid``: two one-rank "nodes", as tests/distributed/test_sharding.py simulates
-    them; ``none``: plain data parallelism); returns both run folders."""
+    them; ``none``: plain data parallelism); returns both run folders. The one-process run does not
+    depend on the layout: the cells of one feature share it (on one test worker)."""
     training = sections.pop("training", {})
     data = sections.pop("data", {})
     one = config_doc(root, data={**data, "batch_size": 2 * batch}, optimizer=OPT,
                      training={**training, "output_dir": f"{name}-one/"}, **sections)
     layout = {"sharding": sharding, **({"nodes": 2} if sharding == "hybrid" else {})}  # none: DDP
     two = config_doc(root, data={**data, "batch_size": batch}, optimizer=OPT,
-                     training={**training, "output_dir": f"{name}-two/", **layout}, **sections)
-    _launch(one, root / f"{name}-one.json", 1)
-    _launch(two, root / f"{name}-two.json", 2, shards=shards,
+                     training={**training, "output_dir": f"{name}-{sharding}/", **layout}, **sections)
+    done = root / f"{name}-one.json"
+    if not (done.is_file() and json.loads(done.read_text()) == one and (root / f"{name}-one").is_dir()):
+        _launch(one, done, 1)
+    _launch(two, root / f"{name}-{sharding}.json", 2, shards=shards,
             extra_env={"APR_SHARD_GROUP_SIZE": "1"} if sharding == "hybrid" else None)
-    return root / f"{name}-one", root / f"{name}-two"
+    return root / f"{name}-one", root / f"{name}-{sharding}"
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(ro
     and in one process; in-training task scores and samples run on every rank (the whole weights
     gathered) and rank 0 records them."""
     one, two = _pair(
-        root, f"lora-{engine}-{sharding}", sharding=sharding, shards=root / f"lora-{engine}-{sharding}.shards",
+        root, f"lora-{engine}", sharding=sharding, shards=root / f"lora-{engine}-{sharding}.shards",
         model={"architecture": {"num_hidden_layers": 4}, "init_from": str(root / "base"),
                "lora": {"rank": 4, "alpha": 8.0, "targets": "all"}},
         data={"tokenizer": str(root / "tok.json")},
@@ -123,11 +126,12 @@ def test_a_bf16_lora_trunk_on_shards_trains_as_data_parallel(root):
 
 
 @pytest.mark.slow
-def test_progressive_stacking_grows_and_freezes_on_shards_as_in_one_process(root):
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_progressive_stacking_grows_and_freezes_on_shards_as_in_one_process(root, sharding):
     """2 -> 4 blocks at step 4, earlier blocks frozen: the grown model is re-sharded from the
     gathered one, the frozen blocks never move, and the end equals one process."""
     one, two = _pair(
-        root, "stack",
+        root, "stack", sharding=sharding,
         model={"architecture": {"num_hidden_layers": 4},
                "stacking": {"stages": [{"blocks": 2, "steps": 4}, {"blocks": 4}], "init": "copy_top",
                             "earlier": "freeze"}},
@@ -144,14 +148,14 @@ def test_progressive_stacking_grows_and_freezes_on_shards_as_in_one_process(root
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["full", "none"])
+@pytest.mark.parametrize("sharding", ["full", "none", "hybrid"])
 def test_blockwise_distillation_on_shards_equals_one_process(root, sharding):
     """Distillation's loss part on the autograd source under FSDP2 (the teacher whole on each rank):
     both phases (phase 1 one student block at a time, then KD) match one process. The configured
     default engine (interleaved) is not refused: distillation runs on autograd. Bound 1e-5: the KD
     loss's softmax over the vocabulary sums in another order on half the batch per rank."""
     one, two = _pair(
-        root, f"distill-{sharding}", sharding=sharding,
+        root, "distill", sharding=sharding,
         model={"architecture": {"num_hidden_layers": 2}},
         training={"mode": "distill", "max_steps": 8, "save_interval": 8, "eval_interval": 4,
                   "distill": {"teacher": str(root / "base"), "phase1_steps": 2, "init_from_teacher": True}})
@@ -161,19 +165,21 @@ def test_blockwise_distillation_on_shards_equals_one_process(root, sharding):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_on_shards_equal_one_process(root):
+@pytest.mark.parametrize("sharding", ["full", "hybrid", "none"])
+def test_compiled_blocks_on_shards_equal_one_process(root, sharding):
     """``training.execution.compile`` under FSDP2: each block is compiled in place
     (``Module.compile``, no parameter renamed) and dynamo leaves FSDP2's hooks to run eagerly, so
     the sharded walk trains compiled blocks and ends where one compiled process does (measured
     1.2e-6 after 4 steps: bound 1e-5)."""
-    one, two = _pair(root, "compile", training={"max_steps": 4, "save_interval": 4, "eval_interval": 0,
+    one, two = _pair(root, "compile", sharding=sharding, training={"max_steps": 4, "save_interval": 4, "eval_interval": 0,
                                                 "engine": "interleaved", "execution": {"compile": True}})
     assert _rel(_weights(two, 4), _weights(one, 4)) <= 1e-5
     assert read_checkpoint(two / "checkpoint-step-4.json").meta["engine"]["engine"] == "interleaved"
 
 
 @pytest.mark.slow
-def test_a_mixture_with_adagc_on_shards_equals_one_process(root):
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_a_mixture_with_adagc_on_shards_equals_one_process(root, sharding):
     """A two-source mixture (the loader deals each global micro-batch's rows to the ranks, so the
     layout does not change what is drawn) with AdaGC's per-tensor clipping on FSDP2 shards: the
     same weights as one process (bound 1e-5, as the other cells), and the same rows per source."""
@@ -183,7 +189,7 @@ def test_a_mixture_with_adagc_on_shards_equals_one_process(root):
         write_source(root / "mix" / name, 40, seed=20 + i)
     sources = [{"name": "web", "path": str(root / "mix/web/train"), "weight": 0.6},
                {"name": "code", "path": str(root / "mix/code/train"), "weight": 0.4}]
-    one, two = _pair(root, "mixture", data={"train": sources, "val": None},
+    one, two = _pair(root, "mixture", sharding=sharding, data={"train": sources, "val": None},
                      training={"max_steps": 6, "save_interval": 6, "eval_interval": 0, "engine": "interleaved",
                                "clip_mode": "adagc"})
     assert _rel(_weights(two, 6), _weights(one, 6)) <= 1e-5
