@@ -171,8 +171,9 @@ def test_compiled_blocks_on_shards_equal_one_process(root, sharding):
     (``Module.compile``, no parameter renamed) and dynamo leaves FSDP2's hooks to run eagerly, so
     the sharded walk trains compiled blocks and ends where one compiled process does (measured
     1.2e-6 after 4 steps: bound 1e-5)."""
-    one, two = _pair(root, "compile", sharding=sharding, training={"max_steps": 4, "save_interval": 4, "eval_interval": 0,
-                                                "engine": "interleaved", "execution": {"compile": True}})
+    one, two = _pair(root, "compile", sharding=sharding,
+                     training={"max_steps": 4, "save_interval": 4, "eval_interval": 0, "engine": "interleaved",
+                               "execution": {"compile": True}})
     assert _rel(_weights(two, 4), _weights(one, 4)) <= 1e-5
     assert read_checkpoint(two / "checkpoint-step-4.json").meta["engine"]["engine"] == "interleaved"
 
