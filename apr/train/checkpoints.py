@@ -17,6 +17,11 @@ from apr.steps import stacking
 from apr.train import layout
 from apr.train.stateful import StateRegistry
 
+# What an elastic resume may change with the number of ranks (docs/distributed.md, "Resuming on
+# another number of ranks"): the accumulation that keeps the global batch, and how the new ranks
+# shard the state (full, hybrid over nodes, ...); the weights stay within the resume's 1e-6.
+ELASTIC_KEYS = ("training.world_size", "training.gradient_accumulation", "training.sharding", "training.nodes")
+
 
 class Checkpoints:
     """One run's checkpoint component; ``run`` is the run loop (its engine is replaced by stacking
@@ -106,9 +111,10 @@ class Checkpoints:
     def _check_config(self, saved_config: dict, meta: dict) -> None:
         run = self.run
         diff = compare_configs(saved_config, run.config)
-        if run.elastic is not None:  # the layout change of an elastic resume: not a config change
-            diff.changes = [c for c in diff.changes
-                            if c.path not in ("training.world_size", "training.gradient_accumulation")]
+        layout = []
+        if run.elastic is not None:  # the layout change of an elastic resume (ranks, and how they shard): allowed
+            layout = [c for c in diff.changes if c.path in ELASTIC_KEYS]
+            diff.changes = [c for c in diff.changes if c.path not in ELASTIC_KEYS]
         try:
             diff.check(force=run.options.force, file=str(run.config_path))
         except AprError as err:
@@ -121,6 +127,9 @@ class Checkpoints:
             raise
         for change in diff.changes:
             run.echo(f"resume: {'FORCED ' if change.breaking else ''}{change.line()}")
+        for change in layout:
+            if change.path in ("training.sharding", "training.nodes"):  # the ranks' change is echoed by the layout
+                run.echo(f"resume: layout {change.line()}")
 
     def adopt(self, state: TrainState, force: bool = False) -> None:
         """Take a checkpoint's weights and every registered part's state (a resume, or a rollback to
