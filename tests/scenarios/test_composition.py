@@ -102,7 +102,7 @@ def test_a_bf16_lora_trunk_on_shards_trains_as_data_parallel(root):
     resolution: measured 8.6e-3 on the adapters after 8 steps (one process against DDP: 1.5e-2),
     bound 3e-2; the losses, which average that noise out, agree within 2.4e-5 (bound 1e-4)."""
     runs = {}
-    for sharding in ("none", "full"):
+    for sharding in ("none", "full", "hybrid"):
         doc = config_doc(
             root, data={"tokenizer": str(root / "tok.json"), "batch_size": 2}, optimizer=OPT,
             model={"architecture": {"num_hidden_layers": 4}, "init_from": str(root / "base"),
@@ -111,18 +111,22 @@ def test_a_bf16_lora_trunk_on_shards_trains_as_data_parallel(root):
                         "samples": {"prompts": ["1 2 3"], "max_new_tokens": 3}},
             training={"max_steps": 8, "save_interval": 8, "eval_interval": 4, "engine": "interleaved",
                       "mixed_precision": "bf16", "grad_clip": 0.5, "sharding": sharding,
-                      "output_dir": f"bf16-trunk-{sharding}/"})
-        _launch(doc, root / f"bf16-trunk-{sharding}.json", 2, shards=root / f"bf16-trunk-{sharding}.shards")
+                      "output_dir": f"bf16-trunk-{sharding}/", **({"nodes": 2} if sharding == "hybrid" else {})})
+        _launch(doc, root / f"bf16-trunk-{sharding}.json", 2, shards=root / f"bf16-trunk-{sharding}.shards",
+                extra_env={"APR_SHARD_GROUP_SIZE": "1"} if sharding == "hybrid" else None)
         runs[sharding] = root / f"bf16-trunk-{sharding}"
     _frozen_rows_are_planned(root / "bf16-trunk-full.shards", runs["full"])
-    got, want = _weights(runs["full"], 8), _weights(runs["none"], 8)
-    assert set(got) == set(want) and all("lora_" in k for k in got)  # the adapters, in each rank's rows
-    assert _rel(got, want) <= 3e-2
-    state, ref = (json.loads((runs[s] / "training_state.json").read_text()) for s in ("full", "none"))
-    assert state["status"] == "finished" and len(state["loss_history"]) == 4
-    for (step, loss), (ref_step, ref_loss) in zip(state["loss_history"], ref["loss_history"], strict=True):
-        assert step == ref_step and abs(loss - ref_loss) <= 1e-4 * abs(ref_loss)
-    assert state["samples"]["items"] and "acc" in state["evals"]["count"]  # evaluated on the gathered bf16 trunk
+    want = _weights(runs["none"], 8)
+    ref = json.loads((runs["none"] / "training_state.json").read_text())
+    for sharding in ("full", "hybrid"):
+        got = _weights(runs[sharding], 8)
+        assert set(got) == set(want) and all("lora_" in k for k in got)  # the adapters, in each rank's rows
+        assert _rel(got, want) <= 3e-2, sharding
+        state = json.loads((runs[sharding] / "training_state.json").read_text())
+        assert state["status"] == "finished" and len(state["loss_history"]) == 4
+        for (step, loss), (ref_step, ref_loss) in zip(state["loss_history"], ref["loss_history"], strict=True):
+            assert step == ref_step and abs(loss - ref_loss) <= 1e-4 * abs(ref_loss), (sharding, step)
+        assert state["samples"]["items"] and "acc" in state["evals"]["count"]  # evaluated on the gathered trunk
 
 
 @pytest.mark.slow
