@@ -57,3 +57,13 @@ def apr_env() -> dict:
     env = dict(os.environ)
     env.setdefault("NO_COLOR", "1")
     return env
+
+
+@pytest.fixture(scope="session")
+def untrained_lm(tmp_path_factory):
+    """The tiny LM of tests/generate/tiny_lm.py after 2 steps instead of 300 (a run directory, its
+    checkpoint, an HF export, a tokenizer): for commands that measure or inspect a model rather than
+    read what it learnt."""
+    from tests.generate.tiny_lm import build
+
+    return build(tmp_path_factory.mktemp("untrained_lm"), steps=2)

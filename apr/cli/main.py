@@ -16,6 +16,7 @@ from apr.cli import (
     cmd_export,
     cmd_generate,
     cmd_monitor,
+    cmd_profile,
     cmd_runs,
     cmd_schema,
     cmd_sweep,
@@ -102,6 +103,7 @@ cmd_sweep.register(sweep_app)
 cmd_monitor.register(app)
 cmd_export.register(app)
 cmd_generate.register(app)
+cmd_profile.register(app)
 cmd_eval.register(app)
 cmd_schema.register(app)
 

@@ -1,0 +1,60 @@
+"""`apr profile` through the CLI: the JSON document, the text tables, and bad input (exit 1, no
+traceback, nothing written)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+
+runner = CliRunner()
+FAST = ("--steps", "1", "--repeats", "1", "--new-tokens", "2", "--seq-len", "16", "--batch-size", "1")
+
+
+def invoke(*args):
+    return runner.invoke(app, ["profile", *map(str, args)])
+
+
+def test_json_has_latency_step_and_comparison(untrained_lm):
+    r = invoke(untrained_lm.run_dir, *FAST, "--length", "8", "--prompt", "def f(x):", "--compare", "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["format_version"] == "1" and doc["kind"] == "run" and doc["checkpoint_step"] == untrained_lm.steps
+    (lat,) = doc["latency"]
+    assert lat["prompt_tokens"] == 8 and lat["new_tokens"] == 2 and lat["kv_cache_bytes"] > 0
+    step = doc["step"]
+    assert [row["name"] for row in step["layers"]] == ["embed_tokens", "layers.0", "layers.1", "head+loss"]
+    assert step["tokens"] == 16 and step["tokens_per_s"] > 0 and "overhead_fraction" in step
+    assert {c["figure"] for c in doc["compare"]} >= {"flops_per_token", "block_saved_bytes"}
+
+
+def test_text_output_of_a_hugging_face_folder(untrained_lm):
+    r = invoke(untrained_lm.hf_dir, *FAST, "--length", "4", "--length", "12")
+    assert r.exit_code == 0, r.output
+    assert "inference latency" in r.stdout and "training step: batch 1 x seq 16" in r.stdout
+    assert "layers.1" in r.stdout and "overhead" in r.stdout
+    assert "plan vs measured" not in r.stdout  # only with --compare
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--length", "500"), "does not fit the model's context of 96"),
+    (("--no-latency", "--seq-len", "97"), "longer than the model's context of 96"),
+    (("--no-step", "--no-latency"), "nothing to measure"),
+    (("--steps", "0"), "--steps must be at least 1"),
+])
+def test_bad_options_exit_1_with_the_reason(untrained_lm, args, message):
+    r = invoke(untrained_lm.checkpoint, *args)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert message in r.stderr
+
+
+def test_not_a_checkpoint_exits_1_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bogus = tmp_path / "model.safetensors"
+    bogus.write_bytes(b"not a safetensors file")
+    r = invoke(bogus, "--no-latency")
+    assert r.exit_code == 1 and "Traceback" not in r.output and r.stderr.startswith("error:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
