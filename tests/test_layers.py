@@ -22,10 +22,10 @@ LAYERS: list[set[str]] = [
     {"model"},
     {"checkpoint"},
     {"generate"},  # loading a model for inference, KV-cache decoding, sampling
-    {"evaluate"},  # loss over shards, multiple-choice scoring (in-loop evaluation calls it from train)
+    {"evaluate", "inspect"},  # loss over shards, multiple-choice scoring; weight/update/attention views
     {"plan", "train", "monitor"},
-    {"apply", "probe", "sweep"},  # plan-then-apply, the plan's probe (the real engine), sweeps (plan, then apply
-    #                               processes): above both plan and train
+    {"apply", "probe", "sweep", "profile"},  # plan-then-apply, the plan's probe (the real engine), sweeps (plan,
+    #                                          then apply processes), apr profile: above both plan and train
     {"lrfind"},  # the LR range test: runs apply on a throwaway copy
     {"cli"},
     {"__main__"},

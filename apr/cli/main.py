@@ -15,6 +15,7 @@ from apr.cli import (
     cmd_experiment,
     cmd_export,
     cmd_generate,
+    cmd_inspect,
     cmd_monitor,
     cmd_profile,
     cmd_runs,
@@ -104,6 +105,7 @@ cmd_monitor.register(app)
 cmd_export.register(app)
 cmd_generate.register(app)
 cmd_profile.register(app)
+cmd_inspect.register(app)
 cmd_eval.register(app)
 cmd_schema.register(app)
 

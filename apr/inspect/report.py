@@ -1,0 +1,128 @@
+"""`apr inspect SOURCE [OTHER]`: weight statistics and histograms per layer, the update between two
+checkpoints, attention maps for a prompt; pictures written under ``--out`` only (docs/inspect.md)."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from apr.errors import AprError, Finding
+from apr.generate.load import load_for_inference
+from apr.inspect import draw
+from apr.inspect.attention import AttentionMap, attention_maps
+from apr.inspect.source import WeightSource, open_weights
+from apr.inspect.stats import LayerStats, TensorStats, weight_stats
+from apr.inspect.updates import Updates, compare_weights
+
+FORMAT_VERSION = "1"
+
+
+class InspectOptionError(AprError):
+    """An `apr inspect` option out of range, or an --out that cannot be a folder."""
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    bins: int = 40
+    tensors: tuple[str, ...] = ()  # fnmatch patterns over tensor names; () keeps all
+    prompt: str | None = None
+    layers: tuple[int, ...] = ()
+    heads: tuple[int, ...] = ()
+    tokenizer: Path | None = None
+    out: Path | None = None
+    fmt: str = "svg"
+
+    def check(self) -> None:
+        if not 2 <= self.bins <= 1000:
+            raise InspectOptionError(f"--bins must be 2 to 1000, not {self.bins}", [Finding(
+                "error", "inspect.option", "--bins out of range", path="--bins", expected="2 to 1000",
+                got=str(self.bins))])
+        if self.fmt not in ("svg", "png"):
+            raise InspectOptionError(f"--format must be svg or png, not {self.fmt}", [Finding(
+                "error", "inspect.option", "unknown format", path="--format", expected="svg or png", got=self.fmt)])
+        if self.out is not None and self.out.exists() and not self.out.is_dir():
+            raise InspectOptionError(f"--out {self.out} exists and is not a folder", [Finding(
+                "error", "inspect.out", "not a folder", path="--out", file=str(self.out), expected="a folder",
+                got="a file")])
+
+    def select(self, name: str) -> bool:
+        return not self.tensors or any(fnmatch.fnmatchcase(name, p) for p in self.tensors)
+
+
+@dataclass
+class Weights:
+    source: WeightSource
+    layers: list[LayerStats]
+    tensors: list[TensorStats]
+
+    def to_dict(self) -> dict:
+        return {"source": str(self.source.path), "kind": self.source.kind, "step": self.source.step,
+                "layers": [r.to_dict() for r in self.layers], "tensors": [t.to_dict() for t in self.tensors]}
+
+
+@dataclass
+class InspectReport:
+    weights: list[Weights]  # SOURCE, then OTHER
+    updates: Updates | None = None
+    attention: list[AttentionMap] = field(default_factory=list)
+    written: list[Path] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "weights": [w.to_dict() for w in self.weights],
+                "updates": self.updates.to_dict() if self.updates else None,
+                "attention": [a.to_dict() for a in self.attention], "written": [str(p) for p in self.written]}
+
+
+def _attention(source: str | Path, options: InspectOptions) -> list[AttentionMap]:
+    loaded = load_for_inference(source, tokenizer=options.tokenizer)
+    return attention_maps(loaded, options.prompt, list(options.layers), list(options.heads))
+
+
+def inspect(source: str | Path, other: str | Path | None, options: InspectOptions) -> InspectReport:
+    options.check()
+    opened = [open_weights(source)] + ([open_weights(other)] if other is not None else [])
+    if not any(options.select(n) for n in opened[0].names):
+        raise InspectOptionError(f"no tensor of {opened[0].path} matches --tensor {' '.join(options.tensors)}", [
+            Finding("error", "inspect.no_tensor", "no tensor matches", path="--tensor",
+                    expected="a pattern matching a tensor name, e.g. '*layers.0.*'", got=" ".join(options.tensors))])
+    report = InspectReport([Weights(w, *weight_stats(w, options.bins, options.select)) for w in opened])
+    if other is not None:
+        report.updates = compare_weights(opened[0], opened[1], options.select)
+    if options.prompt is not None:
+        report.attention = _attention(source, options)
+    if options.out is not None:
+        report.written = write_pictures(report, options.out, options.fmt)
+    return report
+
+
+def _histogram_rows(weights: Weights) -> list[tuple[str, list[int], float, float]]:
+    return [(r.layer, r.counts, r.bin_edges[0], r.bin_edges[-1]) for r in weights.layers if r.counts]
+
+
+def write_pictures(report: InspectReport, out: Path, fmt: str) -> list[Path]:
+    """The report's pictures as ``fmt`` files in ``out`` (created if missing); their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str | bytes] = {}
+    for k, w in enumerate(report.weights):
+        rows = _histogram_rows(w)
+        name = "weights" if k == 0 else "weights-other"
+        files[name] = draw.svg_histograms(rows) if fmt == "svg" else draw.png_bars([r[1] for r in rows])
+    if report.updates and report.updates.layers:
+        labels = [r.layer for r in report.updates.layers]
+        values = [r.stats["relative_update"] for r in report.updates.layers]
+        files["updates"] = (draw.svg_bars(labels, values, "relative update ||B - A|| / ||A|| per layer")
+                            if fmt == "svg" else draw.png_bars([[round(1e6 * (v or 0)) for v in values]]))
+    for a in report.attention:
+        title = f"layer {a.layer} head {a.head}"
+        files[f"attention-L{a.layer}-H{a.head}"] = (draw.svg_heatmap(a.weights, a.tokens, title) if fmt == "svg"
+                                                    else draw.png_heatmap(a.weights))
+    written = []
+    for stem, content in files.items():
+        path = out / f"{stem}.{fmt}"
+        if isinstance(content, str):
+            path.write_text(content, encoding="utf-8")
+        else:
+            path.write_bytes(content)
+        written.append(path)
+    return written

@@ -1,0 +1,104 @@
+"""Memory and time of `apr inspect`'s statistics and histograms on a large checkpoint
+(docs/performance.md, "apr inspect: memory").
+
+Writes a .safetensors file of Llama-7B-shaped tensors (hidden 4096, intermediate 11008, vocab 32000,
+bf16; ``--blocks`` decoder blocks, 32 for the whole 7B model), then runs ``weight_stats`` over it
+while a thread samples the process's anonymous memory (RssAnon: heap and torch tensors) and its
+file-backed memory (RssFile: safetensors' memory map, page cache the kernel can drop) every 20 ms.
+The claim is that RssAnon stays bounded by a few slices whatever the file's size.
+
+    .venv/bin/python benchmarks/bench_inspect.py [--blocks 4] [--dir /tmp] [--keep] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from apr.inspect.source import open_weights
+from apr.inspect.stats import weight_stats
+
+H, I, V = 4096, 11008, 32000
+
+
+def _rss() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon", "RssFile")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def write_checkpoint(path: Path, blocks: int) -> int:
+    """One tensor at a time through save_file per block file would be simpler, but one file is the
+    case to measure; tensors are built and written block by block into one dict of bf16 tensors."""
+    tensors = {"model.embed_tokens.weight": torch.randn(V, H, dtype=torch.bfloat16) * 0.02,
+               "lm_head.weight": torch.randn(V, H, dtype=torch.bfloat16) * 0.02,
+               "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    for i in range(blocks):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (H, H)), ("self_attn.k_proj", (H, H)), ("self_attn.v_proj", (H, H)),
+                            ("self_attn.o_proj", (H, H)), ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
+                            ("mlp.down_proj", (H, I))):
+            tensors[p + name + ".weight"] = torch.randn(shape, dtype=torch.bfloat16) * 0.02
+        tensors[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    save_file(tensors, str(path))
+    return sum(t.numel() for t in tensors.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    path = Path(args.dir) / f"bench_inspect_{args.blocks}blocks.safetensors"
+    if not path.exists():
+        params = write_checkpoint(path, args.blocks)  # in a fresh process below: its tensors would count
+        print(f"wrote {path} ({params / 1e9:.2f}B parameters); rerun to measure")
+        return
+    peak = {"RssAnon": 0, "RssFile": 0}
+    before = _rss()
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            for k, v in _rss().items():
+                peak[k] = max(peak[k], v)
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    t0 = time.perf_counter()
+    layers, tensors = weight_stats(open_weights(path), bins=40)
+    seconds = time.perf_counter() - t0
+    done.set()
+    thread.join()
+    doc = {"file_bytes": path.stat().st_size, "parameters": sum(t.stats["numel"] for t in tensors),
+           "layers": len(layers), "seconds": round(seconds, 2), "anon_before": before["RssAnon"],
+           "anon_peak": peak["RssAnon"], "anon_growth": peak["RssAnon"] - before["RssAnon"],
+           "file_backed_peak": peak["RssFile"], "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    if not args.keep:
+        path.unlink()
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return
+    gib = 2**30
+    print(f"{doc['parameters'] / 1e9:.2f}B parameters, {doc['file_bytes'] / gib:.2f} GiB file, {len(layers)} layers: "
+          f"{seconds:.1f} s; anonymous memory {before['RssAnon'] / gib:.2f} -> peak {peak['RssAnon'] / gib:.2f} GiB "
+          f"(+{doc['anon_growth'] / 2**20:.0f} MiB); file-backed peak {peak['RssFile'] / gib:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
