@@ -34,9 +34,10 @@ def output_format(fmt: str | None, json_out: bool) -> str:
     return "json" if json_out else (fmt or "text")
 
 
-def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = None) -> int:
+def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = None, strict: bool = False) -> int:
     """Validate ``config``; print findings (text, JSON or GitHub annotations); return the exit code
-    (0 valid, 1 invalid). Schema errors come with the findings of every check whose inputs are valid."""
+    (0 valid, 1 invalid; with ``strict`` a warning fails it too). Schema errors come with the
+    findings of every check whose inputs are valid."""
     from apr.config.loader import PartialConfig, load_config_partial
     from apr.plan.validate import config_findings
 
@@ -55,21 +56,24 @@ def run_validate(config: Path, fmt: str = "text", settings: list[str] | None = N
             return 1
         findings, error = err.findings or [_unlocated(err, config)], err
     valid = error is None and not any(f.severity == "error" for f in findings)
+    n_warn = sum(f.severity == "warning" for f in findings)
+    passed = valid and not (strict and n_warn)
     if fmt == "json":
-        print(findings_json(findings, file=str(config), valid=valid))
+        print(findings_json(findings, file=str(config), valid=valid, strict=strict, passed=passed))
     elif fmt == "github":
         n_err = sum(f.severity == "error" for f in findings)
-        verdict = ("valid" if valid else "invalid") + f" ({n_err} errors, {len(findings) - n_err} other findings)"
+        verdict = (("valid" if passed else "warnings (--strict)") if valid else "invalid") + (
+            f" ({n_err} errors, {len(findings) - n_err} other findings)")
         emit(findings, summary_markdown(f"apr train validate {config}", verdict, findings, str(config)),
              str(config), sys.stdout)
     else:
         if error is not None:  # the schema errors under their heading, then what else was found
             print_error(error)
         print_findings(findings[len(error.findings):] if error is not None else findings)
-        n_warn = sum(f.severity == "warning" for f in findings)
         n_err = sum(f.severity == "error" for f in findings)
-        print(f"{config}: {'valid' if valid else 'invalid'} ({n_err} errors, {n_warn} warnings)")
-    return 0 if valid else 1
+        verdict = ("valid" if passed else "fails --strict: warnings") if valid else "invalid"
+        print(f"{config}: {verdict} ({n_err} errors, {n_warn} warnings)")
+    return 0 if passed else 1
 
 
 def _unlocated(err, config: Path):
@@ -83,12 +87,14 @@ def fast_path(argv: list[str]) -> int | None:
     else (typer then produces its usage errors and help)."""
     if len(argv) < 3 or argv[:2] != ["train", "validate"]:
         return None
-    rest, fmt, json_out, paths = argv[2:], None, False, []
+    rest, fmt, json_out, strict, paths = argv[2:], None, False, False, []
     i = 0
     while i < len(rest):
         a = rest[i]
         if a == "--json":
             json_out = True
+        elif a == "--strict":
+            strict = True
         elif a == "--format" and i + 1 < len(rest):
             fmt, i = rest[i + 1], i + 1
         elif a.startswith("--format="):
@@ -99,10 +105,10 @@ def fast_path(argv: list[str]) -> int | None:
     if not paths or any(p.startswith("-") for p in paths) or fmt not in (None, *FORMATS) or (
             json_out and fmt not in (None, "json")):
         return None
-    return run_validate_many([Path(p) for p in paths], "json" if json_out else (fmt or "text"))
+    return run_validate_many([Path(p) for p in paths], "json" if json_out else (fmt or "text"), strict)
 
 
-def run_validate_many(args: list[Path], fmt: str = "text") -> int:
+def run_validate_many(args: list[Path], fmt: str = "text", strict: bool = False) -> int:
     """Validate each config (pre-commit passes several) with the ``KEY=VALUE`` settings among the
     arguments applied to every one; exit 1 when any is invalid. With JSON and more than one file the
     output is a list of the one-file objects."""
@@ -120,11 +126,11 @@ def run_validate_many(args: list[Path], fmt: str = "text") -> int:
         for config in configs:
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
-                code = max(code, run_validate(config, fmt, settings))
+                code = max(code, run_validate(config, fmt, settings, strict))
             docs.append(json.loads(buf.getvalue()))
         print(json.dumps(docs, indent=2))
         return code
-    return max(run_validate(config, fmt, settings) for config in configs)
+    return max(run_validate(config, fmt, settings, strict) for config in configs)
 
 
 def register(app: typer.Typer) -> None:
@@ -139,6 +145,8 @@ def register(app: typer.Typer) -> None:
         fmt: str | None = typer.Option(
             None, "--format", metavar="FORMAT",
             help="text (default), json, or github: GitHub Actions annotations and a step summary."),
+        strict: bool = typer.Option(False, "--strict", help="Fail (exit 1) on warnings too, as plan --strict does."),
     ) -> None:
-        """Check a config's schema and its config-only contracts. Exit 0 valid, 1 invalid, 2 usage."""
-        raise typer.Exit(run_validate_many(configs, output_format(fmt, json_out)))
+        """Check a config's schema and its config-only contracts. Exit 0 valid, 1 invalid (or warnings
+        with --strict), 2 usage."""
+        raise typer.Exit(run_validate_many(configs, output_format(fmt, json_out), strict))

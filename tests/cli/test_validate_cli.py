@@ -118,3 +118,24 @@ def test_validate_and_plan_refuse_the_same_bad_overrides(tmp_path, monkeypatch):
                        for f in findings), (command, setting, findings)
     for command in ("validate", "plan"):  # and a good one passes both
         assert runner.invoke(app, ["train", command, str(config), "optimizer.lr=1e-3"]).exit_code == 0, command
+
+
+def test_strict_fails_on_warnings_in_every_format_and_on_the_fast_path(tmp_path, capsys):
+    from apr.cli.cmd_train_validate import fast_path
+
+    cfg = tmp_path / "warn.yaml"
+    cfg.write_text(  # intermediate_size 200: C-ARCH-007, a warning and nothing else
+        "model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 2\n    num_attention_heads: 4\n"
+        "    intermediate_size: 200\n    vocab_size: 512\n    max_position_embeddings: 64\n"
+        "data:\n  train: t/\n  batch_size: 2\n  seq_len: 32\n")
+    relaxed = runner.invoke(app, ["train", "validate", str(cfg)])
+    assert relaxed.exit_code == 0 and "valid (0 errors, 1 warnings)" in relaxed.stdout
+    strict = runner.invoke(app, ["train", "validate", str(cfg), "--strict"])
+    assert strict.exit_code == 1 and "fails --strict: warnings (0 errors, 1 warnings)" in strict.stdout
+    doc = json.loads(runner.invoke(app, ["train", "validate", str(cfg), "--strict", "--json"]).stdout)
+    assert doc["valid"] is True and doc["strict"] is True and doc["passed"] is False
+    github = runner.invoke(app, ["train", "validate", str(cfg), "--strict", "--format", "github"])
+    assert github.exit_code == 1 and "::warning " in github.stdout
+    assert fast_path(["train", "validate", str(cfg), "--strict"]) == 1  # what the console script runs
+    assert fast_path(["train", "validate", str(cfg)]) == 0
+    capsys.readouterr()
