@@ -20,6 +20,12 @@ class ExportFormat(StrEnum):
     csv = "csv"
 
 
+class Chart(StrEnum):
+    line = "line"
+    loss_curve = "loss_curve"  # albor's name for the line chart
+    bar = "bar"
+
+
 class Tracker(StrEnum):
     tensorboard = "tensorboard"
     mlflow = "mlflow"
@@ -32,8 +38,14 @@ def _colour() -> bool:
 def register(app: typer.Typer) -> None:
     @app.command("view")
     def view(
-        db: Path = typer.Option(..., "--db", help="experiments.db, a run folder (.apr/experiments.db) or an APR_HOME."),
+        db: Path | None = typer.Option(None, "--db", help=(
+            "experiments.db, a run folder (.apr/experiments.db) or an APR_HOME (default: the global registry, "
+            "$APR_HOME/experiments.db).")),
+        experiment: str | None = typer.Option(None, "--experiment", "-e", help=(
+            "Only runs of this experiment (monitoring.tracking.experiment).")),
         runs: str | None = typer.Option(None, "--runs", help="Comma-separated run ids (or unique prefixes)."),
+        chart: Chart = typer.Option(Chart.line, "--chart", help=(
+            "line (loss_curve): the metric by step, one curve per run; bar: each run's last value.")),
         metric: str = typer.Option("loss", "--metric", help="Metric to plot: loss, val_loss, lr, grad_norm, ..."),
         params: bool = typer.Option(False, "--params", help="Also print the hyperparameters that differ."),
         all_params: bool = typer.Option(False, "--all-params", help="With --params: print every parameter."),
@@ -42,15 +54,19 @@ def register(app: typer.Typer) -> None:
         height: int = typer.Option(24, "--height", min=10, max=500, help="Chart height in lines, 10 to 500."),
     ) -> None:
         """Compare runs of one store: a terminal chart of a metric by step, and their params."""
-        from apr.track.experiment import load_view, param_table, render_chart
+        from apr.track.experiment import load_view, param_table, render_bars, render_chart
+        from apr.track.names import global_db_path
 
         wanted = [r.strip() for r in runs.split(",") if r.strip()] if runs else None
-        v = load_view(db, wanted, metric)
+        v = load_view(db if db is not None else global_db_path(), wanted, metric, experiment=experiment)
         if not v.series:
             print(f"no runs in {v.db}", file=sys.stderr)
             raise typer.Exit(0)
         cols = width or min(shutil.get_terminal_size((100, 24)).columns, 160)
-        print(render_chart(v, width=cols, height=height, colour=_colour()))
+        if chart == Chart.bar:
+            print(render_bars(v, width=cols))
+        else:
+            print(render_chart(v, width=cols, height=height, colour=_colour()))
         for note in v.notes:
             print(f"note: {safe_text(note)}", file=sys.stderr)
         if params or all_params:

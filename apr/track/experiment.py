@@ -64,10 +64,25 @@ def _damaged(path: Path, err: Exception) -> AprError:
                                       expected="an apr experiment store")])
 
 
-def _select_runs(conn: sqlite3.Connection, wanted: list[str] | None) -> tuple[list[str], int]:
-    """Full run ids for ``wanted`` (ids or unique prefixes), or the newest runs when None."""
+def _check_experiment(conn: sqlite3.Connection, experiment: str) -> set[str]:
+    """The ids of ``experiment``'s runs; AprError naming the store's experiments when it has none."""
+    ids = {r["id"] for r in store.query_runs(conn, experiment=experiment)}
+    if not ids:
+        known = sorted({r["experiment"] for r in store.query_runs(conn)})
+        raise AprError(f"no experiment {experiment!r} in this store", [Finding(
+            "error", "experiment.not_found", f"no runs of experiment {experiment!r}", path="--experiment",
+            expected="one of " + (", ".join(known) if known else "(no experiments: the store is empty)"),
+            got=experiment)])
+    return ids
+
+
+def _select_runs(conn: sqlite3.Connection, wanted: list[str] | None,
+                 experiment: str | None = None) -> tuple[list[str], int]:
+    """Full run ids for ``wanted`` (ids or unique prefixes), or the newest runs when None; with
+    ``experiment``, only that experiment's runs (a wanted run of another is refused)."""
+    members = _check_experiment(conn, experiment) if experiment is not None else None
     if not wanted:
-        rows = store.query_runs(conn)
+        rows = store.query_runs(conn, experiment=experiment)
         ids = [r["id"] for r in rows]
         return ids[:MAX_DEFAULT_RUNS], max(0, len(ids) - MAX_DEFAULT_RUNS)
     out = []
@@ -83,6 +98,10 @@ def _select_runs(conn: sqlite3.Connection, wanted: list[str] | None) -> tuple[li
             raise AprError(f"run id prefix {name!r} is ambiguous",
                            [Finding("error", "runs.ambiguous", f"{name!r} matches {', '.join(sorted(found))}",
                                     got=name)])
+        if members is not None and found[0] not in members:
+            raise AprError(f"run {found[0]} is not in experiment {experiment!r}", [Finding(
+                "error", "experiment.run_elsewhere", "the run belongs to another experiment", path="--runs",
+                expected=f"a run of {experiment!r}", got=found[0])])
         if found[0] not in out:
             out.append(found[0])
     return out, 0
@@ -99,12 +118,14 @@ def _decimate(points: list[tuple[int, float]], max_points: int) -> list[tuple[in
 
 
 def load_view(
-    db: Path | str, runs: list[str] | None = None, metric: str = "loss", max_points: int = 2000
+    db: Path | str, runs: list[str] | None = None, metric: str = "loss", max_points: int = 2000,
+    experiment: str | None = None,
 ) -> ExperimentView:
-    """The curves of ``metric`` (step, value) for the chosen runs and their params."""
+    """The curves of ``metric`` (step, value) for the chosen runs (of ``experiment`` only, when
+    given) and their params."""
     path, conn = _open(db)
     try:
-        ids, omitted = _select_runs(conn, runs)
+        ids, omitted = _select_runs(conn, runs, experiment)
         series, params, notes = [], {}, []
         for run_id in ids:
             points = [(int(s), float(v)) for s, v in store.metric_series(conn, run_id, metric) if v is not None]
@@ -142,6 +163,24 @@ def render_chart(view: ExperimentView, width: int = 100, height: int = 24, colou
         return f"(no {view.metric!r} values to plot)"
     fig.title(f"{view.metric} by step").label("step", axis=0)
     return fig.build().string(colorless=not colour)
+
+
+def render_bars(view: ExperimentView, width: int = 100) -> str:
+    """Each run's last value of the metric as one bar from zero (an eval score across stages, the
+    final loss of a sweep), in the order of the selection, as text. Drawn with block characters:
+    plotext's horizontal bars put every bar at the same length in this version."""
+    last = [(s.run_id, s.points[-1]) for s in view.series if s.points]
+    if not last:
+        return f"(no {view.metric!r} values to plot)"
+    labels = [f"{rid} @{step}" for rid, (step, _) in last]
+    values = [v for _, (_, v) in last]
+    pad = max(len(label) for label in labels)
+    room = max(width - pad - 14, 10)
+    top = max((abs(v) for v in values), default=0.0) or 1.0
+    lines = [f"{view.metric}: last value per run"]
+    lines += [f"{label.ljust(pad)}  {'█' * round(room * max(v, 0.0) / top):<{room}}  {v:.4g}"
+              for label, v in zip(labels, values, strict=True)]
+    return "\n".join(lines)
 
 
 def param_table(view: ExperimentView, all_params: bool = False) -> tuple[list[str], list[list[str]], int]:

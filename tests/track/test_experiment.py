@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from apr.cli.main import app
 from apr.errors import AprError
-from apr.track.experiment import export_run, load_view, param_table, render_chart, resolve_db
+from apr.track.experiment import export_run, load_view, param_table, render_bars, render_chart, resolve_db
 
 runner = CliRunner()
 
@@ -114,3 +114,46 @@ def test_cli_view_and_export(tmp_path, sweep):
     result = runner.invoke(app, ["experiment", "export", "--db", str(tmp_path / "none.db"), "--run", "r1",
                                  "--format", "csv", "--output", str(out)])
     assert result.exit_code == 1 and "no experiment store" in result.output
+
+
+@pytest.fixture
+def two_experiments(tmp_path, sweep, recorder_factory):
+    recs, registry = sweep
+    other = recorder_factory(tmp_path / "other", cfg=make_config(), experiment="distill", background=False,
+                             run_id="20261122-000009-zzzzz9")
+    other.start()
+    other.log_step(1, {"loss": 9.0})
+    other.finish("finished")
+    return recs, other, registry
+
+
+def test_view_selects_runs_by_experiment_name(two_experiments):
+    recs, other, registry = two_experiments
+    assert [s.run_id for s in load_view(registry).series][0] == other.run_id  # newest of all
+    assert [s.run_id for s in load_view(registry, experiment="sweep").series] == [recs[1].run_id, recs[0].run_id]
+    with pytest.raises(AprError) as err:
+        load_view(registry, experiment="sweeep")
+    assert err.value.findings[0].expected == "one of distill, sweep"
+    with pytest.raises(AprError, match="is not in experiment 'sweep'"):
+        load_view(registry, runs=[other.run_id], experiment="sweep")
+
+
+def test_bar_chart_shows_each_runs_last_value_in_proportion(two_experiments):
+    recs, _, registry = two_experiments
+    text = render_bars(load_view(registry, experiment="sweep", metric="val_loss"), width=80)
+    lines = text.splitlines()
+    assert lines[0] == "val_loss: last value per run"
+    assert [ln.split()[0] for ln in lines[1:]] == [recs[1].run_id, recs[0].run_id]
+    assert all(ln.endswith(" 1.4") and "@60" in ln for ln in lines[1:])
+    assert lines[1].count("█") == lines[2].count("█") > 0
+
+
+def test_cli_view_by_experiment_from_the_global_registry(two_experiments):
+    recs, other, _ = two_experiments
+    result = runner.invoke(app, ["experiment", "view", "--experiment", "distill", "--chart", "bar", "--width", "80"])
+    assert result.exit_code == 0, result.output
+    assert other.run_id in result.stdout and recs[0].run_id not in result.stdout and "9" in result.stdout
+    result = runner.invoke(app, ["experiment", "view", "-e", "sweep", "--chart", "loss_curve", "--width", "80"])
+    assert result.exit_code == 0 and "loss by step" in result.stdout
+    result = runner.invoke(app, ["experiment", "view", "--experiment", "nope"])
+    assert result.exit_code == 1 and "no experiment 'nope'" in result.stderr and "Traceback" not in result.output
