@@ -15,7 +15,7 @@ import pytest
 # top-level module goes in the lowest layer above everything it imports.
 LAYERS: list[set[str]] = [
     {"apr", "errors"},
-    {"fmt", "fsutil", "rate", "resources", "cel", "readers", "hardware", "threads", "launch"},
+    {"fmt", "fsutil", "rate", "resources", "cel", "readers", "hardware", "threads", "launch", "severity"},
     {"config"},
     {"steps"},  # torch-free step algebra, step strategy, LR schedules
     {"data", "kernels", "track"},

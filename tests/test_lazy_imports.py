@@ -163,7 +163,7 @@ VALIDATE_APR_MODULES = {
     "apr", "apr.cel", "apr.cli", "apr.cli.cmd_runs", "apr.cli.cmd_train_validate", "apr.cli.entry",
     "apr.cli.ghactions", "apr.cli.render", "apr.cli.table", "apr.config", "apr.config.layers",
     "apr.config.loader", "apr.config.numbers", "apr.config.paths", "apr.config.schema", "apr.config.yamlfile",
-    "apr.errors", "apr.fmt", "apr.model.buffers",
+    "apr.errors", "apr.fmt", "apr.model.buffers", "apr.severity",
     "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
     "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.strategy", "apr.track", "apr.track.alerts",

@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from apr.cli.render import error_exit
+from apr.cli.render import error_exit, use_colour
 from apr.cli.table import text_table
 from apr.errors import AprError
 from apr.fmt import fmt_clock, fmt_loss, fmt_timestamp, fmt_value, safe_text
 from apr.fsutil import check_output_file, write_output
+from apr.severity import count_by_severity
 from apr.track.state import BLOCK_NORM_LISTS
 
 if TYPE_CHECKING:
@@ -133,6 +134,15 @@ def cost_lines(detail: dict) -> list[str]:
             f"({fmt_value(price)} per GPU-hour x {fmt_value(gpus)} GPU(s) x elapsed time)"]
 
 
+SEVERITY_COLOURS = {"critical": "\x1b[1;37;41m", "error": "\x1b[1;31m", "warning": "\x1b[33m", "info": "\x1b[36m"}
+
+
+def _severity_cell(severity: str) -> str:
+    """The severity, padded, in its colour on a terminal (never with NO_COLOR)."""
+    cell = f"{severity:<8}"
+    return f"{SEVERITY_COLOURS[severity]}{cell}\x1b[0m" if use_colour(sys.stdout) else cell
+
+
 def show_text(detail: dict) -> str:
     r = detail["run"]
     t = safe_text
@@ -178,8 +188,10 @@ def show_text(detail: dict) -> str:
     out += [f"  {fmt_timestamp(s['time'])}  {t(s['status'])}" + (f" ({t(s['reason'])})" if s["reason"] else "")
             for s in detail["status_history"]]
     if detail["alerts"]:
-        out += ["", "alerts:"]
-        out += [f"  step {fmt_value(a['step'])}  {t(a['action']):<4}  {t(a['message'])}" for a in detail["alerts"]]
+        counts = count_by_severity(detail["alerts"])
+        out += ["", "alerts: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)]
+        out += [f"  step {fmt_value(a['step'])}  {_severity_cell(a['severity'])}  {t(a['message'])}"
+                for a in detail["alerts"]]
     if detail.get("events"):
         out += ["", "events:"]
         for e in detail["events"]:

@@ -12,6 +12,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_validator
 
+from apr import severity as severities
 from apr.config.numbers import MAX_COUNT, parse_bytes, parse_count
 
 # Experiment names and run ids: letters, digits, '.', '_' and '-'; starts with a letter or digit;
@@ -704,10 +705,36 @@ class AlertAction(StrEnum):
     warn = "warn"
 
 
+class AlertSeverity(StrEnum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+
+
 class AlertConfig(_Section):
     condition: str = Field(description="CEL expression over the step's metrics, e.g. 'loss > 10'.")
-    action: AlertAction = AlertAction.warn
+    severity: AlertSeverity | None = Field(None, description=(
+        "critical or error: stop the run after the step, with its checkpoint (docs/runs.md, Alerts); "
+        "warning or info: record and show. Default: from action (stop: error, warn: warning), else warning."))
+    action: AlertAction | None = Field(None, description=(
+        "The older spelling: stop (= severity error) or warn (= severity warning). Give one of the two, or both "
+        "when they agree."))
     message: str | None = None
+
+    @model_validator(mode="after")
+    def _severity_agrees_with_action(self):
+        if self.severity is not None and self.action is not None:
+            stops = str(self.severity) in severities.STOPPING_SEVERITIES
+            if stops != (self.action == AlertAction.stop):
+                raise ValueError(f"expected severity and action to agree, got severity {self.severity} (which "
+                                 f"{'stops' if stops else 'does not stop'} the run) with action {self.action}")
+        return self
+
+    @property
+    def effective_severity(self) -> str:
+        return severities.severity_of(str(self.severity) if self.severity else None,
+                                    str(self.action) if self.action else None)
 
 
 class SinkType(StrEnum):

@@ -59,6 +59,10 @@ STYLES = {
     "msg.problem": "bold red",
     "msg.warning": "yellow",
     "msg.alert": "bold",
+    "alert.critical": "bold white on red",
+    "alert.error": "bold red",
+    "alert.warning": "bold yellow",
+    "alert.info": "cyan",
     "msg.info": "",
     "msg.none": "dim",
 }

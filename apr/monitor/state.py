@@ -121,6 +121,7 @@ def _alerts(value: Any) -> list[dict]:
                     "time": num(a.get("time")),
                     "step": _int(a.get("step")),
                     "condition": _str(a.get("condition")),
+                    "severity": _str(a.get("severity")),  # absent in records from before severities
                     "action": _str(a.get("action")),
                     "message": _str(a.get("message")),
                 }

@@ -19,6 +19,7 @@ from apr.fmt import (
     fmt_sci,
 )
 from apr.monitor.state import Reading, heartbeat_age, num
+from apr.severity import SEVERITIES, count_by_severity, severity_of
 
 # Status -> (label shown in the header, style name). Text alone says it all (NO_COLOR).
 STATUS_LABELS = {
@@ -208,6 +209,28 @@ def block_view(state: dict | None) -> BlockView | None:
                      tuple(norms.get("block_update_norm") or ()))
 
 
+def alert_lines(alerts: list[dict]) -> list[tuple[str, str]]:
+    """A count by severity (when there are several alerts: one shows its severity on its line), then
+    each alert, newest first, styled by its severity; a record from before severities shows its
+    action and is styled by what that meant."""
+    if not alerts:
+        return []
+    out = []
+    if len(alerts) > 1:
+        counts = count_by_severity(alerts)
+        worst = next(s for s in SEVERITIES if counts[s])
+        out.append(("alerts: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n), f"alert.{worst}"))
+    for alert in reversed(alerts):
+        step = f"step {fmt_int(alert['step'])} " if alert.get("step") is not None else ""
+        what = alert.get("severity") or alert.get("action")
+        arrow = f" → {what}" if what else ""
+        text = alert.get("message") or ""
+        cond = alert.get("condition") or ""
+        severity = severity_of(alert.get("severity"), alert.get("action"))
+        out.append((f"{step}{cond}{arrow}{': ' + text if text else ''}", f"alert.{severity}"))
+    return out
+
+
 def messages(
     reading: Reading | None, state: dict | None, status: str, now: float, stale_after_s: float, limit: int = 8
 ) -> tuple[tuple[str, str], ...]:
@@ -240,12 +263,7 @@ def messages(
                     "msg.warning",
                 )
             )
-        for alert in reversed(state.get("alerts") or []):
-            step = f"step {fmt_int(alert['step'])} " if alert.get("step") is not None else ""
-            action = f" → {alert['action']}" if alert.get("action") else ""
-            text = alert.get("message") or ""
-            cond = alert.get("condition") or ""
-            out.append((f"{step}{cond}{action}{': ' + text if text else ''}", "msg.alert"))
+        out += alert_lines(state.get("alerts") or [])
         drift = state.get("drift")
         if drift and drift.get("tokens_per_s") is not None:
             planned = drift.get("planned_tokens_per_s")

@@ -6,7 +6,8 @@ grad_norm (alias gradient_norm), step, epoch, tokens_per_s, and the per-block te
 embed_/head_update_norm, max_block_grad_norm, max_block_update_norm. A condition whose variables are not
 all known yet (val_loss before the first evaluation) is skipped, not fired. `warn` alerts fire once
 when their condition becomes true and again only after it has been false; `stop` alerts fire on
-every check while true (the trainer stops at the first). Non-finite loss or gradients are not an
+every check while true (the trainer stops at the first). Each rule has a severity (apr/severity.py):
+critical and error alerts have the action `stop`, warning and info `warn`. Non-finite loss or gradients are not an
 alert: the engine raises NonFiniteError on them and the run stops (docs/training.md).
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 from apr.cel import CelError, compile_expr, evaluate, free_variables
 from apr.errors import AprError, Finding
 from apr.fmt import fmt_float
+from apr.severity import action_of, severity_of
 from apr.track.state import BLOCK_NORM_KEYS, BLOCK_NORM_LISTS
 
 # Metric names a condition may use -> the metrics key they read.
@@ -55,17 +57,19 @@ class Alert:
     """One fired alert."""
 
     condition: str
-    action: str  # "stop" | "warn"
+    action: str  # "stop" | "warn": what the run loop does (apr.severity.action_of)
     message: str  # the configured message (or "alert: <condition>") and the values that fired it
     step: int | None = None
     time: float = 0.0
     values: dict[str, Any] = field(default_factory=dict)
+    severity: str = "warning"  # critical | error | warning | info
 
     def to_dict(self) -> dict:
         return {
             "time": self.time,
             "step": self.step,
             "condition": self.condition,
+            "severity": self.severity,
             "action": self.action,
             "message": self.message,
         }
@@ -162,10 +166,7 @@ class AlertEvaluator:
         if findings:
             raise AprError("invalid monitoring.alerts", findings)
 
-        self._alerts = [
-            (a.condition, str(getattr(a.action, "value", a.action)), a.message, free_variables(a.condition))
-            for a in alerts
-        ]
+        self._alerts = [(a.condition, _severity(a), a.message, free_variables(a.condition)) for a in alerts]
         self._active = [False] * len(self._alerts)
         self.errors: list[str] = []  # evaluation failures at run time, one entry per condition
 
@@ -175,7 +176,8 @@ class AlertEvaluator:
     def check(self, values: dict[str, Any], step: int | None = None, now: float | None = None) -> list[Alert]:
 
         fired = []
-        for i, (condition, action, message, names) in enumerate(self._alerts):
+        for i, (condition, severity, message, names) in enumerate(self._alerts):
+            action = action_of(severity)
             variables = {}
             for name in names:
                 if name == EVAL_VARIABLE:  # a map of task scores, known after the first task evaluation
@@ -225,9 +227,19 @@ class AlertEvaluator:
                             step=step,
                             time=time.time() if now is None else now,
                             values=flat,
+                            severity=severity,
                         )
                     )
         return fired
+
+
+def _severity(alert) -> str:
+    """An AlertConfig's severity; an object without one (older callers) by its action."""
+    effective = getattr(alert, "effective_severity", None)
+    if effective is not None:
+        return effective
+    action = getattr(alert, "action", None)
+    return severity_of(None, str(getattr(action, "value", action)) if action is not None else None)
 
 
 def _float_list(value: Any) -> list[float] | None:

@@ -588,7 +588,7 @@ class RunRecorder:
             for alert in fired:
                 self.state.add_alert(alert.to_dict())
                 self._out_alerts.append(
-                    (self.run_id, alert.step, alert.time, alert.condition, alert.action, alert.message)
+                    (self.run_id, alert.step, alert.time, alert.condition, alert.action, alert.message, alert.severity)
                 )
         self._request(state=True, fsync=True, db=True)
         return fired

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.severity import count_by_severity
 from apr.track import store
 from apr.track.liveness import trainer_alive
 from apr.track.names import global_db_path, validate_experiment, validate_run_id
@@ -274,7 +275,8 @@ def show_run(
             "checkpoints": [{**a, "exists": _exists(a.get("path"), path)} for a in artifacts
                             if a.get("kind") in CHECKPOINT_KINDS],
             "status_history": store.status_history(conn, full_id),
-            "alerts": store.alerts(conn, full_id),
+            "alerts": (alerts := store.alerts(conn, full_id)),
+            "alert_counts": count_by_severity(alerts),
             "events": store.events(conn, full_id),
         }
     except (sqlite3.Error, DamagedStore) as e:

@@ -19,8 +19,9 @@ from typing import Any
 
 from apr.errors import AprError, Finding
 from apr.readers import InputError, check_regular
+from apr.severity import severity_of
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_S = 5.0
 
 RUN_COLUMNS: dict[str, type] = {
@@ -120,8 +121,14 @@ def _migration_3(db) -> None:
     db["calibrations"].create_index(["device", "device_name", "shape_key"], index_name="calibrations_lookup")
 
 
+def _migration_4(db) -> None:
+    """Alert severities (critical, error, warning, info; apr/severity.py). Rows of older runs keep
+    NULL and are read by their action."""
+    db.conn.execute("ALTER TABLE alerts ADD COLUMN severity TEXT")
+
+
 # version -> function bringing a store from version-1 to version. Never edit a shipped migration.
-MIGRATIONS = {1: _migration_1, 2: _migration_2, 3: _migration_3}
+MIGRATIONS = {1: _migration_1, 2: _migration_2, 3: _migration_3, 4: _migration_4}
 
 
 def _read_version(conn: sqlite3.Connection) -> int:
@@ -224,7 +231,7 @@ class Batch:
     metrics: list[tuple] = field(default_factory=list)  # (run_id, step, key, value, time)
     status: list[tuple] = field(default_factory=list)  # (run_id, status, reason, time)
     artifacts: list[dict] = field(default_factory=list)
-    alerts: list[tuple] = field(default_factory=list)  # (run_id, step, time, condition, action, message)
+    alerts: list[tuple] = field(default_factory=list)  # (run_id, step, time, condition, action, message, severity)
     events: list[tuple] = field(default_factory=list)  # (run_id, step, time, kind, message, detail JSON)
     rewind: int | None = None  # a rollback: drop this run's metric rows after this step, before the new ones
 
@@ -295,7 +302,8 @@ class StoreWriter:
                 )
             if batch.alerts:
                 conn.executemany(
-                    "INSERT INTO alerts (run_id, step, time, condition, action, message) VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO alerts (run_id, step, time, condition, action, message, severity) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
                     batch.alerts,
                 )
             if batch.events:
@@ -456,11 +464,13 @@ def status_history(conn: sqlite3.Connection, run_id: str) -> list[dict]:
 
 
 def alerts(conn: sqlite3.Connection, run_id: str) -> list[dict]:
+    """A run's alerts in order; ``severity`` filled in from the action for rows written before
+    severities (apr/severity.py)."""
     rows = conn.execute(
-        "SELECT step, time, condition, action, message FROM alerts WHERE run_id = ? ORDER BY time, rowid",
+        "SELECT step, time, condition, action, message, severity FROM alerts WHERE run_id = ? ORDER BY time, rowid",
         (run_id,),
     )
-    return [dict(r) for r in rows]
+    return [{**dict(r), "severity": severity_of(r["severity"], r["action"])} for r in rows]
 
 
 def events(conn: sqlite3.Connection, run_id: str) -> list[dict]:

@@ -184,7 +184,7 @@ def test_a_live_run_is_followed_from_before_its_start_to_its_failure(tmp_path):
             await wait_for(pilot, lambda: "step 5 / 40" in text(app, "#header"))
             assert app.status == "running" and "12.5%" in text(app, "#header")
             assert "loss    4.0000" in text(app, "#stats") and "tokens  320 / 2.56K" in text(app, "#stats")
-            assert "step 1 loss > 3 → warn: loss is high (loss=20)" in text(app, "#messages")
+            assert "step 1 loss > 3 → warning: loss is high (loss=20)" in text(app, "#messages")
             assert "1.00e-3 → 5.00e-3" in text(app, "#lr")
             rec.log_eval(5, 1.5)
             await wait_for(pilot, lambda: "val 1.5000" in text(app, "#stats"))

@@ -99,7 +99,8 @@ def test_missing_and_wrongly_typed_fields_become_none():
     )
     assert state["step"] is None and state["loss"] is None and state["lr"] is None and state["gpu"] is None
     assert state["status"] == "unknown"
-    assert state["alerts"] == [{"time": None, "step": 3, "condition": "loss > 10", "action": None, "message": None}]
+    assert state["alerts"] == [{"time": None, "step": 3, "condition": "loss > 10", "severity": None, "action": None,
+                                "message": None}]
     assert state["loss_history"] == ((1, 2.0), (4, 1.5))
     assert "status" in missing and "heartbeat" in missing and "step" not in missing
 

@@ -27,3 +27,18 @@ def test_the_run_panel_shows_in_training_task_scores():
     assert ("eval", "stdlib_nextline 41.0%") in stats_lines(state)
     state, _ = normalize({**doc, "evals": None})
     assert all(label != "eval" for label, _ in stats_lines(state))
+
+
+def test_alerts_are_counted_and_styled_by_severity_old_records_by_action():
+    from apr.monitor.view import alert_lines
+
+    alerts = [{"step": 1, "condition": "loss > 3", "action": "warn", "message": "high"},  # before severities
+              {"step": 2, "condition": "loss > 4", "severity": "info", "action": "warn", "message": "info"},
+              {"step": 3, "condition": "loss > 9", "severity": "critical", "action": "stop", "message": "boom"}]
+    lines = alert_lines(alerts)
+    assert lines[0] == ("alerts: 1 critical, 1 warning, 1 info", "alert.critical")  # styled by the worst
+    assert lines[1:] == [("step 3 loss > 9 → critical: boom", "alert.critical"),
+                         ("step 2 loss > 4 → info: info", "alert.info"),
+                         ("step 1 loss > 3 → warn: high", "alert.warning")]
+    assert alert_lines(alerts[:1]) == [("step 1 loss > 3 → warn: high", "alert.warning")]  # one: no count line
+    assert alert_lines([]) == []

@@ -135,3 +135,27 @@ def test_per_block_names_validate_and_need_block_norms_on():
     assert [f.code for f in found] == ["alert.block_norms_off"] * 2
     assert found[0].path == "monitoring.alerts[0].condition" and "block_grad_norm" in found[0].message
     assert found[1].got == "monitoring.block_norms: false"
+
+
+def test_severities_fire_like_their_action_and_are_carried():
+    ev = _ev({"condition": "loss > 5", "severity": "critical"}, {"condition": "loss > 4", "severity": "info"},
+             {"condition": "loss > 3", "action": "stop"}, {"condition": "loss > 2"})
+    first = ev.check({"loss": 6.0}, step=1)
+    assert [(a.severity, a.action) for a in first] == [
+        ("critical", "stop"), ("info", "warn"), ("error", "stop"), ("warning", "warn")]
+    again = ev.check({"loss": 6.0}, step=2)  # info and warning fire once per episode, the others each time
+    assert [a.severity for a in again] == ["critical", "error"]
+    assert first[0].to_dict()["severity"] == "critical" and first[0].to_dict()["action"] == "stop"
+
+
+@pytest.mark.parametrize("fields, ok", [
+    ({"severity": "critical", "action": "stop"}, True), ({"severity": "info", "action": "warn"}, True),
+    ({"severity": "critical", "action": "warn"}, False), ({"severity": "warning", "action": "stop"}, False)])
+def test_severity_and_the_older_action_must_agree(fields, ok):
+    from pydantic import ValidationError
+
+    if ok:
+        assert AlertConfig(condition="loss > 1", **fields).effective_severity == fields["severity"]
+    else:
+        with pytest.raises(ValidationError, match="expected severity and action to agree"):
+            AlertConfig(condition="loss > 1", **fields)

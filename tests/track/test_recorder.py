@@ -141,7 +141,8 @@ def test_alerts_are_returned_and_recorded(tmp_path, recorder_factory):
     rec.finish("stopped", stop.message)
     st = read_state(rec.output_dir)
     assert [(a["step"], a["action"]) for a in st["alerts"]] == [(1, "warn"), (2, "stop")]
-    assert set(st["alerts"][0]) == {"time", "step", "condition", "action", "message"}
+    assert set(st["alerts"][0]) == {"time", "step", "condition", "severity", "action", "message"}
+    assert [a["severity"] for a in st["alerts"]] == ["warning", "error"]  # what warn and stop mean
     conn = connect_readonly(_local(rec))
     assert [a["action"] for a in store.alerts(conn, rec.run_id)] == ["warn", "stop"]
     conn.close()

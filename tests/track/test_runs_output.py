@@ -159,3 +159,24 @@ def test_a_long_list_wraps_in_order_and_any_indexed_metric_is_a_list():
     assert all(len(line.split()) == 18 for line in lines[1:5])
     assert lines[5] == "  group_lr: 2 values at step 5; max 0.002 (#1), min 0.001 (#0), mean 0.0015"
     assert lines[6].split() == ["#0:", "0.001", "#1:", "0.002"]
+
+
+def test_show_counts_alerts_by_severity_and_names_each(tmp_path, recorder_factory, monkeypatch):
+    from track_helpers import make_config
+
+    alerts = [{"condition": "loss > 3.0", "severity": "info", "message": "still high"},
+              {"condition": "loss > 3.5", "action": "stop", "message": "exploded"}]
+    rec = recorder_factory(tmp_path / "runs" / "s", cfg=make_config(monitoring={"alerts": alerts}), background=False,
+                           run_id="20261122-000000-aaaa07")
+    rec.start()
+    rec.log_step(1, {"loss": 4.0})
+    rec.check_alerts({"loss": 4.0, "step": 1})
+    rec.finish("stopped", "alert: exploded")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa07"])
+    assert result.exit_code == 0, result.output
+    assert "alerts: 1 error, 1 info" in result.stdout
+    assert "step 1  info      still high (loss=4)" in result.stdout and "step 1  error     exploded" in result.stdout
+    doc = json.loads(runner.invoke(app, ["runs", "show", "20261122-000000-aaaa07", "--json"]).stdout)
+    assert doc["alert_counts"] == {"critical": 0, "error": 1, "warning": 0, "info": 1}
+    assert [a["severity"] for a in doc["alerts"]] == ["info", "error"]

@@ -112,7 +112,7 @@ def test_metrics_artifacts_status_and_alerts_are_recorded(tmp_path):
         status=[("r1", "running", None, t)],
         artifacts=[{"run_id": "r1", "path": "/c.safetensors", "kind": "checkpoint", "size": 5, "sha256": "ab",
                     "step": 2, "time": t}],
-        alerts=[("r1", 2, t, "loss > 1", "warn", "high")],
+        alerts=[("r1", 2, t, "loss > 1", "warn", "high", "warning")],
     )
     conn = connect_readonly(db)
     assert store.metric_series(conn, "r1", "loss") == [(1, 2.0), (2, 1.5)]
@@ -161,3 +161,26 @@ def test_reader_works_on_a_store_in_an_unwritable_folder(tmp_path, read_only):
     assert store.get_run(conn, "r1")["status"] == "running"
     conn.close()
     assert integrity_check(db) == "ok"
+
+
+def test_version_3_alert_rows_gain_a_severity_read_from_their_action(tmp_path):
+    db = tmp_path / "experiments.db"
+    conn = sqlite3.connect(db)  # a store as apr wrote it before severities: migrations 1 to 3
+    import sqlite_utils
+
+    old = sqlite_utils.Database(conn)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL, applied REAL NOT NULL)")
+    for version in (1, 2, 3):
+        store.MIGRATIONS[version](old)
+        conn.execute("INSERT INTO schema_version VALUES (?, ?)", (version, 0.0))
+    conn.execute("INSERT INTO experiments VALUES ('exp', 0.0)")
+    conn.execute("INSERT INTO runs (id, experiment, status) VALUES ('r1', 'exp', 'running')")
+    conn.execute("INSERT INTO alerts (run_id, step, time, condition, action, message) "
+                 "VALUES ('r1', 5, 1.0, 'loss > 9', 'stop', 'boom')")
+    conn.commit()
+    conn.close()
+    _write(db, _run(), alerts=[("r1", 6, 2.0, "loss > 1", "warn", "hm", "info")])
+    reader = connect_readonly(db)
+    rows = store.alerts(reader, "r1")
+    reader.close()
+    assert [(r["step"], r["action"], r["severity"]) for r in rows] == [(5, "stop", "error"), (6, "warn", "info")]
