@@ -309,6 +309,22 @@ def _train(value: object) -> object:
     return value
 
 
+class DataDriftConfig(_Section):
+    """The plan's check that validation (and each source's validation) is drawn from the distribution
+    it is meant to measure (docs/data.md, "Drift between datasets")."""
+
+    enabled: Bool = Field(True, description="Compare train and val samples in `apr train plan`.")
+    sample_tokens: PositiveCount = Field(
+        1_000_000, description="Tokens sampled from each dataset (whole rows, from at most 32 random row groups).")
+    psi_warning: Float = Field(
+        0.25, gt=0, description="Population stability index at or above which the plan warns (0.1 is a moderate "
+        "shift, 0.25 a large one).")
+    ks_warning: Float = Field(
+        0.2, gt=0, le=1, description="Kolmogorov-Smirnov statistic (largest gap between the two CDFs) at or above "
+        "which the plan warns.")
+    seed: Count = Field(0, description="Seed of the sample.")
+
+
 class DataConfig(_Section):
     train: Annotated[str | list[DataSource], BeforeValidator(_train)] = Field(
         description="Folder (or file) of pretokenized Parquet shards for training, or a list of named sources "
@@ -329,6 +345,7 @@ class DataConfig(_Section):
     tokenizer: str | None = Field(None, description="tokenizer.json (Hugging Face tokenizers format).")
     input_column: str = Field("input_ids", description="Parquet column holding list<uint32> token ids.")
     shuffle: Bool = Field(True, description="Shuffle rows each epoch (deterministically from the seed).")
+    drift: DataDriftConfig = Field(default_factory=DataDriftConfig)
 
     @property
     def sources(self) -> list[DataSource] | None:

@@ -26,6 +26,7 @@ from apr.plan import gpus
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
 from apr.plan.datafacts import dataset_facts, fingerprint_entries, resolve, shared_shards
 from apr.plan.distillfacts import distill_config_findings, distill_facts
+from apr.plan.driftfacts import drift_check
 from apr.plan.explain import layers_dict
 from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
@@ -373,6 +374,10 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
         mixture_findings += found
         if mixture is not None:
             sheet.facts["mixture"] = mixture
+    data_drift, found = drift_check(loaded)
+    mixture_findings += found
+    if data_drift:
+        sheet.facts["data_drift"] = data_drift
     mixture_findings += distill_config_findings(loaded)
     distilled, rows, found = distill_facts(loaded, sheet.facts, (sheet.facts.get("steps") or {}).get("total_steps"),
                                            target, world_size)

@@ -114,6 +114,17 @@ def mixture_lines(mix: dict | None) -> list[str]:
     return out
 
 
+def drift_lines(drift: list | None) -> list[str]:
+    """One line per val set compared with its training data (apr/plan/driftfacts.py)."""
+    out = []
+    for d in drift or []:
+        shown = "; ".join(f"{s['feature']} PSI {s['psi']:.3f} KS {s['ks']:.3f}" for s in d["stats"])
+        tokens = d["stats"][0]["n_current"]
+        verdict = "DRIFT" if d["drifted"] else "ok" if d["judged"] else "too small to judge"
+        out.append(f"{'drift':<10} {d['val']} vs train: {shown} ({tokens:,} val tokens sampled; {verdict})")
+    return out
+
+
 def stacking_lines(stacked: dict | None) -> list[str]:
     """Progressive stacking: each stage's depth, steps, parameters, memory and time."""
     if not stacked:
@@ -139,6 +150,7 @@ def _data_lines(plan) -> list[str]:
     else:
         lines = [_dataset_line("train", f.get("train"), data.train)]
     lines.append(_dataset_line("val", f.get("val"), data.val))
+    lines += drift_lines(plan.facts.get("data_drift"))
     tok = plan.facts.get("tokenizer")
     if data.tokenizer is None:
         lines.append(f"{'tokenizer':<10} (not set)")
