@@ -13,8 +13,8 @@ Two features are compared:
 
 Sampling: Parquet row groups are drawn in a random (seeded) order across the dataset's shards
 until they hold four times the rows wanted (at most ``max_groups``), and from them rows at random
-until ``sample_tokens`` tokens; only those row groups' token column is read. A 100M-token dataset is summarised from about a million tokens
-(docs/performance.md, "Data drift").
+until ``sample_tokens`` tokens; only those row groups' token column is read. A 100M-token dataset
+is summarised from about a million tokens (docs/performance.md, "Data drift").
 """
 
 from __future__ import annotations
