@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -54,6 +54,8 @@ class StepProfile:
     peak_bytes: int | None  # GPU only: torch.cuda.max_memory_allocated over the step
     weight_bytes: int
     kernels: dict | None = None  # GPU only: kernel time, utilisation, top kernels (torch.profiler)
+    profiled_samples_s: list[float] = field(default_factory=list)  # every profiled step, in order
+    unprofiled_samples_s: list[float] = field(default_factory=list)  # every unprofiled step, in order
 
     @property
     def overhead_fraction(self) -> float:
@@ -86,38 +88,42 @@ class _Recorder:
         self._handles = []
         modules = [(EMBED, model.model.embed_tokens)] + [(f"layers.{i}", m) for i, m in enumerate(model.model.layers)]
         for name, module in modules:
-            self._handles += [
-                module.register_forward_pre_hook(self._enter(name)),
-                module.register_forward_hook(lambda *_a, n=name: self._mark(n, "fwd1")),
-            ]
-            if name != EMBED:  # its input is integer ids: no gradient flows into it to hook
-                self._handles += [
-                    module.register_full_backward_pre_hook(self._backward_enter(name)),
-                    module.register_full_backward_hook(self._backward_exit(name)),
-                ]
+            self._handles += [module.register_forward_pre_hook(self._enter(name)),
+                              module.register_forward_hook(self._exit(name))]
+
+    # The backward is timed by gradient hooks on the layer's output (its gradient arrives: the
+    # layer's backward starts) and on its input (its gradient is computed: the layer's backward
+    # ends), registered during the forward. Tensor hooks cost a fraction of full module backward
+    # hooks, which wrap every input and output in an extra autograd node.
 
     def _mark(self, name: str, what: str) -> None:
         self.marks[(name, what)] = self.clock.mark()
 
     def _enter(self, name: str):
-        def hook(*_args):
+        def hook(_module, args):
             self.current = name
             self._mark(name, "fwd0")
+            x = args[0]
+            if x.requires_grad:  # the embedding's input is integer ids: no gradient to hook
+                x.register_hook(lambda _grad: self._backward_exit(name))
         return hook
 
-    def _backward_enter(self, name: str):
-        def hook(*_args):
-            if self.clock.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            self._mark(name, "bwd0")
+    def _exit(self, name: str):
+        def hook(_module, _args, output):
+            self._mark(name, "fwd1")
+            if output.requires_grad and name != EMBED:  # the embedding's backward is timed to the end
+                output.register_hook(lambda _grad: self._backward_enter(name))
         return hook
 
-    def _backward_exit(self, name: str):
-        def hook(*_args):
-            self._mark(name, "bwd1")
-            if self.clock.cuda:
-                self.peaks[name] = torch.cuda.max_memory_allocated()
-        return hook
+    def _backward_enter(self, name: str) -> None:
+        if self.clock.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._mark(name, "bwd0")
+
+    def _backward_exit(self, name: str) -> None:
+        self._mark(name, "bwd1")
+        if self.clock.cuda:
+            self.peaks[name] = torch.cuda.max_memory_allocated()
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # a storage is counted once, in the layer that first saved it; weights are not activations
@@ -279,4 +285,5 @@ def profile_step(model, *, batch_size: int, seq_len: int, precision: str = "fp32
         device=str(step.device), precision=precision, batch_size=batch_size, seq_len=seq_len,
         layers=_median_rows(runs), step_s=statistics.median(profiled), unprofiled_step_s=unprofiled, steps=steps,
         optimizer_s=statistics.median(optimizer), counted_flops=flops, counted_by_op=by_op, peak_bytes=peak,
-        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()), kernels=kernels)
+        weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()), kernels=kernels,
+        profiled_samples_s=profiled, unprofiled_samples_s=plain)
