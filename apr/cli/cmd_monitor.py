@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from apr.monitor import launch
 from apr.monitor import web as web_dashboard
 from apr.monitor.web import DEFAULT_MAX_SESSIONS
 
@@ -53,6 +54,10 @@ def register(app: typer.Typer) -> None:
         no_token: bool = typer.Option(
             False, "--no-token", help="With --web: serve without the secret token in the URL (not recommended)."
         ),
+        dashboard: Path | None = typer.Option(
+            None, "--dashboard", metavar="FILE", show_default=False,
+            help="Dashboard layout (YAML: rows of panels; docs/monitor.md), for the terminal and --web alike.",
+        ),
     ) -> None:
         """Watch a training run: full-screen dashboard, or JSON for scripts and agents.
 
@@ -67,13 +72,13 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(
                 "--follow needs --json (the dashboard follows by itself)", param_hint="--follow"
             )
+        if dashboard is not None and json_out:
+            raise typer.BadParameter("--dashboard lays out the dashboard; --json prints JSON", param_hint="--dashboard")
         if follow and run_dir is None:
             raise typer.BadParameter("--follow needs a RUN_DIR", param_hint="--follow")
-        from apr.monitor import launch
-
         try:
             if web:
-                code = _serve_web(run_dir, host, port, refresh, timeout, max_sessions, no_token)
+                code = _serve_web(run_dir, host, port, refresh, timeout, max_sessions, no_token, dashboard)
             elif json_out and run_dir is None:
                 typer.echo(json.dumps(launch.active_runs_document(refresh)))
                 code = 0
@@ -82,17 +87,17 @@ def register(app: typer.Typer) -> None:
             elif json_out:
                 code = launch.print_json_once(run_dir, refresh, not no_history)
             else:
-                code = launch.run_dashboard(run_dir, refresh, timeout)
+                code = launch.run_dashboard(run_dir, refresh, timeout, dashboard)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         raise typer.Exit(code)
 
 
 def _serve_web(run_dir: Path | None, host: str, port: int, refresh: int | None, timeout: float | None,
-               max_sessions: int, no_token: bool) -> int:
+               max_sessions: int, no_token: bool, dashboard: Path | None = None) -> int:
     """Print the address (with its token, once) and any warning, then serve until Ctrl-C."""
     server = web_dashboard.WebDashboard(run_dir, host, port, refresh, timeout, max_sessions=max_sessions,
-                                        use_token=not no_token)
+                                        use_token=not no_token, dashboard=dashboard)
     web_dashboard.check_port(host, port)
     for warning in server.warnings:
         bar = "!" * 78

@@ -26,6 +26,7 @@ from textual.widgets.option_list import Option
 
 from apr.fmt import fmt_duration, fmt_epoch
 from apr.monitor.charts import Series, bar, ema, level_bars, line_chart, sparkline
+from apr.monitor.dashboard import Cell, Dashboard, PanelSpec, default_dashboard
 from apr.monitor.discover import ActiveRun
 from apr.monitor.settings import MonitorSettings, load_settings
 from apr.monitor.state import StateReader, effective_status, stale_threshold
@@ -39,6 +40,7 @@ from apr.monitor.view import (
     header_view,
     lr_view,
     messages,
+    metric_view,
     stats_lines,
     status_label,
 )
@@ -315,6 +317,27 @@ class PickRunScreen(Screen[Path | None]):
         self.dismiss(Path(self.runs[int(event.option.id)].output_dir))
 
 
+TITLES = {"loss": "Loss", "run": "Run", "gpu": "GPU", "lr": "Learning rate", "grad": "Grad norm",
+          "blocks": "Blocks", "alerts": "Alerts"}
+WIDGETS = {"loss": LossChart, "run": StatsPanel, "gpu": GpuPanel, "lr": SparkPanel, "grad": SparkPanel,
+           "blocks": BlockPanel, "alerts": MessagesPanel, "spark": SparkPanel}
+
+
+def _widget(spec: PanelSpec) -> Panel:
+    widget = WIDGETS[spec.kind](id=spec.id, title=spec.title or TITLES.get(spec.kind))
+    if spec.kind == "spark":
+        widget.add_class("metric-spark")
+    return widget
+
+
+def _sized(widget: Panel, cell: Cell) -> Panel:
+    """A panel alone in its place fills the row's height, at the cell's width when one is given."""
+    widget.styles.height = "100%"
+    if cell.width:
+        widget.styles.width = cell.width
+    return widget
+
+
 class MonitorApp(App[None]):
     """`apr monitor RUN_DIR`. With ``run_dir`` None and several ``candidates``, asks first."""
 
@@ -330,6 +353,7 @@ class MonitorApp(App[None]):
     #sparks { height: 4; }
     #lr, #grad, #blocks { width: 1fr; height: 4; border: round $primary; }
     #messages { height: 4; border: round $primary; }
+    .metric-spark { width: 1fr; height: 4; border: round $primary; }
     """
     BINDINGS = [
         Binding("q", "quit", "Quit"),
@@ -351,8 +375,10 @@ class MonitorApp(App[None]):
         candidates: Sequence[ActiveRun] = (),
         quit_after_s: float | None = None,
         refresh_ms: int | None = None,
+        dashboard: Dashboard | None = None,
     ) -> None:
         super().__init__()
+        self.dashboard = dashboard or default_dashboard()  # the layout (apr/monitor/dashboard.py)
         self.refresh_ms = refresh_ms  # the --refresh option; wins over the run's config.yaml
         self.clock = clock
         self.candidates = list(candidates)
@@ -368,21 +394,30 @@ class MonitorApp(App[None]):
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
-        with Horizontal(id="main"):
-            yield LossChart(id="loss", title="Loss")
-            with Vertical(id="side"):
-                yield StatsPanel(id="stats", title="Run")
-                yield GpuPanel(id="gpu", title="GPU")
-        with Horizontal(id="sparks"):
-            yield SparkPanel(id="lr", title="Learning rate")
-            yield SparkPanel(id="grad", title="Grad norm")
-            yield BlockPanel(id="blocks", title="Blocks")
-        yield MessagesPanel(id="messages", title="Alerts")
+        columns = 0
+        for r, row in enumerate(self.dashboard.rows):
+            # the default layout's rows keep the ids the CSS (and older tests) name
+            with Horizontal(id={0: "main", 1: "sparks"}.get(r, f"row-{r}")) as container:
+                container.styles.height = row.height
+                for cell in row.cells:
+                    if cell.stacked:
+                        with Vertical(id="side" if columns == 0 else f"col-{columns}") as column:
+                            columns += 1
+                            if cell.width:
+                                column.styles.width = cell.width
+                            yield from (_widget(p) for p in cell.panels)
+                    else:
+                        yield _sized(_widget(cell.panels[0]), cell)
         yield Footer()
 
+    def _panel(self, panel_id: str):
+        """The dashboard's panel of that id, or None when the layout leaves it out."""
+        return self.query_one(f"#{panel_id}") if self.dashboard.has(panel_id) else None
+
     def on_mount(self) -> None:
-        self.query_one("#gpu").display = False
-        self.query_one("#blocks").display = False
+        for hidden in ("gpu", "blocks"):  # shown once the run records them
+            if self.dashboard.has(hidden):
+                self.query_one(f"#{hidden}").display = False
         if self.quit_after_s is not None:
             self.set_timer(self.quit_after_s, self.exit)
         if self._pending_run_dir is not None:
@@ -439,21 +474,27 @@ class MonitorApp(App[None]):
     def _push_data(self) -> None:
         state = self.reader.state if self.reader else None
         self._push_chart()
-        self.query_one("#stats", StatsPanel).set_value(stats_lines(state, self.settings.show_eta))
-        gpu = gpu_lines(state.get("gpu") if state else None)
-        gpu_panel = self.query_one("#gpu", GpuPanel)
-        gpu_panel.display = gpu is not None
-        gpu_panel.set_value(gpu)
-        self.query_one("#lr", SparkPanel).set_value(lr_view(state))
-        self.query_one("#grad", SparkPanel).set_value(grad_view(state))
-        blocks = block_view(state)
-        block_panel = self.query_one("#blocks", BlockPanel)
-        block_panel.display = blocks is not None
-        block_panel.set_value(blocks)
+        if stats := self._panel("stats"):
+            stats.set_value(stats_lines(state, self.settings.show_eta))
+        if gpu_panel := self._panel("gpu"):
+            gpu = gpu_lines(state.get("gpu") if state else None)
+            gpu_panel.display = gpu is not None
+            gpu_panel.set_value(gpu)
+        for panel_id, view in (("lr", lr_view), ("grad", grad_view)):
+            if panel := self._panel(panel_id):
+                panel.set_value(view(state))
+        for spec in self.dashboard.sparks:
+            self.query_one(f"#{spec.id}", SparkPanel).set_value(metric_view(state, spec.metric))
+        if block_panel := self._panel("blocks"):
+            blocks = block_view(state)
+            block_panel.display = blocks is not None
+            block_panel.set_value(blocks)
 
     def _push_chart(self) -> None:
         state = self.reader.state if self.reader else None
-        chart = self.query_one("#loss", LossChart)
+        chart = self._panel("loss")
+        if chart is None:
+            return
         window = self._ema_window(state)
         chart.border_title = f"Loss (EMA {window})"
         if state is None or not (state["loss_history"] or state["val_loss_history"]):
@@ -479,7 +520,10 @@ class MonitorApp(App[None]):
 
     def _push_messages(self, now: float) -> None:
         reader = self.reader
-        self.query_one("#messages", MessagesPanel).set_value(
+        panel = self._panel("messages")
+        if panel is None:
+            return
+        panel.set_value(
             messages(
                 reader.reading if reader else None,
                 reader.state if reader else None,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.monitor.dashboard import load_dashboard
 from apr.monitor.discover import Discovery, find_active_runs
 from apr.monitor.jsonmon import FORMAT_VERSION, follow, snapshot
 from apr.monitor.settings import load_settings
@@ -74,17 +75,20 @@ def _no_active_runs(found: Discovery) -> AprError:
     return AprError("no active runs to monitor", findings)
 
 
-def run_dashboard(run_dir: Path | None, refresh_ms: int | None, timeout_s: float | None) -> int:
-    """The Textual dashboard on this terminal (no mouse). Without ``run_dir``: the one active run,
-    or a picker when there are several; AprError when there is none."""
+def run_dashboard(run_dir: Path | None, refresh_ms: int | None, timeout_s: float | None,
+                  dashboard: Path | None = None) -> int:
+    """The Textual dashboard on this terminal (no mouse), laid out by the ``dashboard`` file (default:
+    the built-in layout). Without ``run_dir``: the one active run, or a picker when there are
+    several; AprError when there is none or the dashboard file is bad."""
     from apr.monitor.app import MonitorApp
 
+    layout = load_dashboard(dashboard)  # before anything starts: a bad file is exit 1, no screen
     candidates = []
     if run_dir is None:
         found = find_active_runs(refresh_s=load_settings(None, refresh_ms).refresh_s)
         if not found.runs:
             raise _no_active_runs(found)
         candidates = found.runs
-    app = MonitorApp(run_dir, candidates=candidates, quit_after_s=timeout_s, refresh_ms=refresh_ms)
+    app = MonitorApp(run_dir, candidates=candidates, quit_after_s=timeout_s, refresh_ms=refresh_ms, dashboard=layout)
     app.run(mouse=False)
     return 0

@@ -171,6 +171,17 @@ def lr_view(state: dict | None) -> SparkView:
                      tuple(s for s, _ in hist))
 
 
+def metric_view(state: dict | None, metric: str) -> SparkView:
+    """A dashboard spark panel: the history the state keeps of ``metric`` (apr/monitor/dashboard.py)."""
+    hist = state.get(f"{metric}_history", ()) if state else ()
+    values = tuple(v for _, v in hist)
+    if not values:
+        now = state.get(metric) if state else None
+        return SparkView((), f"now {fmt_sci(now)}" if now is not None else "no data yet")
+    return SparkView(values, f"now {fmt_sci(values[-1])}  min {fmt_sci(min(values))}  max {fmt_sci(max(values))}",
+                     tuple(s for s, _ in hist))
+
+
 def grad_view(state: dict | None) -> SparkView:
     hist = state.get("grad_norm_history", ()) if state else ()
     values = tuple(v for _, v in hist)

@@ -32,15 +32,20 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from apr.errors import AprError, Finding
+from apr.monitor.dashboard import load_dashboard
 
 EXTRA = "web"  # pip install 'apr[web]'
 DEFAULT_MAX_SESSIONS = 4  # each session is one dashboard process (~50 MB)
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 
 
-def dashboard_command(run_dir: Path | None, refresh: int | None, timeout: float | None) -> str:
-    """The command each browser tab runs: this Python, ``-m apr monitor`` with the same options."""
+def dashboard_command(run_dir: Path | None, refresh: int | None, timeout: float | None,
+                      dashboard: Path | None = None) -> str:
+    """The command each browser tab runs: this Python, ``-m apr monitor`` with the same options
+    (the same ``--dashboard`` file: one layout for the terminal and the browser)."""
     parts = [sys.executable, "-m", "apr", "monitor"]
+    if dashboard is not None:
+        parts += ["--dashboard", str(Path(dashboard).resolve())]
     if run_dir is not None:
         parts.append(str(Path(run_dir).resolve()))
     if refresh is not None:
@@ -257,7 +262,7 @@ class WebDashboard:
     def __init__(self, run_dir: Path | None, host: str = "127.0.0.1", port: int = 8000,
                  refresh: int | None = None, timeout: float | None = None,
                  max_sessions: int = DEFAULT_MAX_SESSIONS, use_token: bool = True,
-                 command: str | None = None) -> None:
+                 command: str | None = None, dashboard: Path | None = None) -> None:
         if importlib.util.find_spec("textual_serve") is None:
             raise AprError(f"apr monitor --web needs the textual-serve package: pip install 'apr[{EXTRA}]'",
                            [Finding("error", "monitor.web_package", "textual-serve is not installed",
@@ -270,7 +275,9 @@ class WebDashboard:
                 "error", "monitor.max_sessions", "the session limit must be at least 1", expected=">= 1",
                 got=str(max_sessions))])
         self.run_dir, self.host, self.port = run_dir, host, port
-        self.command = command or dashboard_command(run_dir, refresh, timeout)
+        if dashboard is not None:
+            load_dashboard(dashboard)  # checked here: a tab would otherwise fail after the server started
+        self.command = command or dashboard_command(run_dir, refresh, timeout, dashboard)
         self.title = f"apr monitor {run_dir}" if run_dir is not None else "apr monitor"
         self.guard = Guard.for_bind(host, secrets.token_urlsafe(32) if use_token else None, max_sessions)
 

@@ -1,0 +1,81 @@
+"""The dashboard definition: the default is today's layout (and the one docs/monitor.md shows), a
+custom file lays out the terminal app and the browser's tabs alike, and a bad file is refused with
+its line before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app as cli
+from apr.fmt import fmt_sci
+from apr.monitor.dashboard import DEFAULT_YAML, DashboardError, default_dashboard, load_dashboard
+from apr.monitor.web import dashboard_command
+
+from .conftest import FIXTURES
+from .test_app import drive, fixture_app, text
+
+CUSTOM = """\
+rows:
+  - height: 1fr
+    panels:
+      - loss
+      - {panel: spark, metric: tokens_per_s, title: Throughput, width: 30}
+  - height: 5
+    panels: [alerts]
+"""
+
+
+def test_the_default_is_the_layout_the_docs_show():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "monitor.md").read_text()
+    assert DEFAULT_YAML in docs
+    d = default_dashboard()
+    assert [[p.id for c in r.cells for p in c.panels] for r in d.rows] == [
+        ["loss", "stats", "gpu"], ["lr", "grad", "blocks"], ["messages"]]
+
+
+def test_a_custom_layout_shows_its_panels_and_only_them(tmp_path):
+    path = tmp_path / "dash.yaml"
+    path.write_text(CUSTOM)
+    app = fixture_app("mid_run", dashboard=load_dashboard(path))
+
+    async def body(pilot):
+        assert not app.query("#stats") and not app.query("#lr") and not app.query("#gpu")
+        spark = app.query_one("#spark-0")
+        assert spark.border_title == "Throughput" and spark.outer_size.width == 30
+        history = json.loads((FIXTURES / "mid_run" / "training_state.json").read_text())["tokens_per_s_history"]
+        assert f"now {fmt_sci(history[-1][1])}" in text(app, "#spark-0")  # the fixture's tokens_per_s
+        assert "step 6,900 gradient_norm > 2" in text(app, "#messages")
+
+    drive(app, body, size=(100, 30))
+
+
+@pytest.mark.parametrize("yaml, message, line", [
+    ("rows:\n  - panels:\n      - {panel: spark, metric: toks}\n", "metric 'toks' does not exist", 3),
+    ("rows:\n  - panels: [loss, losses]\n", "no panel 'losses'", 2),
+    ("rows:\n  - panels: [loss]\n  - panels: [loss]\n", "the loss panel appears twice", 3),
+    ("rows:\n  - height: tall\n    panels: [loss]\n", "not a size", 2),
+    ("rows: []\n", "no rows", 1),
+])
+def test_a_bad_file_is_refused_with_its_line(tmp_path, yaml, message, line):
+    path = tmp_path / "dash.yaml"
+    path.write_text(yaml)
+    with pytest.raises(DashboardError) as err:
+        load_dashboard(path)
+    assert message in err.value.message and err.value.findings[0].line == line
+
+
+def test_the_cli_refuses_a_bad_file_before_starting_and_the_web_passes_a_good_one_on(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rows:\n  - panels: [{panel: spark, metric: perplexity}]\n")
+    result = CliRunner().invoke(cli, ["monitor", str(FIXTURES / "mid_run"), "--dashboard", str(bad)])
+    assert result.exit_code == 1 and "metric 'perplexity' does not exist" in result.stderr
+    assert "Traceback" not in result.output
+    result = CliRunner().invoke(cli, ["monitor", str(FIXTURES / "mid_run"), "--dashboard", str(bad), "--json"])
+    assert result.exit_code == 2
+    good = tmp_path / "good.yaml"
+    good.write_text(CUSTOM)
+    assert f"--dashboard {good.resolve()}" in dashboard_command(FIXTURES / "mid_run", None, None, good)
