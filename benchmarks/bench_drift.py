@@ -7,7 +7,7 @@ shards of 5 row groups and 10M of val; then times ``apr.data.drift`` as the plan
 most 32 groups), then PSI,
 KS and Wasserstein on token ranks and document lengths.
 
-    .venv/bin/python benchmarks/bench_drift.py [--dir /tmp/bench_drift] [--sample-tokens 1000000] [--json]
+    .venv/bin/python benchmarks/bench_drift.py [--dir /tmp/bench_drift] [--sample-tokens 250000] [--json]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def write(folder: Path, tokens: int, shards: int, seed: int) -> list[Path]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/tmp/bench_drift")
-    ap.add_argument("--sample-tokens", type=int, default=1_000_000)
+    ap.add_argument("--sample-tokens", type=int, default=250_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     root = Path(args.dir)

@@ -315,7 +315,8 @@ class DataDriftConfig(_Section):
 
     enabled: Bool = Field(True, description="Compare train and val samples in `apr train plan`.")
     sample_tokens: PositiveCount = Field(
-        1_000_000, description="Tokens sampled from each dataset (whole rows, from at most 32 random row groups).")
+        250_000, description="Tokens sampled from each dataset (whole rows, from random row groups holding four "
+        "times as many, at most 32).")
     psi_warning: Float = Field(
         0.25, gt=0, description="Population stability index at or above which the plan warns (0.1 is a moderate "
         "shift, 0.25 a large one).")

@@ -61,20 +61,20 @@ class Moments:
     nonfinite: int = 0
 
     def add(self, x: torch.Tensor) -> None:
-        finite = torch.isfinite(x)
-        bad = int(x.numel() - finite.sum())
-        if bad:
-            self.nonfinite += bad
+        # float32 passes with float64 accumulators (sum(dtype=float64)): no float64 copy of the slice
+        if not bool(torch.isfinite(x).all()):
+            finite = torch.isfinite(x)
+            self.nonfinite += int(x.numel() - finite.sum())
             x = x[finite]
         if x.numel() == 0:
             return
-        x64 = x.double()
         self.count += x.numel()
-        self.total += float(x64.sum())
-        self.squares += float((x64 * x64).sum())
-        self.abs_total += float(x64.abs().sum())
-        self.low, self.high = min(self.low, float(x.min())), max(self.high, float(x.max()))
-        self.zeros += int((x == 0).sum())
+        self.total += float(x.sum(dtype=torch.float64))
+        self.squares += float((x * x).sum(dtype=torch.float64))
+        self.abs_total += float(x.abs().sum(dtype=torch.float64))
+        low, high = torch.aminmax(x)
+        self.low, self.high = min(self.low, float(low)), max(self.high, float(high))
+        self.zeros += x.numel() - int(torch.count_nonzero(x))
 
     def merge(self, other: Moments) -> None:
         for f in ("count", "total", "squares", "abs_total", "zeros", "nonfinite"):
@@ -122,7 +122,8 @@ def _histogram(source: WeightSource, names: list[str], low: float, high: float, 
         high, low = low + 0.5, low - 0.5
     for name in names:
         for x in chunks(source, name):
-            x = x[torch.isfinite(x)]
+            if not bool(torch.isfinite(x).all()):
+                x = x[torch.isfinite(x)]
             counts += torch.histc(x, bins=bins, min=low, max=high).double()
     return [int(c) for c in counts.tolist()]
 

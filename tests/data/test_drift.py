@@ -8,6 +8,7 @@ import pytest
 
 from apr.data.drift import (
     compare,
+    compare_counts,
     dataset_drift,
     doc_lengths,
     ks_2samp,
@@ -41,9 +42,19 @@ def test_psi_is_zero_for_one_distribution_and_large_for_another():
 
 def test_token_ranks_order_by_the_references_frequency():
     ref = np.array([7, 7, 7, 3, 3, 1], dtype=np.uint32)
-    r_ref, r_cur = token_ranks(ref, np.array([3, 9, 7], dtype=np.uint32), vocab_size=10)
-    assert r_ref.tolist()[:4] == [0.0, 0.0, 0.0, 0.1] and r_cur[0] == 0.1 and r_cur[2] == 0.0
-    assert r_cur[1] > 0.2  # a token the reference never used ranks after every one it did
+    r_ref, r_cur, size = token_ranks(ref, np.array([3, 9, 7], dtype=np.uint32), vocab_size=10)
+    assert size == 10 and r_ref.tolist() == [0, 0, 0, 1, 1, 2] and r_cur.tolist()[0::2] == [1, 0]
+    assert r_cur[1] > 2  # a token the reference never used ranks after every one it did
+
+
+def test_counts_give_the_same_ks_and_wasserstein_as_the_samples():
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 50, size=4000), np.minimum(rng.geometric(0.05, size=3000), 49)
+    fast = compare_counts("x", np.bincount(a, minlength=50), np.bincount(b, minlength=50), unit=0.5)
+    d, p = ks_2samp(a.astype(float), b.astype(float))
+    assert fast.ks == pytest.approx(d) and fast.ks_pvalue == pytest.approx(p)
+    assert fast.wasserstein == pytest.approx(wasserstein(a * 0.5, b * 0.5))
+    assert fast.psi > 0.25 and compare_counts("x", np.bincount(a), np.bincount(a)).psi == 0
 
 
 def test_doc_lengths_count_documents_inside_a_row():
