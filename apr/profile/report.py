@@ -102,20 +102,20 @@ def _prompt_base(loaded, options: ProfileOptions) -> list[int]:
 
 
 def profile_source(source: str | Path, options: ProfileOptions) -> ProfileReport:
-    """Everything `apr profile` measures, in the order: latency (the weights as loaded), then the
-    training step (which updates a copy of nothing: it trains the loaded model at lr 1e-12)."""
+    """Everything `apr profile` measures: the training step (it trains the loaded model at lr 1e-12:
+    the weights barely move), then latency. In that order because decoding runs under
+    ``torch.inference_mode`` and the model caches its RoPE tables by length: a table made there
+    could not be saved for a later backward of the same length."""
     options.check()
     loaded = load_for_inference(source, tokenizer=options.tokenizer, device=options.device,
                                 need_tokenizer=options.prompt is not None)
     model = loaded.model
     report = ProfileReport(source=str(loaded.source), kind=loaded.kind, step_number=loaded.step,
                            parameters=sum(p.numel() for p in model.parameters()))
-    if options.latency:
+    if options.latency:  # bad input is refused before anything is measured
         base = _prompt_base(loaded, options)
         lengths = list(options.lengths) or [len(base) if base else min(128, loaded.context - options.new_tokens)]
         check_lengths(lengths, options.new_tokens, loaded.context)
-        report.latency = measure_latency(model, base, lengths, new_tokens=options.new_tokens,
-                                         repeats=options.repeats)
     if options.step:
         batch, seq = _step_shape(loaded, options)
         for p in model.parameters():
@@ -124,4 +124,7 @@ def profile_source(source: str | Path, options: ProfileOptions) -> ProfileReport
                                    steps=options.steps)
         if options.compare:
             report.comparison = compare(report.step, plan_config(loaded.config, loaded.arch, report.step))
+    if options.latency:
+        report.latency = measure_latency(model, base, lengths, new_tokens=options.new_tokens,
+                                         repeats=options.repeats)
     return report

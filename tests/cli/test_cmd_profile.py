@@ -19,12 +19,13 @@ def invoke(*args):
 
 
 def test_json_has_latency_step_and_comparison(untrained_lm):
-    r = invoke(untrained_lm.run_dir, *FAST, "--length", "8", "--prompt", "def f(x):", "--compare", "--json")
+    # 14 + 2 new tokens: the decode's RoPE table is the training step's length (16), made in inference mode
+    r = invoke(untrained_lm.run_dir, *FAST, "--length", "14", "--prompt", "def f(x):", "--compare", "--json")
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["format_version"] == "1" and doc["kind"] == "run" and doc["checkpoint_step"] == untrained_lm.steps
     (lat,) = doc["latency"]
-    assert lat["prompt_tokens"] == 8 and lat["new_tokens"] == 2 and lat["kv_cache_bytes"] > 0
+    assert lat["prompt_tokens"] == 14 and lat["new_tokens"] == 2 and lat["kv_cache_bytes"] > 0
     step = doc["step"]
     assert [row["name"] for row in step["layers"]] == ["embed_tokens", "layers.0", "layers.1", "head+loss"]
     assert step["tokens"] == 16 and step["tokens_per_s"] > 0 and "overhead_fraction" in step
