@@ -12,7 +12,8 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from apr.config.schema import AprConfig, Architecture, Device, Engine, MixedPrecision
-from apr.model.spec import DTYPE_BYTES, compute_dtype_name, flops_per_token, param_count
+from apr.model.buffers import compute_dtype_name
+from apr.model.spec import DTYPE_BYTES, flops_per_token, param_count
 from apr.plan.memory import COEFFICIENTS, memory_table
 from apr.profile.step import StepProfile
 
