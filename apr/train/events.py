@@ -100,10 +100,14 @@ def tasks_and_samples(run, step: int, recorder):
 
 
 def check_alerts(run, metrics: dict, step: int, recorder):
-    """Print the alerts ``metrics`` fire; the first ``stop`` alert stops the run."""
+    """Print the alerts ``metrics`` fire; the first critical alert stops the run without a checkpoint
+    of this step, else the first other ``stop`` alert (error) stops it after one."""
     fired = recorder.check_alerts(metrics)
     for alert in fired:
         run.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
+    critical = [a for a in fired if getattr(a, "severity", None) == "critical"]
+    if critical:
+        return Stop.critical(critical[0].message)
     stops = [a for a in fired if a.action == "stop"]
     return Stop.alert(stops[0].message) if stops else None
 

@@ -273,6 +273,8 @@ class Run:
                 if self.options.progress is not None:
                     self.options.progress(step, self.total_steps)
             stop = agree(self._after_step(report, recorder, signals), signals, self.dp, self.device)
+            if stop is not None and not stop.checkpoint:  # a critical alert: the state is not worth keeping
+                return stop
             forced = stop is not None or signals.received is not None
             if self.survival.save_due(self.cadence.save(step, report.is_best, stopping=forced),
                                       forced or report.is_last):

@@ -26,10 +26,18 @@ class Stop:
     status: str  # finished | stopped | failed
     reason: str | None
     exit_code: int
+    checkpoint: bool = True  # the loop writes a checkpoint of the step it stops at (not for a critical alert)
 
     @classmethod
     def alert(cls, message: str) -> Stop:
         return cls("stopped", f"alert: {message}", 1)
+
+    @classmethod
+    def critical(cls, message: str) -> Stop:
+        """A critical alert says the state itself is bad: stop at once, and keep the last checkpoint
+        as the newest (docs/runs.md, "Alerts")."""
+        return cls("stopped", f"alert (critical): {message}; no checkpoint written of this step", 1,
+                   checkpoint=False)
 
     @classmethod
     def signal(cls, signum: int, step: int) -> Stop:
@@ -109,11 +117,12 @@ def agree(stop: Stop | None, signals, dp, device) -> Stop | None:
         return stop
     import torch
 
-    flags = torch.tensor([signals.received or 0, stop is not None], dtype=torch.float32, device=device)
-    sig_flag, stop_flag = (int(v) for v in dp.any_(flags).tolist())
+    flags = torch.tensor([signals.received or 0, stop is not None, stop is not None and not stop.checkpoint],
+                         dtype=torch.float32, device=device)
+    sig_flag, stop_flag, no_save = (int(v) for v in dp.any_(flags).tolist())
     if sig_flag and signals.received is None:
         signals.received = sig_flag
     if stop_flag and stop is None:
-        stop = Stop("stopped", "alert on rank 0", 1)
+        stop = Stop("stopped", "alert on rank 0", 1, checkpoint=not no_save)
     return stop
 

@@ -121,6 +121,17 @@ def test_a_stop_alert_ends_the_run_with_a_checkpoint(root):
     assert result.final_step == 4 and (root / "run" / "checkpoint-step-4.json").is_file()
 
 
+def test_a_critical_alert_stops_at_once_and_keeps_the_last_checkpoint_the_newest(root):
+    """severity critical: the state the alert fires on is not written; the newest checkpoint is the
+    last periodic one, which a resume starts from."""
+    result, _, lines = _run(root, training={"save_interval": 2, "log_interval": 1}, monitoring={"alerts": [
+        {"condition": "step >= 3", "severity": "critical", "message": "diverged"}]})
+    assert result.status == "stopped" and result.exit_code == 1 and "diverged" in result.reason
+    assert "no checkpoint written" in result.reason and result.final_step == 3
+    assert (root / "run" / "checkpoint-step-2.json").is_file()
+    assert not (root / "run" / "checkpoint-step-3.json").exists()
+
+
 def test_too_little_data_for_one_step_is_a_clear_error(root):
     with pytest.raises(AprError, match="fewer than one optimizer step"):
         _run(root, data={"batch_size": 64}, training={"gradient_accumulation": 2})
