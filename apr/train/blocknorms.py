@@ -22,10 +22,11 @@ import torch.distributed as dist  # loaded by `import torch` anyway
 
 from apr.track.state import BLOCK_NORM_LISTS
 
-# Elements per temporary, bounded whatever the group's size: 16 MiB on the CPU (smaller chunks mean
-# more parallel regions, which on a loaded machine cost more than the arithmetic: 64K-element chunks
-# took 5-60x longer there), 64 MiB on a GPU (few launches).
-CHUNK_CPU = 1 << 22
+# Elements per temporary, bounded whatever the group's size: 1 MiB on the CPU (the temporary stays in
+# the core's L2 cache across its four passes: 2.3-2.6x less CPU than 16 MiB chunks at 1 and 2 threads
+# on a 10.5M-element group; 64K-element chunks cost more parallel regions than they save),
+# 64 MiB on a GPU (few launches). docs/performance.md, "The run loop's overhead".
+CHUNK_CPU = 1 << 18
 CHUNK_GPU = 1 << 24
 
 BLOCK_GRAD, BLOCK_UPDATE = BLOCK_NORM_LISTS  # the metric names: apr/track/state.py
