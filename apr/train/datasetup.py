@@ -1,5 +1,6 @@
 """The run's data side, set up from the config: the training loader (one source or a mixture), the
-step count (the plan's formula, ``apr.steps.algebra.step_count``), the LR schedule and the cadence."""
+step count (the plan's formula, ``apr.steps.algebra.step_count``), the LR schedule and the cadence;
+and each step's micro-batches (``micro_batches``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ class DataSide:
     total_steps: int
     tokens_per_step: int
     schedule: LRSchedule
+
+
+def micro_batches(loader, count: int, pin: bool) -> list:
+    """The next optimizer step's ``count`` micro-batches. ``pin`` (a CUDA run): in page-locked host
+    memory, so the engine's ``batch.to(device, non_blocking=True)`` is a copy queued on the stream; from
+    pageable memory CUDA synchronizes the stream before the copy, a host wait for the previous step
+    at every step."""
+    batches = [loader.next_batch() for _ in range(count)]
+    return [b.pin_memory() for b in batches] if pin else batches
 
 
 def data_side(config, dp, warn) -> DataSide:

@@ -34,7 +34,7 @@ from apr.train.blocknorms import block_metrics
 from apr.train.cadence import Cadence
 from apr.train.calibrate import record_run
 from apr.train.checkpoints import Checkpoints, run_state
-from apr.train.datasetup import data_side
+from apr.train.datasetup import data_side, micro_batches
 from apr.train.drift import DriftCheck
 from apr.train.earlystop import EarlyStopping
 from apr.train.engine import Engine, NonFiniteError
@@ -297,7 +297,7 @@ class Run:
             grow(self, step, recorder)
         self.survival.before_batches(self, recorder)
         stage = self.loader.stage if self.mixture else 0
-        micro = [self.loader.next_batch() for _ in range(self.config.training.gradient_accumulation)]
+        micro = micro_batches(self.loader, self.config.training.gradient_accumulation, self.device.type == "cuda")
         if self.mixture and self.loader.stage != stage:
             events.stage_started(self, step, recorder)
         self.engine.current_step = step  # losses (distillation's phase and block) follow the run's step

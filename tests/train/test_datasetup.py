@@ -14,7 +14,7 @@ from apr.data.shards import write_dataset
 from apr.errors import AprError
 from apr.plan.build import build_plan
 from apr.plan.examples import to_yaml
-from apr.train.datasetup import data_side
+from apr.train.datasetup import data_side, micro_batches
 from tests.train.run_helpers import BASE, SEQ, VOCAB, make_dataset, merge, write_config
 
 
@@ -163,3 +163,32 @@ def test_a_mixture_too_small_for_one_step_is_refused(tmp_path):
     plan = _mixture_plan(tmp_path, data={"batch_size": 40}, training={"gradient_accumulation": 2})
     with pytest.raises(AprError, match=r"^the mixture: 64 sequences are fewer than one optimizer step needs \(80 "):
         data_side(plan.config, None, print)
+
+
+class Batch:
+    def __init__(self, i: int):
+        self.i, self.pinned = i, False
+
+    def pin_memory(self):
+        pinned = Batch(self.i)
+        pinned.pinned = True
+        return pinned
+
+
+class Counter:
+    def __init__(self):
+        self.taken = 0
+
+    def next_batch(self):
+        self.taken += 1
+        return Batch(self.taken)
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_a_steps_micro_batches_are_pinned_only_for_a_cuda_run(pin):
+    """A CUDA run's batches go to the device from page-locked memory (a copy queued on the stream, no
+    host wait for the previous step); a CPU run's are the loader's own tensors."""
+    loader = Counter()
+    batches = micro_batches(loader, 3, pin)
+    assert [b.i for b in batches] == [1, 2, 3] and loader.taken == 3
+    assert all(b.pinned is pin for b in batches)
