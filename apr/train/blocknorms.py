@@ -23,9 +23,10 @@ import torch.distributed as dist  # loaded by `import torch` anyway
 from apr.track.state import BLOCK_NORM_LISTS
 
 # Elements per temporary, bounded whatever the group's size: 1 MiB on the CPU (the temporary stays in
-# the core's L2 cache across its four passes: 2.3-2.6x less CPU than 16 MiB chunks at 1 and 2 threads
-# on a 10.5M-element group; 64K-element chunks cost more parallel regions than they save),
-# 64 MiB on a GPU (few launches). docs/performance.md, "The run loop's overhead".
+# the core's L2 cache across its four passes: on one synthetic 10.5M-element group 2.3-2.6x less CPU
+# than 16 MiB chunks at 1 and 2 threads, but on a real engine's groups, whose moments come from main
+# memory, only ~10%; 64K-element chunks cost more parallel regions than they save), 64 MiB on a GPU
+# (few launches). docs/performance.md, "The run loop's overhead".
 CHUNK_CPU = 1 << 18
 CHUNK_GPU = 1 << 24
 
