@@ -7,7 +7,8 @@ peer's layout), CPU time per step, round-robin (one step of each approach per ro
 
   baseline        bench_engine's plain loop: apr's model, full logits + F.cross_entropy,
                   clip_grad_norm_, torch AdamW (fused)
-  apr auto        apr's InterleavedEngine, execution auto against a roomy budget (bench_engine)
+  apr auto        apr's InterleavedEngine, execution auto against a roomy budget (bench_engine);
+                  `apr+compile` with training.execution.compile: true
   litgpt          litgpt's GPT (LLaMA config) and the step of `litgpt pretrain`'s fit loop:
                   model(ids), litgpt.utils.chunked_cross_entropy, clip_grad_norm_, optimizer step
                   (torch AdamW, foreach: pretrain asks for fused only on CUDA), zero_grad;
@@ -46,7 +47,7 @@ A peer that is not installed (pip install -e '.[bench]') or fails to build is sk
 reason printed.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_peers.py [--steps 8] [--warmup 2]
-        [--only baseline,apr,litgpt,litgpt+compile,torchtitan] [--e2e] [--no-engine]
+        [--only baseline,apr,apr+compile,litgpt,litgpt+compile,torchtitan] [--e2e] [--no-engine]
         [--e2e-steps 4,12] [--e2e-repeats 1] [--e2e-log-interval 1] [--json]
 """
 
@@ -72,7 +73,7 @@ import bench_engine  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-APPROACHES = ("baseline", "apr", "litgpt", "litgpt+compile", "torchtitan")
+APPROACHES = ("baseline", "apr", "apr+compile", "litgpt", "litgpt+compile", "torchtitan")
 DEFAULT = ("baseline", "apr", "litgpt", "torchtitan")
 LR = bench_engine.LR
 # torchtitan 0.3.0 refuses sdpa for language models ("use flex, flex_flash, or varlen"); flex runs on a CPU
@@ -202,9 +203,9 @@ def build(args, name: str, weights: dict, arch) -> bench_engine.Approach:
     device = torch.device("cpu")
     if name == "baseline":
         return bench_engine.build_baseline(shape_args(args), device)
-    if name == "apr":
-        ap = bench_engine.build_apr(shape_args(args), device, "auto")
-        ap.name = "apr"
+    if name in ("apr", "apr+compile"):  # apr+compile: training.execution.compile: true (per-block torch.compile)
+        ap = bench_engine.build_apr(shape_args(args), device, "auto" if name == "apr" else "auto+compile")
+        ap.name = name
         return ap
     if name.startswith("litgpt"):
         return build_litgpt(args, weights, arch, compiled=name == "litgpt+compile")
