@@ -273,11 +273,9 @@ class Run:
                 if self.options.progress is not None:
                     self.options.progress(step, self.total_steps)
             stop = agree(self._after_step(report, recorder, signals), signals, self.dp, self.device)
-            if stop is not None and not stop.checkpoint:  # a critical alert: the state is not worth keeping
-                return stop
             forced = stop is not None or signals.received is not None
-            if self.survival.save_due(self.cadence.save(step, report.is_best, stopping=forced),
-                                      forced or report.is_last):
+            if (stop is None or stop.checkpoint) and self.survival.save_due(  # critical alert: nothing worth keeping
+                    self.cadence.save(step, report.is_best, stopping=forced), forced or report.is_last):
                 try:
                     self.engine.check_finite()  # no read when already checked after this step
                 except NonFiniteError as err:
