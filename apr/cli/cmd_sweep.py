@@ -45,6 +45,11 @@ def register(app: typer.Typer) -> None:
         nproc: int = typer.Option(1, "--nproc-per-trial", min=1, help="Run each trial under torchrun with K ranks."),
         gpu: str | None = typer.Option(None, "--gpu", help="Target GPU for each trial's plan."),
         vram: str | None = typer.Option(None, "--vram", help="Target VRAM for each trial's plan."),
+        heartbeat: int = typer.Option(60, "--heartbeat", min=0, metavar="S",
+                                      help="Seconds between a running trial's heartbeats in the storage (0: off)."),
+        grace: int = typer.Option(300, "--grace", min=1, metavar="S",
+                                  help="A trial whose heartbeat is older is failed and retried by another worker, "
+                                       "from its last checkpoint where its folder is shared."),
         worker_id: int | None = typer.Option(None, "--worker-id", hidden=True),
     ) -> None:
         """Run (or continue) a sweep: plan each trial, train the valid ones with `apr train apply`, record
@@ -55,14 +60,14 @@ def register(app: typer.Typer) -> None:
 
         spec = _load(sweep, config)
         where = sweep_dir(spec, folder)
-        common = dict(storage=storage, count=count, nproc=nproc, gpu=gpu, vram=vram)
+        common = dict(storage=storage, count=count, nproc=nproc, gpu=gpu, vram=vram, heartbeat=heartbeat, grace=grace)
         if worker_id is not None:  # a helper started by `--workers N`
             report = run_helper(spec, where, worker=worker_id, echo=_echo, **common)
             raise typer.Exit(report.exit_code)
 
         def helper(i: int) -> list[str]:
             args = [sys.executable, "-m", "apr", "sweep", "run", str(sweep), "--dir", str(where), "--worker-id", str(i),
-                    "--nproc-per-trial", str(nproc)]
+                    "--nproc-per-trial", str(nproc), "--heartbeat", str(heartbeat), "--grace", str(grace)]
             for flag, value in (("--config", config), ("--count", count), ("--storage", storage), ("--gpu", gpu),
                                 ("--vram", vram)):
                 args += [flag, str(value)] if value is not None else []

@@ -37,16 +37,17 @@ def _lock_held(path: Path) -> bool | None:
         os.close(fd)
 
 
-def trial_state(frozen, folder: Path) -> str:
-    """finished, pruned, invalid (its plan had errors: never trained), failed, running, or
-    interrupted (RUNNING in storage, but no worker holds it: the next `apr sweep run` resumes it)."""
+def trial_state(frozen, folder: Path, retried: bool = False) -> str:
+    """finished, pruned, invalid (its plan had errors: never trained), failed, retried (failed for a
+    stale heartbeat: its worker died; a later trial resumes it), running, waiting (a queued retry),
+    or interrupted (RUNNING in storage, but no worker holds it: the next `apr sweep run` resumes it)."""
     name = frozen.state.name
     if name == "COMPLETE":
         return "finished"
     if name == "PRUNED":
         return "pruned"
     if name == "FAIL":
-        return "invalid" if frozen.user_attrs.get("findings") else "failed"
+        return "invalid" if frozen.user_attrs.get("findings") else "retried" if retried else "failed"
     if name == "RUNNING":
         held = _lock_held(trial_dir(folder, frozen.number).with_suffix(".lock"))
         return "interrupted" if held is False else "running"
@@ -56,14 +57,20 @@ def trial_state(frozen, folder: Path) -> str:
 def trial_rows(study, spec: SweepSpec, folder: Path) -> list[dict]:
     keys = [p.key for p in spec.params]
     rows = []
-    for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("surplus"):
-            continue
+    trials = [t for t in study.get_trials(deepcopy=False) if not t.user_attrs.get("surplus")]
+    retried_by = {t.user_attrs["retry_of"]: t.number for t in trials if t.user_attrs.get("retry_of") is not None}
+    for t in trials:
         settings = t.user_attrs.get("settings") or {}
+        retry = retried_by.get(t.number)
+        reason = t.user_attrs.get("reason")
+        if retry is not None and t.state.name == "FAIL":
+            reason = (f"its worker ({t.user_attrs.get('worker', '?')}) sent no heartbeat for the grace period; "
+                      f"retried as trial {retry}")
         rows.append({
-            "number": t.number, "state": trial_state(t, folder), "value": t.value,
+            "number": t.number, "state": trial_state(t, folder, retry is not None), "value": t.value,
             "params": {k: settings.get(k, t.params.get(k)) for k in keys},
-            "reason": t.user_attrs.get("reason"), "findings": t.user_attrs.get("findings") or [],
+            "reason": reason, "findings": t.user_attrs.get("findings") or [],
+            "retry_of": t.user_attrs.get("retry_of"),
             "run_id": t.user_attrs.get("run_id"), "run_dir": t.user_attrs.get("run_dir"),
             "resumes": t.user_attrs.get("resumes", 0), "plan": t.user_attrs.get("plan"),
             "last_evaluation": max(t.intermediate_values) if t.intermediate_values else None,

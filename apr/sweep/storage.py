@@ -91,8 +91,13 @@ def check_tables(url: str) -> None:
                       f"{len(tables)} other table(s)")
 
 
-def open_storage(url: str):
-    """An Optuna RDBStorage at ``url`` after the checks above."""
+def open_storage(url: str, *, heartbeat: int | None = None, grace: int | None = None, on_stale=None):
+    """An Optuna RDBStorage at ``url`` after the checks above. ``heartbeat``: Optuna's
+    heartbeat_interval in seconds (None: off); a RUNNING trial whose heartbeat is older than
+    ``grace`` seconds is failed by the next worker that looks and handed to ``on_stale(study,
+    frozen_trial)`` (Optuna's heartbeat_stale_trial_callback; apr.sweep.runner.StaleTrialRetry)."""
+    import warnings
+
     import optuna
 
     path = sqlite_path(url)
@@ -100,8 +105,12 @@ def open_storage(url: str):
         check_sqlite_file(url, path)
     check_tables(url)
     kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    beat = {} if not heartbeat else {"heartbeat_interval": heartbeat, "grace_period": grace,
+                                     "heartbeat_stale_trial_callback": on_stale}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeat_interval
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs, **beat)
     except Exception as err:  # version mismatches, drivers, permissions
         raise _refuse(url, f"cannot be opened: {type(err).__name__}: {str(err).splitlines()[0][:200]}",
                       "an Optuna storage this version can use", type(err).__name__) from None
@@ -112,10 +121,12 @@ def sweep_identity(spec: SweepSpec) -> dict:
             "sweep_file": str(Path(os.path.abspath(spec.path)))}
 
 
-def open_study(spec: SweepSpec, url: str, *, create: bool = True, worker: int = 0):
+def open_study(spec: SweepSpec, url: str, *, create: bool = True, worker: int = 0, heartbeat: int | None = None,
+               grace: int | None = None, on_stale=None):
     """This sweep's study in the storage at ``url`` (made when ``create`` and absent). A study of the
     same name made by another sweep, or outside apr, is refused. ``worker``: this process's index
-    among the workers started together (its sampler stream, apr.sweep.space.make_sampler)."""
+    among the workers started together (its sampler stream, apr.sweep.space.make_sampler);
+    ``heartbeat``, ``grace``, ``on_stale``: see open_storage."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -123,7 +134,7 @@ def open_study(spec: SweepSpec, url: str, *, create: bool = True, worker: int = 
     if not create and path is not None and not path.exists():
         raise _refuse(url, f"no sweep has run here yet ({path} does not exist)", "the storage of `apr sweep run`",
                       "no such file")
-    storage = open_storage(url)
+    storage = open_storage(url, heartbeat=heartbeat, grace=grace, on_stale=on_stale)
     names = {s.study_name for s in storage.get_all_studies()}
     if spec.name not in names and not create:
         raise _refuse(url, f"holds no sweep named {spec.name!r} (sweeps there: {', '.join(sorted(names)) or 'none'})",

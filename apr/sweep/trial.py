@@ -81,6 +81,7 @@ class Outcome:
     pruned_at: tuple[int, int, float] | None = None  # (evaluation, step, value)
     interrupted: int | None = None  # the signal the worker received
     locked: bool = False  # apply refused: another process held the run's folder
+    taken: bool = False  # the trial was failed in storage meanwhile (a stale heartbeat): its run was stopped
 
 
 class TrialProcess:
@@ -117,24 +118,34 @@ class TrialProcess:
     def run(self, trial, stop_signal, reported: frozenset = frozenset()) -> Outcome:
         """Run to the end; ``trial`` is the Optuna trial (None: no pruning); ``stop_signal()`` returns
         the signal the worker got, if any; ``reported``: evaluations told before a resume."""
+        from optuna.exceptions import UpdateFinishedTrialError
+
         self.start()
         reported = set(reported)
         pruned = None
         forwarded = None
+        taken = False
         while self.proc.poll() is None:
             time.sleep(POLL_S)
             sig = stop_signal()
             if sig is not None and forwarded is None:
                 forwarded = sig
                 self.signal(sig)
-            if trial is not None and pruned is None and forwarded is None:
-                pruned = self._report(trial, reported)
+            if trial is not None and pruned is None and forwarded is None and not taken:
+                try:
+                    pruned = self._report(trial, reported)
+                except UpdateFinishedTrialError:  # another worker failed it (stale heartbeat) and retries it
+                    taken = True
+                    self.signal(signal.SIGTERM)
                 if pruned is not None:
                     self.signal(signal.SIGTERM)  # apply checkpoints and stops (exit 143)
-        if trial is not None and pruned is None and forwarded is None:
-            pruned = self._report(trial, reported, final=True)
+        if trial is not None and pruned is None and forwarded is None and not taken:
+            try:
+                pruned = self._report(trial, reported, final=True)
+            except UpdateFinishedTrialError:
+                taken = True
         return Outcome(self.proc.returncode, pruned_at=pruned, interrupted=forwarded,
-                       locked=self.proc.returncode == 1 and self._refused_as_locked())
+                       locked=self.proc.returncode == 1 and self._refused_as_locked(), taken=taken)
 
     def _report(self, trial, reported: set[int], final: bool = False) -> tuple[int, int, float] | None:
         state = read_run_state(self.run_dir)

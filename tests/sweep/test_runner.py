@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 
 import optuna
 import pytest
 from sweep_helpers import tiny_root, write_sweep
 
 from apr.sweep.planning import sweep_dir, trial_dir
+from apr.sweep.results import trial_rows
 from apr.sweep.runner import Worker, prepare, trial_budget
 from apr.sweep.spec import SweepError, load_sweep
+from apr.sweep.storage import default_url
 
 INVALID_GRID = """
 config: cfg.yaml
@@ -30,9 +33,9 @@ def sweep(tmp_path, monkeypatch):
     return load_sweep(write_sweep(tmp_path, INVALID_GRID))
 
 
-def _worker(spec, count=None):
-    folder = sweep_dir(spec)
-    base, study, _url, budget = prepare(spec, folder, None, count)
+def _worker(spec, count=None, folder=None, storage=None, **beat):
+    folder = folder or sweep_dir(spec)
+    base, study, _url, budget = prepare(spec, folder, storage, count, **beat)
     lines: list[str] = []
     return Worker(spec, study, base, folder, budget, echo=lines.append), lines
 
@@ -83,3 +86,58 @@ def test_random_and_bayes_need_a_trial_count(tmp_path):
         trial_budget(load_sweep(path), None)
     assert "run_cap" in info.value.findings[0].message and info.value.findings[0].line == 1
     assert trial_budget(load_sweep(path), 7) == 7
+
+
+def test_a_trial_whose_machine_stops_beating_is_failed_and_retried_from_its_checkpoint(sweep, tmp_path):
+    # Machine A takes trial 0 and dies; machine B (another sweep folder: it cannot see A's lock)
+    # shares the storage. Optuna's heartbeat (1 s, grace 2 s) lets B fail and retry it.
+    a, _ = _worker(sweep, count=1, heartbeat=1, grace=2)
+    job = a.next_job()
+    job.run_dir.mkdir(parents=True)
+    (job.run_dir / "checkpoint-step-4.json").write_text("{}")  # as apply leaves it (a shared folder)
+    b, lines = _worker(sweep, count=1, folder=tmp_path / "machine-b", storage=default_url(sweep_dir(sweep)),
+                       heartbeat=1, grace=2)
+    assert b.next_job() is None and b._wait_for_others()  # A's trial is alive: B waits, takes nothing
+    job.beat.stop()  # A dies (its lock stays held: B never sees it)
+    deadline = time.monotonic() + 15
+    while (retry := b.next_job()) is None:
+        assert time.monotonic() < deadline, lines
+        time.sleep(0.3)
+    job.beat = None
+    assert retry.trial.number == 1 and retry.resumed and retry.run_dir == job.run_dir
+    assert retry.settings == job.settings  # the same trial, resumed from A's last checkpoint
+    rows = {r["number"]: r for r in trial_rows(b.study, sweep, b.folder)}
+    assert rows[0]["state"] == "retried" and "retried as trial 1" in rows[0]["reason"]
+    assert rows[1]["retry_of"] == 0 and rows[1]["resumes"] == 1
+    assert any("no heartbeat" in line for line in lines) and any("retry of trial 0" in line for line in lines)
+    # the retry takes trial 0's place in the budget of 1: once told, nothing is left and nobody waits
+    retry.beat.stop()
+    b.study.tell(retry.trial, 3.0)
+    assert b.next_job() is None and not b._wait_for_others()
+    assert len(b.study.trials) == 2
+    os.close(job.lock_fd)
+    os.close(retry.lock_fd)
+
+
+def test_a_retry_without_the_checkpoint_folder_starts_afresh_in_its_own_folder(sweep, tmp_path):
+    a, _ = _worker(sweep, count=1, heartbeat=1, grace=2)
+    job = a.next_job()  # no checkpoint written: the machine died before its first one
+    job.beat.stop()
+    b, _ = _worker(sweep, count=1, folder=tmp_path / "machine-b", storage=default_url(sweep_dir(sweep)),
+                   heartbeat=1, grace=2)
+    deadline = time.monotonic() + 15
+    while (retry := b.next_job()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    retry.beat.stop()
+    assert not retry.resumed and retry.run_dir == trial_dir(tmp_path / "machine-b", 1)
+    assert retry.settings == {**job.settings, "training.output_dir": str(retry.run_dir)}
+    os.close(job.lock_fd)
+    os.close(retry.lock_fd)
+
+
+def test_the_grace_period_must_outlast_the_heartbeat(sweep):
+    with pytest.raises(SweepError, match="--grace 5 must be longer than --heartbeat 5") as info:
+        _worker(sweep, heartbeat=5, grace=5)
+    assert info.value.findings[0].path == "--grace"
+    assert not sweep_dir(sweep).exists()  # refused before anything is written
