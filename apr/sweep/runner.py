@@ -135,9 +135,9 @@ class StaleTrialRetry:
             return
         attrs = {k: frozen.user_attrs[k] for k in ("settings", "run_dir") if k in frozen.user_attrs}
         attrs |= {"retry_of": frozen.number, "resumes": int(frozen.user_attrs.get("resumes", 0))}
-        study.add_trial(optuna.trial.create_trial(
+        study.add_trial(optuna.trial.create_trial(  # its system attributes hold a grid point's id
             state=optuna.trial.TrialState.WAITING, params=frozen.params, distributions=frozen.distributions,
-            user_attrs=attrs, system_attrs={"failed_trial": frozen.number}))
+            user_attrs=attrs, system_attrs={**frozen.system_attrs, "failed_trial": frozen.number}))
         self.echo(f"trial {frozen.number}: its worker {frozen.user_attrs.get('worker', '?')} sent no heartbeat "
                   "for the grace period; failed, and queued again to resume from its last checkpoint")
 

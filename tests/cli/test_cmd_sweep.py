@@ -160,3 +160,36 @@ def test_status_and_best_of_a_sweep_that_never_ran(root):
         result = runner.invoke(app, ["sweep", command, str(sweep)])
         assert result.exit_code == 1 and "no sweep has run here yet" in result.output
     assert not (root / "sweeps" / "sweep" / "study.db").exists()
+
+
+def test_a_worker_killed_on_another_machine_has_its_trial_retried_after_the_grace_period(root):
+    # Two workers on one storage, each with its own sweep folder (as two machines: neither sees the
+    # other's lock). The one that takes the only trial is killed -9 after its first checkpoint; the
+    # other fails it by Optuna's heartbeat (1 s, grace 3 s) and resumes it from that checkpoint.
+    write_config(root, training={"max_steps": 8, "warmup_steps": 2, "eval_interval": 8, "save_interval": 2})
+    _sweep(root, "name: beat\nconfig: cfg.yaml\nmethod: grid\nparameters:\n  optimizer.lr: {values: [0.01]}\n")
+    url = f"sqlite:///{root / 'shared.db'}"
+    workers = {name: subprocess.Popen([sys.executable, "-m", "apr", "sweep", "run", "sweep.yaml", "--storage", url,
+                                       "--dir", name, "--heartbeat", "1", "--grace", "3"], cwd=root, env=_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for name in ("machine-a", "machine-b")}
+    deadline = time.monotonic() + 120
+    while not (dead := [n for n in workers if (root / n / "trials" / "0000" / "checkpoint-step-2.json").exists()]):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers.values())
+        time.sleep(0.02)
+    workers[dead[0]].kill()
+    workers[dead[0]].communicate()
+    alive = next(n for n in workers if n != dead[0])
+    out, _ = workers[alive].communicate(timeout=180)
+    assert workers[alive].returncode == 0, out[-3000:]
+    run_dir = root / dead[0] / "trials" / "0000"
+    assert f"trial 1: retry of trial 0, resuming from {run_dir}" in out and "trial 1: finished" in out
+    status = _json("status", "sweep.yaml", "--storage", url, "--dir", alive)
+    assert status["counts"] == {"finished": 1, "retried": 1}  # none lost, none run twice
+    lost, retry = status["trials"]
+    assert "retried as trial 1" in lost["reason"] and lost["run_id"] is None
+    assert (retry["retry_of"], retry["resumes"], retry["run_dir"]) == (0, 1, str(run_dir))
+    state = json.loads((run_dir / "training_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 8 and retry["value"] == state["val_loss"]
+    log = run_dir.with_suffix(".log").read_text()
+    assert log.count("resumed from") == 1 and log.count(": finished") == 1
