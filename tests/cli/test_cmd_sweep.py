@@ -193,3 +193,34 @@ def test_a_worker_killed_on_another_machine_has_its_trial_retried_after_the_grac
     assert state["status"] == "finished" and state["step"] == 8 and retry["value"] == state["val_loss"]
     log = run_dir.with_suffix(".log").read_text()
     assert log.count("resumed from") == 1 and log.count(": finished") == 1
+
+
+def test_hyperband_prunes_a_real_trial_from_its_val_losses(root):
+    # Optuna's HyperbandPruner, one bracket (min_iter 2, max_iter 4, eta 3): its first rung is the
+    # second evaluation (step 4). Seed 1 orders the grid lr 0.01 first, then lr 1e-6, which has
+    # barely trained by step 4: worse than the first trial at that rung, it is pruned there and stopped.
+    write_config(root, training={"max_steps": 24, "warmup_steps": 2, "eval_interval": 2, "save_interval": 24})
+    _sweep(root, """
+name: hb
+config: cfg.yaml
+method: grid
+seed: 1
+early_terminate: {type: hyperband, min_iter: 2, max_iter: 4, eta: 3}
+parameters:
+  optimizer.lr: {values: [0.01, 1.0e-6]}
+  optimizer.min_lr: {value: 1.0e-8}
+""")
+    result = runner.invoke(app, ["sweep", "run", "sweep.yaml"])  # in this process: the trials are processes
+    assert result.exit_code == 0, result.output[-3000:]
+    status = _json("status", "sweep.yaml")
+    good, bad = status["trials"]
+    assert (good["params"]["optimizer.lr"], bad["params"]["optimizer.lr"]) == (0.01, 1e-6)
+    assert (good["state"], bad["state"]) == ("finished", "pruned")
+    states = [json.loads((root / "sweeps" / "hb" / "trials" / n / "training_state.json").read_text())
+              for n in ("0000", "0001")]
+    at_rung = [dict(s["val_loss_history"])[4] for s in states]
+    assert at_rung[1] > at_rung[0]  # what Hyperband compared
+    assert bad["reason"] == f"pruned at evaluation 2 (step 4): val_loss {at_rung[1]:.4f}"
+    assert bad["last_evaluation"] == 2
+    assert states[0]["step"] == 24 and states[1]["step"] < 24  # stopped by the sweep, not run to its end
+    assert states[1]["status"] != "finished"
