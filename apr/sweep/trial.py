@@ -39,7 +39,8 @@ def apply_command(base: Path, settings: dict[str, Any], *, resume: bool, nproc: 
     if resume:
         args += ["--resume", "latest"]
     if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args[1:]]
+        # torchrun's own -m: each rank runs `python -m apr ...`
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     return [sys.executable, *args]
 
 

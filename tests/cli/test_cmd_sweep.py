@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from apr.cli.main import app
@@ -224,3 +225,22 @@ parameters:
     assert bad["last_evaluation"] == 2
     assert states[0]["step"] == 24 and states[1]["step"] < 24  # stopped by the sweep, not run to its end
     assert states[1]["status"] != "finished"
+
+
+def test_a_trial_runs_as_a_two_process_torchrun_job(root, monkeypatch):
+    # --nproc-per-trial 2: the trial is `torchrun --nproc_per_node=2 -m apr train apply` on the CPU
+    # (gloo); the worker plans it at 2 ranks and reads rank 0's state file for the metric.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    write_config(root, training={"max_steps": 4, "warmup_steps": 1, "eval_interval": 2, "save_interval": 4})
+    _sweep(root, "name: ddp\nconfig: cfg.yaml\nmethod: grid\nparameters:\n  optimizer.lr: {values: [0.01]}\n")
+    result = runner.invoke(app, ["sweep", "run", "sweep.yaml", "--nproc-per-trial", "2"])
+    assert result.exit_code == 0, result.output[-3000:]
+    run_dir = root / "sweeps" / "ddp" / "trials" / "0000"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["training"]["world_size"] == 2
+    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 2
+    state = json.loads((run_dir / "training_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 4
+    assert state["tokens_seen"] == 4 * 4 * 16 * 2  # steps x batch x seq_len x 2 ranks
+    trial = _json("status", "sweep.yaml")["trials"][0]
+    assert trial["state"] == "finished" and trial["value"] == state["val_loss"]
+    assert trial["plan"]["tokens"] == state["tokens_seen"]  # planned at the world size it ran at

@@ -24,7 +24,7 @@ def test_settings_round_trip_through_the_command_line_exactly():
 def test_apply_command_resumes_and_runs_under_torchrun():
     cmd = apply_command("cfg.yaml", {"optimizer.lr": 0.01}, resume=True, nproc=2)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"] and "--nproc_per_node=2" in cmd
-    assert cmd[-7:] == ["apr", "train", "apply", "cfg.yaml", "optimizer.lr=0.01", "--resume", "latest"]
+    assert cmd[-8:] == ["-m", "apr", "train", "apply", "cfg.yaml", "optimizer.lr=0.01", "--resume", "latest"]
     assert apply_command("cfg.yaml", {}, resume=False)[:3] == [sys.executable, "-m", "apr"]
 
 
