@@ -15,7 +15,7 @@ from apr.config import load_config
 from apr.errors import AprError, ConfigError, Finding
 from apr.plan.build import build_plan
 from apr.sweep.space import grid_size, make_sampler, suggest
-from apr.sweep.spec import Param, SweepError, SweepSpec
+from apr.sweep.spec import Param, SweepError, SweepSpec, quantize
 
 
 def sweep_dir(spec: SweepSpec, given: str | Path | None = None) -> Path:
@@ -112,7 +112,9 @@ def check_base(spec: SweepSpec) -> Path:
 def _listed(p: Param) -> list:
     if p.kind in ("constant", "categorical"):
         return list(p.values)
-    return [int(p.low) if p.is_int else p.low, int(p.high) if p.is_int else p.high]
+    if p.is_int:
+        return [int(p.low), int(p.high)]
+    return [quantize(p, p.low), quantize(p, p.high)]  # the values a q_ draw can take: whole for a whole q
 
 
 def _schema_problem(base: Path, p: Param, value: Any) -> Finding | None:

@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Any
 
-from apr.sweep.spec import Param, SweepSpec, grid_values
+from apr.sweep.spec import Param, SweepSpec, grid_values, quantize
 
 
 def grid_space(spec: SweepSpec) -> dict[str, list]:
@@ -89,9 +89,6 @@ def suggest_one(trial, p: Param) -> Any:
     if p.kind == "int_uniform":
         return trial.suggest_int(p.key, int(p.low), int(p.high))
     if p.kind == "q_uniform":
-        return trial.suggest_float(p.key, float(p.low), float(p.high), step=float(p.q))
-    value = trial.suggest_float(p.key, float(p.low), float(p.high), log=p.log)
-    if p.q is not None and p.kind.startswith("q_"):  # Optuna has no stepped log scale: W&B rounds to q
-        value = max(round(value / p.q) * p.q, p.q)
-        value = int(value) if float(p.q).is_integer() else value
-    return value
+        return quantize(p, trial.suggest_float(p.key, float(p.low), float(p.high), step=float(p.q)))
+    # Optuna has no stepped log scale: W&B rounds a q_log draw to q, and so does quantize
+    return quantize(p, trial.suggest_float(p.key, float(p.low), float(p.high), log=p.log))

@@ -389,6 +389,16 @@ def grid_values(param: Param) -> list | None:
     return None
 
 
+def quantize(param: Param, value: float) -> float | int:
+    """A drawn value of a ``q_`` distribution as W&B gives it: ``round(value / q) * q`` (at least
+    ``q`` on a log scale), a whole number when ``q`` is one (an integer key takes it), else a float
+    without the step arithmetic's noise (0.95, not 0.9500000000000001). Other kinds: unchanged."""
+    if param.q is None or not param.kind.startswith("q_"):
+        return value
+    out = _round_q(value, param.q)
+    return _round_q(param.q, param.q) if param.log and out < param.q else out
+
+
 def _round_q(value: float, q: float) -> float | int:
     out = round(value / q) * q
     return int(out) if float(q).is_integer() and float(out).is_integer() else round(out, 12)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 
 import optuna
+from sweep_helpers import tiny_root
 
+from apr.sweep.planning import check_base
 from apr.sweep.space import grid_size, make_pruner, make_sampler, suggest, worker_stream
 from apr.sweep.spec import load_sweep
 
@@ -79,3 +81,25 @@ def test_early_terminate_becomes_optunas_pruner(tmp_path):
     text = SPACE + "early_terminate: {{type: median, min_iter: 2}}\n"
     assert isinstance(make_pruner(_spec(tmp_path, text=text)), optuna.pruners.MedianPruner)
     assert isinstance(make_pruner(_spec(tmp_path)), optuna.pruners.NopPruner)
+
+
+def test_q_distributions_give_values_on_their_step_whole_for_a_whole_step(tmp_path):
+    # an integer key with a whole q takes whole numbers, even when the log bounds are not (e^0..e^1.5)
+    text = """
+config: cfg.yaml
+method: {method}
+run_cap: 20
+parameters:
+  training.eval_batches: {{distribution: q_log_uniform, min: 0, max: 1.5, q: 1}}
+  training.warmup_steps: {{distribution: q_uniform, min: 2, max: 8, q: 2}}
+  optimizer.beta2: {{distribution: q_uniform, min: 0.9, max: 0.99, q: 0.01}}
+"""
+    tiny_root(tmp_path)
+    spec = _spec(tmp_path, text=text)
+    check_base(spec)  # the bounds as drawn (1 and 4) suit the integer key: not refused
+    draws = _draw(spec, 20)
+    assert {type(d["training.eval_batches"]) for d in draws} == {int}
+    assert {d["training.eval_batches"] for d in draws} <= {1, 2, 3, 4}
+    assert {d["training.warmup_steps"] for d in draws} <= {2, 4, 6, 8}
+    assert all(isinstance(d["training.warmup_steps"], int) for d in draws)
+    assert all(d["optimizer.beta2"] == round(d["optimizer.beta2"], 2) for d in draws)  # 0.95, not 0.9500000000000001
