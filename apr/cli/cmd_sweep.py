@@ -203,9 +203,14 @@ def _plan_text(result) -> str:
                      _fmt(t.tokens) if t.valid and t.tokens is not None else "-", seconds if t.valid else "-",
                      safe_text(t.reason())[:100]])
     lines.append(text_table(["#", "plan", *keys, "tokens", "time", "finding"], rows))
-    time_text = (fmt_duration(total["seconds"]) + (" (calibrated)" if total["calibrated"] else "")
-                 if total["seconds"] is not None else "unknown (name a GPU with --gpu, or probe with "
-                 "`apr train plan --probe`)")
+    valid = doc["valid"]
+    if total["seconds"] is not None:
+        time_text = fmt_duration(total["seconds"]) + (" (calibrated)" if total["calibrated"] else "")
+    elif total["timed"]:  # a probe or finished run of some trials' shape, not of the others'
+        time_text = (f"unknown: {valid - total['timed']} of {valid} valid trials have no probe or finished run of "
+                     "their shape (probe one: `apr train plan --probe BASE KEY=VALUE...`, or name a GPU with --gpu)")
+    else:
+        time_text = "unknown (name a GPU with --gpu, or probe with `apr train plan --probe`)"
     cost = f", cost {total['cost']:.2f}" if total["cost"] is not None else ""
     tokens = f"{total['tokens']:,.0f}" if total["tokens"] is not None else "unknown"
     projected = "projected from the sample: " if doc["sampled"] else ""

@@ -156,6 +156,7 @@ class SweepPlan:
 
         return {"trials": self.planned_count, "valid_trials": expected_valid, "tokens": summed("tokens"),
                 "seconds": summed("seconds"), "cost": summed("cost"),
+                "timed": sum(t.seconds is not None for t in valid),
                 "calibrated": bool(valid) and all(t.calibrated for t in valid),
                 "invalid_trials_cost": 0}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from sweep_helpers import tiny_root, write_sweep
 
+from apr.fmt import fmt_duration
 from apr.sweep.planning import check_base, plan_sweep, plan_trial
 from apr.sweep.spec import SweepError, load_sweep
 
@@ -90,3 +91,42 @@ def test_a_trial_refused_by_the_schema_or_a_contract_is_an_invalid_trial_not_an_
     assert not schema.valid and schema.tokens is None and schema.errors[0].path == "data.batch_size"
     contract = plan_trial(cfg, {"optimizer.lr": 1e-4, "optimizer.min_lr": 1e-3})
     assert not contract.valid and contract.reason().startswith("plan: [C-")
+
+
+def test_a_probe_of_the_base_shape_times_its_trials_calibrated_and_the_others_are_named(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from apr import __version__
+    from apr.cli.main import app
+    from apr.config import load_config
+    from apr.plan.facts import cpu_threads
+    from apr.track import calibration
+
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_root(tmp_path)
+    runner = CliRunner()
+    policy = json.loads(runner.invoke(app, ["train", "plan", str(cfg), "--json"]).stdout)["run"]["execution"]["policy"]
+    config = load_config(cfg).config
+    calibration.record({  # what `apr train plan --probe` records for the base config's shape on this CPU
+        "source": "probe", "device": "cpu", "device_name": calibration.host_cpu_name(),
+        "versions": {"torch": calibration.torch_version(), "cuda": None, "apr": __version__, "python": "3"},
+        "tokens_per_s": 1000.0, "step_seconds": 0.1, "step_seconds_all": [0.09, 0.1, 0.11], "startup_seconds": 2.0,
+        "load": 0.5, "threads": 2, "rows": []}, calibration.shape(config, policy, cpu_threads(config, 1)["threads"]))
+    # the learning rate leaves the shape alone: both trials are timed from the probe
+    lr = plan_sweep(load_sweep(write_sweep(tmp_path, "config: cfg.yaml\nmethod: grid\nparameters:\n"
+                                                     "  optimizer.lr: {values: [0.01, 0.003]}\n")))
+    assert all(t.valid and t.calibrated and t.seconds > 0 for t in lr.trials)
+    total = lr.total()
+    assert total["calibrated"] and total["seconds"] == pytest.approx(sum(t.seconds for t in lr.trials))
+    # another batch size is another shape: its trials are not timed, and the total says how many
+    path = write_sweep(tmp_path, "config: cfg.yaml\nmethod: grid\nparameters:\n  data.batch_size: {values: [4, 2]}\n",
+                       "batch.yaml")
+    plan = plan_sweep(load_sweep(path))
+    timed = {t.settings["data.batch_size"]: t.seconds is not None for t in plan.trials}
+    assert timed == {4: True, 2: False} and plan.total()["seconds"] is None and plan.total()["timed"] == 1
+    text = runner.invoke(app, ["sweep", "plan", str(path)]).stdout
+    assert "time unknown: 1 of 2 valid trials have no probe or finished run of their shape" in text
+    text = runner.invoke(app, ["sweep", "plan", "sweep.yaml"]).stdout
+    assert f"time {fmt_duration(total['seconds'])} (calibrated)" in text
