@@ -9,6 +9,7 @@ refused with a SweepError and left exactly as it was: a storage is never overwri
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from apr.errors import Finding
@@ -96,8 +97,6 @@ def open_storage(url: str, *, heartbeat: int | None = None, grace: int | None = 
     heartbeat_interval in seconds (None: off); a RUNNING trial whose heartbeat is older than
     ``grace`` seconds is failed by the next worker that looks and handed to ``on_stale(study,
     frozen_trial)`` (Optuna's heartbeat_stale_trial_callback; apr.sweep.runner.StaleTrialRetry)."""
-    import warnings
-
     import optuna
 
     path = sqlite_path(url)
