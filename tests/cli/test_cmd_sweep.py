@@ -163,13 +163,28 @@ def test_status_and_best_of_a_sweep_that_never_ran(root):
     assert not (root / "sweeps" / "sweep" / "study.db").exists()
 
 
-def test_a_worker_killed_on_another_machine_has_its_trial_retried_after_the_grace_period(root):
-    # Two workers on one storage, each with its own sweep folder (as two machines: neither sees the
-    # other's lock). Worker A is killed -9 after its trial's first checkpoint; worker B (this process,
-    # which spares a second start of Optuna and apr) waits while the trial's heartbeat is fresh, fails
-    # it by Optuna's heartbeat (1 s, grace 3 s) and resumes it from A's checkpoint as trial 1.
-    write_config(root, training={"max_steps": 8, "warmup_steps": 2, "eval_interval": 8, "save_interval": 2})
-    _sweep(root, "name: beat\nconfig: cfg.yaml\nmethod: grid\nparameters:\n  optimizer.lr: {values: [0.01]}\n")
+def test_a_worker_killed_on_another_machine_is_retried_and_hyperband_prunes_from_the_retry(root):
+    # One story, two behaviours, sharing their trainings (each apply start costs seconds of CPU):
+    # 1. Two workers on one storage, each with its own sweep folder (as two machines: neither sees
+    #    the other's lock). Worker A takes trial 0 (seed 1 orders the grid lr 0.01 first) and is
+    #    killed -9 after its first checkpoint; worker B (this process, one start of apr and Optuna
+    #    less), started after the grace period, fails it by Optuna's heartbeat (1 s, grace 3 s) and
+    #    resumes it from A's checkpoint as trial 1: none lost, none run twice. (B waiting for a
+    #    trial that is still alive is tested in tests/sweep/test_runner.py.)
+    # 2. B then trains the grid's other point, lr 1e-6, which has barely trained by the second
+    #    evaluation (step 4): Optuna's HyperbandPruner (one bracket: min_iter 2, max_iter 4, eta 3)
+    #    compares it there with the retry's val loss, prunes it, and the sweep stops its run.
+    write_config(root, training={"max_steps": 24, "warmup_steps": 2, "eval_interval": 2, "save_interval": 2})
+    _sweep(root, """
+name: beat
+config: cfg.yaml
+method: grid
+seed: 1
+early_terminate: {type: hyperband, min_iter: 2, max_iter: 4, eta: 3}
+parameters:
+  optimizer.lr: {values: [0.01, 1.0e-6]}
+  optimizer.min_lr: {value: 1.0e-8}
+""")
     url = f"sqlite:///{root / 'shared.db'}"
     beat = ["--storage", url, "--heartbeat", "1", "--grace", "3"]
     a = subprocess.Popen([sys.executable, "-m", "apr", "sweep", "run", "sweep.yaml", "--dir", "machine-a", *beat],
@@ -181,49 +196,29 @@ def test_a_worker_killed_on_another_machine_has_its_trial_retried_after_the_grac
         time.sleep(0.02)
     a.kill()
     a.wait()
+    # B starts once the grace period is over (SQLite's clock counts whole seconds): within it, trial 0
+    # is alive for B, which would take the grid's other point first and leave Hyperband no reference
+    time.sleep(5.5)
     b = runner.invoke(app, ["sweep", "run", "sweep.yaml", "--dir", "machine-b", *beat])
     assert b.exit_code == 0, b.output[-3000:]
     assert f"trial 1: retry of trial 0, resuming from {run_dir}" in b.stdout and "trial 1: finished" in b.stdout
     status = _json("status", "sweep.yaml", "--storage", url, "--dir", "machine-b")
-    assert status["counts"] == {"finished": 1, "retried": 1}  # none lost, none run twice
-    lost, retry = status["trials"]
+    assert status["counts"] == {"finished": 1, "retried": 1, "pruned": 1}  # none lost, none run twice
+    lost, retry, bad = status["trials"]
     assert "retried as trial 1" in lost["reason"] and lost["run_id"] is None
     assert (retry["retry_of"], retry["resumes"], retry["run_dir"]) == (0, 1, str(run_dir))
+    assert (retry["params"]["optimizer.lr"], bad["params"]["optimizer.lr"]) == (0.01, 1e-6)
     state = json.loads((run_dir / "training_state.json").read_text())
-    assert state["status"] == "finished" and state["step"] == 8 and retry["value"] == state["val_loss"]
+    assert state["status"] == "finished" and state["step"] == 24 and retry["value"] == state["val_loss"]
     log = run_dir.with_suffix(".log").read_text()
     assert log.count("resumed from") == 1 and log.count(": finished") == 1
-
-
-def test_hyperband_prunes_a_real_trial_from_its_val_losses(root):
-    # Optuna's HyperbandPruner, one bracket (min_iter 2, max_iter 4, eta 3): its first rung is the
-    # second evaluation (step 4). Seed 1 orders the grid lr 0.01 first, then lr 1e-6, which has
-    # barely trained by step 4: worse than the first trial at that rung, it is pruned there and stopped.
-    write_config(root, training={"max_steps": 24, "warmup_steps": 2, "eval_interval": 2, "save_interval": 24})
-    _sweep(root, """
-name: hb
-config: cfg.yaml
-method: grid
-seed: 1
-early_terminate: {type: hyperband, min_iter: 2, max_iter: 4, eta: 3}
-parameters:
-  optimizer.lr: {values: [0.01, 1.0e-6]}
-  optimizer.min_lr: {value: 1.0e-8}
-""")
-    result = runner.invoke(app, ["sweep", "run", "sweep.yaml"])  # in this process: the trials are processes
-    assert result.exit_code == 0, result.output[-3000:]
-    status = _json("status", "sweep.yaml")
-    good, bad = status["trials"]
-    assert (good["params"]["optimizer.lr"], bad["params"]["optimizer.lr"]) == (0.01, 1e-6)
-    assert (good["state"], bad["state"]) == ("finished", "pruned")
-    states = [json.loads((root / "sweeps" / "hb" / "trials" / n / "training_state.json").read_text())
-              for n in ("0000", "0001")]
-    at_rung = [dict(s["val_loss_history"])[4] for s in states]
-    assert at_rung[1] > at_rung[0]  # what Hyperband compared
+    # Hyperband's verdict, from the two runs' val losses at its rung (evaluation 2, step 4)
+    pruned = json.loads((root / "machine-b" / "trials" / "0002" / "training_state.json").read_text())
+    at_rung = dict(state["val_loss_history"])[4], dict(pruned["val_loss_history"])[4]
+    assert at_rung[1] > at_rung[0]
+    assert bad["state"] == "pruned" and bad["last_evaluation"] == 2
     assert bad["reason"] == f"pruned at evaluation 2 (step 4): val_loss {at_rung[1]:.4f}"
-    assert bad["last_evaluation"] == 2
-    assert states[0]["step"] == 24 and states[1]["step"] < 24  # stopped by the sweep, not run to its end
-    assert states[1]["status"] != "finished"
+    assert pruned["step"] < 24 and pruned["status"] != "finished"  # stopped by the sweep, not run to its end
 
 
 def test_a_trial_runs_as_a_two_process_torchrun_job(root, monkeypatch):
