@@ -176,3 +176,11 @@ def safe_text(value) -> str:
     control characters such as ESC become visible escapes (``\\x1b``), never terminal commands."""
     text = "-" if value is None else str(value)
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def fmt_setting(value) -> str:
+    """A config setting's value in a table (a sweep's parameters): a float to 4 significant digits,
+    anything else as safe text."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return safe_text(value)

@@ -11,12 +11,21 @@ import typer
 
 from apr.cli.render import print_findings
 from apr.cli.table import text_table
-from apr.fmt import fmt_duration, safe_text
+from apr.fmt import fmt_duration, fmt_setting, safe_text
 
 CONFIG_HELP = "Base config (overrides the sweep file's `config:` key)."
 DIR_HELP = "The sweep's folder: storage, trials' runs, reports (default: output_dir of the file, else sweeps/NAME)."
 STORAGE_HELP = ("Optuna RDB URL shared by every worker (default: sqlite:///FOLDER/study.db); e.g. "
                 "postgresql://user@host/db for workers on several machines.")
+
+
+def _check_folder(folder: Path | None, sweep: Path, config: Path | None) -> None:
+    """``--dir`` is a folder apr writes (storage, trials' runs, reports): refused before anything is
+    read when it is a file, a FIFO, a device, a symlink, apr's own records or an input."""
+    if folder is not None:
+        from apr.fsutil import check_output_folder
+
+        check_output_folder(folder, inputs=[sweep, *([config] if config else [])], option="--dir")
 
 
 def _load(sweep: Path, config: Path | None):
@@ -25,12 +34,6 @@ def _load(sweep: Path, config: Path | None):
     spec = load_sweep(sweep, config)
     print_findings(spec.warnings)
     return spec
-
-
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return safe_text(value)
 
 
 def register(app: typer.Typer) -> None:
@@ -58,6 +61,7 @@ def register(app: typer.Typer) -> None:
         from apr.sweep.planning import sweep_dir
         from apr.sweep.runner import run_helper, run_sweep
 
+        _check_folder(folder, sweep, config)
         spec = _load(sweep, config)
         where = sweep_dir(spec, folder)
         common = dict(storage=storage, count=count, nproc=nproc, gpu=gpu, vram=vram, heartbeat=heartbeat, grace=grace)
@@ -137,7 +141,7 @@ def register(app: typer.Typer) -> None:
                               "metric": doc["metric"], "goal": doc["goal"], **top}, indent=1, default=str))
             return
         lines = [f"best trial {top['number']} of sweep {doc['sweep']}: {doc['metric']} {top['value']!r}"]
-        lines += [f"  {k} = {_fmt(v)}" for k, v in top["params"].items()]
+        lines += [f"  {k} = {fmt_setting(v)}" for k, v in top["params"].items()]
         lines.append(f"  run {top['run_id']} in {top['run_dir']}")
         if top["best_config"]:
             lines.append(f"  train it again: apr train apply {top['best_config']}")
@@ -153,6 +157,7 @@ def _status(sweep: Path, storage: str | None, folder: Path | None) -> dict:
     from apr.sweep.results import status_doc
     from apr.sweep.storage import default_url, display_url, open_study
 
+    _check_folder(folder, sweep, None)
     spec = _load(sweep, None)
     where = sweep_dir(spec, folder)
     url = storage or default_url(where)
@@ -178,8 +183,9 @@ def _finish(spec, result) -> None:
 
 def _status_text(doc: dict) -> str:
     keys = list(doc["trials"][0]["params"]) if doc["trials"] else []
-    rows = [[str(r["number"]), r["state"], _fmt(r["value"]) if r["value"] is not None else "-",
-             *[_fmt(r["params"].get(k)) for k in keys], safe_text(r["reason"] or "")[:90]] for r in doc["trials"]]
+    rows = [[str(r["number"]), r["state"], fmt_setting(r["value"]) if r["value"] is not None else "-",
+             *[fmt_setting(r["params"].get(k)) for k in keys], safe_text(r["reason"] or "")[:90]]
+            for r in doc["trials"]]
     head = f"sweep {doc['sweep']} ({doc['method']}, {doc['goal']} {doc['metric']}), storage {doc['storage']}"
     counts = ", ".join(f"{n} {state}" for state, n in sorted(doc["counts"].items())) or "no trials yet"
     table = text_table(["trial", "state", doc["metric"], *keys, "reason"], rows) if rows else ""
@@ -199,8 +205,8 @@ def _plan_text(result) -> str:
     rows = []
     for i, t in enumerate(result.trials):
         seconds = fmt_duration(t.seconds) if t.seconds is not None else "-"
-        rows.append([str(i), "valid" if t.valid else "invalid", *[_fmt(t.settings.get(k)) for k in keys],
-                     _fmt(t.tokens) if t.valid and t.tokens is not None else "-", seconds if t.valid else "-",
+        rows.append([str(i), "valid" if t.valid else "invalid", *[fmt_setting(t.settings.get(k)) for k in keys],
+                     fmt_setting(t.tokens) if t.valid and t.tokens is not None else "-", seconds if t.valid else "-",
                      safe_text(t.reason())[:100]])
     lines.append(text_table(["#", "plan", *keys, "tokens", "time", "finding"], rows))
     valid = doc["valid"]

@@ -47,7 +47,7 @@ def test_bad_input_exits_1_with_the_reason(untrained_lm, tmp_path):
     for args, message in [((tmp_path / "nope",), "not a checkpoint (no such file or folder)"),
                           ((untrained_lm.checkpoint, "--tensor", "nothing*"), "no tensor of"),
                           ((untrained_lm.checkpoint, "--prompt", "x " * 300), "the model's context"),
-                          ((untrained_lm.checkpoint, "--out", a_file), "is not a folder"),
+                          ((untrained_lm.checkpoint, "--out", a_file), "is a file; expected a folder"),
                           ((untrained_lm.checkpoint, "--bins", "1"), "--bins must be 2 to 1000")]:
         r = invoke(*args)
         assert r.exit_code == 1 and "Traceback" not in r.output, (args, r.output)

@@ -114,6 +114,7 @@ def invocations(w: World) -> dict[tuple[str, ...], list]:
     cfg, store, rid = str(w.config), str(w.store), w.run_id
     lr = ["train", "lr-find", cfg, "--steps", "10"]
     export_csv = ["experiment", "export", "--db", store, "--run", rid, "--format", "csv"]
+    sweep = str(w.root / "sweep.yaml")  # never read: the folder is refused first
     return {
         ("train", "plan", "out"): [lambda t: ["train", "plan", cfg, "-out", t], "--overwrite"],
         ("train", "lr-find", "plot"): [lambda t: [*lr, "--plot", t, "--json-out", w.fresh("c.json")], "--overwrite"],
@@ -138,6 +139,11 @@ def invocations(w: World) -> dict[tuple[str, ...], list]:
             lambda t: ["experiment", "export", "--db", store, "--to", "mlflow", "--uri", f"sqlite:///{t}"],
             "--overwrite"],
         ("export", "out"): [lambda t: ["export", str(w.root / "no-checkpoint.json"), "--out", t], "--overwrite"],
+        # folders with no --overwrite: the second element is another harmless flag of the command
+        ("inspect", "out"): [lambda t: ["inspect", str(w.root / "no-checkpoint.json"), "--out", t], "--json"],
+        ("sweep", "run", "folder"): [lambda t: ["sweep", "run", sweep, "--dir", t], "--workers=1"],
+        ("sweep", "status", "folder"): [lambda t: ["sweep", "status", sweep, "--dir", t], "--json"],
+        ("sweep", "best", "folder"): [lambda t: ["sweep", "best", sweep, "--dir", t], "--json"],
     }
 
 
