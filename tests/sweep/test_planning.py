@@ -4,11 +4,11 @@ counted with their findings and cost nothing; values the schema refuses are the 
 from __future__ import annotations
 
 import pytest
-from sweep_helpers import tiny_root, write_sweep
 
 from apr.fmt import fmt_duration
 from apr.sweep.planning import check_base, plan_sweep, plan_trial
 from apr.sweep.spec import SweepError, load_sweep
+from tests.sweep.sweep_helpers import tiny_root, write_sweep
 
 GRID = """
 config: cfg.yaml

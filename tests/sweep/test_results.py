@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 
 import optuna
-from sweep_helpers import tiny_root, write_sweep
 
 from apr.config import load_config
 from apr.sweep.results import importances, metric_svg, status_doc, trial_rows, write_best_config
 from apr.sweep.spec import load_sweep
+from tests.sweep.sweep_helpers import tiny_root, write_sweep
 
 SWEEP = """
 config: cfg.yaml

@@ -10,13 +10,13 @@ import time
 
 import optuna
 import pytest
-from sweep_helpers import tiny_root, write_sweep
 
 from apr.sweep.planning import sweep_dir, trial_dir
 from apr.sweep.results import trial_rows
 from apr.sweep.runner import Worker, prepare, trial_budget
 from apr.sweep.spec import SweepError, load_sweep
 from apr.sweep.storage import default_url
+from tests.sweep.sweep_helpers import tiny_root, write_sweep
 
 INVALID_GRID = """
 config: cfg.yaml

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 
 import optuna
-from sweep_helpers import tiny_root
 
 from apr.sweep.planning import check_base
 from apr.sweep.space import grid_size, make_pruner, make_sampler, suggest, worker_stream
 from apr.sweep.spec import load_sweep
+from tests.sweep.sweep_helpers import tiny_root
 
 SPACE = """
 method: {method}
