@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from apr.fsutil import check_output_folder
+
 
 def register(app: typer.Typer) -> None:
     @app.command("inspect")
@@ -33,8 +35,6 @@ def register(app: typer.Typer) -> None:
         from apr.inspect.report import InspectOptions, inspect
 
         if out is not None:  # refused before anything is read: a file, FIFO, device, symlink, apr's records
-            from apr.fsutil import check_output_folder
-
             check_output_folder(out, inputs=[source, *([other] if other else [])], option="--out")
         options = InspectOptions(bins=bins, tensors=tuple(tensor), prompt=prompt, layers=tuple(layer),
                                  heads=tuple(head), tokenizer=tokenizer, out=out, fmt=fmt)

@@ -12,6 +12,7 @@ import typer
 from apr.cli.render import print_findings
 from apr.cli.table import text_table
 from apr.fmt import fmt_duration, fmt_setting, safe_text
+from apr.fsutil import check_output_folder
 
 CONFIG_HELP = "Base config (overrides the sweep file's `config:` key)."
 DIR_HELP = "The sweep's folder: storage, trials' runs, reports (default: output_dir of the file, else sweeps/NAME)."
@@ -23,8 +24,6 @@ def _check_folder(folder: Path | None, sweep: Path, config: Path | None) -> None
     """``--dir`` is a folder apr writes (storage, trials' runs, reports): refused before anything is
     read when it is a file, a FIFO, a device, a symlink, apr's own records or an input."""
     if folder is not None:
-        from apr.fsutil import check_output_folder
-
         check_output_folder(folder, inputs=[sweep, *([config] if config else [])], option="--dir")
 
 
