@@ -5,6 +5,7 @@ optimizer groups and their shards, FLOPs per token. One source of truth for `apr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from apr.config.schema import AprConfig, Architecture, LoraConfig
@@ -21,10 +22,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
