@@ -9,6 +9,7 @@ the controller's check runs after every worker has finished."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -56,11 +57,23 @@ def pytest_configure(config):
     if _GUARDED_KEY not in os.environ:
         os.environ[_GUARDED_KEY] = os.environ.get("APR_HOME", "")
         os.environ["APR_HOME"] = tempfile.mkdtemp(prefix="apr-test-home-")
+        config._apr_session_home = os.environ["APR_HOME"]
     config._apr_home_snapshot = {str(h): _listing(h) for h in guarded_homes()}
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
+    try:
+        _check_homes(session)
+    finally:
+        # Only the process that made the session home removes it (under xdist: the controller,
+        # after every worker has finished).
+        made = getattr(session.config, "_apr_session_home", None)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _check_homes(session):
     before = getattr(session.config, "_apr_home_snapshot", None)
     if before is None:
         return
