@@ -41,6 +41,7 @@ from apr.model import spec
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
+from apr.train.backprop import backward
 from apr.train.dist import DataParallel
 from apr.train.finish import finish_step
 from apr.train.flat import FlatGroup, flatten_group
@@ -502,7 +503,7 @@ class InterleavedEngine(Engine):
                 head_grad.mul_(grad_mult)
         if kept and head_grad is not None:
             weight.grad.add_(head_grad)
-        h.backward(grad_h)
+        backward(h, grad_h)
         grad_x = h_in.grad
         del h, h_in, grad_h, head_grad
         if free_inputs:
@@ -522,13 +523,13 @@ class InterleavedEngine(Engine):
             if graphs[i] is not None and (free_inputs or self.execution.block_mode(i) == "keep"):
                 x, out, leaves = graphs[i]
                 x.grad = None
-                out.backward(grad_x, retain_graph=not free_inputs)
+                backward(out, grad_x, retain_graph=not free_inputs)
             else:
                 x = inputs[i].detach().requires_grad_()
                 with self.autocast(), _replayed_rng(self._block_rng[i] if self._block_rng else None, ids.device):
                     out, leaves = self._run_block(i, x, cos, sin)
                     out = out.to(self.cdt)
-                out.backward(grad_x)
+                backward(out, grad_x)
             self._add_compute_grads(group, leaves)
             grad_x = x.grad
             x.grad = None
