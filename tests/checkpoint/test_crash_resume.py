@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
-from run_helpers import config_doc, make_dataset  # noqa: E402
+from run_helpers import config_doc, make_dataset, run_until  # noqa: E402
 
 from apr.checkpoint.manager import read_checkpoint, scan  # noqa: E402
 
@@ -39,24 +39,14 @@ def _complete(run_dir: Path) -> bool:
 
 
 def _run_to_end(cfg: Path, resume: bool) -> None:
-    proc = subprocess.run(_cmd(cfg, resume), capture_output=True, text=True, timeout=300, env=_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, seen = run_until(_cmd(cfg, resume), _env(), timeout=300)
+    assert code == 0, "".join(seen[-40:])
 
 
 def _kill_at_line(cfg: Path, resume: bool, prefix: str) -> None:
     """Start the trainer and SIGKILL it as soon as it prints a line starting with ``prefix``."""
-    proc = subprocess.Popen(_cmd(cfg, resume), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=_env())
-    try:
-        for line in proc.stderr:
-            if line.startswith(prefix):
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL, f"the trainer ended ({proc.returncode}) before {prefix!r}"
+    code, _ = run_until(_cmd(cfg, resume), _env(), kill_at=prefix, timeout=60)
+    assert code == -signal.SIGKILL, f"the trainer ended ({code}) before {prefix!r}"
 
 
 def _write(tmp_path: Path, name: str, **training) -> Path:

@@ -3,16 +3,84 @@
 process: on the 2-core test machine that process costs 3-4 s of import per launch, and the suite
 launches 2-rank runs dozens of times. As torchrun does, a rank that fails takes the others down.
 The product's own torchrun path stays tested end to end (tests/cli/test_apply_cli.py, the kill
-tests in tests/distributed/test_sharding.py and tests/train/test_mixture_run.py)."""
+tests in tests/distributed/test_sharding.py and tests/train/test_mixture_run.py).
+
+Each rank (and each one-process run, ``run_script``) is a process forked from a server that has
+imported torch and the other third-party libraries once (multiprocessing's forkserver, one per
+test worker): an interpreter that imports torch costs ~4 s of CPU here, which the suite used to pay
+for every process of every launch. apr itself is imported fresh by each child, the child's
+environment is the launch's (``OMP_NUM_THREADS`` applied to torch's thread count, which the
+server's import fixed), and no torch op runs in the server, so forking it is safe. The interpreter
+start of ``apr train apply`` stays tested by the CLI tests."""
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import os
+import runpy
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+# what every training process imports before apr (apr itself is imported by each child, fresh)
+PRELOAD = ["torch", "torch.distributed", "numpy", "pyarrow", "pyarrow.parquet", "safetensors.torch",
+           "sqlite_utils", "pydantic", "yaml"]
+_context = None
+
+
+def _forkserver():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _child(args: list[str], env: dict, out: str, err: str) -> None:
+    """One process of a launch, in the forked child: the launch's environment and output files, then
+    ``python ARGS`` as the interpreter would run it (atexit handlers included)."""
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    if env.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = list(args)
+    code = 0
+    try:
+        runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001  (reported as an interpreter would)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def start_script(args: list[str], env: dict, out: Path | str, err: Path | str):
+    """``python ARGS`` started in a forked child writing its stdout and stderr to ``out`` and ``err``
+    (a FIFO is fine: the child opens it); the multiprocessing Process."""
+    proc = _forkserver().Process(target=_child, args=(list(args), dict(env), str(out), str(err)), daemon=False)
+    proc.start()
+    return proc
+
+
+def run_script(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``python ARGS`` in one forked process: its return code and output."""
+    return run_ranks(args, 1, env, timeout, torchrun=False)
 
 
 def free_port() -> int:
@@ -21,7 +89,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(args: list[str], nproc: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
+def run_ranks(args: list[str], nproc: int, env: dict, timeout: float,
+              torchrun: bool = True) -> subprocess.CompletedProcess:
     """``python ARGS`` as ``nproc`` ranks; the result's return code is the first failing rank's (0
     when all succeed), its output every rank's in rank order."""
     port = str(free_port())
@@ -31,12 +100,11 @@ def run_ranks(args: list[str], nproc: int, env: dict, timeout: float) -> subproc
         for r, (out, err) in enumerate(outs):
             rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            with out.open("w") as o, err.open("w") as e:
-                procs.append(subprocess.Popen([sys.executable, *args], stdout=o, stderr=e, env=rank_env))
+            procs.append(start_script(args, rank_env if torchrun else env, out, err))
         deadline, code = time.monotonic() + timeout, 0
         try:
-            while any(p.poll() is None for p in procs):
-                failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            while any(p.exitcode is None for p in procs):
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed:  # one rank died: the others would wait at a collective until the timeout
                     code = failed[0]
                     break
@@ -45,10 +113,10 @@ def run_ranks(args: list[str], nproc: int, env: dict, timeout: float) -> subproc
                 time.sleep(0.05)
         finally:
             for p in procs:
-                if p.poll() is None:
+                if p.exitcode is None:
                     p.kill()
-                p.wait()
-        code = code or next((p.returncode for p in procs if p.returncode), 0)
-        stdout = "".join(o.read_text() for o, _ in outs)
-        stderr = "".join(e.read_text() for _, e in outs)
+                p.join()
+        code = code or next((p.exitcode for p in procs if p.exitcode), 0)
+        stdout = "".join(o.read_text() for o, _ in outs if o.exists())  # absent: the child never started
+        stderr = "".join(e.read_text() for _, e in outs if e.exists())
     return subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
 
-from tests.distributed.ranks import run_ranks  # noqa: E402
+from tests.distributed.ranks import run_ranks, run_script  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
 
@@ -28,7 +28,7 @@ def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None) -> sub
     if nproc > 1:  # the ranks as torchrun describes them, without its process (tests/distributed/ranks.py)
         proc = run_ranks(args, nproc, env, timeout=240)
     else:
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
+        proc = run_script(args, env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

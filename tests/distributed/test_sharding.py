@@ -20,7 +20,7 @@ from apr.model.buffers import buffer_plan
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
 
-from tests.distributed.ranks import run_ranks  # noqa: E402
+from tests.distributed.ranks import run_ranks, run_script  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
 OPT = {"lr": 3e-3, "min_lr": 3e-4}
@@ -39,7 +39,7 @@ def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, rows: 
     if nproc > 1:  # the ranks as torchrun describes them, without its process (tests/distributed/ranks.py)
         proc = run_ranks(args, nproc, env, timeout=240)
     else:
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=240, env=env)
+        proc = run_script(args, env, timeout=240)
     if ok:  # each rank's error first: torchrun's own summary fills the end of stderr
         errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln and "torch/distributed" not in ln]
         assert proc.returncode == 0, "\n".join(errors[-20:]) + "\n" + proc.stdout[-2000:] + proc.stderr[-2000:]

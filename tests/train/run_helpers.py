@@ -90,7 +90,10 @@ def run_until(cmd: list[str], env: dict, kill_at: str | None = None, timeout: fl
     """Run ``cmd`` (stdout discarded), reading its stderr line by line; SIGKILL it as soon as a line
     starts with ``kill_at``. Returns (exit code, the stderr lines read)."""
     import subprocess
+    import sys
 
+    if cmd[0] == sys.executable and cmd[1].endswith(".py"):  # a script: forked (tests/distributed/ranks.py)
+        return _run_forked_until(cmd[1:], env, kill_at, timeout)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     seen: list[str] = []
     try:
@@ -104,3 +107,53 @@ def run_until(cmd: list[str], env: dict, kill_at: str | None = None, timeout: fl
         if proc.poll() is None:
             proc.kill()
     return proc.returncode, seen
+
+
+def _run_forked_until(args: list[str], env: dict, kill_at: str | None, timeout: float) -> tuple[int, list[str]]:
+    """``run_until`` for ``python SCRIPT ...``: the script in a child of the test worker's fork
+    server, its stderr read through a FIFO as it comes. The FIFO is opened without blocking, so a
+    child that dies before opening its end cannot hang the test; end of file counts only once the
+    child has exited."""
+    import os
+    import select
+    import tempfile
+    import time
+
+    from tests.distributed.ranks import start_script
+
+    with tempfile.TemporaryDirectory(prefix="apr-until-") as tmp:
+        fifo = os.path.join(tmp, "stderr")
+        os.mkfifo(fifo)
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        proc = start_script(args, env, os.devnull, fifo)
+        seen: list[str] = []
+        pending, deadline = b"", time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                select.select([fd], [], [], 0.1)
+                try:
+                    chunk = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:  # no writer: not yet opened, or gone
+                    if proc.exitcode is not None:
+                        break
+                    time.sleep(0.02)
+                    continue
+                *lines, pending = (pending + chunk).split(b"\n")
+                for raw in lines:
+                    line = raw.decode(errors="replace") + "\n"
+                    seen.append(line)
+                    if kill_at is not None and line.startswith(kill_at):
+                        proc.kill()
+                        proc.join()
+                        return proc.exitcode, seen
+            if pending:
+                seen.append(pending.decode(errors="replace"))
+            proc.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        return proc.exitcode, seen
