@@ -35,6 +35,9 @@ _context = None
 def _forkserver():
     global _context
     if _context is None:
+        # the server's environment is what OpenMP reads when it loads with torch: waiting threads
+        # sleep, as in a process where apr.threads runs before torch (apr/threads.py)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
     return _context
