@@ -781,6 +781,28 @@ class SinkConfig(_Section):
         return self
 
 
+class DataDriftWatchConfig(_Section):
+    """Drift during training (docs/monitor.md, "Data drift during training"): the rows the run has
+    read so far this epoch against the rows still ahead of the loader's cursor."""
+
+    interval: NonNegCount = Field(
+        0, description="Steps between checks (0: off): data_drift_psi, data_drift_ks, data_drift_wasserstein (token "
+        "ranks) and data_drift_doc_length_* in the stores, training_state.json and alert conditions.")
+    sample_tokens: PositiveCount = Field(
+        65_536, description="Tokens sampled (whole rows) from each side at each check.")
+    seed: Count = Field(0, description="Seed of the samples (mixed with the step).")
+
+
+class HistogramsConfig(_Section):
+    """Per-layer weight and gradient histograms (docs/monitor.md, "Histograms")."""
+
+    interval: NonNegCount = Field(
+        0, description="Steps between histograms of every layer's weights and gradients (0: off); the latest in "
+        "training_state.json (the monitor's hist panel), each in the stores' events (kind histograms).")
+    bins: PositiveCount = Field(32, le=256, description="Bins per histogram; a layer's edges are fixed at its first "
+                                "histogram, values beyond them counted in the end bins.")
+
+
 class MonitoringConfig(_Section):
     terminal: TerminalConfig = Field(default_factory=TerminalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -792,6 +814,8 @@ class MonitoringConfig(_Section):
     drift_after_steps: NonNegCount = Field(
         20, description="Compare the run with its plan after this many steps (step time, tokens/s, peak memory on "
         "a GPU): drift_* in training_state.json, the stores and alert conditions (docs/monitor.md); 0 disables.")
+    data_drift: DataDriftWatchConfig = Field(default_factory=DataDriftWatchConfig)
+    histograms: HistogramsConfig = Field(default_factory=HistogramsConfig)
     sinks: list[SinkConfig] = Field(
         default_factory=list, description="External trackers fed the same metrics as the stores, each on a "
                                           "thread of its own with a bounded queue; a failing or silent one is a "

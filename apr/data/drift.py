@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from apr.readers import load_json
+
 PSI_BINS = 10
 PSI_FLOOR = 1e-4  # an empty bin's share: PSI's log would be infinite at 0
 
@@ -161,6 +163,20 @@ def token_ranks(reference: np.ndarray, current: np.ndarray, vocab_size: int) -> 
     rank = np.empty(size, dtype=np.int64)
     rank[order] = np.arange(size)
     return rank[reference], rank[current], size
+
+
+def manifest_eot_id(folder: Path) -> int | None:
+    """The end-of-text id the pretokenize manifest of a dataset folder records (None without one,
+    or when it cannot be read: document lengths are then not compared)."""
+    manifest = Path(folder) / "manifest.json"
+    if not manifest.is_file():
+        return None
+    try:
+        doc = load_json(manifest, "data", "pretokenize manifest")
+    except Exception:  # an unreadable manifest: C-DATA contracts name it; lengths are skipped
+        return None
+    eot = (doc.get("tokenizer") or {}).get("eot_id") if isinstance(doc, dict) else None
+    return eot if isinstance(eot, int) and not isinstance(eot, bool) else None
 
 
 def doc_lengths(rows: np.ndarray, eot_id: int) -> np.ndarray:

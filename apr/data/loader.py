@@ -238,6 +238,21 @@ class ShardLoader:
         name = path.relative_to(self.path).as_posix() if self.path.is_dir() else path.name
         return name, int(index) - (int(self._shard_ends[shard - 1]) if shard else 0)
 
+    def sample_read_and_ahead(self, rows: int, rng) -> tuple[np.ndarray, np.ndarray] | None:
+        """Up to ``rows`` rows (uint32 ``[n, seq_len + 1]``) drawn at random (``rng``, a numpy
+        Generator) from the rows this epoch has given out so far, every rank's, and as many from the
+        rows it has still to give; None at an epoch's start or end, where one side is empty. For the
+        drift between them during training (apr/train/datadrift.py): read straight from the cache, not
+        checked against its checksums (a statistic, not a batch)."""
+        g = self.batch_size * self.world_size
+        done, end = self.position * g, self.micro_batches_per_epoch * g
+        if done == 0 or done >= end:
+            return None
+        order = self._order()
+        read = order[rng.choice(done, size=min(rows, done), replace=False)]
+        ahead = order[done + rng.choice(end - done, size=min(rows, end - done), replace=False)]
+        return self._rows[np.sort(read)], self._rows[np.sort(ahead)]
+
     # ------------------------------------------------------------------------------ API
 
     def next_batch(self):

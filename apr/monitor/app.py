@@ -24,7 +24,7 @@ from textual.widget import Widget
 from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-from apr.fmt import fmt_duration, fmt_epoch
+from apr.fmt import fmt_duration, fmt_epoch, fmt_percent
 from apr.monitor.charts import Series, bar, ema, level_bars, line_chart, sparkline
 from apr.monitor.dashboard import Cell, Dashboard, PanelSpec, default_dashboard
 from apr.monitor.discover import ActiveRun
@@ -32,15 +32,20 @@ from apr.monitor.settings import MonitorSettings, load_settings
 from apr.monitor.state import StateReader, effective_status, stale_threshold
 from apr.monitor.view import (
     BlockView,
+    EvalBars,
     HeaderView,
+    HistView,
     SparkView,
     block_view,
+    eval_bars_view,
     gpu_lines,
     grad_view,
     header_view,
+    hist_view,
     lr_view,
     messages,
     metric_view,
+    span_text,
     stats_lines,
     status_label,
 )
@@ -237,6 +242,65 @@ class BlockPanel(Panel):
         return text
 
 
+def _summed(counts: tuple[float, ...], width: int) -> list[float]:
+    """Counts summed into at most ``width`` buckets (a histogram keeps its mass when narrowed)."""
+    n = len(counts)
+    if n <= width:
+        return list(counts)
+    return [sum(counts[i * n // width:(i + 1) * n // width]) for i in range(width)]
+
+
+class HistPanel(Panel):
+    """Per-layer histograms of the latest record: one line per layer (spread evenly from the embedding
+    to the head when there are more layers than lines): its name, the weights' histogram (``w``) and
+    the gradient's (``g``), each over the layer's fixed bins, and the gradient's largest magnitude."""
+
+    def build(self, width: int, height: int) -> Text:
+        view: HistView | None = self.value  # type: ignore[assignment]
+        if view is None:
+            return Text("")
+        rows = view.shown(height)
+        self.border_title = f"Histograms @ step {view.step}" if view.step is not None else "Histograms"
+        self.border_subtitle = f"{len(rows)} of {len(view.rows)} layers" if len(rows) < len(view.rows) else ""
+        label = max((len(r.name) for r in rows), default=0) + 1
+        text = Text()
+        for i, row in enumerate(rows):
+            peak = " " + span_text(row.grad_range)
+            each = max(1, (width - label - 5 - len(peak)) // 2)
+            if i:
+                text.append("\n")
+            text.append(f"{row.name:<{label}}", style=_style("label"))
+            text.append("w ", style=_style("label"))
+            text.append(level_bars(_summed(row.weights, each), each, fill=True), style=_style("train"))
+            text.append(" g ", style=_style("label"))
+            text.append(level_bars(_summed(row.grads, each), each, fill=True), style=_style("val"))
+            text.append(peak[: max(0, width - label - 5 - 2 * each)], style=_style("label"))
+        return text
+
+
+class EvalBarsPanel(Panel):
+    """Task scores (accuracy) across stages: one bar per stage (or evaluation) and task, scaled 0 to 1."""
+
+    def build(self, width: int, height: int) -> Text:
+        view: EvalBars | None = self.value  # type: ignore[assignment]
+        if view is None:
+            return Text("")
+        lines = [(label if j == 0 else "", task, acc) for label, scores in view.groups
+                 for j, (task, acc) in enumerate(scores)][-height:]
+        left = max((len(a) for a, _, _ in lines), default=0) + 1
+        name = max((len(t) for _, t, _ in lines), default=0) + 1
+        text = Text()
+        for i, (label, task, acc) in enumerate(lines):
+            value = " " + fmt_percent(acc)
+            if i:
+                text.append("\n")
+            text.append(f"{label:<{left}}", style=_style("label"))
+            text.append(f"{task:<{name}}"[: max(0, width - left)], style=_style("label"))
+            text.append(bar(acc, max(1, width - left - name - len(value))), style=_style("train"))
+            text.append(value)
+        return text
+
+
 class MessagesPanel(Panel):
     """Messages, most important first, each wrapped to the panel's width; "…" ends the last line
     shown when more did not fit."""
@@ -318,9 +382,10 @@ class PickRunScreen(Screen[Path | None]):
 
 
 TITLES = {"loss": "Loss", "run": "Run", "gpu": "GPU", "lr": "Learning rate", "grad": "Grad norm",
-          "blocks": "Blocks", "alerts": "Alerts"}
+          "blocks": "Blocks", "alerts": "Alerts", "hist": "Histograms", "evals": "Evals"}
 WIDGETS = {"loss": LossChart, "run": StatsPanel, "gpu": GpuPanel, "lr": SparkPanel, "grad": SparkPanel,
-           "blocks": BlockPanel, "alerts": MessagesPanel, "spark": SparkPanel}
+           "blocks": BlockPanel, "alerts": MessagesPanel, "spark": SparkPanel, "hist": HistPanel,
+           "evals": EvalBarsPanel}
 
 
 def _widget(spec: PanelSpec) -> Panel:
@@ -353,6 +418,7 @@ class MonitorApp(App[None]):
     #sparks { height: 4; }
     #lr, #grad, #blocks { width: 1fr; height: 4; border: round $primary; }
     #messages { height: 4; border: round $primary; }
+    #hist, #evals { width: 1fr; border: round $primary; }
     .metric-spark { width: 1fr; height: 4; border: round $primary; }
     """
     BINDINGS = [
@@ -489,6 +555,9 @@ class MonitorApp(App[None]):
             blocks = block_view(state)
             block_panel.display = blocks is not None
             block_panel.set_value(blocks)
+        for panel_id, view in (("hist", hist_view), ("evals", eval_bars_view)):
+            if panel := self._panel(panel_id):  # empty until the run records them
+                panel.set_value(view(state))
 
     def _push_chart(self) -> None:
         state = self.reader.state if self.reader else None

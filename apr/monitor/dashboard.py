@@ -15,7 +15,9 @@ rows:
 ```
 
 Panels: ``loss`` (train and val loss chart), ``run`` (step, tokens, ETA, checkpoint), ``gpu``,
-``lr``, ``grad`` (grad norm), ``blocks`` (per-block norms), ``alerts`` (alerts and messages), and
+``lr``, ``grad`` (grad norm), ``blocks`` (per-block norms), ``alerts`` (alerts and messages),
+``hist`` (per-layer weight and gradient histograms, monitoring.histograms), ``evals`` (task scores
+across stages, evaluation.tasks), and
 ``{panel: spark, metric: NAME, title: TEXT}``: a sparkline of any metric the state file keeps a
 history of. Plain YAML, validated here: an unknown panel or metric is an error naming the file,
 the entry and what exists.
@@ -33,7 +35,7 @@ from apr.track.state import HISTORY_KEYS
 
 # panel kind -> widget id (the ids the app and its CSS know; a kind appears at most once)
 FIXED_PANELS = {"loss": "loss", "run": "stats", "gpu": "gpu", "lr": "lr", "grad": "grad", "blocks": "blocks",
-                "alerts": "messages"}
+                "alerts": "messages", "hist": "hist", "evals": "evals"}
 SPARK = "spark"
 SIZE = re.compile(r"^(\d+)(fr)?$")  # 4 (lines or columns) or 1fr (a share of what is left)
 

@@ -67,7 +67,8 @@ _FIELD_KINDS: dict[str, str] = {
 # Written by the tracker but not part of the fields every version-1 writer must provide.
 _OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events",
                    "block_norms": "block_norms", "cost": "cost", "mfu": "num", "hfu": "num", "drift": "drift",
-                   "mixture": "mixture"}
+                   "mixture": "mixture", "data_drift": "numbers", "histograms": "histograms",
+                   "eval_history": "eval_history"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -215,6 +216,35 @@ def _block_norms(value: Any) -> dict | None:
     return out if out["block_grad_norm"] or out["block_update_norm"] else None
 
 
+def _numbers(value: Any) -> dict | None:
+    """A flat record of figures (data drift: {"step", "data_drift_psi", ...}): numbers only."""
+    if not isinstance(value, dict):
+        return None
+    return {k: num(v) for k, v in value.items() if isinstance(k, str)} or None
+
+
+def _histograms(value: Any) -> dict | None:
+    """The latest per-layer histograms (monitoring.histograms): {"step", "bins", "layers": (layer, ...)},
+    each layer {"name", "kind", "lo", "hi", "min", "max", "counts": (int, ...)}; malformed layers dropped."""
+    if not isinstance(value, dict) or not isinstance(value.get("layers"), list):
+        return None
+    layers = tuple({"name": h["name"], "kind": h["kind"], "lo": num(h.get("lo")), "hi": num(h.get("hi")),
+                    "min": num(h.get("min")), "max": num(h.get("max")),
+                    "counts": tuple(max(0.0, num(c) or 0.0) for c in h["counts"])}
+                   for h in value["layers"] if isinstance(h, dict) and isinstance(h.get("name"), str)
+                   and h.get("kind") in ("weight", "grad") and isinstance(h.get("counts"), list) and h["counts"])
+    return {"step": _int(value.get("step")), "bins": _int(value.get("bins")), "layers": layers} if layers else None
+
+
+def _eval_history(value: Any) -> tuple[dict, ...]:
+    """Each task evaluation's scores: ({"step", "stage", "scores": {task: acc}}, ...)."""
+    if not isinstance(value, list):
+        return ()
+    return tuple({"step": _int(e.get("step")), "stage": _str(e.get("stage")),
+                  "scores": {k: num(v) for k, v in e["scores"].items() if isinstance(k, str)}}
+                 for e in value if isinstance(e, dict) and isinstance(e.get("scores"), dict))
+
+
 def _cost(value: Any) -> dict | None:
     """The live cost (training.price_per_gpu_hour): {"price_per_gpu_hour", "gpus", "spent", "projected"}."""
     if not isinstance(value, dict) or num(value.get("spent")) is None:
@@ -238,6 +268,9 @@ _CONVERT = {
     "samples": _samples,
     "block_norms": _block_norms,
     "cost": _cost,
+    "numbers": _numbers,
+    "histograms": _histograms,
+    "eval_history": _eval_history,
 }
 
 

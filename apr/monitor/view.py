@@ -220,6 +220,89 @@ def block_view(state: dict | None) -> BlockView | None:
                      tuple(norms.get("block_update_norm") or ()))
 
 
+@dataclass(frozen=True)
+class HistRow:
+    """One layer: its weight and gradient histograms (counts over fixed bins) and their true ranges."""
+
+    name: str
+    weights: tuple[float, ...]
+    grads: tuple[float, ...]
+    weight_range: tuple[float | None, float | None]
+    grad_range: tuple[float | None, float | None]
+
+
+@dataclass(frozen=True)
+class HistView:
+    """The latest per-layer histograms (monitoring.histograms), layers in the model's order."""
+
+    step: int | None
+    rows: tuple[HistRow, ...]
+
+    def shown(self, lines: int) -> tuple[HistRow, ...]:
+        """At most ``lines`` layers, spread evenly from the first to the last."""
+        n = len(self.rows)
+        if lines >= n:
+            return self.rows
+        if lines <= 1:
+            return self.rows[:max(lines, 0)]
+        return tuple(self.rows[round(i * (n - 1) / (lines - 1))] for i in range(lines))
+
+
+def _layer_order(name: str) -> tuple[int, int]:
+    """embed, block.0, block.1, ..., head."""
+    if name == "embed":
+        return (0, 0)
+    if name.startswith("block.") and name[6:].isdigit():
+        return (1, int(name[6:]))
+    return (2, 0)
+
+
+def hist_view(state: dict | None) -> HistView | None:
+    """None hides the panel: no state, or a run that records no histograms."""
+    hist = state.get("histograms") if state else None
+    if not hist:
+        return None
+    by_layer: dict[str, dict] = {}
+    for h in hist["layers"]:
+        by_layer.setdefault(h["name"], {})[h["kind"]] = h
+    rows = tuple(HistRow(name, tuple(k.get("weight", {}).get("counts", ())), tuple(k.get("grad", {}).get("counts", ())),
+                         (k.get("weight", {}).get("min"), k.get("weight", {}).get("max")),
+                         (k.get("grad", {}).get("min"), k.get("grad", {}).get("max")))
+                 for name, k in sorted(by_layer.items(), key=lambda item: _layer_order(item[0])))
+    return HistView(hist["step"], rows)
+
+
+def span_text(span: tuple[float | None, float | None]) -> str:
+    """'±1.2e-2': the largest magnitude of a range."""
+    finite = [abs(v) for v in span if v is not None]
+    return f"±{fmt_sci(max(finite))}" if finite else DASH
+
+
+@dataclass(frozen=True)
+class EvalBars:
+    """Task scores of the latest evaluation of each stage (or of the latest evaluations, for a run of
+    one stage): groups of (label, ((task, acc), ...)), oldest first."""
+
+    groups: tuple[tuple[str, tuple[tuple[str, float | None], ...]], ...]
+
+
+def eval_bars_view(state: dict | None, groups: int = 6) -> EvalBars | None:
+    """None hides the panel: no task evaluation yet."""
+    history = state.get("eval_history") if state else None
+    if not history:
+        return None
+    if any(e["stage"] for e in history):  # the last evaluation of each stage
+        last: dict[str | None, dict] = {}
+        for e in history:
+            last.pop(e["stage"], None)
+            last[e["stage"]] = e
+        chosen = list(last.values())[-groups:]
+    else:
+        chosen = list(history)[-groups:]
+    return EvalBars(tuple((f"{e['stage'] + ' ' if e['stage'] else ''}@{fmt_int(e['step'])}",
+                           tuple(sorted(e["scores"].items()))) for e in chosen))
+
+
 def alert_lines(alerts: list[dict]) -> list[tuple[str, str]]:
     """A count by severity (when there are several alerts: one shows its severity on its line), then
     each alert, newest first, styled by its severity; a record from before severities shows its

@@ -18,7 +18,6 @@ from pathlib import Path
 from apr.config.loader import LoadedConfig
 from apr.errors import Finding
 from apr.plan.datafacts import dataset_facts, resolve, shard_files
-from apr.readers import load_json
 
 MIN_TOKENS = 10_000  # below this per side the statistics are noise (a rank table of a few hundred tokens)
 
@@ -46,15 +45,9 @@ def _readable_shards(path_text: str, column: str) -> list[Path] | None:
 
 def _eot_id(path_text: str) -> int | None:
     """The end-of-text id the pretokenize manifest of the dataset records (None without one)."""
-    manifest = resolve(path_text) / "manifest.json"
-    if not manifest.is_file():
-        return None
-    try:
-        doc = load_json(manifest, "data", "pretokenize manifest")
-    except Exception:  # an unreadable manifest: C-DATA contracts name it; lengths are skipped here
-        return None
-    eot = (doc.get("tokenizer") or {}).get("eot_id") if isinstance(doc, dict) else None
-    return eot if isinstance(eot, int) and not isinstance(eot, bool) else None
+    from apr.data.drift import manifest_eot_id  # numpy
+
+    return manifest_eot_id(resolve(path_text))
 
 
 def _pairs(config) -> list[tuple[str, list[tuple[str, float]], str]]:

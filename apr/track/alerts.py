@@ -23,7 +23,7 @@ from apr.cel import CelError, compile_expr, evaluate, free_variables
 from apr.errors import AprError, Finding
 from apr.fmt import fmt_float
 from apr.severity import action_of, severity_of
-from apr.track.state import BLOCK_NORM_KEYS, BLOCK_NORM_LISTS
+from apr.track.state import BLOCK_NORM_KEYS, BLOCK_NORM_LISTS, DATA_DRIFT_KEYS
 
 # Metric names a condition may use -> the metrics key they read.
 ALERT_VARIABLES: dict[str, str] = {
@@ -41,6 +41,8 @@ ALERT_VARIABLES: dict[str, str] = {
     "drift_step_time": "drift_step_time",
     "drift_tokens_per_s": "drift_tokens_per_s",
     "drift_memory": "drift_memory",
+    # rows read so far against rows ahead, at monitoring.data_drift.interval steps (apr/train/datadrift.py)
+    **{name: name for name in DATA_DRIFT_KEYS},
 }
 _INT_VARIABLES = {"step"}
 # Lists of floats, one per block (monitoring.block_norms): `block_grad_norm.exists(x, x > 5.0)`,

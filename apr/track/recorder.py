@@ -35,8 +35,8 @@ from apr.track.names import (
     validate_experiment,
     validate_run_id,
 )
-from apr.track.state import BLOCK_NORM_KEYS, STATE_FILE, RunState, read_state
-from apr.track.store import BUSY_TIMEOUT_S, Batch, StoreWriter, flatten_params
+from apr.track.state import BLOCK_NORM_KEYS, EVAL_HISTORY, STATE_FILE, RunState, read_state
+from apr.track.store import BUSY_TIMEOUT_S, HISTOGRAMS_EVENT, Batch, StoreWriter, flatten_params
 from apr.track.telemetry import gpu_snapshot
 from apr.track.trackers import (
     SinkWorker,
@@ -484,6 +484,11 @@ class RunRecorder:
             self.state["evals"] = evals
             if result.get("samples"):
                 self.state["samples"] = {"step": step, "items": result["samples"]}
+            if result.get("tasks"):  # the evals panel's bars: each evaluation's scores, with its stage
+                history = [e for e in self.state.fields.get("eval_history") or () if e.get("step", 0) < step]
+                history.append({"step": step, "stage": result.get("stage"),
+                                "scores": {name: score.get("acc") for name, score in result["tasks"].items()}})
+                self.state["eval_history"] = history[-EVAL_HISTORY:]
             self._update_clock(now)
         self._request(state=True, db=True)
 
@@ -522,6 +527,35 @@ class RunRecorder:
                 value = _num(drift.get(key))
                 if value is not None:
                     self._out_metrics.append((self.run_id, int(step), key, value, now))
+            self._update_clock(now)
+        self._request(state=True, db=True)
+
+    def log_data_drift(self, step: int, figures: dict) -> None:
+        """Data drift during training (apr/train/datadrift.py): the state's ``data_drift`` and its
+        ``data_drift_*`` figures as metric rows."""
+        self._print_warnings()
+        now = time.time()
+        with self._lock:
+            self.state["data_drift"] = dict(figures)
+            for key, value in figures.items():
+                v = _num(value)
+                if key.startswith("data_drift_") and v is not None:
+                    self._out_metrics.append((self.run_id, int(step), key, v, now))
+            self._update_clock(now)
+        self._request(state=True, db=True)
+
+    def log_histograms(self, step: int, histograms: dict) -> None:
+        """Per-layer weight and gradient histograms (apr/train/histograms.py): the latest in the
+        state's ``histograms``, each in both stores' events as kind ``histograms`` (read back by
+        ``store.histograms``, left out of ``store.events``)."""
+        self._print_warnings()
+        now = time.time()
+        record = {"step": int(step), **histograms}
+        with self._lock:
+            self.state["histograms"] = record
+            self._out_events.append((self.run_id, int(step), now, HISTOGRAMS_EVENT,
+                                     f"{len(histograms.get('layers') or ())} layers",
+                                     json.dumps(record, allow_nan=False, default=str)))
             self._update_clock(now)
         self._request(state=True, db=True)
 

@@ -22,6 +22,7 @@ from apr.readers import InputError, check_regular
 from apr.severity import severity_of
 
 SCHEMA_VERSION = 4
+HISTOGRAMS_EVENT = "histograms"  # the events kind of per-layer histograms (recorder.log_histograms)
 BUSY_TIMEOUT_S = 5.0
 
 RUN_COLUMNS: dict[str, type] = {
@@ -218,8 +219,9 @@ def untyped(value: Any, kind: str) -> Any:
 
 
 def _drop_bad_steps_after(conn: sqlite3.Connection, run_id: str, step: int) -> None:
-    """The steps after ``step`` are trained again: their bad_step events go (rollbacks stay)."""
-    conn.execute("DELETE FROM events WHERE run_id = ? AND kind = 'bad_step' AND step > ?", (run_id, step))
+    """The steps after ``step`` are trained again: their bad_step events and histograms go (rollbacks stay)."""
+    conn.execute("DELETE FROM events WHERE run_id = ? AND kind IN ('bad_step', ?) AND step > ?",
+                 (run_id, HISTOGRAMS_EVENT, step))
 
 
 @dataclass
@@ -475,13 +477,24 @@ def alerts(conn: sqlite3.Connection, run_id: str) -> list[dict]:
 
 def events(conn: sqlite3.Connection, run_id: str) -> list[dict]:
     """The run's events (bad steps, rollbacks), oldest first, ``detail`` parsed; [] from a store
-    written before events existed."""
+    written before events existed. Histogram records (``histograms``) are left out."""
     if conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='events'").fetchone() is None:
         return []
     rows = conn.execute(
-        "SELECT step, time, kind, message, detail FROM events WHERE run_id = ? ORDER BY time, rowid", (run_id,)
+        "SELECT step, time, kind, message, detail FROM events WHERE run_id = ? AND kind != ? ORDER BY time, rowid",
+        (run_id, HISTOGRAMS_EVENT),
     )
     return [{**dict(r), "detail": json.loads(r["detail"]) if r["detail"] else None} for r in rows]
+
+
+def histograms(conn: sqlite3.Connection, run_id: str) -> list[dict]:
+    """The run's per-layer histogram records (monitoring.histograms), oldest first: each
+    ``{step, bins, layers: [{name, kind, lo, hi, counts, ...}]}``."""
+    if conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='events'").fetchone() is None:
+        return []
+    rows = conn.execute("SELECT detail FROM events WHERE run_id = ? AND kind = ? ORDER BY step, rowid",
+                        (run_id, HISTOGRAMS_EVENT))
+    return [json.loads(r[0]) for r in rows if r[0]]
 
 
 def integrity_check(path: Path | str) -> str:

@@ -80,6 +80,16 @@ def grown(run, step: int, old_depth: int, recorder) -> None:
     run.echo(f"{run.step_label(step)}  {message}")
 
 
+def stage_label(run) -> str | None:
+    """The run's stage for the evals panel: the mixture's stage and the stacking stage, where the run
+    has them (None: one stage)."""
+    parts = [run.loader.stage_name] if getattr(run, "mixture", False) and len(run.loader.stages) > 1 else []
+    config = getattr(run, "config", None)
+    if config is not None and config.model.stacking:  # progressive stacking: the stage's depth
+        parts.append(f"stack {run.stack_stage}")
+    return " / ".join(parts) or None
+
+
 def tasks_and_samples(run, step: int, recorder):
     """evaluation.tasks / samples on the model in training (apr.evaluate.during_training); the new
     scores are recorded and checked by the alerts (``eval.<task>.acc`` conditions). Data parallel:
@@ -90,7 +100,7 @@ def tasks_and_samples(run, step: int, recorder):
         result = run.evaluator.run(run.engine.model, step)
     if not run.is_main:
         return None
-    recorder.log_task_evals(step, result)
+    recorder.log_task_evals(step, {**result, "stage": stage_label(run)})
     scores = "  ".join(f"{name} acc {s['acc']:.3f} acc_norm {s['acc_norm']:.3f}" for name, s in result["tasks"].items())
     run.echo(f"{run.step_label(step)}  eval {scores}  ({result['seconds']:.1f} s)".replace("  (", " (")
              if scores else f"{run.step_label(step)}  samples ({result['seconds']:.1f} s)")

@@ -34,10 +34,12 @@ from apr.train.blocknorms import block_metrics
 from apr.train.cadence import Cadence
 from apr.train.calibrate import record_run
 from apr.train.checkpoints import Checkpoints, run_state
+from apr.train.datadrift import DataDriftCheck
 from apr.train.datasetup import data_side, micro_batches
 from apr.train.drift import DriftCheck
 from apr.train.earlystop import EarlyStopping
 from apr.train.engine import Engine, NonFiniteError
+from apr.train.histograms import LayerHistograms
 from apr.train.mfu import mfu_meter
 from apr.train.options import ApplyOptions, RunResult
 from apr.train.outdir import (
@@ -65,11 +67,9 @@ class Run:
         self.hooks: list[StepHook] = list(options.hooks)
         es = config.training.early_stopping
         self.early_stopping = EarlyStopping(es.patience, es.min_delta) if es.patience else None
-        if self.early_stopping is not None:
-            self.hooks.append(self.early_stopping)
         self.survival = Survival(config)  # training.bad_steps and training.rollback
-        if config.monitoring.drift_after_steps > 0:  # the run against its plan (apr/train/drift.py)
-            self.hooks.append(DriftCheck(plan_doc, config.monitoring.drift_after_steps))
+        self.histograms = LayerHistograms.from_config(config)  # attached to each engine built
+        self.hooks += _watch_hooks(config, plan_doc, self.early_stopping, self.histograms)
         self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
         self.start_step = 0
         self.step = 0  # the step in progress (the last finished one between steps)
@@ -147,6 +147,8 @@ class Run:
         engine.freeze(frozen_groups(config, step))
         if self.survival.bad_steps is not None:
             engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
+        if self.histograms is not None:
+            self.histograms.attach(engine, self.is_main)
         if config.monitoring.block_norms:  # under sharding too: the norms are all-reduced from the shards'
             self.steplog.block_norms = partial(block_metrics, engine)
         return engine
@@ -354,6 +356,26 @@ class Run:
         if self.dp is not None:
             self.dp.close()
         return self._result(Stop("finished", reason, 0), final_step=self.start_step, warnings=[])
+
+
+def _watch_hooks(config: AprConfig, plan_doc: dict | None, early_stopping: EarlyStopping | None,
+                 histograms: LayerHistograms | None) -> list[StepHook]:
+    """The hooks the config asks for: early stopping, the run against its plan (apr/train/drift.py),
+    per-layer histograms (histograms.py), data drift during training (datadrift.py)."""
+    hooks: list[StepHook] = [early_stopping] if early_stopping is not None else []
+    if config.monitoring.drift_after_steps > 0:
+        hooks.append(DriftCheck(plan_doc, config.monitoring.drift_after_steps))
+    if histograms is not None:
+        hooks.append(histograms)
+    if config.monitoring.data_drift.interval > 0 and config.data.sources is None:
+        hooks.append(DataDriftCheck.from_config(config, _dataset_folder(config.data.train)))
+    return hooks
+
+
+def _dataset_folder(train: str) -> Path:
+    """The folder a dataset's pretokenize manifest is in: ``data.train``, or the folder of a shard."""
+    path = Path(os.path.expanduser(train))
+    return path if path.is_dir() else path.parent
 
 
 def prepare_run(config: AprConfig, *, config_hash: str, config_path: Path, options: ApplyOptions,

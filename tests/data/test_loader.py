@@ -198,3 +198,21 @@ def test_junk_in_the_cache_folder_is_skipped_not_read(tmp_path):
     loader = ShardLoader(numbered(tmp_path / "d", 20), seq_len=SEQ, batch_size=4, cache_dir=cache)
     assert loader.memory_mapped and loader.next_batch().shape == (4, SEQ + 1)
     assert (cache / "list.json").exists() and (cache / "fifo.json").exists()
+
+
+def test_drift_samples_split_the_epoch_at_the_cursor_across_ranks(tmp_path):
+    """sample_read_and_ahead: every rank's rows given out so far on one side, the rest of the epoch
+    on the other; nothing at an epoch's start; the cursor is not moved."""
+    path = numbered(tmp_path / "d", 40)
+    loader = ShardLoader(path, seq_len=SEQ, batch_size=2, rank=1, world_size=2, seed=5, cache_dir=False)
+    rng = np.random.default_rng(0)
+    assert loader.sample_read_and_ahead(100, rng) is None
+    given = set()
+    for _ in range(3):
+        given |= set(first_ids(loader.next_batch()))
+    read, ahead = loader.sample_read_and_ahead(100, rng)
+    state = loader.state_dict()
+    read_ids, ahead_ids = set(read[:, 0].tolist()), set(ahead[:, 0].tolist())
+    assert len(read_ids) == 12 and given < read_ids  # rank 0's rows too
+    assert read_ids == set(loader._order()[:12].tolist()) and ahead_ids == set(loader._order()[12:40].tolist())
+    assert len(loader.sample_read_and_ahead(5, rng)[1]) == 5 and loader.state_dict() == state

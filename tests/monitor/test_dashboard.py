@@ -79,3 +79,51 @@ def test_the_cli_refuses_a_bad_file_before_starting_and_the_web_passes_a_good_on
     good = tmp_path / "good.yaml"
     good.write_text(CUSTOM)
     assert f"--dashboard {good.resolve()}" in dashboard_command(FIXTURES / "mid_run", None, None, good)
+
+
+HIST_EVALS = """\
+rows:
+  - height: 6
+    panels: [hist, evals]
+  - height: 4
+    panels: [alerts]
+"""
+
+
+def test_the_histogram_and_eval_panels_show_the_recorded_layers_and_scores_by_stage(tmp_path):
+    """hist: one line per layer (embedding to head) with its weight and gradient histograms; evals: the
+    last evaluation of each stage as bars, oldest first."""
+    import shutil
+
+    from apr.monitor.app import MonitorApp
+    from apr.monitor.settings import MonitorSettings
+
+    from .test_app import fixed_clock
+
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "mid_run", run)
+    doc = json.loads((run / "training_state.json").read_text())
+
+    def layer(name, kind, counts, span):
+        return {"name": name, "kind": kind, "lo": -span, "hi": span, "min": -span, "max": span / 2, "counts": counts}
+
+    names = ["head", "block.1", "embed", "block.0"]  # recorded in any order, shown in the model's
+    doc["histograms"] = {"step": 12800, "bins": 4, "layers": [
+        layer(n, k, [0, 5, 9, 1], 0.5 if k == "weight" else 0.02) for n in names for k in ("weight", "grad")]}
+    doc["eval_history"] = [{"step": s, "stage": st, "scores": {"nextline": a}}
+                           for s, st, a in ((1000, "warmup", 0.1), (2000, "warmup", 0.2), (9000, "main", 0.6))]
+    (run / "training_state.json").write_text(json.dumps(doc))
+    path = tmp_path / "dash.yaml"
+    path.write_text(HIST_EVALS)
+    app = MonitorApp(run, settings=MonitorSettings(), clock=fixed_clock, dashboard=load_dashboard(path))
+
+    async def body(pilot):
+        hist = text(app, "#hist").splitlines()  # the gradient's largest magnitude ends each line
+        assert [line.split()[0] for line in hist] == ["embed", "block.0", "block.1", "head"]
+        assert all(" w " in line and " g " in line and line.endswith(" ±0.020") for line in hist)
+        assert app.query_one("#hist").border_title == "Histograms @ step 12800"
+        evals = text(app, "#evals").splitlines()
+        assert [line.split()[0] for line in evals] == ["warmup", "main"]
+        assert evals[0].endswith("20.0%") and evals[1].endswith("60.0%") and "@2,000" in evals[0]
+
+    drive(app, body, size=(100, 12))

@@ -323,7 +323,7 @@ def test_task_scores_and_samples_are_recorded_printed_and_checked_by_the_alerts(
     run, lines, checked = _evaluating_run(TASKS)
     rec = Rec()
     assert events.tasks_and_samples(run, 3, rec) == "alerts' stop"
-    assert rec.task_evals == [(3, TASKS)]
+    assert rec.task_evals == [(3, {**TASKS, "stage": None})]  # one stage: no stage label
     assert lines == ["step 3/12  eval arc acc 0.500 acc_norm 0.250 (0.4 s)", "  sample: 'def f(' -> 'x):'"]
     assert checked == [({"step": 3}, 3)]  # eval.<task>.acc conditions see the new scores
 
