@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from apr.inspect.source import open_weights
 from apr.inspect.stats import weight_stats
@@ -38,22 +37,44 @@ def _rss() -> dict[str, int]:
     return out
 
 
-def write_checkpoint(path: Path, blocks: int) -> int:
-    """One tensor at a time through save_file per block file would be simpler, but one file is the
-    case to measure; tensors are built and written block by block into one dict of bf16 tensors."""
-    tensors = {"model.embed_tokens.weight": torch.randn(V, H, dtype=torch.bfloat16) * 0.02,
-               "lm_head.weight": torch.randn(V, H, dtype=torch.bfloat16) * 0.02,
-               "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
+def _shapes(blocks: int) -> list[tuple[str, tuple[int, ...]]]:
+    out = [("model.embed_tokens.weight", (V, H)), ("lm_head.weight", (V, H)), ("model.norm.weight", (H,))]
     for i in range(blocks):
         p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj", (H, H)), ("self_attn.k_proj", (H, H)), ("self_attn.v_proj", (H, H)),
-                            ("self_attn.o_proj", (H, H)), ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
-                            ("mlp.down_proj", (H, I))):
-            tensors[p + name + ".weight"] = torch.randn(shape, dtype=torch.bfloat16) * 0.02
-        tensors[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
-    save_file(tensors, str(path))
-    return sum(t.numel() for t in tensors.values())
+        out += [(p + name + ".weight", shape) for name, shape in (
+            ("self_attn.q_proj", (H, H)), ("self_attn.k_proj", (H, H)), ("self_attn.v_proj", (H, H)),
+            ("self_attn.o_proj", (H, H)), ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
+            ("mlp.down_proj", (H, I)), ("input_layernorm", (H,)), ("post_attention_layernorm", (H,)))]
+    return out
+
+
+def write_checkpoint(path: Path, blocks: int) -> int:
+    """A safetensors file written tensor by tensor (its 8-byte header length, JSON header, then each
+    tensor's bytes), so writing a 13.5 GiB 7B checkpoint holds one tensor at a time. Norm weights are
+    ones; matrices are 0.02 x standard normal, one random tensor per shape per 4 blocks reused (the
+    statistics read every byte whatever they hold; drawing 7B normals would take longer than reading)."""
+    shapes = _shapes(blocks)
+    header, offset = {}, 0
+    for name, shape in shapes:
+        size = 2 * int(torch.Size(shape).numel())
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    pool: dict[tuple, torch.Tensor] = {}
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for i, (_name, shape) in enumerate(shapes):
+            if len(shape) == 1:
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                key = (shape, i // 40)  # a new draw every ~4 blocks
+                if key not in pool:
+                    pool = {k: v for k, v in pool.items() if k[1] == key[1]}
+                    pool[key] = torch.randn(shape, dtype=torch.bfloat16) * 0.02
+                t = pool[key]
+            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return sum(int(torch.Size(s).numel()) for _, s in shapes)
 
 
 def main() -> None:

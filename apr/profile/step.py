@@ -4,8 +4,9 @@ The step is the model's own: ``LlamaForCausalLM.hidden_states`` then ``LlamaForC
 loss entry point every engine calls), under plain autograd, with the run's precision as autocast.
 Per layer it records forward and backward time (module hooks putting marks on a ``Clock``), the
 bytes autograd saves for the backward (a ``saved_tensors_hooks`` pack hook; weights excluded) and,
-on a GPU, the peak memory while the layer's backward runs. The hooks are the only thing the
-profiled step adds, and the unprofiled steps of the same run measure what they cost.
+on a GPU, the peak memory while the layer's backward runs. The timing hooks are the only thing the
+profiled step adds, and the unprofiled steps of the same run measure what they cost; bytes and
+peaks are counted on one more step, which is not timed (its pack hook runs per saved tensor).
 """
 
 from __future__ import annotations
@@ -75,55 +76,65 @@ class StepProfile:
 
 
 class _Recorder:
-    """The hooks: forward/backward marks per module and saved-tensor bytes per current layer."""
+    """The hooks: forward and backward marks per layer and, with ``memory``, the bytes autograd saves
+    per layer (a pack hook) and each layer's backward peak on a GPU.
 
-    def __init__(self, model, clock: Clock):
-        self.clock = clock
+    Timing takes as few Python calls as the marks need (docs/design.md, "Drift, histograms and the
+    profiler's cost"): a layer's input is the previous layer's output, so one forward pre-hook per
+    layer marks both the previous module's end and this layer's start (and a forward hook on the
+    last layer its end), and one gradient hook on each layer's input marks both this layer's
+    backward end and the previous layer's backward start (and one on the last layer's output its
+    backward start). The pack hook runs once per saved tensor, the most of any hook, so memory is
+    counted on a step of its own that is not timed."""
+
+    def __init__(self, model, clock: Clock, memory: bool = False):
+        self.clock, self.memory = clock, memory
         self.marks: dict[tuple[str, str], object] = {}
         self.saved: dict[str, int] = {}
         self.peaks: dict[str, int] = {}
         self.current = EMBED
         self._seen: set[int] = set()
-        self._weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._handles = []
-        modules = [(EMBED, model.model.embed_tokens)] + [(f"layers.{i}", m) for i, m in enumerate(model.model.layers)]
-        for name, module in modules:
-            self._handles += [module.register_forward_pre_hook(self._enter(name)),
-                              module.register_forward_hook(self._exit(name))]
+        self._weights = {p.untyped_storage().data_ptr() for p in model.parameters()} if memory else set()
+        layers = list(model.model.layers)
+        self._names = [f"layers.{i}" for i in range(len(layers))]
+        self._handles = [model.model.embed_tokens.register_forward_pre_hook(self._enter_embedding)]
+        for i, module in enumerate(layers):
+            self._handles.append(module.register_forward_pre_hook(self._enter(i)))
+        self._handles.append(layers[-1].register_forward_hook(self._exit_last))
 
-    # The backward is timed by gradient hooks on the layer's output (its gradient arrives: the
-    # layer's backward starts) and on its input (its gradient is computed: the layer's backward
-    # ends), registered during the forward. Tensor hooks cost a fraction of full module backward
-    # hooks, which wrap every input and output in an extra autograd node.
+    def _enter_embedding(self, _module, _args) -> None:
+        self.marks[(EMBED, "fwd0")] = self.clock.mark()
 
-    def _mark(self, name: str, what: str) -> None:
-        self.marks[(name, what)] = self.clock.mark()
+    def _enter(self, i: int):
+        name, previous = self._names[i], (self._names[i - 1] if i else EMBED)
 
-    def _enter(self, name: str):
         def hook(_module, args):
             self.current = name
-            self._mark(name, "fwd0")
+            self.marks[(name, "fwd0")] = self.marks[(previous, "fwd1")] = self.clock.mark()
             x = args[0]
-            if x.requires_grad:  # the embedding's input is integer ids: no gradient to hook
-                x.register_hook(lambda _grad: self._backward_exit(name))
+            if x.requires_grad:  # its gradient is computed: this layer's backward ends, the previous one's starts
+                x.register_hook(lambda _grad: self._input_grad(i))
         return hook
 
-    def _exit(self, name: str):
-        def hook(_module, _args, output):
-            self._mark(name, "fwd1")
-            if output.requires_grad and name != EMBED:  # the embedding's backward is timed to the end
-                output.register_hook(lambda _grad: self._backward_enter(name))
-        return hook
+    def _exit_last(self, _module, _args, output) -> None:
+        name = self._names[-1]
+        self.marks[(name, "fwd1")] = self.clock.mark()
+        if output.requires_grad:
+            output.register_hook(lambda _grad: self._backward_enter(name))
 
     def _backward_enter(self, name: str) -> None:
-        if self.clock.cuda:
+        if self.memory and self.clock.cuda:
             torch.cuda.reset_peak_memory_stats()
-        self._mark(name, "bwd0")
+        self.marks[(name, "bwd0")] = self.clock.mark()
 
-    def _backward_exit(self, name: str) -> None:
-        self._mark(name, "bwd1")
-        if self.clock.cuda:
-            self.peaks[name] = torch.cuda.max_memory_allocated()
+    def _input_grad(self, i: int) -> None:
+        mark = self.clock.mark()
+        self.marks[(self._names[i], "bwd1")] = mark
+        if self.memory and self.clock.cuda:
+            self.peaks[self._names[i]] = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        if i:
+            self.marks[(self._names[i - 1], "bwd0")] = mark
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # a storage is counted once, in the layer that first saved it; weights are not activations
@@ -161,7 +172,7 @@ class _Step:
     def __call__(self, rec: _Recorder | None = None) -> None:
         clock = rec.clock if rec else None
         self.optimizer.zero_grad(set_to_none=True)
-        saving = (torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t) if rec
+        saving = (torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t) if rec and rec.memory
                   else contextlib.nullcontext())
         with saving, _autocast(self.device, self.precision):
             hidden = self.model.hidden_states(self.inputs)
@@ -197,12 +208,13 @@ def _rows(rec: _Recorder, n_layers: int) -> list[LayerRow]:
     return rows
 
 
-def _median_rows(runs: list[list[LayerRow]]) -> list[LayerRow]:
+def _median_rows(runs: list[list[LayerRow]], memory: list[LayerRow]) -> list[LayerRow]:
+    """Each layer's median times over the timed steps, its bytes from the memory step."""
     out = []
-    for rows in zip(*runs, strict=True):
+    for rows, counted in zip(zip(*runs, strict=True), memory, strict=True):
         out.append(LayerRow(rows[0].name, statistics.median(r.forward_s for r in rows),
-                            statistics.median(r.backward_s for r in rows), rows[-1].saved_bytes,
-                            rows[-1].backward_peak_bytes))
+                            statistics.median(r.backward_s for r in rows), counted.saved_bytes,
+                            counted.backward_peak_bytes))
     return out
 
 
@@ -278,12 +290,20 @@ def profile_step(model, *, batch_size: int, seq_len: int, precision: str = "fp32
             rec.remove()
         runs.append(_rows(rec, len(model.model.layers)))
         optimizer.append(clock.seconds(rec.marks[("backward", "end")], rec.marks[(OPTIMIZER, "end")]))
+    rec = _Recorder(model, clock, memory=True)  # saved bytes and backward peaks: a step of their own, untimed
+    try:
+        step(rec)
+        clock.sync()
+    finally:
+        rec.remove()
+    memory = _rows(rec, len(model.model.layers))
     flops, by_op = count_flops(step)
     unprofiled = statistics.median(plain)
     kernels = kernel_time(step, unprofiled) if clock.cuda else None
     return StepProfile(
         device=str(step.device), precision=precision, batch_size=batch_size, seq_len=seq_len,
-        layers=_median_rows(runs), step_s=statistics.median(profiled), unprofiled_step_s=unprofiled, steps=steps,
+        layers=_median_rows(runs, memory), step_s=statistics.median(profiled), unprofiled_step_s=unprofiled,
+        steps=steps,
         optimizer_s=statistics.median(optimizer), counted_flops=flops, counted_by_op=by_op, peak_bytes=peak,
         weight_bytes=sum(p.numel() * p.element_size() for p in model.parameters()), kernels=kernels,
         profiled_samples_s=profiled, unprofiled_samples_s=plain)
