@@ -57,3 +57,21 @@ def test_the_model_is_left_without_hooks(profiles):
     (_, model) = profiles
     for m in [model.model.embed_tokens, *model.model.layers]:
         assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+
+
+def test_the_timed_step_takes_marks_only_and_memory_is_counted_on_a_step_of_its_own(profiles, monkeypatch):
+    """The pack hook runs once per saved tensor: the steps the overhead is measured on do not run it."""
+    from apr.profile.clock import Clock
+    from apr.profile.step import _Recorder, _Step
+
+    (_, model) = profiles
+    packed = []
+    step = _Step(model, 1, 16, "fp32")
+    for memory in (False, True):
+        rec = _Recorder(model, Clock(torch.device("cpu")), memory=memory)
+        monkeypatch.setattr(rec, "pack", lambda t, rec=rec: packed.append(memory) or _Recorder.pack(rec, t))
+        step(rec)
+        rec.remove()
+        assert {name for name, _ in rec.marks} >= {"embed_tokens", "layers.0", "layers.2", "head+loss"}
+        assert bool(rec.saved) == memory
+    assert packed and all(packed)
