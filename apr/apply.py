@@ -117,6 +117,10 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     is_main = os.environ.get("RANK", "0") == "0"
     for w in plan.warnings if is_main else []:
         options.echo(f"plan warning [{w.code}] {w.path + ': ' if w.path else ''}{w.message}")
+    decided = plan.execution.get("compile") or {}
+    if is_main and decided.get("setting") == "auto":  # what the plan decided for this run, and why
+        options.echo(f"training.execution.compile auto -> {'compiled' if decided['compile'] else 'eager'} "
+                     f"blocks: {decided['reason']}")
     for skipped in (plan.facts.get("calibration_skipped") or []) if is_main else []:
         options.echo(f"warning: calibration row skipped: {skipped}")
     run = prepare_run(plan.config, config_hash=plan.config_hash, config_path=config_path, options=options,

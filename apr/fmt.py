@@ -124,6 +124,19 @@ def fmt_duration(seconds) -> str:
     return f"{secs}s"
 
 
+def fmt_seconds(seconds) -> str:
+    """Seconds in the decision's line: 0.25 s, 12 s, 3.1 min, 2.4 h."""
+    if not _ok(seconds) or seconds < 0:
+        return DASH
+    if seconds < 10:
+        return f"{seconds:.3g} s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def fmt_gib(v) -> str:
     """Bytes as GiB with one decimal: VRAM readings."""
     return f"{v / 2**30:.1f}" if _ok(v) else DASH

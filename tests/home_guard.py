@@ -58,6 +58,9 @@ def pytest_configure(config):
         os.environ[_GUARDED_KEY] = os.environ.get("APR_HOME", "")
         os.environ["APR_HOME"] = tempfile.mkdtemp(prefix="apr-test-home-")
         config._apr_session_home = os.environ["APR_HOME"]
+    # inductor's compile cache: one for every session, as before apr kept it under APR_HOME (each
+    # test's own): compiled tests stay warm across tests and runs
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "apr-test-inductor"))
     config._apr_home_snapshot = {str(h): _listing(h) for h in guarded_homes()}
 
 

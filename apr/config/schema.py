@@ -483,6 +483,16 @@ class GradientsPolicy(StrEnum):
     workspace = "workspace"
 
 
+def _compile_setting(value: object) -> object:
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise ValueError(f"expected true, false or auto, got {value!r}")
+
+
+CompileSetting = Annotated[bool | str, BeforeValidator(_compile_setting),
+                           WithJsonSchema({"anyOf": [{"type": "boolean"}, {"const": "auto"}]})]
+
+
 class ExecutionConfig(_Section):
     """What the interleaved engine keeps and what it recomputes (docs/training.md, "Execution")."""
 
@@ -494,7 +504,10 @@ class ExecutionConfig(_Section):
     gradients: GradientsPolicy = Field(
         GradientsPolicy.auto, description="auto, kept (every group's gradient for the whole step: global "
         "clipping costs no extra walk) or workspace (one shared buffer of the largest group's size).")
-    compile: Bool = Field(False, description="torch.compile each decoder block (needs a working compiler).")
+    compile: CompileSetting = Field(
+        "auto", description="torch.compile each decoder block: true (needs a working compiler), false, or auto "
+        "(the plan compiles when the steps saved repay the compile time: device, step time, run length; "
+        "docs/training.md, \"Compiled blocks\").")
 
 
 class AdaGCConfig(_Section):

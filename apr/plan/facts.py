@@ -14,6 +14,7 @@ from apr.config.schema import AprConfig
 from apr.model.spec import (
     flops_per_token,
 )
+from apr.plan import compilefacts
 from apr.plan.configfacts import (  # validate's facts (config only), shared
     FactSheet,
     config_facts,
@@ -161,9 +162,23 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
             facts["time"] = {"estimated_seconds": sheet.time_estimate["estimated_seconds"],
                              "total_flops": sheet.time_estimate["total_flops"]}
     facts["threads"] = cpu_threads(config, world_size, nodes)
-    calibrated = calibration_facts(config, facts["execution"]["policy"], target, world_size=world_size, nodes=nodes)
-    if calibration.SKIPPED:  # malformed rows were left out: the plan says which
-        facts["calibration_skipped"] = calibration.skipped_warnings()
+    run_policy = facts["execution"]["policy"]
+    auto = config.training.execution.compile == "auto"  # the compiled policy's rows, and the run's own
+    compiled_cal = (calibration_facts(config, {**run_policy, "compile": True}, target, world_size=world_size,
+                                      nodes=nodes) if auto else None)
+    # last: calibration.SKIPPED then names what the read of the run's own policy skipped
+    calibrated = calibration_facts(config, run_policy, target, world_size=world_size, nodes=nodes)
+    skipped = calibration.skipped_warnings() if calibration.SKIPPED else None
+    total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None
+    decision = compilefacts.decide(config, facts, target, total_steps, calibrated if auto else None, compiled_cal)
+    nodes_planned = tr.nodes if nodes is None else nodes
+    ranked = config if (tr.world_size, tr.nodes) == (world_size, nodes_planned) else config.model_copy(
+        update={"training": tr.model_copy(update={"world_size": world_size, "nodes": nodes_planned})})
+    compilefacts.record(sheet, config, ranked, decision)
+    if auto and decision.compile and compiled_cal is not None:  # else the eager rate: a cautious estimate
+        calibrated = compiled_cal
+    if skipped:  # malformed rows were left out: the plan says which
+        facts["calibration_skipped"] = skipped
     if calibrated is not None:
         facts["calibration"] = calibrated
         if tokens is not None:  # measured beats assumed: the probe's or the runs' tokens/s on this device
@@ -174,7 +189,6 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
                 "estimated_seconds", "total_flops", "calibrated", "low_seconds", "high_seconds", "base_seconds",
                 "base_kind", "startup_seconds", "tokens_per_s", "loop_tokens_per_s", "tokens_per_s_low",
                 "tokens_per_s_high", "assumes")}
-    total_steps = tokens // facts["schedule"]["tokens_per_step"] if tokens is not None else None
     facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"),
                                      world_size)
     if tr.price_per_gpu_hour is not None:

@@ -86,6 +86,21 @@ def cuda_device_present() -> bool:
         return False
 
 
+def local_gpu_name() -> str | None:
+    """The first NVIDIA GPU's model as the driver names it ("NVIDIA H100 80GB HBM3"), torch-free
+    (``/proc/driver/nvidia/gpus/*/information``); None without the driver's files."""
+    root = "/proc/driver/nvidia/gpus"
+    try:
+        for bus in sorted(os.listdir(root)):
+            with open(os.path.join(root, bus, "information")) as f:
+                for line in f:
+                    if line.startswith("Model:"):
+                        return line.split(":", 1)[1].strip() or None
+    except OSError:
+        return None
+    return None
+
+
 def resolve_target(
     gpu: str | None, vram: int | str | None, *, config_gpu: str | None = None, config_vram: int | None = None
 ) -> Target | None:

@@ -195,8 +195,18 @@ def _execution_lines(plan) -> list[str]:
     kernels = e["kernels"] if e["kernels"] == e["kernels_resolved"] else f"{e['kernels']} -> {e['kernels_resolved']}"
     device = e["device"] if e["device"] == e["device_resolved"] else f"{e['device']} -> {e['device_resolved']}"
     return [f"engine {e['engine']}, precision {e['precision']}, device {device}",
-            f"kernels {kernels}",
+            f"kernels {kernels}", *_compile_lines(e),
             e["strategy"], *_policy_lines(e)]
+
+
+def _compile_lines(e: dict) -> list[str]:
+    """``training.execution.compile`` as decided (``auto`` resolved, with the reason)."""
+    c = e.get("compile")
+    if c is None:
+        return []
+    state = "compiled" if c["compile"] else "eager"
+    setting = "auto -> " if c["setting"] == "auto" else ""
+    return [f"blocks {setting}{state}: {c['reason']}"]
 
 
 def _policy_lines(e: dict) -> list[str]:

@@ -155,14 +155,15 @@ def compile_findings(loaded: LoadedConfig) -> list[Finding]:
 
     tr = loaded.config.training
     device = str(tr.device)
-    if not tr.execution.compile or device not in ("cpu", "cuda"):
+    if tr.execution.compile is not True or device not in ("cpu", "cuda"):
         return []  # device auto: known at apply start, which refuses before any step
     problem = compile_problem(device)
     if problem is None:
         return []
     file, line, column = loaded.source.where(("training", "execution", "compile"))
     severity = "error" if device == "cpu" else "warning"
-    return [Finding(severity, "config.compile", f"training.execution.compile: {problem}; set it to false",
+    return [Finding(severity, "config.compile", f"training.execution.compile: {problem}; set it to false "
+                    "(or auto: compiled only where the toolchain works and it pays)",
                     path="training.execution.compile", file=file, line=line, column=column,
                     expected=f"a working torch.compile toolchain for {device}", got=problem)]
 

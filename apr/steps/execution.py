@@ -21,11 +21,24 @@ import shutil
 from dataclasses import dataclass
 from importlib.util import find_spec
 
+from apr.fmt import fmt_int, fmt_percent, fmt_seconds
+
 # Share of a block's forward time that selective recompute repeats (norms, SwiGLU's silu and
 # product, rope, residual adds). Measured on the CPU (benchmarks/bench_engine.py, docs/performance.md).
 SELECTIVE_F = 0.25
 
 ACTIVATION_KINDS = ("keep", "keep_first", "selective", "recompute")
+
+# ``compile: auto`` (docs/design.md, "Compile when it pays"): the share of a step's time compiled
+# blocks save, and the seconds compiling costs a run (its first steps), by device and by whether
+# inductor's cache already holds the graphs (a resume, a second run). CPU: benchmarks/bench_compile.py
+# (10.5M shape, fp32, one thread; CPU seconds: cold 33, warm 6; saving 2-17% across runs on the
+# loaded 2-core box, docs/performance.md); CUDA: bench_engine.py on an H200 at 350M, bf16 (164 -> 95
+# ms a step), its compile time not measured yet, so a generous guess. Probes or finished runs of
+# both the eager and the compiled policy replace the saving by the measured one.
+COMPILE_SAVES = {"cpu": 0.10, "cuda": 0.40}
+COMPILE_COST_S = {"cpu": {"cold": 35.0, "warm": 8.0}, "cuda": {"cold": 120.0, "warm": 40.0}}
+COMPILE_MARGIN = 2.0  # compile only when the time saved is this many times the compile time
 
 
 @dataclass(frozen=True)
@@ -113,7 +126,7 @@ def candidates(config) -> list[Execution]:
         acts = [ex.activations]
     else:
         acts = ["keep", "selective", "recompute"] + [f"keep_first:{k}" for k in range(1, layers)]
-    return [parse(a, g, layers, ex.compile) for a in acts for g in grads]
+    return [parse(a, g, layers, compile_stated(config)) for a in acts for g in grads]
 
 
 def keeps_all_grads(config, execution: Execution) -> bool:
@@ -169,7 +182,8 @@ def from_config(config) -> Execution:
     resolves ``auto`` against a budget instead and hands its choice to the engine."""
     ex = config.training.execution
     if ex.activations != "auto" and str(ex.gradients) != "auto":
-        return parse(ex.activations, str(ex.gradients), config.model.architecture.num_hidden_layers, ex.compile)
+        return parse(ex.activations, str(ex.gradients), config.model.architecture.num_hidden_layers,
+                     compile_stated(config))
     return fastest(config)
 
 
@@ -207,3 +221,71 @@ def compile_problem(device_type: str) -> str | None:
         if find_spec("triton") is None:
             return "Triton is not installed (torch.compile's inductor needs it on CUDA)"
     return None
+
+
+def compile_stated(config) -> bool:
+    """``compile: true``. ``auto`` counts as false until the plan decides (``decide_compile``): tools
+    and tests without a plan run eagerly."""
+    return config.training.execution.compile is True
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """Whether the blocks are compiled, and why, as the plan prints it."""
+
+    compile: bool
+    setting: str  # what the config says: true, false or auto
+    reason: str
+    device: str | None = None
+    steps: int | None = None
+    step_seconds: float | None = None
+    saving: float | None = None  # share of a step's time compiled blocks save
+    saving_source: str | None = None
+    saved_seconds: float | None = None
+    compile_seconds: float | None = None
+    cache: str | None = None  # warm or cold
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def decide_compile(config, *, device: str | None, total_steps: int | None, step_seconds: float | None,
+                   step_basis: str = "", measured_saving: float | None = None, cache_warm: bool = False,
+                   problem: str | None = None) -> CompileDecision:
+    """Resolve ``training.execution.compile``. ``auto`` compiles when the time the run's steps save
+    (steps x step time x the share compiled blocks save) is at least ``COMPILE_MARGIN`` times what
+    compiling costs (cold or warm cache); it stays eager, saying why, when the device, the toolchain
+    (``problem``), the run's length or its step time is unknown or cannot repay it."""
+    setting = config.training.execution.compile
+    if setting is not True and setting is not False and setting != "auto":
+        raise ValueError(f"not a compile setting: {setting!r}")
+    if setting is not True and setting != "auto":
+        return CompileDecision(False, "false", "as stated in training.execution.compile")
+    if setting is True:
+        return CompileDecision(True, "true", "as stated in training.execution.compile", device=device)
+    if device not in ("cpu", "cuda"):
+        why = (f"torch.compile is not supported on {device} here" if device is not None
+               else "the device is known only at apply (training.device auto without a GPU target)")
+        return CompileDecision(False, "auto", why)
+    if problem is not None:
+        return CompileDecision(False, "auto", problem, device=device)
+    if not total_steps:
+        return CompileDecision(False, "auto", "the run's number of steps is unknown", device=device)
+    if not step_seconds:
+        how = ("`apr train plan --probe` measures it" if device == "cpu"
+               else "name the GPU (--gpu) or probe it (--probe)")
+        return CompileDecision(False, "auto", f"the step time is unknown ({how})", device=device,
+                               steps=total_steps)
+    saving, source = ((measured_saving, "measured by probes of both") if measured_saving is not None
+                      else (COMPILE_SAVES[device], "assumed for the device"))
+    cache = "warm" if cache_warm else "cold"
+    cost = COMPILE_COST_S[device][cache]
+    saved = total_steps * step_seconds * max(saving, 0.0)
+    on = saving > 0 and saved >= COMPILE_MARGIN * cost
+    basis = f" ({step_basis})" if step_basis else ""
+    reason = (f"{fmt_int(total_steps)} steps x {fmt_seconds(step_seconds)}{basis} x {fmt_percent(saving)} saved = "
+              f"{fmt_seconds(saved)} {'>=' if on else '<'} {COMPILE_MARGIN:g} x {fmt_seconds(cost)} compiling "
+              f"({cache} cache)")
+    return CompileDecision(on, "auto", reason, device=device, steps=total_steps, step_seconds=step_seconds,
+                           saving=saving, saving_source=source, saved_seconds=saved, compile_seconds=cost, cache=cache)
+

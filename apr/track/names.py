@@ -61,6 +61,23 @@ def apr_home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".apr"
 
 
+def compile_cache_dir() -> Path:
+    """Where torch.compile's inductor keeps compiled graphs for apr's runs: ``$TORCHINDUCTOR_CACHE_DIR``
+    when the user set it, else ``<APR_HOME>/cache/inductor``, so a second run or a resume on this
+    machine reuses them (docs/design.md, "Compile when it pays")."""
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(env).expanduser() if env else apr_home() / "cache" / "inductor"
+
+
+def compile_cache_warm(folder: Path | None = None) -> bool:
+    """Whether the compile cache holds anything yet (a first run on this machine pays the cold cost)."""
+    folder = folder if folder is not None else compile_cache_dir()
+    try:
+        return folder.is_dir() and any(folder.iterdir())
+    except OSError:
+        return False
+
+
 def global_db_path(home: Path | None = None) -> Path:
     return (home if home is not None else apr_home()) / "experiments.db"
 

@@ -4,16 +4,24 @@ Each decoder block, the unit the interleaved engine walks, is compiled on its ow
 their code, so inductor compiles one graph per mode (forward with or without autograd, recompute)
 and reuses it for every block. ``compile_blocks`` compiles block 0 at once on an input of the run's
 shape, so a machine that cannot compile (no C++ compiler for inductor on the CPU, no Triton on CUDA)
-fails when the engine is built, before any step, with an error that says what to change."""
+fails when the engine is built, before any step, with an error that says what to change.
+
+Inductor's compiled graphs are cached in ``apr.track.names.compile_cache_dir()`` (``$APR_HOME``'s
+``cache/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set), which outlives the system's /tmp, so
+a resume or a second run of the same shape loads them instead of compiling again (docs/design.md,
+"Compile when it pays")."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from apr.errors import AprError
 from apr.steps.execution import compile_problem
+from apr.track.names import compile_cache_dir
 
-HINT = "set training.execution.compile: false"
+HINT = "set training.execution.compile: false (or auto: compiled only where the toolchain works and it pays)"
 
 
 def compile_blocks(model, device: torch.device, sample_shape: tuple[int, int], dtype: torch.dtype,
@@ -23,6 +31,7 @@ def compile_blocks(model, device: torch.device, sample_shape: tuple[int, int], d
     problem = compile_problem(device.type)
     if problem is not None:
         raise AprError(f"training.execution.compile: {problem}; {HINT}")
+    use_compile_cache()
     layers = model.model.layers
     for layer in layers:
         layer.compile(dynamic=False)
@@ -40,3 +49,11 @@ def compile_blocks(model, device: torch.device, sample_shape: tuple[int, int], d
                        f"{type(err).__name__}: {first[:300]}; {HINT}") from None
     for p in layers[0].parameters():
         p.grad = None
+
+
+def use_compile_cache() -> str:
+    """Point inductor at apr's compile cache unless the user chose one (read by inductor when it
+    first compiles in this process); returns the folder."""
+    folder = str(compile_cache_dir())
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", folder)
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]

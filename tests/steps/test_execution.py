@@ -53,3 +53,53 @@ def test_the_cost_and_the_step_strategy_agree_on_the_pre_pass(engine, accum, gra
     expected = 3.0 if engine == "standard" else 4.0 + (3.0 if st.norm_prepass else 0.0)
     assert step_cost_f(config, ex) == pytest.approx(expected)
     assert st.keeps_all_grads == (engine == "standard" or accum > 1 or gradients == "kept")
+
+
+def _auto(**training):
+    return make_config(training={"execution": {"compile": "auto"}, **training})
+
+
+def test_compile_auto_compiles_a_run_long_enough_to_repay_it_and_not_a_short_one():
+    from apr.steps.execution import COMPILE_COST_S, COMPILE_MARGIN, COMPILE_SAVES, decide_compile
+
+    config = _auto()
+    # the break-even length: steps x step time x saving = margin x the cold compile time
+    break_even = COMPILE_MARGIN * COMPILE_COST_S["cpu"]["cold"] / (3.0 * COMPILE_SAVES["cpu"])
+    long = decide_compile(config, device="cpu", total_steps=int(break_even * 1.1), step_seconds=3.0)
+    short = decide_compile(config, device="cpu", total_steps=int(break_even * 0.9), step_seconds=3.0)
+    assert long.compile and not short.compile
+    assert ">=" in long.reason and "<" in short.reason and "cold cache" in long.reason
+    # a warm cache (a resume, a second run) makes the short run worth compiling
+    assert decide_compile(config, device="cpu", total_steps=int(break_even * 0.9), step_seconds=3.0,
+                          cache_warm=True).compile
+
+
+def test_compile_auto_stays_eager_and_says_why_when_it_cannot_know_or_cannot_compile():
+    from apr.steps.execution import decide_compile
+
+    config = _auto()
+    unknown = decide_compile(config, device="cpu", total_steps=10_000, step_seconds=None)
+    assert not unknown.compile and "--probe" in unknown.reason
+    broken = decide_compile(config, device="cpu", total_steps=10_000, step_seconds=3.0, problem="no C++ compiler")
+    assert not broken.compile and broken.reason == "no C++ compiler"
+    assert not decide_compile(config, device="cpu", total_steps=None, step_seconds=3.0).compile
+    assert not decide_compile(config, device="mps", total_steps=10_000, step_seconds=3.0).compile
+
+
+def test_compile_auto_uses_a_measured_saving_over_the_assumed_one():
+    from apr.steps.execution import decide_compile
+
+    config = _auto()
+    none_saved = decide_compile(config, device="cpu", total_steps=100_000, step_seconds=3.0, measured_saving=-0.02)
+    assert not none_saved.compile and none_saved.saving_source == "measured by probes of both"
+    assert decide_compile(config, device="cpu", total_steps=1_000, step_seconds=3.0, measured_saving=0.5).compile
+
+
+def test_a_stated_compile_setting_is_kept_and_auto_runs_eager_without_a_plan():
+    from apr.steps.execution import decide_compile
+
+    assert decide_compile(make_config(training={"execution": {"compile": True}}), device="cpu", total_steps=1,
+                          step_seconds=None).compile
+    assert not decide_compile(make_config(training={"execution": {"compile": False}}), device="cpu",
+                              total_steps=10**6, step_seconds=3.0).compile
+    assert from_config(_auto()).compile is False

@@ -86,3 +86,35 @@ def test_an_adagc_run_resumes_from_its_checkpoint_bitwise(tmp_path):
     a = load_file(str(tmp_path / "run" / "checkpoint-step-6.safetensors"))
     b = load_file(str(other / "checkpoint-step-6.safetensors"))
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_apply_compiles_the_blocks_when_the_plan_decides_compile_auto_pays(tmp_path, monkeypatch):
+    from apr import __version__
+    from apr.config import load_config
+    from apr.plan.facts import cpu_threads
+    from apr.steps import execution
+    from apr.track import calibration
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 3, "eval_interval": 0, "save_interval": 1000,
+                                           "execution": {"activations": "keep", "gradients": "kept",
+                                                         "compile": "auto"}})
+    config = load_config(cfg).config
+    eager = {"activations": "keep", "gradients": "kept", "compile": False, "kept_blocks": 2,
+             "recomputed_blocks": 0, "recompute": "none"}
+    probe = {"source": "probe", "device": "cpu", "device_name": calibration.host_cpu_name(), "rows": [],
+             "versions": {"torch": calibration.torch_version(), "cuda": None, "apr": __version__, "python": "3"},
+             "tokens_per_s": 100.0, "step_seconds": 3.0, "step_seconds_all": [3.0], "startup_seconds": 1.0,
+             "load": 0.5, "threads": 1}
+    calibration.record(probe, calibration.shape(config, eager, cpu_threads(config, 1)["threads"]))
+    # a compiler this fast repays itself in 3 steps of 3 s (the real one is timed by bench_compile.py)
+    monkeypatch.setattr(execution, "COMPILE_COST_S", {"cpu": {"cold": 0.1, "warm": 0.1}})
+    monkeypatch.setattr(execution, "compile_problem", lambda device: None)
+    compiled = []
+    monkeypatch.setattr(engine_module, "compile_blocks", lambda model, *a, **kw: compiled.append(model))
+    built, lines = _capture(monkeypatch), []
+    result = run_apply(cfg, apr_home=tmp_path / "home", echo=lines.append)
+    assert result.status == "finished"
+    (engine,) = built
+    assert engine.execution.compile is True and compiled == [engine.model]
+    assert any(line.startswith("training.execution.compile auto -> compiled blocks: 3 steps x 3 s") for line in lines)

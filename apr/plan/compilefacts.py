@@ -1,0 +1,83 @@
+"""``training.execution.compile: auto`` at plan time (docs/design.md, "Compile when it pays"): the
+device, the run's steps and their measured (probe, finished runs) or estimated time against what
+compiling costs; apr/steps/execution.py ``decide_compile`` makes the decision, this module gathers
+its inputs from the facts and writes the outcome into them (the policy the engine receives, its
+line, and the memory rows when compiling drops the compute copy). Torch-free."""
+
+from __future__ import annotations
+
+from apr import hardware
+from apr.config.schema import AprConfig
+from apr.plan import gpus
+from apr.plan.gpus import Target
+from apr.plan.memory import memory_table
+from apr.steps import execution as policy
+from apr.steps.execution import CompileDecision, Execution
+from apr.track.names import compile_cache_dir, compile_cache_warm
+
+
+def compile_device(config: AprConfig, target: Target | None) -> str:
+    """The device the blocks would be compiled for: ``training.device``, or for ``auto`` what apply
+    would pick here (CUDA when the plan targets a GPU or this machine has one, else the CPU)."""
+    device = str(config.training.device)
+    if device != "auto":
+        return device
+    return "cuda" if (target is not None and target.gpu is not None) or gpus.cuda_device_present() else "cpu"
+
+
+def gpu_step_seconds(config: AprConfig, facts: dict, target: Target | None) -> tuple[float | None, str]:
+    """A step's time at the assumed MFU of the target GPU, else of this machine's GPU when the
+    catalogue knows it (apply on a GPU box without --gpu); None when neither is known."""
+    gpu, where = (target.gpu, "the target") if target is not None and target.gpu is not None else (None, "")
+    if gpu is None and (name := gpus.local_gpu_name()) is not None:
+        gpu, where = hardware.from_device_name(name), "this machine's GPU"
+    peak = gpu.peak_flops(str(config.training.mixed_precision)) if gpu is not None else None
+    if peak is None:
+        return None, ""
+    world = max(1, int(facts.get("world_size", 1)))
+    flops = (facts["schedule"]["tokens_per_step"] / world * facts["model"]["flops_per_token"]
+             * facts["execution"]["cost_f"] / 3.0)
+    return flops / (peak * gpu.mfu), f"estimated at {where}'s assumed MFU, {gpu.name}"
+
+
+def decide(config: AprConfig, facts: dict, target: Target | None, total_steps: int | None,
+           eager: dict | None, compiled: dict | None) -> CompileDecision:
+    """``eager``/``compiled``: calibration summaries of this shape with the blocks eager / compiled
+    (apr/track/calibration.py), None when no probe or run measured them."""
+    device = compile_device(config, target)
+    step_s, basis = None, ""
+    if eager is not None and eager.get("step_seconds"):
+        step_s, basis = eager["step_seconds"], f"measured: {eager['what']}"
+    elif device == "cuda":
+        step_s, basis = gpu_step_seconds(config, facts, target)
+    measured = None
+    if eager is not None and compiled is not None and eager.get("step_seconds") and compiled.get("step_seconds"):
+        measured = 1.0 - compiled["step_seconds"] / eager["step_seconds"]
+    problem = policy.compile_problem(device)
+    if problem is not None and device == "cuda":  # planned elsewhere: apply decides again on the GPU box
+        problem += " here; apply decides again on the machine it runs on"
+    return policy.decide_compile(config, device=device, total_steps=total_steps, step_seconds=step_s,
+                                 step_basis=basis, measured_saving=measured,
+                                 cache_warm=compile_cache_warm(), problem=problem)
+
+
+def record(sheet, config: AprConfig, ranked: AprConfig, decision: CompileDecision) -> None:
+    """Write the decision into the facts: ``execution.compile`` (the decision and why), the policy
+    the engine receives, and, where compiling changes the buffer plan (the compute copy), the
+    memory rows of ``ranked`` (the config at the planned ranks)."""
+    facts = sheet.facts
+    ex = facts["execution"]
+    ex["compile"] = {**decision.to_dict(), "cache_dir": str(compile_cache_dir())}
+    if bool(ex["policy"]["compile"]) == decision.compile:
+        return
+    layers = config.model.architecture.num_hidden_layers
+    execution: Execution = Execution.from_dict({**ex["policy"], "compile": decision.compile}, layers)
+    ex["policy"] = execution.to_dict()
+    ex["policy_line"] = policy.describe(config, execution)
+    rows = memory_table(ranked, execution=execution)
+    memory = facts["memory"]
+    memory["total_bytes"] = sum(r.bytes for r in rows)
+    memory["by_component"] = {r.component: r.bytes for r in rows}
+    if memory.get("vram_bytes"):
+        memory["usage_fraction"] = memory["total_bytes"] / memory["vram_bytes"]
+    sheet.memory = rows
