@@ -146,6 +146,11 @@ def fmt_percent(fraction) -> str:
     return f"{100.0 * fraction:.1f}%" if _ok(fraction) else DASH
 
 
+def fmt_ratio(v) -> str:
+    """A speed or memory ratio against a baseline: 0.48x, 1.17x."""
+    return f"{v:.2f}x" if _ok(v) else DASH
+
+
 def fmt_float(v) -> str:
     """Any other float, in at most 6 significant digits: 0.39867109634551495 -> '0.398671',
     0.00010000000000000005 -> '0.0001', 491520.0 -> '491520'."""

@@ -67,6 +67,10 @@ SETTINGS = {
     "lean/selective+per_block": ("interleaved", "per_block", ("selective", "workspace")),
     "lean/recompute+per_block": ("interleaved", "per_block", ("recompute", "workspace")),
     "lean/recompute+global": ("interleaved", "global", ("recompute", "workspace")),
+    # exact global clipping with one gradient workspace (issue 40 item 4): the norm pre-pass walk
+    # backpropagates the kept graphs again (5F) or recomputes selective blocks in full (6.25F)
+    "lean/keep+global": ("interleaved", "global", ("keep", "workspace")),
+    "lean/selective+global": ("interleaved", "global", ("selective", "workspace")),
     "standard": ("standard", "global", None),
 }
 # training.execution.compile: true (torch.compile per block); run with --only, they compile for minutes
@@ -495,7 +499,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="auto", help="apr's training.kernels on CUDA (the CPU always uses torch)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (default on the CPU: apr's choice for the config, apr/threads.py)")
     ap.add_argument("--only", type=lambda s: s.split(","), default=None,
                     help=f"comma-separated subset of {','.join(APPROACHES)}")
     ap.add_argument("--sequential", action="store_true",
@@ -518,6 +523,11 @@ def main() -> None:
         ap.error("--warmup and --steps must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif args.device == "cpu":  # the threads apply would run this config with (apr/threads.py)
+        from apr.threads import apply_thread_policy, describe
+
+        choice = apply_thread_policy(make_config(args, engine="interleaved", clip_mode="global"))
+        print(f"threads: {describe(choice)}", file=sys.stderr)
     if args.rss_child:
         rss_child(args)
         return
