@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from apr import hardware
 from apr.config.schema import AprConfig
+from apr.fmt import fmt_giga
 from apr.plan import gpus
 from apr.plan.gpus import Target
 from apr.plan.memory import memory_table
@@ -25,6 +26,28 @@ def compile_device(config: AprConfig, target: Target | None) -> str:
     return "cuda" if (target is not None and target.gpu is not None) or gpus.cuda_device_present() else "cpu"
 
 
+# What a CPU thread is assumed to sustain on a step's matmuls (fp32) when no probe measured this
+# shape: on the dev box's AMD EPYC one thread ran bench_engine's 10.5M step (129 GFLOP executed) in
+# ~3 s, ~43 GFLOP/s. Assuming a little faster is the cautious side: a shorter step saves less.
+CPU_FLOPS_PER_THREAD = 50e9
+
+
+def _step_flops(facts: dict) -> float:
+    """FLOPs one process executes per step: its tokens x the model's FLOPs per token x the
+    execution's recompute (``cost_f / 3``)."""
+    world = max(1, int(facts.get("world_size", 1)))
+    return (facts["schedule"]["tokens_per_step"] / world * facts["model"]["flops_per_token"]
+            * facts["execution"]["cost_f"] / 3.0)
+
+
+def cpu_step_seconds(facts: dict) -> tuple[float, str]:
+    """A step's time at ``CPU_FLOPS_PER_THREAD`` x the run's intra-op threads (apr/threads.py)."""
+    threads = max(1, int((facts.get("threads") or {}).get("threads") or 1))
+    rate = CPU_FLOPS_PER_THREAD * threads
+    return _step_flops(facts) / rate, (f"estimated at an assumed {fmt_giga(CPU_FLOPS_PER_THREAD)}FLOP/s x "
+                                        f"{threads} thread{'s' if threads != 1 else ''}; --probe measures it")
+
+
 def gpu_step_seconds(config: AprConfig, facts: dict, target: Target | None) -> tuple[float | None, str]:
     """A step's time at the assumed MFU of the target GPU, else of this machine's GPU when the
     catalogue knows it (apply on a GPU box without --gpu); None when neither is known."""
@@ -34,10 +57,7 @@ def gpu_step_seconds(config: AprConfig, facts: dict, target: Target | None) -> t
     peak = gpu.peak_flops(str(config.training.mixed_precision)) if gpu is not None else None
     if peak is None:
         return None, ""
-    world = max(1, int(facts.get("world_size", 1)))
-    flops = (facts["schedule"]["tokens_per_step"] / world * facts["model"]["flops_per_token"]
-             * facts["execution"]["cost_f"] / 3.0)
-    return flops / (peak * gpu.mfu), f"estimated at {where}'s assumed MFU, {gpu.name}"
+    return _step_flops(facts) / (peak * gpu.mfu), f"estimated at {where}'s assumed MFU, {gpu.name}"
 
 
 def decide(config: AprConfig, facts: dict, target: Target | None, total_steps: int | None,
@@ -50,6 +70,8 @@ def decide(config: AprConfig, facts: dict, target: Target | None, total_steps: i
         step_s, basis = eager["step_seconds"], f"measured: {eager['what']}"
     elif device == "cuda":
         step_s, basis = gpu_step_seconds(config, facts, target)
+    elif device == "cpu":
+        step_s, basis = cpu_step_seconds(facts)
     measured = None
     if eager is not None and compiled is not None and eager.get("step_seconds") and compiled.get("step_seconds"):
         measured = 1.0 - compiled["step_seconds"] / eager["step_seconds"]
