@@ -92,7 +92,10 @@ def alert_config_findings(loaded: LoadedConfig) -> list[Finding]:
 
     out = []
     monitoring = loaded.config.monitoring
-    for f in alert_findings(list(monitoring.alerts), file=str(loaded.path), block_norms=monitoring.block_norms):
+    drift_off = ("monitoring.data_drift.interval is 0" if not monitoring.data_drift.interval else
+                 "data.train is a mixture, whose rows ahead are not checked" if loaded.config.data.sources else None)
+    for f in alert_findings(list(monitoring.alerts), file=str(loaded.path), block_norms=monitoring.block_norms,
+                            data_drift_off=drift_off):
         index = int(f.path.split("[", 1)[1].split("]", 1)[0]) if "[" in f.path else None
         line = column = None
         if index is not None:

@@ -95,9 +95,11 @@ def metric_suggestions(unknown: list[str]) -> str:
     return f"; did you mean {', '.join(hints)}?" if hints else ""
 
 
-def alert_findings(alerts: list, file: str | None = None, block_norms: bool = True) -> list[Finding]:
+def alert_findings(alerts: list, file: str | None = None, block_norms: bool = True,
+                   data_drift_off: str | None = None) -> list[Finding]:
     """Check `monitoring.alerts` entries up front: CEL syntax, known metric names, boolean result,
-    no per-block norm when `monitoring.block_norms` is off (the condition could never be evaluated).
+    no per-block norm when `monitoring.block_norms` is off and no data drift figure when
+    ``data_drift_off`` says why none is recorded (the condition could never be evaluated).
     Returns findings (empty when all are usable); `apr train validate` can report them."""
 
     findings = []
@@ -139,6 +141,13 @@ def alert_findings(alerts: list, file: str | None = None, block_norms: bool = Tr
                     got="monitoring.block_norms: false",
                 )
             )
+            continue
+        never = sorted(set(free_variables(condition)) & set(DATA_DRIFT_KEYS)) if data_drift_off else []
+        if never:
+            findings.append(Finding(
+                "error", "alert.data_drift_off", f"alert condition {condition!r} uses {', '.join(never)}, which are "
+                f"not recorded: {data_drift_off}", path=path, file=file,
+                expected="monitoring.data_drift.interval > 0 on one data.train folder", got=data_drift_off))
             continue
         try:
             result = evaluate(condition, _sample_variables(condition))

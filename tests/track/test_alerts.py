@@ -137,6 +137,14 @@ def test_per_block_names_validate_and_need_block_norms_on():
     assert found[1].got == "monitoring.block_norms: false"
 
 
+def test_data_drift_conditions_that_could_never_be_checked_are_refused():
+    alerts = [AlertConfig(condition="data_drift_psi > 0.25"), AlertConfig(condition="loss > 9.0")]
+    assert alert_findings(alerts) == []
+    found = alert_findings(alerts, file="run.yaml", data_drift_off="monitoring.data_drift.interval is 0")
+    assert [(f.code, f.path) for f in found] == [("alert.data_drift_off", "monitoring.alerts[0].condition")]
+    assert "data_drift_psi" in found[0].message and found[0].got == "monitoring.data_drift.interval is 0"
+
+
 def test_severities_fire_like_their_action_and_are_carried():
     ev = _ev({"condition": "loss > 5", "severity": "critical"}, {"condition": "loss > 4", "severity": "info"},
              {"condition": "loss > 3", "action": "stop"}, {"condition": "loss > 2"})
