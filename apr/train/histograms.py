@@ -10,9 +10,12 @@ gradient as this rank holds it before the data-parallel average, divided by the 
 Bins are fixed per layer and kind: ``bins`` equal bins over ``[-m, m]``, ``m`` the largest magnitude
 in the layer's first histogram of this process, so a layer's histograms stay comparable over the run;
 values beyond the edges are counted in the end bins, and each record keeps the layer's true min and
-max. Counts are accumulated on the device (``torch.histc`` over chunks of ``CHUNK`` elements, so the
-temporary is bounded whatever the layer's size) and read to the host once, after the step. The first
-histogram of each layer reads its range (one device read per layer per process).
+max. A histogram counts at most ``SAMPLE`` (256K) elements of a layer: beyond that, every
+``stride``-th (a prime, recorded), since ``torch.histc`` costs ~15x a min/max pass on the CPU and a
+whole-model histogram cost most of a step (docs/performance.md); the min and max are over every
+element. Counts are accumulated on the device (over chunks of ``CHUNK`` elements, so the temporary is
+bounded whatever the layer's size) and read to the host once, after the step. The first histogram of
+each layer reads its range (one device read per layer per process).
 
 Size: a record is ``layers x 2 x bins`` counts. The latest is in ``training_state.json``; every record
 goes to the stores' events (kind ``histograms``). After ``DOUBLE_AFTER`` records the interval doubles
@@ -27,6 +30,7 @@ import torch
 from apr.train.stop import StepReport, Stop
 
 CHUNK = 1 << 22  # elements per temporary (16 MiB in float32)
+SAMPLE = 1 << 18  # elements a layer's histogram counts at most (a strided sample beyond: bounded cost)
 DOUBLE_AFTER = 128  # records before the interval doubles
 
 
@@ -94,7 +98,9 @@ class LayerHistograms:
         return self.interval > 0 and step is not None and step % self.interval == 0
 
     def _add(self, kind: str, layer: str, tensors: list[torch.Tensor], mult: float = 1.0) -> None:
-        """Counts of ``tensors`` (times ``mult``) in the layer's bins, kept on the device."""
+        """Counts of ``tensors`` (times ``mult``) in the layer's bins, kept on the device: of every
+        element up to SAMPLE, else of every ``stride``-th (a prime, so the sample does not walk
+        the same columns of every row); the min and max are over every element."""
         device = tensors[0].device
         key = (kind, layer)
         lowest = torch.full((), float("inf"), device=device)
@@ -110,15 +116,16 @@ class LayerHistograms:
             m = max(abs(float(lowest)), abs(float(highest)))
             self.edges[key] = m if m > 0 else 1e-12
         m = self.edges[key]
+        stride = _stride(sum(t.numel() for t in tensors))
         counts = torch.zeros(self.bins, dtype=torch.float32, device=device)
         for t in tensors:
-            flat = t.reshape(-1)
+            flat = t.reshape(-1)[::stride]
             for start in range(0, flat.numel(), CHUNK):
                 part = flat[start:start + CHUNK].float()
                 if mult != 1.0:
                     part = part * mult
                 counts += torch.histc(part.clamp(-m, m), bins=self.bins, min=-m, max=m)
-        self._pending[key] = (counts, torch.stack([lowest, highest]))
+        self._pending[key] = (counts, torch.stack([lowest, highest]), stride)
 
     def after_step(self, run, report: StepReport) -> Stop | None:
         if not self.due(report.step) or self.skipped:
@@ -136,13 +143,24 @@ class LayerHistograms:
         counts = torch.stack([pending[k][0] for k in keys]).tolist() if keys else []  # one read
         ranges = torch.stack([pending[k][1] for k in keys]).tolist() if keys else []
         layers = [{"name": layer, "kind": kind, "lo": -self.edges[(kind, layer)], "hi": self.edges[(kind, layer)],
-                   "min": _finite(rng[0]), "max": _finite(rng[1]), "counts": [int(c) for c in cts]}
+                   "min": _finite(rng[0]), "max": _finite(rng[1]), "stride": pending[(kind, layer)][2],
+                   "counts": [int(c) for c in cts]}
                   for (kind, layer), cts, rng in zip(keys, counts, ranges, strict=True)]
         run.recorder.log_histograms(report.step, {"bins": self.bins, "layers": layers})
         self.records += 1
         if self.records % DOUBLE_AFTER == 0:
             self.interval *= 2
         return None
+
+
+def _stride(numel: int) -> int:
+    """1 up to SAMPLE elements, else the smallest prime >= numel / SAMPLE."""
+    k = -(-numel // SAMPLE)
+    if k <= 1:
+        return 1
+    while any(k % d == 0 for d in range(2, int(k ** 0.5) + 1)):
+        k += 1
+    return k
 
 
 def _finite(x: float) -> float | None:

@@ -18,13 +18,27 @@ from tests.train.run_helpers import make_dataset, write_config
 def test_a_layers_bins_are_fixed_by_its_first_histogram_and_later_values_beyond_land_in_the_end_bins():
     hist = LayerHistograms(interval=1, bins=4)
     hist._add("weight", "block.0", [torch.tensor([-2.0, -1.0, 0.5, 2.0]), torch.tensor([1.5])])
-    counts, span = hist._pending[("weight", "block.0")]
-    assert hist.edges[("weight", "block.0")] == 2.0 and counts.tolist() == [1, 1, 1, 2]
+    counts, span, stride = hist._pending[("weight", "block.0")]
+    assert stride == 1 and hist.edges[("weight", "block.0")] == 2.0 and counts.tolist() == [1, 1, 1, 2]
     assert span.tolist() == [-2.0, 2.0]
     hist._add("weight", "block.0", [torch.tensor([-9.0, 0.1, 7.0])])  # beyond the edges: the end bins
-    counts, span = hist._pending[("weight", "block.0")]
+    counts, span, _ = hist._pending[("weight", "block.0")]
     assert hist.edges[("weight", "block.0")] == 2.0 and counts.tolist() == [1, 0, 1, 1]
     assert span.tolist() == [-9.0, 7.0]  # the true range is kept beside the fixed bins
+
+
+def test_a_large_layer_is_counted_on_a_strided_sample_whose_shape_matches_the_whole(monkeypatch):
+    from apr.train import histograms
+
+    monkeypatch.setattr(histograms, "SAMPLE", 1000)
+    values = torch.randn(64, 250, generator=torch.Generator().manual_seed(0))  # 16,000 elements
+    hist = LayerHistograms(interval=1, bins=8)
+    hist._add("weight", "embed", [values])
+    counts, span, stride = hist._pending[("weight", "embed")]
+    assert stride == 17  # the smallest prime >= 16: the sample does not repeat the same columns
+    whole = torch.histc(values, bins=8, min=-float(span.abs().max()), max=float(span.abs().max()))
+    assert counts.sum() == len(values.reshape(-1)[::17]) and span.tolist() == [values.min(), values.max()]
+    assert (counts / counts.sum() - whole / whole.sum()).abs().max() < 0.03
 
 
 @pytest.mark.parametrize("engine", ["interleaved", "standard"])
