@@ -168,6 +168,7 @@ VALIDATE_APR_MODULES = {
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
     "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.strategy", "apr.track", "apr.track.alerts",
     "apr.track.state",
+    "apr.plan.orchestratefacts", "apr.steps.orchestration",  # training.orchestrator's checks (torch-free)
 }
 VALIDATE_PACKAGES = {"pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection",
                      "ruamel", "cel"}

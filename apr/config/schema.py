@@ -370,10 +370,20 @@ class DataConfig(_Section):
 
 class OptimizerName(StrEnum):
     adamw = "adamw"
+    sgd = "sgd"
+    swats = "swats"
 
 
 class OptimizerConfig(_Section):
-    name: OptimizerName = Field(OptimizerName.adamw, description="Optimizer. Only adamw for now.")
+    name: OptimizerName = Field(
+        OptimizerName.adamw, description="adamw; sgd (momentum beta1, in AdamW's first-moment buffer); swats "
+        "(AdamW, then SGD once the SWATS learning-rate estimate settles, per optimizer group; docs/training.md "
+        "\"SWATS\"). sgd and swats need the flat-buffer walk (training.engine: interleaved, no sharding).")
+    swats_min_steps: NonNegCount = Field(
+        100, description="swats: AdamW steps before a group may switch to SGD.")
+    swats_tolerance: Float = Field(
+        1.0e-9, gt=0, description="swats: a group switches when its bias-corrected SGD learning-rate estimate "
+        "is within this of the step's own estimate.")
     lr: Float = Field(3.0e-4, gt=0, description="Peak learning rate.")
     min_lr: Float | None = Field(None, ge=0, description="Floor of the schedule. Default: 10% of lr.")
     beta1: Float = Field(0.9, ge=0, lt=1)
@@ -563,6 +573,74 @@ class RollbackConfig(_Section):
     lr_steps: NonNegCount = Field(0, description="Steps the lowered learning rate lasts after a rollback.")
 
 
+class StrategyClip(StrEnum):
+    run = "run"
+    global_norm = "global"
+    per_block = "per_block"
+    adagc = "adagc"
+    off = "off"
+
+
+class StrategyOptimizer(StrEnum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class StrategyConfig(_Section):
+    """One optimization strategy the orchestrator may switch to (training.orchestrator.strategies)."""
+
+    optimizer: StrategyOptimizer = Field(
+        StrategyOptimizer.adamw, description="adamw, or sgd (momentum beta1 in AdamW's first-moment buffer).")
+    lr_factor: Float = Field(1.0, gt=0, description="Multiplies the schedule's learning rate.")
+    beta1: Float | None = Field(None, ge=0, lt=1, description="AdamW beta1 / SGD momentum; null: optimizer.beta1.")
+    beta2: Float | None = Field(None, ge=0, lt=1, description="AdamW beta2; null: optimizer.beta2.")
+    clip_mode: StrategyClip = Field(
+        StrategyClip.run, description="run (training.clip_mode), global, per_block, adagc (needs training."
+        "clip_mode: adagc: its EMAs are allocated with the engine) or off.")
+    clip_factor: Float = Field(1.0, gt=0, description="Multiplies training.grad_clip (the clipping threshold; "
+                               "a run without grad_clip does not clip).")
+    weight_decay: Float | None = Field(None, ge=0, description="Decoupled weight decay; null: optimizer.weight_decay.")
+
+
+class NowcastConfig(_Section):
+    """Weight nowcasting: a linear fit of each tensor's trajectory over the last decision points,
+    jumped ahead and kept only when validation improves (a branch like any other)."""
+
+    enabled: Bool = Field(False, description="Try a nowcast jump at each decision point.")
+    history: PositiveCount = Field(
+        3, ge=2, le=16, description="Decision-point weight states the fit reads (each a copy of the weights).")
+    ahead: PositiveCount | None = Field(
+        None, description="Steps the jump extrapolates; null: decision_interval.")
+
+
+class OrchestratorConfig(_Section):
+    """Orchestrated training: switch the optimization strategy from telemetry while the run trains
+    (docs/training.md "Orchestrated training")."""
+
+    enabled: Bool = Field(False, description="Orchestrate this run.")
+    decision_interval: PositiveCount = Field(500, description="Steps between decision points.")
+    eval_horizon: PositiveCount = Field(
+        100, description="Steps each candidate strategy trains from a decision point before it is scored.")
+    initial_strategy: str = Field("conservative_adamw", description="The strategy before the first decision.")
+    strategies: dict[str, StrategyConfig] = Field(
+        default_factory=dict, description="Strategies of your own (name -> strategy), beside the built-in "
+        "conservative_adamw, aggressive_adamw, sgd_escape and spike_resistant (a built-in's name redefines it).")
+    candidates: list[str] | None = Field(
+        None, description="The strategies the bandit chooses among; null: every strategy.")
+    branches: PositiveCount = Field(
+        1, description="Candidates trained from the same state at each decision point (speculative branching, "
+        "exact); 1: the bandit's pick trains on, no branch.")
+    exploration: Float = Field(1.414, ge=0, description="UCB1's exploration constant c.")
+    eval_batches: PositiveCount | None = Field(
+        None, description="Validation micro-batches a branch is scored on (the same for every branch); null: "
+        "training.eval_batches.")
+    max_loss_increase: Float | None = Field(
+        1.5, gt=1, description="A step whose loss exceeds this x the loss at the last decision point rolls back "
+        "to that point's state and switches to safety_strategy; null: no safety rollback.")
+    safety_strategy: str = Field("spike_resistant", description="The strategy a safety rollback switches to.")
+    nowcasting: NowcastConfig = Field(default_factory=NowcastConfig)
+
+
 class Sharding(StrEnum):
     none = "none"
     shard_grad_op = "shard_grad_op"
@@ -626,6 +704,7 @@ class TrainingConfig(_Section):
     early_stopping: EarlyStoppingConfig = Field(default_factory=EarlyStoppingConfig)
     bad_steps: BadStepsConfig = Field(default_factory=BadStepsConfig)
     rollback: RollbackConfig = Field(default_factory=RollbackConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     seed: Annotated[int, BeforeValidator(_seed)] = Field(
         42, ge=0, le=MAX_SEED, description="Seed of init, data order and dropout-free RNG use (0 to 2**63 - 1).")
     engine: Engine = Field(Engine.interleaved, description="interleaved (per-block backward+AdamW) or standard.")

@@ -34,6 +34,7 @@ from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
 from apr.plan.memory import MemoryRow, coefficients_dict
 from apr.plan.mixfacts import mixture_config_findings, mixture_facts, reads, source_contract_results
+from apr.plan.orchestratefacts import orchestrator_facts, orchestrator_findings, orchestrator_memory_findings
 from apr.plan.tokfacts import tokenizer_facts
 from apr.plan.validate import (
     alert_config_findings,
@@ -396,6 +397,18 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
             sheet.time_estimate["estimated_seconds"] = distilled["estimated_seconds"] + (
                 sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)
             sheet.facts["time"]["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
+    total_steps = (sheet.facts.get("steps") or {}).get("total_steps")
+    orchestrated = orchestrator_facts(config, total_steps, sheet.facts.get("memory"))
+    if orchestrated is not None:  # the branches' extra steps and state copies (docs/training.md)
+        sheet.facts["orchestrator"] = orchestrated
+        mixture_findings += orchestrator_memory_findings(loaded, orchestrated, sheet.facts.get("memory"))
+        if sheet.time_estimate is not None and sheet.time_estimate.get("estimated_seconds") is not None:
+            evaluation_s = (sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)
+            extra = (sheet.time_estimate["estimated_seconds"] - evaluation_s) * orchestrated["extra_fraction"]
+            orchestrated["extra_seconds"] = extra
+            sheet.time_estimate["estimated_seconds"] += extra
+            sheet.facts.setdefault("time", {})["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
+    mixture_findings += orchestrator_findings(loaded, total_steps)
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),

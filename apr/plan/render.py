@@ -190,6 +190,27 @@ def _schedule_lines(plan) -> list[str]:
     return lines
 
 
+def orchestrator_lines(o: dict | None) -> list[str]:
+    """training.orchestrator: the decisions, what the branches cost in steps, memory and time."""
+    if not o:
+        return []
+    lines = [f"{fmt_number(o['decisions'])} decision points; {o['branches']} branch"
+             f"{'es' if o['branches'] != 1 else ''} x horizon {fmt_number(o['horizon'])} steps per decision",
+             f"overhead {fmt_number(o['extra_steps'])} extra optimizer steps ({fmt_percent(o['extra_fraction'])} of "
+             f"the run; K - 1 horizons per decision), {fmt_number(o['scoring_evaluations'])} scoring evaluations of "
+             f"{fmt_number(o['eval_batches'])} val batches"]
+    memory = (f"extra memory {format_bytes(o['extra_bytes'])}: {o['state_copies']} state cop"
+              f"{'ies' if o['state_copies'] != 1 else 'y'} (weights + moments)")
+    if o["nowcast_copies"]:
+        memory += f", {o['nowcast_copies']} nowcast weight copies"
+    if o["sgd_strategies"]:
+        memory += f"; SGD ({', '.join(o['sgd_strategies'])}) keeps its momentum in AdamW's first moment: no extra"
+    lines.append(memory)
+    if o.get("extra_seconds") is not None:
+        lines.append(f"time estimate includes the branches: +{fmt_estimate(o['extra_seconds'])}")
+    return lines
+
+
 def _execution_lines(plan) -> list[str]:
     e = plan.execution
     kernels = e["kernels"] if e["kernels"] == e["kernels_resolved"] else f"{e['kernels']} -> {e['kernels_resolved']}"
@@ -508,6 +529,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         *_item("data", _data_lines(plan)),
         *_item("schedule", _schedule_lines(plan)),
         *_item("execution", _execution_lines(plan)),
+        *_item("orchestrator", orchestrator_lines(plan.facts.get("orchestrator"))),
         "",
         *_memory_lines(plan, colour),
         "",

@@ -17,6 +17,7 @@ from apr.errors import Finding
 from apr.plan.configfacts import base_facts, config_facts
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
 from apr.plan.gpus import resolve_target
+from apr.plan.orchestratefacts import orchestrator_findings
 from apr.steps.execution import compile_problem
 from apr.track.alerts import alert_findings
 
@@ -366,4 +367,6 @@ _CHECKS: tuple = (
      (("model",), ("training", "max_steps"))),
     (_distill_findings, (("training",), ("model",))),
     (sharding_findings, (("training",), ("model",), ("evaluation",))),
+    (lambda loaded: orchestrator_findings(loaded, loaded.config.training.max_steps),
+     (("training",), ("optimizer",), ("model", "stacking"), ("data",))),
 )
