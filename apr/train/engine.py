@@ -49,7 +49,7 @@ from apr.train.losses import CausalLM
 from apr.train.nonfinite import GRADIENTS, LOSS, NonFiniteFlags
 from apr.train.outcome import NonFiniteError, StepResult
 from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
-from apr.train.updaters import AdamW
+from apr.train.updaters import make_updater
 
 
 def resolve_device(name: str) -> torch.device:
@@ -91,7 +91,10 @@ class Engine:
         self.scaler = DynamicLossScaler(enabled=self.strategy.loss_scaling)
         self.chunk_size = tr.loss_chunk_size
         self.grad_clip = tr.grad_clip
-        self.updater = AdamW(config.optimizer, backend)  # the update part (apr/train/updaters.py)
+        self.updater = make_updater(config.optimizer, backend)  # the update part (apr/train/updaters.py)
+        if self.updater.name != "adamw" and (self.source != "interleaved" or self.sharded):
+            raise AprError(f"optimizer.name {self.updater.name} updates the flat buffers of the interleaved "
+                           "engine's walk; this run's gradient source does not use them (see apr train validate)")
         self.optimizer_steps = 0  # updates applied (fp16 overflow steps are not counted)
         self.adagc = tr.adagc
         # AdaGC: per tensor, an EMA of its clipped gradient norm (float32, on the device), one vector
@@ -251,6 +254,7 @@ class Engine:
             meta["base"] = dict(self.base_ref)
         if self.adagc_ema:  # a few floats per tensor; float32 -> JSON float -> float32 is exact
             meta["adagc_ema"] = {name: ema.tolist() for name, ema in self.adagc_ema.items()}
+        meta.update(self.updater.state_dict())  # SWATS: each group's phase and estimate
         return meta
 
     def freeze(self, groups: set[str]) -> None:
@@ -266,6 +270,7 @@ class Engine:
                            f"{self.base_ref['init_from']} has {self.base_ref['sha256']}: point init_from at the "
                            "original base")
         self.optimizer_steps = int(meta["optimizer_steps"])
+        self.updater.load_state_dict(meta)
         self.scaler.load_state_dict(meta["loss_scaler"])
         self.loss.load_state_dict(meta)
         if self.adagc_ema:
@@ -568,7 +573,7 @@ class InterleavedEngine(Engine):
             return
         self.updater.update_flat(group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr,
                                  step=self.optimizer_steps + 1, decay=group.decay, grad_scale=scale,
-                                 found_inf=found_inf, param_copy=group.compute)
+                                 found_inf=found_inf, param_copy=group.compute, group=group.name)
         self._flags.stepped()
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:

@@ -36,7 +36,7 @@ class AdamW:
 
     def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
-                    param_copy: torch.Tensor | None = None) -> None:
+                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
         """One fused AdamW update of flat float32 tensors in place; ``decay``: the ranges weight decay
         applies to; ``grad_scale`` multiplies the gradient first (clip coefficient, 1/loss scale);
         ``found_inf`` (a device flag) makes it write nothing; ``param_copy`` receives the new weights
@@ -60,6 +60,20 @@ class AdamW:
         for pg in self.optimizer.param_groups:
             pg["lr"] = lr
         self.optimizer.step()
+
+    def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
+        """A strategy's betas and decay (the orchestrator), in torch's groups too once bound."""
+        self.beta1, self.beta2, self.weight_decay = beta1, beta2, weight_decay
+        if self.optimizer is not None:
+            for pg in self.optimizer.param_groups:
+                pg["betas"] = (beta1, beta2)
+            self.optimizer.param_groups[0]["weight_decay"] = weight_decay  # ``bind``: the decayed group first
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
 
     def freeze(self, params: list[torch.Tensor]) -> None:
         """These parameters leave the update: no change to their weights or moments."""
@@ -93,3 +107,129 @@ class AdamW:
         state = self.optimizer.state.get(p)
         if state is not None:
             state["step"].fill_(float(step))
+
+
+# The SGD and SWATS updaters (docs/design.md, "Orchestrated training"): the flat-buffer walk only
+# (validate refuses them elsewhere: apr/plan/orchestratefacts.py). Both keep their momentum in the
+# walk's first-moment buffer, so they need no memory AdamW does not already have.
+
+
+class SGD:
+    """SGD with momentum ``beta1`` kept as an EMA of the gradient (dampening 1 - beta1): the same
+    quantity, in the same buffer, as AdamW's first moment, so the orchestrator can switch between
+    the two at any step without a cold start. Decoupled weight decay ``lr x weight_decay``."""
+
+    name = "sgd"
+
+    def __init__(self, opt: OptimizerConfig, backend: KernelBackend):
+        self.lr = opt.lr
+        self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
+        self.backend = backend
+
+    @torch.no_grad()
+    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
+                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
+        if found_inf is not None and bool(found_inf):  # an fp16 overflow or a non-finite step writes nothing
+            return
+        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        _decay(params, lr * self.weight_decay, decay)
+        exp_avg.lerp_(grad, 1 - self.beta1)
+        params.add_(exp_avg, alpha=-lr)
+        if param_copy is not None:
+            param_copy.copy_(params)
+
+    def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
+        self.beta1, self.beta2, self.weight_decay = beta1, beta2, weight_decay
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
+
+
+class SWATS:
+    """SWATS (Keskar & Socher 2017, "Improving Generalization Performance by Switching from Adam to
+    SGD"), per optimizer group (a block: the paper's per-layer variant, which is what the walk's
+    one-group-at-a-time update can do).
+
+    AdamW phase: after each step ``p`` (the AdamW step without decay, lr included), the SGD learning
+    rate that would make the same progress along the gradient ``g`` is ``gamma = p.p / -p.g``; an EMA
+    ``lam`` of it (decay beta2) is bias-corrected as ``lam / (1 - beta2^k)``. Once ``k >
+    swats_min_steps`` and the corrected EMA is within ``swats_tolerance`` of ``gamma``, the group
+    switches for good to SGD with momentum ``v = beta1 v + g`` (in the first-moment buffer, zeroed at
+    the switch) and ``w -= (1 - beta1) x Lambda x v``, Lambda the corrected estimate scaled by the
+    schedule since the switch (``lr / lr_at_switch``). The phase, ``lam``, Lambda and the switch's
+    step and lr are the updater's state (checkpointed in the engine's meta): a resume across the
+    switch is exact. Reads two dot products per group per step on the host until that group switches.
+    """
+
+    name = "swats"
+
+    def __init__(self, opt: OptimizerConfig, backend: KernelBackend):
+        self.lr = opt.lr
+        self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
+        self.min_steps, self.tolerance = opt.swats_min_steps, opt.swats_tolerance
+        self.backend = backend
+        self.groups: dict[str, dict] = {}  # group -> {"lam", "switched_at", "sgd_lr", "lr_at_switch"}
+
+    @torch.no_grad()
+    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
+                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
+        if found_inf is not None and bool(found_inf):
+            return
+        state = self.groups.setdefault(group or "", {"lam": 0.0, "switched_at": None, "sgd_lr": None,
+                                                       "lr_at_switch": None})
+        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        _decay(params, lr * self.weight_decay, decay)
+        if state["switched_at"] is not None:
+            exp_avg.mul_(self.beta1).add_(grad)
+            rate = state["sgd_lr"] * (lr / state["lr_at_switch"] if state["lr_at_switch"] else 1.0)
+            params.add_(exp_avg, alpha=-(1 - self.beta1) * rate)
+        else:
+            exp_avg.lerp_(grad, 1 - self.beta1)
+            exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+            denom = (exp_avg_sq / (1 - self.beta2 ** step)).sqrt_().add_(self.eps)
+            p = exp_avg.div(denom).mul_(-lr / (1 - self.beta1 ** step))
+            params.add_(p)
+            pg, pp = float(torch.dot(p, grad)), float(torch.dot(p, p))
+            if pg != 0.0:
+                gamma = pp / -pg
+                state["lam"] = self.beta2 * state["lam"] + (1 - self.beta2) * gamma
+                corrected = state["lam"] / (1 - self.beta2 ** step)
+                if step > self.min_steps and abs(corrected - gamma) < self.tolerance and corrected > 0:
+                    state.update(switched_at=step, sgd_lr=corrected, lr_at_switch=lr)
+                    exp_avg.zero_()  # SGD's momentum starts from zero (the paper's v_0)
+        if param_copy is not None:
+            param_copy.copy_(params)
+
+    def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
+        self.beta1, self.beta2, self.weight_decay = beta1, beta2, weight_decay
+
+    def switched(self) -> dict[str, int]:
+        """The groups on SGD and the step each switched at."""
+        return {name: s["switched_at"] for name, s in self.groups.items() if s["switched_at"] is not None}
+
+    def state_dict(self) -> dict:
+        return {"swats": {name: dict(s) for name, s in self.groups.items()}}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        self.groups = {name: dict(s) for name, s in ((state or {}).get("swats") or {}).items()}
+
+
+def _decay(params: torch.Tensor, amount: float, decay) -> None:
+    if amount != 0.0:
+        for s, e in decay.ranges:
+            params[s:e].mul_(1 - amount)
+
+
+UPDATERS = {"adamw": AdamW, "sgd": SGD, "swats": SWATS}
+
+
+def make_updater(opt: OptimizerConfig, backend: KernelBackend, name: str | None = None):
+    """The updater ``name`` (default ``optimizer.name``) over the run's optimizer settings."""
+    return UPDATERS[name or str(opt.name)](opt, backend)

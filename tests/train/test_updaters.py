@@ -85,3 +85,91 @@ def test_adopted_moments_continue_as_the_uninterrupted_update():
     q.grad = grads[2].clone()
     resumed.step(OPT.lr)
     assert torch.equal(q.detach(), p.detach())
+
+
+def _flat_problem(seed: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(40, generator=gen)
+    return gen, target, DecayRanges.from_segments([(30, True), (10, False)])
+
+
+def test_sgd_momentum_is_adamws_first_moment_so_a_switch_starts_warm():
+    """SGD keeps its momentum as AdamW's first moment (an EMA of the gradient): the buffer AdamW
+    left behind is the one SGD continues, and its step is lr x that moment plus decoupled decay."""
+    from apr.train.updaters import SGD
+
+    gen, _, decay = _flat_problem()
+    p, g = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
+    m, v = torch.randn(40, generator=gen), torch.rand(40, generator=gen)
+    expect_m = OPT.beta1 * m + (1 - OPT.beta1) * g
+    expect_p = p.clone()
+    expect_p[:30] *= 1 - 0.5 * OPT.weight_decay
+    expect_p -= 0.5 * expect_m
+    v_before = v.clone()
+    SGD(OPT, get_backend("torch", "cpu")).update_flat(p, g.clone(), m, v, lr=0.5, step=7, decay=decay)
+    torch.testing.assert_close(m, expect_m)
+    torch.testing.assert_close(p, expect_p)
+    assert torch.equal(v, v_before)  # SGD leaves AdamW's second moment as it was
+
+
+def test_swats_switches_to_sgd_with_the_estimated_rate_once_the_estimate_settles():
+    """On a quadratic, the AdamW phase's projected learning rate settles; after swats_min_steps the
+    group switches (recorded with its step and rate) and from then on steps as SGD with momentum."""
+    from apr.train.updaters import SWATS
+
+    opt = OptimizerConfig(lr=1e-2, weight_decay=0.0, swats_min_steps=5, swats_tolerance=1e-2)
+    _, target, decay = _flat_problem()
+    up = SWATS(opt, get_backend("torch", "cpu"))
+    p, m, v = torch.zeros(40), torch.zeros(40), torch.zeros(40)
+    for step in range(1, 200):
+        up.update_flat(p, p - target, m, v, lr=opt.lr, step=step, decay=decay, group="block.0")
+        if up.switched():
+            break
+    switched_at = up.switched()["block.0"]
+    assert switched_at > opt.swats_min_steps and up.groups["block.0"]["sgd_lr"] > 0
+    assert torch.count_nonzero(m) == 0  # SGD's momentum starts from zero
+    rate = up.groups["block.0"]["sgd_lr"]
+    before, g = p.clone(), p - target
+    up.update_flat(p, g.clone(), m, v, lr=opt.lr / 2, step=switched_at + 1, decay=decay, group="block.0")
+    torch.testing.assert_close(p, before - (1 - opt.beta1) * (rate / 2) * g)  # the schedule halved it
+
+
+def test_swats_resumes_exactly_across_its_switch():
+    """Engine steps 1-3 with AdamW, a checkpoint (tensors + JSON meta), then steps 4-8 across the
+    switch: the resumed engine ends bitwise where the uninterrupted one does, on SGD in every group."""
+    import json
+
+    from apr.train.build import build_engine
+    from tests.train.tiny import batches, make_config
+
+    config = make_config(optimizer={"name": "swats", "swats_min_steps": 4, "swats_tolerance": 1e6},
+                         training={"grad_clip": None})
+    data = batches(config, 8, seed=5)
+    straight = build_engine(config)
+    for b in data:
+        straight.train_step([b], lr=1e-2)
+    assert set(straight.updater.switched().values()) == {5}  # the first step past min_steps
+    first = build_engine(config)
+    for b in data[:3]:
+        first.train_step([b], lr=1e-2)
+    saved = {k: v.clone() for k, v in first.train_state_tensors().items()}
+    meta = json.loads(json.dumps(first.meta_state()))
+    resumed = build_engine(config, seed=99)
+    resumed.load_train_state_tensors(saved)
+    resumed.load_meta_state(meta)
+    for b in data[3:]:
+        resumed.train_step([b], lr=1e-2)
+    a, b = straight.train_state_tensors(), resumed.train_state_tensors()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.meta_state()["swats"] == straight.meta_state()["swats"]
+
+
+def test_sgd_and_swats_are_refused_on_the_autograd_engine():
+    import pytest
+
+    from apr.errors import AprError
+    from apr.train.build import build_engine
+    from tests.train.tiny import make_config
+
+    with pytest.raises(AprError, match="interleaved engine's walk"):
+        build_engine(make_config(optimizer={"name": "sgd"}, training={"engine": "standard"}))
