@@ -140,8 +140,12 @@ def _events(value: Any) -> list[dict]:
         if isinstance(e, dict):
             detail = e.get("detail") if isinstance(e.get("detail"), dict) else {}
             rows = detail.get("rows")
+            # an orchestrated run's strategy from then on (apr/train/orchestrator.py's events)
+            strategy = {"strategy": detail.get("strategy"), "switch": detail.get("to"),
+                        "safety_rollback": detail.get("to"), "decision": detail.get("winner")}.get(e.get("kind"))
             out.append({"time": num(e.get("time")), "step": _int(e.get("step")), "kind": _str(e.get("kind")),
-                        "message": _str(e.get("message")), "rows": len(rows) if isinstance(rows, list) else None})
+                        "message": _str(e.get("message")), "rows": len(rows) if isinstance(rows, list) else None,
+                        "strategy": _str(strategy)})
     return out
 
 

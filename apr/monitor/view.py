@@ -325,6 +325,22 @@ def alert_lines(alerts: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
+
+# Events that report the run's course rather than a problem (data stages, stacking, distillation,
+# orchestration's decisions: apr/train/orchestrator.py).
+INFO_EVENTS = ("stage", "stack", "distill", "strategy", "decision", "branch", "switch", "nowcast")
+
+
+def current_strategy(events: list[dict]) -> str | None:
+    """An orchestrated run's strategy in force and its decisions so far, from its events."""
+    decisions = sum(1 for e in events if e.get("kind") == "decision")
+    for event in reversed(events):
+        name = event.get("strategy")  # apr/monitor/state.py ``_events``
+        if name:
+            return f"strategy {name} ({decisions} decision{'s' if decisions != 1 else ''})"
+    return None
+
+
 def messages(
     reading: Reading | None, state: dict | None, status: str, now: float, stale_after_s: float, limit: int = 8
 ) -> tuple[tuple[str, str], ...]:
@@ -379,11 +395,14 @@ def messages(
         if skipped or rollbacks:
             out.append((f"{skipped} bad steps skipped, {rollbacks} rollbacks (apr runs ledger lists the rows)",
                         "msg.warning"))
+        strategy = current_strategy(events)
+        if strategy is not None:
+            out.append((strategy, "msg.info"))
         for event in reversed(events):
             step = f"step {fmt_int(event['step'])} " if event.get("step") is not None else ""
             rows = f" [{event['rows']} rows]" if event.get("rows") else ""
             out.append((f"{step}{event.get('message') or event.get('kind') or ''}{rows}",
-                        "msg.info" if event.get("kind") in ("stage", "stack", "distill") else "msg.alert"))
+                        "msg.info" if event.get("kind") in INFO_EVENTS else "msg.alert"))
         for warning in state.get("store_warnings") or []:
             out.append((f"store: {warning}", "msg.warning"))
     if not out:

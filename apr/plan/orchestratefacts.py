@@ -49,6 +49,9 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
                 "adamw, or training.engine: interleaved without sharding", str(config.optimizer.name))
     if not orch.enabled:
         return out
+    if str(config.optimizer.name) != "adamw":
+        finding(("optimizer", "name"), "with training.orchestrator the strategies choose the optimizer (adamw or "
+                "sgd each); the run's optimizer must be adamw", "adamw", str(config.optimizer.name))
     known = orchestration.strategy_table(config)
     names = sorted(known)
     for key in ("initial_strategy", "safety_strategy"):

@@ -173,6 +173,9 @@ def run_state(run) -> StateRegistry:
     reg.register("survival", lambda: {"survival": run.survival.state_dict() if run.survival.enabled else None},
                  lambda meta: run.survival.load_state_dict(meta.get("survival")))
     reg.register("tokens", lambda: {"tokens_seen": run.step * run.tokens_per_step})
+    orchestrator = run.orchestrator
+    if orchestrator is not None:  # the strategy in force, the bandit, the decisions (apr/train/orchestrator.py)
+        reg.register("orchestrator", orchestrator.state_dict, orchestrator.load_state_dict)
     return reg
 
 

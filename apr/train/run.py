@@ -42,6 +42,7 @@ from apr.train.engine import Engine, NonFiniteError
 from apr.train.histograms import LayerHistograms
 from apr.train.mfu import mfu_meter
 from apr.train.options import ApplyOptions, RunResult
+from apr.train.orchestrator import Orchestrator
 from apr.train.outdir import (
     OutputDirLock,
     refuse_foreign_files,
@@ -70,6 +71,7 @@ class Run:
         self.survival = Survival(config)  # training.bad_steps and training.rollback
         self.histograms = LayerHistograms.from_config(config)  # attached to each engine built
         self.hooks += _watch_hooks(config, plan_doc, self.early_stopping, self.histograms)
+        self.orchestrator = Orchestrator(config) if config.training.orchestrator.enabled else None  # strategies
         self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
         self.start_step = 0
         self.step = 0  # the step in progress (the last finished one between steps)
@@ -210,7 +212,7 @@ class Run:
 
     def _execute(self) -> RunResult:
         if self.resumed_from is not None and self.start_step >= self.total_steps:
-            return self._already_finished()
+            return _already_finished(self)
         recorder = self.recorder = events.open_recorder(self)
         self.run_id = recorder.run_id
         recorder.start(resume_step=self.start_step if self.resumed_from else None)
@@ -253,10 +255,13 @@ class Run:
         """Optimizer steps ``start_step + 1 .. total_steps``; returns why they ended (``self.step``: the last done)."""
         if self.start_step == 0 and self.validation.configured:
             events.validated_initially(self, recorder)
+        if self.orchestrator is not None:
+            self.orchestrator.start(self, recorder)
         self.steplog.start(self.step)
         while self.step < self.total_steps:
             self.step += 1
             step, lr = self.step, self.survival.lr(self.step, self.schedule(self.step))
+            lr = lr if self.orchestrator is None else self.orchestrator.lr(lr)  # the strategy's lr factor
             try:
                 report = self._one_step(step, lr, signals, recorder)
             except NonFiniteError as err:
@@ -288,6 +293,8 @@ class Run:
                 return stop
             if signals.received is not None:
                 return Stop.signal(signals.received, step)
+            if self.orchestrator is not None and (stop := self.orchestrator.after_step(self, report, recorder)):
+                return stop  # a branch's non-finite step; a decision or a rollback moves self.step
         return FINISHED
 
     def _one_step(self, step: int, lr: float, signals: StopSignals, recorder: Recorder) -> StepReport:
@@ -348,14 +355,16 @@ class Run:
             val_loss=v.last, first_val_loss=v.first, last_checkpoint=self.checkpoints.last, exit_code=stop.exit_code,
             tokens_per_s=self.steplog.tokens_per_s, warnings=warnings, is_main=self.is_main)
 
-    def _already_finished(self) -> RunResult:
-        """A resume of a run whose checkpoint is at its last step: nothing to train, nothing rewritten."""
-        reason = (f"already finished at step {self.start_step} of {self.total_steps}; nothing to do (raise "
-                  "training.max_steps or training.epochs to train on)")
-        self.echo(f"apply: run {self.run_id} {reason}")
-        if self.dp is not None:
-            self.dp.close()
-        return self._result(Stop("finished", reason, 0), final_step=self.start_step, warnings=[])
+
+
+def _already_finished(run: Run) -> RunResult:
+    """A resume of a run whose checkpoint is at its last step: nothing to train, nothing rewritten."""
+    reason = (f"already finished at step {run.start_step} of {run.total_steps}; nothing to do (raise "
+              "training.max_steps or training.epochs to train on)")
+    run.echo(f"apply: run {run.run_id} {reason}")
+    if run.dp is not None:
+        run.dp.close()
+    return run._result(Stop("finished", reason, 0), final_step=run.start_step, warnings=[])
 
 
 def _watch_hooks(config: AprConfig, plan_doc: dict | None, early_stopping: EarlyStopping | None,

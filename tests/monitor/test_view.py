@@ -42,3 +42,23 @@ def test_alerts_are_counted_and_styled_by_severity_old_records_by_action():
                          ("step 1 loss > 3 → warn: high", "alert.warning")]
     assert alert_lines(alerts[:1]) == [("step 1 loss > 3 → warn: high", "alert.warning")]  # one: no count line
     assert alert_lines([]) == []
+
+
+def test_an_orchestrated_run_shows_its_strategy_in_force_and_its_decisions():
+    """The strategy comes from the newest orchestration event that names one (a decision's winner,
+    a switch, a safety rollback's target); decisions and branches are info lines, not alerts."""
+    from apr.monitor.state import normalize
+    from apr.monitor.view import messages
+
+    events = [{"step": 0, "kind": "strategy", "message": "strategy conservative_adamw (initial)",
+               "detail": {"strategy": "conservative_adamw"}},
+              {"step": 100, "kind": "decision", "message": "decision 1: sgd_escape wins",
+               "detail": {"winner": "sgd_escape"}},
+              {"step": 100, "kind": "switch", "message": "strategy conservative_adamw -> sgd_escape",
+               "detail": {"from": "conservative_adamw", "to": "sgd_escape"}}]
+    state, _ = normalize({"status": "running", "step": 150, "heartbeat": 1.0, "events": events})
+    lines = messages(None, state, "running", 2.0, 600.0)
+    assert ("strategy sgd_escape (1 decision)", "msg.info") in lines
+    assert ("step 100 decision 1: sgd_escape wins", "msg.info") in lines
+    state, _ = normalize({"status": "running", "step": 150, "heartbeat": 1.0, "events": events[:1]})
+    assert ("strategy conservative_adamw (0 decisions)", "msg.info") in messages(None, state, "running", 2.0, 600.0)

@@ -1,0 +1,305 @@
+"""Orchestrated training (``training.orchestrator``; docs/design.md, "Orchestrated training"): a
+driver over the run loop that switches the optimization strategy while the run trains.
+
+At each decision point (after every ``decision_interval`` steps) the UCB1 bandit ranks the candidate
+strategies; the top ``branches`` of them each train ``eval_horizon`` steps from the same exact state
+(weights, moments, the engine's meta, data cursor, every RNG: the run's stateful parts, as a
+checkpoint holds them, copied in memory), each is scored on the same validation batches, and the
+winner's state is kept: the run goes on from it, its steps counted as the run's. The losers' steps
+are recorded, not kept. Because every branch starts from the same bits and a branch changes nothing
+outside that state, the winner continues bitwise as if it had been chosen without branching.
+A nowcast (linear extrapolation of each weight tensor over the last decision points) is one more
+branch, kept only when it scores better. Between decisions, a step whose loss exceeds
+``max_loss_increase`` x the loss at the last decision point restores that point's state and
+switches to ``safety_strategy``.
+
+The orchestrator's own state (the strategy in force, the bandit, the decision history, the safety
+reference) is a stateful part of every checkpoint, so a resume continues the same decisions.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+
+import torch
+
+from apr.fmt import fmt_loss
+from apr.steps import orchestration
+from apr.steps.orchestration import UCB1, Strategy
+from apr.steps.strategy import step_strategy
+from apr.train.datasetup import micro_batches
+from apr.train.outcome import NonFiniteError
+from apr.train.updaters import make_updater
+
+
+def apply_strategy(engine, config, strategy: Strategy) -> None:
+    """Switch ``engine`` to ``strategy`` between two steps: its updater (AdamW or SGD over the same
+    moment buffers), betas, weight decay, and clipping (mode and threshold)."""
+    if engine.updater.name != strategy.optimizer:  # validate allows SGD only where the walk updates flat buffers
+        engine.updater = make_updater(config.optimizer, engine.backend, strategy.optimizer)
+    engine.updater.set_hyper(strategy.beta1, strategy.beta2, strategy.weight_decay)
+    tr = config.training
+    clip_mode = str(tr.clip_mode) if strategy.clip_mode == "off" else strategy.clip_mode
+    clipped = config.model_copy(update={"training": tr.model_copy(update={"clip_mode": clip_mode,
+                                                                          "grad_clip": strategy.grad_clip})})
+    # the gradient buffers were allocated for the plan's execution: whether every gradient is kept stays
+    keeps = engine.strategy.keeps_all_grads
+    new = step_strategy(clipped, engine.execution)
+    engine.strategy = replace(new, keeps_all_grads=keeps, norm_prepass=new.norm_prepass and not keeps)
+    engine.grad_clip = strategy.grad_clip if strategy.grad_clip is not None else (tr.grad_clip or 1.0)
+
+
+class Snapshot:
+    """The run's exact state in memory: the engine's tensors (cloned) and every registered stateful
+    part's metadata but the orchestrator's own (deep-copied)."""
+
+    def __init__(self, run):
+        run.engine.check_finite()
+        self.step = run.step
+        self.tensors = {k: v.detach().clone() for k, v in run.engine.train_state_tensors(everywhere=True).items()}
+        meta = run.registry.state_dict()
+        meta.pop("orchestrator", None)
+        self.meta = copy.deepcopy(meta)
+
+    def restore(self, run) -> None:
+        run.engine.load_train_state_tensors(self.tensors)
+        run.registry.load_state_dict(copy.deepcopy(self.meta))
+        run.step = self.step
+
+    def weights(self, run) -> dict[str, torch.Tensor]:
+        names = {n for n in self.tensors if not n.startswith("optimizer.")}
+        return {n: self.tensors[n] for n in names}
+
+
+class Orchestrator:
+    def __init__(self, config):
+        self.config = config
+        self.orch = config.training.orchestrator
+        self.arms = orchestration.candidates(config)
+        self.bandit = UCB1(self.arms, self.orch.exploration)
+        self.current = self.orch.initial_strategy
+        self.decisions = 0
+        self.history: list[dict] = []  # one entry per decision (the last 50 are checkpointed)
+        self.reference_loss: float | None = None  # the training loss at the last decision point
+        self.good: Snapshot | None = None  # the state at the last decision point (safety rollback)
+        self.nowcast_history: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.rollbacks = 0
+        self.next_decision = self.orch.decision_interval
+
+    def strategy(self, name: str | None = None) -> Strategy:
+        return orchestration.resolve(self.config, name or self.current)
+
+    def lr(self, lr: float) -> float:
+        return lr * self.strategy().lr_factor
+
+    def start(self, run, recorder) -> None:
+        """Put the engine on the strategy in force (a fresh run's initial one, a resumed run's)."""
+        apply_strategy(run.engine, run.config, self.strategy())
+        if run.start_step == 0:
+            self._event(recorder, "strategy", 0, f"strategy {self.current} (initial)",
+                        {"strategy": self.current, "settings": self.strategy().to_dict()})
+        while run.step >= self.next_decision and run.step < run.total_steps:  # stopped at a decision point
+            self._decide(run, self.reference_loss or math.inf, recorder)
+
+    # ------------------------------------------------------------------------------ per step
+
+    def after_step(self, run, report, recorder):
+        """The safety test on this step's loss, then a decision when one is due (either may move
+        ``run.step``); a ``Stop`` when a step went non-finite, else None."""
+        try:
+            self._after_step(run, report, recorder)
+        except NonFiniteError as err:
+            return run._non_finite(err, recorder)
+        return None
+
+    def _after_step(self, run, report, recorder) -> bool:
+        loss = self._loss(run, report)
+        limit = None if self.reference_loss is None or self.orch.max_loss_increase is None else \
+            self.orch.max_loss_increase * self.reference_loss
+        if limit is not None and self.good is not None and not loss <= limit:
+            self._safety_rollback(run, loss, limit, recorder)
+            return True
+        moved = False
+        while run.step >= self.next_decision and run.step < run.total_steps:  # a kept horizon may reach the next
+            self._decide(run, loss, recorder)
+            loss = self.reference_loss
+            moved = True
+        return moved
+
+    @staticmethod
+    def _loss(run, report) -> float:
+        loss = report.result.loss.detach().clone()
+        return float((run.dp.average_(loss) if run.dp is not None else loss).item())
+
+    # ------------------------------------------------------------------------------ decisions
+
+    def _decide(self, run, loss: float, recorder) -> None:
+        step = run.step
+        horizon = min(self.orch.eval_horizon, run.total_steps - step)
+        if horizon < self.orch.eval_horizon:
+            run.echo(f"{run.step_label(step)}  orchestrator: horizon clipped to {horizon} steps (max_steps)")
+        k = orchestration.branch_count(self.config)
+        chosen = self.bandit.choose(k)
+        start = Snapshot(run)
+        start_val = self._score(run)
+        branches, best, best_state = [], None, None
+        for i, name in enumerate(chosen):
+            if i:
+                start.restore(run)
+            val, losses, failed = self._train_branch(run, name, step, horizon)
+            reward = (start_val - val) / horizon if val is not None and math.isfinite(val) else -math.inf
+            self.bandit.update(name, reward if math.isfinite(reward) else -1e9)
+            branches.append({"strategy": name, "val_loss": val, "reward": reward, "train_losses": losses,
+                             "failed": failed})
+            if best is None or reward > branches[best]["reward"]:
+                best = i
+                best_state = None if i == len(chosen) - 1 else Snapshot(run)
+        nowcast = None
+        if self.orch.nowcasting.enabled:
+            nowcast = self._nowcast(run, start, step, branches[best]["val_loss"], best_state, recorder)
+        winner = branches[best]["strategy"]
+        if nowcast is None and best_state is not None:
+            best_state.restore(run)  # the last branch trained was not the winner: take the winner's bits
+        run.step = step + horizon
+        self.next_decision = step + self.orch.decision_interval
+        self.decisions += 1
+        previous, self.current = self.current, winner
+        apply_strategy(run.engine, run.config, self.strategy())
+        self.reference_loss = branches[best]["train_losses"][-1] if branches[best]["train_losses"] else loss
+        self.good = Snapshot(run) if self.orch.max_loss_increase is not None else None
+        entry = {"step": step, "decision": self.decisions, "start_val_loss": start_val, "horizon": horizon,
+                 "branches": branches, "winner": winner, "previous": previous, "nowcast": nowcast,
+                 "bandit": self.bandit.state_dict(), "kept_until": run.step}
+        self.history = [*self.history, entry][-50:]
+        for b in branches:
+            kept = "kept" if b["strategy"] == winner and nowcast is None else "discarded"
+            self._event(recorder, "branch", step, f"branch {b['strategy']}: {horizon} steps, val loss "
+                        f"{fmt_loss(b['val_loss'])} ({kept})", {**b, "horizon": horizon, "kept": kept == "kept"})
+        scores = ", ".join(f"{b['strategy']} {fmt_loss(b['val_loss'])}" for b in branches)
+        self._event(recorder, "decision", step, f"decision {self.decisions}: {winner} wins ({scores}; from "
+                    f"{fmt_loss(start_val)}); steps {step + 1}-{run.step} kept", entry)
+        if winner != previous:
+            self._event(recorder, "switch", step, f"strategy {previous} -> {winner}",
+                        {"from": previous, "to": winner, "settings": self.strategy().to_dict()})
+        run.echo(f"{run.step_label(run.step)}  orchestrator: {winner} ({scores})")
+        run.steplog.start(run.step)
+
+    def _train_branch(self, run, name: str, step: int, horizon: int) -> tuple[float | None, list[float], bool]:
+        """``horizon`` steps of strategy ``name`` from the run's current state; its validation loss."""
+        apply_strategy(run.engine, run.config, self.strategy(name))
+        factor = self.strategy(name).lr_factor
+        accum, cuda = run.config.training.gradient_accumulation, run.device.type == "cuda"
+        losses: list[torch.Tensor] = []
+        try:
+            for s in range(step + 1, step + horizon + 1):
+                run.step = s
+                run.engine.current_step = s
+                lr = run.survival.lr(s, run.schedule(s)) * factor
+                result = run.engine.train_step(micro_batches(run.loader, accum, cuda), lr)
+                losses.append(result.loss.detach().float().reshape(()))
+            run.engine.check_finite()
+        except NonFiniteError:
+            return None, [], True
+        values = torch.stack(losses)
+        if run.dp is not None:
+            values = run.dp.average_(values)
+        return self._score(run), [float(x) for x in values.tolist()], False
+
+    def _score(self, run) -> float | None:
+        """The validation loss on the same ``eval_batches`` for every branch (averaged over ranks)."""
+        v = run.validation
+        kept, v.eval_batches = v.eval_batches, self.orch.eval_batches or v.eval_batches
+        try:
+            return v.measure(run.engine)
+        finally:
+            v.eval_batches = kept
+
+    # ------------------------------------------------------------------------------ nowcasting
+
+    def _nowcast(self, run, start: Snapshot, step: int, best_val: float | None, best_state, recorder) -> dict | None:
+        """Extrapolate each weight tensor linearly over the decision-point history (least squares in
+        the step) ``ahead`` steps past this point; kept only when its validation loss beats the best
+        branch's. Returns its record when kept."""
+        cfg = self.orch.nowcasting
+        self.nowcast_history = [*self.nowcast_history, (step, start.weights(run))][-cfg.history:]
+        if len(self.nowcast_history) < 2 or best_val is None:
+            return None
+        winner_state = best_state or Snapshot(run)
+        ahead = cfg.ahead or self.orch.decision_interval
+        steps = torch.tensor([float(s) for s, _ in self.nowcast_history], dtype=torch.float64)
+        t = steps - steps.mean()
+        target = float(step + ahead) - float(steps.mean())
+        jumped = {}
+        for name in self.nowcast_history[-1][1]:
+            ys = torch.stack([w[name].double() for _, w in self.nowcast_history])
+            slope = torch.tensordot(t, ys - ys.mean(0), dims=1) / (t * t).sum()
+            jumped[name] = (ys.mean(0) + slope * target).to(self.nowcast_history[-1][1][name].dtype)
+        winner_state.restore(run)
+        tensors = {**winner_state.tensors, **jumped}
+        run.engine.load_train_state_tensors(tensors)
+        val = self._score(run)
+        record = {"ahead": ahead, "history": [int(s) for s, _ in self.nowcast_history], "val_loss": val,
+                  "best_branch_val_loss": best_val, "kept": val is not None and val < best_val}
+        self._event(recorder, "nowcast", step, f"nowcast {ahead} steps ahead: val loss {fmt_loss(val)} against "
+                    f"{fmt_loss(best_val)} ({'kept' if record['kept'] else 'discarded'})", record)
+        if not record["kept"]:
+            winner_state.restore(run)
+            return None
+        return record
+
+    # ------------------------------------------------------------------------------ safety
+
+    def _safety_rollback(self, run, loss: float, limit: float, recorder) -> None:
+        good, step = self.good, run.step
+        accum = run.config.training.gradient_accumulation
+        window = [run.loader.absolute - (step - good.step) * accum, (step - good.step) * accum]
+        cursor = run.loader.state_dict()
+        good.restore(run)
+        run.loader.load_state_dict(cursor)  # the bad window's data is not replayed
+        self.rollbacks += 1
+        previous, self.current = self.current, self.orch.safety_strategy
+        apply_strategy(run.engine, run.config, self.strategy())
+        message = (f"safety rollback: loss {fmt_loss(loss)} above {self.orch.max_loss_increase:g} x "
+                   f"{fmt_loss(self.reference_loss)} at step {step}; restored step {good.step}, strategy {previous} -> "
+                   f"{self.current}, skipping the data of steps {good.step + 1}-{step}")
+        recorder.rewind(good.step)
+        self._event(recorder, "safety_rollback", step, message,
+                    {"loss": loss, "limit": limit, "restored_step": good.step, "from": previous,
+                     "to": self.current, "micro_batches": window})
+        run.echo(f"{run.step_label(step)}  {message}")
+        run.save(run.step, False, recorder)  # a resume from here on starts past the bad window, on the safety strategy
+        run.steplog.start(run.step)
+
+    # ------------------------------------------------------------------------------ records, state
+
+    def _event(self, recorder, kind: str, step: int, message: str, detail: dict) -> None:
+        recorder.log_event(kind, step, message, _finite(detail))
+
+    def state_dict(self) -> dict:
+        return {"orchestrator": {"current": self.current, "decisions": self.decisions,
+                                 "bandit": self.bandit.state_dict(),
+                                 "history": copy.deepcopy(self.history), "reference_loss": self.reference_loss,
+                                 "rollbacks": self.rollbacks, "next_decision": self.next_decision}}
+
+    def load_state_dict(self, meta: dict) -> None:
+        state = meta.get("orchestrator")
+        if not state:
+            return
+        self.current, self.decisions = state["current"], int(state["decisions"])
+        self.bandit.load_state_dict(state["bandit"])
+        self.history = copy.deepcopy(state.get("history") or [])
+        self.reference_loss, self.rollbacks = state.get("reference_loss"), int(state.get("rollbacks", 0))
+        self.next_decision = int(state.get("next_decision", self.orch.decision_interval))
+
+
+def _finite(value):
+    """JSON without NaN/inf (a failed branch's reward is -inf): those become None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

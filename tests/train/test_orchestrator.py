@@ -1,0 +1,109 @@
+"""Orchestrated training (apr/train/orchestrator.py): exact speculative branches, decisions and
+switches recorded in both stores and training_state.json, the safety rollback, a resume that
+continues the same decisions. In-process runs of the tiny pattern dataset (tests/train/run_helpers.py)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import torch
+from run_helpers import config_doc, make_dataset, signal_at
+
+from apr.config import config_hash
+from apr.config.schema import AprConfig
+from apr.train.run import ApplyOptions, prepare_run
+
+STALL = {"stall": {"lr_factor": 1.0e-4}}  # a strategy that barely moves: it loses every branch
+
+
+def _run(root, *, resume=None, echo=None, **sections):
+    cfg = AprConfig.model_validate(config_doc(root, **sections))
+    lines: list[str] = []
+    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+                      options=ApplyOptions(resume=resume, echo=echo or lines.append))
+    return run.execute(), run, getattr(echo, "lines", lines)
+
+
+def _orchestrated(**orchestrator) -> dict:
+    return {"max_steps": 12, "eval_interval": 4, "save_interval": 100, "orchestrator": {
+        "enabled": True, "decision_interval": 4, "eval_horizon": 3, "branches": 2, "strategies": STALL,
+        "candidates": ["conservative_adamw", "stall"], "max_loss_increase": None, **orchestrator}}
+
+
+@pytest.fixture
+def root(tmp_path):
+    make_dataset(tmp_path)
+    return tmp_path
+
+
+def test_the_winner_continues_bitwise_as_if_chosen_without_branching(root, tmp_path_factory):
+    """Two decisions (after steps 4 and 8), each training conservative_adamw and a losing strategy
+    from the same state for 3 steps: the winner is the first branch, so its state is restored after
+    the loser's. The run ends bitwise where a run that never branched (the run's own settings, which
+    are conservative_adamw) ends: weights, moments, data cursor."""
+    result, run, _ = _run(root, training=_orchestrated())
+    plain_root = tmp_path_factory.mktemp("plain")
+    make_dataset(plain_root)
+    plain, plain_run, _ = _run(plain_root, training={"max_steps": 12, "eval_interval": 4, "save_interval": 100})
+    assert result.status == plain.status == "finished" and result.final_step == 12
+    decisions = run.orchestrator.history
+    assert [d["winner"] for d in decisions] == ["conservative_adamw", "conservative_adamw"]
+    assert [b["strategy"] for b in decisions[0]["branches"]] == ["conservative_adamw", "stall"]
+    a, b = run.engine.train_state_tensors(), plain_run.engine.train_state_tensors()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert run.loader.state_dict() == plain_run.loader.state_dict()
+    assert run.engine.optimizer_steps == 12  # the losers' steps are not the run's
+
+
+def test_decisions_branches_and_switches_are_recorded_in_both_stores_and_the_state(root):
+    result, run, lines = _run(root, training=_orchestrated(
+        candidates=["stall", "aggressive_adamw"], initial_strategy="stall"))
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    kinds = [e["kind"] for e in state["events"]]
+    assert kinds.count("decision") == 2 and kinds.count("branch") == 4 and kinds[0] == "strategy"
+    assert "switch" in kinds  # stall -> aggressive_adamw at the first decision
+    decision = next(e for e in state["events"] if e["kind"] == "decision")
+    assert decision["detail"]["winner"] == "aggressive_adamw" and decision["detail"]["previous"] == "stall"
+    assert {b["strategy"] for b in decision["detail"]["branches"]} == {"stall", "aggressive_adamw"}
+    db = sqlite3.connect(root / "run" / ".apr" / "experiments.db")
+    stored = [k for (k,) in db.execute("SELECT kind FROM events ORDER BY step")]
+    assert sorted(stored) == sorted(kinds)
+    assert any("orchestrator: aggressive_adamw" in line for line in lines)
+    from typer.testing import CliRunner
+
+    from apr.cli.main import app
+
+    shown = CliRunner().invoke(app, ["runs", "show", result.run_id, "--global"])
+    assert shown.exit_code == 0 and "decision 1: aggressive_adamw wins" in shown.stdout
+    assert "branch stall: 3 steps" in shown.stdout and "strategy stall -> aggressive_adamw" in shown.stdout
+
+
+def test_a_resume_continues_the_same_decisions(root, tmp_path_factory):
+    """Stopped by a signal at step 8, a decision point (its checkpoint holds the bandit, the strategy
+    in force and the next decision's step), the resumed run makes the second decision as the
+    uninterrupted one does, and ends bitwise equal to it."""
+    settings = _orchestrated(candidates=["stall", "aggressive_adamw"], initial_strategy="stall")
+    straight, straight_run, _ = _run(root, training=settings)
+    other = tmp_path_factory.mktemp("resumed")
+    make_dataset(other)
+    stopped, _, _ = _run(other, echo=signal_at("step  8/12  loss"), training=settings)
+    assert stopped.status == "stopped" and stopped.final_step == 8
+    resumed, resumed_run, _ = _run(other, resume="latest", training=settings)
+    assert resumed.status == "finished" and resumed_run.orchestrator.decisions == 2
+    assert resumed_run.orchestrator.bandit.state_dict() == straight_run.orchestrator.bandit.state_dict()
+    a, b = straight_run.engine.train_state_tensors(), resumed_run.engine.train_state_tensors()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_loss_spike_rolls_back_to_the_last_decision_and_switches_to_the_safety_strategy(root):
+    result, run, lines = _run(root, training={
+        "max_steps": 14, "eval_interval": 4, "save_interval": 100, "orchestrator": {
+            "enabled": True, "decision_interval": 4, "eval_horizon": 1, "candidates": ["boom"],
+            "strategies": {"boom": {"lr_factor": 30.0, "clip_mode": "off"}}, "max_loss_increase": 1.5}})
+    assert result.status == "finished"
+    rollbacks = [e for e in run.recorder.recorded_events() if e["kind"] == "safety_rollback"]
+    assert rollbacks and rollbacks[0]["detail"]["to"] == "spike_resistant"
+    assert run.orchestrator.rollbacks >= 1
+    assert any("safety rollback" in line for line in lines)
