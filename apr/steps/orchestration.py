@@ -82,11 +82,18 @@ def branch_count(config) -> int:
     return min(orch.branches, len(candidates(config)))
 
 
+def horizon_at(config, step: int, total_steps: int) -> int:
+    """The horizon of a decision after ``step``: ``eval_horizon``, clipped so that the run's last
+    step is a step of the loop (validated, checkpointed); 0: no decision fits."""
+    return max(min(config.training.orchestrator.eval_horizon, total_steps - step - 1), 0)
+
+
 def decision_steps(config, total_steps: int) -> list[int]:
-    """The steps after which a decision is made: every ``decision_interval``, while the horizon
+    """The steps after which a decision is made: every ``decision_interval``, while a horizon
     still fits before the end of the run."""
     orch = config.training.orchestrator
-    return [s for s in range(orch.decision_interval, total_steps, orch.decision_interval)]
+    return [s for s in range(orch.decision_interval, total_steps, orch.decision_interval)
+            if horizon_at(config, s, total_steps) > 0]
 
 
 def overhead(config, total_steps: int) -> dict:
@@ -97,7 +104,7 @@ def overhead(config, total_steps: int) -> dict:
     orch = config.training.orchestrator
     k = branch_count(config)
     decisions = decision_steps(config, total_steps)
-    horizons = [min(orch.eval_horizon, total_steps - s) for s in decisions]
+    horizons = [horizon_at(config, s, total_steps) for s in decisions]
     extra = sum(h * (k - 1) for h in horizons)
     scored = len(decisions) * (k + int(orch.nowcasting.enabled)) if (k > 1 or orch.nowcasting.enabled) else 0
     return {"decisions": len(decisions), "branches": k, "horizon": orch.eval_horizon,

@@ -51,6 +51,20 @@ def apply_strategy(engine, config, strategy: Strategy) -> None:
     engine.grad_clip = strategy.grad_clip if strategy.grad_clip is not None else (tr.grad_clip or 1.0)
 
 
+def extrapolate(history: list[tuple[int, dict[str, torch.Tensor]]], step: int) -> dict[str, torch.Tensor]:
+    """Each tensor at ``step`` on the least-squares line through its values at the history's steps
+    (float64 arithmetic, the tensors' own dtype out)."""
+    steps = torch.tensor([float(s) for s, _ in history], dtype=torch.float64)
+    t = steps - steps.mean()
+    target = float(step) - float(steps.mean())
+    out = {}
+    for name, last in history[-1][1].items():
+        ys = torch.stack([w[name].double() for _, w in history])
+        slope = torch.tensordot(t, ys - ys.mean(0), dims=1) / (t * t).sum()
+        out[name] = (ys.mean(0) + slope * target).to(last.dtype)
+    return out
+
+
 class Snapshot:
     """The run's exact state in memory: the engine's tensors (cloned) and every registered stateful
     part's metadata but the orchestrator's own (deep-copied)."""
@@ -100,7 +114,7 @@ class Orchestrator:
         if run.start_step == 0:
             self._event(recorder, "strategy", 0, f"strategy {self.current} (initial)",
                         {"strategy": self.current, "settings": self.strategy().to_dict()})
-        while run.step >= self.next_decision and run.step < run.total_steps:  # stopped at a decision point
+        while self._due(run):  # stopped at a decision point
             self._decide(run, self.reference_loss or math.inf, recorder)
 
     # ------------------------------------------------------------------------------ per step
@@ -122,11 +136,14 @@ class Orchestrator:
             self._safety_rollback(run, loss, limit, recorder)
             return True
         moved = False
-        while run.step >= self.next_decision and run.step < run.total_steps:  # a kept horizon may reach the next
+        while self._due(run):  # a kept horizon may reach the next decision point
             self._decide(run, loss, recorder)
             loss = self.reference_loss
             moved = True
         return moved
+
+    def _due(self, run) -> bool:
+        return run.step >= self.next_decision and orchestration.horizon_at(self.config, run.step, run.total_steps) > 0
 
     @staticmethod
     def _loss(run, report) -> float:
@@ -137,9 +154,10 @@ class Orchestrator:
 
     def _decide(self, run, loss: float, recorder) -> None:
         step = run.step
-        horizon = min(self.orch.eval_horizon, run.total_steps - step)
-        if horizon < self.orch.eval_horizon:
-            run.echo(f"{run.step_label(step)}  orchestrator: horizon clipped to {horizon} steps (max_steps)")
+        horizon = orchestration.horizon_at(self.config, step, run.total_steps)
+        if horizon < self.orch.eval_horizon:  # the run's last step stays a step of the loop (validated, saved)
+            run.echo(f"{run.step_label(step)}  orchestrator: horizon clipped to {horizon} steps (the run ends at "
+                     f"step {run.total_steps})")
         k = orchestration.branch_count(self.config)
         chosen = self.bandit.choose(k)
         start = Snapshot(run)
@@ -228,14 +246,7 @@ class Orchestrator:
             return None
         winner_state = best_state or Snapshot(run)
         ahead = cfg.ahead or self.orch.decision_interval
-        steps = torch.tensor([float(s) for s, _ in self.nowcast_history], dtype=torch.float64)
-        t = steps - steps.mean()
-        target = float(step + ahead) - float(steps.mean())
-        jumped = {}
-        for name in self.nowcast_history[-1][1]:
-            ys = torch.stack([w[name].double() for _, w in self.nowcast_history])
-            slope = torch.tensordot(t, ys - ys.mean(0), dims=1) / (t * t).sum()
-            jumped[name] = (ys.mean(0) + slope * target).to(self.nowcast_history[-1][1][name].dtype)
+        jumped = extrapolate(self.nowcast_history, step + ahead)
         winner_state.restore(run)
         tensors = {**winner_state.tensors, **jumped}
         run.engine.load_train_state_tensors(tensors)

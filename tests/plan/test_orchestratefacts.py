@@ -79,7 +79,7 @@ def test_a_decision_near_the_end_has_its_horizon_clipped_to_the_run(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(BASE + "  orchestrator: {enabled: true, decision_interval: 400, eval_horizon: 300, branches: 2}\n")
     facts = orchestrator_facts(load_config(cfg).config, 1000, None)
-    assert facts["extra_steps"] == 300 + 200  # the decision after step 800 has 200 steps left
+    assert facts["extra_steps"] == 300 + 199  # after step 800: 199 steps, the last one is the loop's
 
 
 def test_the_plan_text_shows_the_overhead_memory_and_time_of_the_branches(tmp_path):

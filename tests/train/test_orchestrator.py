@@ -107,3 +107,38 @@ def test_a_loss_spike_rolls_back_to_the_last_decision_and_switches_to_the_safety
     assert rollbacks and rollbacks[0]["detail"]["to"] == "spike_resistant"
     assert run.orchestrator.rollbacks >= 1
     assert any("safety rollback" in line for line in lines)
+
+
+def test_a_nowcast_that_does_not_improve_validation_is_discarded_and_leaves_no_trace(root, tmp_path_factory):
+    """A nowcast jumps 10^4 steps along the weights' linear trend (fitted over the two decision
+    points): far worse on validation, so it is discarded, recorded, and the run ends bitwise where
+    the same run without nowcasting ends."""
+    jump = _orchestrated(nowcasting={"enabled": True, "history": 2, "ahead": 10_000})
+    result, run, _ = _run(root, training=jump)
+    nowcasts = [e for e in run.recorder.recorded_events() if e["kind"] == "nowcast"]
+    assert len(nowcasts) == 1 and nowcasts[0]["detail"]["kept"] is False  # the second decision: two points
+    assert nowcasts[0]["detail"]["history"] == [4, 8]
+    assert nowcasts[0]["detail"]["val_loss"] > nowcasts[0]["detail"]["best_branch_val_loss"]
+    other = tmp_path_factory.mktemp("no-nowcast")
+    make_dataset(other)
+    _, plain_run, _ = _run(other, training=_orchestrated())
+    a, b = run.engine.train_state_tensors(), plain_run.engine.train_state_tensors()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_nowcasting_extrapolates_each_tensor_along_its_least_squares_line():
+    from apr.train.orchestrator import extrapolate
+
+    a, b = torch.randn(3, 2, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    noise = {4: 0.01, 8: -0.02, 12: 0.01}  # zero mean and zero slope: the fit is the line itself
+    history = [(s, {"w": (a + b * s + noise[s]).float()}) for s in (4, 8, 12)]
+    torch.testing.assert_close(extrapolate(history, 20)["w"], (a + b * 20).float(), rtol=1e-5, atol=1e-5)
+    assert extrapolate(history, 20)["w"].dtype == torch.float32
+
+
+def test_a_horizon_that_would_reach_the_end_is_clipped_so_the_last_step_is_validated(root):
+    result, run, lines = _run(root, training={**_orchestrated(), "max_steps": 10})
+    assert [d["horizon"] for d in run.orchestrator.history] == [3, 1]  # after step 8: steps 9, then the loop's 10
+    assert any("horizon clipped to 1 steps" in line for line in lines)
+    state = json.loads((root / "run" / "training_state.json").read_text())
+    assert result.final_step == 10 and state["val_loss_history"][-1][0] == 10
