@@ -38,15 +38,35 @@ def root(tmp_path):
     return tmp_path
 
 
-def test_the_winner_continues_bitwise_as_if_chosen_without_branching(root, tmp_path_factory):
+def _fresh(tmp_path_factory, name: str, **sections):
+    """A run in a folder of its own, its global registry at ``<folder>/home``."""
+    folder = tmp_path_factory.mktemp(name)
+    make_dataset(folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("APR_HOME", str(folder / "home"))
+        return (folder, *_run(folder, **sections))
+
+
+# Runs several tests compare against, made once per module (suite time).
+@pytest.fixture(scope="module")
+def branched(tmp_path_factory):
+    return _fresh(tmp_path_factory, "branched", training=_orchestrated())
+
+
+@pytest.fixture(scope="module")
+def switching(tmp_path_factory):
+    return _fresh(tmp_path_factory, "switching",
+                  training=_orchestrated(candidates=["stall", "aggressive_adamw"], initial_strategy="stall"))
+
+
+def test_the_winner_continues_bitwise_as_if_chosen_without_branching(branched, tmp_path_factory):
     """Two decisions (after steps 4 and 8), each training conservative_adamw and a losing strategy
     from the same state for 3 steps: the winner is the first branch, so its state is restored after
     the loser's. The run ends bitwise where a run that never branched (the run's own settings, which
     are conservative_adamw) ends: weights, moments, data cursor."""
-    result, run, _ = _run(root, training=_orchestrated())
-    plain_root = tmp_path_factory.mktemp("plain")
-    make_dataset(plain_root)
-    plain, plain_run, _ = _run(plain_root, training={"max_steps": 12, "eval_interval": 4, "save_interval": 100})
+    _, result, run, _ = branched
+    _, plain, plain_run, _ = _fresh(tmp_path_factory, "plain",
+                                    training={"max_steps": 12, "eval_interval": 4, "save_interval": 100})
     assert result.status == plain.status == "finished" and result.final_step == 12
     decisions = run.orchestrator.history
     assert [d["winner"] for d in decisions] == ["conservative_adamw", "conservative_adamw"]
@@ -57,9 +77,8 @@ def test_the_winner_continues_bitwise_as_if_chosen_without_branching(root, tmp_p
     assert run.engine.optimizer_steps == 12  # the losers' steps are not the run's
 
 
-def test_decisions_branches_and_switches_are_recorded_in_both_stores_and_the_state(root):
-    result, run, lines = _run(root, training=_orchestrated(
-        candidates=["stall", "aggressive_adamw"], initial_strategy="stall"))
+def test_decisions_branches_and_switches_are_recorded_in_both_stores_and_the_state(switching):
+    root, result, run, lines = switching
     state = json.loads((root / "run" / "training_state.json").read_text())
     kinds = [e["kind"] for e in state["events"]]
     assert kinds.count("decision") == 2 and kinds.count("branch") == 4 and kinds[0] == "strategy"
@@ -75,17 +94,17 @@ def test_decisions_branches_and_switches_are_recorded_in_both_stores_and_the_sta
 
     from apr.cli.main import app
 
-    shown = CliRunner().invoke(app, ["runs", "show", result.run_id, "--global"])
+    shown = CliRunner().invoke(app, ["runs", "show", result.run_id, "--global"], env={"APR_HOME": str(root / "home")})
     assert shown.exit_code == 0 and "decision 1: aggressive_adamw wins" in shown.stdout
     assert "branch stall: 3 steps" in shown.stdout and "strategy stall -> aggressive_adamw" in shown.stdout
 
 
-def test_a_resume_continues_the_same_decisions(root, tmp_path_factory):
+def test_a_resume_continues_the_same_decisions(switching, tmp_path_factory):
     """Stopped by a signal at step 8, a decision point (its checkpoint holds the bandit, the strategy
     in force and the next decision's step), the resumed run makes the second decision as the
     uninterrupted one does, and ends bitwise equal to it."""
     settings = _orchestrated(candidates=["stall", "aggressive_adamw"], initial_strategy="stall")
-    straight, straight_run, _ = _run(root, training=settings)
+    _, _, straight_run, _ = switching
     other = tmp_path_factory.mktemp("resumed")
     make_dataset(other)
     stopped, _, _ = _run(other, echo=signal_at("step  8/12  loss"), training=settings)
@@ -109,7 +128,7 @@ def test_a_loss_spike_rolls_back_to_the_last_decision_and_switches_to_the_safety
     assert any("safety rollback" in line for line in lines)
 
 
-def test_a_nowcast_that_does_not_improve_validation_is_discarded_and_leaves_no_trace(root, tmp_path_factory):
+def test_a_nowcast_that_does_not_improve_validation_is_discarded_and_leaves_no_trace(root, branched):
     """A nowcast jumps 10^4 steps along the weights' linear trend (fitted over the two decision
     points): far worse on validation, so it is discarded, recorded, and the run ends bitwise where
     the same run without nowcasting ends."""
@@ -119,9 +138,7 @@ def test_a_nowcast_that_does_not_improve_validation_is_discarded_and_leaves_no_t
     assert len(nowcasts) == 1 and nowcasts[0]["detail"]["kept"] is False  # the second decision: two points
     assert nowcasts[0]["detail"]["history"] == [4, 8]
     assert nowcasts[0]["detail"]["val_loss"] > nowcasts[0]["detail"]["best_branch_val_loss"]
-    other = tmp_path_factory.mktemp("no-nowcast")
-    make_dataset(other)
-    _, plain_run, _ = _run(other, training=_orchestrated())
+    _, _, plain_run, _ = branched
     a, b = run.engine.train_state_tensors(), plain_run.engine.train_state_tensors()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
