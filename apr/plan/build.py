@@ -34,7 +34,12 @@ from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
 from apr.plan.memory import MemoryRow, coefficients_dict
 from apr.plan.mixfacts import mixture_config_findings, mixture_facts, reads, source_contract_results
-from apr.plan.orchestratefacts import orchestrator_facts, orchestrator_findings, orchestrator_memory_findings
+from apr.plan.orchestratefacts import (
+    orchestrator_facts,
+    orchestrator_findings,
+    orchestrator_memory_findings,
+    orchestrator_memory_rows,
+)
 from apr.plan.tokfacts import tokenizer_facts
 from apr.plan.validate import (
     alert_config_findings,
@@ -401,7 +406,15 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     orchestrated = orchestrator_facts(config, total_steps, sheet.facts.get("memory"))
     if orchestrated is not None:  # the branches' extra steps and state copies (docs/training.md)
         sheet.facts["orchestrator"] = orchestrated
-        mixture_findings += orchestrator_memory_findings(loaded, orchestrated, sheet.facts.get("memory"))
+        rows = orchestrator_memory_rows(orchestrated, sheet.facts.get("memory"))
+        sheet.memory = [*sheet.memory, *rows]
+        memory = sheet.facts.get("memory")
+        if memory and rows:
+            memory["total_bytes"] += sum(r.bytes for r in rows)
+            memory["by_component"].update({r.component: r.bytes for r in rows})
+            if memory.get("vram_bytes"):
+                memory["usage_fraction"] = memory["total_bytes"] / memory["vram_bytes"]
+        mixture_findings += orchestrator_memory_findings(loaded, orchestrated, memory)
         if sheet.time_estimate is not None and sheet.time_estimate.get("estimated_seconds") is not None:
             evaluation_s = (sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)
             extra = (sheet.time_estimate["estimated_seconds"] - evaluation_s) * orchestrated["extra_fraction"]

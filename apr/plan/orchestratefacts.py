@@ -12,6 +12,7 @@ from __future__ import annotations
 from apr.config import LoadedConfig
 from apr.errors import Finding
 from apr.fmt import format_bytes
+from apr.plan.memory import MemoryRow
 from apr.steps import orchestration
 from apr.steps.execution import gradient_source
 
@@ -125,11 +126,26 @@ def orchestrator_facts(config, total_steps: int | None, memory: dict | None) -> 
     return facts
 
 
+def orchestrator_memory_rows(facts: dict, memory: dict | None) -> list[MemoryRow]:
+    """The plan's memory rows for the orchestrator's copies (exact: the sizes of the engine's own)."""
+    by = (memory or {}).get("by_component") or {}
+    state = sum(int(by.get(c) or 0) for c in _STATE_COMPONENTS)
+    rows = []
+    if facts["state_copies"] and state:
+        rows.append(MemoryRow("branch_states", facts["state_copies"] * state, "exact", 0,
+                              "orchestrator: the decision point's state and the best branch's (weights + moments)"))
+    if facts["nowcast_copies"] and by.get("weights"):
+        rows.append(MemoryRow("nowcast_weights", facts["nowcast_copies"] * int(by["weights"]), "exact", 0,
+                              "orchestrator: the weights at the last decision points (nowcasting.history)"))
+    return rows
+
+
 def orchestrator_memory_findings(loaded: LoadedConfig, facts: dict | None, memory: dict | None) -> list[Finding]:
-    """The branches' state copies must fit the memory budget with the engine."""
+    """The branches' state copies must fit the memory budget with the engine (``memory``: the plan's
+    totals, the copies' rows included)."""
     if not facts or not memory or not memory.get("vram_bytes"):
         return []
-    total, budget = memory["total_bytes"] + facts["extra_bytes"], memory["vram_bytes"]
+    total, budget = memory["total_bytes"], memory["vram_bytes"]
     if total <= budget:
         return []
     key = ("training", "orchestrator", "branches") if facts["branches"] > 1 else ("training", "orchestrator",
@@ -138,6 +154,6 @@ def orchestrator_memory_findings(loaded: LoadedConfig, facts: dict | None, memor
     return [Finding("error", "config.orchestrator", f"the orchestrator's state copies ({facts['state_copies']} x "
                     f"weights + moments, {facts['nowcast_copies']} nowcast weight copies: "
                     f"{format_bytes(facts['extra_bytes'])}) do not fit beside the run's "
-                    f"{format_bytes(memory['total_bytes'])} in {format_bytes(budget)}",
+                    f"{format_bytes(total - facts['extra_bytes'])} in {format_bytes(budget)}",
                     path=".".join(key), file=file, line=line, column=column,
                     expected=f"<= {format_bytes(budget)} in all", got=format_bytes(total))]

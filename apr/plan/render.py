@@ -529,7 +529,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         *_item("data", _data_lines(plan)),
         *_item("schedule", _schedule_lines(plan)),
         *_item("execution", _execution_lines(plan)),
-        *_item("orchestrator", orchestrator_lines(plan.facts.get("orchestrator"))),
+        *_item("decisions", orchestrator_lines(plan.facts.get("orchestrator"))),
         "",
         *_memory_lines(plan, colour),
         "",

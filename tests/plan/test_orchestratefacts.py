@@ -94,3 +94,21 @@ def test_the_plan_text_shows_the_overhead_memory_and_time_of_the_branches(tmp_pa
     assert "3 decision points; 3 branches x horizon 50 steps" in text
     assert "300 extra optimizer steps (30.0% of the run" in text and "6.00 MiB: 2 state copies" in text
     assert "time estimate includes the branches: +" in text
+
+
+def test_state_copies_that_do_not_fit_the_memory_budget_are_an_error_at_branches(tmp_path):
+    from apr.plan.orchestratefacts import orchestrator_memory_findings, orchestrator_memory_rows
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + "  orchestrator: {enabled: true, decision_interval: 300, eval_horizon: 50, branches: 4}\n")
+    loaded = load_config(cfg)
+    gib = 2**30
+    memory = {"by_component": {"weights": gib, "adamw_m": gib, "adamw_v": gib}, "total_bytes": 5 * gib,
+              "vram_bytes": 10 * gib}
+    facts = orchestrator_facts(loaded.config, 1000, memory)
+    rows = orchestrator_memory_rows(facts, memory)
+    assert [(r.component, r.bytes) for r in rows] == [("branch_states", 6 * gib)]  # 2 copies, whatever K
+    memory["total_bytes"] += rows[0].bytes  # as the plan adds its rows
+    found = orchestrator_memory_findings(loaded, facts, memory)
+    assert [(f.path, f.line) for f in found] == [("training.orchestrator.branches", 18)]
+    assert "6.00 GiB" in found[0].message and found[0].got == "11.00 GiB"
