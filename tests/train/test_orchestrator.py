@@ -159,3 +159,25 @@ def test_a_horizon_that_would_reach_the_end_is_clipped_so_the_last_step_is_valid
     assert any("horizon clipped to 1 steps" in line for line in lines)
     state = json.loads((root / "run" / "training_state.json").read_text())
     assert result.final_step == 10 and state["val_loss_history"][-1][0] == 10
+
+
+def test_switching_a_strategy_sets_the_updater_its_settings_and_the_clipping_on_either_engine():
+    from apr.steps.orchestration import resolve
+    from apr.train.build import build_engine
+    from apr.train.orchestrator import apply_strategy
+    from tests.train.tiny import batches, make_config
+
+    config = make_config(training={"engine": "standard"})
+    engine = build_engine(config)
+    apply_strategy(engine, config, resolve(config, "spike_resistant"))
+    groups = engine.updater.optimizer.param_groups  # torch's AdamW, bound: its groups follow
+    assert engine.strategy.clip == "global" and engine.grad_clip == config.training.grad_clip / 4
+    assert groups[0]["weight_decay"] == config.optimizer.weight_decay and groups[1]["weight_decay"] == 0.0
+    config = make_config()
+    engine = build_engine(config)
+    apply_strategy(engine, config, resolve(config, "sgd_escape"))
+    assert engine.updater.name == "sgd" and engine.updater.weight_decay == config.optimizer.weight_decay / 30
+    losses = [engine.train_step([b], lr=1e-2 * 30).loss.item() for b in batches(config, 3, seed=1)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    apply_strategy(engine, config, resolve(config, "aggressive_adamw"))
+    assert engine.updater.name == "adamw" and engine.strategy.clip == "per_block" and not engine.strategy.norm_prepass
