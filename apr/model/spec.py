@@ -140,6 +140,32 @@ def flops_per_token(arch: Architecture, seq_len: int) -> int:
     return 6 * n + 12 * arch.num_hidden_layers * arch.hidden_size * seq_len
 
 
+def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:
+    """Bytes the key/value cache of generation holds per token of context: keys and values of every
+    layer's key/value heads (what grouped-query attention shrinks)."""
+    return 2 * arch.num_hidden_layers * arch.kv_heads * arch.head_dim * dtype_bytes
+
+
+def student_init_problems(student: Architecture, teacher: Architecture) -> list[tuple[str, str, str, str]]:
+    """Why a student block cannot start from a teacher block: ``(key, message, expected, got)`` per
+    reason; the plan's check and ``apr.model.surgery``'s.
+    See docs/design.md, "Upcycling into a new architecture"."""
+    out = []
+    if student.num_attention_heads != teacher.num_attention_heads:
+        out.append(("num_attention_heads", f"the student has {student.num_attention_heads} query heads, the teacher "
+                    f"{teacher.num_attention_heads}: each student query head starts from the teacher's head",
+                    str(teacher.num_attention_heads), str(student.num_attention_heads)))
+    elif teacher.kv_heads % student.kv_heads:
+        out.append(("num_key_value_heads", f"the student's {student.kv_heads} key/value heads do not divide the "
+                    f"teacher's {teacher.kv_heads}: each student head averages a whole group of teacher heads",
+                    f"a divisor of {teacher.kv_heads}", str(student.kv_heads)))
+    if student.intermediate_size != teacher.intermediate_size:
+        out.append(("intermediate_size", f"the student's MLP is {student.intermediate_size} wide, the teacher's "
+                    f"{teacher.intermediate_size}: the MLP is copied from the teacher",
+                    str(teacher.intermediate_size), str(student.intermediate_size)))
+    return out
+
+
 def _group_shards(config: AprConfig, w: int) -> dict[str, int]:
     """Each optimizer group's largest shard over ``w`` ranks (first dimension split, rounded up);
     every block's is the same, so one block's specs are built (see ``group_sizes``)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from apr.checkpoint.hf_import import inspect_source, resolve, source_architecture
 from apr.config import LoadedConfig
 from apr.errors import AprError, Finding
-from apr.model.spec import param_count
+from apr.model.spec import flops_per_token, kv_cache_bytes_per_token, param_count, student_init_problems
 from apr.plan.facts import time_estimate
 from apr.plan.memory import MemoryRow
 from apr.steps import distill as schedule
@@ -68,6 +68,13 @@ def _sha(path: Path) -> str | None:
         return None
 
 
+def _arch_facts(arch, seq_len: int) -> dict:
+    """What an upcycled student is compared with its teacher on: parameters, training FLOPs per token,
+    and the key/value cache generation holds per token (float32, as ``apr generate`` keeps it)."""
+    return {"params": param_count(arch), "flops_per_token": flops_per_token(arch, seq_len),
+            "kv_heads": arch.kv_heads, "kv_cache_bytes_per_token": kv_cache_bytes_per_token(arch, 4)}
+
+
 def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, target, world_size: int
                   ) -> tuple[dict | None, list[MemoryRow], list[Finding]]:
     """(facts.distill, extra memory rows, findings) of a distillation config; (None, [], []) otherwise."""
@@ -93,6 +100,10 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
             findings.append(_finding(loaded, ("model", "architecture", attr), f"the teacher has {attr} "
                                      f"{getattr(teacher, attr)}, the student {getattr(student, attr)}: {what}",
                                      str(getattr(teacher, attr)), str(getattr(student, attr))))
+    if d.init_from_teacher and not any(f.path == "model.architecture.hidden_size" for f in findings):
+        for attr, message, expected, got in student_init_problems(student, teacher):
+            findings.append(_finding(loaded, ("model", "architecture", attr), f"init_from_teacher: {message}",
+                                     expected, got))
     try:
         spans = schedule.spans(student.num_hidden_layers, teacher.num_hidden_layers, d.block_map)
     except schedule.MappingError as err:
@@ -137,6 +148,8 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
     out = {"teacher": {"path": d.teacher, "layers": teacher.num_hidden_layers, "hidden_size": teacher.hidden_size,
                        "vocab_size": teacher.vocab_size, "params": n_teacher},
            "spans": [list(x) for x in spans] if spans else None, "phases": phases,
+           "architectures": {who: _arch_facts(arch, c.data.seq_len) for who, arch in
+                             (("teacher", teacher), ("student", student))},
            "estimated_seconds": (sum(p["estimated_seconds"] for p in phases)
                                  if all(p["estimated_seconds"] is not None for p in phases) else None),
            "on_device": "the whole student (phase 2 needs it) and the teacher; phase 1 updates one block"}

@@ -140,6 +140,20 @@ def stacking_lines(stacked: dict | None) -> list[str]:
     return out
 
 
+def distill_lines(distilled: dict | None) -> list[str]:
+    """Distillation / upcycling: the teacher and the student side by side (parameters, training FLOPs
+    per token, the key/value cache per token of context) and each phase's steps."""
+    if not distilled:
+        return []
+    out = [f"from {distilled['teacher']['path']}"]
+    for who, a in (distilled.get("architectures") or {}).items():
+        out.append(f"  {who:<8} {fmt_number(a['params'])} params, {fmt_flops(a['flops_per_token'])}/token, "
+                   f"{a['kv_heads']} KV heads, KV cache {format_bytes(a['kv_cache_bytes_per_token'])}/token")
+    for p in distilled["phases"]:
+        out.append(f"  phase {p['phase']}: {p['steps']:,} steps ({fmt_number(p['tokens'])} tokens)")
+    return out
+
+
 def _data_lines(plan) -> list[str]:
     data = plan.config.data
     f = plan.facts.get("data") or {}
@@ -526,6 +540,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         _section("Resolved run", colour),
         *_item("model", _model_lines(plan)),
         *_item("stacking", stacking_lines(plan.facts.get("stacking"))),
+        *_item("distill", distill_lines(plan.facts.get("distill"))),
         *_item("data", _data_lines(plan)),
         *_item("schedule", _schedule_lines(plan)),
         *_item("execution", _execution_lines(plan)),

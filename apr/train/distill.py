@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from apr.checkpoint.hf_import import load_source_weights, source_architecture
 from apr.config.schema import AprConfig
+from apr.model import surgery
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.steps import distill as schedule
 
@@ -48,13 +49,14 @@ def load_teacher(config: AprConfig, device: torch.device) -> LlamaForCausalLM:
 def init_student_from_teacher(student: LlamaForCausalLM, teacher: LlamaForCausalLM,
                               spans: list[tuple[int, int]]) -> None:
     """Student embedding, final norm and head from the teacher; student block ``i`` from teacher
-    block ``spans[i][0]``."""
+    block ``spans[i][0]`` (``apr.model.surgery.init_block``: key/value heads averaged per group when
+    the student has fewer)."""
     student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
     student.model.norm.weight.copy_(teacher.model.norm.weight)
     if student.lm_head is not None:
         student.lm_head.weight.copy_(teacher.head_weight)
     for i, (start, _end) in enumerate(spans):
-        student.model.layers[i].load_state_dict(teacher.model.layers[start].state_dict())
+        surgery.init_block(student.model.layers[i], teacher.model.layers[start], student.arch, teacher.arch)
 
 
 class Autotune:

@@ -218,3 +218,36 @@ def test_a_student_reading_another_tokenizer_than_the_teacher_is_refused(teacher
     assert proc.returncode == 1 and "data.tokenizer" in proc.stdout and "teacher" in proc.stdout, proc.stdout
     doc["data"]["tokenizer"] = str(beside)
     assert _plan(tmp_path, _write(tmp_path, "tok.json", doc)).returncode == 0
+
+
+def test_a_gqa_student_is_planned_beside_its_teacher_and_started_from_averaged_heads(teacher, tmp_path):
+    """Upcycling to grouped-query attention: half the teacher's key/value heads. The plan shows both
+    architectures' KV cache per token (halved) and refuses a student whose heads do not divide the
+    teacher's, naming the key; the built student's key heads are the teacher's averaged in pairs."""
+    from apr.plan.build import build_plan
+    from apr.train.build import build_engine
+    from apr.train.distill import load_teacher
+    from tests.train.run_helpers import merge
+
+    make_dataset(tmp_path)
+    doc = merge(_student_doc(tmp_path, teacher), {"model": {"architecture": {"num_hidden_layers": 4,
+                                                                             "num_key_value_heads": 1}}})
+    plan = build_plan(_write(tmp_path, "gqa.json", doc))
+    assert not [f for f in plan.findings if f.severity == "error"], plan.findings
+    arches = plan.facts["distill"]["architectures"]
+    assert arches["teacher"]["kv_cache_bytes_per_token"] == 2 * arches["student"]["kv_cache_bytes_per_token"]
+    assert arches["student"]["params"] < arches["teacher"]["params"]
+    from apr.plan.render import render_text
+
+    shown = render_text(plan)
+    assert "student" in shown and "1 KV heads, KV cache 256 B/token" in shown, shown
+
+    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    t = load_teacher(AprConfig.model_validate(doc), torch.device("cpu"))
+    tk, sk = t.model.layers[2].self_attn.k_proj.weight, engine.model.model.layers[2].self_attn.k_proj.weight
+    torch.testing.assert_close(sk, (tk[:8] + tk[8:]) / 2)  # head_dim 8: teacher heads 0 and 1 averaged
+
+    bad = merge(doc, {"model": {"architecture": {"num_key_value_heads": 4}}})
+    plan = build_plan(_write(tmp_path, "bad.json", bad))
+    errors = [f for f in plan.findings if f.severity == "error"]
+    assert [f.path for f in errors] == ["model.architecture.num_key_value_heads"], errors
