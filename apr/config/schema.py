@@ -407,6 +407,7 @@ class TrainingMode(StrEnum):
 
 
 class BlockLoss(StrEnum):
+    l1 = "l1"
     mse = "mse"
     cosine = "cosine"
 
@@ -446,7 +447,17 @@ class DistillConfig(_Section):
     phase1_steps: NonNegCount = Field(
         100, description="Phase 1 optimizer steps per student block (block 0 first). 0 skips phase 1.")
     block_loss: BlockLoss = Field(BlockLoss.mse, description="Phase 1 loss between the student block's output "
-                                  "and the teacher's: mse, or cosine (1 - cosine similarity per position).")
+                                  "and the teacher's: l1 (mean absolute difference), mse, or cosine (1 - cosine "
+                                  "similarity per position).")
+    convergence_target: Float | None = Field(
+        None, gt=0, description="Phase 1 ends a block early once a step's block loss is at or below this (the "
+        "block has converged). Default: no target.")
+    convergence_patience: PositiveCount | None = Field(
+        None, description="Phase 1 ends a block early after this many steps without a new best block loss. "
+        "Default: never.")
+    convergence_max_steps: PositiveCount | None = Field(
+        None, description="With convergence_target or convergence_patience: the most steps a block trains "
+        "(default phase1_steps); phase 2 starts when the last block ends.")
     temperature: Float = Field(2.0, gt=0, description="Phase 2 softmax temperature of the KL to the teacher.")
     kd_weight: Float = Field(0.5, ge=0, le=1, description="Phase 2 loss = kd_weight x T^2 x KL(teacher || "
                              "student) + (1 - kd_weight) x cross-entropy.")

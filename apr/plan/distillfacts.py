@@ -56,6 +56,10 @@ def distill_config_findings(loaded: LoadedConfig) -> list[Finding]:
          "combined", "no stacking", "stacking set"),
         (c.model.init_from is not None, ("model", "init_from"), "the student starts from the teacher "
          "(init_from_teacher) or at random, not from model.init_from", "no init_from", "init_from set"),
+        (tr.distill.convergence_max_steps is not None and not schedule.converging(tr.distill),
+         ("training", "distill", "convergence_max_steps"), "convergence_max_steps caps a block that may end early: "
+         "it needs convergence_target or convergence_patience (phase1_steps sets a fixed count)",
+         "convergence_target or convergence_patience set", "neither"),
     ]
     out += [_finding(loaded, key, message, expected, got) for bad, key, message, expected, got in checks if bad]
     return out
@@ -119,19 +123,22 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
                                      f"{teacher_tok}: the teacher would read other tokens than it was trained on",
                                      f"the teacher's tokenizer (sha256 {b[:12]})", f"sha256 {a[:12]}"))
     p1 = schedule.phase1_steps(c)
+    per_block = schedule.block_steps(d)
     if total_steps is not None and p1 > total_steps:
-        findings.append(_finding(loaded, ("training", "distill", "phase1_steps"), f"phase 1 needs {p1} steps "
-                                 f"({d.phase1_steps} per student block x {student.num_hidden_layers}), the run has "
+        at = "convergence_max_steps" if d.convergence_max_steps is not None else "phase1_steps"
+        up_to = "up to " if schedule.converging(d) else ""
+        findings.append(_finding(loaded, ("training", "distill", at), f"phase 1 needs {up_to}{p1} steps "
+                                 f"({per_block} per student block x {student.num_hidden_layers}), the run has "
                                  f"{total_steps}: the last blocks would never be distilled",
-                                 f"at most {total_steps // student.num_hidden_layers} per block", str(d.phase1_steps)))
+                                 f"at most {total_steps // student.num_hidden_layers} per block", str(per_block)))
     n_teacher, n_student = param_count(teacher), param_count(student)
     tokens_per_step = facts["schedule"]["tokens_per_step"]
-    per_block = (n_student - student.vocab_size * student.hidden_size) / student.num_hidden_layers
+    block_params = (n_student - student.vocab_size * student.hidden_size) / student.num_hidden_layers
     phase1 = min(p1, total_steps or p1)
     phase2 = max((total_steps or 0) - p1, 0)
     # model FLOPs per token: the teacher forward (2N) and, in phase 1, one student block's forward
     # and backward (6 x its parameters); in phase 2 the student's 6N
-    flops = {1: int(2 * n_teacher + 6 * per_block), 2: int(2 * n_teacher + 6 * n_student)}
+    flops = {1: int(2 * n_teacher + 6 * block_params), 2: int(2 * n_teacher + 6 * n_student)}
     precision = str(tr.mixed_precision)
     phases = []
     for phase, steps in ((1, phase1), (2, phase2)):
@@ -152,5 +159,8 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
                              (("teacher", teacher), ("student", student))},
            "estimated_seconds": (sum(p["estimated_seconds"] for p in phases)
                                  if all(p["estimated_seconds"] is not None for p in phases) else None),
+           "phase1": {"block_loss": str(d.block_loss), "converging": schedule.converging(d),
+                      "max_steps_per_block": per_block, "convergence_target": d.convergence_target,
+                      "convergence_patience": d.convergence_patience},
            "on_device": "the whole student (phase 2 needs it) and the teacher; phase 1 updates one block"}
     return out, rows, findings

@@ -39,14 +39,30 @@ def spans(student_depth: int, teacher_depth: int, block_map: list[list[int]] | N
     return out
 
 
+def converging(d) -> bool:
+    """Whether phase 1 ends each block on its loss (``convergence_target`` / ``convergence_patience``)
+    rather than after a fixed ``phase1_steps``."""
+    return d is not None and (d.convergence_target is not None or d.convergence_patience is not None)
+
+
+def block_steps(d) -> int:
+    """The most optimizer steps one block trains in phase 1: ``phase1_steps``, or with convergence
+    stopping ``convergence_max_steps`` (default ``phase1_steps``)."""
+    if d is None:
+        return 0
+    return d.convergence_max_steps if converging(d) and d.convergence_max_steps is not None else d.phase1_steps
+
+
 def phase1_steps(config) -> int:
-    """Optimizer steps of phase 1: ``phase1_steps`` per student block."""
-    d = config.training.distill
-    return 0 if d is None else d.phase1_steps * config.model.architecture.num_hidden_layers
+    """Optimizer steps of phase 1 (with convergence stopping: the most it can take): ``block_steps``
+    per student block."""
+    return block_steps(config.training.distill) * config.model.architecture.num_hidden_layers
 
 
 def phase_at(config, step: int) -> tuple[int, int | None]:
-    """(1, student block) in phase 1, (2, None) after, for optimizer step ``step`` (1-based)."""
+    """(1, student block) in phase 1, (2, None) after, for optimizer step ``step`` (1-based), with
+    fixed ``phase1_steps``; with convergence stopping the phase is the run's own state
+    (``apr.train.distill.Progress``)."""
     d = config.training.distill
     if d is None or step > phase1_steps(config):
         return 2, None

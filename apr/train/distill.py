@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from apr.checkpoint.hf_import import load_source_weights, source_architecture
@@ -110,6 +111,46 @@ class Autotune:
             self.since, self.factor = [int(x) for x in state["since"]], [float(x) for x in state["factor"]]
 
 
+class Progress:
+    """Phase 1's walk over the student's blocks: the block in training, its steps, best loss and steps
+    since the best, and why each block ended. With fixed ``phase1_steps`` a block ends after them;
+    with convergence stopping (``apr.steps.distill.converging``) also once a step's loss is at or
+    below ``convergence_target`` (converged) or after ``convergence_patience`` steps without a new
+    best (stalled), and never after more than ``block_steps`` (max_steps). State of the loss part:
+    checkpointed, so a resumed run ends its blocks where the uninterrupted one did."""
+
+    def __init__(self, d, blocks: int):
+        self.target, self.patience = d.convergence_target, d.convergence_patience
+        self.max_steps, self.blocks = schedule.block_steps(d), blocks
+        self.block, self.steps, self.best, self.since = 0, 0, None, 0
+        self.done = self.max_steps == 0  # phase1_steps 0 skips phase 1
+
+    def observe(self, loss: float) -> str | None:
+        """One phase-1 step of the current block with this loss; why the block ends, or None."""
+        self.steps += 1
+        if self.best is None or loss < self.best:
+            self.best, self.since = loss, 0
+        else:
+            self.since += 1
+        if self.target is not None and loss <= self.target:
+            return "converged"
+        if self.patience is not None and self.since >= self.patience:
+            return "stalled"
+        return "max_steps" if self.steps >= self.max_steps else None
+
+    def next_block(self) -> None:
+        self.block, self.steps, self.best, self.since = self.block + 1, 0, None, 0
+        self.done = self.block >= self.blocks
+
+    def state_dict(self) -> dict:
+        return {"block": self.block, "steps": self.steps, "best": self.best, "since": self.since, "done": self.done}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.block, self.steps, self.since = int(state["block"]), int(state["steps"]), int(state["since"])
+            self.best, self.done = state["best"], bool(state["done"])
+
+
 class DistillLoss:
     """The distillation loss part (see the module docstring) for either autograd source: one
     process, DDP, or FSDP2 shards of the student (the teacher is whole on every rank)."""
@@ -124,10 +165,22 @@ class DistillLoss:
         self.spans = schedule.spans(student_blocks, teacher.arch.num_hidden_layers, d.block_map)
         self.block_loss, self.temperature, self.kd_weight = str(d.block_loss), d.temperature, d.kd_weight
         self.autotune = Autotune(d.autotune, student_blocks)
+        self.converging = schedule.converging(d)
+        self.progress = Progress(d, student_blocks)
         self.last_phase: tuple[int, int | None] = (0, None)
+        self.started = False  # this step begins a phase-1 block or phase 2 (an event: apr/train/events.py)
+        self.step = 0
+        self.events: list[tuple[str, str, dict]] = []  # (kind, message, detail): each block's end, drained by the run
 
     def begin_step(self, step: int) -> None:
-        self.last_phase = schedule.phase_at(self.config, step)
+        self.step = step
+        if not self.converging:
+            phase = schedule.phase_at(self.config, step)
+            self.started = step == 1 or schedule.phase_at(self.config, step - 1) != phase
+        else:
+            phase = (2, None) if self.progress.done else (1, self.progress.block)
+            self.started = phase != self.last_phase
+        self.last_phase = phase
 
     def __call__(self, engine, lm: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         phase, block = self.last_phase
@@ -137,8 +190,41 @@ class DistillLoss:
         phase, block = self.last_phase
         if phase != 1:
             return 1.0
-        self.autotune.observe(block, float(loss))
+        value = self._agreed(loss) if self.converging else float(loss)
+        self.autotune.observe(block, value)
+        self._block_step(block, value)
         return self.autotune.factor[block]
+
+    @staticmethod
+    def _agreed(loss: torch.Tensor) -> float:
+        """The step's loss averaged over data-parallel ranks: every rank ends a block at the same step."""
+        if dist.is_available() and dist.is_initialized():
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        return float(loss)
+
+    def _block_step(self, block: int, loss: float) -> None:
+        """Count the step against the block; where the block ends, an event with why and its last loss."""
+        if self.converging:
+            why = self.progress.observe(loss)
+        else:
+            if self.progress.block != block:  # a gated step left the count behind the schedule
+                self.progress.block, self.progress.steps, self.progress.best, self.progress.since = block, 0, None, 0
+            self.progress.observe(loss)
+            why = "steps" if schedule.phase_at(self.config, self.step + 1) != (1, block) else None
+        if why is None:
+            return
+        p = self.progress
+        said = {"converged": lambda: f"converged (loss <= {p.target:g})",
+                "stalled": lambda: f"stalled ({p.patience} steps without a new best)",
+                "max_steps": lambda: f"reached its {p.max_steps} steps without converging",
+                "steps": lambda: f"finished its {p.max_steps} steps"}[why]()
+        self.events.append(("distill_block", f"phase 1: student block {block} {said} at step {self.step} after "
+                            f"{self.progress.steps} steps, final loss {loss:.4g}, best {self.progress.best:.4g}",
+                            {"block": block, "step": self.step, "steps": self.progress.steps, "reason": why,
+                             "loss": loss, "best": self.progress.best}))
+        self.progress.next_block()
 
     # ------------------------------------------------------------------------------ losses
 
@@ -160,7 +246,7 @@ class DistillLoss:
         out = out.float()
         if self.block_loss == "cosine":
             return (1.0 - F.cosine_similarity(out, target, dim=-1)).mean()
-        return F.mse_loss(out, target)
+        return F.l1_loss(out, target) if self.block_loss == "l1" else F.mse_loss(out, target)
 
     def kd_loss(self, engine, lm: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Phase 2: KD to the teacher's logits mixed with the LM loss."""
@@ -183,10 +269,15 @@ class DistillLoss:
     # ------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"autotune": self.autotune.state_dict()}
+        return {"autotune": self.autotune.state_dict(), "phase1": self.progress.state_dict(),
+                "distill_phase": list(self.last_phase)}
 
     def load_state_dict(self, meta: dict | None) -> None:
-        self.autotune.load_state_dict((meta or {}).get("autotune"))
+        meta = meta or {}
+        self.autotune.load_state_dict(meta.get("autotune"))
+        self.progress.load_state_dict(meta.get("phase1"))
+        if meta.get("distill_phase"):
+            self.last_phase = (int(meta["distill_phase"][0]), meta["distill_phase"][1])
 
 
 def distill_loss(config: AprConfig, student: LlamaForCausalLM, device: torch.device) -> DistillLoss:

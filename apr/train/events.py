@@ -9,7 +9,6 @@ from ruamel.yaml import YAML
 
 from apr.fsutil import atomic_write_json, atomic_write_text
 from apr.model.spec import param_count
-from apr.steps import distill as distill_schedule
 from apr.track.protocol import NullRecorder
 from apr.track.recorder import RunRecorder
 from apr.train.outdir import RESOLVED_CONFIG, RESOLVED_CONFIG_HEADER
@@ -54,10 +53,11 @@ def stage_started(run, step: int, recorder) -> None:
 
 
 def distill_records(run, step: int, recorder) -> None:
-    """Distillation: an event where a phase-1 block or phase 2 starts, and the autotune's."""
+    """Distillation: an event where a phase-1 block or phase 2 starts, where a block ends (why, its
+    final loss), and the autotune's."""
     loss = run.engine.loss
     phase, block = loss.last_phase
-    if step == 1 or distill_schedule.phase_at(run.config, step - 1) != (phase, block):
+    if loss.started:
         what = (f"phase 1: student block {block} learns teacher blocks "
                 f"{loss.spans[block][0]}-{loss.spans[block][1] - 1}" if phase == 1
                 else "phase 2: the whole student on KD + LM loss")
@@ -67,6 +67,10 @@ def distill_records(run, step: int, recorder) -> None:
         recorder.log_event(kind, step, message, detail)
         run.echo(f"{run.step_label(step)}  autotune: {message}")
     loss.autotune.events.clear()
+    for kind, message, detail in loss.events:
+        recorder.log_event(kind, step, message, detail)
+        run.echo(f"{run.step_label(step)}  {message}")
+    loss.events.clear()
 
 
 def grown(run, step: int, old_depth: int, recorder) -> None:

@@ -137,6 +137,8 @@ def test_a_distillation_run_goes_through_both_phases_and_records_them(distilled)
     assert state["status"] == "finished"
     assert [(e["step"], e["detail"]["phase"], e["detail"]["block"]) for e in state["events"]
             if e["kind"] == "distill"] == [(1, 1, 0), (3, 1, 1), (5, 2, None)]
+    assert [(e["step"], e["detail"]["block"], e["detail"]["reason"]) for e in state["events"]
+            if e["kind"] == "distill_block"] == [(2, 0, "steps"), (4, 1, "steps")]  # each block's end, its loss
     weights = load_file(str(root / "student" / "checkpoint-step-8.safetensors"))
     assert not any(k.startswith("model.layers.2.") for k in weights)  # a 2-block student
 
@@ -251,3 +253,59 @@ def test_a_gqa_student_is_planned_beside_its_teacher_and_started_from_averaged_h
     plan = build_plan(_write(tmp_path, "bad.json", bad))
     errors = [f for f in plan.findings if f.severity == "error"]
     assert [f.path for f in errors] == ["model.architecture.num_key_value_heads"], errors
+
+
+def test_a_block_ends_when_converged_stalled_or_out_of_steps_and_resumes_where_it_was():
+    from types import SimpleNamespace
+
+    from apr.train.distill import Progress
+
+    d = SimpleNamespace(convergence_target=0.1, convergence_patience=2, convergence_max_steps=5, phase1_steps=100)
+    p = Progress(d, blocks=3)
+    assert [p.observe(x) for x in (0.5, 0.3, 0.09)] == [None, None, "converged"]
+    p.next_block()
+    assert [p.observe(x) for x in (0.5, 0.6, 0.7)] == [None, None, "stalled"]  # 2 steps without a new best
+    p.next_block()
+    assert [p.observe(x) for x in (0.9, 0.8, 0.7, 0.6)] == [None] * 4
+    saved = p.state_dict()
+    again = Progress(d, blocks=3)
+    again.load_state_dict(saved)
+    assert again.observe(0.5) == "max_steps" and again.block == 2  # the fifth step of block 2
+    again.next_block()
+    assert again.done
+
+
+def test_convergence_stopping_moves_to_the_next_block_early_and_says_why(teacher, tmp_path):
+    """In process, on the engine: a target every step meets ends each block after one step, with an
+    event naming the block, its step and final loss; phase 2 follows the last block. The l1 block
+    loss is the mean absolute difference."""
+    from apr.train.build import build_engine
+
+    make_dataset(tmp_path)
+    doc = _student_doc(tmp_path, teacher, block_loss="l1", convergence_target=1e6, phase1_steps=50)
+    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
+    phases = []
+    for step in (1, 2, 3):
+        engine.current_step = step
+        engine.train_step([batch], 1e-3)
+        phases.append((engine.loss.last_phase, engine.loss.started))
+    assert phases == [((1, 0), True), ((1, 1), True), ((2, None), True)]
+    ended = [detail for kind, _, detail in engine.loss.events if kind == "distill_block"]
+    assert [(e["block"], e["step"], e["reason"]) for e in ended] == [(0, 1, "converged"), (1, 2, "converged")]
+    assert "student block 0 converged (loss <= 1e+06) at step 1" in engine.loss.events[0][1]
+    ids = batch[:, :16]
+    with torch.no_grad():
+        got = engine.loss.block_loss_of(engine, engine.model, 0, ids)
+        t = engine.loss.teacher
+        cos, sin = t.rope(16, ids.device)
+        x = t.model.embed_tokens(ids)
+        h = t.model.layers[1](t.model.layers[0](x, cos, sin), cos, sin)
+        out = engine.model.model.layers[0](x, *engine.model.rope(16, ids.device))
+    torch.testing.assert_close(got, (out - h).abs().mean())
+
+    from apr.plan.build import build_plan
+
+    doc["training"]["distill"] = {"teacher": str(teacher), "convergence_max_steps": 3}  # a cap on nothing
+    plan = build_plan(_write(tmp_path, "cap.json", doc))
+    assert [f.path for f in plan.findings if f.severity == "error"] == ["training.distill.convergence_max_steps"]

@@ -239,7 +239,8 @@ def test_a_stage_start_is_an_event_in_the_state_and_stores_and_a_line(mixture, r
 def _distill_run(lines: list[str]):
     config = make_config(training={"mode": "distill", "distill": {"teacher": "/unused", "phase1_steps": 2}})
     autotune = SimpleNamespace(events=[])
-    loss = SimpleNamespace(last_phase=None, spans=[(0, 2), (2, 4), (4, 6)], autotune=autotune)
+    loss = SimpleNamespace(last_phase=None, started=False, spans=[(0, 2), (2, 4), (4, 6)], autotune=autotune,
+                           events=[])
     return SimpleNamespace(config=config, engine=SimpleNamespace(loss=loss), echo=lines.append,
                            step_label=lambda step: f"step {step}/8")
 
@@ -250,16 +251,19 @@ def test_distillation_records_each_phase_start_and_the_autotunes_events():
     run, rec = _distill_run(lines), Rec()
     for step in range(1, 9):
         run.engine.loss.last_phase = phase_at(run.config, step)
+        run.engine.loss.started = step == 1 or phase_at(run.config, step - 1) != phase_at(run.config, step)
+        if step == 6:
+            run.engine.loss.events.append(("distill_block", "phase 1: student block 2 finished", {"block": 2}))
         if step == 4:
             run.engine.loss.autotune.events.append(("autotune", "kd weight 0.5 -> 0.25", {"kd_weight": 0.25}))
         events.distill_records(run, step, rec)
     assert [(kind, step, detail) for kind, step, _, detail in rec.events] == [
         ("distill", 1, {"phase": 1, "block": 0}), ("distill", 3, {"phase": 1, "block": 1}),
         ("autotune", 4, {"kd_weight": 0.25}), ("distill", 5, {"phase": 1, "block": 2}),
-        ("distill", 7, {"phase": 2, "block": None})]
+        ("distill_block", 6, {"block": 2}), ("distill", 7, {"phase": 2, "block": None})]
     assert rec.events[1][2] == "distillation phase 1: student block 1 learns teacher blocks 2-3 from step 3"
     assert rec.events[-1][2] == "distillation phase 2: the whole student on KD + LM loss from step 7"
-    assert run.engine.loss.autotune.events == []  # recorded once
+    assert run.engine.loss.autotune.events == [] and run.engine.loss.events == []  # recorded once
     assert "step 4/8  autotune: kd weight 0.5 -> 0.25" in lines
 
 
