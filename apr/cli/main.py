@@ -25,6 +25,7 @@ from apr.cli import (
     cmd_train_lrfind,
     cmd_train_plan,
     cmd_train_validate,
+    cmd_verify,
 )
 from apr.cli.help import tidy_help
 from apr.cli.render import print_error
@@ -108,6 +109,7 @@ cmd_profile.register(app)
 cmd_inspect.register(app)
 cmd_eval.register(app)
 cmd_schema.register(app)
+cmd_verify.register(app)
 
 
 def run() -> None:

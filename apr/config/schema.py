@@ -435,6 +435,22 @@ class AutotuneConfig(_Section):
     ema_beta: Float = Field(0.9, gt=0, lt=1, description="Decay of the block loss EMA.")
 
 
+class VerifyLimits(_Section):
+    """Largest allowed differences between student and teacher outputs (docs/eval.md, "apr verify")."""
+
+    max_mean_l1: Float = Field(0.05, gt=0, description="Largest allowed mean absolute difference.")
+    max_max_l1: Float = Field(0.25, gt=0, description="Largest allowed absolute difference of any element.")
+
+
+class VerifyConfig(_Section):
+    """Compare student and teacher at the end of training, as `apr verify` does."""
+
+    batches: PositiveCount = Field(5, description="Batches of data.val (else data.train) to compare on.")
+    attention: VerifyLimits = Field(default_factory=VerifyLimits, description="Per student block: its "
+                                    "attention output (a block mapped to several teacher blocks: its output).")
+    logits: VerifyLimits = Field(default_factory=VerifyLimits, description="The whole models' logits.")
+
+
 class DistillConfig(_Section):
     """Blockwise distillation from a teacher (training.mode: distill)."""
 
@@ -464,6 +480,8 @@ class DistillConfig(_Section):
     init_from_teacher: Bool = Field(True, description="Start the student from the teacher: its embedding, final "
                                     "norm, head and, for each student block, the first teacher block it maps to.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig)
+    verify: VerifyConfig | None = Field(None, description="Compare student and teacher when the run finishes "
+                                        "(a verify event, verify.json in the output folder). Default: off.")
 
 
 class LRScheduler(StrEnum):

@@ -7,6 +7,8 @@ import io
 
 from ruamel.yaml import YAML
 
+from apr.evaluate.compare import Thresholds, compare_models, shard_batches
+from apr.fmt import fmt_sci
 from apr.fsutil import atomic_write_json, atomic_write_text
 from apr.model.spec import param_count
 from apr.track.protocol import NullRecorder
@@ -71,6 +73,42 @@ def distill_records(run, step: int, recorder) -> None:
         recorder.log_event(kind, step, message, detail)
         run.echo(f"{run.step_label(step)}  {message}")
     loss.events.clear()
+
+
+def verified(run, recorder, stop: Stop) -> None:
+    """Distillation's ``verify`` at the end of a finished run: student against teacher on the first
+    batches of data.val (else data.train), as ``apr verify`` (apr/evaluate/compare.py); a ``verify``
+    event whose detail is the table, ``verify.json`` in the output folder, and one line per row.
+    Rank 0 of one process or DDP; not on shards (there the teacher comparison would need every rank)."""
+    d = run.config.training.distill
+    data = run.config.data.val or run.config.data.train
+    if (stop.status != "finished" or run.engine.kind != "distill" or d is None or d.verify is None
+            or (run.dp is not None and run.dp.rank != 0)):
+        return
+    if run.engine.sharded or not isinstance(data, str):
+        run.warn("training.distill.verify: not run (sharded runs and mixtures are compared with apr verify)")
+        return
+    v = d.verify
+    limits = Thresholds(v.attention.max_mean_l1, v.attention.max_max_l1, v.logits.max_mean_l1, v.logits.max_max_l1)
+    batches = (b.to(run.device) for b in shard_batches(data, seq_len=run.config.data.seq_len,
+                                                       batch_size=run.config.data.batch_size, batches=v.batches,
+                                                       column=run.config.data.input_column))
+    model = run.engine.model
+    was_training = model.training
+    model.eval()
+    try:
+        result = compare_models(run.engine.loss.teacher, model, batches, limits, d.block_map)
+    finally:
+        model.train(was_training)
+    doc = {"step": run.step, **result.to_dict()}
+    atomic_write_json(run.run_dir / "verify.json", doc)
+    verdict = "within every threshold" if result.ok else "OUTSIDE a threshold"
+    message = f"verify: student against teacher on {result.batches} batches: {verdict}"
+    recorder.log_event("verify", run.step, message, doc)
+    run.echo(message)
+    for r in result.rows:
+        run.echo(f"  {r.what}: mean L1 {fmt_sci(r.mean_l1)} (limit {fmt_sci(r.max_mean_l1)}), max L1 "
+                 f"{fmt_sci(r.max_l1)} (limit {fmt_sci(r.max_max_l1)}) {'ok' if r.ok else 'FAIL'}")
 
 
 def grown(run, step: int, old_depth: int, recorder) -> None:

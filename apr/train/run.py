@@ -174,8 +174,6 @@ class Run:
             self.lock.release()
             raise
 
-    # ------------------------------------------------------------------------------ the context
-
     def warn(self, message: str) -> None:
         self.echo(f"warning: {message}")
 
@@ -241,6 +239,7 @@ class Run:
         except BaseException as err:  # the last background write failed (a full disk)
             recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
             raise
+        events.verified(self, recorder, stop)  # distillation's verify, when configured and finished
         recorder.finish(stop.status, stop.reason)
         if (self.is_main and self.resumed_from is None and stop.status == "finished"
                 and not self.survival.rollback.rollbacks):

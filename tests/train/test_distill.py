@@ -124,7 +124,9 @@ def test_autotune_records_spikes_and_plateaus_and_only_active_mode_lowers_the_lr
 def distilled(teacher, tmp_path_factory):
     root = tmp_path_factory.mktemp("student")
     make_dataset(root)
-    cfg = _write(root, "student.json", _student_doc(root, teacher, autotune={"mode": "monitor"}))
+    doc = _student_doc(root, teacher, autotune={"mode": "monitor"}, verify={"batches": 2})
+    doc["model"]["architecture"]["num_key_value_heads"] = 1  # upcycled to MQA: the teacher has 2 KV heads
+    cfg = _write(root, "student.json", doc)
     lines = _run(cfg, root)
     return root, cfg, lines
 
@@ -141,6 +143,56 @@ def test_a_distillation_run_goes_through_both_phases_and_records_them(distilled)
             if e["kind"] == "distill_block"] == [(2, 0, "steps"), (4, 1, "steps")]  # each block's end, its loss
     weights = load_file(str(root / "student" / "checkpoint-step-8.safetensors"))
     assert not any(k.startswith("model.layers.2.") for k in weights)  # a 2-block student
+    assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (8, 32)  # one KV head of 8
+    verify = json.loads((root / "student" / "verify.json").read_text())
+    assert verify["step"] == 8 and verify["batches"] == 2
+    assert [r["what"] for r in verify["rows"]] == ["block 0 output (teacher 0-1)", "block 1 output (teacher 2-3)",
+                                                   "logits"]
+    assert [e for e in state["events"] if e["kind"] == "verify"][0]["detail"]["rows"] == verify["rows"]
+    assert any(line.startswith("  logits: mean L1 ") for line in lines)
+
+
+def test_apr_verify_compares_a_student_with_its_teacher_and_exits_1_outside_a_threshold(distilled, teacher):
+    from typer.testing import CliRunner
+
+    from apr.cli.main import app
+
+    root, _, _ = distilled
+    student = root / "student"
+    runner = CliRunner()
+    wide = runner.invoke(app, ["verify", str(teacher), str(student), "--batches", "2", "--json",
+                               "--attention-max-mean-l1", "1e6", "--attention-max-max-l1", "1e6",
+                               "--logits-max-mean-l1", "1e6", "--logits-max-max-l1", "1e6"])
+    assert wide.exit_code == 0, wide.output
+    doc = json.loads(wide.output)
+    assert doc["ok"] and doc["batches"] == 2 and doc["tokens"] == 2 * 4 * 16
+    logits = doc["rows"][-1]
+    assert 0 < logits["mean_l1"] <= logits["max_l1"]
+    strict = runner.invoke(app, ["verify", str(teacher), str(student), "--batches", "1",
+                                 "--logits-max-max-l1", str(logits["max_l1"] / 2)])
+    assert strict.exit_code == 1 and "FAIL" in strict.output and "outside a threshold" in strict.output
+    same = runner.invoke(app, ["verify", str(teacher), str(teacher), "--batches", "1", "--data",
+                               str(root / "data" / "val")])  # the teacher against itself: all zero
+    assert same.exit_code == 0, same.output
+    bad = runner.invoke(app, ["verify", str(teacher), str(student), "--logits-max-mean-l1", "0"])
+    assert bad.exit_code == 1 and "must be positive" in bad.output and "Traceback" not in bad.output
+
+
+def test_an_upcycled_gqa_student_exports_to_hugging_face_with_equal_logits(distilled, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from apr.checkpoint.export import export_hf
+    from apr.generate.load import load_for_inference
+
+    from apr.data.standin import write_tokenizer
+
+    root, _, _ = distilled
+    export_hf(root / "student", tmp_path / "hf", tokenizer=write_tokenizer(tmp_path / "tokenizer.json", 61))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.num_key_value_heads == 1
+    ours = load_for_inference(root / "student", need_tokenizer=False).model
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
 
 
 def test_kill_9_in_phase_1_resumes_bitwise(distilled, tmp_path):
