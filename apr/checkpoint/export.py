@@ -210,6 +210,12 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                               info.json_path, "not_apr") from None
     config = stacking.config_at(config, info.step)  # progressive stacking: the depth at that step
     arch = config.model.architecture
+    if arch.decoupled_attention is not None:
+        raise AprError(f"{info.json_path.name} has decoupled bottleneck attention, which Hugging Face LLaMA cannot "
+                       "hold: use the apr checkpoint with apr generate and apr eval", [Finding(
+                           "error", "export.decoupled_attention", "no Hugging Face form for decoupled attention",
+                           path="model.architecture.decoupled_attention", file=str(info.json_path),
+                           expected="standard (grouped-query) attention", got=str(arch.decoupled_attention))])
     if fmt == "peft":
         return _export_peft(state, info, config, out, tokenizer=tokenizer, base_dir=base, warnings=warnings)
     weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}

@@ -98,6 +98,7 @@ def register(app: typer.Typer) -> None:
                 "generations": [g.to_dict() for g in result.generations],
                 "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6),
                 "tokens_per_s": round(rate, 2) if rate else None,
+                "kv_cache_bytes_per_token": result.kv_cache_bytes_per_token,
             }
             typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
             return

@@ -108,6 +108,14 @@ class ModelMode(StrEnum):
     transformer = "transformer"
 
 
+class DecoupledAttention(_Section):
+    """Decoupled bottleneck attention: per head a semantic query/key part without RoPE and a geometric
+    part with RoPE, narrower than the head together. See docs/design.md, "Upcycling into a new architecture"."""
+
+    sem_dim: PositiveCount = Field(description="Width per head of the semantic (position-free) query/key part.")
+    geo_dim: PositiveCount = Field(description="Width per head of the geometric (RoPE) query/key part; even.")
+
+
 class Architecture(_Section):
     """LLaMA-style decoder shapes. Names follow Hugging Face's LlamaConfig."""
 
@@ -125,6 +133,21 @@ class Architecture(_Section):
     rope_theta: Float = Field(10000.0, gt=0, description="RoPE base frequency.")
     tie_word_embeddings: Bool = Field(False, description="Share the embedding matrix with the LM head.")
     initializer_range: Float = Field(0.02, gt=0, description="Std of the normal init of linear layers.")
+    decoupled_attention: DecoupledAttention | None = Field(
+        None, description="Decoupled bottleneck attention instead of standard attention (apr checkpoints "
+        "only: no Hugging Face export). Default: standard attention.")
+
+    @model_validator(mode="after")
+    def _decoupled_fits(self):
+        d = self.decoupled_attention
+        if d is not None:
+            hd = self.hidden_size // self.num_attention_heads
+            if d.geo_dim % 2:
+                raise ValueError(f"decoupled_attention.geo_dim must be even (RoPE rotates pairs), got {d.geo_dim}")
+            if d.sem_dim + d.geo_dim > hd:
+                raise ValueError(f"decoupled_attention.sem_dim + geo_dim is {d.sem_dim + d.geo_dim}, more than "
+                                 f"head_dim {hd}: the bottleneck must be at most a head wide")
+        return self
 
     @property
     def kv_heads(self) -> int:
@@ -250,6 +273,13 @@ class ModelConfig(_Section):
         None, description="Progressive stacking: grow the model through stages of increasing depth. Default: "
         "train at full depth from the first step.")
     architecture: Architecture
+
+    @model_validator(mode="after")
+    def _lora_on_standard_attention(self):
+        if self.lora is not None and self.architecture.decoupled_attention is not None:
+            raise ValueError("lora targets the standard projections (q_proj, k_proj, ...): it cannot be combined "
+                             "with architecture.decoupled_attention")
+        return self
 
 
 # ----------------------------------------------------------------------------------------- data

@@ -13,38 +13,43 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from apr.model.llama import LlamaForCausalLM, apply_rope
+from apr.model.llama import LlamaForCausalLM
 
 
 class KVCache:
-    """Keys and values of every layer, ``[layers, batch, kv_heads, capacity, head_dim]``."""
+    """Keys and values of every layer, ``[layers, batch, kv_heads, capacity, key_dim | head_dim]``
+    (keys are narrower than values under decoupled attention)."""
 
     def __init__(self, model: LlamaForCausalLM, batch: int, capacity: int):
         attn = model.model.layers[0].self_attn
         w = model.model.embed_tokens.weight
-        shape = (len(model.model.layers), batch, attn.n_kv_heads, capacity, attn.head_dim)
-        self.k = torch.empty(shape, dtype=w.dtype, device=w.device)
-        self.v = torch.empty(shape, dtype=w.dtype, device=w.device)
+        shape = (len(model.model.layers), batch, attn.n_kv_heads, capacity)
+        self.k = torch.empty((*shape, attn.key_dim), dtype=w.dtype, device=w.device)
+        self.v = torch.empty((*shape, attn.head_dim), dtype=w.dtype, device=w.device)
         self.length = 0  # positions filled (padding included)
         self.capacity = capacity
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What the cache holds per position of one row: keys and values of every layer."""
+        rows = self.k.shape[1] * self.capacity
+        return (self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()) // rows
 
 
 def _attend(layer, x, cos, sin, cache: KVCache, index: int, mask) -> torch.Tensor:
     attn = layer.self_attn
     b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, attn.n_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attn.project(x, cos, sin)
     start, end = cache.length, cache.length + t
     cache.k[index, :, :, start:end] = k
     cache.v[index, :, :, start:end] = v
     keys, values = cache.k[index, :, :, :end], cache.v[index, :, :, :end]
     gqa = attn.n_kv_heads != attn.n_heads
     if mask is None:  # no padding: causal over the new positions (a prefill from empty) or all keys
-        y = F.scaled_dot_product_attention(q, keys, values, is_causal=start == 0 and t > 1, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, keys, values, is_causal=start == 0 and t > 1, enable_gqa=gqa,
+                                           scale=attn.head_dim ** -0.5)
     else:
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=attn.head_dim ** -0.5)
     return attn.o_proj(y.transpose(1, 2).reshape(b, t, attn.n_heads * attn.head_dim))
 
 

@@ -65,6 +65,7 @@ class GenerateResult:
     prefill_s: float
     decode_s: float
     decode_tokens: int  # positions decoded after the prefill, over all rows
+    kv_cache_bytes_per_token: int | None = None  # what the KV cache held per position of a row (None: no cache)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -189,7 +190,8 @@ def generate(loaded: Loaded, prompts: list[str], options: GenerateOptions,
                               finish_reason=r.finish or "length", logprobs=r.logprobs if options.logprobs else None)
                    for r in rows]
     return GenerateResult(generations, seed=seed, prefill_s=t_prefill - t0, decode_s=t1 - t_prefill,
-                          decode_tokens=decoded)
+                          decode_tokens=decoded, kv_cache_bytes_per_token=(
+                              step.cache.bytes_per_token if hasattr(step, "cache") else None))
 
 
 def _step_cached(loaded: Loaded, prompt_ids: list[list[int]], options: GenerateOptions):
@@ -207,6 +209,7 @@ def _step_cached(loaded: Loaded, prompt_ids: list[list[int]], options: GenerateO
     def step(fed: torch.Tensor | None) -> torch.Tensor:
         return forward_cached(model, padded if fed is None else fed, cache, pad)
 
+    step.cache = cache  # the caller reports its size
     return step
 
 

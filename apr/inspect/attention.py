@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from apr.errors import AprError, Finding
-from apr.model.llama import apply_rope
 
 
 class AttentionInputError(AprError):
@@ -33,9 +32,7 @@ class AttentionMap:
 
 def _weights(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     b, s, _ = x.shape
-    q = attn.q_proj(x).view(b, s, attn.n_heads, attn.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(b, s, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, _ = attn.project(x, cos, sin)  # either attention kind (apr/model/llama.py)
     k = k.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=1)  # GQA: each kv head serves a group
     scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(attn.head_dim)
     causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()

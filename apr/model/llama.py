@@ -64,20 +64,68 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = arch.num_attention_heads
         self.n_kv_heads = arch.kv_heads
-        self.head_dim = arch.head_dim
+        self.head_dim = self.key_dim = arch.head_dim  # key_dim: the cached key's width (apr.generate.decode)
         h = arch.hidden_size
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries and keys with RoPE applied, and values: ``[batch, heads, seq, dim]`` each."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+class DecoupledAttention(nn.Module):
+    """Decoupled bottleneck attention: each head's score is a low-rank "semantic" query/key product
+    without positions (``sem_dim`` per head) plus a "geometric" one with RoPE (``geo_dim`` per
+    head), scaled as the full head would be (1 / sqrt(head_dim)); values and output as in
+    ``Attention``. Keys are ``sem_dim + geo_dim`` wide, so the KV cache shrinks. The RoPE tables
+    are the model's (``LlamaForCausalLM.rope``: ``geo_dim`` wide, base ``spec.rope_base``). See
+    docs/design.md, "Upcycling into a new architecture"."""
+
+    def __init__(self, arch: Architecture):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = arch.num_attention_heads, arch.kv_heads, arch.head_dim
+        self.sem_dim, self.geo_dim = arch.decoupled_attention.sem_dim, arch.decoupled_attention.geo_dim
+        self.key_dim = self.sem_dim + self.geo_dim
+        h = arch.hidden_size
+        self.q_sem_proj = nn.Linear(h, self.n_heads * self.sem_dim, bias=False)
+        self.k_sem_proj = nn.Linear(h, self.n_kv_heads * self.sem_dim, bias=False)
+        self.q_geo_proj = nn.Linear(h, self.n_heads * self.geo_dim, bias=False)
+        self.k_geo_proj = nn.Linear(h, self.n_kv_heads * self.geo_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Queries and keys ``[batch, heads, seq, sem_dim + geo_dim]`` (semantic part, then the
+        geometric part with RoPE), values ``[batch, kv_heads, seq, head_dim]``."""
+        b, s, _ = x.shape
+
+        def heads(proj, n, d):
+            return proj(x).view(b, s, n, d).transpose(1, 2)
+
+        q = torch.cat([heads(self.q_sem_proj, self.n_heads, self.sem_dim),
+                       apply_rope(heads(self.q_geo_proj, self.n_heads, self.geo_dim), cos, sin)], dim=-1)
+        k = torch.cat([heads(self.k_sem_proj, self.n_kv_heads, self.sem_dim),
+                       apply_rope(heads(self.k_geo_proj, self.n_kv_heads, self.geo_dim), cos, sin)], dim=-1)
+        return q, k, heads(self.v_proj, self.n_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -101,7 +149,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, arch: Architecture):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch) if arch.decoupled_attention is None else DecoupledAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
@@ -138,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         """cos/sin tables for ``seq_len`` positions, cached per device."""
         key = (seq_len, str(device))
         if key not in self._rope:
-            self._rope[key] = rope_cos_sin(self.arch.head_dim, seq_len, self.arch.rope_theta, device)
+            self._rope[key] = rope_cos_sin(spec.rope_dim(self.arch), seq_len, spec.rope_base(self.arch), device)
         return self._rope[key]
 
     def hidden_states(self, input_ids: torch.Tensor, residual_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -31,10 +31,18 @@ def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
     nq, nkv = arch.num_attention_heads, arch.kv_heads
     p = f"model.layers.{i}."
     g = f"block.{i}"
+    d = arch.decoupled_attention
+    if d is None:
+        qk = [ParamSpec(p + "self_attn.q_proj.weight", (nq * hd, h), g, True),
+              ParamSpec(p + "self_attn.k_proj.weight", (nkv * hd, h), g, True)]
+    else:  # decoupled bottleneck attention (apr.model.llama.DecoupledAttention)
+        qk = [ParamSpec(p + "self_attn.q_sem_proj.weight", (nq * d.sem_dim, h), g, True),
+              ParamSpec(p + "self_attn.k_sem_proj.weight", (nkv * d.sem_dim, h), g, True),
+              ParamSpec(p + "self_attn.q_geo_proj.weight", (nq * d.geo_dim, h), g, True),
+              ParamSpec(p + "self_attn.k_geo_proj.weight", (nkv * d.geo_dim, h), g, True)]
     return [
         ParamSpec(p + "input_layernorm.weight", (h,), g, False),
-        ParamSpec(p + "self_attn.q_proj.weight", (nq * hd, h), g, True),
-        ParamSpec(p + "self_attn.k_proj.weight", (nkv * hd, h), g, True),
+        *qk,
         ParamSpec(p + "self_attn.v_proj.weight", (nkv * hd, h), g, True),
         ParamSpec(p + "self_attn.o_proj.weight", (h, nq * hd), g, True),
         ParamSpec(p + "post_attention_layernorm.weight", (h,), g, False),
@@ -142,8 +150,24 @@ def flops_per_token(arch: Architecture, seq_len: int) -> int:
 
 def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:
     """Bytes the key/value cache of generation holds per token of context: keys and values of every
-    layer's key/value heads (what grouped-query attention shrinks)."""
-    return 2 * arch.num_hidden_layers * arch.kv_heads * arch.head_dim * dtype_bytes
+    layer's key/value heads (what grouped-query attention shrinks; decoupled attention narrows the
+    keys to ``sem_dim + geo_dim``)."""
+    d = arch.decoupled_attention
+    key = arch.head_dim if d is None else d.sem_dim + d.geo_dim
+    return arch.num_hidden_layers * arch.kv_heads * (key + arch.head_dim) * dtype_bytes
+
+
+def rope_dim(arch: Architecture) -> int:
+    """Width RoPE rotates per head: the head, or decoupled attention's geometric part."""
+    return arch.head_dim if arch.decoupled_attention is None else arch.decoupled_attention.geo_dim
+
+
+def rope_base(arch: Architecture) -> float:
+    """RoPE's base for ``rope_dim``. Decoupled attention's geometric part keeps the teacher head's
+    ``geo_dim / 2`` fastest frequencies: pair ``j`` of ``geo_dim`` turns at ``base^(-2j / geo_dim)``,
+    equal to the head's ``theta^(-2j / head_dim)`` when ``base = theta^(geo_dim / head_dim)``."""
+    d = arch.decoupled_attention
+    return arch.rope_theta if d is None else arch.rope_theta ** (d.geo_dim / arch.head_dim)
 
 
 def student_init_problems(student: Architecture, teacher: Architecture) -> list[tuple[str, str, str, str]]:
@@ -159,6 +183,10 @@ def student_init_problems(student: Architecture, teacher: Architecture) -> list[
         out.append(("num_key_value_heads", f"the student's {student.kv_heads} key/value heads do not divide the "
                     f"teacher's {teacher.kv_heads}: each student head averages a whole group of teacher heads",
                     f"a divisor of {teacher.kv_heads}", str(student.kv_heads)))
+    if teacher.decoupled_attention is not None and student.decoupled_attention != teacher.decoupled_attention:
+        out.append(("decoupled_attention", "the teacher has decoupled attention: a student starts from it only "
+                    "with the same decoupled_attention", str(teacher.decoupled_attention), str(
+                        student.decoupled_attention)))
     if student.intermediate_size != teacher.intermediate_size:
         out.append(("intermediate_size", f"the student's MLP is {student.intermediate_size} wide, the teacher's "
                     f"{teacher.intermediate_size}: the MLP is copied from the teacher",

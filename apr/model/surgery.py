@@ -32,18 +32,75 @@ def averaged_kv_heads(weight: torch.Tensor, teacher_kv: int, student_kv: int, he
     return weight.reshape(student_kv, r, head_dim, hidden).mean(dim=1).reshape(student_kv * head_dim, hidden)
 
 
+def geo_rows(head_dim: int, geo_dim: int) -> tuple[list[int], list[int]]:
+    """A head's rows RoPE turns fastest (the first ``geo_dim / 2`` of each half: HF's layout pairs
+    row ``i`` with ``i + head_dim / 2`` at frequency ``theta^(-2i / head_dim)``), and the rest."""
+    half, g = head_dim // 2, geo_dim // 2
+    geo = [*range(g), *range(half, half + g)]
+    return geo, [i for i in range(head_dim) if i not in set(geo)]
+
+
+def decoupled_from(q_w: torch.Tensor, k_w: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, sem_dim: int,
+                   geo_dim: int) -> dict[str, torch.Tensor]:
+    """Decoupled attention's four query/key projections from a standard head's ``q_proj`` /
+    ``k_proj`` (``k_w`` already at the student's key/value heads).
+
+    Geometric part: the rows RoPE turns fastest (``geo_rows``), copied, turned at the same
+    frequencies by the student's RoPE (``spec.rope_base``). Semantic part: the rest of the head
+    turns slowly (the least a token apart: ``theta^(-(geo_dim)/head_dim)`` radians); read as
+    position-free, its score is the bilinear form ``x^T M_q y`` with ``M_q = Wq_rest_q^T Wk_rest``.
+    The best rank-``sem_dim`` form whose key side is shared by the query heads of a key head is
+    the truncated SVD of their stacked ``M_q``: keys ``sqrt(S) V^T``, queries ``S^(-1/2) V^T M_q^T``
+    (for one query head per key head, exactly the truncated SVD of ``W_q W_k^T`` restricted to
+    those rows). docs/design.md, "Upcycling into a new architecture"."""
+    h = q_w.shape[1]
+    geo, rest = geo_rows(head_dim, geo_dim)
+    q = q_w.float().view(n_heads, head_dim, h)
+    k = k_w.float().view(n_kv, head_dim, h)
+    r = n_heads // n_kv
+    q_sem, k_sem = [], []
+    for j in range(n_kv):
+        b = k[j, rest]  # [m, h]
+        qb, rb = torch.linalg.qr(b.T)  # b = rb^T qb^T; the key side lives in b's row space
+        stacked = torch.cat([q[i, rest].T @ rb.T for i in range(j * r, (j + 1) * r)])  # [r h, m]
+        _, sv, wt = torch.linalg.svd(stacked, full_matrices=False)
+        v = (qb @ wt.T)[:, :sem_dim]  # [h, sem]
+        root = sv[:sem_dim].clamp_min(sv[0] * 1e-12 + 1e-30).sqrt()
+        k_sem.append(root[:, None] * v.T)
+        bv = b @ v  # [m, sem]
+        q_sem += [((q[i, rest].T @ bv) / root).T for i in range(j * r, (j + 1) * r)]
+    return {"q_sem_proj": torch.cat(q_sem), "k_sem_proj": torch.cat(k_sem),
+            "q_geo_proj": q[:, geo].reshape(-1, h), "k_geo_proj": k[:, geo].reshape(-1, h)}
+
+
 @torch.no_grad()
 def init_block(student_layer, teacher_layer, student: Architecture, teacher: Architecture) -> None:
     """Student decoder block from a teacher block: norms and MLP copied, query and output projections
-    copied, key and value heads averaged per group (``averaged_kv_heads``)."""
+    copied, key and value heads averaged per group (``averaged_kv_heads``); a decoupled student's
+    query/key parts from the teacher's by ``decoupled_from``."""
     reasons = spec.student_init_problems(student, teacher)
     if reasons:
         raise SurgeryError("; ".join(r[1] for r in reasons))
     for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
         getattr(student_layer, name).load_state_dict(getattr(teacher_layer, name).state_dict())
     s, t = student_layer.self_attn, teacher_layer.self_attn
-    s.q_proj.weight.copy_(t.q_proj.weight)
     s.o_proj.weight.copy_(t.o_proj.weight)
-    for proj in ("k_proj", "v_proj"):
-        w = getattr(t, proj).weight
-        getattr(s, proj).weight.copy_(averaged_kv_heads(w, teacher.kv_heads, student.kv_heads, teacher.head_dim))
+    s.v_proj.weight.copy_(averaged_kv_heads(t.v_proj.weight, teacher.kv_heads, student.kv_heads, teacher.head_dim))
+    if teacher.decoupled_attention is not None:  # the same decoupled attention (student_init_problems)
+        for proj in ("q_sem_proj", "k_sem_proj", "q_geo_proj", "k_geo_proj"):
+            w = getattr(t, proj).weight
+            if proj.startswith("k_"):
+                dim = getattr(teacher.decoupled_attention, proj[2:5] + "_dim")
+                w = averaged_kv_heads(w, teacher.kv_heads, student.kv_heads, dim)
+            getattr(s, proj).weight.copy_(w)
+        return
+    k_w = averaged_kv_heads(t.k_proj.weight, teacher.kv_heads, student.kv_heads, teacher.head_dim)
+    d = student.decoupled_attention
+    if d is None:
+        s.q_proj.weight.copy_(t.q_proj.weight)
+        s.k_proj.weight.copy_(k_w)
+        return
+    parts = decoupled_from(t.q_proj.weight, k_w, student.num_attention_heads, student.kv_heads, student.head_dim,
+                           d.sem_dim, d.geo_dim)
+    for proj, w in parts.items():
+        getattr(s, proj).weight.copy_(w)

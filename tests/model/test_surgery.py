@@ -60,3 +60,49 @@ def test_a_gqa_student_holds_a_smaller_kv_cache_per_token():
     mha, mqa = Architecture(**ARCH), Architecture(**ARCH, num_key_value_heads=1)
     assert spec.kv_cache_bytes_per_token(mha, 4) == 2 * 1 * 4 * 8 * 4
     assert spec.kv_cache_bytes_per_token(mqa, 4) * 4 == spec.kv_cache_bytes_per_token(mha, 4)
+
+
+def _attention_out(model, x):
+    layer = model.model.layers[0]
+    cos, sin = model.rope(x.shape[1], x.device)
+    return layer.self_attn(layer.input_layernorm(x), cos, sin)
+
+
+def test_a_full_width_decoupled_student_reproduces_its_teachers_attention():
+    """sem_dim + geo_dim = head_dim: the geometric part is the teacher's fastest RoPE rows turned at
+    the same frequencies, the semantic part the rest's exact factorisation; what differs is only the
+    slow rows' rotation, negligible at rope_theta 1e6 over 8 positions."""
+    teacher_arch = Architecture(**ARCH, num_key_value_heads=2, rope_theta=1e6)
+    student_arch = Architecture(**ARCH, num_key_value_heads=2, rope_theta=1e6,
+                                decoupled_attention={"sem_dim": 4, "geo_dim": 4})
+    teacher, student = build_model(teacher_arch, 1), build_model(student_arch, 2)
+    assert [p.name for p in spec.param_specs(student_arch)] == [n for n, _ in student.named_parameters()]
+    surgery.init_block(student.model.layers[0], teacher.model.layers[0], student_arch, teacher_arch)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(5))
+    want = _attention_out(teacher, x)
+    torch.testing.assert_close(_attention_out(student, x), want, rtol=0, atol=1e-4 * want.abs().max().item())
+
+
+def test_the_semantic_part_is_the_truncated_svd_of_each_heads_position_free_form():
+    hd, geo, sem = 8, 2, 3
+    q_w = torch.randn(4 * hd, 32, generator=torch.Generator().manual_seed(6))
+    k_w = torch.randn(4 * hd, 32, generator=torch.Generator().manual_seed(7))
+    parts = surgery.decoupled_from(q_w, k_w, 4, 4, hd, sem, geo)
+    _, rest = surgery.geo_rows(hd, geo)
+    for head in range(4):
+        m = q_w.view(4, hd, 32)[head, rest].T @ k_w.view(4, hd, 32)[head, rest]
+        u, s, vt = torch.linalg.svd(m)
+        best = u[:, :sem] @ torch.diag(s[:sem]) @ vt[:sem]
+        got = parts["q_sem_proj"][head * sem:(head + 1) * sem].T @ parts["k_sem_proj"][head * sem:(head + 1) * sem]
+        torch.testing.assert_close(got, best, rtol=1e-4, atol=1e-4 * best.abs().max().item())
+    geo_idx, _ = surgery.geo_rows(hd, geo)
+    assert geo_idx == [0, 4]  # the fastest pair: row 0 turns with row head_dim / 2
+    torch.testing.assert_close(parts["q_geo_proj"][:geo], q_w[geo_idx])
+
+
+def test_decoupled_attention_wider_than_a_head_or_with_an_odd_rope_part_is_refused():
+    for bad, says in (({"sem_dim": 6, "geo_dim": 4}, "more than head_dim 8"), ({"sem_dim": 2, "geo_dim": 3}, "even")):
+        with pytest.raises(ValueError, match=says):
+            Architecture(**ARCH, decoupled_attention=bad)
+    small = Architecture(**ARCH, decoupled_attention={"sem_dim": 2, "geo_dim": 2})
+    assert spec.kv_cache_bytes_per_token(small, 4) == 4 * (4 + 8) * 4  # keys 4 wide, values 8

@@ -361,3 +361,29 @@ def test_convergence_stopping_moves_to_the_next_block_early_and_says_why(teacher
     doc["training"]["distill"] = {"teacher": str(teacher), "convergence_max_steps": 3}  # a cap on nothing
     plan = build_plan(_write(tmp_path, "cap.json", doc))
     assert [f.path for f in plan.findings if f.severity == "error"] == ["training.distill.convergence_max_steps"]
+
+
+def test_a_decoupled_attention_student_starts_close_to_its_teacher_and_trains_in_both_phases(teacher, tmp_path):
+    """Upcycling to decoupled bottleneck attention (sem 2 + geo 4 of head_dim 8), in process: the
+    SVD-initialised student's phase-1 block losses are far below a randomly initialised one's, both
+    phases step, and verification reads its attention rows."""
+    from apr.evaluate.compare import Thresholds, compare_models
+    from apr.train.build import build_engine
+    from tests.train.run_helpers import merge
+
+    make_dataset(tmp_path)
+    arch = {"num_hidden_layers": 4, "decoupled_attention": {"sem_dim": 2, "geo_dim": 4}}
+    doc = merge(_student_doc(tmp_path, teacher, phase1_steps=1), {"model": {"architecture": arch}})
+    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    cold = build_engine(AprConfig.model_validate(merge(doc, {"training": {"distill": {"init_from_teacher": False}}})),
+                        "cpu")
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    for block in range(4):
+        warm = engine.loss.block_loss_of(engine, engine.model, block, ids).item()
+        assert warm < 0.2 * cold.loss.block_loss_of(cold, cold.model, block, ids).item()
+    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
+    for step in (1, 5):  # phase 1 (block 0), then phase 2
+        engine.current_step = step
+        assert torch.isfinite(engine.train_step([batch], 1e-3).loss)
+    result = compare_models(engine.loss.teacher, engine.model, [ids], Thresholds())
+    assert [r.what for r in result.rows][:2] == ["block 0 attention", "block 1 attention"]
