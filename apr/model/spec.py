@@ -187,10 +187,10 @@ def student_init_problems(student: Architecture, teacher: Architecture) -> list[
         out.append(("decoupled_attention", "the teacher has decoupled attention: a student starts from it only "
                     "with the same decoupled_attention", str(teacher.decoupled_attention), str(
                         student.decoupled_attention)))
-    if student.intermediate_size != teacher.intermediate_size:
-        out.append(("intermediate_size", f"the student's MLP is {student.intermediate_size} wide, the teacher's "
-                    f"{teacher.intermediate_size}: the MLP is copied from the teacher",
-                    str(teacher.intermediate_size), str(student.intermediate_size)))
+    if student.intermediate_size > teacher.intermediate_size:
+        out.append(("intermediate_size", f"the student's MLP is {student.intermediate_size} wide, wider than the "
+                    f"teacher's {teacher.intermediate_size}: the student keeps a subset of the teacher's neurons",
+                    f"at most {teacher.intermediate_size}", str(student.intermediate_size)))
     return out
 
 

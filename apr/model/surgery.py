@@ -32,6 +32,17 @@ def averaged_kv_heads(weight: torch.Tensor, teacher_kv: int, student_kv: int, he
     return weight.reshape(student_kv, r, head_dim, hidden).mean(dim=1).reshape(student_kv * head_dim, hidden)
 
 
+def kept_neurons(mlp, width: int) -> torch.Tensor:
+    """The ``width`` SwiGLU neurons of a teacher MLP a narrower student keeps, in their order: those of
+    the largest ``|gate_n| |up_n| |down_n|`` (a bound on what neuron ``n`` can add to the output for
+    a unit input), all of them when the widths agree."""
+    inter = mlp.down_proj.weight.shape[1]
+    if width >= inter:
+        return torch.arange(inter)
+    score = (mlp.gate_proj.weight.norm(dim=1) * mlp.up_proj.weight.norm(dim=1) * mlp.down_proj.weight.norm(dim=0))
+    return score.topk(width).indices.sort().values
+
+
 def geo_rows(head_dim: int, geo_dim: int) -> tuple[list[int], list[int]]:
     """A head's rows RoPE turns fastest (the first ``geo_dim / 2`` of each half: HF's layout pairs
     row ``i`` with ``i + head_dim / 2`` at frequency ``theta^(-2i / head_dim)``), and the rest."""
@@ -81,8 +92,13 @@ def init_block(student_layer, teacher_layer, student: Architecture, teacher: Arc
     reasons = spec.student_init_problems(student, teacher)
     if reasons:
         raise SurgeryError("; ".join(r[1] for r in reasons))
-    for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+    for name in ("input_layernorm", "post_attention_layernorm"):
         getattr(student_layer, name).load_state_dict(getattr(teacher_layer, name).state_dict())
+    keep = kept_neurons(teacher_layer.mlp, student.intermediate_size)
+    sm, tm = student_layer.mlp, teacher_layer.mlp
+    sm.gate_proj.weight.copy_(tm.gate_proj.weight[keep])
+    sm.up_proj.weight.copy_(tm.up_proj.weight[keep])
+    sm.down_proj.weight.copy_(tm.down_proj.weight[:, keep])
     s, t = student_layer.self_attn, teacher_layer.self_attn
     s.o_proj.weight.copy_(t.o_proj.weight)
     s.v_proj.weight.copy_(averaged_kv_heads(t.v_proj.weight, teacher.kv_heads, student.kv_heads, teacher.head_dim))

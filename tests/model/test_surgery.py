@@ -106,3 +106,19 @@ def test_decoupled_attention_wider_than_a_head_or_with_an_odd_rope_part_is_refus
             Architecture(**ARCH, decoupled_attention=bad)
     small = Architecture(**ARCH, decoupled_attention={"sem_dim": 2, "geo_dim": 2})
     assert spec.kv_cache_bytes_per_token(small, 4) == 4 * (4 + 8) * 4  # keys 4 wide, values 8
+
+
+def test_a_narrower_mlp_keeps_the_teachers_neurons_that_matter():
+    """A student MLP of 32 neurons from a teacher's 48 of which 16 contribute nothing (zero output
+    weights): the kept neurons are the 32 live ones, so the block is reproduced exactly."""
+    teacher_arch = Architecture(**ARCH, num_key_value_heads=2)
+    student_arch = Architecture(**{**ARCH, "intermediate_size": 32}, num_key_value_heads=2)
+    teacher, student = build_model(teacher_arch, 1), build_model(student_arch, 2)
+    dead = torch.arange(0, 48, 3)  # every third neuron
+    with torch.no_grad():
+        teacher.model.layers[0].mlp.down_proj.weight[:, dead] = 0.0
+    surgery.init_block(student.model.layers[0], teacher.model.layers[0], student_arch, teacher_arch)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(_block_out(student, x), _block_out(teacher, x), rtol=1e-5, atol=1e-6)
+    wider = Architecture(**{**ARCH, "intermediate_size": 64}, num_key_value_heads=2)
+    assert [p[0] for p in spec.student_init_problems(wider, teacher_arch)] == ["intermediate_size"]
