@@ -149,7 +149,12 @@ def distill_lines(distilled: dict | None) -> list[str]:
     for who, a in (distilled.get("architectures") or {}).items():
         out.append(f"  {who:<8} {fmt_number(a['params'])} params, {fmt_flops(a['flops_per_token'])}/token, "
                    f"{a['kv_heads']} KV heads, KV cache {format_bytes(a['kv_cache_bytes_per_token'])}/token")
+    p1 = distilled.get("phase1") or {}
     for p in distilled["phases"]:
+        if p["phase"] == 1 and p1.get("converging"):  # blocks may end early: phase 1 at its longest
+            out.append(f"  phase 1: up to {p['steps']:,} steps ({p1['block_loss']} block loss, each block until "
+                       f"converged or stalled, at most {p1['max_steps_per_block']:,} steps)")
+            continue
         out.append(f"  phase {p['phase']}: {p['steps']:,} steps ({fmt_number(p['tokens'])} tokens)")
     return out
 

@@ -358,6 +358,13 @@ def test_convergence_stopping_moves_to_the_next_block_early_and_says_why(teacher
 
     from apr.plan.build import build_plan
 
+    from apr.plan.render import render_text
+
+    doc["training"]["distill"] = {"teacher": str(teacher), "convergence_target": 0.5, "convergence_max_steps": 2}
+    plan = build_plan(_write(tmp_path, "converging.json", doc))
+    assert not [f for f in plan.findings if f.severity == "error"], plan.findings
+    assert "phase 1: up to 4 steps (mse block loss, each block until converged or stalled, at most 2 steps)" in \
+        render_text(plan)
     doc["training"]["distill"] = {"teacher": str(teacher), "convergence_max_steps": 3}  # a cap on nothing
     plan = build_plan(_write(tmp_path, "cap.json", doc))
     assert [f.path for f in plan.findings if f.severity == "error"] == ["training.distill.convergence_max_steps"]
