@@ -235,6 +235,11 @@ class StackEarlier(StrEnum):
     freeze = "freeze"
 
 
+class StackBuilding(StrEnum):
+    append = "append"
+    prepend = "prepend"
+
+
 class StackStage(_Section):
     """One stage of progressive stacking: the model's depth and how long it trains at that depth."""
 
@@ -255,6 +260,10 @@ class StackingConfig(_Section):
                             "floor(i x old / new) of the old), or fresh (random init).")
     earlier: StackEarlier = Field(StackEarlier.train, description="Blocks that existed before a stage: train on, "
                                   "or freeze (no update; embedding, final norm and head still train).")
+    building_mode: StackBuilding = Field(
+        StackBuilding.append, description="Where a stage's new blocks go: append (above the existing ones, "
+        "below the final norm) or prepend (below them, next to the embedding; the existing blocks move up "
+        "unchanged). prepend takes init copy_top or fresh (interpolate moves every block).")
 
 
 class ModelConfig(_Section):

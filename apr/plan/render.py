@@ -129,7 +129,8 @@ def stacking_lines(stacked: dict | None) -> list[str]:
     """Progressive stacking: each stage's depth, steps, parameters, memory and time."""
     if not stacked:
         return []
-    out = [f"{len(stacked['stages'])} stages, new blocks {stacked['init']}, earlier blocks "
+    where = " (prepended below the earlier blocks)" if stacked.get("building_mode") == "prepend" else ""
+    out = [f"{len(stacked['stages'])} stages, new blocks {stacked['init']}{where}, earlier blocks "
            f"{stacked['earlier']}"]
     for st in stacked["stages"]:
         mem = format_bytes(st["memory_total_bytes"]) if st.get("memory_total_bytes") else "?"

@@ -22,7 +22,7 @@ def stacking_facts(config: AprConfig, total_steps: int, tokens_per_step: int, st
                        "estimated_seconds": estimate["estimated_seconds"] if estimate else None})
     seconds = [s["estimated_seconds"] for s in stages]
     st = config.model.stacking
-    return {"init": str(st.init), "earlier": str(st.earlier), "stages": stages,
+    return {"init": str(st.init), "earlier": str(st.earlier), "building_mode": str(st.building_mode), "stages": stages,
             "total_flops": sum(s["total_flops"] for s in stages),
             "estimated_seconds": sum(seconds) if seconds and all(x is not None for x in seconds) else None,
             "peak_memory_bytes": max((s["memory_total_bytes"] or 0) for s in stages) if stages else None}

@@ -273,7 +273,8 @@ def survival_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
 def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
     """`model.stacking` that cannot run: a stage that shrinks the model or does not grow it, a last
     stage that is not the model's depth, a stage without steps before the last, stacking with
-    LoRA or init_from (their weights have the full depth), interpolate with freeze; with the
+    LoRA or init_from (their weights have the full depth), interpolate with freeze or with
+    prepend; with the
     run's ``total_steps``: a stage that would never start."""
 
     config = loaded.config
@@ -310,6 +311,10 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
     if str(st.init) == "interpolate" and str(st.earlier) == "freeze":
         finding(("model", "stacking", "earlier"), "earlier: freeze needs the earlier blocks to keep their places; "
                 "init: interpolate moves them", "init copy_top or fresh with freeze", "interpolate + freeze")
+    if str(st.init) == "interpolate" and str(st.building_mode) == "prepend":
+        finding(("model", "stacking", "building_mode"), "building_mode: prepend puts a new stack below the existing "
+                "blocks; init: interpolate spreads copies of every block through the model, so there is no new "
+                "stack to place", "init copy_top or fresh with prepend", "interpolate + prepend")
     if total_steps is not None and len(st.stages) > 1:
         at = 0
         for i, stage in enumerate(st.stages[:-1]):

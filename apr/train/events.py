@@ -116,9 +116,11 @@ def grown(run, step: int, old_depth: int, recorder) -> None:
     st = run.config.model.stacking
     new_depth = len(run.engine.model.model.layers)
     message = (f"stacking stage {run.stack_stage} starts at step {step}: {old_depth} -> {new_depth} blocks "
-               f"({st.init}{', earlier blocks frozen' if run.engine.frozen else ''})")
+               f"({st.init}{', prepended' if str(st.building_mode) == 'prepend' else ''}"
+               f"{', earlier blocks frozen' if run.engine.frozen else ''})")
     recorder.log_event("stack", step, message, {"stage": run.stack_stage, "blocks": new_depth,
-                                                "from_blocks": old_depth, "init": str(st.init)})
+                                                "from_blocks": old_depth, "init": str(st.init),
+                                                "building_mode": str(st.building_mode)})
     run.echo(f"{run.step_label(step)}  {message}")
 
 

@@ -10,6 +10,11 @@ block of the new stack takes a block of the old one, by ``model.stacking.init``:
 - ``fresh``: blocks ``0 .. old-1`` stay, new blocks keep the new engine's random init (seeded by
   ``training.seed`` and the stage).
 
+``building_mode: prepend`` puts the new blocks below the old ones (next to the embedding): old
+block ``j`` becomes block ``new - old + j`` with its moments, and blocks ``0 .. new-old-1`` are the
+new stack (``copy_top``: copies of the old top block with zero moments; ``fresh``: the new
+engine's init). ``interpolate`` is refused with prepend (validate), since it moves every block.
+
 A block's first copy keeps its moments; every other copy and every fresh block starts with zero
 moments (AdamW's bias correction uses the run's step count, so a new block's first updates are
 damped, like a short warmup). ``earlier: freeze`` freezes every block that existed before the
@@ -30,8 +35,12 @@ from apr.train import events
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def sources(old_depth: int, new_depth: int, init: str) -> list[int | None]:
+def sources(old_depth: int, new_depth: int, init: str, mode: str = "append") -> list[int | None]:
     """For each block of the new stack, the old block it copies (None: fresh)."""
+    if mode == "prepend":  # the old blocks move up as a whole; the new stack sits below them
+        added = new_depth - old_depth
+        below = [old_depth - 1 if init == "copy_top" else None] * added
+        return below + list(range(old_depth))
     if init == "interpolate":
         return [i * old_depth // new_depth for i in range(new_depth)]
     if init == "copy_top":
@@ -40,11 +49,14 @@ def sources(old_depth: int, new_depth: int, init: str) -> list[int | None]:
 
 
 def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], old_depth: int, new_depth: int,
-                  init: str) -> dict[str, torch.Tensor]:
+                  init: str, mode: str = "append") -> dict[str, torch.Tensor]:
     """The next stage's checkpoint tensors (weights and moments, by name) from the current stage's
     ``old`` and the freshly built next engine's ``new`` (for fresh blocks)."""
-    src = sources(old_depth, new_depth, init)
-    first = {s: i for i, s in reversed(list(enumerate(src))) if s is not None}  # each old block's first copy
+    src = sources(old_depth, new_depth, init, mode)
+    if mode == "prepend":  # each old block keeps its moments at its new place, above the new stack
+        first = {j: new_depth - old_depth + j for j in range(old_depth)}
+    else:  # each old block's first copy
+        first = {s: i for i, s in reversed(list(enumerate(src))) if s is not None}
     out = {}
     for name, fresh in new.items():
         moment = names.is_optimizer_state(name)
@@ -65,15 +77,23 @@ def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ol
     return out
 
 
+def earlier_blocks(config: AprConfig, step: int) -> list[int]:
+    """The blocks at ``step`` that existed before its stage (append: the bottom ones; prepend: the
+    top ones), in order."""
+    st = config.model.stacking
+    k = 0 if st is None else stacking.stage_at(config, step)
+    if k == 0:
+        return []
+    old, new = st.stages[k - 1].blocks, st.stages[k].blocks
+    return list(range(new - old, new)) if str(st.building_mode) == "prepend" else list(range(old))
+
+
 def frozen_groups(config: AprConfig, step: int) -> set[str]:
     """With ``earlier: freeze``, the blocks of earlier stages at ``step`` (``block.<i>`` groups)."""
     st = config.model.stacking
     if st is None or str(st.earlier) != "freeze":
         return set()
-    k = stacking.stage_at(config, step)
-    if k == 0:
-        return set()
-    return {f"block.{i}" for i in range(st.stages[k - 1].blocks)}
+    return {f"block.{i}" for i in earlier_blocks(config, step)}
 
 
 def grow(run, step: int, recorder) -> None:
@@ -87,7 +107,8 @@ def grow(run, step: int, recorder) -> None:
     engine = run.build_engine(step)
     fresh = engine.train_state_tensors(everywhere=True)
     engine.load_train_state_tensors(grown_tensors(before, fresh, old_depth, len(engine.model.model.layers),
-                                                  str(run.config.model.stacking.init)))
+                                                  str(run.config.model.stacking.init),
+                                                  str(run.config.model.stacking.building_mode)))
     engine.load_meta_state(meta)
     run.engine = engine
     events.grown(run, step, old_depth, recorder)

@@ -15,6 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from apr.config import config_hash
+from apr.config.schema import AprConfig
+from apr.train.run import ApplyOptions, prepare_run
 from apr.train.stacking import grown_tensors, sources
 from tests.train.run_helpers import VOCAB, config_doc, make_dataset, run_until
 
@@ -166,9 +169,69 @@ def test_the_plan_shows_every_stage(tmp_path):
     ({"stages": [{"blocks": 2, "steps": 50}, {"blocks": 4}]}, "model.stacking.stages[0].steps"),  # never starts
     ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 4}], "init": "interpolate", "earlier": "freeze"},
      "model.stacking.earlier"),
+    ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 4}], "init": "interpolate", "building_mode": "prepend"},
+     "model.stacking.building_mode"),
 ])
 def test_bad_schedules_are_findings_with_their_key(tmp_path, stacking, path):
     make_dataset(tmp_path)
     proc = _cli(tmp_path, "train", "plan", str(_cfg(tmp_path, stacking)))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert path in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_prepend_moves_the_old_blocks_up_with_their_moments_and_copies_the_top_below():
+    old = {f"{p}model.layers.{i}.mlp.up_proj.weight": torch.full((2, 2), float(i + 1) * (10 if p else 1))
+           for i in range(2) for p in ("", "optimizer.m.")}
+    new = {f"{p}model.layers.{j}.mlp.up_proj.weight": torch.full((2, 2), -1.0) for j in range(5) for p in ("", "optimizer.m.")}
+    assert sources(2, 5, "copy_top", "prepend") == [1, 1, 1, 0, 1] and sources(2, 5, "fresh", "prepend")[:3] == [None] * 3
+    got = grown_tensors(old, new, 2, 5, "copy_top", "prepend")
+    w, m = "model.layers.{}.mlp.up_proj.weight", "optimizer.m.model.layers.{}.mlp.up_proj.weight"
+    for j in (0, 1):  # old block j is block 3 + j, weights and moments
+        assert got[w.format(3 + j)].equal(old[w.format(j)]) and got[m.format(3 + j)].equal(old[m.format(j)])
+    for j in range(3):  # the new stack: copies of the old top block, their own (zero) moments
+        assert got[w.format(j)].equal(old[w.format(1)]) and got[m.format(j)].eq(0).all()
+    fresh = grown_tensors(old, new, 2, 5, "fresh", "prepend")
+    assert fresh[w.format(0)].eq(-1).all() and fresh[w.format(4)].equal(old[w.format(1)])
+
+
+def _inproc(root: Path, resume: str | None = None, **stacking) -> None:
+    doc = config_doc(root, model={"architecture": {"num_hidden_layers": 4},
+                                  "stacking": {**STACKING, **stacking}},
+                     training={"max_steps": 9, "save_interval": 3, "eval_interval": 0, "log_interval": 3})
+    cfg = AprConfig.model_validate(doc)
+    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+                      options=ApplyOptions(resume=resume, echo=lambda line: None, handle_signals=False))
+    assert run.execute().status == "finished"
+
+
+def test_prepend_freeze_keeps_the_old_stack_on_top_resumes_across_the_grow_and_exports(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from apr.checkpoint.export import export_hf
+    from apr.data.standin import write_tokenizer
+    from apr.generate.load import load_for_inference
+
+    make_dataset(tmp_path)
+    _inproc(tmp_path, building_mode="prepend", earlier="freeze")
+    before, after = _weights(tmp_path, 6), _weights(tmp_path, 9)
+    for name, value in before.items():  # the 2-block stage's blocks 0, 1 are blocks 2, 3 and frozen
+        for j in (0, 1):
+            if f"model.layers.{j}." in name:
+                assert after[name.replace(f"layers.{j}.", f"layers.{j + 2}.")].equal(value), name
+    assert not after["model.layers.0.mlp.up_proj.weight"].equal(before["model.layers.1.mlp.up_proj.weight"])
+    again = tmp_path / "again"  # a copy of the run whose newest checkpoint is step 3: resume across the grow
+    make_dataset(again)
+    _inproc(again, building_mode="prepend", earlier="freeze")
+    for step in (6, 9):
+        for f in (again / "run").glob(f"checkpoint-step-{step}.*"):
+            f.unlink()
+    _inproc(again, resume="latest", building_mode="prepend", earlier="freeze")
+    assert all(_weights(again, 9)[k].equal(v) for k, v in after.items())
+    tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
+    export_hf(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "hf", tokenizer=tok)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = load_for_inference(tmp_path / "run" / "checkpoint-step-9.json", tokenizer=tok, device="cpu")
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ours.model(ids), rtol=1e-4, atol=1e-4)
