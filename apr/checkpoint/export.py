@@ -221,6 +221,10 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
     weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
     if config.model.lora is not None:
         weights = merged_weights(weights, info, config)
+    elif stacking.trunk_storage(config):  # a stacking trunk: dequantized, its adapters folded in
+        from apr.model.trunk import merged_weights as trunk_merged  # lazy: torchao for NF4 trunks
+
+        weights = trunk_merged(weights, config)
 
     if tokenizer is None and config.data.tokenizer is None and config.model.init_from is not None:
         beside = Path(_base_path(config, info)) / "tokenizer.json"  # the base's tokenizer travels with it

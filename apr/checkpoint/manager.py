@@ -38,11 +38,12 @@ from apr.checkpoint.names import (
     STORED_DTYPE,
     expected_tensors,
     is_optimizer_state,
+    stage_tensors,
     tensor_mismatches,
     torch_mismatches,
 )
 from apr.config.loader import config_doc_hash
-from apr.config.schema import Architecture, LoraConfig
+from apr.config.schema import Architecture, LoraConfig, StackingConfig
 from apr.errors import AprError, Finding
 from apr.fmt import format_bytes as fmt_bytes
 from apr.fsutil import atomic_write_json, fsync_dir
@@ -176,6 +177,12 @@ def _expected(config: Any, step: int | None = None) -> dict:
     lora = config["model"].get("lora") if isinstance(config, Mapping) else config.model.lora
     if isinstance(lora, Mapping):
         lora = LoraConfig.model_validate(lora)
+    stacked = config["model"].get("stacking") if isinstance(config, Mapping) else config.model.stacking
+    if step is not None and stacked and stacking.trunk_transformed(StackingConfig.model_validate(stacked)
+                                                                   if isinstance(stacked, Mapping) else stacked):
+        staged = stacking.stored_config_at(config, step) if isinstance(config, Mapping) else \
+            stacking.config_at(config, step)
+        return stage_tensors(staged)
     return expected_tensors(_architecture(config, step), lora)
 
 

@@ -45,6 +45,16 @@ def expected_tensors(arch, lora=None) -> dict[str, tuple[int, ...]]:
     return state_shapes((p.name, p.shape) for p in param_specs(arch))
 
 
+def stage_tensors(config) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of a checkpoint of one stacking stage's config (``apr.steps.stacking.config_at``)
+    whose trunk is transformed: the optimizer groups with their moments, the frozen trunk without."""
+    from apr.model.spec import optimizer_groups, trunk_specs
+
+    out = state_shapes((p.name, p.shape) for _, specs in optimizer_groups(config) for p in specs)
+    out.update((n, tuple(s)) for n, s in trunk_specs(config))
+    return out
+
+
 def tensor_mismatches(shapes: Mapping[str, Iterable[int]], dtypes: Mapping[str, str],
                       want: Mapping[str, tuple[int, ...]]) -> list[str]:
     """Human-readable differences between the tensors present (name -> shape, name -> dtype name)

@@ -240,6 +240,19 @@ class StackBuilding(StrEnum):
     prepend = "prepend"
 
 
+class StackPrecision(StrEnum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    nf4 = "nf4"
+    nvfp4 = "nvfp4"
+
+
+class TrunkStrategy(StrEnum):
+    frozen = "frozen"
+    qlora = "qlora"
+
+
 class StackStage(_Section):
     """One stage of progressive stacking: the model's depth and how long it trains at that depth."""
 
@@ -247,6 +260,11 @@ class StackStage(_Section):
     steps: PositiveCount | None = Field(
         None, description="Optimizer steps of this stage. Only the last stage may leave it out: it runs to "
         "the end of the run.")
+    precision: StackPrecision = Field(
+        StackPrecision.fp32, description="Storage of the projection weights of the blocks this stage adds, once a "
+        "later stage freezes them (earlier: freeze): fp32, fp16, bf16, or nf4 (4-bit NormalFloat through torchao). "
+        "nvfp4 is refused: no device apr runs on has an NVFP4 trunk path. The stage that adds blocks trains "
+        "them in fp32.")
 
 
 class StackingConfig(_Section):
@@ -264,6 +282,15 @@ class StackingConfig(_Section):
         StackBuilding.append, description="Where a stage's new blocks go: append (above the existing ones, "
         "below the final norm) or prepend (below them, next to the embedding; the existing blocks move up "
         "unchanged). prepend takes init copy_top or fresh (interpolate moves every block).")
+    trunk_lora: LoraConfig | None = Field(
+        None, description="LoRA adapters on the earlier blocks (the trunk; needs earlier: freeze): from the stage "
+        "after a block's own, its weights stay frozen and its adapters train, while the new stack, the embedding, "
+        "the final norm and the head train in full. Each block keeps its own adapters through later stages; "
+        "export merges them. trunk_dtype is not used here (stages[].precision is). Default: no adapters.")
+    trunk_strategy: TrunkStrategy = Field(
+        TrunkStrategy.frozen, description="frozen: the trunk in each stage's precision; qlora: the trunk's projection "
+        "weights in NF4 (torchao) with the adapters of trunk_lora (default rank 16, alpha 32 on every projection, "
+        "StackWise's qlora_rank / qlora_alpha). Needs earlier: freeze.")
 
 
 class ModelConfig(_Section):

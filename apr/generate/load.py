@@ -127,6 +127,10 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
     if config.model.lora is not None:  # a LoRA run: its adapters merged into its base
 
         tensors = merged_weights({k: v for k, v in tensors.items() if not k.startswith("optimizer.")}, info, config)
+    elif stacking.trunk_storage(config):  # a stacking trunk: dequantized, its adapters folded in
+        from apr.model.trunk import merged_weights as trunk_merged  # lazy: torchao for NF4 trunks
+
+        tensors = trunk_merged(tensors, config)
     model = _build(config.model.architecture, tensors, device, info.weights_path)
     try:
         tok_path = _checkpoint_tokenizer(tokenizer, config, info)

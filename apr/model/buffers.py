@@ -30,8 +30,10 @@ from apr.model.spec import (
     group_sizes,
     head_param_specs,
     param_count,
+    stored_weight_bytes,
 )
 from apr.steps.execution import Execution, from_config, gradient_source
+from apr.steps.stacking import trunk_storage
 from apr.steps.strategy import step_strategy
 
 
@@ -93,7 +95,7 @@ def frozen_buffers(config: AprConfig) -> list[Buffer]:
     blocks' projections are stored in bf16. Under FSDP2 each rank holds its rows of every tensor."""
     lora = config.model.lora
     if lora is None:
-        return []
+        return _trunk_buffers(config)
     arch = config.model.architecture
     w = _shard_ranks(config)
     if w == 1:
@@ -111,6 +113,27 @@ def frozen_buffers(config: AprConfig) -> list[Buffer]:
         return [Buffer("frozen_base", "frozen_weights", (rest,), "float32"),
                 Buffer("frozen_projections", "frozen_weights", (projections,), "bfloat16")]
     return [Buffer("frozen_base", "frozen_weights", (rest + projections,), "float32")]
+
+
+def _trunk_buffers(config: AprConfig) -> list[Buffer]:
+    """A stacking trunk outside the optimizer groups (docs/design.md, "StackWise progressive
+    stacks"): its blocks' weights in their storage, NF4 as the bytes of its codes and scalers."""
+    trunk = trunk_storage(config)
+    if not trunk:
+        return []
+    dtypes = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+    specs = block_param_specs(config.model.architecture, 0)
+    norms = sum(p.numel for p in specs if not p.decay) * len(trunk)
+    out = [Buffer("trunk.norms", "frozen_weights", (norms,), "float32")]
+    for storage in sorted(set(trunk.values())):
+        blocks = sum(1 for v in trunk.values() if v == storage)
+        if storage == "nf4":
+            size = blocks * sum(stored_weight_bytes(p.numel, "nf4") for p in specs if p.decay)
+            out.append(Buffer("trunk.nf4", "frozen_weights", (size,), "uint8"))
+        else:
+            size = blocks * sum(p.numel for p in specs if p.decay)
+            out.append(Buffer(f"trunk.{storage}", "frozen_weights", (size,), dtypes[storage]))
+    return out
 
 
 # ------------------------------------------------------------------------------- gradient sources

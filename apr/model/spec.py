@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from apr.config.schema import AprConfig, Architecture, LoraConfig
+from apr.steps import stacking
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
@@ -102,13 +103,68 @@ def lora_block_specs(arch: Architecture, lora: LoraConfig, i: int) -> list[Param
 
 def optimizer_groups(config: AprConfig) -> list[tuple[str, list[ParamSpec]]]:
     """The trained parameters by optimizer group, in buffer-plan order. Full training: the
-    embedding, each block, the final norm + head. LoRA: each block's adapters (the rest is frozen)."""
+    embedding, each block, the final norm + head. LoRA: each block's adapters (the rest is frozen).
+    A transformed stacking trunk (docs/design.md, "StackWise progressive stacks"): its blocks'
+    adapters, or no group for a trunk block without adapters."""
     arch, lora = config.model.architecture, config.model.lora
     if lora is not None:
         return [(f"block.{i}", lora_block_specs(arch, lora, i)) for i in range(arch.num_hidden_layers)]
+    trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
     groups = [("embed", embed_param_specs(arch, config.optimizer.decay_embeddings))]
-    groups += [(f"block.{i}", block_param_specs(arch, i)) for i in range(arch.num_hidden_layers)]
+    for i in range(arch.num_hidden_layers):
+        if i not in trunk:
+            groups.append((f"block.{i}", block_param_specs(arch, i)))
+        elif adapters is not None:
+            groups.append((f"block.{i}", lora_block_specs(arch, adapters, i)))
     return groups + [("head", head_param_specs(arch))]
+
+
+# ------------------------------------------------------------------------------- the stacking trunk
+
+NF4_BLOCK = 64  # torchao's NF4 block: 64 weights share one absmax scaler
+NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """The scaler block for double quantization: torchao's 256, or the largest power of two that
+    divides the weight's number of 64-blocks (small test models)."""
+    n = numel // NF4_BLOCK
+    return next(b for b in (256, 128, 64, 32, 16, 8, 4, 2, 1) if n % b == 0)
+
+
+def nf4_part_shapes(numel: int) -> dict[str, tuple[int, ...]]:
+    """A weight's NF4 state as torchao holds it: two 4-bit codes per byte, one int8 scaler per
+    64-block, a float32 factor per scaler block and the scalers' mean."""
+    blocks = numel // NF4_BLOCK
+    return {"quantized_data": (numel // 2,), "quantized_scalers": (blocks,),
+            "quantization_factor": (blocks // nf4_scaler_block(numel),), "scaler_mean": ()}
+
+
+def trunk_specs(config: AprConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """The frozen trunk's tensors as checkpoints hold them (float32, no moments): each trunk
+    block's norms and projections; an NF4 projection as its torchao parts (``<name>.nf4.<part>``),
+    kept exactly so that a resumed run quantizes nothing again."""
+    out = []
+    arch = config.model.architecture
+    for i, storage in stacking.trunk_storage(config).items():
+        for p in block_param_specs(arch, i):
+            if storage == "nf4" and p.decay:
+                out += [(f"{p.name}.nf4.{part}", shape) for part, shape in nf4_part_shapes(p.numel).items()]
+            else:
+                out.append((p.name, p.shape))
+    return out
+
+
+STORAGE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+
+
+def stored_weight_bytes(numel: int, storage: str) -> int:
+    """Bytes of one projection weight in its trunk storage (NF4: half a byte per weight plus its
+    scalers)."""
+    if storage == "nf4":
+        parts = nf4_part_shapes(numel)
+        return numel // 2 + parts["quantized_scalers"][0] + 4 * parts["quantization_factor"][0] + 4
+    return int(numel * STORAGE_BYTES[storage])
 
 
 def group_sizes(config: AprConfig) -> list[tuple[str, int]]:
@@ -202,8 +258,33 @@ def _group_shards(config: AprConfig, w: int) -> dict[str, int]:
     def shard_of(specs: list[ParamSpec]) -> int:
         return sum(-(-p.shape[0] // w) * (p.numel // p.shape[0]) for p in specs)
 
+    if lora is None and stacking.trunk_storage(config):  # trunk blocks: adapters only, or no group
+        return {name: shard_of(specs) for name, specs in optimizer_groups(config)}
     per_block = shard_of(lora_block_specs(arch, lora, 0) if lora is not None else block_param_specs(arch, 0))
     blocks = {f"block.{i}": per_block for i in range(arch.num_hidden_layers)}
     if lora is not None:
         return blocks
     return {"embed": shard_of(embed_param_specs(arch)), **blocks, "head": shard_of(head_param_specs(arch))}
+
+
+def stack_bytes(config: AprConfig) -> list[dict]:
+    """Per stack (the blocks one stage added) of the config's last stage: its blocks, where they
+    sit, how their projections are stored and the bytes of their weights and adapters (the plan's
+    bytes per stack). Without stacking: one stack of every block in float32."""
+    arch, st = config.model.architecture, config.model.stacking
+    k = len(st.stages) - 1 if st is not None else 0
+    origins = stacking.block_origins(config)
+    trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
+    block = block_param_specs(arch, 0)
+    out = []
+    for j in range(k + 1):
+        blocks = [b for b, o in enumerate(origins) if o == j]
+        storage = trunk.get(blocks[0], "fp32") if blocks else "fp32"
+        per_block = sum(stored_weight_bytes(p.numel, storage) if p.decay else 4 * p.numel for p in block)
+        in_trunk = bool(blocks) and blocks[0] in trunk
+        adapter = sum(p.numel for p in lora_block_specs(arch, adapters, 0)) if in_trunk and adapters else 0
+        frozen = in_trunk or (j < k and str(st.earlier) == "freeze")
+        out.append({"stack": j, "blocks": len(blocks), "first_block": blocks[0] if blocks else None,
+                    "storage": storage, "trains": "adapters" if adapter else "frozen" if frozen else "all",
+                    "weight_bytes": per_block * len(blocks), "adapter_params": adapter * len(blocks)})
+    return out

@@ -138,6 +138,13 @@ def stacking_lines(stacked: dict | None) -> list[str]:
         out.append(f"  stage {st['stage']}: {st['blocks']} blocks: steps {st['first_step']:,}-{st['end_step']:,} "
                    f"({st['steps']:,} steps, {fmt_number(st['tokens'])} tokens), {fmt_number(st['params'])} "
                    f"params, {mem}{time}")
+        for sk in st.get("stacks") or []:
+            if sk["blocks"] and (sk["storage"] != "fp32" or sk["trains"] != "all" or len(st["stacks"]) > 1):
+                adapters = f", {fmt_number(sk['adapter_params'])} adapter params" if sk["adapter_params"] else ""
+                last = sk["first_block"] + sk["blocks"] - 1
+                where = f"block {last}" if sk["blocks"] == 1 else f"blocks {sk['first_block']}-{last}"
+                out.append(f"    stack {sk['stack']}: {where} {sk['storage']} ({sk['trains']}), "
+                           f"{format_bytes(sk['weight_bytes'])} of weights{adapters}")
     return out
 
 

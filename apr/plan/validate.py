@@ -7,17 +7,21 @@ strategy): the same contracts, facts and messages `apr train plan` shows, withou
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
+from importlib.util import find_spec
 
 from apr.config import LoadedConfig
 from apr.config.layers import key_loc
 from apr.config.paths import data_path_problems, output_dir_problems, train_val_problems
 from apr.errors import Finding
+from apr.model import spec
 from apr.plan.configfacts import base_facts, config_facts
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
 from apr.plan.gpus import resolve_target
 from apr.plan.orchestratefacts import orchestrator_findings
+from apr.steps import stacking
 from apr.steps.execution import compile_problem
 from apr.track.alerts import alert_findings
 
@@ -306,8 +310,10 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
         finding(("model", "stacking", "stages"), "model.stacking lists no stage", "at least one stage", "[]")
     for key, value in (("lora", config.model.lora), ("init_from", config.model.init_from)):
         if value is not None:
+            hint = " (adapters on the earlier blocks of a stacked run: model.stacking.trunk_lora)" if key == "lora" else ""
             finding(("model", "stacking"), f"model.stacking cannot be combined with model.{key} (its weights have "
-                    "the model's full depth)", f"model.{key}: null, or no stacking", f"model.{key} set")
+                    f"the model's full depth){hint}", f"model.{key}: null, or no stacking", f"model.{key} set")
+    out += _trunk_findings(config, finding)
     if str(st.init) == "interpolate" and str(st.earlier) == "freeze":
         finding(("model", "stacking", "earlier"), "earlier: freeze needs the earlier blocks to keep their places; "
                 "init: interpolate moves them", "init copy_top or fresh with freeze", "interpolate + freeze")
@@ -325,6 +331,58 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
                         f"fewer than {total_steps} steps before the last stage", str(at))
                 break
     return out
+
+
+def _trunk_findings(config, finding) -> list[Finding]:
+    """A stacking trunk that cannot be stored or adapted as configured (docs/design.md, "StackWise
+    progressive stacks"); reported through ``finding`` (so this returns nothing of its own)."""
+    st = config.model.stacking
+    arch = config.model.architecture
+    qlora = str(st.trunk_strategy) == "qlora"
+    for i, stage in enumerate(st.stages):
+        if str(stage.precision) == "nvfp4":
+            finding(("model", "stacking", "stages", i, "precision"), "nvfp4 needs Blackwell tensor cores (compute "
+                    "capability 10.0) and an NVFP4 trunk path; apr has neither on any device it runs on, so the "
+                    "stage cannot be stored in it", "fp32, fp16, bf16 or nf4", "nvfp4")
+        elif qlora and str(stage.precision) != "fp32":
+            finding(("model", "stacking", "stages", i, "precision"), "trunk_strategy qlora stores every earlier "
+                    f"block in nf4; stage {i}'s precision {stage.precision} contradicts it", "fp32 (the default)",
+                    str(stage.precision))
+    wants_trunk = [(("model", "stacking", "trunk_strategy"), "trunk_strategy qlora") if qlora else None,
+                   (("model", "stacking", "trunk_lora"), "trunk_lora") if st.trunk_lora is not None else None]
+    wants_trunk += [(("model", "stacking", "stages", i, "precision"), f"stages[{i}].precision {stage.precision}")
+                    for i, stage in enumerate(st.stages[:-1]) if str(stage.precision) not in ("fp32", "nvfp4")]
+    for key, what in filter(None, wants_trunk):
+        if str(st.earlier) != "freeze":
+            finding(key, f"{what} stores or adapts frozen earlier blocks, but earlier: train updates them in full "
+                    "(AdamW cannot step a 4-bit or half-precision master weight)", "earlier: freeze",
+                    f"earlier: {st.earlier}")
+    lora = stacking.trunk_adapters(config) if stacking.trunk_transformed(st) else st.trunk_lora
+    if lora is not None:
+        if st.trunk_lora is not None and str(st.trunk_lora.trunk_dtype) != "fp32":
+            finding(("model", "stacking", "trunk_lora", "trunk_dtype"), "trunk_lora.trunk_dtype is model.lora's "
+                    "storage; a stacking trunk's storage is each stage's precision", "fp32 (stages[].precision "
+                    "sets the storage)", str(st.trunk_lora.trunk_dtype))
+        smallest = min((min(spec.linear_dims(arch, m)), m) for m in lora.modules)
+        if lora.rank > smallest[0]:
+            finding(("model", "stacking", "trunk_lora", "rank"), f"rank {lora.rank} is larger than the layer: "
+                    f"{smallest[1]} has {smallest[0]} features on its narrow side", f"at most {smallest[0]}",
+                    str(lora.rank))
+    if qlora or any(str(s_.precision) == "nf4" for s_ in st.stages[:-1]):
+        if find_spec("torchao") is None:
+            finding(("model", "stacking", "trunk_strategy" if qlora else "stages"), "an NF4 trunk is quantized by "
+                    "torchao, which is not installed", "pip install 'apr[quant]' (torchao)", "no torchao")
+        odd = [m for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+               if math.prod(spec.linear_dims(arch, m)) % spec.NF4_BLOCK]
+        if odd:
+            finding(("model", "stacking", "trunk_strategy" if qlora else "stages"), f"NF4 quantizes blocks of "
+                    f"{spec.NF4_BLOCK} weights; {', '.join(odd)} of this architecture do not split into them",
+                    f"projections with a multiple of {spec.NF4_BLOCK} weights", ", ".join(odd))
+    if stacking.trunk_transformed(st) and str(config.training.sharding) != "none":
+        finding(("training", "sharding"), "a stacking trunk stored in another precision or with adapters runs on "
+                "autograd without FSDP2: sharding NF4 and half-precision trunk weights beside float32 adapters is "
+                "not built", "training.sharding: none (DDP runs it)", str(config.training.sharding))
+    return []
 
 
 def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes: int | None = None) -> list[Finding]:

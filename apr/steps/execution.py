@@ -167,9 +167,14 @@ def step_cost_f(config, execution: Execution) -> float:
 def gradient_source(config) -> str:
     """What computes the gradients: ``interleaved`` (the flat-buffer walk) or ``standard`` (autograd).
     ``training.engine`` names it, except that distillation's losses read the teacher beside the
-    student and run on autograd whatever it says (the plan prints that choice)."""
+    student and run on autograd whatever it says (the plan prints that choice), and so does a
+    stacking trunk stored in another precision or with adapters (the walk's flat groups hold each
+    block's float32 weights; docs/design.md, "StackWise progressive stacks")."""
+    from apr.steps.stacking import trunk_transformed  # lazy: it loads the schema (pydantic); this module does not
+
     tr = config.training
-    return "standard" if str(tr.engine) == "standard" or str(tr.mode) == "distill" else "interleaved"
+    autograd = str(tr.engine) == "standard" or str(tr.mode) == "distill" or trunk_transformed(config.model.stacking)
+    return "standard" if autograd else "interleaved"
 
 
 def fastest(config) -> Execution:

@@ -9,7 +9,10 @@ the config and the step alone. Torch-free. See docs/design.md, "Progressive stac
 
 from __future__ import annotations
 
-from apr.config.schema import AprConfig, Architecture, StackingConfig
+from apr.config.schema import AprConfig, Architecture, LoraConfig, StackingConfig
+
+# StackWise's QLoRA defaults (qlora_rank 16, qlora_alpha 32), on every projection of the trunk
+QLORA_DEFAULT = {"rank": 16, "alpha": 32.0, "targets": "all"}
 
 
 def _starts(stacking: StackingConfig | None) -> list[int]:
@@ -65,14 +68,68 @@ def arch_at(config: AprConfig, step: int) -> Architecture:
 
 
 def config_at(config: AprConfig, step: int) -> AprConfig:
-    """The config at ``step``, as if its model always had that stage's depth (what the engine builds)."""
+    """The config at ``step``, as if its model always had that stage's depth (what the engine builds).
+    Its stacking keeps the stages up to that one (the last running to the end), so that the config
+    alone says which blocks are the trunk and how it is stored (:func:`trunk_storage`)."""
     depth = depth_at(config, step)
     if depth == config.model.architecture.num_hidden_layers:
         return config
     doc = config.model_dump(mode="json")
     doc["model"]["architecture"]["num_hidden_layers"] = depth
-    doc["model"]["stacking"] = None
+    stages = doc["model"]["stacking"]["stages"][:stage_at(config, step) + 1]
+    stages[-1]["steps"] = None
+    doc["model"]["stacking"]["stages"] = stages
     return AprConfig.model_validate(doc)
+
+
+def _origins(stacking: StackingConfig, k: int) -> list[int]:
+    """At stage ``k``, the stage that added each block (append: from the bottom; prepend: from the top)."""
+    blocks = [st.blocks for st in stacking.stages[:k + 1]]
+    from_edge = [next(i for i, b in enumerate(blocks) if d < b) for d in range(blocks[-1])]
+    return from_edge[::-1] if str(stacking.building_mode) == "prepend" else from_edge
+
+
+def block_origins(config: AprConfig) -> list[int]:
+    """The stage that added each block of the config's last stage (no stacking: all stage 0)."""
+    st = config.model.stacking
+    if st is None:
+        return [0] * config.model.architecture.num_hidden_layers
+    return _origins(st, len(st.stages) - 1)
+
+
+def trunk_transformed(stacking: StackingConfig | None) -> bool:
+    """Whether frozen earlier blocks are stored otherwise than in float32 or carry adapters: then
+    they leave the optimizer groups (the plan runs such a run on autograd)."""
+    if stacking is None or str(stacking.earlier) != "freeze":
+        return False
+    return (stacking.trunk_lora is not None or str(stacking.trunk_strategy) == "qlora"
+            or any(str(st.precision) != "fp32" for st in stacking.stages[:-1]))
+
+
+def trunk_storage(config: AprConfig) -> dict[int, str]:
+    """Block -> storage of its projections (fp32, fp16, bf16, nf4) for every trunk block of the
+    config's last stage (the stage ``config_at`` describes), when the trunk is transformed."""
+    st = config.model.stacking
+    if not trunk_transformed(st):
+        return {}
+    k = len(st.stages) - 1
+    qlora = str(st.trunk_strategy) == "qlora"
+    return {b: "nf4" if qlora else str(st.stages[o].precision) for b, o in enumerate(_origins(st, k)) if o < k}
+
+
+def trunk_adapters(config: AprConfig) -> LoraConfig | None:
+    """The adapters trunk blocks carry: ``trunk_lora``, or qlora's StackWise defaults."""
+    st = config.model.stacking
+    if st is None or not trunk_transformed(st):
+        return None
+    if st.trunk_lora is not None:
+        return st.trunk_lora
+    return LoraConfig.model_validate(QLORA_DEFAULT) if str(st.trunk_strategy) == "qlora" else None
+
+
+def stored_config_at(doc: dict, step: int) -> AprConfig:
+    """:func:`config_at` for a config as a checkpoint stores it (a JSON dict)."""
+    return config_at(AprConfig.model_validate(doc), step)
 
 
 def stage_plan(config: AprConfig, total_steps: int) -> list[dict]:

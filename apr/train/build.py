@@ -25,7 +25,9 @@ from apr.config.schema import AprConfig
 from apr.kernels import KernelBackend, get_backend
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.model.lora import add_adapters
+from apr.model.trunk import apply_trunk
 from apr.steps import execution as execution_policy
+from apr.steps import stacking
 from apr.steps.execution import Execution
 from apr.train.compile import compile_blocks
 from apr.train.dist import DataParallel
@@ -51,6 +53,8 @@ def build_model_for(config: AprConfig, seed: int) -> LlamaForCausalLM:
         load_into(model, config.model.init_from)
     if config.model.lora is not None:  # frozen base, adapters trained
         add_adapters(model, config.model.lora, seed)
+    if stacking.trunk_storage(config):  # a stacking trunk in its precision, with its adapters
+        apply_trunk(model, config, seed)
     return model
 
 

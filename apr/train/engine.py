@@ -39,6 +39,7 @@ from apr.kernels.linear_ce import linear_cross_entropy_fwd_bwd
 from apr.model import buffers as planned_buffers
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM
+from apr.model.trunk import load_trunk_state, trunk_state
 from apr.steps.execution import Execution
 from apr.steps.strategy import step_strategy
 from apr.train.backprop import backward
@@ -293,6 +294,7 @@ class Engine:
 
     def _check_state_names(self, tensors: dict[str, torch.Tensor]) -> None:
         want = names.state_shapes((s.name, s.shape) for _, specs in group_specs(self.config) for s in specs)
+        want.update((n, tuple(s)) for n, s in spec.trunk_specs(self.config))  # a stacking trunk: no moments
         problems = names.torch_mismatches(tensors, want)
         if problems:
             raise AprError("checkpoint tensors do not match the model: " + "; ".join(problems[:5]))
@@ -713,6 +715,7 @@ class StandardEngine(Engine):
         decay_names = {s.name for _, specs in group_specs(config) for s in specs if s.decay}
         self.updater.bind(self.named, decay_names, device)
         self.idle_groups: set[str] = set()  # groups the last step gave no gradient (apr/train/blocknorms.py)
+        self.trunk = bool(spec.trunk_specs(config))  # a transformed stacking trunk, outside the groups
 
     def freeze(self, groups: set[str]) -> None:
         """Frozen groups leave the updater: no update of their weights or moments."""
@@ -791,6 +794,8 @@ class StandardEngine(Engine):
             out[name] = p.detach()
             out[names.OPT_M + name] = m
             out[names.OPT_V + name] = v
+        if self.trunk:  # a stacking trunk's frozen tensors (docs/design.md, "StackWise progressive stacks")
+            out.update(trunk_state(self.model, self.config))
         return out
 
     @torch.no_grad()
@@ -801,6 +806,8 @@ class StandardEngine(Engine):
             self.updater.set_moments(p, tensors[names.OPT_M + name].to(p.device, torch.float32).clone(),
                                      tensors[names.OPT_V + name].to(p.device, torch.float32).clone(),
                                      self.optimizer_steps)
+        if self.trunk:
+            load_trunk_state(self.model, self.config, tensors)
 
     def meta_state(self) -> dict:
         meta = super().meta_state()

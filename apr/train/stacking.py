@@ -29,6 +29,7 @@ import torch
 
 from apr.checkpoint import names
 from apr.config.schema import AprConfig
+from apr.model import trunk
 from apr.steps import stacking
 from apr.train import events
 
@@ -57,7 +58,7 @@ def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ol
         first = {j: new_depth - old_depth + j for j in range(old_depth)}
     else:  # each old block's first copy
         first = {s: i for i, s in reversed(list(enumerate(src))) if s is not None}
-    out = {}
+    out, quantized = {}, {}
     for name, fresh in new.items():
         moment = names.is_optimizer_state(name)
         param = name[len(names.OPT_M):] if moment else name
@@ -73,7 +74,18 @@ def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ol
             out[name] = torch.zeros_like(fresh)
         else:
             prefix = name[:len(name) - len(param)]
-            out[name] = old[f"{prefix}model.layers.{s}.{rest}"]
+            source = f"{prefix}model.layers.{s}.{rest}"
+            if source in old:
+                out[name] = old[source]
+            elif rest.endswith((".lora_A", ".lora_B")):  # a block entering the trunk: its new adapters
+                out[name] = torch.zeros_like(fresh) if moment else fresh.clone()
+            elif ".nf4." in rest:  # a block entering an NF4 trunk: its float32 weight quantized once
+                weight, _, part = rest.partition(".nf4.")
+                if (s, weight) not in quantized:
+                    quantized[s, weight] = trunk.stored_tensors(weight, old[f"model.layers.{s}.{weight}"], "nf4")
+                out[name] = quantized[s, weight][f"{weight}.nf4.{part}"]
+            else:
+                raise KeyError(source)
     return out
 
 
@@ -91,8 +103,8 @@ def earlier_blocks(config: AprConfig, step: int) -> list[int]:
 def frozen_groups(config: AprConfig, step: int) -> set[str]:
     """With ``earlier: freeze``, the blocks of earlier stages at ``step`` (``block.<i>`` groups)."""
     st = config.model.stacking
-    if st is None or str(st.earlier) != "freeze":
-        return set()
+    if st is None or str(st.earlier) != "freeze" or stacking.trunk_transformed(st):
+        return set()  # a transformed trunk is outside the optimizer groups (its adapters train)
     return {f"block.{i}" for i in earlier_blocks(config, step)}
 
 

@@ -194,7 +194,7 @@ def test_prepend_moves_the_old_blocks_up_with_their_moments_and_copies_the_top_b
     assert fresh[w.format(0)].eq(-1).all() and fresh[w.format(4)].equal(old[w.format(1)])
 
 
-def _inproc(root: Path, resume: str | None = None, **stacking) -> None:
+def _inproc(root: Path, resume: str | None = None, **stacking):
     doc = config_doc(root, model={"architecture": {"num_hidden_layers": 4},
                                   "stacking": {**STACKING, **stacking}},
                      training={"max_steps": 9, "save_interval": 3, "eval_interval": 0, "log_interval": 3})
@@ -202,6 +202,7 @@ def _inproc(root: Path, resume: str | None = None, **stacking) -> None:
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=ApplyOptions(resume=resume, echo=lambda line: None, handle_signals=False))
     assert run.execute().status == "finished"
+    return run
 
 
 def test_prepend_freeze_keeps_the_old_stack_on_top_resumes_across_the_grow_and_exports(tmp_path, monkeypatch):
@@ -235,3 +236,39 @@ def test_prepend_freeze_keeps_the_old_stack_on_top_resumes_across_the_grow_and_e
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ours.model(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_qlora_trunk_keeps_its_nf4_codes_trains_its_adapters_resumes_bitwise_and_exports_merged(tmp_path,
+                                                                                                   monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from apr.checkpoint.export import export_hf
+    from apr.data.standin import write_tokenizer
+
+    make_dataset(tmp_path)
+    qlora = {"stages": [{"blocks": 2, "steps": 4}, {"blocks": 4}], "earlier": "freeze", "trunk_strategy": "qlora"}
+    run = _inproc(tmp_path, **qlora)
+    assert run.engine.source == "standard"  # the plan's choice for a transformed trunk
+    at6, at9 = _weights(tmp_path, 6), _weights(tmp_path, 9)  # both in stage 1 (steps 5-9)
+    codes = "model.layers.1.mlp.up_proj.weight.nf4.quantized_data"
+    assert codes in at9 and "model.layers.1.mlp.up_proj.weight" not in at9  # 4-bit codes, not float weights
+    assert at9[codes].equal(at6[codes]) and at9["model.layers.0.input_layernorm.weight"].equal(
+        at6["model.layers.0.input_layernorm.weight"])  # the trunk is frozen
+    lora_b = "model.layers.0.self_attn.q_proj.lora_B"
+    assert not at9[lora_b].equal(at6[lora_b]) and at9[lora_b].abs().sum() > 0  # its adapters train
+    assert f"optimizer.m.{lora_b}" in at9 and f"optimizer.m.{codes}" not in at9
+    assert not at9["model.layers.3.mlp.up_proj.weight"].equal(at6["model.layers.3.mlp.up_proj.weight"])
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        live = run.engine.model.eval()(ids)
+    tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
+    export_hf(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "hf", tokenizer=tok)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():  # dequantized and merged: the function the trained NF4 + adapter model computes
+        torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
+    for f in (tmp_path / "run").glob("checkpoint-step-9.*"):
+        f.unlink()
+    _inproc(tmp_path, resume="latest", **qlora)  # from step 6: the NF4 codes are loaded, not quantized again
+    again = _weights(tmp_path, 9)
+    assert set(again) == set(at9) and all(again[k].equal(v) for k, v in at9.items())

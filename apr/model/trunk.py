@@ -1,0 +1,159 @@
+"""The stacking trunk as StackWise stores it: earlier blocks frozen in their stage's precision
+(fp32, fp16, bf16, or NF4 through torchao), optionally with LoRA adapters that train.
+
+``apply_trunk`` transforms a freshly built model of one stage (``apr.steps.stacking.config_at``):
+every trunk block's parameters stop requiring gradients, its projections are stored in their
+precision (``FrozenLinear``) or carry adapters (``apr.model.lora.LoRALinear`` over the stored
+weight). Checkpoints hold the trunk as float32 tensors (``trunk_state``): fp16/bf16 weights
+widened exactly, NF4 weights as torchao's own parts, so a resumed run never quantizes again
+(NF4 is not idempotent: quantizing a dequantized weight moves some codes). ``merged_weights``
+turns a checkpoint's tensors into a plain model's (dequantized, adapters folded in) for export and
+generation. See docs/design.md, "StackWise progressive stacks".
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from apr.config.schema import AprConfig
+from apr.model import spec
+from apr.model.lora import LoRALinear
+from apr.steps import stacking
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _nf4():
+    """torchao's NF4 (``to_nf4``, ``NF4Tensor``), imported with its loader's warnings silenced: the
+    wheel's CUDA extensions (MX, CUTLASS) fail to load on a CPU-only torch, which NF4 never uses."""
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization import to_nf4  # lazy: torchao imports in seconds, NF4 trunks only
+        from torchao.quantization.quantize_.workflows import NF4Tensor
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+    return to_nf4, NF4Tensor
+
+
+def to_nf4(weight: torch.Tensor):
+    """``weight`` (float32) as an NF4Tensor in apr's block sizes (``spec.nf4_scaler_block``)."""
+    quantize, _ = _nf4()
+    return quantize(weight.detach().float().contiguous(), spec.NF4_BLOCK, spec.nf4_scaler_block(weight.numel()))
+
+
+def is_nf4(weight: torch.Tensor) -> bool:
+    return type(weight).__name__ == "NF4Tensor"
+
+
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """A stored trunk weight as float32 (NF4 dequantized, half precision widened exactly)."""
+    return (weight.get_original_weight() if is_nf4(weight) else weight.detach()).float().contiguous()
+
+
+class FrozenLinear(nn.Module):
+    """A trunk projection without adapters: its stored weight, read in the input's dtype."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if not is_nf4(weight) and weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            weight = weight.to(x.dtype)
+        return F.linear(x, weight)
+
+
+def _stored(weight: torch.Tensor, storage: str) -> torch.Tensor:
+    return to_nf4(weight) if storage == "nf4" else weight.detach().to(DTYPES[storage])
+
+
+@torch.no_grad()
+def apply_trunk(model, config: AprConfig, seed: int) -> None:
+    """Freeze the trunk blocks of ``config``'s stage, store their projections in their precision
+    and put the trunk's adapters on them (``lora_A`` uniform in +-1/sqrt(in) from ``seed``, ``lora_B``
+    zero, so the transformed model computes what the stored weights compute)."""
+    trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    targeted = set(adapters.modules) if adapters is not None else set()
+    for i, storage in trunk.items():
+        for p in model.model.layers[i].parameters():
+            p.requires_grad_(False)
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            parent_name, _, leaf = spec.lora_module_path(i, m).rpartition(".")
+            parent = model.get_submodule(parent_name)
+            weight = nn.Parameter(_stored(getattr(parent, leaf).weight, storage), requires_grad=False)
+            if m in targeted:
+                layer = LoRALinear(weight, adapters.rank, adapters.scaling, adapters.dropout)
+                bound = 1.0 / math.sqrt(layer.lora_A.shape[1])
+                layer.lora_A.copy_(torch.empty(layer.lora_A.shape).uniform_(-bound, bound, generator=gen))
+            else:
+                layer = FrozenLinear(weight)
+            setattr(parent, leaf, layer)
+
+
+def stored_tensors(name: str, weight: torch.Tensor, storage: str) -> dict[str, torch.Tensor]:
+    """A trunk weight's checkpoint tensors (float32): ``name`` itself, or its NF4 parts. ``weight``
+    may be stored already (a module's) or a float32 weight about to be stored (a grow)."""
+    if storage != "nf4":
+        return {name: dense(weight) if weight.dtype == DTYPES[storage] else dense(_stored(weight, storage))}
+    q = weight if is_nf4(weight) else to_nf4(weight)
+    return {f"{name}.nf4.{part}": getattr(q, part).detach().float().clone(memory_format=torch.contiguous_format)
+            .reshape(spec.nf4_part_shapes(q.numel())[part]) for part in spec.NF4_PARTS}
+
+
+def trunk_state(model, config: AprConfig) -> dict[str, torch.Tensor]:
+    """The frozen trunk's tensors under checkpoint names (``spec.trunk_specs``)."""
+    out = {}
+    params = dict(model.named_parameters())
+    for i, storage in stacking.trunk_storage(config).items():
+        for p in spec.block_param_specs(config.model.architecture, i):
+            out.update(stored_tensors(p.name, params[p.name], storage if p.decay else "fp32"))
+    return out
+
+
+@torch.no_grad()
+def load_trunk_state(model, config: AprConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Set the trunk from checkpoint tensors: NF4 parts copied exactly, the rest cast to storage."""
+    params = dict(model.named_parameters())
+    for i, storage in stacking.trunk_storage(config).items():
+        for p in spec.block_param_specs(config.model.architecture, i):
+            dst = params[p.name]
+            if storage == "nf4" and p.decay:
+                for part in spec.NF4_PARTS:
+                    inner = getattr(dst, part)
+                    inner.copy_(tensors[f"{p.name}.nf4.{part}"].to(inner.dtype).reshape(inner.shape))
+            else:
+                dst.copy_(tensors[p.name])
+
+
+@torch.no_grad()
+def merged_weights(tensors: dict[str, torch.Tensor], config: AprConfig) -> dict[str, torch.Tensor]:
+    """A stage's checkpoint tensors as a plain model's weights (float32, HF names): NF4 parts
+    dequantized, every adapter folded in (``W + scaling * B @ A``), moments dropped."""
+    arch = config.model.architecture
+    out = {p.name: tensors[p.name] for p in spec.param_specs(arch) if p.name in tensors}
+    trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
+    for i, storage in trunk.items():
+        for p in spec.block_param_specs(arch, i):
+            if storage == "nf4" and p.decay:
+                template = to_nf4(torch.zeros(p.shape))  # the metadata of a weight this shape
+                for part in spec.NF4_PARTS:
+                    inner = getattr(template, part)
+                    inner.copy_(tensors[f"{p.name}.nf4.{part}"].to(inner.dtype).reshape(inner.shape))
+                out[p.name] = template.get_original_weight().float()
+        if adapters is not None:
+            for m in adapters.modules:
+                path = spec.lora_module_path(i, m)
+                a, b = tensors[f"{path}.lora_A"].float(), tensors[f"{path}.lora_B"].float()
+                out[f"{path}.weight"] = out[f"{path}.weight"].float() + (b @ a) * adapters.scaling
+    return out
