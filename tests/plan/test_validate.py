@@ -123,3 +123,34 @@ def test_base_facts_are_the_start_of_the_config_facts(repo):
         base = configfacts.base_facts(config, 2)
         full = configfacts.config_facts(config, world_size=2, target=None).facts
         assert base == {k: full[k] for k in base}, name
+
+
+TRUNK = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 4\n    num_attention_heads: 4\n"
+         "    num_key_value_heads: 2\n    intermediate_size: 128\n    vocab_size: 512\n"
+         "    max_position_embeddings: 64\n  stacking:\n    stages: [{{blocks: 2, steps: 3{precision}}}, {{blocks: 4}}]\n"
+         "{extra}data:\n  train: t/\n  batch_size: 2\n  seq_len: 32\ntraining:\n  max_steps: 10\n{training}")
+
+
+@pytest.mark.parametrize("precision, extra, training, path", [
+    ("", "    trunk_strategy: qlora\n", "", "model.stacking.trunk_strategy"),  # a qlora trunk that still trains
+    ("", "    earlier: freeze\n    trunk_lora: {rank: 40}\n", "", "model.stacking.trunk_lora.rank"),  # > the layer
+    (", precision: nvfp4", "    earlier: freeze\n", "", "model.stacking.stages[0].precision"),
+    (", precision: bf16", "    earlier: freeze\n    trunk_strategy: qlora\n", "", "model.stacking.stages[0].precision"),
+    (", precision: bf16", "    earlier: freeze\n", "  sharding: full\n  world_size: 2\n", "training.sharding"),
+    ("", "    earlier: freeze\n    trunk_lora: {rank: 4, trunk_dtype: bf16}\n", "",
+     "model.stacking.trunk_lora.trunk_dtype"),
+])
+def test_a_trunk_that_cannot_be_stored_or_adapted_is_refused_at_its_key(tmp_path, precision, extra, training, path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(TRUNK.format(precision=precision, extra=extra, training=training))
+    r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.stacking"]
+    assert r.exit_code == 1 and path in [f["path"] for f in found], found
+    assert all(f["line"] for f in found)  # every finding points at its line
+
+
+def test_a_frozen_qlora_trunk_validates(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(TRUNK.format(precision="", extra="    earlier: freeze\n    trunk_strategy: qlora\n"
+                                "    building_mode: prepend\n", training=""))
+    assert "config.stacking" not in _codes(cfg)
