@@ -245,6 +245,7 @@ def test_a_qlora_trunk_keeps_its_nf4_codes_trains_its_adapters_resumes_bitwise_a
 
     from apr.checkpoint.export import export_hf
     from apr.data.standin import write_tokenizer
+    from apr.generate.load import load_for_inference
 
     make_dataset(tmp_path)
     qlora = {"stages": [{"blocks": 2, "steps": 4}, {"blocks": 4}], "earlier": "freeze", "trunk_strategy": "qlora"}
@@ -265,10 +266,31 @@ def test_a_qlora_trunk_keeps_its_nf4_codes_trains_its_adapters_resumes_bitwise_a
     tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
     export_hf(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "hf", tokenizer=tok)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = load_for_inference(tmp_path / "run" / "checkpoint-step-9.json", tokenizer=tok, device="cpu")
     with torch.no_grad():  # dequantized and merged: the function the trained NF4 + adapter model computes
         torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.model(ids), live, rtol=1e-4, atol=1e-4)  # apr generate's model
     for f in (tmp_path / "run").glob("checkpoint-step-9.*"):
         f.unlink()
     _inproc(tmp_path, resume="latest", **qlora)  # from step 6: the NF4 codes are loaded, not quantized again
     again = _weights(tmp_path, 9)
     assert set(again) == set(at9) and all(again[k].equal(v) for k, v in at9.items())
+
+
+def test_kill_9_in_a_prepended_qlora_stage_resumes_bitwise(tmp_path):
+    stacking = {"stages": [{"blocks": 2, "steps": 4}, {"blocks": 4}], "earlier": "freeze", "trunk_strategy": "qlora",
+                "building_mode": "prepend", "trunk_lora": {"rank": 4, "targets": "all", "dropout": 0.1}}
+    want_root = tmp_path / "whole"
+    make_dataset(want_root)
+    cfg = AprConfig.model_validate(json.loads(_cfg(want_root, stacking).read_text()))
+    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=want_root / "cfg.json",
+                      options=ApplyOptions(echo=lambda line: None, handle_signals=False))
+    assert run.execute().status == "finished"  # uninterrupted, in this process
+    root = tmp_path / "killed"
+    make_dataset(root)
+    path = _cfg(root, stacking)
+    _run(path, root, kill_at="step 11/12")  # the newest checkpoint is step 9: inside stage 1, NF4 trunk on top
+    _run(path, root, resume=True)
+    want, got = _weights(want_root, 12), _weights(root, 12)
+    assert "model.layers.3.mlp.up_proj.weight.nf4.quantized_data" in got  # the old stack, on top, in NF4
+    assert set(want) == set(got) and all(got[k].equal(want[k]) for k in want)
