@@ -166,7 +166,8 @@ VALIDATE_APR_MODULES = {
     "apr.errors", "apr.fmt", "apr.model.buffers", "apr.severity",
     "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
-    "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.stacking", "apr.steps.strategy", "apr.track", "apr.track.alerts",
+    "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.strategy", "apr.track", "apr.track.alerts",
+    "apr.steps.stacking",
     "apr.track.state",
     "apr.plan.orchestratefacts", "apr.steps.orchestration",  # training.orchestrator's checks (torch-free)
 }

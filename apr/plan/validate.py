@@ -310,7 +310,8 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
         finding(("model", "stacking", "stages"), "model.stacking lists no stage", "at least one stage", "[]")
     for key, value in (("lora", config.model.lora), ("init_from", config.model.init_from)):
         if value is not None:
-            hint = " (adapters on the earlier blocks of a stacked run: model.stacking.trunk_lora)" if key == "lora" else ""
+            hint = (" (adapters on the earlier blocks of a stacked run: model.stacking.trunk_lora)"
+                    if key == "lora" else "")
             finding(("model", "stacking"), f"model.stacking cannot be combined with model.{key} (its weights have "
                     f"the model's full depth){hint}", f"model.{key}: null, or no stacking", f"model.{key} set")
     out += _trunk_findings(config, finding)

@@ -79,6 +79,8 @@ def config_at(config: AprConfig, step: int) -> AprConfig:
     stages = doc["model"]["stacking"]["stages"][:stage_at(config, step) + 1]
     stages[-1]["steps"] = None
     doc["model"]["stacking"]["stages"] = stages
+    if trunk_transformed(config.model.stacking):  # every stage on the source the plan chose for the run
+        doc["training"]["engine"] = "standard"
     return AprConfig.model_validate(doc)
 
 

@@ -103,7 +103,7 @@ def earlier_blocks(config: AprConfig, step: int) -> list[int]:
 def frozen_groups(config: AprConfig, step: int) -> set[str]:
     """With ``earlier: freeze``, the blocks of earlier stages at ``step`` (``block.<i>`` groups)."""
     st = config.model.stacking
-    if st is None or str(st.earlier) != "freeze" or stacking.trunk_transformed(st):
+    if st is None or str(st.earlier) != "freeze" or stacking.trunk_storage(stacking.config_at(config, step)):
         return set()  # a transformed trunk is outside the optimizer groups (its adapters train)
     return {f"block.{i}" for i in earlier_blocks(config, step)}
 

@@ -32,11 +32,13 @@ def test_each_stack_is_stored_in_its_stages_precision_and_prepend_puts_the_trunk
     model = build_model(config.model.architecture, 5, device="cpu")
     apply_trunk(model, config, seed=5)
     layers = model.model.layers
-    assert layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16 and not layers[0].self_attn.q_proj.weight.requires_grad
+    q0 = layers[0].self_attn.q_proj.weight
+    assert q0.dtype == torch.bfloat16 and not q0.requires_grad
     assert layers[2].mlp.up_proj.weight.dtype == torch.float16 and isinstance(layers[2].mlp.up_proj, FrozenLinear)
     assert layers[3].mlp.up_proj.weight.dtype == torch.float32 and layers[3].mlp.up_proj.weight.requires_grad
     trained = {s.name for _, specs in optimizer_groups(config) for s in specs}
-    assert "model.layers.0.self_attn.q_proj.lora_A" in trained and "model.layers.3.self_attn.q_proj.lora_A" not in trained
+    assert "model.layers.0.self_attn.q_proj.lora_A" in trained
+    assert "model.layers.3.self_attn.q_proj.lora_A" not in trained
     assert "model.layers.0.self_attn.q_proj.weight" not in trained and "model.layers.3.mlp.up_proj.weight" in trained
     by_stack = {s["stack"]: s for s in stack_bytes(config)}
     assert by_stack[0]["storage"] == "bf16" and by_stack[0]["trains"] == "adapters" and by_stack[2]["trains"] == "all"

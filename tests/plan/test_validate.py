@@ -127,7 +127,8 @@ def test_base_facts_are_the_start_of_the_config_facts(repo):
 
 TRUNK = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 4\n    num_attention_heads: 4\n"
          "    num_key_value_heads: 2\n    intermediate_size: 128\n    vocab_size: 512\n"
-         "    max_position_embeddings: 64\n  stacking:\n    stages: [{{blocks: 2, steps: 3{precision}}}, {{blocks: 4}}]\n"
+         "    max_position_embeddings: 64\n  stacking:\n"
+         "    stages: [{{blocks: 2, steps: 3{precision}}}, {{blocks: 4}}]\n"
          "{extra}data:\n  train: t/\n  batch_size: 2\n  seq_len: 32\ntraining:\n  max_steps: 10\n{training}")
 
 

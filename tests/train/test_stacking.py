@@ -17,9 +17,11 @@ from safetensors.torch import load_file
 
 from apr.config import config_hash
 from apr.config.schema import AprConfig
+from apr.steps.stacking import config_at
 from apr.train.run import ApplyOptions, prepare_run
-from apr.train.stacking import grown_tensors, sources
+from apr.train.stacking import frozen_groups, grown_tensors, sources
 from tests.train.run_helpers import VOCAB, config_doc, make_dataset, run_until
+from tests.train.tiny import make_config
 
 WORKER = Path(__file__).resolve().parent / "run_worker.py"
 STACKING = {"stages": [{"blocks": 2, "steps": 6}, {"blocks": 4}], "init": "copy_top"}
@@ -182,8 +184,10 @@ def test_bad_schedules_are_findings_with_their_key(tmp_path, stacking, path):
 def test_prepend_moves_the_old_blocks_up_with_their_moments_and_copies_the_top_below():
     old = {f"{p}model.layers.{i}.mlp.up_proj.weight": torch.full((2, 2), float(i + 1) * (10 if p else 1))
            for i in range(2) for p in ("", "optimizer.m.")}
-    new = {f"{p}model.layers.{j}.mlp.up_proj.weight": torch.full((2, 2), -1.0) for j in range(5) for p in ("", "optimizer.m.")}
-    assert sources(2, 5, "copy_top", "prepend") == [1, 1, 1, 0, 1] and sources(2, 5, "fresh", "prepend")[:3] == [None] * 3
+    new = {f"{p}model.layers.{j}.mlp.up_proj.weight": torch.full((2, 2), -1.0)
+           for j in range(5) for p in ("", "optimizer.m.")}
+    assert sources(2, 5, "copy_top", "prepend") == [1, 1, 1, 0, 1]
+    assert sources(2, 5, "fresh", "prepend")[:3] == [None] * 3
     got = grown_tensors(old, new, 2, 5, "copy_top", "prepend")
     w, m = "model.layers.{}.mlp.up_proj.weight", "optimizer.m.model.layers.{}.mlp.up_proj.weight"
     for j in (0, 1):  # old block j is block 3 + j, weights and moments
@@ -192,6 +196,15 @@ def test_prepend_moves_the_old_blocks_up_with_their_moments_and_copies_the_top_b
         assert got[w.format(j)].equal(old[w.format(1)]) and got[m.format(j)].eq(0).all()
     fresh = grown_tensors(old, new, 2, 5, "fresh", "prepend")
     assert fresh[w.format(0)].eq(-1).all() and fresh[w.format(4)].equal(old[w.format(1)])
+
+
+def test_a_stack_is_frozen_in_the_optimizer_until_a_later_stage_stores_it_in_its_precision():
+    config = make_config(model={"architecture": {"num_hidden_layers": 4}, "stacking": {
+        "stages": [{"blocks": 2, "steps": 3}, {"blocks": 3, "steps": 3, "precision": "bf16"}, {"blocks": 4}],
+        "earlier": "freeze"}})
+    assert frozen_groups(config, 5) == {"block.0", "block.1"}  # stage 1: the fp32 trunk stays in its groups
+    assert frozen_groups(config, 8) == set()  # stage 2: block 2 is stored in bf16, outside the groups
+    assert str(config_at(config, 2).training.engine) == "standard"  # every stage on the plan's source
 
 
 def _inproc(root: Path, resume: str | None = None, **stacking):
@@ -221,14 +234,11 @@ def test_prepend_freeze_keeps_the_old_stack_on_top_resumes_across_the_grow_and_e
             if f"model.layers.{j}." in name:
                 assert after[name.replace(f"layers.{j}.", f"layers.{j + 2}.")].equal(value), name
     assert not after["model.layers.0.mlp.up_proj.weight"].equal(before["model.layers.1.mlp.up_proj.weight"])
-    again = tmp_path / "again"  # a copy of the run whose newest checkpoint is step 3: resume across the grow
-    make_dataset(again)
-    _inproc(again, building_mode="prepend", earlier="freeze")
-    for step in (6, 9):
-        for f in (again / "run").glob(f"checkpoint-step-{step}.*"):
+    for step in (6, 9):  # the newest checkpoint is now step 3: resume across the grow
+        for f in (tmp_path / "run").glob(f"checkpoint-step-{step}.*"):
             f.unlink()
-    _inproc(again, resume="latest", building_mode="prepend", earlier="freeze")
-    assert all(_weights(again, 9)[k].equal(v) for k, v in after.items())
+    _inproc(tmp_path, resume="latest", building_mode="prepend", earlier="freeze")
+    assert all(_weights(tmp_path, 9)[k].equal(v) for k, v in after.items())
     tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
     export_hf(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "hf", tokenizer=tok)
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
