@@ -4,6 +4,7 @@ through a checkpoint, and the merged export computing what the live trunk comput
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from apr.config.schema import AprConfig
@@ -83,3 +84,23 @@ def test_an_nf4_trunk_round_trips_through_its_checkpoint_tensors_exactly_and_mer
     ids = torch.randint(0, 53, (2, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(plain(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_an_nf4_trunk_runs_on_the_gpu_under_bf16_autocast_as_on_the_cpu():
+    config = _staged({"stages": [{"blocks": 2, "steps": 3}, {"blocks": 4}], "earlier": "freeze",
+                      "trunk_strategy": "qlora"}, 5)
+    model = build_model(config.model.architecture, 5, device="cpu")
+    apply_trunk(model, config, seed=5)
+    ids = torch.randint(0, 53, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+    state = trunk_state(model, config)
+    model = model.to("cuda")
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "NF4Tensor"  # moved in 4 bits
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = model(ids.cuda())
+    got.float().sum().backward()  # the adapters get gradients through the dequantized trunk
+    assert model.model.layers[0].self_attn.q_proj.lora_A.grad is not None
+    torch.testing.assert_close(got.float().cpu(), want, rtol=5e-2, atol=5e-2)
+    assert all(v.cpu().equal(state[k]) for k, v in trunk_state(model, config).items())  # the same codes
