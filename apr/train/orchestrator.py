@@ -174,25 +174,28 @@ class Orchestrator:
             if best is None or reward > branches[best]["reward"]:
                 best = i
                 best_state = None if i == len(chosen) - 1 else Snapshot(run)
-        nowcast = None
-        if self.orch.nowcasting.enabled:
+        nowcast, failed = None, branches[best]["failed"]
+        if failed:  # every branch went non-finite: the run goes on from the decision point, as it was
+            start.restore(run)
+            best_state = None
+        elif self.orch.nowcasting.enabled:
             nowcast = self._nowcast(run, start, step, branches[best]["val_loss"], best_state, recorder)
-        winner = branches[best]["strategy"]
+        winner = self.current if failed else branches[best]["strategy"]
         if nowcast is None and best_state is not None:
             best_state.restore(run)  # the last branch trained was not the winner: take the winner's bits
-        run.step = step + horizon
+        run.step = step if failed else step + horizon
         self.next_decision = step + self.orch.decision_interval
         self.decisions += 1
         previous, self.current = self.current, winner
         apply_strategy(run.engine, run.config, self.strategy())
-        self.reference_loss = branches[best]["train_losses"][-1] if branches[best]["train_losses"] else loss
+        self.reference_loss = loss if failed else branches[best]["train_losses"][-1]
         self.good = Snapshot(run) if self.orch.max_loss_increase is not None else None
         entry = {"step": step, "decision": self.decisions, "start_val_loss": start_val, "horizon": horizon,
                  "branches": branches, "winner": winner, "previous": previous, "nowcast": nowcast,
                  "bandit": self.bandit.state_dict(), "kept_until": run.step}
         self.history = [*self.history, entry][-50:]
         for b in branches:
-            kept = "kept" if b["strategy"] == winner and nowcast is None else "discarded"
+            kept = "kept" if b["strategy"] == winner and nowcast is None and not failed else "discarded"
             self._event(recorder, "branch", step, f"branch {b['strategy']}: {horizon} steps, val loss "
                         f"{fmt_loss(b['val_loss'])} ({kept})", {**b, "horizon": horizon, "kept": kept == "kept"})
         scores = ", ".join(f"{b['strategy']} {fmt_loss(b['val_loss'])}" for b in branches)

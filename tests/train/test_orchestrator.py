@@ -181,3 +181,13 @@ def test_switching_a_strategy_sets_the_updater_its_settings_and_the_clipping_on_
     assert all(torch.isfinite(torch.tensor(losses)))
     apply_strategy(engine, config, resolve(config, "aggressive_adamw"))
     assert engine.updater.name == "adamw" and engine.strategy.clip == "per_block" and not engine.strategy.norm_prepass
+
+
+def test_when_every_branch_goes_non_finite_the_run_goes_on_from_the_decision_point(root):
+    result, run, _ = _run(root, training={**_orchestrated(), "max_steps": 8, "orchestrator": {
+        "enabled": True, "decision_interval": 4, "eval_horizon": 3, "candidates": ["blowup"],
+        "strategies": {"blowup": {"lr_factor": 1.0e36, "clip_mode": "off"}}, "max_loss_increase": None}})
+    assert result.status == "finished" and result.final_step == 8
+    decision = run.orchestrator.history[0]
+    assert decision["branches"][0]["failed"] and decision["winner"] == "conservative_adamw"
+    assert decision["kept_until"] == 4 and run.engine.optimizer_steps == 8  # steps 5-8 trained by the loop
