@@ -24,6 +24,7 @@ def _findings(tmp_path, orchestrator: str, extra: str = "") -> list[dict]:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(BASE + "  orchestrator:\n" + orchestrator + extra)
     r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    assert r.exit_code == 1 and "Traceback" not in r.stdout  # an error, rendered: no traceback
     return [f for f in json.loads(r.stdout)["findings"] if f["code"] in ("config.orchestrator", "config.optimizer")]
 
 
