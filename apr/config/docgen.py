@@ -127,7 +127,8 @@ def _rows(model: type[BaseModel], prefix: str, out: list[str], sections: list):
         desc = (field.description or "").replace("|", "\\|")
         if inner:
             model_cls, listed = inner[0]
-            sections.append((path + "[]" if listed else path, model_cls))
+            keyed = typing.get_origin(ann) is dict  # a mapping of named sections (orchestrator.strategies)
+            sections.append((path + "[]" if listed else f"{path}.<name>" if keyed else path, model_cls))
             desc = (desc + " " if desc else "") + "See below."
         out.append(f"| `{path}` | {_type_name(ann)} | {_default(field)} | {desc} |")
 
