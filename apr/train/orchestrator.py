@@ -299,8 +299,10 @@ class Orchestrator:
 
     def load_state_dict(self, meta: dict) -> None:
         state = meta.get("orchestrator")
-        if not state:
+        if not state:  # a branch's restore (the snapshot leaves this part out): nothing of ours changes
             return
+        # a resume or training.rollback's restore: the in-memory states are of steps that are no more
+        self.good, self.nowcast_history = None, []
         self.current, self.decisions = state["current"], int(state["decisions"])
         self.bandit.load_state_dict(state["bandit"])
         self.history = copy.deepcopy(state.get("history") or [])
