@@ -130,13 +130,18 @@ class SGD:
     def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                     *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
                     param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
-        if found_inf is not None and bool(found_inf):  # an fp16 overflow or a non-finite step writes nothing
-            return
         if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
             grad.mul_(grad_scale)
-        _decay(params, lr * self.weight_decay, decay)
-        exp_avg.lerp_(grad, 1 - self.beta1)
-        params.add_(exp_avg, alpha=-lr)
+        if found_inf is None:
+            _decay(params, lr * self.weight_decay, decay)
+            exp_avg.lerp_(grad, 1 - self.beta1)
+            params.add_(exp_avg, alpha=-lr)
+        else:  # an fp16 overflow or a non-finite step writes nothing; decided on the device, no host read
+            keep = (~found_inf).to(params.dtype)
+            for s, e in decay.ranges if self.weight_decay != 0.0 else ():
+                params[s:e].mul_(1 - lr * self.weight_decay * keep)
+            exp_avg.lerp_(torch.where(found_inf, exp_avg, grad), 1 - self.beta1)
+            params.sub_(exp_avg * (lr * keep))
         if param_copy is not None:
             param_copy.copy_(params)
 

@@ -173,3 +173,18 @@ def test_sgd_and_swats_are_refused_on_the_autograd_engine():
 
     with pytest.raises(AprError, match="interleaved engine's walk"):
         build_engine(make_config(optimizer={"name": "sgd"}, training={"engine": "standard"}))
+
+
+def test_sgd_writes_nothing_on_a_flagged_step_without_reading_the_flag_on_the_host():
+    from apr.train.updaters import SGD
+
+    gen, _, decay = _flat_problem()
+    p, m, g = torch.randn(40, generator=gen), torch.randn(40, generator=gen), torch.full((40,), float("nan"))
+    before = p.clone(), m.clone()
+    up = SGD(OPT, get_backend("torch", "cpu"))
+    up.update_flat(p, g, m, torch.zeros(40), lr=0.5, step=3, decay=decay, found_inf=torch.tensor(True))
+    assert torch.equal(p, before[0]) and torch.equal(m, before[1])
+    g = torch.randn(40, generator=gen)
+    expect_m = before[1].lerp(g, 1 - OPT.beta1)
+    up.update_flat(p, g.clone(), m, torch.zeros(40), lr=0.5, step=3, decay=decay, found_inf=torch.tensor(False))
+    torch.testing.assert_close(m, expect_m)
