@@ -214,6 +214,52 @@ def build(args, name: str, weights: dict, arch) -> bench_engine.Approach:
     return build_torchtitan(args, weights, arch)
 
 
+# --profile: aten ops grouped by what they do (the first category whose key is in the op's name)
+CATEGORIES = (
+    ("matmul", ("mm", "matmul", "linear")),
+    ("attention", ("scaled_dot_product", "flash_attention", "flex")),
+    ("cross-entropy", ("log_softmax", "nll_loss", "cross_entropy", "softmax_backward", "logsumexp")),
+    ("rms_norm", ("rms_norm",)),
+    ("optimizer", ("adam", "_foreach", "vector_norm", "clip")),
+    ("copies", ("copy_", "clone", "contiguous", "cat", "stack", "index", "embedding", "empty", "zero_", "fill_")),
+    ("elementwise", ("mul", "add", "sub", "div", "silu", "rsqrt", "pow", "mean", "sum", "neg", "exp", "sigmoid",
+                     "where", "sqrt", "lerp", "maximum", "clamp", "sin", "cos")),
+)
+
+
+def _category(name: str) -> str:
+    bare = name.removeprefix("aten::")
+    return next((cat for cat, keys in CATEGORIES if any(k in bare for k in keys)), "other")
+
+
+def profile_approaches(approaches: list, data: list, rounds: int = 2) -> dict:
+    """torch.profiler's self CPU time per step by op category, each approach profiled for one step
+    per round, the approaches alternated (the load spreads over all of them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {ap.name: {} for ap in approaches}
+    for r in range(rounds):
+        for ap in approaches:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                ap.step_fn(data[r % len(data)], False)
+            for ev in prof.key_averages():
+                if not ev.key.startswith("aten::"):
+                    continue
+                cat = _category(ev.key)
+                out[ap.name][cat] = out[ap.name].get(cat, 0.0) + ev.self_cpu_time_total / 1e3 / rounds
+    return out
+
+
+def render_profile(prof: dict) -> str:
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    lines = ["Where a step's time goes (torch.profiler self CPU ms per step, aten ops by category):",
+             f"{'approach':<16}" + "".join(f"{c:>15}" for c in cats) + f"{'total':>10}"]
+    for name, by in prof.items():
+        total = sum(by.values())
+        lines.append(f"{name:<16}" + "".join(f"{by.get(c, 0.0):>15.0f}" for c in cats) + f"{total:>10.0f}")
+    return "\n".join(lines)
+
+
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
     weights, arch = apr_weights(args)
@@ -237,6 +283,7 @@ def run(args) -> dict:
         for ap in approaches:
             bench_engine.timed_step(ap, batch, torch.device("cpu"))
         print(f"  round {i + 1}/{args.steps}", file=sys.stderr, flush=True)
+    profiled = profile_approaches(approaches, data[args.warmup:]) if args.profile else None
     base = next((ap for ap in approaches if ap.name == "baseline"), None)
     tokens = args.batch * args.seq
     rows = []
@@ -258,7 +305,8 @@ def run(args) -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "versions": _versions(), "shape": {k: getattr(args, k) for k in
                                                ("hidden", "layers", "heads", "intermediate", "vocab", "seq", "batch")},
-            "warmup": args.warmup, "steps": args.steps, "results": rows, "skipped": skipped}
+            "warmup": args.warmup, "steps": args.steps, "results": rows, "skipped": skipped,
+            "profile": profiled}
 
 
 def _write_e2e_inputs(args, root: Path, steps: int, weights: dict, arch, compiled: bool = False) -> dict:
@@ -486,6 +534,8 @@ def main() -> None:
     p.add_argument("--e2e-log-interval", type=int, default=1)
     p.add_argument("--e2e-apr-compile", action="store_true",
                    help="end to end, also apr with training.execution.compile: true")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed rounds, torch.profiler's self CPU time per step by op category")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if set(args.only) - set(APPROACHES):
@@ -505,6 +555,8 @@ def main() -> None:
     else:
         if not args.no_engine:
             print(render(res))
+            if res.get("profile"):
+                print(render_profile(res["profile"]))
         if args.e2e:
             base = next((r["cpu_ms_median"] for r in res["results"] if r["approach"] == "baseline"), None)
             print(render_e2e(res["e2e"], base))
