@@ -238,6 +238,7 @@ def profile_approaches(approaches: list, data: list, rounds: int = 2) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     out = {ap.name: {} for ap in approaches}
+    ops: dict = {ap.name: {} for ap in approaches}  # op -> [ms per step, calls per step]
     for r in range(rounds):
         for ap in approaches:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -247,6 +248,11 @@ def profile_approaches(approaches: list, data: list, rounds: int = 2) -> dict:
                     continue
                 cat = _category(ev.key)
                 out[ap.name][cat] = out[ap.name].get(cat, 0.0) + ev.self_cpu_time_total / 1e3 / rounds
+                ms_calls = ops[ap.name].setdefault(ev.key, [0.0, 0])
+                ms_calls[0] += ev.self_cpu_time_total / 1e3 / rounds
+                ms_calls[1] += ev.count // rounds
+    for name, by_op in ops.items():  # the heaviest ops of each approach, beside its categories
+        out[name]["top_ops"] = sorted(([k, *v] for k, v in by_op.items()), key=lambda t: -t[1])[:10]
     return out
 
 
@@ -255,8 +261,11 @@ def render_profile(prof: dict) -> str:
     lines = ["Where a step's time goes (torch.profiler self CPU ms per step, aten ops by category):",
              f"{'approach':<16}" + "".join(f"{c:>15}" for c in cats) + f"{'total':>10}"]
     for name, by in prof.items():
-        total = sum(by.values())
+        total = sum(v for k, v in by.items() if k in cats)
         lines.append(f"{name:<16}" + "".join(f"{by.get(c, 0.0):>15.0f}" for c in cats) + f"{total:>10.0f}")
+    for name, by in prof.items():
+        lines.append(f"{name}: heaviest ops (ms per step, calls per step)")
+        lines += [f"  {op:<60}{ms:>9.0f}{calls:>7}" for op, ms, calls in by["top_ops"]]
     return "\n".join(lines)
 
 
