@@ -56,3 +56,18 @@ def test_apr_home_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("APR_HOME")
     assert apr_home() == Path.home() / ".apr"
     assert local_db_path(tmp_path) == tmp_path / ".apr" / "experiments.db"
+
+
+def test_the_compile_cache_lives_in_apr_home_unless_inductor_is_told_otherwise(tmp_path, monkeypatch):
+    from apr.track.names import compile_cache_dir, compile_cache_warm
+
+    monkeypatch.setenv("APR_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    folder = compile_cache_dir()
+    assert folder == tmp_path / "home" / "cache" / "inductor" and not compile_cache_warm()
+    folder.mkdir(parents=True)
+    assert not compile_cache_warm()  # an empty folder: a first compile still pays the cold cost
+    (folder / "fxgraph").mkdir()
+    assert compile_cache_warm()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache_dir() == tmp_path / "mine"

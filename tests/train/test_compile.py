@@ -83,3 +83,11 @@ def test_validate_and_plan_refuse_compile_without_a_compiler_at_its_line(tmp_pat
     assert "no-such-compiler-xyz is not on PATH" in found[0].message and found[0].line is not None
     validate = config_findings(load_config(plan.config_path))
     assert [f.message for f in validate if f.path == "training.execution.compile"] == [found[0].message]
+
+
+def test_compiling_points_inductor_at_the_apr_home_cache_unless_the_user_chose_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("APR_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compile_mod.use_compile_cache() == str(tmp_path / "home" / "cache" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_mod.use_compile_cache() == str(tmp_path / "mine")
