@@ -109,3 +109,16 @@ def test_numbers_beyond_what_the_trainer_holds_are_refused(repo):
         with pytest.raises(ConfigError) as e:
             load_config(base, [setting])
         assert [f.path for f in e.value.findings] == [path], setting
+
+
+def test_execution_compile_takes_true_false_or_auto_and_defaults_to_auto():
+    import pytest
+    from pydantic import ValidationError
+
+    from apr.config.schema import ExecutionConfig
+
+    assert ExecutionConfig().compile == "auto"
+    assert [ExecutionConfig(compile=v).compile for v in (True, False, "auto")] == [True, False, "auto"]
+    for bad in ("sometimes", "yes", 1):
+        with pytest.raises(ValidationError, match="expected true, false or auto"):
+            ExecutionConfig(compile=bad)
