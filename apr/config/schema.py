@@ -291,6 +291,14 @@ class StackingConfig(_Section):
         TrunkStrategy.frozen, description="frozen: the trunk in each stage's precision; qlora: the trunk's projection "
         "weights in NF4 (torchao) with the adapters of trunk_lora (default rank 16, alpha 32 on every projection, "
         "StackWise's qlora_rank / qlora_alpha). Needs earlier: freeze.")
+    freeze_embedding: Bool = Field(
+        False, description="With earlier: freeze, freeze the embedding too from stage 1 on (StackWise's frozen "
+        "trunk): no gradient is computed below the new stack. Needs untied embeddings.")
+    cache_activations: Bool = Field(
+        False, description="Compute the frozen trunk's output (embedding and earlier blocks) once per training "
+        "row and train the new stack on it (a verified, memory-mapped cache under <output_dir>/.apr/trunk-cache/, "
+        "filled as rows are first seen). Needs earlier: freeze, freeze_embedding, building_mode append and a "
+        "trunk without adapters.")
 
 
 class ModelConfig(_Section):

@@ -111,6 +111,8 @@ def optimizer_groups(config: AprConfig) -> list[tuple[str, list[ParamSpec]]]:
         return [(f"block.{i}", lora_block_specs(arch, lora, i)) for i in range(arch.num_hidden_layers)]
     trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
     groups = [("embed", embed_param_specs(arch, config.optimizer.decay_embeddings))]
+    if stacking.embedding_frozen(config):  # part of the trunk: no group, no moments
+        groups = []
     for i in range(arch.num_hidden_layers):
         if i not in trunk:
             groups.append((f"block.{i}", block_param_specs(arch, i)))
@@ -144,8 +146,8 @@ def trunk_specs(config: AprConfig) -> list[tuple[str, tuple[int, ...]]]:
     """The frozen trunk's tensors as checkpoints hold them (float32, no moments): each trunk
     block's norms and projections; an NF4 projection as its torchao parts (``<name>.nf4.<part>``),
     kept exactly so that a resumed run quantizes nothing again."""
-    out = []
     arch = config.model.architecture
+    out = [(p.name, p.shape) for p in embed_param_specs(arch)] if stacking.embedding_frozen(config) else []
     for i, storage in stacking.trunk_storage(config).items():
         for p in block_param_specs(arch, i):
             if storage == "nf4" and p.decay:

@@ -85,6 +85,8 @@ def apply_trunk(model, config: AprConfig, seed: int) -> None:
     trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     targeted = set(adapters.modules) if adapters is not None else set()
+    if stacking.embedding_frozen(config):
+        model.model.embed_tokens.weight.requires_grad_(False)
     for i, storage in trunk.items():
         for p in model.model.layers[i].parameters():
             p.requires_grad_(False)
@@ -113,8 +115,9 @@ def stored_tensors(name: str, weight: torch.Tensor, storage: str) -> dict[str, t
 
 def trunk_state(model, config: AprConfig) -> dict[str, torch.Tensor]:
     """The frozen trunk's tensors under checkpoint names (``spec.trunk_specs``)."""
-    out = {}
     params = dict(model.named_parameters())
+    out = {p.name: params[p.name].detach() for p in spec.embed_param_specs(config.model.architecture)
+           if stacking.embedding_frozen(config)}
     for i, storage in stacking.trunk_storage(config).items():
         for p in spec.block_param_specs(config.model.architecture, i):
             out.update(stored_tensors(p.name, params[p.name], storage if p.decay else "fp32"))
@@ -125,6 +128,9 @@ def trunk_state(model, config: AprConfig) -> dict[str, torch.Tensor]:
 def load_trunk_state(model, config: AprConfig, tensors: dict[str, torch.Tensor]) -> None:
     """Set the trunk from checkpoint tensors: NF4 parts copied exactly, the rest cast to storage."""
     params = dict(model.named_parameters())
+    if stacking.embedding_frozen(config):
+        for p in spec.embed_param_specs(config.model.architecture):
+            params[p.name].copy_(tensors[p.name])
     for i, storage in stacking.trunk_storage(config).items():
         for p in spec.block_param_specs(config.model.architecture, i):
             dst = params[p.name]

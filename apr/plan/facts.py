@@ -151,7 +151,7 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
                 return model, memory, estimate
 
             stacked = stacking_facts(config, tokens // facts["schedule"]["tokens_per_step"],
-                                     facts["schedule"]["tokens_per_step"], stage_sheet)
+                                     facts["schedule"]["tokens_per_step"], stage_sheet, train.get("sequences"))
             facts["stacking"] = stacked
             if sheet.time_estimate is not None and stacked["estimated_seconds"] is not None:
                 evaluation_s = (sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)

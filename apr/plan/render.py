@@ -138,6 +138,11 @@ def stacking_lines(stacked: dict | None) -> list[str]:
         out.append(f"  stage {st['stage']}: {st['blocks']} blocks: steps {st['first_step']:,}-{st['end_step']:,} "
                    f"({st['steps']:,} steps, {fmt_number(st['tokens'])} tokens), {fmt_number(st['params'])} "
                    f"params, {mem}{time}")
+        cache = st.get("activation_cache")
+        if cache:
+            out.append(f"    activation cache: blocks 0-{cache['blocks'] - 1} and the embedding, "
+                       f"{fmt_number(cache['rows'])} rows, {format_bytes(cache['bytes'])} on disk, saves "
+                       f"{fmt_flops(cache['saved_forward_flops'])} of trunk forward")
         for sk in st.get("stacks") or []:
             if sk["blocks"] and (sk["storage"] != "fp32" or sk["trains"] != "all" or len(st["stacks"]) > 1):
                 adapters = f", {fmt_number(sk['adapter_params'])} adapter params" if sk["adapter_params"] else ""

@@ -379,6 +379,21 @@ def _trunk_findings(config, finding) -> list[Finding]:
             finding(("model", "stacking", "trunk_strategy" if qlora else "stages"), f"NF4 quantizes blocks of "
                     f"{spec.NF4_BLOCK} weights; {', '.join(odd)} of this architecture do not split into them",
                     f"projections with a multiple of {spec.NF4_BLOCK} weights", ", ".join(odd))
+    if st.freeze_embedding and (str(st.earlier) != "freeze" or arch.tie_word_embeddings):
+        finding(("model", "stacking", "freeze_embedding"), "freeze_embedding makes the embedding part of the frozen "
+                "trunk: it needs earlier: freeze and an LM head of its own (tied embeddings train through the head)",
+                "earlier: freeze, tie_word_embeddings: false",
+                f"earlier: {st.earlier}, tie_word_embeddings: {str(arch.tie_word_embeddings).lower()}")
+    if st.cache_activations:
+        needs = [(not st.freeze_embedding, "freeze_embedding: true (a training embedding changes the trunk's output)"),
+                 (str(st.earlier) != "freeze", "earlier: freeze (a training trunk changes its output)"),
+                 (str(st.building_mode) == "prepend", "building_mode: append (a prepended stack sits below the "
+                  "trunk, so the trunk's input changes every step)"),
+                 (st.trunk_lora is not None or qlora, "a trunk without adapters (they train, so its output changes)")]
+        for missing, want in needs:
+            if missing:
+                finding(("model", "stacking", "cache_activations"), f"cache_activations stores the trunk's output "
+                        f"once per row; that needs {want}", want.split(" (")[0], "cache_activations: true")
     if stacking.trunk_transformed(st) and str(config.training.sharding) != "none":
         finding(("training", "sharding"), "a stacking trunk stored in another precision or with adapters runs on "
                 "autograd without FSDP2: sharding NF4 and half-precision trunk weights beside float32 adapters is "

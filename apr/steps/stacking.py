@@ -104,8 +104,23 @@ def trunk_transformed(stacking: StackingConfig | None) -> bool:
     they leave the optimizer groups (the plan runs such a run on autograd)."""
     if stacking is None or str(stacking.earlier) != "freeze":
         return False
-    return (stacking.trunk_lora is not None or str(stacking.trunk_strategy) == "qlora"
+    return (stacking.trunk_lora is not None or str(stacking.trunk_strategy) == "qlora" or stacking.freeze_embedding
             or any(str(st.precision) != "fp32" for st in stacking.stages[:-1]))
+
+
+def embedding_frozen(config: AprConfig) -> bool:
+    """``freeze_embedding`` at the config's last stage (from stage 1 on): the embedding is trunk too."""
+    st = config.model.stacking
+    return bool(trunk_storage(config)) and st.freeze_embedding
+
+
+def cached_blocks(config: AprConfig) -> int:
+    """With ``cache_activations`` at the config's last stage: how many bottom blocks (the trunk)
+    the cache stands for; 0 without a cache."""
+    st = config.model.stacking
+    if st is None or not st.cache_activations or not embedding_frozen(config):
+        return 0
+    return len(trunk_storage(config))
 
 
 def trunk_storage(config: AprConfig) -> dict[int, str]:

@@ -106,6 +106,7 @@ class Engine:
         self.dp: DataParallel | None = None  # set by ``build_engine`` under torchrun
         self.base_ref: dict | None = None  # LoRA: {"init_from", "sha256"} of the frozen base (build_engine)
         self.frozen: set[str] = set()  # optimizer groups that get no update (progressive stacking, freeze)
+        self.trunk_cache = None  # apr/train/trunk_cache.py TrunkCache, set by the run (cache_activations)
         self.calls = 0  # train_step calls
         self.group_names = [name for name, _ in group_specs(config)]  # buffer-plan order
         self._flags = NonFiniteFlags(device)
@@ -130,6 +131,8 @@ class Engine:
 
     def hidden_states(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
         """The embedding and the blocks (the last block's output), as the loss parts read them."""
+        if self.trunk_cache is not None:  # model.stacking.cache_activations: the trunk's rows from disk
+            return self.trunk_cache.hidden(lm, ids, self.cdt)
         return lm.hidden_states(ids, self.cdt)
 
     def whole_weights(self):

@@ -49,7 +49,7 @@ from apr.train.outdir import (
     refuse_user_config,
 )
 from apr.train.signals import Interrupted, StopSignals
-from apr.train.stacking import frozen_groups, grow
+from apr.train.stacking import grow, stage_parts
 from apr.train.steplog import StepLog
 from apr.train.stop import FINISHED, StepHook, StepReport, Stop, agree, first_stop
 from apr.train.survive import Survival
@@ -146,7 +146,7 @@ class Run:
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 engine = engine_build.build_engine(staged, self.device, dp=self.dp, execution=execution,
                                                    seed=config.training.seed + 1000 * self.stack_stage)
-        engine.freeze(frozen_groups(config, step))
+        stage_parts(engine, config, step, self.run_dir, self.warn)  # freezing, the trunk's activation cache
         if self.survival.bad_steps is not None:
             engine.step_gate = lambda loss, norm: self.survival.gate(self, loss, norm)
         if self.histograms is not None:

@@ -32,6 +32,7 @@ from apr.config.schema import AprConfig
 from apr.model import trunk
 from apr.steps import stacking
 from apr.train import events
+from apr.train.trunk_cache import trunk_cache_for
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -106,6 +107,13 @@ def frozen_groups(config: AprConfig, step: int) -> set[str]:
     if st is None or str(st.earlier) != "freeze" or stacking.trunk_storage(stacking.config_at(config, step)):
         return set()  # a transformed trunk is outside the optimizer groups (its adapters train)
     return {f"block.{i}" for i in earlier_blocks(config, step)}
+
+
+def stage_parts(engine, config: AprConfig, step: int, run_dir, warn) -> None:
+    """What a stage adds to its freshly built engine: ``earlier: freeze``'s frozen groups, and the
+    trunk's activation cache (``cache_activations``)."""
+    engine.freeze(frozen_groups(config, step))
+    engine.trunk_cache = trunk_cache_for(engine, stacking.config_at(config, step), run_dir, warn)
 
 
 def grow(run, step: int, recorder) -> None:

@@ -140,6 +140,10 @@ TRUNK = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 4
     (", precision: bf16", "    earlier: freeze\n", "  sharding: full\n  world_size: 2\n", "training.sharding"),
     ("", "    earlier: freeze\n    trunk_lora: {rank: 4, trunk_dtype: bf16}\n", "",
      "model.stacking.trunk_lora.trunk_dtype"),
+    ("", "    earlier: freeze\n    cache_activations: true\n", "", "model.stacking.cache_activations"),  # embedding
+    ("", "    earlier: freeze\n    freeze_embedding: true\n    cache_activations: true\n    building_mode: prepend\n",
+     "", "model.stacking.cache_activations"),
+    ("", "    freeze_embedding: true\n", "", "model.stacking.freeze_embedding"),  # earlier: train
 ])
 def test_a_trunk_that_cannot_be_stored_or_adapted_is_refused_at_its_key(tmp_path, precision, extra, training, path):
     cfg = tmp_path / "c.yaml"

@@ -304,3 +304,40 @@ def test_kill_9_in_a_prepended_qlora_stage_resumes_bitwise(tmp_path):
     want, got = _weights(want_root, 12), _weights(root, 12)
     assert "model.layers.3.mlp.up_proj.weight.nf4.quantized_data" in got  # the old stack, on top, in NF4
     assert set(want) == set(got) and all(got[k].equal(want[k]) for k in want)
+
+
+CACHED = {"stages": [{"blocks": 2, "steps": 1}, {"blocks": 4}], "earlier": "freeze", "freeze_embedding": True}
+
+
+def test_cached_trunk_activations_give_the_uncached_weights_bitwise_resume_with_the_cache_and_survive_a_full_disk(
+        tmp_path, monkeypatch):
+    import errno
+
+    import numpy as np
+
+    runs = {}
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    for name, cache in (("uncached", False), ("cached", True), ("full_disk", True)):
+        root = tmp_path / name
+        make_dataset(root, train_rows=20)  # 5 steps an epoch: stage 1 (steps 2-9) reads rows again
+        with monkeypatch.context() as m:
+            if name == "full_disk":
+                m.setattr(np, "save", no_space)
+            runs[name] = _inproc(root, **CACHED, cache_activations=cache)
+    cache = runs["cached"].engine.trunk_cache
+    assert cache.hits > 0 and cache.misses > 0 and cache.enabled  # rows seen again came from the disk
+    assert not runs["full_disk"].engine.trunk_cache.enabled and not any(runs["full_disk"].engine.trunk_cache.files)
+    want = _weights(tmp_path / "uncached", 9)
+    assert "model.embed_tokens.weight" in want and "optimizer.m.model.embed_tokens.weight" not in want  # frozen
+    for name in ("cached", "full_disk"):
+        got = _weights(tmp_path / name, 9)
+        assert set(got) == set(want) and all(got[k].equal(want[k]) for k in want), name
+    root = tmp_path / "cached"
+    for f in (root / "run").glob("checkpoint-step-9.*"):
+        f.unlink()
+    resumed = _inproc(root, resume="latest", **CACHED, cache_activations=True)  # from step 6: the same trunk
+    assert resumed.engine.trunk_cache.folder == cache.folder and resumed.engine.trunk_cache.hits > 0
+    got = _weights(root, 9)
+    assert all(got[k].equal(want[k]) for k in want)
