@@ -7,7 +7,7 @@ while a thread samples the process's anonymous memory (RssAnon: heap and torch t
 file-backed memory (RssFile: safetensors' memory map, page cache the kernel can drop) every 20 ms.
 The claim is that RssAnon stays bounded by a few slices whatever the file's size.
 
-    .venv/bin/python benchmarks/bench_inspect.py [--blocks 4] [--dir /tmp] [--keep] [--json]
+    .venv/bin/python benchmarks/bench_inspect.py [--blocks 4] [--dir /tmp] [--keep] [--json] [--progress]
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--progress", action="store_true", help="a JSON line of memory every 20 s while measuring")
     args = ap.parse_args()
     path = Path(args.dir) / f"bench_inspect_{args.blocks}blocks.safetensors"
     if not path.exists():
@@ -94,14 +95,20 @@ def main() -> None:
     done = threading.Event()
 
     def sample():
+        shown = time.perf_counter()
         while not done.is_set():
-            for k, v in _rss().items():
+            now = _rss()
+            for k, v in now.items():
                 peak[k] = max(peak[k], v)
+            if args.progress and time.perf_counter() - shown > 20:
+                shown = time.perf_counter()
+                print(json.dumps({"t": round(shown - t0, 1), "anon": now["RssAnon"], "anon_peak": peak["RssAnon"],
+                                  "file": now["RssFile"], "anon_before": before["RssAnon"]}), flush=True)
             time.sleep(0.02)
 
+    t0 = time.perf_counter()
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    t0 = time.perf_counter()
     layers, tensors = weight_stats(open_weights(path), bins=40)
     seconds = time.perf_counter() - t0
     done.set()
