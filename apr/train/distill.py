@@ -220,8 +220,9 @@ class DistillLoss:
                 "stalled": lambda: f"stalled ({p.patience} steps without a new best)",
                 "max_steps": lambda: f"reached its {p.max_steps} steps without converging",
                 "steps": lambda: f"finished its {p.max_steps} steps"}[why]()
-        self.events.append(("distill_block", f"phase 1: student block {block} {said} at step {self.step} after "
-                            f"{self.progress.steps} steps, final loss {loss:.4g}, best {self.progress.best:.4g}",
+        after = "" if why == "steps" else f" after {p.steps} steps"
+        self.events.append(("distill_block", f"phase 1: student block {block} {said} at step {self.step}{after}, "
+                            f"final loss {loss:.4g}, best {p.best:.4g}",
                             {"block": block, "step": self.step, "steps": self.progress.steps, "reason": why,
                              "loss": loss, "best": self.progress.best}))
         self.progress.next_block()
