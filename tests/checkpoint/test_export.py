@@ -265,3 +265,14 @@ raise SystemExit(0)
     assert "Traceback" not in proc.stderr or signame == "SIGINT"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".hf")) == []
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_decoupled_attention_checkpoint_is_refused_with_nothing_written(tmp_path, tokenizer_file):
+    """Hugging Face LLaMA has no form for decoupled bottleneck attention: the export names the key."""
+    config = make_config(**ARCH, **{"model.architecture.decoupled_attention": {"sem_dim": 2, "geo_dim": 4},
+                                    "data.tokenizer": str(tokenizer_file)})
+    ckpt = CheckpointManager(tmp_path / "run", config).save(TrainState(3, weights(config), {"epoch": 0}))
+    with pytest.raises(AprError) as err:
+        export_hf(ckpt, tmp_path / "hf")
+    assert err.value.findings[0].path == "model.architecture.decoupled_attention"
+    assert not (tmp_path / "hf").exists()
