@@ -7,6 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from apr.cli.main import app
+from apr.model.spec import kv_cache_bytes_per_token
 
 runner = CliRunner()
 
@@ -23,6 +24,7 @@ def test_json_output_holds_text_ids_and_logprobs(tiny_lm):
     (g,) = doc["generations"]
     assert g["prompt"] == tiny_lm.lines[0] and g["generated_tokens"] == 6 == len(g["token_ids"]) == len(g["logprobs"])
     assert g["finish_reason"] == "length" and all(lp <= 0 for lp in g["logprobs"])
+    assert doc["kv_cache_bytes_per_token"] == kv_cache_bytes_per_token(tiny_lm.config.model.architecture, 4)
 
 
 def test_text_output_streams_the_prompt_and_its_continuation(tiny_lm):
