@@ -30,7 +30,8 @@ def register(app: typer.Typer) -> None:
                                             help="Largest allowed |difference| of a block's attention output."),
         logits_mean: float = typer.Option(0.05, "--logits-max-mean-l1",
                                           help="Largest allowed mean |difference| of the logits."),
-        logits_max: float = typer.Option(0.25, "--logits-max-max-l1", help="Largest allowed |difference| of the logits."),
+        logits_max: float = typer.Option(0.25, "--logits-max-max-l1",
+                                         help="Largest allowed |difference| of the logits."),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     ) -> None:

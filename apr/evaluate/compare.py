@@ -30,10 +30,12 @@ class Thresholds:
     logits_max: float = 0.25
 
     def check(self) -> None:
-        for name, value in (("attention max_mean_l1", self.attention_mean), ("attention max_max_l1", self.attention_max),
-                            ("logits max_mean_l1", self.logits_mean), ("logits max_max_l1", self.logits_max)):
+        # named by apr verify's options (a config's verify section is checked by its schema: gt=0)
+        for name, value in (("--attention-max-mean-l1", self.attention_mean),
+                            ("--attention-max-max-l1", self.attention_max),
+                            ("--logits-max-mean-l1", self.logits_mean), ("--logits-max-max-l1", self.logits_max)):
             if not value > 0:
-                raise AprError(f"verify threshold {name} must be positive, got {value!r}", [Finding(
+                raise AprError(f"the threshold {name} must be positive, got {value!r}", [Finding(
                     "error", "verify.threshold", "threshold not positive", path=name, expected="a number > 0",
                     got=repr(value))])
 
