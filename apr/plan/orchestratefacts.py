@@ -25,8 +25,10 @@ def _flat_walk_problem(config) -> str | None:
     tr = config.training
     if gradient_source(config) != "interleaved":
         return "the autograd engine (training.engine: standard, or mode: distill)"
-    if str(tr.sharding) != "none":
-        return f"training.sharding: {tr.sharding}"
+    if str(tr.sharding) != "none":  # the walk on shards keeps the moments in torch's AdamW state per shard,
+        # and SWATS's switch test needs dot products over whole groups: neither is there yet
+        return (f"training.sharding: {tr.sharding} (its walk keeps the moments in AdamW's per-shard state, and "
+                "SWATS's switch needs dot products over whole groups)")
     return None
 
 
@@ -87,10 +89,6 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
                     f"strategy {name} clips with AdaGC, whose per-tensor EMAs the engine allocates only with "
                     "training.clip_mode: adagc", "training.clip_mode: adagc, or another clip_mode",
                     f"training.clip_mode: {tr.clip_mode}")
-    if str(tr.sharding) != "none":
-        finding(("training", "orchestrator", "enabled"), "orchestration copies the engine's whole state at each "
-                "decision point; under training.sharding that state is spread over the ranks, which the branches do "
-                "not gather yet", "training.sharding: none", f"training.sharding: {tr.sharding}")
     if config.model.stacking is not None:
         finding(("training", "orchestrator", "enabled"), "orchestration and model.stacking both change the "
                 "engine during the run (stacking rebuilds it)", "one of them", "both")

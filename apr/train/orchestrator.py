@@ -72,13 +72,19 @@ class Snapshot:
     def __init__(self, run):
         run.engine.check_finite()
         self.step = run.step
-        self.tensors = {k: v.detach().clone() for k, v in run.engine.train_state_tensors(everywhere=True).items()}
+        # under training.sharding each rank copies its own rows (nothing gathered) and restores them:
+        # every rank holds the same decision point, so the shards put back make the same whole state
+        self.local = bool(run.engine.sharded)
+        state = run.engine.local_state_tensors() if self.local else run.engine.train_state_tensors(everywhere=True)
+        self.tensors = {k: v.detach().clone() for k, v in state.items()}
         meta = run.registry.state_dict()
         meta.pop("orchestrator", None)
         self.meta = copy.deepcopy(meta)
 
-    def restore(self, run) -> None:
-        run.engine.load_train_state_tensors(self.tensors)
+    def restore(self, run, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Put the state back (``tensors``: these in place of the snapshot's own, a nowcast's)."""
+        load = run.engine.load_local_state_tensors if self.local else run.engine.load_train_state_tensors
+        load(self.tensors if tensors is None else tensors)
         run.registry.load_state_dict(copy.deepcopy(self.meta))
         run.step = self.step
 
@@ -250,9 +256,7 @@ class Orchestrator:
         winner_state = best_state or Snapshot(run)
         ahead = cfg.ahead or self.orch.decision_interval
         jumped = extrapolate(self.nowcast_history, step + ahead)
-        winner_state.restore(run)
-        tensors = {**winner_state.tensors, **jumped}
-        run.engine.load_train_state_tensors(tensors)
+        winner_state.restore(run, {**winner_state.tensors, **jumped})  # on shards: each rank its own rows
         val = self._score(run)
         record = {"ahead": ahead, "history": [int(s) for s, _ in self.nowcast_history], "val_loss": val,
                   "best_branch_val_loss": best_val, "kept": val is not None and val < best_val}

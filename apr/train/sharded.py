@@ -197,6 +197,19 @@ class ShardedEngine(StandardEngine):
         return out
 
     @torch.no_grad()
+    def load_local_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put back this rank's rows as ``local_state_tensors`` gave them (the orchestrator's branch
+        snapshots, taken and restored by every rank at the same step: nothing gathered)."""
+        for name, p in self.named.items():
+            p.to_local().copy_(tensors[name])
+            moments = self.updater.moments(p)
+            if moments is None:
+                moments = (torch.zeros_like(p), torch.zeros_like(p))
+                self.updater.set_moments(p, *moments, self.optimizer_steps)
+            for k, prefix in enumerate((names.OPT_M, names.OPT_V)):
+                moments[k].to_local().copy_(tensors[prefix + name])
+
+    @torch.no_grad()
     def load_train_state_tensors(self, tensors) -> None:
         """Re-shard a checkpoint's tensors: from a ``parts.LazyTensors`` each rank reads only its own
         rows of every tensor (nothing whole in memory); from a dict of whole tensors, each is split."""
