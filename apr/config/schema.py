@@ -739,7 +739,8 @@ class OrchestratorConfig(_Section):
         "training.eval_batches.")
     max_loss_increase: Float | None = Field(
         1.5, gt=1, description="A step whose loss exceeds this x the loss at the last decision point rolls back "
-        "to that point's state and switches to safety_strategy; null: no safety rollback.")
+        "to that point's state (in a resumed process: the newest checkpoint at or before it) and switches to "
+        "safety_strategy; null: no safety rollback.")
     safety_strategy: str = Field("spike_resistant", description="The strategy a safety rollback switches to.")
     nowcasting: NowcastConfig = Field(default_factory=NowcastConfig)
 

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import torch
 
+from apr.checkpoint.manager import scan
 from apr.fmt import fmt_loss
 from apr.steps import orchestration
 from apr.steps.orchestration import UCB1, Strategy
@@ -104,6 +105,9 @@ class Orchestrator:
         self.history: list[dict] = []  # one entry per decision (the last 50 are checkpointed)
         self.reference_loss: float | None = None  # the training loss at the last decision point
         self.good: Snapshot | None = None  # the state at the last decision point (safety rollback)
+        # that state's step, checkpointed: a resumed process (no ``good`` in memory) rolls back to the
+        # newest checkpoint at or before it (docs/design.md, "Orchestrated training", safety)
+        self.good_step: int | None = None
         self.nowcast_history: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.rollbacks = 0
         self.next_decision = self.orch.decision_interval
@@ -138,9 +142,9 @@ class Orchestrator:
         loss = self._loss(run, report)
         limit = None if self.reference_loss is None or self.orch.max_loss_increase is None else \
             self.orch.max_loss_increase * self.reference_loss
-        if limit is not None and self.good is not None and not loss <= limit:
-            self._safety_rollback(run, loss, limit, recorder)
-            return True
+        if limit is not None and (self.good is not None or self.good_step is not None) and not loss <= limit:
+            if self._safety_rollback(run, loss, limit, recorder):
+                return True
         moved = False
         while self._due(run):  # a kept horizon may reach the next decision point
             self._decide(run, loss, recorder)
@@ -196,6 +200,7 @@ class Orchestrator:
         apply_strategy(run.engine, run.config, self.strategy())
         self.reference_loss = loss if failed else branches[best]["train_losses"][-1]
         self.good = Snapshot(run) if self.orch.max_loss_increase is not None else None
+        self.good_step = run.step if self.good is not None else None
         entry = {"step": step, "decision": self.decisions, "start_val_loss": start_val, "horizon": horizon,
                  "branches": branches, "winner": winner, "previous": previous, "nowcast": nowcast,
                  "bandit": self.bandit.state_dict(), "kept_until": run.step}
@@ -269,11 +274,37 @@ class Orchestrator:
 
     # ------------------------------------------------------------------------------ safety
 
-    def _safety_rollback(self, run, loss: float, limit: float, recorder) -> None:
-        good, step = self.good, run.step
+    def _good_state(self, run, recorder) -> Snapshot | None:
+        """The state to roll back to: the last decision point's in memory, or, in a resumed process,
+        the newest checkpoint at or before that point's step read back (the orchestrator's own state
+        kept as it is); None when retention removed every such checkpoint (said once)."""
+        if self.good is not None:
+            return self.good
+        if run.is_main:
+            run.record_checkpoints(recorder, wait=True)  # the background write in flight is on disk
+        targets = [e for e in scan(run.run_dir) if e.complete and e.step <= self.good_step]
+        if not targets:
+            run.warn(f"orchestrator: no checkpoint at or before step {self.good_step} (the last decision's state) "
+                     "is left: no safety rollback until the next decision")
+            self.good_step = None
+            return None
+        kept, cursor = self.state_dict(), run.loader.state_dict()
+        state, json_path = run.load_checkpoint(targets[0].json_path)
+        run.adopt(state)
+        self.load_state_dict(kept)  # the bandit, the decisions, the strategy: the run's, not the checkpoint's
+        run.loader.load_state_dict(cursor)
+        run.step = int(state.step)
+        run.echo(f"orchestrator: the last decision's state is {json_path.name} (resumed process)")
+        return Snapshot(run)
+
+    def _safety_rollback(self, run, loss: float, limit: float, recorder) -> bool:
+        step, cursor = run.step, run.loader.state_dict()
+        good = self._good_state(run, recorder)
+        if good is None:
+            return False
+        self.good, self.good_step = good, good.step
         accum = run.config.training.gradient_accumulation
         window = [run.loader.absolute - (step - good.step) * accum, (step - good.step) * accum]
-        cursor = run.loader.state_dict()
         good.restore(run)
         run.loader.load_state_dict(cursor)  # the bad window's data is not replayed
         self.rollbacks += 1
@@ -289,6 +320,7 @@ class Orchestrator:
         run.echo(f"{run.step_label(step)}  {message}")
         run.save(run.step, False, recorder)  # a resume from here on starts past the bad window, on the safety strategy
         run.steplog.start(run.step)
+        return True
 
     # ------------------------------------------------------------------------------ records, state
 
@@ -299,7 +331,8 @@ class Orchestrator:
         return {"orchestrator": {"current": self.current, "decisions": self.decisions,
                                  "bandit": self.bandit.state_dict(),
                                  "history": copy.deepcopy(self.history), "reference_loss": self.reference_loss,
-                                 "rollbacks": self.rollbacks, "next_decision": self.next_decision}}
+                                 "rollbacks": self.rollbacks, "next_decision": self.next_decision,
+                                 "good_step": self.good_step}}
 
     def load_state_dict(self, meta: dict) -> None:
         state = meta.get("orchestrator")
@@ -312,6 +345,8 @@ class Orchestrator:
         self.history = copy.deepcopy(state.get("history") or [])
         self.reference_loss, self.rollbacks = state.get("reference_loss"), int(state.get("rollbacks", 0))
         self.next_decision = int(state.get("next_decision", self.orch.decision_interval))
+        good_step = state.get("good_step")
+        self.good_step = None if good_step is None else int(good_step)
 
 
 def _finite(value):
