@@ -165,6 +165,41 @@ def test_a_nowcast_that_does_not_improve_validation_is_discarded_and_leaves_no_t
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_nowcast_that_improves_validation_is_kept_and_the_run_trains_on_from_its_weights(root, branched,
+                                                                                        monkeypatch):
+    """Early in training the weights move along a steady trend: extrapolated 6 steps past the second
+    decision point (a line through the weights at steps 4 and 8), they score better on validation
+    than the best branch's 3 trained steps. The nowcast is kept: the engine leaves the decision with
+    exactly the extrapolated weights (the winner's moments and cursor), the branches are recorded as
+    discarded, and the run trains on from there to its end."""
+    from apr.train.orchestrator import Orchestrator, extrapolate
+
+    seen = {}
+    nowcast = Orchestrator._nowcast
+
+    def watched(self, run, *args):
+        record = nowcast(self, run, *args)
+        if record is not None:  # the state the run goes on from, and the line it should lie on
+            seen["weights"] = {k: v.clone() for k, v in run.engine.train_state_tensors().items()}
+            seen["line"] = extrapolate(self.nowcast_history, args[1] + record["ahead"])
+        return record
+
+    monkeypatch.setattr(Orchestrator, "_nowcast", watched)
+    result, run, _ = _run(root, training=_orchestrated(nowcasting={"enabled": True, "history": 2, "ahead": 6}))
+    assert result.status == "finished" and result.final_step == 12 and run.engine.optimizer_steps == 12
+    events = json.loads((root / "run" / "training_state.json").read_text())["events"]
+    nowcasts = [e["detail"] for e in events if e["kind"] == "nowcast"]
+    assert len(nowcasts) == 1 and nowcasts[0]["kept"] is True and nowcasts[0]["history"] == [4, 8]
+    assert nowcasts[0]["val_loss"] < nowcasts[0]["best_branch_val_loss"]
+    second = run.orchestrator.history[1]
+    assert second["nowcast"]["kept"] and second["kept_until"] == 11
+    assert not any(e["detail"]["kept"] for e in events if e["kind"] == "branch" and e["step"] == 8)
+    assert seen["line"].keys() and all(torch.equal(seen["weights"][k], w) for k, w in seen["line"].items())
+    _, _, plain_run, _ = branched  # the same run without nowcasting ends elsewhere
+    a, b = run.engine.train_state_tensors(), plain_run.engine.train_state_tensors()
+    assert not all(torch.equal(a[k], b[k]) for k in seen["line"])
+
+
 def test_nowcasting_extrapolates_each_tensor_along_its_least_squares_line():
     from apr.train.orchestrator import extrapolate
 
