@@ -282,6 +282,8 @@ class Orchestrator:
             return self.good
         if run.is_main:
             run.record_checkpoints(recorder, wait=True)  # the background write in flight is on disk
+        if run.dp is not None:  # every rank lists the same checkpoints (rank 0's write is complete)
+            run.dp.barrier()
         targets = [e for e in scan(run.run_dir) if e.complete and e.step <= self.good_step]
         if not targets:
             run.warn(f"orchestrator: no checkpoint at or before step {self.good_step} (the last decision's state) "

@@ -59,6 +59,16 @@ def test_sgd_and_swats_need_the_flat_buffer_walk(tmp_path):
     assert [(f.path, f.line) for f in found] == [("optimizer.name", 20)]
 
 
+def test_orchestration_runs_on_shards_but_sgd_strategies_are_refused_there_with_the_reason(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + "  sharding: full\n  orchestrator:\n    enabled: true\n"
+                   "    candidates: [conservative_adamw, spike_resistant]\n")
+    assert orchestrator_findings(load_config(cfg), 1000) == []
+    found = _findings(tmp_path, "    enabled: true\n", "  sharding: full\n")  # sgd_escape, a built-in candidate
+    assert [f["path"] for f in found] == ["training.orchestrator.candidates"]
+    assert "training.sharding: full" in found[0]["message"] and "per-shard" in found[0]["message"]
+
+
 def test_orchestration_without_validation_data_is_an_error(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(BASE.replace("  val: v/\n", "") + "  orchestrator: {enabled: true}\n")
