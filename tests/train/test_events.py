@@ -279,7 +279,8 @@ def test_stacking_growth_is_an_event_and_a_line(earlier, frozen, suffix):
     rec = Rec()
     events.grown(run, 7, 2, rec)
     message = f"stacking stage 1 starts at step 7: 2 -> 4 blocks {suffix}"
-    assert rec.events == [("stack", 7, message, {"stage": 1, "blocks": 4, "from_blocks": 2, "init": "copy_top"})]
+    assert rec.events == [("stack", 7, message, {"stage": 1, "blocks": 4, "from_blocks": 2, "init": "copy_top",
+                                                 "building_mode": "append"})]
     assert lines == [f"step 7/12  {message}"]
 
 
