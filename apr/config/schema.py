@@ -10,7 +10,8 @@ import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, WithJsonSchema,
+                      model_validator)
 
 from apr import severity as severities
 from apr.config.numbers import MAX_COUNT, parse_bytes, parse_count
@@ -299,6 +300,8 @@ class StackingConfig(_Section):
         "row and train the new stack on it (a verified, memory-mapped cache under <output_dir>/.apr/trunk-cache/, "
         "filled as rows are first seen). Needs earlier: freeze, freeze_embedding, building_mode append and a "
         "trunk without adapters.")
+    # the key the trunk's adapters were given under (model.lora moves here: ModelConfig)
+    _trunk_lora_key: tuple = PrivateAttr(("model", "stacking", "trunk_lora"))
 
 
 class ModelConfig(_Section):
@@ -311,7 +314,9 @@ class ModelConfig(_Section):
         "newest). Its architecture must equal model.architecture (the plan names each difference). "
         "Default: random init from training.seed.")
     lora: LoraConfig | None = Field(
-        None, description="Train low-rank adapters on a frozen base (needs init_from). Default: train every weight.")
+        None, description="Train low-rank adapters on a frozen base (needs init_from). With model.stacking: the "
+        "adapters of the trunk blocks, as model.stacking.trunk_lora (the same keys; set one of the two). "
+        "Default: train every weight.")
     mode: ModelMode = Field(ModelMode.transformer, description="Model family. Only transformer for now.")
     stacking: StackingConfig | None = Field(
         None, description="Progressive stacking: grow the model through stages of increasing depth. Default: "
@@ -323,6 +328,17 @@ class ModelConfig(_Section):
         if self.lora is not None and self.architecture.decoupled_attention is not None:
             raise ValueError("lora targets the standard projections (q_proj, k_proj, ...): it cannot be combined "
                              "with architecture.decoupled_attention")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_of_a_stacked_run(self):
+        """On a stacked run, model.lora is the trunk's adapters (docs/design.md, "LoRA on a stacked
+        run"): it moves to stacking.trunk_lora, so the rest of apr sees one key. Both set with
+        different values stay as they are (validate names both)."""
+        st = self.stacking
+        if st is not None and self.lora is not None and st.trunk_lora in (None, self.lora):
+            st.trunk_lora, self.lora = self.lora, None
+            st._trunk_lora_key = ("model", "lora")
         return self
 
 

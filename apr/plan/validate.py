@@ -277,7 +277,7 @@ def survival_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
 def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
     """`model.stacking` that cannot run: a stage that shrinks the model or does not grow it, a last
     stage that is not the model's depth, a stage without steps before the last, stacking with
-    LoRA or init_from (their weights have the full depth), interpolate with freeze or with
+    init_from (its weights have the full depth), model.lora and trunk_lora that differ, interpolate with freeze or with
     prepend; with the
     run's ``total_steps``: a stage that would never start."""
 
@@ -308,12 +308,14 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
                 f"{depth}: the last stage trains the configured model", str(depth), str(st.stages[-1].blocks))
     if not st.stages:
         finding(("model", "stacking", "stages"), "model.stacking lists no stage", "at least one stage", "[]")
-    for key, value in (("lora", config.model.lora), ("init_from", config.model.init_from)):
-        if value is not None:
-            hint = (" (adapters on the earlier blocks of a stacked run: model.stacking.trunk_lora)"
-                    if key == "lora" else "")
-            finding(("model", "stacking"), f"model.stacking cannot be combined with model.{key} (its weights have "
-                    f"the model's full depth){hint}", f"model.{key}: null, or no stacking", f"model.{key} set")
+    if config.model.lora is not None:  # left there by the schema only when trunk_lora differs
+        finding(("model", "lora"), "model.lora and model.stacking.trunk_lora both set the adapters of a stacked "
+                "run's trunk, with different values", "one of model.lora and model.stacking.trunk_lora",
+                "both, different")
+    if config.model.init_from is not None:
+        finding(("model", "init_from"), "model.stacking cannot be combined with model.init_from (its weights have "
+                "the model's full depth; a stacked run starts from its first stage's random init)",
+                "model.init_from: null, or no stacking", "model.init_from set")
     out += _trunk_findings(config, finding)
     if str(st.init) == "interpolate" and str(st.earlier) == "freeze":
         finding(("model", "stacking", "earlier"), "earlier: freeze needs the earlier blocks to keep their places; "
@@ -349,8 +351,9 @@ def _trunk_findings(config, finding) -> list[Finding]:
             finding(("model", "stacking", "stages", i, "precision"), "trunk_strategy qlora stores every earlier "
                     f"block in nf4; stage {i}'s precision {stage.precision} contradicts it", "fp32 (the default)",
                     str(stage.precision))
+    lora_key = st._trunk_lora_key  # model.lora or model.stacking.trunk_lora, as the user wrote it
     wants_trunk = [(("model", "stacking", "trunk_strategy"), "trunk_strategy qlora") if qlora else None,
-                   (("model", "stacking", "trunk_lora"), "trunk_lora") if st.trunk_lora is not None else None]
+                   (lora_key, ".".join(lora_key)) if st.trunk_lora is not None else None]
     wants_trunk += [(("model", "stacking", "stages", i, "precision"), f"stages[{i}].precision {stage.precision}")
                     for i, stage in enumerate(st.stages[:-1]) if str(stage.precision) not in ("fp32", "nvfp4")]
     for key, what in filter(None, wants_trunk):
@@ -361,12 +364,12 @@ def _trunk_findings(config, finding) -> list[Finding]:
     lora = stacking.trunk_adapters(config) if stacking.trunk_transformed(st) else st.trunk_lora
     if lora is not None:
         if st.trunk_lora is not None and str(st.trunk_lora.trunk_dtype) != "fp32":
-            finding(("model", "stacking", "trunk_lora", "trunk_dtype"), "trunk_lora.trunk_dtype is model.lora's "
-                    "storage; a stacking trunk's storage is each stage's precision", "fp32 (stages[].precision "
+            finding((*lora_key, "trunk_dtype"), f"{'.'.join(lora_key)}.trunk_dtype is a LoRA base's storage; a "
+                    "stacking trunk's storage is each stage's precision", "fp32 (stages[].precision "
                     "sets the storage)", str(st.trunk_lora.trunk_dtype))
         smallest = min((min(spec.linear_dims(arch, m)), m) for m in lora.modules)
         if lora.rank > smallest[0]:
-            finding(("model", "stacking", "trunk_lora", "rank"), f"rank {lora.rank} is larger than the layer: "
+            finding((*lora_key, "rank"), f"rank {lora.rank} is larger than the layer: "
                     f"{smallest[1]} has {smallest[0]} features on its narrow side", f"at most {smallest[0]}",
                     str(lora.rank))
     if qlora or any(str(s_.precision) == "nf4" for s_ in st.stages[:-1]):

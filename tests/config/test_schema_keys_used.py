@@ -21,6 +21,8 @@ ALLOWED: dict[str, str] = {
     "model.lora.alpha": "read by LoraConfig.scaling and written to adapter_config.json (apr/model/lora.py)",
     "model.lora.rslora": "read by LoraConfig.scaling and written to adapter_config.json (apr/model/lora.py)",
     "model.lora.targets": "read by LoraConfig.modules, which spec.lora_block_specs and add_adapters use",
+    "model.stacking.trunk_lora.dropout": "read as adapters.dropout by apply_trunk (apr/model/trunk.py)",
+    "model.stacking.trunk_lora.rslora": "read by LoraConfig.scaling, which apply_trunk and merged_weights use",
 }
 
 

@@ -144,6 +144,10 @@ TRUNK = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 4
     ("", "    earlier: freeze\n    freeze_embedding: true\n    cache_activations: true\n    building_mode: prepend\n",
      "", "model.stacking.cache_activations"),
     ("", "    freeze_embedding: true\n", "", "model.stacking.freeze_embedding"),  # earlier: train
+    ("", "    earlier: freeze\n  lora: {rank: 40}\n", "", "model.lora.rank"),  # the user's key, not trunk_lora
+    ("", "  lora: {rank: 4}\n", "", "model.lora"),  # trunk adapters on a trunk that trains
+    ("", "    earlier: freeze\n    trunk_lora: {rank: 8}\n  lora: {rank: 4}\n", "", "model.lora"),  # both, differing
+    ("", "    earlier: freeze\n  lora: {rank: 4}\n  init_from: w/\n", "", "model.init_from"),
 ])
 def test_a_trunk_that_cannot_be_stored_or_adapted_is_refused_at_its_key(tmp_path, precision, extra, training, path):
     cfg = tmp_path / "c.yaml"
@@ -159,3 +163,22 @@ def test_a_frozen_qlora_trunk_validates(tmp_path):
     cfg.write_text(TRUNK.format(precision="", extra="    earlier: freeze\n    trunk_strategy: qlora\n"
                                 "    building_mode: prepend\n", training=""))
     assert "config.stacking" not in _codes(cfg)
+
+
+def test_model_lora_on_a_stacked_run_is_the_trunks_adapters(tmp_path):
+    """A user's model.lora on a stacked run validates and configures exactly what trunk_lora does
+    (the run, its checkpoints and export read the config alone); the same value under both keys too."""
+    docs = {name: TRUNK.format(precision="", extra=extra, training="") for name, extra in (
+        ("lora", "    earlier: freeze\n  lora: {rank: 4, alpha: 8, targets: mlp, dropout: 0.1}\n"),
+        ("trunk", "    earlier: freeze\n    trunk_lora: {rank: 4, alpha: 8, targets: mlp, dropout: 0.1}\n"),
+        ("both", "    earlier: freeze\n    trunk_lora: {rank: 4, alpha: 8, targets: mlp, dropout: 0.1}\n"
+                 "  lora: {rank: 4, alpha: 8, targets: mlp, dropout: 0.1}\n"))}
+    dumps = {}
+    for name, text in docs.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+        assert "config.stacking" not in _codes(tmp_path / f"{name}.yaml"), name
+        config = load_config(tmp_path / f"{name}.yaml").config
+        assert config.model.lora is None and config.model.stacking.trunk_lora.modules == ("gate_proj", "up_proj",
+                                                                                           "down_proj")
+        dumps[name] = config.model_dump(mode="json")
+    assert dumps["lora"] == dumps["trunk"] == dumps["both"]

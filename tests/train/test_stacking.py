@@ -27,9 +27,10 @@ WORKER = Path(__file__).resolve().parent / "run_worker.py"
 STACKING = {"stages": [{"blocks": 2, "steps": 6}, {"blocks": 4}], "init": "copy_top"}
 
 
-def _cfg(root: Path, stacking: dict | None = None, engine: str = "interleaved", **training) -> Path:
+def _cfg(root: Path, stacking: dict | None = None, engine: str = "interleaved", lora: dict | None = None,
+         **training) -> Path:
     arch = {"num_hidden_layers": 4}
-    doc = config_doc(root, model={"architecture": arch, "stacking": stacking or STACKING},
+    doc = config_doc(root, model={"architecture": arch, "stacking": stacking or STACKING, "lora": lora},
                      training={"max_steps": 12, "save_interval": 3, "log_interval": 1, "eval_interval": 6,
                                "engine": engine, **training})
     path = root / "cfg.json"
@@ -287,22 +288,25 @@ def test_a_qlora_trunk_keeps_its_nf4_codes_trains_its_adapters_resumes_bitwise_a
     assert set(again) == set(at9) and all(again[k].equal(v) for k, v in at9.items())
 
 
-def test_kill_9_in_a_prepended_qlora_stage_resumes_bitwise(tmp_path):
+def test_kill_9_in_a_prepended_qlora_stage_with_the_users_model_lora_resumes_bitwise(tmp_path):
     stacking = {"stages": [{"blocks": 2, "steps": 4}, {"blocks": 4}], "earlier": "freeze", "trunk_strategy": "qlora",
-                "building_mode": "prepend", "trunk_lora": {"rank": 4, "targets": "all", "dropout": 0.1}}
+                "building_mode": "prepend"}
+    lora = {"rank": 4, "targets": "all", "dropout": 0.1}  # model.lora on a stacked run: the trunk's adapters
     want_root = tmp_path / "whole"
     make_dataset(want_root)
-    cfg = AprConfig.model_validate(json.loads(_cfg(want_root, stacking).read_text()))
+    cfg = AprConfig.model_validate(json.loads(_cfg(want_root, stacking, lora=lora).read_text()))
+    assert cfg.model.stacking.trunk_lora.rank == 4
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=want_root / "cfg.json",
                       options=ApplyOptions(echo=lambda line: None, handle_signals=False))
     assert run.execute().status == "finished"  # uninterrupted, in this process
     root = tmp_path / "killed"
     make_dataset(root)
-    path = _cfg(root, stacking)
+    path = _cfg(root, stacking, lora=lora)
     _run(path, root, kill_at="step 11/12")  # the newest checkpoint is step 9: inside stage 1, NF4 trunk on top
     _run(path, root, resume=True)
     want, got = _weights(want_root, 12), _weights(root, 12)
     assert "model.layers.3.mlp.up_proj.weight.nf4.quantized_data" in got  # the old stack, on top, in NF4
+    assert tuple(got["model.layers.3.mlp.down_proj.lora_A"].shape) == (4, 64)  # model.lora's rank, every projection
     assert set(want) == set(got) and all(got[k].equal(want[k]) for k in want)
 
 
