@@ -268,6 +268,19 @@ class StackStage(_Section):
         "them in fp32.")
 
 
+class ProgressiveLora(_Section):
+    """StackWise's progressive QLoRA: one more adapter on every trunk block at each later grow."""
+
+    rank: PositiveCount = Field(description="Rank of each progressive adapter (StackWise's progressive_qlora_rank, "
+                                "e.g. 8 beside trunk adapters of 16).")
+    alpha: Float = Field(16.0, gt=0, description="Its scale numerator: scaling = alpha / rank "
+                         "(progressive_qlora_alpha).")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class StackingConfig(_Section):
     """Progressive stacking: train a shallow model, then grow it block-wise (docs/training.md)."""
 
@@ -300,6 +313,11 @@ class StackingConfig(_Section):
         "row and train the new stack on it (a verified, memory-mapped cache under <output_dir>/.apr/trunk-cache/, "
         "filled as rows are first seen). Needs earlier: freeze, freeze_embedding, building_mode append and a "
         "trunk without adapters.")
+    progressive_lora: ProgressiveLora | None = Field(
+        None, description="Progressive QLoRA (StackWise): when a stage adds a stack, every block that already "
+        "carries trunk adapters gets one more adapter of this rank on the same projections (lora_B zero, so the "
+        "grow changes nothing); earlier adapters keep training. Needs trunk adapters (trunk_lora, model.lora or "
+        "trunk_strategy qlora). Export merges every adapter. Default: one adapter per trunk block.")
     # the key the trunk's adapters were given under (model.lora moves here: ModelConfig)
     _trunk_lora_key: tuple = PrivateAttr(("model", "stacking", "trunk_lora"))
 

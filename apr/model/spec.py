@@ -101,6 +101,26 @@ def lora_block_specs(arch: Architecture, lora: LoraConfig, i: int) -> list[Param
     return specs
 
 
+def progressive_suffix(stage: int) -> str:
+    """The name suffix of the progressive adapter stage ``stage``'s grow added (``lora_A_s2``)."""
+    return f"_s{stage}"
+
+
+def trunk_adapter_specs(config: AprConfig, i: int) -> list[ParamSpec]:
+    """Trunk block ``i``'s adapters in flat order: its own (``trunk_adapters``), then per stage that
+    gave it a progressive adapter (``progressive_lora``), ``lora_A_s<k>``/``lora_B_s<k>`` of that rank."""
+    arch, adapters = config.model.architecture, stacking.trunk_adapters(config)
+    specs = lora_block_specs(arch, adapters, i)
+    prog = config.model.stacking.progressive_lora
+    for k in stacking.progressive_stages(config).get(i, ()):
+        for m in adapters.modules:
+            fan_in, fan_out = linear_dims(arch, m)
+            p, sfx = lora_module_path(i, m), progressive_suffix(k)
+            specs += [ParamSpec(f"{p}.lora_A{sfx}", (prog.rank, fan_in), f"block.{i}", True),
+                      ParamSpec(f"{p}.lora_B{sfx}", (fan_out, prog.rank), f"block.{i}", True)]
+    return specs
+
+
 def optimizer_groups(config: AprConfig) -> list[tuple[str, list[ParamSpec]]]:
     """The trained parameters by optimizer group, in buffer-plan order. Full training: the
     embedding, each block, the final norm + head. LoRA: each block's adapters (the rest is frozen).
@@ -117,7 +137,7 @@ def optimizer_groups(config: AprConfig) -> list[tuple[str, list[ParamSpec]]]:
         if i not in trunk:
             groups.append((f"block.{i}", block_param_specs(arch, i)))
         elif adapters is not None:
-            groups.append((f"block.{i}", lora_block_specs(arch, adapters, i)))
+            groups.append((f"block.{i}", trunk_adapter_specs(config, i)))
     return groups + [("head", head_param_specs(arch))]
 
 
@@ -284,9 +304,10 @@ def stack_bytes(config: AprConfig) -> list[dict]:
         storage = trunk.get(blocks[0], "fp32") if blocks else "fp32"
         per_block = sum(stored_weight_bytes(p.numel, storage) if p.decay else 4 * p.numel for p in block)
         in_trunk = bool(blocks) and blocks[0] in trunk
-        adapter = sum(p.numel for p in lora_block_specs(arch, adapters, 0)) if in_trunk and adapters else 0
+        adapter = sum(p.numel for p in trunk_adapter_specs(config, blocks[0])) if in_trunk and adapters else 0
         frozen = in_trunk or (j < k and str(st.earlier) == "freeze")
         out.append({"stack": j, "blocks": len(blocks), "first_block": blocks[0] if blocks else None,
                     "storage": storage, "trains": "adapters" if adapter else "frozen" if frozen else "all",
-                    "weight_bytes": per_block * len(blocks), "adapter_params": adapter * len(blocks)})
+                    "weight_bytes": per_block * len(blocks), "adapter_params": adapter * len(blocks),
+                    "adapters": 1 + len(stacking.progressive_stages(config).get(blocks[0], ())) if adapter else 0})
     return out

@@ -73,6 +73,27 @@ class FrozenLinear(nn.Module):
         return F.linear(x, weight)
 
 
+class ProgressiveLoRALinear(LoRALinear):
+    """A trunk projection with its adapter and the progressive adapters later grows added
+    (``lora_A_s<k>``, ``lora_B_s<k>``): ``y = x W^T + sum over adapters of scaling * B(A(dropout(x)))``."""
+
+    def __init__(self, weight: nn.Parameter, rank: int, scaling: float, dropout: float,
+                 progressive: list[tuple[str, int, float]]):
+        super().__init__(weight, rank, scaling, dropout)
+        out_features, in_features = weight.shape
+        self.progressive = [(sfx, scale) for sfx, _, scale in progressive]
+        for sfx, r, _ in progressive:
+            self.register_parameter(f"lora_A{sfx}", nn.Parameter(torch.zeros(r, in_features, device=weight.device)))
+            self.register_parameter(f"lora_B{sfx}", nn.Parameter(torch.zeros(out_features, r, device=weight.device)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        for sfx, scale in self.progressive:
+            xa = F.dropout(x, self.dropout, self.training) if self.dropout else x
+            y = y + F.linear(F.linear(xa, getattr(self, f"lora_A{sfx}")), getattr(self, f"lora_B{sfx}")) * scale
+        return y
+
+
 def _stored(weight: torch.Tensor, storage: str) -> torch.Tensor:
     return to_nf4(weight) if storage == "nf4" else weight.detach().to(DTYPES[storage])
 
@@ -83,6 +104,7 @@ def apply_trunk(model, config: AprConfig, seed: int) -> None:
     and put the trunk's adapters on them (``lora_A`` uniform in +-1/sqrt(in) from ``seed``, ``lora_B``
     zero, so the transformed model computes what the stored weights compute)."""
     trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
+    progressive, prog = stacking.progressive_stages(config), config.model.stacking.progressive_lora
     gen = torch.Generator(device="cpu").manual_seed(seed)
     targeted = set(adapters.modules) if adapters is not None else set()
     if stacking.embedding_frozen(config):
@@ -95,9 +117,12 @@ def apply_trunk(model, config: AprConfig, seed: int) -> None:
             parent = model.get_submodule(parent_name)
             weight = nn.Parameter(_stored(getattr(parent, leaf).weight, storage), requires_grad=False)
             if m in targeted:
-                layer = LoRALinear(weight, adapters.rank, adapters.scaling, adapters.dropout)
+                extra = [(spec.progressive_suffix(k), prog.rank, prog.scaling) for k in progressive.get(i, ())]
+                layer = ProgressiveLoRALinear(weight, adapters.rank, adapters.scaling, adapters.dropout, extra)
                 bound = 1.0 / math.sqrt(layer.lora_A.shape[1])
-                layer.lora_A.copy_(torch.empty(layer.lora_A.shape).uniform_(-bound, bound, generator=gen))
+                for sfx in [""] + [e[0] for e in extra]:  # A uniform, B zero: every adapter starts at nothing
+                    a = getattr(layer, f"lora_A{sfx}")
+                    a.copy_(torch.empty(a.shape).uniform_(-bound, bound, generator=gen))
             else:
                 layer = FrozenLinear(weight)
             setattr(parent, leaf, layer)
@@ -158,8 +183,13 @@ def merged_weights(tensors: dict[str, torch.Tensor], config: AprConfig) -> dict[
                     inner.copy_(tensors[f"{p.name}.nf4.{part}"].to(inner.dtype).reshape(inner.shape))
                 out[p.name] = template.get_original_weight().float()
         if adapters is not None:
+            prog = config.model.stacking.progressive_lora
             for m in adapters.modules:
                 path = spec.lora_module_path(i, m)
                 a, b = tensors[f"{path}.lora_A"].float(), tensors[f"{path}.lora_B"].float()
                 out[f"{path}.weight"] = out[f"{path}.weight"].float() + (b @ a) * adapters.scaling
+                for k in stacking.progressive_stages(config).get(i, ()):  # each later grow's adapter
+                    sfx = spec.progressive_suffix(k)
+                    a, b = tensors[f"{path}.lora_A{sfx}"].float(), tensors[f"{path}.lora_B{sfx}"].float()
+                    out[f"{path}.weight"] = out[f"{path}.weight"] + (b @ a) * prog.scaling
     return out

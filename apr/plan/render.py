@@ -146,6 +146,8 @@ def stacking_lines(stacked: dict | None) -> list[str]:
         for sk in st.get("stacks") or []:
             if sk["blocks"] and (sk["storage"] != "fp32" or sk["trains"] != "all" or len(st["stacks"]) > 1):
                 adapters = f", {fmt_number(sk['adapter_params'])} adapter params" if sk["adapter_params"] else ""
+                if sk.get("adapters", 0) > 1:  # progressive_lora: its own adapter and one per later grow
+                    adapters += f" ({sk['adapters']} adapters per projection)"
                 last = sk["first_block"] + sk["blocks"] - 1
                 where = f"block {last}" if sk["blocks"] == 1 else f"blocks {sk['first_block']}-{last}"
                 out.append(f"    stack {sk['stack']}: {where} {sk['storage']} ({sk['trains']}), "

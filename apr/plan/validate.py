@@ -372,6 +372,17 @@ def _trunk_findings(config, finding) -> list[Finding]:
             finding((*lora_key, "rank"), f"rank {lora.rank} is larger than the layer: "
                     f"{smallest[1]} has {smallest[0]} features on its narrow side", f"at most {smallest[0]}",
                     str(lora.rank))
+    prog = st.progressive_lora
+    if prog is not None and lora is None:
+        finding(("model", "stacking", "progressive_lora"), "progressive_lora adds an adapter beside each trunk "
+                "block's own at every later grow; this trunk has no adapters", "trunk_lora, model.lora or "
+                "trunk_strategy qlora (with earlier: freeze)", "no trunk adapters")
+    elif prog is not None:
+        smallest = min((min(spec.linear_dims(arch, m)), m) for m in lora.modules)
+        if prog.rank > smallest[0]:
+            finding(("model", "stacking", "progressive_lora", "rank"), f"rank {prog.rank} is larger than the layer: "
+                    f"{smallest[1]} has {smallest[0]} features on its narrow side", f"at most {smallest[0]}",
+                    str(prog.rank))
     if qlora or any(str(s_.precision) == "nf4" for s_ in st.stages[:-1]):
         if find_spec("torchao") is None:
             finding(("model", "stacking", "trunk_strategy" if qlora else "stages"), "an NF4 trunk is quantized by "

@@ -144,6 +144,18 @@ def trunk_adapters(config: AprConfig) -> LoraConfig | None:
     return LoraConfig.model_validate(QLORA_DEFAULT) if str(st.trunk_strategy) == "qlora" else None
 
 
+def progressive_stages(config: AprConfig) -> dict[int, tuple[int, ...]]:
+    """Block -> the stages whose grow gave it a progressive adapter (``progressive_lora``), at the
+    config's last stage: a block added by stage ``o`` joins the trunk with its adapters at stage
+    ``o + 1`` and gets one more at each stage after that. Blocks without any: absent."""
+    st = config.model.stacking
+    if st is None or st.progressive_lora is None or trunk_adapters(config) is None:
+        return {}
+    k = len(st.stages) - 1
+    out = {b: tuple(range(o + 2, k + 1)) for b, o in enumerate(_origins(st, k)) if o + 2 <= k}
+    return {b: stages for b, stages in out.items() if b in trunk_storage(config)}
+
+
 def stored_config_at(doc: dict, step: int) -> AprConfig:
     """:func:`config_at` for a config as a checkpoint stores it (a JSON dict)."""
     return config_at(AprConfig.model_validate(doc), step)

@@ -35,6 +35,7 @@ from apr.train import events
 from apr.train.trunk_cache import trunk_cache_for
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_ADAPTER = re.compile(r"\.lora_[AB](_s\d+)?$")  # a trunk adapter (``_s<k>``: the progressive one stage k added)
 
 
 def sources(old_depth: int, new_depth: int, init: str, mode: str = "append") -> list[int | None]:
@@ -78,7 +79,7 @@ def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ol
             source = f"{prefix}model.layers.{s}.{rest}"
             if source in old:
                 out[name] = old[source]
-            elif rest.endswith((".lora_A", ".lora_B")):  # a block entering the trunk: its new adapters
+            elif _ADAPTER.search(rest):  # a block entering the trunk, or a progressive adapter: new ones
                 out[name] = torch.zeros_like(fresh) if moment else fresh.clone()
             elif ".nf4." in rest:  # a block entering an NF4 trunk: its float32 weight quantized once
                 weight, _, part = rest.partition(".nf4.")

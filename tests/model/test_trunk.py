@@ -104,3 +104,23 @@ def test_an_nf4_trunk_runs_on_the_gpu_under_bf16_autocast_as_on_the_cpu():
     assert model.model.layers[0].self_attn.q_proj.lora_A.grad is not None
     torch.testing.assert_close(got.float().cpu(), want, rtol=5e-2, atol=5e-2)
     assert all(v.cpu().equal(state[k]) for k, v in trunk_state(model, config).items())  # the same codes
+
+
+def test_progressive_adapters_are_counted_per_stack_as_the_model_builds_them_and_start_at_nothing():
+    config = _staged({**THREE, "progressive_lora": {"rank": 1, "alpha": 2}}, 7)  # stage 2 of three
+    model = build_model(config.model.architecture, 5, device="cpu")
+    plain = build_model(config.model.architecture, 5, device="cpu")
+    apply_trunk(model, config, seed=5)
+    built = {i: sum(p.numel() for n, p in model.model.layers[i].named_parameters() if ".lora_" in n)
+             for i in range(4)}
+    stacks = {s["stack"]: s for s in stack_bytes(config)}
+    assert stacks[0]["adapters"] == 2 and stacks[1]["adapters"] == 1 and stacks[2]["adapters"] == 0
+    assert stacks[0]["adapter_params"] == built[0] + built[1] and stacks[1]["adapter_params"] == built[2]
+    assert model.model.layers[0].self_attn.q_proj.lora_A_s2.shape[0] == 1 and built[3] == 0
+    ids = torch.randint(0, 53, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # lora_B zero for every adapter: the grow changes nothing but the storage
+        for i, dtype in ((0, torch.bfloat16), (1, torch.bfloat16), (2, torch.float16)):
+            for name, p in plain.model.layers[i].named_parameters():
+                if "proj" in name:
+                    p.copy_(p.to(dtype).float())
+        torch.testing.assert_close(model(ids), plain(ids), rtol=0, atol=0)

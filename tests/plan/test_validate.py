@@ -148,6 +148,9 @@ TRUNK = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 4
     ("", "  lora: {rank: 4}\n", "", "model.lora"),  # trunk adapters on a trunk that trains
     ("", "    earlier: freeze\n    trunk_lora: {rank: 8}\n  lora: {rank: 4}\n", "", "model.lora"),  # both, differing
     ("", "    earlier: freeze\n  lora: {rank: 4}\n  init_from: w/\n", "", "model.init_from"),
+    ("", "    earlier: freeze\n    progressive_lora: {rank: 2}\n", "", "model.stacking.progressive_lora"),  # no base
+    ("", "    earlier: freeze\n    trunk_lora: {rank: 4}\n    progressive_lora: {rank: 65}\n", "",
+     "model.stacking.progressive_lora.rank"),  # larger than the 64-wide projections
 ])
 def test_a_trunk_that_cannot_be_stored_or_adapted_is_refused_at_its_key(tmp_path, precision, extra, training, path):
     cfg = tmp_path / "c.yaml"
@@ -182,3 +185,12 @@ def test_model_lora_on_a_stacked_run_is_the_trunks_adapters(tmp_path):
                                                                                            "down_proj")
         dumps[name] = config.model_dump(mode="json")
     assert dumps["lora"] == dumps["trunk"] == dumps["both"]
+
+
+def test_a_progressive_rank_that_is_not_positive_is_refused_at_its_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(TRUNK.format(precision="", extra="    earlier: freeze\n    trunk_lora: {rank: 4}\n"
+                                "    progressive_lora: {rank: 0}\n", training=""))
+    r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    found = [f for f in json.loads(r.stdout)["findings"] if f["path"] == "model.stacking.progressive_lora.rank"]
+    assert r.exit_code == 1 and found and found[0]["line"] == 14, found

@@ -310,6 +310,60 @@ def test_kill_9_in_a_prepended_qlora_stage_with_the_users_model_lora_resumes_bit
     assert set(want) == set(got) and all(got[k].equal(want[k]) for k in want)
 
 
+def test_progressive_lora_adds_an_adapter_to_the_trunk_at_each_later_grow_resumes_bitwise_across_it_and_exports_merged(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from apr.checkpoint.export import export_hf
+    from apr.data.standin import write_tokenizer
+
+    make_dataset(tmp_path)
+    prog = {"stages": [{"blocks": 2, "steps": 3}, {"blocks": 3, "steps": 3}, {"blocks": 4}], "earlier": "freeze",
+            "trunk_lora": {"rank": 4, "targets": "all"}, "progressive_lora": {"rank": 2, "alpha": 4}}
+    run = _inproc(tmp_path, **prog)
+    at6, at9 = _weights(tmp_path, 6), _weights(tmp_path, 9)  # stage 1 (steps 4-6), stage 2 (steps 7-9)
+    late = "model.layers.{}.mlp.down_proj.lora_{}_s2"
+    assert late.format(0, "A") not in at6  # stage 1: each trunk block has its own adapter only
+    for block in (0, 1):  # stage 2's grow: stage 0's blocks get a rank-2 adapter beside their rank-4 one
+        assert tuple(at9[late.format(block, "A")].shape) == (2, 64) and at9[late.format(block, "B")].abs().sum() > 0
+        assert f"optimizer.m.{late.format(block, 'B')}" in at9
+        own = f"model.layers.{block}.mlp.down_proj.lora_B"
+        assert not at9[own].equal(at6[own])  # the earlier adapter keeps training
+    assert late.format(2, "A") not in at9 and "model.layers.2.mlp.down_proj.lora_A" in at9  # stage 1's: one
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        live = run.engine.model.eval()(ids)
+    tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
+    export_hf(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "hf", tokenizer=tok)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():  # every adapter folded in, the progressive ones with their own scaling
+        torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
+    for f in (tmp_path / "run").glob("checkpoint-step-9.*"):
+        f.unlink()
+    _inproc(tmp_path, resume="latest", **prog)  # from step 6: across the grow that adds the adapters
+    again = _weights(tmp_path, 9)
+    assert set(again) == set(at9) and all(again[k].equal(v) for k, v in at9.items())
+
+
+def test_the_plan_shows_each_stacks_adapter_params_with_its_progressive_adapters(tmp_path):
+    from typer.testing import CliRunner
+
+    from apr.cli.main import app
+
+    make_dataset(tmp_path)
+    prog = {"stages": [{"blocks": 2, "steps": 3}, {"blocks": 3, "steps": 3}, {"blocks": 4}], "earlier": "freeze",
+            "trunk_lora": {"rank": 4, "targets": "all"}, "progressive_lora": {"rank": 2, "alpha": 4}}
+    doc = config_doc(tmp_path, model={"architecture": {"num_hidden_layers": 4}, "stacking": prog},
+                     training={"max_steps": 9})
+    (tmp_path / "cfg.json").write_text(json.dumps(doc))
+    r = CliRunner().invoke(app, ["train", "plan", str(tmp_path / "cfg.json")])
+    assert r.exit_code == 0, r.stdout
+    stage2 = r.stdout.split("stage 2:")[1]  # rank 4 + rank 2 on the 7 projections of 2 blocks (hidden 32)
+    assert "stack 0: blocks 0-1 fp32 (adapters)" in stage2 and "6,144 adapter params (2 adapters per projection)" \
+        in stage2 and "stack 1: block 2 fp32 (adapters), 36.25 KiB of weights, 2,048 adapter params\n" in stage2
+
+
 CACHED = {"stages": [{"blocks": 2, "steps": 1}, {"blocks": 4}], "earlier": "freeze", "freeze_embedding": True}
 
 
