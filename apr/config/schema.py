@@ -10,8 +10,16 @@ import re
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, PrivateAttr, WithJsonSchema,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PrivateAttr,
+    WithJsonSchema,
+    model_validator,
+)
 
 from apr import severity as severities
 from apr.config.numbers import MAX_COUNT, parse_bytes, parse_count
