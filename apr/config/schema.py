@@ -590,6 +590,10 @@ class DistillConfig(_Section):
     convergence_max_steps: PositiveCount | None = Field(
         None, description="With convergence_target or convergence_patience: the most steps a block trains "
         "(default phase1_steps); phase 2 starts when the last block ends.")
+    cache_teacher_outputs: Bool = Field(
+        False, description="Phase 1 reads the teacher's block inputs and outputs from a checksummed, "
+        "memory-mapped cache ($APR_HOME/cache/teacher), computed once per training row and reused across "
+        "blocks, runs and resumes; a damaged part is recomputed, a full disk turns it off for the run.")
     temperature: Float = Field(2.0, gt=0, description="Phase 2 softmax temperature of the KL to the teacher.")
     kd_weight: Float = Field(0.5, ge=0, le=1, description="Phase 2 loss = kd_weight x T^2 x KL(teacher || "
                              "student) + (1 - kd_weight) x cross-entropy.")

@@ -171,6 +171,9 @@ class DistillLoss:
         self.started = False  # this step begins a phase-1 block or phase 2 (an event: apr/train/events.py)
         self.step = 0
         self.events: list[tuple[str, str, dict]] = []  # (kind, message, detail): each block's end, drained by the run
+        self.cache_on = bool(d.cache_teacher_outputs)
+        self.cache = None  # apr.train.teacher_cache.TeacherCache, made at the first phase-1 batch (its row length)
+        self.boundaries = sorted({b for span in self.spans for b in span})
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -232,15 +235,11 @@ class DistillLoss:
     def block_loss_of(self, engine, lm: LlamaForCausalLM, block: int, ids: torch.Tensor) -> torch.Tensor:
         """Phase 1 loss of student block ``block`` on a batch of ids."""
         start, end = self.spans[block]
-        t = self.teacher
-        cos, sin = t.rope(ids.shape[1], ids.device)
-        with torch.no_grad():
-            x = t.model.embed_tokens(ids)
-            for j in range(end):
-                if j == start:
-                    h_in = x
-                x = t.model.layers[j](x, cos, sin)
-            target = x
+        if self.cache_on:
+            states = self._cached_states(ids)
+            h_in, target = states[self.boundaries.index(start)], states[self.boundaries.index(end)]
+        else:
+            h_in, target = self._teacher_states(ids, (start, end))
         s_cos, s_sin = lm.rope(ids.shape[1], ids.device)
         with engine.autocast():
             out = lm.model.layers[block](h_in, s_cos, s_sin)
@@ -248,6 +247,38 @@ class DistillLoss:
         if self.block_loss == "cosine":
             return (1.0 - F.cosine_similarity(out, target, dim=-1)).mean()
         return F.l1_loss(out, target) if self.block_loss == "l1" else F.mse_loss(out, target)
+
+    @torch.no_grad()
+    def _teacher_states(self, ids: torch.Tensor, boundaries) -> torch.Tensor:
+        """The teacher's hidden states at the inputs of its blocks ``boundaries`` (sorted; the last may
+        be its depth: the last block's output), stacked."""
+        t = self.teacher
+        cos, sin = t.rope(ids.shape[1], ids.device)
+        x, out = t.model.embed_tokens(ids), []
+        for j in range(boundaries[-1] + 1):
+            if j in boundaries:
+                out.append(x)
+            if j < boundaries[-1]:
+                x = t.model.layers[j](x, cos, sin)
+        return torch.stack(out)
+
+    def _cached_states(self, ids: torch.Tensor) -> torch.Tensor:
+        """All boundaries' teacher states for ``ids``: from the cache, else computed and cached
+        (design section 26)."""
+        if self.cache is None:
+            from apr.train.teacher_cache import TeacherCache, default_cache_dir, teacher_digest
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self.cache = TeacherCache(default_cache_dir(), teacher_digest(self.teacher), self.boundaries,
+                                      ids.shape[1], self.teacher.arch.hidden_size, rank, self._cache_warning)
+        states = self.cache.get(ids)
+        if states is None:
+            states = self._teacher_states(ids, self.boundaries)
+            self.cache.put(ids, states)
+        return states
+
+    def _cache_warning(self, message: str) -> None:
+        self.events.append(("teacher_cache", message, {"step": self.step}))
 
     def kd_loss(self, engine, lm: LlamaForCausalLM, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Phase 2: KD to the teacher's logits mixed with the LM loss."""
