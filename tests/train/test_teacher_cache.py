@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from apr.config.schema import AprConfig
+from tests.train import test_distill
 from tests.train.run_helpers import make_dataset
-from tests.train.test_distill import _student_doc, teacher  # noqa: F401 (the module's trained teacher)
+from tests.train.test_distill import _student_doc
+
+teacher = test_distill.teacher  # the distillation tests' trained 4-block teacher (a module fixture)
 
 
 def _phase1(doc: dict, batches: list[torch.Tensor]):
