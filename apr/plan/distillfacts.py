@@ -79,6 +79,27 @@ def _arch_facts(arch, seq_len: int) -> dict:
             "kv_heads": arch.kv_heads, "kv_cache_bytes_per_token": kv_cache_bytes_per_token(arch, 4)}
 
 
+def _cache_facts(c, teacher, spans, phase1: int, tokens_per_step: int, facts: dict) -> dict:
+    """``cache_teacher_outputs``: its size on disk (one slot per distinct row phase 1 reads: the
+    teacher's states at every block boundary in float32, a checksum and a row digest) and the teacher
+    forward FLOPs it saves. Uncached, a phase-1 step of block i runs the teacher's first ``end_i``
+    blocks; cached, each distinct row runs up to the last boundary once (a run over a warm cache, a
+    resume over the rows already seen, not at all). See docs/design.md section 26."""
+    seq = c.data.seq_len
+    bounds = sorted({b for span in spans for b in span}) if spans else list(range(teacher.num_hidden_layers + 1))
+    rows_read = phase1 * (tokens_per_step // seq)
+    known = ((facts.get("data") or {}).get("train") or {}).get("sequences")
+    distinct = min(rows_read, known) if known else rows_read
+    layer_flops = 2 * (param_count(teacher) - teacher.vocab_size * teacher.hidden_size
+                       * (1 if teacher.tie_word_embeddings else 2)) / teacher.num_hidden_layers  # per token
+    steps = phase1 // len(spans) if spans else 0
+    uncached = sum(steps * tokens_per_step * layer_flops * end for _, end in spans) if spans else 0
+    cached = distinct * seq * layer_flops * bounds[-1]
+    return {"bytes": distinct * (len(bounds) * seq * teacher.hidden_size * 4 + 32), "rows": distinct,
+            "boundaries": len(bounds), "teacher_flops_uncached": int(uncached), "teacher_flops_cold": int(cached),
+            "teacher_flops_saved": int(uncached - cached), "teacher_flops_saved_warm": int(uncached)}
+
+
 def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, target, world_size: int
                   ) -> tuple[dict | None, list[MemoryRow], list[Finding]]:
     """(facts.distill, extra memory rows, findings) of a distillation config; (None, [], []) otherwise."""
@@ -162,5 +183,7 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
            "phase1": {"block_loss": str(d.block_loss), "converging": schedule.converging(d),
                       "max_steps_per_block": per_block, "convergence_target": d.convergence_target,
                       "convergence_patience": d.convergence_patience},
+           "teacher_cache": _cache_facts(c, teacher, spans, phase1, tokens_per_step, facts) if d.cache_teacher_outputs
+           else None,
            "on_device": "the whole student (phase 2 needs it) and the teacher; phase 1 updates one block"}
     return out, rows, findings

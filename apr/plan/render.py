@@ -171,6 +171,14 @@ def distill_lines(distilled: dict | None) -> list[str]:
                        f"converged or stalled, at most {p1['max_steps_per_block']:,} steps)")
             continue
         out.append(f"  phase {p['phase']}: {p['steps']:,} steps ({fmt_number(p['tokens'])} tokens)")
+    cache = distilled.get("teacher_cache")
+    if cache:
+        saved = cache["teacher_flops_saved"]
+        said = (f"saves {fmt_flops(saved)} of teacher forward" if saved >= 0
+                else f"costs {fmt_flops(-saved)} more teacher forward on a cold cache")
+        out.append(f"  teacher cache: {format_bytes(cache['bytes'])} on disk ({cache['rows']:,} rows x "
+                   f"{cache['boundaries']} boundaries); {said}, {fmt_flops(cache['teacher_flops_saved_warm'])} "
+                   "when warm (a rerun or resume)")
     return out
 
 

@@ -96,3 +96,23 @@ def test_a_full_disk_turns_the_cache_off_and_the_run_goes_on(teacher, home, monk
     assert len(said) == 1 and "No space left on device" in said[0] and "goes on without it" in said[0]
     for k, v in plain.model.state_dict().items():
         assert torch.equal(engine.model.state_dict()[k], v), k
+
+
+def test_the_plan_shows_the_caches_size_on_disk_and_the_teacher_flops_it_saves(teacher, home):
+    from apr.plan.build import build_plan
+    from apr.plan.render import render_text
+
+    doc = _student_doc(home, teacher, cache_teacher_outputs=True)
+    path = home / "cached.json"
+    path.write_text(json.dumps(doc))
+    plan = build_plan(path)
+    assert not [f for f in plan.findings if f.severity == "error"], plan.findings
+    cache = plan.facts["distill"]["teacher_cache"]
+    c = AprConfig.model_validate(doc)
+    seq, hidden = c.data.seq_len, c.model.architecture.hidden_size
+    rows = min(4 * c.data.batch_size, plan.facts["data"]["train"]["sequences"])  # phase 1: 2 blocks x 2 steps
+    assert cache["boundaries"] == 3 and cache["rows"] == rows  # teacher blocks 0, 2 and 4's input
+    assert cache["bytes"] == rows * (3 * seq * hidden * 4 + 32)
+    # uncached: block 0's steps run 2 teacher blocks, block 1's 4; cached each row once through 4
+    assert cache["teacher_flops_uncached"] * 4 * rows == cache["teacher_flops_cold"] * 2 * (2 + 4) * c.data.batch_size
+    assert "teacher cache: " in render_text(plan)
