@@ -31,6 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from apr.errors import AprError
+from apr.readers import is_regular, load_json
+
 DIGEST_BYTES = 16
 DTYPE = "float32"
 
@@ -82,14 +85,19 @@ class TeacherCache:
                 self.meta.write_text(json.dumps(meta) + "\n")
             for f in (self.data, self.sums, self.idx):
                 f.touch()
+                if not is_regular(f):  # a FIFO, device or folder put there is never read
+                    raise OSError(f"{f} is not a regular file")
             self._load()
         except OSError as e:
             self._off(f"cannot use {folder} ({e.strerror or e})")
+            self.count, self.slots = 0, {}
 
     def _meta_matches(self, meta: dict) -> bool:
-        try:
-            return json.loads(self.meta.read_text()) == meta
-        except (OSError, ValueError):
+        if not self.meta.exists() or not is_regular(self.meta):
+            return False
+        try:  # bounded: junk is not trusted
+            return load_json(self.meta, "manifest", "teacher-cache metadata") == meta
+        except AprError:
             return False
 
     def _load(self) -> None:

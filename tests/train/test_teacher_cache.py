@@ -116,3 +116,18 @@ def test_the_plan_shows_the_caches_size_on_disk_and_the_teacher_flops_it_saves(t
     # uncached: block 0's steps run 2 teacher blocks, block 1's 4; cached each row once through 4
     assert cache["teacher_flops_uncached"] * 4 * rows == cache["teacher_flops_cold"] * 2 * (2 + 4) * c.data.batch_size
     assert "teacher cache: " in render_text(plan)
+
+
+def test_a_fifo_in_the_cache_folder_turns_the_cache_off_without_blocking(tmp_path):
+    import os
+
+    from apr.train.teacher_cache import TeacherCache
+
+    said = []
+    first = TeacherCache(tmp_path, "t", [0, 1], 4, 8, 0, said.append)
+    first.idx.unlink()
+    os.mkfifo(first.idx)
+    again = TeacherCache(tmp_path, "t", [0, 1], 4, 8, 0, said.append)
+    ids = torch.zeros(2, 4, dtype=torch.int64)
+    assert not again.enabled and again.get(ids) is None and "not a regular file" in said[0]
+    again.put(ids, torch.zeros(2, 2, 4, 8))  # nothing written, nothing raised
