@@ -84,7 +84,7 @@ def _cache_facts(c, teacher, spans, phase1: int, tokens_per_step: int, facts: di
     teacher's states at every block boundary in float32, a checksum and a row digest) and the teacher
     forward FLOPs it saves. Uncached, a phase-1 step of block i runs the teacher's first ``end_i``
     blocks; cached, each distinct row runs up to the last boundary once (a run over a warm cache, a
-    resume over the rows already seen, not at all). See docs/design.md section 26."""
+    resume over the rows already seen, not at all). See docs/design.md section 33."""
     seq = c.data.seq_len
     bounds = sorted({b for span in spans for b in span}) if spans else list(range(teacher.num_hidden_layers + 1))
     rows_read = phase1 * (tokens_per_step // seq)

@@ -264,7 +264,7 @@ class DistillLoss:
 
     def _cached_states(self, ids: torch.Tensor) -> torch.Tensor:
         """All boundaries' teacher states for ``ids``: from the cache, else computed and cached
-        (design section 26)."""
+        (design section 33)."""
         if self.cache is None:
             from apr.train.teacher_cache import TeacherCache, default_cache_dir, teacher_digest
 

@@ -17,7 +17,7 @@ digest the first time this process reads it; one that fails is never trusted: th
 by the teacher again and the slot rewritten. An entry whose ``.json`` names another teacher is not
 used (it is started afresh). A write that fails (a full disk) turns the cache off for the rest of the
 run, which goes on with the teacher computing its states each step, and says so. See
-docs/design.md section 26.
+docs/design.md section 33.
 """
 
 from __future__ import annotations
