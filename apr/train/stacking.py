@@ -29,7 +29,7 @@ import torch
 
 from apr.checkpoint import names
 from apr.config.schema import AprConfig
-from apr.model import trunk
+from apr.model import spec, trunk
 from apr.steps import stacking
 from apr.train import events
 from apr.train.trunk_cache import trunk_cache_for
@@ -52,10 +52,14 @@ def sources(old_depth: int, new_depth: int, init: str, mode: str = "append") -> 
 
 
 def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], old_depth: int, new_depth: int,
-                  init: str, mode: str = "append") -> dict[str, torch.Tensor]:
+                  init: str, mode: str = "append", old_config: AprConfig | None = None) -> dict[str, torch.Tensor]:
     """The next stage's checkpoint tensors (weights and moments, by name) from the current stage's
-    ``old`` and the freshly built next engine's ``new`` (for fresh blocks)."""
+    ``old`` and the freshly built next engine's ``new`` (for fresh blocks). ``old_config`` (the
+    current stage's config) lets a trainable copy of an NF4 trunk block (prepend's ``copy_top``)
+    take that block's dense weights: dequantized with its adapters folded in (``trunk.merged_weights``),
+    the function the copied block computes."""
     src = sources(old_depth, new_depth, init, mode)
+    merged: dict[str, torch.Tensor] = {}
     if mode == "prepend":  # each old block keeps its moments at its new place, above the new stack
         first = {j: new_depth - old_depth + j for j in range(old_depth)}
     else:  # each old block's first copy
@@ -86,6 +90,10 @@ def grown_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], ol
                 if (s, weight) not in quantized:
                     quantized[s, weight] = trunk.stored_tensors(weight, old[f"model.layers.{s}.{weight}"], "nf4")
                 out[name] = quantized[s, weight][f"{weight}.nf4.{part}"]
+            elif old_config is not None and f"{source}.nf4.{spec.NF4_PARTS[0]}" in old and not moment:
+                if not merged:  # a trainable copy of an NF4 trunk block: its weight as the block computes it
+                    merged.update(trunk.merged_weights(old, old_config))
+                out[name] = merged[source].to(fresh.dtype)
             else:
                 raise KeyError(source)
     return out
@@ -129,7 +137,8 @@ def grow(run, step: int, recorder) -> None:
     fresh = engine.train_state_tensors(everywhere=True)
     engine.load_train_state_tensors(grown_tensors(before, fresh, old_depth, len(engine.model.model.layers),
                                                   str(run.config.model.stacking.init),
-                                                  str(run.config.model.stacking.building_mode)))
+                                                  str(run.config.model.stacking.building_mode),
+                                                  stacking.config_at(run.config, step - 1)))
     engine.load_meta_state(meta)
     run.engine = engine
     events.grown(run, step, old_depth, recorder)

@@ -87,3 +87,33 @@ def test_two_ranks_stopped_and_resumed_equal_an_uninterrupted_run(tmp_path):
         (tmp_path / "part" / src.name).write_bytes(src.read_bytes())
     _launch(part, tmp_path / "part.json", 2, resume="latest")
     _assert_close(_final(tmp_path / "part", 10), _final(tmp_path / "full", 10), rtol=0.0)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_on_a_stacked_run_with_a_qlora_trunk_grown_between_stages(tmp_path):
+    make_dataset(tmp_path, train_rows=160)
+    # stage 0 trains 2 blocks; the grow stores them in NF4 with rank-4 adapters under 2 new blocks on top
+    # (prepend), so stage 1 trains adapters and dense blocks through DDP; a third stage adds the
+    # progressive adapters to the then-trunk
+    stacking = {"stages": [{"blocks": 2, "steps": 3}, {"blocks": 3, "steps": 3}, {"blocks": 4}],
+                "building_mode": "prepend", "earlier": "freeze", "trunk_strategy": "qlora",
+                "progressive_lora": {"rank": 2, "alpha": 4}}
+    model = {"architecture": {"num_hidden_layers": 4}, "stacking": stacking}
+    common = {"epochs": 1, "max_steps": 8, "save_interval": 8, "eval_interval": 0}
+    opt = {"lr": 3e-3, "min_lr": 3e-4}  # as above: Adam's rounding differences stay ~1e-6 at this lr
+    one = config_doc(tmp_path, model=model, data={"batch_size": 4}, optimizer=opt,
+                     training={**common, "output_dir": "one/"})
+    two = config_doc(tmp_path, model=model, data={"batch_size": 2}, optimizer=opt,
+                     training={**common, "output_dir": "two/"})
+    _launch(one, tmp_path / "one.json", 1)
+    _launch(two, tmp_path / "two.json", 2)
+    got, want = _final(tmp_path / "two", 8), _final(tmp_path / "one", 8)
+    codes = "model.layers.3.mlp.up_proj.weight.nf4.quantized_data"  # stage 0's block 1, now on top, in NF4
+    assert codes in got and got[codes].equal(want[codes])  # every rank quantized the same weights alike
+    assert got["model.layers.3.mlp.up_proj.lora_B_s2"].abs().sum() > 0  # the progressive adapter trained
+    # The frozen NF4 trunk is identical on both sides; what differs is the summation order of the
+    # trainable gradients' mean, as above (most tensors ~1e-6). rtol 1e-4: an adapter B that starts at
+    # zero and trains 2 steps (block 1's, added to the trunk at step 7) is a sum of two Adam steps whose
+    # elements with gradients near Adam's eps turn that rounding into ~4e-5 of its small norm (5e-3). An
+    # adapter gradient not averaged across ranks would differ by ~1e-1.
+    _assert_close(got, want, rtol=1e-4)
