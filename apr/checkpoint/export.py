@@ -281,9 +281,10 @@ PEFT_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 PEFT_BASE = "base"  # the base model, exported beside the adapters, inside the PEFT folder
 
 
-def _given_base(base_dir: str | os.PathLike, base: str, info: CheckpointInfo, config) -> Path:
+def _given_base(base_dir: str | os.PathLike, base: str | None, info: CheckpointInfo, config, ours=None) -> Path:
     """``--base HF_DIR``: a Hugging Face LLaMA folder of the config's architecture holding the very
-    weights the adapters were trained on (same file digest, or equal tensors), else AprError."""
+    weights the adapters were trained on (same file digest, or equal tensors), else AprError.
+    A stacked run's base is its own dequantized trunk (``ours``, no file): tensors compared."""
     import torch
 
     arch = config.model.architecture
@@ -296,10 +297,12 @@ def _given_base(base_dir: str | os.PathLike, base: str, info: CheckpointInfo, co
             "error", "export.base_invalid", why, path="--base", file=str(given),
             expected="a Hugging Face LLaMA folder of the adapters' base", got=str(given))])
     recorded = ((info.doc.get("engine") or {}).get("base") or {}).get("sha256")
-    if source_digest(str(given), arch) != recorded:
-        ours, theirs = load_source_weights(base, arch), load_source_weights(str(given), arch)
+    if ours is not None or source_digest(str(given), arch) != recorded:
+        ours, theirs = ours if ours is not None else load_source_weights(base, arch), load_source_weights(
+            str(given), arch)
         differ = sorted(n for n in ours if n not in theirs or not torch.equal(ours[n], theirs[n]))
         if differ:
+            base = base or "(the run's dequantized trunk)"
             raise AprError(f"--base {given} holds other weights than the adapters' base {base} ({differ[0]} "
                            "differs)", [Finding("error", "export.base_changed", "other base weights",
                                                 path="--base", file=str(given), expected=f"the weights of {base}",
@@ -311,21 +314,34 @@ def _export_peft(state, info: CheckpointInfo, config, out: Path, *, tokenizer=No
                  warnings: list[str]) -> ExportResult:
     from apr.model.lora import peft_config, peft_name
 
-    if config.model.lora is None:
+    trunk_lora = stacking.trunk_adapters(config)
+    if config.model.lora is None and trunk_lora is None:
         raise AprError(f"{info.json_path.name} is not a LoRA checkpoint; --format peft exports adapters "
                        "(use --format hf)", [Finding("error", "export.not_lora", "no adapters to export",
                                                      path="model.lora", file=str(info.json_path))])
-    base = _checked_base(info, config)
     arch = config.model.architecture
-    adapters = {peft_name(k): v for k, v in state.tensors.items() if not is_optimizer_state(k)}
+    if trunk_lora is not None:  # a stacked run: the base is its own trunk, dequantized (section 31)
+        from apr.model.trunk import base_weights, peft_adapters  # lazy: torchao for NF4 trunks
+
+        if not stacking.trunk_storage(config):
+            raise AprError(f"{info.json_path.name} is from the first stage of a stacked run, which has no trunk "
+                           "and so no adapters yet (use --format hf)", [Finding(
+                               "error", "export.not_lora", "no trunk adapters at this step",
+                               path="model.stacking.stages", file=str(info.json_path))])
+        base, ours = None, base_weights(state.tensors, config)
+        adapters, extra = peft_adapters(state.tensors, config)
+    else:
+        base, ours, extra = _checked_base(info, config), None, {}
+        adapters = {peft_name(k): v for k, v in state.tensors.items() if not is_optimizer_state(k)}
     write_base = None
     if base_dir is not None:
-        base_ref = _given_base(base_dir, base, info, config)
+        base_ref = _given_base(base_dir, base, info, config, ours=ours)
     else:
         # the base as a Hugging Face folder inside the export: transformers cannot load an apr run folder
         base_ref = Path(os.path.abspath(out)) / PEFT_BASE
-        weights = load_source_weights(base, arch)
-        if tokenizer is None and config.data.tokenizer is None and (Path(base) / "tokenizer.json").is_file():
+        weights = ours if ours is not None else load_source_weights(base, arch)
+        if (tokenizer is None and config.data.tokenizer is None and base is not None
+                and (Path(base) / "tokenizer.json").is_file()):
             tokenizer = Path(base) / "tokenizer.json"
         try:
             tok_path = _resolve_tokenizer(tokenizer, config, info)
@@ -337,7 +353,7 @@ def _export_peft(state, info: CheckpointInfo, config, out: Path, *, tokenizer=No
             warnings.append(f"the base is exported without a tokenizer ({err.message})")
         cfg_doc, _ = hf_config(arch, specials, installed_transformers_major())
         write_base = (weights, cfg_doc, tok_path, specials)
-    doc = peft_config(arch, config.model.lora, str(base_ref))
+    doc = {**peft_config(arch, trunk_lora or config.model.lora, str(base_ref)), **extra}
 
     def write(tmp: Path) -> None:
         files.write_safetensors(tmp / "adapter_model.safetensors", adapters, metadata={

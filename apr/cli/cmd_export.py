@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
             help="checkpoint-*.json or .safetensors, or a run directory (its latest good checkpoint)."),
         fmt: ExportFormat = typer.Option(
             ExportFormat.hf, "--format", help="hf: a transformers folder (LoRA adapters merged in); "
-            "peft: a LoRA checkpoint's adapters as a PEFT adapter folder."),
+            "peft: a LoRA checkpoint's (or a stacked run's trunk) adapters as a PEFT adapter folder."),
         out: Path = typer.Option(..., "--out", metavar="DIR", help="Folder to create.", show_default=False),
         tokenizer: Path | None = typer.Option(
             None, "--tokenizer", help="tokenizer.json to ship (default: the config's data.tokenizer)."),

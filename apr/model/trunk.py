@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from apr.config.schema import AprConfig
 from apr.model import spec
-from apr.model.lora import LoRALinear
+from apr.model.lora import LoRALinear, peft_name
 from apr.steps import stacking
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -168,13 +168,13 @@ def load_trunk_state(model, config: AprConfig, tensors: dict[str, torch.Tensor])
 
 
 @torch.no_grad()
-def merged_weights(tensors: dict[str, torch.Tensor], config: AprConfig) -> dict[str, torch.Tensor]:
-    """A stage's checkpoint tensors as a plain model's weights (float32, HF names): NF4 parts
-    dequantized, every adapter folded in (``W + scaling * B @ A``), moments dropped."""
+def base_weights(tensors: dict[str, torch.Tensor], config: AprConfig) -> dict[str, torch.Tensor]:
+    """A stage's checkpoint tensors as a plain model's weights without the trunk's adapters
+    (float32, HF names): NF4 parts dequantized, moments and adapters dropped. The base a PEFT
+    export's adapters load onto."""
     arch = config.model.architecture
     out = {p.name: tensors[p.name] for p in spec.param_specs(arch) if p.name in tensors}
-    trunk, adapters = stacking.trunk_storage(config), stacking.trunk_adapters(config)
-    for i, storage in trunk.items():
+    for i, storage in stacking.trunk_storage(config).items():
         for p in spec.block_param_specs(arch, i):
             if storage == "nf4" and p.decay:
                 template = to_nf4(torch.zeros(p.shape))  # the metadata of a weight this shape
@@ -182,14 +182,59 @@ def merged_weights(tensors: dict[str, torch.Tensor], config: AprConfig) -> dict[
                     inner = getattr(template, part)
                     inner.copy_(tensors[f"{p.name}.nf4.{part}"].to(inner.dtype).reshape(inner.shape))
                 out[p.name] = template.get_original_weight().float()
-        if adapters is not None:
-            prog = config.model.stacking.progressive_lora
-            for m in adapters.modules:
-                path = spec.lora_module_path(i, m)
-                a, b = tensors[f"{path}.lora_A"].float(), tensors[f"{path}.lora_B"].float()
-                out[f"{path}.weight"] = out[f"{path}.weight"].float() + (b @ a) * adapters.scaling
-                for k in stacking.progressive_stages(config).get(i, ()):  # each later grow's adapter
-                    sfx = spec.progressive_suffix(k)
-                    a, b = tensors[f"{path}.lora_A{sfx}"].float(), tensors[f"{path}.lora_B{sfx}"].float()
-                    out[f"{path}.weight"] = out[f"{path}.weight"] + (b @ a) * prog.scaling
     return out
+
+
+def _adapter_pairs(tensors: dict[str, torch.Tensor], config: AprConfig, i: int, m: str
+                   ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """Block ``i``'s adapters on projection ``m``: (A, B, scaling), its own first, then each
+    progressive one in stage order."""
+    adapters, prog = stacking.trunk_adapters(config), config.model.stacking.progressive_lora
+    path = spec.lora_module_path(i, m)
+    pairs = [(tensors[f"{path}.lora_A"].float(), tensors[f"{path}.lora_B"].float(), adapters.scaling)]
+    for k in stacking.progressive_stages(config).get(i, ()):  # each later grow's adapter
+        sfx = spec.progressive_suffix(k)
+        pairs.append((tensors[f"{path}.lora_A{sfx}"].float(), tensors[f"{path}.lora_B{sfx}"].float(), prog.scaling))
+    return pairs
+
+
+@torch.no_grad()
+def merged_weights(tensors: dict[str, torch.Tensor], config: AprConfig) -> dict[str, torch.Tensor]:
+    """A stage's checkpoint tensors as a plain model's weights (float32, HF names): NF4 parts
+    dequantized, every adapter folded in (``W + scaling * B @ A``), moments dropped."""
+    out = base_weights(tensors, config)
+    adapters = stacking.trunk_adapters(config)
+    if adapters is None:
+        return out
+    for i in stacking.trunk_storage(config):
+        for m in adapters.modules:
+            name = f"{spec.lora_module_path(i, m)}.weight"
+            for a, b, scaling in _adapter_pairs(tensors, config, i, m):
+                out[name] = out[name].float() + (b @ a) * scaling
+    return out
+
+
+@torch.no_grad()
+def peft_adapters(tensors: dict[str, torch.Tensor], config: AprConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """The trunk's adapters as one PEFT LoRA adapter per projection (PEFT's tensor names) and the
+    adapter_config.json entries that differ from a plain LoRA run's (see docs/design.md section 31,
+    "PEFT export"). A block with progressive adapters gets their concatenation, exactly their sum:
+    ``sum_k s_k B_k A_k = s_1 [B_1, (s_2/s_1) B_2, ...] [A_1; A_2; ...]``, a rank ``r_1 + r_2 + ...``
+    adapter with the first adapter's scaling (``rank_pattern`` / ``alpha_pattern``)."""
+    adapters = stacking.trunk_adapters(config)
+    out: dict[str, torch.Tensor] = {}
+    rank_pattern, alpha_pattern = {}, {}
+    for i in sorted(stacking.trunk_storage(config)):
+        for m in adapters.modules:
+            path = spec.lora_module_path(i, m)
+            pairs = _adapter_pairs(tensors, config, i, m)
+            first = pairs[0][2]
+            out[peft_name(f"{path}.lora_A")] = torch.cat([a for a, _, _ in pairs]).contiguous()
+            out[peft_name(f"{path}.lora_B")] = torch.cat([b * (s / first) for _, b, s in pairs], dim=1).contiguous()
+            if len(pairs) > 1:
+                rank = sum(a.shape[0] for a, _, _ in pairs)
+                rank_pattern[path] = rank  # alpha such that alpha / r (or / sqrt(r)) is the first's scaling
+                alpha_pattern[path] = first * (rank ** 0.5 if adapters.rslora else rank)
+    doc = {"layers_to_transform": sorted(stacking.trunk_storage(config)), "layers_pattern": "layers",
+           "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
+    return out, doc

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from apr.config import config_hash
 from apr.config.schema import AprConfig
+from apr.errors import AprError
 from apr.steps.stacking import config_at
 from apr.train.run import ApplyOptions, prepare_run
 from apr.train.stacking import frozen_groups, grown_tensors, sources
@@ -219,6 +220,20 @@ def _inproc(root: Path, resume: str | None = None, **stacking):
     return run
 
 
+def _peft_logits(checkpoint: Path, out: Path, tok: Path, ids: torch.Tensor, **options) -> torch.Tensor:
+    """``apr export --format peft`` of a stacked run's checkpoint, loaded with the real peft onto the
+    base it wrote (or ``base``), as a user would: the adapted model's logits."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from apr.checkpoint.export import export_hf
+
+    result = export_hf(checkpoint, out, tokenizer=tok, fmt="peft", **options)
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(result.base)), str(out)).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
 def test_prepend_freeze_keeps_the_old_stack_on_top_resumes_across_the_grow_and_exports(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
@@ -281,6 +296,9 @@ def test_a_qlora_trunk_keeps_its_nf4_codes_trains_its_adapters_resumes_bitwise_a
     with torch.no_grad():  # dequantized and merged: the function the trained NF4 + adapter model computes
         torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ours.model(ids), live, rtol=1e-4, atol=1e-4)  # apr generate's model
+    # PEFT: the dequantized NF4 trunk (no adapters) plus the dense blocks as the base, the adapters on it
+    with_peft = _peft_logits(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "peft", tok, ids)
+    torch.testing.assert_close(with_peft, live, rtol=1e-4, atol=1e-4)
     for f in (tmp_path / "run").glob("checkpoint-step-9.*"):
         f.unlink()
     _inproc(tmp_path, resume="latest", **qlora)  # from step 6: the NF4 codes are loaded, not quantized again
@@ -339,6 +357,17 @@ def test_progressive_lora_adds_an_adapter_to_the_trunk_at_each_later_grow_resume
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():  # every adapter folded in, the progressive ones with their own scaling
         torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
+    # PEFT: blocks 0, 1 carry their adapter and the rank-2 progressive one as one rank-6 adapter
+    ckpt = tmp_path / "run" / "checkpoint-step-9.json"
+    with_peft = _peft_logits(ckpt, tmp_path / "peft", tok, ids)
+    torch.testing.assert_close(with_peft, live, rtol=1e-4, atol=1e-4)
+    doc = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert doc["layers_to_transform"] == [0, 1, 2] and doc["rank_pattern"]["model.layers.0.mlp.down_proj"] == 6
+    assert "model.layers.2.mlp.down_proj" not in doc["rank_pattern"]  # stage 1's block: its one adapter
+    torch.testing.assert_close(_peft_logits(ckpt, tmp_path / "peft2", tok, ids, base=tmp_path / "peft" / "base"),
+                               live, rtol=1e-4, atol=1e-4)  # --base: its own base folder is accepted
+    with pytest.raises(AprError, match="other weights"):  # the merged model is not the adapters' base
+        export_hf(ckpt, tmp_path / "peft3", tokenizer=tok, fmt="peft", base=tmp_path / "hf")
     for f in (tmp_path / "run").glob("checkpoint-step-9.*"):
         f.unlink()
     _inproc(tmp_path, resume="latest", **prog)  # from step 6: across the grow that adds the adapters
