@@ -368,6 +368,8 @@ def test_progressive_lora_adds_an_adapter_to_the_trunk_at_each_later_grow_resume
                                live, rtol=1e-4, atol=1e-4)  # --base: its own base folder is accepted
     with pytest.raises(AprError, match="other weights"):  # the merged model is not the adapters' base
         export_hf(ckpt, tmp_path / "peft3", tokenizer=tok, fmt="peft", base=tmp_path / "hf")
+    with pytest.raises(AprError, match="no adapters yet"):  # stage 0 (steps 1-3) has no trunk
+        export_hf(tmp_path / "run" / "checkpoint-step-3.json", tmp_path / "peft4", tokenizer=tok, fmt="peft")
     for f in (tmp_path / "run").glob("checkpoint-step-9.*"):
         f.unlink()
     _inproc(tmp_path, resume="latest", **prog)  # from step 6: across the grow that adds the adapters
