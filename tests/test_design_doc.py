@@ -22,7 +22,8 @@ def pointers(root: Path) -> list[tuple[Path, str]]:
     for path in files:
         if path.is_file():
             for match in POINTER.finditer(path.read_text()):
-                found += [(path, name) for name in match.groups() if name]
+                # a name wrapped across lines (of a docstring or a # comment) is read as one line
+                found += [(path, re.sub(r"\s*\n\s*#?\s*", " ", name)) for name in match.groups() if name]
     return found
 
 
