@@ -38,6 +38,7 @@ from apr.checkpoint.names import (
     STORED_DTYPE,
     expected_tensors,
     is_optimizer_state,
+    loss_state_shapes,
     stage_tensors,
     tensor_mismatches,
     torch_mismatches,
@@ -383,7 +384,8 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
                 raise CheckpointError(f"{path.name} does not exist", path, "missing_weights")
     shapes, dtypes = checkpoint_shapes(info)
     try:
-        own_expected = _expected(info.config, info.step)
+        loss_tensors = loss_state_shapes(info.doc)  # a loss part's own tensors (names.LOSS_PREFIX)
+        own_expected = _expected(info.config, info.step) | loss_tensors
     except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
         raise CheckpointError(f"{info.json_path.name}: its config has no valid model.architecture ({err})",
                               info.json_path, "not_apr") from None
@@ -393,7 +395,7 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
             f"{info.weights_path.name} does not hold the model its JSON describes (foreign file): "
             + "; ".join(problems[:4]), info.weights_path, "foreign")
     if config is not None:
-        problems = tensor_mismatches(shapes, dtypes, _expected(config, info.step))
+        problems = tensor_mismatches(shapes, dtypes, _expected(config, info.step) | loss_tensors)
         if problems:
             raise CheckpointError(
                 f"{info.json_path.name} was saved for a different model than the config describes: "
@@ -631,7 +633,7 @@ class CheckpointManager:
         return _expected(self._config, step)
 
     def _check_state(self, state: TrainState) -> None:
-        problems = torch_mismatches(state.tensors, self._expected_at(state.step))
+        problems = torch_mismatches(state.tensors, self._expected_at(state.step) | loss_state_shapes(state.meta))
         if problems:
             raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
         clash = RESERVED_KEYS & set(state.meta)
@@ -648,7 +650,7 @@ class CheckpointManager:
             "weights_file": weights_name,
             "weights_sha256": sha,
             "weights_size": size,
-            "tensor_count": len(self._expected_at(step)),
+            "tensor_count": len(self._expected_at(step) | loss_state_shapes(meta)),
             "apr_version": __version__,
             "saved_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
             "cwd": os.getcwd(),
@@ -753,7 +755,8 @@ class CheckpointManager:
         clash = RESERVED_KEYS & set(state.meta)
         if clash:
             raise ValueError(f"TrainState.meta may not use the reserved keys {sorted(clash)}")
-        problems = [p for p in torch_mismatches(state.tensors, self._expected_at(step)) if "shape" not in p]
+        problems = [p for p in torch_mismatches(state.tensors, self._expected_at(step) | loss_state_shapes(state.meta))
+                    if "shape" not in p]
         if problems:
             raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,11 @@ OPTIMIZER_PREFIX = "optimizer."
 OPT_M = "optimizer.m."  # AdamW first moment of a parameter
 OPT_V = "optimizer.v."  # AdamW second moment
 STORED_DTYPE = "float32"
+# trained parameters of a loss part, not of the model (a narrower distillation student's projections,
+# apr/train/distill.py): under the optimizer prefix, so every reader of the model's weights (export,
+# weights_only loads, imports) leaves them, as it leaves the moments; the checkpoint's JSON lists
+# them with their shapes under ``loss_tensors`` (``loss_state_shapes``)
+LOSS_PREFIX = OPTIMIZER_PREFIX + "loss."
 
 
 def moment_names(param: str) -> tuple[str, str]:
@@ -32,6 +37,19 @@ def state_shapes(params: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tup
     out.update((OPT_M + n, s) for n, s in params)
     out.update((OPT_V + n, s) for n, s in params)
     return out
+
+
+def loss_state_shapes(doc: Mapping) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the loss parts' tensors (with moments) a checkpoint's JSON (or a TrainState's
+    meta) lists under ``loss_tensors``; ValueError for a listing apr would not write."""
+    listed = doc.get("loss_tensors") or {}
+    if not isinstance(listed, Mapping):
+        raise ValueError("loss_tensors must be a name -> shape mapping")
+    for name, shape in listed.items():
+        if not (isinstance(name, str) and name.startswith(LOSS_PREFIX) and isinstance(shape, list | tuple)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+            raise ValueError(f"loss_tensors: {name!r} -> {shape!r} is not a {LOSS_PREFIX}* name and a shape")
+    return state_shapes((n, tuple(s)) for n, s in listed.items())
 
 
 def expected_tensors(arch, lora=None) -> dict[str, tuple[int, ...]]:

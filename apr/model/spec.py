@@ -265,6 +265,20 @@ def student_init_problems(student: Architecture, teacher: Architecture) -> list[
         out.append(("decoupled_attention", "the teacher has decoupled attention: a student starts from it only "
                     "with the same decoupled_attention", str(teacher.decoupled_attention), str(
                         student.decoupled_attention)))
+    if student.hidden_size != teacher.hidden_size:  # a narrower student (docs/design.md, "A narrower student")
+        if student.hidden_size > teacher.hidden_size:
+            out.append(("hidden_size", f"the student is {student.hidden_size} wide, wider than the teacher's "
+                        f"{teacher.hidden_size}: a student starts from the teacher's top {student.hidden_size} "
+                        "embedding directions", f"at most {teacher.hidden_size}", str(student.hidden_size)))
+        elif student.num_attention_heads == teacher.num_attention_heads and (
+                teacher.head_dim % student.head_dim or student.head_dim % 2):
+            out.append(("hidden_size", f"the student's head_dim {student.head_dim} (hidden_size / heads) must be "
+                        f"even and divide the teacher's {teacher.head_dim}: each student head keeps every k-th RoPE "
+                        "pair of its teacher head", f"hidden_size / {student.num_attention_heads} an even divisor "
+                        f"of {teacher.head_dim}", str(student.hidden_size)))
+        if student.decoupled_attention is not None or teacher.decoupled_attention is not None:
+            out.append(("decoupled_attention", "a narrower student starts from the teacher only with standard "
+                        "attention on both sides", "standard attention", str(student.decoupled_attention)))
     if student.intermediate_size > teacher.intermediate_size:
         out.append(("intermediate_size", f"the student's MLP is {student.intermediate_size} wide, wider than the "
                     f"teacher's {teacher.intermediate_size}: the student keeps a subset of the teacher's neurons",

@@ -10,6 +10,9 @@ See docs/design.md, "Upcycling into a new architecture".
 
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 
 from apr.config.schema import Architecture
@@ -120,3 +123,102 @@ def init_block(student_layer, teacher_layer, student: Architecture, teacher: Arc
                            d.sem_dim, d.geo_dim)
     for proj, w in parts.items():
         getattr(s, proj).weight.copy_(w)
+
+
+# ---------------------------------------------------------------------------- a narrower hidden size
+
+
+def hidden_basis(embed: torch.Tensor, width: int) -> torch.Tensor:
+    """``[teacher hidden, width]``: the top ``width`` right singular directions of the teacher's
+    embedding matrix (a truncated SVD, uncentred), the student's hidden coordinates inside the
+    teacher's; the embedding keeps the most energy any ``width``-dimensional subspace can."""
+    _, _, vh = torch.linalg.svd(embed.detach().float(), full_matrices=False)
+    return vh[:width].T.contiguous()
+
+
+def kept_rope_rows(head_dim: int, student_head_dim: int) -> list[int]:
+    """A teacher head's rows a narrower head keeps: every ``k``-th RoPE pair (``k = head_dim /
+    student_head_dim``), each half's in HF's layout; student pair ``j`` turns at ``theta^(-2j /
+    student_head_dim)``, the frequency of teacher pair ``k j``, so the kept rows keep their rotation."""
+    k, half = head_dim // student_head_dim, head_dim // 2
+    first = list(range(0, half, k))
+    return first + [half + i for i in first]
+
+
+def _linear(module, weight: torch.Tensor) -> None:
+    module.weight = torch.nn.Parameter(weight.contiguous(), requires_grad=False)
+
+
+@torch.no_grad()
+def narrowed_layer(teacher_layer, teacher: Architecture, basis: torch.Tensor):
+    """A copy of a teacher block at the student's hidden size ``basis.shape[1]`` (same heads, so a
+    narrower head_dim), for ``init_block`` (docs/design.md, "A narrower student"):
+
+    - reads: each input-side weight ``W`` (q, k, v, gate, up) becomes ``W diag(g) basis``, the
+      RMSNorm weight ``g`` before it folded in; the norms become ``sqrt(teacher / student hidden)``
+      (the projected state keeps ~its norm over fewer coordinates, so its RMS grows by that factor);
+    - writes: ``o_proj`` and ``down_proj`` become ``basis^T W``;
+    - query/key rows: every ``k``-th RoPE pair (``kept_rope_rows``: same frequencies), queries
+      scaled by ``sqrt(k)`` (the kept pairs carry ~1/k of the score, the softmax scale grows by
+      sqrt(k));
+    - values and outputs: per key/value head, the best rank-``student head_dim`` factorisation of
+      its query heads' stacked ``O_h V`` (truncated SVD, square root of the singular values to each
+      side)."""
+    t_hidden, s_hidden = basis.shape
+    heads, kv, hd = teacher.num_attention_heads, teacher.kv_heads, teacher.head_dim
+    s_hd = s_hidden // heads
+    out = copy.deepcopy(teacher_layer)
+    a = out.self_attn
+    g_in, g_post = out.input_layernorm.weight.float(), out.post_attention_layernorm.weight.float()
+    scale = math.sqrt(t_hidden / s_hidden)
+    for norm in (out.input_layernorm, out.post_attention_layernorm):
+        norm.weight = torch.nn.Parameter(torch.full((s_hidden,), scale), requires_grad=False)
+    rows = kept_rope_rows(hd, s_hd)
+    k_ratio = hd // s_hd
+    q = (a.q_proj.weight.float() * g_in) @ basis
+    k = (a.k_proj.weight.float() * g_in) @ basis
+    _linear(a.q_proj, q.view(heads, hd, s_hidden)[:, rows].reshape(-1, s_hidden) * math.sqrt(k_ratio))
+    _linear(a.k_proj, k.view(kv, hd, s_hidden)[:, rows].reshape(-1, s_hidden))
+    v = ((a.v_proj.weight.float() * g_in) @ basis).view(kv, hd, s_hidden)
+    o = (basis.T @ a.o_proj.weight.float()).view(s_hidden, heads, hd)
+    r = heads // kv
+    v_new, o_new = [], [None] * heads
+    for j in range(kv):
+        stacked = torch.cat([o[:, h] for h in range(j * r, (j + 1) * r)])  # [r s_hidden, hd]
+        u, sv, vt = torch.linalg.svd(stacked @ v[j], full_matrices=False)
+        root = sv[:s_hd].sqrt()
+        v_new.append(root[:, None] * vt[:s_hd])
+        left = u[:, :s_hd] * root
+        for n, h in enumerate(range(j * r, (j + 1) * r)):
+            o_new[h] = left[n * s_hidden:(n + 1) * s_hidden]
+    _linear(a.v_proj, torch.cat(v_new))
+    _linear(a.o_proj, torch.cat(o_new, dim=1))
+    m = out.mlp
+    _linear(m.gate_proj, (m.gate_proj.weight.float() * g_post) @ basis)
+    _linear(m.up_proj, (m.up_proj.weight.float() * g_post) @ basis)
+    _linear(m.down_proj, basis.T @ m.down_proj.weight.float())
+    return out
+
+
+@torch.no_grad()
+def init_narrower_student(student, teacher) -> torch.Tensor:
+    """A student of smaller ``hidden_size`` from its teacher, blocks 1:1 by ``spans`` starts
+    (``init_narrower_blocks``); embedding ``E basis``, head ``W diag(g_final) basis`` (a tied head:
+    the final norm keeps ``diag(basis^T diag(g) basis)``). Returns the basis."""
+    s_arch, t_arch = student.arch, teacher.arch
+    basis = hidden_basis(teacher.model.embed_tokens.weight, s_arch.hidden_size).to(
+        teacher.model.embed_tokens.weight.device)
+    scale = math.sqrt(t_arch.hidden_size / s_arch.hidden_size)
+    g = teacher.model.norm.weight.float()
+    student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight.float() @ basis)
+    if student.lm_head is not None:
+        student.model.norm.weight.fill_(scale)
+        student.lm_head.weight.copy_((teacher.head_weight.float() * g) @ basis)
+    else:
+        student.model.norm.weight.copy_(scale * (basis * basis * g[:, None]).sum(0))
+    return basis
+
+
+def narrowed_arch(teacher: Architecture, hidden: int) -> Architecture:
+    """The teacher's architecture at the student's hidden size (``narrowed_layer``'s shapes)."""
+    return teacher.model_copy(update={"hidden_size": hidden})

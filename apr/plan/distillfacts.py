@@ -117,15 +117,21 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
     findings = []
     src = inspect_source(d.teacher, teacher)  # the teacher's tensors against its own config
     findings += [_finding(loaded, key, f"teacher: {f.message}") for f in src.findings if f.severity == "error"]
-    for attr in ("vocab_size", "hidden_size"):
-        if getattr(teacher, attr) != getattr(student, attr):
-            what = ("the student reads the teacher's hidden states: a narrower student would need a learned "
-                    "projection, which apr does not build" if attr == "hidden_size" else "the KL compares their "
-                    "logits token by token")
-            findings.append(_finding(loaded, ("model", "architecture", attr), f"the teacher has {attr} "
-                                     f"{getattr(teacher, attr)}, the student {getattr(student, attr)}: {what}",
-                                     str(getattr(teacher, attr)), str(getattr(student, attr))))
-    if d.init_from_teacher and not any(f.path == "model.architecture.hidden_size" for f in findings):
+    if teacher.vocab_size != student.vocab_size:
+        findings.append(_finding(loaded, ("model", "architecture", "vocab_size"), f"the teacher has vocab_size "
+                                 f"{teacher.vocab_size}, the student {student.vocab_size}: the KL compares their "
+                                 "logits token by token", str(teacher.vocab_size), str(student.vocab_size)))
+    narrower = student.hidden_size != teacher.hidden_size
+    if student.hidden_size > teacher.hidden_size:
+        findings.append(_finding(loaded, ("model", "architecture", "hidden_size"), f"the teacher has hidden_size "
+                                 f"{teacher.hidden_size}, the student {student.hidden_size}: the student reads the "
+                                 "teacher's hidden states through a projection to a narrower width only",
+                                 f"at most {teacher.hidden_size}", str(student.hidden_size)))
+    elif narrower and str(tr.sharding) != "none":
+        findings.append(_finding(loaded, ("training", "sharding"), f"a student narrower than its teacher "
+                                 f"({student.hidden_size} < {teacher.hidden_size}) trains its projections on one "
+                                 "process or DDP; apr does not shard them", "none", str(tr.sharding)))
+    if d.init_from_teacher and student.hidden_size <= teacher.hidden_size:
         for attr, message, expected, got in student_init_problems(student, teacher):
             findings.append(_finding(loaded, ("model", "architecture", attr), f"init_from_teacher: {message}",
                                      expected, got))
@@ -158,8 +164,10 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
     phase1 = min(p1, total_steps or p1)
     phase2 = max((total_steps or 0) - p1, 0)
     # model FLOPs per token: the teacher forward (2N) and, in phase 1, one student block's forward
-    # and backward (6 x its parameters); in phase 2 the student's 6N
-    flops = {1: int(2 * n_teacher + 6 * block_params), 2: int(2 * n_teacher + 6 * n_student)}
+    # and backward (6 x its parameters, a narrower student's projections with them); in phase 2 the
+    # student's 6N
+    n_proj = 2 * student.hidden_size * teacher.hidden_size if 0 < student.hidden_size < teacher.hidden_size else 0
+    flops = {1: int(2 * n_teacher + 6 * (block_params + n_proj)), 2: int(2 * n_teacher + 6 * n_student)}
     precision = str(tr.mixed_precision)
     phases = []
     for phase, steps in ((1, phase1), (2, phase2)):
@@ -171,10 +179,14 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
     b, s = c.data.batch_size, c.data.seq_len
     rows = [MemoryRow("teacher_weights", 4 * n_teacher, "exact", 0,
                       "the frozen teacher in float32 (no gradient, no moments)"),
+            *([MemoryRow("distill_projections", 16 * n_proj, "exact", 0, "a narrower student's two projections "
+                         "to and from the teacher's hidden size: float32 weights, gradients, AdamW moments")]
+              if n_proj else []),
             MemoryRow("kd_logits", 4 * 4 * b * s * student.vocab_size, "modelled", 0,
                       "phase 2: student and teacher logits and their softmaxes for one micro-batch")]
     out = {"teacher": {"path": d.teacher, "layers": teacher.num_hidden_layers, "hidden_size": teacher.hidden_size,
                        "vocab_size": teacher.vocab_size, "params": n_teacher},
+           "projection_params": n_proj,
            "spans": [list(x) for x in spans] if spans else None, "phases": phases,
            "architectures": {who: _arch_facts(arch, c.data.seq_len) for who, arch in
                              (("teacher", teacher), ("student", student))},

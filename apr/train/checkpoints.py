@@ -163,6 +163,8 @@ def run_state(run) -> StateRegistry:
     reg.register("rng", lambda: {"rng": capture_rng()}, lambda meta: [run.warn(n) for n in restore_rng(meta["rng"])])
     reg.register("engine", lambda: {"engine": run.engine.meta_state()},
                  lambda meta: run.engine.load_meta_state(meta["engine"]))
+    reg.register("loss_tensors", lambda: ({"loss_tensors": shapes} if (shapes := run.engine.loss_tensor_shapes())
+                                          else {}))
     reg.register("schedule", lambda: {"schedule": {
         "step": run.step, "total_steps": run.total_steps,
         "lr_next": run.schedule(run.step + 1) if run.step < run.total_steps else None}})

@@ -26,11 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from apr.checkpoint import names
 from apr.checkpoint.hf_import import load_source_weights, source_architecture
 from apr.config.schema import AprConfig
 from apr.model import surgery
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.steps import distill as schedule
+
+PROJ_DOWN = names.LOSS_PREFIX + "distill.down"  # [student hidden, teacher hidden]
+PROJ_UP = names.LOSS_PREFIX + "distill.up"  # [teacher hidden, student hidden]
 
 
 def load_teacher(config: AprConfig, device: torch.device) -> LlamaForCausalLM:
@@ -51,13 +55,22 @@ def init_student_from_teacher(student: LlamaForCausalLM, teacher: LlamaForCausal
                               spans: list[tuple[int, int]]) -> None:
     """Student embedding, final norm and head from the teacher; student block ``i`` from teacher
     block ``spans[i][0]`` (``apr.model.surgery.init_block``: key/value heads averaged per group when
-    the student has fewer)."""
-    student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
-    student.model.norm.weight.copy_(teacher.model.norm.weight)
-    if student.lm_head is not None:
-        student.lm_head.weight.copy_(teacher.head_weight)
-    for i, (start, _end) in enumerate(spans):
-        surgery.init_block(student.model.layers[i], teacher.model.layers[start], student.arch, teacher.arch)
+    the student has fewer). A narrower student (smaller ``hidden_size``) reads every teacher weight
+    through the embedding's top singular directions (``surgery.init_narrower_student``,
+    ``surgery.narrowed_layer``; docs/design.md, "A narrower student")."""
+    t_arch, s_arch = teacher.arch, student.arch
+    if s_arch.hidden_size != t_arch.hidden_size:
+        basis = surgery.init_narrower_student(student, teacher)
+        t_arch = surgery.narrowed_arch(teacher.arch, s_arch.hidden_size)
+        layers = [surgery.narrowed_layer(teacher.model.layers[start], teacher.arch, basis) for start, _ in spans]
+    else:
+        student.model.embed_tokens.weight.copy_(teacher.model.embed_tokens.weight)
+        student.model.norm.weight.copy_(teacher.model.norm.weight)
+        if student.lm_head is not None:
+            student.lm_head.weight.copy_(teacher.head_weight)
+        layers = [teacher.model.layers[start] for start, _ in spans]
+    for i, layer in enumerate(layers):
+        surgery.init_block(student.model.layers[i], layer, s_arch, t_arch)
 
 
 class Autotune:
@@ -158,7 +171,8 @@ class DistillLoss:
     kind = "distill"
     per_param_steps = True  # phase 1 updates one block at a time: AdamW step counts differ
 
-    def __init__(self, config: AprConfig, teacher: LlamaForCausalLM, student_blocks: int):
+    def __init__(self, config: AprConfig, teacher: LlamaForCausalLM, student_blocks: int,
+                 student_hidden: int | None = None):
         self.config = config
         self.teacher = teacher
         d = config.training.distill
@@ -174,6 +188,19 @@ class DistillLoss:
         self.cache_on = bool(d.cache_teacher_outputs)
         self.cache = None  # apr.train.teacher_cache.TeacherCache, made at the first phase-1 batch (its row length)
         self.boundaries = sorted({b for span in self.spans for b in span})
+        # a narrower student: learned projections teacher -> student hidden (``down``) and back
+        # (``up``), started from the teacher embedding's top singular directions; the loss's, not
+        # the model's, so export never sees them (docs/design.md, "A narrower student")
+        self.projections: dict[str, torch.nn.Parameter] = {}
+        if student_hidden is not None and student_hidden != teacher.arch.hidden_size:
+            basis = surgery.hidden_basis(teacher.model.embed_tokens.weight, student_hidden)
+            self.projections = {PROJ_DOWN: torch.nn.Parameter(basis.T.contiguous()),
+                                PROJ_UP: torch.nn.Parameter(basis.clone())}
+
+    def extra_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Trained parameters of the loss itself (the projections of a narrower student), by their
+        checkpoint names: the engine gives them their own optimizer group and moments."""
+        return self.projections
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -240,10 +267,14 @@ class DistillLoss:
             h_in, target = states[self.boundaries.index(start)], states[self.boundaries.index(end)]
         else:
             h_in, target = self._teacher_states(ids, (start, end))
+        if self.projections:  # a narrower student: into its hidden size, and its output back
+            h_in = F.linear(h_in, self.projections[PROJ_DOWN])
         s_cos, s_sin = lm.rope(ids.shape[1], ids.device)
         with engine.autocast():
             out = lm.model.layers[block](h_in, s_cos, s_sin)
         out = out.float()
+        if self.projections:
+            out = F.linear(out, self.projections[PROJ_UP])
         if self.block_loss == "cosine":
             return (1.0 - F.cosine_similarity(out, target, dim=-1)).mean()
         return F.l1_loss(out, target) if self.block_loss == "l1" else F.mse_loss(out, target)
@@ -320,4 +351,7 @@ def distill_loss(config: AprConfig, student: LlamaForCausalLM, device: torch.dev
     spans = schedule.spans(student.arch.num_hidden_layers, teacher.arch.num_hidden_layers, d.block_map)
     if d.init_from_teacher:
         init_student_from_teacher(student, teacher, spans)
-    return DistillLoss(config, teacher, student.arch.num_hidden_layers)
+    loss = DistillLoss(config, teacher, student.arch.num_hidden_layers, student.arch.hidden_size)
+    for p in loss.projections.values():
+        p.data = p.data.to(device)
+    return loss

@@ -52,6 +52,8 @@ from apr.train.outcome import NonFiniteError, StepResult
 from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
 from apr.train.updaters import make_updater
 
+LOSS_GROUP = "loss"  # the optimizer group of the loss part's own parameters (``Engine.loss_parameters``)
+
 
 def resolve_device(name: str) -> torch.device:
     name = str(name)
@@ -261,6 +263,16 @@ class Engine:
         meta.update(self.updater.state_dict())  # SWATS: each group's phase and estimate
         return meta
 
+    def loss_parameters(self) -> dict[str, torch.Tensor]:
+        """The loss part's own trained parameters by checkpoint name (``names.LOSS_PREFIX``: a
+        narrower distillation student's projections), none for the causal LM."""
+        extra = getattr(self.loss, "extra_parameters", None)
+        return dict(extra()) if extra is not None else {}
+
+    def loss_tensor_shapes(self) -> dict[str, list[int]]:
+        """What a checkpoint's JSON lists under ``loss_tensors`` (``names.loss_state_shapes``)."""
+        return {n: list(p.shape) for n, p in self.loss_parameters().items()}
+
     def freeze(self, groups: set[str]) -> None:
         """Give these optimizer groups (``block.<i>``) no update: their gradients still flow to the
         blocks below, their weights and moments stay as they are (progressive stacking)."""
@@ -298,6 +310,7 @@ class Engine:
     def _check_state_names(self, tensors: dict[str, torch.Tensor]) -> None:
         want = names.state_shapes((s.name, s.shape) for _, specs in group_specs(self.config) for s in specs)
         want.update((n, tuple(s)) for n, s in spec.trunk_specs(self.config))  # a stacking trunk: no moments
+        want.update(names.state_shapes((n, tuple(p.shape)) for n, p in self.loss_parameters().items()))
         problems = names.torch_mismatches(tensors, want)
         if problems:
             raise AprError("checkpoint tensors do not match the model: " + "; ".join(problems[:5]))
@@ -715,6 +728,12 @@ class StandardEngine(Engine):
         named = dict(model.named_parameters())
         self.groups = [(name, [named[s.name] for s in specs]) for name, specs in group_specs(config)]
         self.named = {s.name: named[s.name] for _, specs in group_specs(config) for s in specs}
+        extra = self.loss_parameters()  # the loss's own parameters: their group, no weight decay
+        if extra:
+            self.groups.append((LOSS_GROUP, list(extra.values())))
+            self.named.update(extra)
+            if self.adagc_ema:
+                self.adagc_ema[LOSS_GROUP] = torch.zeros(len(extra), device=device)
         decay_names = {s.name for _, specs in group_specs(config) for s in specs if s.decay}
         self.updater.bind(self.named, decay_names, device)
         self.idle_groups: set[str] = set()  # groups the last step gave no gradient (apr/train/blocknorms.py)

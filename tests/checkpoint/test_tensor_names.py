@@ -61,3 +61,15 @@ def test_both_engines_refuse_a_state_of_another_shape_naming_the_tensor(engine_k
     tensors["model.norm.weight"] = torch.zeros(3)
     with pytest.raises(AprError, match=r"model\.norm\.weight has shape \[3\]"):
         engine.load_train_state_tensors(tensors)
+
+
+def test_a_loss_parts_tensors_listed_in_a_checkpoint_json_are_expected_with_moments_and_checked():
+    from apr.checkpoint.names import LOSS_PREFIX, OPT_M, OPT_V, is_optimizer_state, loss_state_shapes
+
+    name = LOSS_PREFIX + "distill.down"
+    assert loss_state_shapes({"loss_tensors": {name: [16, 32]}}) == {name: (16, 32), OPT_M + name: (16, 32),
+                                                                     OPT_V + name: (16, 32)}
+    assert loss_state_shapes({}) == {} and is_optimizer_state(name)  # readers of model weights leave it
+    for bad in ({"model.norm.weight": [16]}, {name: [16, -1]}, {name: "16x32"}, [name]):
+        with pytest.raises(ValueError):
+            loss_state_shapes({"loss_tensors": bad})

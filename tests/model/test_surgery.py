@@ -122,3 +122,54 @@ def test_a_narrower_mlp_keeps_the_teachers_neurons_that_matter():
     torch.testing.assert_close(_block_out(student, x), _block_out(teacher, x), rtol=1e-5, atol=1e-6)
     wider = Architecture(**{**ARCH, "intermediate_size": 64}, num_key_value_heads=2)
     assert [p[0] for p in spec.student_init_problems(wider, teacher_arch)] == ["intermediate_size"]
+
+
+def _subspace_teacher(blocks_write: bool):
+    """A 2-block teacher (hidden 32) whose embedding spans 12 directions; its blocks write inside
+    that span (``blocks_write``) or nothing at all (their output projections zero)."""
+    arch = Architecture(**{**ARCH, "num_hidden_layers": 2, "vocab_size": 50})
+    t = build_model(arch, 1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        t.model.embed_tokens.weight.copy_(torch.randn(50, 12, generator=g) @ torch.randn(12, 32, generator=g) * 0.3)
+        t.lm_head.weight.mul_(50)
+        _, _, vh = torch.linalg.svd(t.model.embed_tokens.weight)
+        span = vh[:12].T @ vh[:12]
+        for layer in t.model.layers:
+            for out in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                out.weight.copy_(span @ out.weight * 5 if blocks_write else torch.zeros_like(out.weight))
+            for w in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+                      layer.mlp.up_proj):
+                w.weight.mul_(5)
+    return t
+
+
+def _kl(student, teacher, ids) -> float:
+    with torch.no_grad():
+        s, t = torch.log_softmax(student(ids), -1), torch.log_softmax(teacher(ids), -1)
+    return torch.nn.functional.kl_div(s.flatten(0, 1), t.flatten(0, 1), log_target=True, reduction="batchmean").item()
+
+
+def test_a_narrower_student_keeps_what_the_teachers_embedding_directions_carry():
+    """Half the teacher's hidden size (32 -> 16, head_dim 8 -> 4): exact where the teacher's states
+    live in the embedding's top directions and its blocks write nothing; where its blocks write inside
+    those directions, the student's logits are far closer to the teacher's than a random student's
+    (only the dropped RoPE pairs and the truncated value/output ranks are lost)."""
+    from apr.train.distill import init_student_from_teacher
+
+    narrow = Architecture(**{**ARCH, "num_hidden_layers": 2, "vocab_size": 50, "hidden_size": 16})
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+    for blocks_write in (False, True):
+        teacher, student, cold = _subspace_teacher(blocks_write), build_model(narrow, 2), build_model(narrow, 3)
+        init_student_from_teacher(student, teacher, [(0, 1), (1, 2)])
+        warm = _kl(student, teacher, ids)
+        assert warm < (1e-6 if not blocks_write else 0.02 * _kl(cold, teacher, ids)), warm
+    assert surgery.kept_rope_rows(8, 4) == [0, 2, 4, 6]  # pairs 0 and 2 of 4: frequencies theta^(-2j/4)
+
+
+def test_a_narrower_student_needs_an_even_head_dim_that_divides_the_teachers():
+    teacher = Architecture(**ARCH)  # head_dim 8
+    assert not spec.student_init_problems(Architecture(**{**ARCH, "hidden_size": 16}), teacher)
+    for hidden, key in ((24, "hidden_size"), (48, "hidden_size"), (4, "hidden_size")):  # 6 / wider / 1
+        problems = spec.student_init_problems(Architecture(**{**ARCH, "hidden_size": hidden}), teacher)
+        assert [p[0] for p in problems] == [key], (hidden, problems)

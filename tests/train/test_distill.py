@@ -393,3 +393,84 @@ def test_a_decoupled_attention_student_starts_close_to_its_teacher_and_trains_in
         assert torch.isfinite(engine.train_step([batch], 1e-3).loss)
     result = compare_models(engine.loss.teacher, engine.model, [ids], Thresholds())
     assert [r.what for r in result.rows][:2] == ["block 0 attention", "block 1 attention"]
+
+
+def _narrow_doc(root: Path, teacher: Path) -> dict:
+    """A student half the teacher's width (hidden 32 -> 16, head_dim 8 -> 4), 2 blocks of 2."""
+    from tests.train.run_helpers import merge
+
+    return merge(_student_doc(root, teacher), {"model": {"architecture": {"hidden_size": 16}}})
+
+
+def test_a_narrower_student_starts_from_its_teacher_and_trains_its_projections_in_phase_1(teacher, tmp_path):
+    """In process: the plan counts the projections; the student initialised through the teacher
+    embedding's top directions has phase-1 block losses below a random student's (this teacher,
+    trained 6 steps, is nearly isotropic: tests/model/test_surgery.py shows the init exact or far
+    closer than random on a teacher whose states fill the kept directions); a phase-1
+    step updates the block in training and both projections, a phase-2 step the student and not
+    the projections."""
+    from apr.plan.build import build_plan
+    from apr.train.build import build_engine
+    from apr.train.distill import PROJ_DOWN, PROJ_UP
+    from tests.train.run_helpers import merge
+
+    make_dataset(tmp_path)
+    doc = _narrow_doc(tmp_path, teacher)
+    plan = build_plan(_write(tmp_path, "narrow.json", doc))
+    assert not [f for f in plan.findings if f.severity == "error"], plan.findings
+    assert plan.facts["distill"]["projection_params"] == 2 * 16 * 32
+    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    cold = build_engine(AprConfig.model_validate(merge(doc, {"training": {"distill": {"init_from_teacher": False}}})),
+                        "cpu")
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    for block in range(2):
+        warm = engine.loss.block_loss_of(engine, engine.model, block, ids).item()
+        assert warm < 0.8 * cold.loss.block_loss_of(cold, cold.model, block, ids).item()
+    proj = engine.loss.projections
+    assert proj[PROJ_DOWN].shape == (16, 32) and proj[PROJ_UP].shape == (32, 16)
+    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
+    for step, moved in ((3, {"model.layers.1.", PROJ_DOWN, PROJ_UP}), (5, {"model.", "lm_head"})):
+        before = {k: v.detach().clone() for k, v in engine.named.items()}
+        engine.current_step = step  # phase 1 block 1, then phase 2
+        assert torch.isfinite(engine.train_step([batch], 1e-2).loss)
+        changed = {k for k, v in engine.named.items() if not v.equal(before[k])}
+        assert changed and all(k.startswith(tuple(moved)) for k in changed), (step, changed)
+        assert ({PROJ_DOWN, PROJ_UP} <= changed) == (step == 3), (step, changed)
+
+
+def test_a_narrower_student_trains_resumes_bitwise_and_exports_without_its_projections(teacher, tmp_path):
+    """Through the run: both phases, a checkpoint holding the projections and their moments (listed in
+    its JSON), a resume from step 4 equal bitwise at step 8, and a Hugging Face export of the narrow
+    student alone with the logits apr computes."""
+    from apr.train.distill import PROJ_DOWN
+
+    make_dataset(tmp_path)
+    doc = _narrow_doc(tmp_path, teacher)
+    doc["training"]["checkpoint_async"] = False
+    _run(_write(tmp_path, "narrow.json", doc), tmp_path)
+    out = tmp_path / "student"
+    full = load_file(str(out / "checkpoint-step-8.safetensors"))
+    assert {PROJ_DOWN, "optimizer.m." + PROJ_DOWN} <= set(full) and full["model.embed_tokens.weight"].shape[1] == 16
+    assert json.loads((out / "checkpoint-step-8.json").read_text())["loss_tensors"][PROJ_DOWN] == [16, 32]
+
+    again = tmp_path / "again"
+    doc["training"]["output_dir"] = str(again / "student")
+    (again / "student").mkdir(parents=True)
+    for f in out.glob("checkpoint-step-4.*"):
+        shutil.copy2(f, again / "student" / f.name)
+    _run(_write(again, "narrow.json", doc), again, resume=True)
+    got = load_file(str(again / "student" / "checkpoint-step-8.safetensors"))
+    assert set(got) == set(full) and all(got[k].equal(full[k]) for k in full)
+
+    transformers = pytest.importorskip("transformers")
+    from apr.checkpoint.export import export_hf
+    from apr.data.standin import write_tokenizer
+    from apr.generate.load import load_for_inference
+
+    export_hf(out, tmp_path / "hf", tokenizer=write_tokenizer(tmp_path / "tokenizer.json", 61))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert hf.config.hidden_size == 16
+    ours = load_for_inference(out, need_tokenizer=False).model
+    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
