@@ -265,7 +265,7 @@ def student_init_problems(student: Architecture, teacher: Architecture) -> list[
         out.append(("decoupled_attention", "the teacher has decoupled attention: a student starts from it only "
                     "with the same decoupled_attention", str(teacher.decoupled_attention), str(
                         student.decoupled_attention)))
-    if student.hidden_size != teacher.hidden_size:  # a narrower student (docs/design.md, "A narrower student")
+    if student.hidden_size != teacher.hidden_size:  # a narrower student: design section 30
         if student.hidden_size > teacher.hidden_size:
             out.append(("hidden_size", f"the student is {student.hidden_size} wide, wider than the teacher's "
                         f"{teacher.hidden_size}: a student starts from the teacher's top {student.hidden_size} "

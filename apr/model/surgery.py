@@ -152,7 +152,7 @@ def _linear(module, weight: torch.Tensor) -> None:
 @torch.no_grad()
 def narrowed_layer(teacher_layer, teacher: Architecture, basis: torch.Tensor):
     """A copy of a teacher block at the student's hidden size ``basis.shape[1]`` (same heads, so a
-    narrower head_dim), for ``init_block`` (docs/design.md, "A narrower student"):
+    narrower head_dim), for ``init_block`` (docs/design.md, "Upcycling into a new architecture"):
 
     - reads: each input-side weight ``W`` (q, k, v, gate, up) becomes ``W diag(g) basis``, the
       RMSNorm weight ``g`` before it folded in; the norms become ``sqrt(teacher / student hidden)``

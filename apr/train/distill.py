@@ -57,7 +57,7 @@ def init_student_from_teacher(student: LlamaForCausalLM, teacher: LlamaForCausal
     block ``spans[i][0]`` (``apr.model.surgery.init_block``: key/value heads averaged per group when
     the student has fewer). A narrower student (smaller ``hidden_size``) reads every teacher weight
     through the embedding's top singular directions (``surgery.init_narrower_student``,
-    ``surgery.narrowed_layer``; docs/design.md, "A narrower student")."""
+    ``surgery.narrowed_layer``; docs/design.md, "Upcycling into a new architecture")."""
     t_arch, s_arch = teacher.arch, student.arch
     if s_arch.hidden_size != t_arch.hidden_size:
         basis = surgery.init_narrower_student(student, teacher)
@@ -190,7 +190,7 @@ class DistillLoss:
         self.boundaries = sorted({b for span in self.spans for b in span})
         # a narrower student: learned projections teacher -> student hidden (``down``) and back
         # (``up``), started from the teacher embedding's top singular directions; the loss's, not
-        # the model's, so export never sees them (docs/design.md, "A narrower student")
+        # the model's, so export never sees them (docs/design.md, "Upcycling into a new architecture")
         self.projections: dict[str, torch.nn.Parameter] = {}
         if student_hidden is not None and student_hidden != teacher.arch.hidden_size:
             basis = surgery.hidden_basis(teacher.model.embed_tokens.weight, student_hidden)
