@@ -385,6 +385,9 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
     shapes, dtypes = checkpoint_shapes(info)
     try:
         loss_tensors = loss_state_shapes(info.doc)  # a loss part's own tensors (names.LOSS_PREFIX)
+    except ValueError as err:
+        raise CheckpointError(f"{info.json_path.name}: {err}", info.json_path, "not_apr") from None
+    try:
         own_expected = _expected(info.config, info.step) | loss_tensors
     except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
         raise CheckpointError(f"{info.json_path.name}: its config has no valid model.architecture ({err})",

@@ -165,6 +165,8 @@ def test_checkpoint_of_another_model_is_refused_without_fallback(tmp_path, tiny_
     ({"format_version": 99}, "unsupported_version"),
     ({"step": 6}, "foreign"),
     ({"weights_file": "../elsewhere.safetensors"}, "bad_meta"),
+    ({"loss_tensors": {"optimizer.loss.distill.down": [4, 8]}}, "foreign"),  # listed, not in the file
+    ({"loss_tensors": {"model.norm.weight": [4]}}, "not_apr"),  # a model weight is no loss tensor
 ])
 def test_json_that_is_not_ours_is_refused(tmp_path, tiny_config, edit, reason):
     CheckpointManager(tmp_path, tiny_config).save(state(tiny_config, 5))
