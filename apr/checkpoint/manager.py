@@ -83,12 +83,14 @@ def _weights_metadata(step: int) -> dict[str, str]:
     return {"format": FORMAT, "step": str(step)}
 
 
-def weights_file_bytes(config: Any, step: int) -> int:
+def weights_file_bytes(config: Any, step: int, loss_tensors: dict | None = None) -> int:
     """The exact size of ``checkpoint-step-N.safetensors`` for this config (AprConfig or stored
-    dict) at ``step``: every expected tensor as float32 plus the header. Torch-free (the plan's
+    dict) at ``step``: every expected tensor as float32 plus the header; ``loss_tensors``: a loss
+    part's own tensors as its JSON lists them (``names.loss_state_shapes``). Torch-free (the plan's
     storage estimate, docs/plan.md)."""
     code = files.ST_DTYPE_CODES[STORED_DTYPE]
-    entries = [(name, code, shape, 4 * math.prod(shape)) for name, shape in sorted(_expected(config, step).items())]
+    entries = [(name, code, shape, 4 * math.prod(shape)) for name, shape in
+               sorted((_expected(config, step) | loss_state_shapes({"loss_tensors": loss_tensors})).items())]
     return files.safetensors_size(entries, _weights_metadata(step))
 
 

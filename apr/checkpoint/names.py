@@ -18,6 +18,8 @@ STORED_DTYPE = "float32"
 # weights_only loads, imports) leaves them, as it leaves the moments; the checkpoint's JSON lists
 # them with their shapes under ``loss_tensors`` (``loss_state_shapes``)
 LOSS_PREFIX = OPTIMIZER_PREFIX + "loss."
+DISTILL_DOWN = LOSS_PREFIX + "distill.down"  # [student hidden, teacher hidden]: teacher state -> student
+DISTILL_UP = LOSS_PREFIX + "distill.up"  # [teacher hidden, student hidden]: student output -> teacher
 
 
 def moment_names(param: str) -> tuple[str, str]:

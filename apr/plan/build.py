@@ -40,6 +40,7 @@ from apr.plan.orchestratefacts import (
     orchestrator_memory_findings,
     orchestrator_memory_rows,
 )
+from apr.plan.storage import storage_facts
 from apr.plan.tokfacts import tokenizer_facts
 from apr.plan.validate import (
     alert_config_findings,
@@ -402,6 +403,10 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
             sheet.time_estimate["estimated_seconds"] = distilled["estimated_seconds"] + (
                 sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)
             sheet.facts["time"]["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
+        if distilled["loss_tensors"] and "storage" in sheet.facts:  # checkpoints hold the projections too
+            sheet.facts["storage"] = storage_facts(
+                config, (sheet.facts.get("steps") or {}).get("total_steps"),
+                (sheet.time_estimate or {}).get("estimated_seconds"), world_size, distilled["loss_tensors"])
     total_steps = (sheet.facts.get("steps") or {}).get("total_steps")
     orchestrated = orchestrator_facts(config, total_steps, sheet.facts.get("memory"))
     if orchestrated is not None:  # the branches' extra steps and state copies (docs/training.md)

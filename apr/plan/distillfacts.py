@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from apr.checkpoint import names
 from apr.checkpoint.hf_import import inspect_source, resolve, source_architecture
 from apr.config import LoadedConfig
 from apr.errors import AprError, Finding
@@ -187,6 +188,8 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
     out = {"teacher": {"path": d.teacher, "layers": teacher.num_hidden_layers, "hidden_size": teacher.hidden_size,
                        "vocab_size": teacher.vocab_size, "params": n_teacher},
            "projection_params": n_proj,
+           "loss_tensors": {names.DISTILL_DOWN: [student.hidden_size, teacher.hidden_size],
+                            names.DISTILL_UP: [teacher.hidden_size, student.hidden_size]} if n_proj else None,
            "spans": [list(x) for x in spans] if spans else None, "phases": phases,
            "architectures": {who: _arch_facts(arch, c.data.seq_len) for who, arch in
                              (("teacher", teacher), ("student", student))},

@@ -75,7 +75,7 @@ def checkpoints_written(total_steps: int, save_interval: int, eval_interval: int
 
 
 def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds: float | None,
-                  world_size: int = 1) -> dict:
+                  world_size: int = 1, loss_tensors: dict | None = None) -> dict:
     """The run's checkpoint storage. Without a step count only the per-checkpoint size is known. A
     sharded run (``world_size`` > 1) writes one part per rank, synchronously, the ranks in parallel
     (each at the assumed speed: storage that scales with writers; docs/checkpoints.md)."""
@@ -83,7 +83,7 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
     parts = world_size if str(tr.sharding) != "none" and world_size > 1 else 1
     validates = config.data.val is not None and tr.eval_interval > 0
     last_step = total_steps or tr.max_steps or 1
-    weights = weights_file_bytes(config, last_step)
+    weights = weights_file_bytes(config, last_step, loss_tensors)  # a narrower student: its projections
     each = weights + SIDECAR_BYTES
     out: dict = {
         "output_dir": str(resolve(tr.output_dir)), "weights_bytes": weights, "sidecar_bytes": SIDECAR_BYTES,

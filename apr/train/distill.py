@@ -33,8 +33,7 @@ from apr.model import surgery
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.steps import distill as schedule
 
-PROJ_DOWN = names.LOSS_PREFIX + "distill.down"  # [student hidden, teacher hidden]
-PROJ_UP = names.LOSS_PREFIX + "distill.up"  # [teacher hidden, student hidden]
+PROJ_DOWN, PROJ_UP = names.DISTILL_DOWN, names.DISTILL_UP  # a narrower student's projections
 
 
 def load_teacher(config: AprConfig, device: torch.device) -> LlamaForCausalLM:

@@ -440,8 +440,8 @@ def test_a_narrower_student_starts_from_its_teacher_and_trains_its_projections_i
 
 def test_a_narrower_student_trains_resumes_bitwise_and_exports_without_its_projections(teacher, tmp_path):
     """Through the run: both phases, a checkpoint holding the projections and their moments (listed in
-    its JSON), a resume from step 4 equal bitwise at step 8, and a Hugging Face export of the narrow
-    student alone with the logits apr computes."""
+    its JSON, and in the plan's checkpoint size), a resume from step 4 equal bitwise at step 8, and a
+    Hugging Face export of the narrow student alone with the logits apr computes."""
     from apr.train.distill import PROJ_DOWN
 
     make_dataset(tmp_path)
@@ -452,6 +452,10 @@ def test_a_narrower_student_trains_resumes_bitwise_and_exports_without_its_proje
     full = load_file(str(out / "checkpoint-step-8.safetensors"))
     assert {PROJ_DOWN, "optimizer.m." + PROJ_DOWN} <= set(full) and full["model.embed_tokens.weight"].shape[1] == 16
     assert json.loads((out / "checkpoint-step-8.json").read_text())["loss_tensors"][PROJ_DOWN] == [16, 32]
+    from apr.plan.build import build_plan
+
+    planned = build_plan(tmp_path / "narrow.json").facts["storage"]["weights_bytes"]
+    assert planned == (out / "checkpoint-step-8.safetensors").stat().st_size  # the plan counts them too
 
     again = tmp_path / "again"
     doc["training"]["output_dir"] = str(again / "student")
