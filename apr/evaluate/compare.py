@@ -73,10 +73,18 @@ class Comparison:
                 "rows": [r.to_dict() for r in self.rows]}
 
 
-def compare_models(teacher, student, batches, thresholds: Thresholds, block_map=None) -> Comparison:
+def compare_models(teacher, student, batches, thresholds: Thresholds, block_map=None,
+                   projections=None) -> Comparison:
     """Compare two ``LlamaForCausalLM`` on an iterable of id batches ``[rows, seq]`` (float32, no
-    gradients); ``block_map`` as ``training.distill.block_map`` (default: the even split)."""
+    gradients); ``block_map`` as ``training.distill.block_map`` (default: the even split). A student
+    narrower than its teacher: its blocks read the teacher's states through ``projections`` (``(down,
+    up)``, the distillation's, apr/train/distill.py) and are compared in the teacher's space; without
+    them only the logits are compared."""
     import torch
+    import torch.nn.functional as F
+
+    narrower = student.arch.hidden_size != teacher.arch.hidden_size
+    down, up = projections if narrower and projections else (None, None)
 
     spans = schedule.spans(student.arch.num_hidden_layers, teacher.arch.num_hidden_layers, block_map)
     n = len(spans)
@@ -94,17 +102,21 @@ def compare_models(teacher, student, batches, thresholds: Thresholds, block_map=
             for layer in teacher.model.layers:
                 outs.append(layer(outs[-1], cos, sin))
             for i, (start, end) in enumerate(spans):
+                if narrower and down is None:
+                    break
                 h, s_layer = outs[start], student.model.layers[i]
+                s_h = F.linear(h, down) if narrower else h
                 if end - start == 1:
                     t_layer = teacher.model.layers[start]
                     want = t_layer.self_attn(t_layer.input_layernorm(h), cos, sin)
-                    got = s_layer.self_attn(s_layer.input_layernorm(h), s_cos, s_sin)
+                    got = s_layer.self_attn(s_layer.input_layernorm(s_h), s_cos, s_sin)
                 else:
-                    want, got = outs[end], s_layer(h, s_cos, s_sin)
+                    want, got = outs[end], s_layer(s_h, s_cos, s_sin)
+                got = F.linear(got.float(), up) if narrower else got
                 _accumulate(i, (got.float() - want.float()).abs(), sums, maxes, elements)
             _accumulate(n, (student(ids) - teacher(ids)).abs(), sums, maxes, elements)
     rows = []
-    for i, (start, end) in enumerate(spans):
+    for i, (start, end) in enumerate(spans if not narrower or down is not None else []):
         what = f"block {i} attention" if end - start == 1 else f"block {i} output (teacher {start}-{end - 1})"
         rows.append(Row(what, sums[i] / max(elements[i], 1), maxes[i], thresholds.attention_mean,
                         thresholds.attention_max))

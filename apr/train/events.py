@@ -7,6 +7,7 @@ import io
 
 from ruamel.yaml import YAML
 
+from apr.checkpoint import names
 from apr.evaluate.compare import Thresholds, compare_models, shard_batches
 from apr.fmt import fmt_sci
 from apr.fsutil import atomic_write_json, atomic_write_text
@@ -97,7 +98,9 @@ def verified(run, recorder, stop: Stop) -> None:
     was_training = model.training
     model.eval()
     try:
-        result = compare_models(run.engine.loss.teacher, model, batches, limits, d.block_map)
+        proj = run.engine.loss.projections  # a narrower student's (apr/train/distill.py)
+        result = compare_models(run.engine.loss.teacher, model, batches, limits, d.block_map,
+                                (proj[names.DISTILL_DOWN].detach(), proj[names.DISTILL_UP].detach()) if proj else None)
     finally:
         model.train(was_training)
     doc = {"step": run.step, **result.to_dict()}

@@ -436,6 +436,10 @@ def test_a_narrower_student_starts_from_its_teacher_and_trains_its_projections_i
         changed = {k for k, v in engine.named.items() if not v.equal(before[k])}
         assert changed and all(k.startswith(tuple(moved)) for k in changed), (step, changed)
         assert ({PROJ_DOWN, PROJ_UP} <= changed) == (step == 3), (step, changed)
+    from apr.evaluate.compare import Thresholds, compare_models
+
+    alone = compare_models(engine.loss.teacher, engine.model, [ids], Thresholds())  # no projections: logits only
+    assert [r.what for r in alone.rows] == ["logits"]
 
 
 def test_a_narrower_student_trains_resumes_bitwise_and_exports_without_its_projections(teacher, tmp_path):
@@ -447,6 +451,7 @@ def test_a_narrower_student_trains_resumes_bitwise_and_exports_without_its_proje
     make_dataset(tmp_path)
     doc = _narrow_doc(tmp_path, teacher)
     doc["training"]["checkpoint_async"] = False
+    doc["training"]["distill"]["verify"] = {"batches": 1}  # blocks compared through the projections
     _run(_write(tmp_path, "narrow.json", doc), tmp_path)
     out = tmp_path / "student"
     full = load_file(str(out / "checkpoint-step-8.safetensors"))
@@ -456,6 +461,8 @@ def test_a_narrower_student_trains_resumes_bitwise_and_exports_without_its_proje
 
     planned = build_plan(tmp_path / "narrow.json").facts["storage"]["weights_bytes"]
     assert planned == (out / "checkpoint-step-8.safetensors").stat().st_size  # the plan counts them too
+    rows = json.loads((out / "verify.json").read_text())["rows"]
+    assert [r["what"] for r in rows][:2] == ["block 0 output (teacher 0-1)", "block 1 output (teacher 2-3)"]
 
     again = tmp_path / "again"
     doc["training"]["output_dir"] = str(again / "student")
