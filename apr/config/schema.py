@@ -359,8 +359,8 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _lora_of_a_stacked_run(self):
         """On a stacked run, model.lora is the trunk's adapters (docs/design.md, "StackWise
-        progressive stacks", LoRA on a stacked run): it moves to stacking.trunk_lora, so the rest of apr sees one key. Both set with
-        different values stay as they are (validate names both)."""
+        progressive stacks", LoRA on a stacked run): it moves to stacking.trunk_lora, so the rest
+        of apr sees one key. Both set with different values stay as they are (validate names both)."""
         st = self.stacking
         if st is not None and self.lora is not None and st.trunk_lora in (None, self.lora):
             st.trunk_lora, self.lora = self.lora, None
