@@ -69,7 +69,8 @@ def test_the_timed_step_takes_marks_only_and_memory_is_counted_on_a_step_of_its_
     step = _Step(model, 1, 16, "fp32")
     for memory in (False, True):
         rec = _Recorder(model, Clock(torch.device("cpu")), memory=memory)
-        monkeypatch.setattr(rec, "pack", lambda t, rec=rec, memory=memory: packed.append(memory) or _Recorder.pack(rec, t))
+        monkeypatch.setattr(rec, "pack",
+                            lambda t, rec=rec, memory=memory: packed.append(memory) or _Recorder.pack(rec, t))
         step(rec)
         rec.remove()
         assert {name for name, _ in rec.marks} >= {"embed_tokens", "layers.0", "layers.2", "head+loss"}
