@@ -37,6 +37,14 @@ def apr(*args: str, cwd: Path, env: dict) -> None:
                    stdout=subprocess.DEVNULL)
 
 
+def prepare_corpus(work: Path, env: dict) -> None:
+    """The stdlib corpus under WORK: a 2,048-token BPE tokenizer and 128-token rows (5% validation)."""
+    apr("data", "train-tokenizer", "--builtin", "stdlib", "--vocab-size", "2048", "--out",
+        str(work / "tokenizer.json"), cwd=work, env=env)
+    apr("data", "pretokenize", "--builtin", "stdlib", "--tokenizer", str(work / "tokenizer.json"),
+        "--seq-len", "128", "--val-fraction", "0.05", "--seed", "0", "--out", str(work / "data"), cwd=work, env=env)
+
+
 def config(work: Path, name: str, layers: int, steps: int, eval_every: int, **training) -> Path:
     doc = {
         "model": {"architecture": {"hidden_size": 128, "num_hidden_layers": layers, "num_attention_heads": 4,
@@ -70,10 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         env = {**os.environ, "APR_HOME": str(work / "home")}
-        apr("data", "train-tokenizer", "--builtin", "stdlib", "--vocab-size", "2048", "--out",
-            str(work / "tokenizer.json"), cwd=work, env=env)
-        apr("data", "pretokenize", "--builtin", "stdlib", "--tokenizer", str(work / "tokenizer.json"),
-            "--seq-len", "128", "--val-fraction", "0.05", "--seed", "0", "--out", str(work / "data"), cwd=work, env=env)
+        prepare_corpus(work, env)
         runs = {
             "teacher": config(work, "teacher", 4, args.teacher_steps, args.eval),
             "scratch": config(work, "scratch", 2, args.steps, args.eval),

@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,16 +31,14 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from distill_experiment import apr, prepare_corpus  # noqa: E402  (benchmarks/, the script's folder)
+
 from apr.config.schema import Architecture  # noqa: E402  (the repository on the path first)
 from apr.model.spec import kv_cache_bytes_per_token  # noqa: E402
 
 ARCH = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 384, "vocab_size": 2048, "max_position_embeddings": 128, "tie_word_embeddings": True}
 STUDENTS = {"gqa": {"num_key_value_heads": 1}, "dba": {"decoupled_attention": {"sem_dim": 8, "geo_dim": 8}}}
-
-
-def apr(*args: str, cwd: Path, env: dict) -> None:
-    subprocess.run([sys.executable, "-m", "apr", *args], cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
 def config(work: Path, name: str, arch: dict, steps: int, eval_every: int, **training) -> Path:
@@ -75,10 +72,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         env = {**os.environ, "APR_HOME": str(work / "home")}
-        apr("data", "train-tokenizer", "--builtin", "stdlib", "--vocab-size", "2048", "--out",
-            str(work / "tokenizer.json"), cwd=work, env=env)
-        apr("data", "pretokenize", "--builtin", "stdlib", "--tokenizer", str(work / "tokenizer.json"),
-            "--seq-len", "128", "--val-fraction", "0.05", "--seed", "0", "--out", str(work / "data"), cwd=work, env=env)
+        prepare_corpus(work, env)
         apr("train", "apply", str(config(work, "teacher", ARCH, args.teacher_steps, args.teacher_steps)),
             cwd=work, env=env)
         curves, verdicts = {"teacher": curve(work / "teacher")}, {}

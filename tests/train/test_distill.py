@@ -374,16 +374,12 @@ def test_a_decoupled_attention_student_starts_close_to_its_teacher_and_trains_in
     SVD-initialised student's phase-1 block losses are far below a randomly initialised one's, both
     phases step, and verification reads its attention rows."""
     from apr.evaluate.compare import Thresholds, compare_models
-    from apr.train.build import build_engine
     from tests.train.run_helpers import merge
 
     make_dataset(tmp_path)
     arch = {"num_hidden_layers": 4, "decoupled_attention": {"sem_dim": 2, "geo_dim": 4}}
     doc = merge(_student_doc(tmp_path, teacher, phase1_steps=1), {"model": {"architecture": arch}})
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
-    cold = build_engine(AprConfig.model_validate(merge(doc, {"training": {"distill": {"init_from_teacher": False}}})),
-                        "cpu")
-    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    engine, cold, ids = _warm_and_cold(doc)
     for block in range(4):
         warm = engine.loss.block_loss_of(engine, engine.model, block, ids).item()
         assert warm < 0.2 * cold.loss.block_loss_of(cold, cold.model, block, ids).item()
@@ -410,19 +406,14 @@ def test_a_narrower_student_starts_from_its_teacher_and_trains_its_projections_i
     step updates the block in training and both projections, a phase-2 step the student and not
     the projections."""
     from apr.plan.build import build_plan
-    from apr.train.build import build_engine
     from apr.train.distill import PROJ_DOWN, PROJ_UP
-    from tests.train.run_helpers import merge
 
     make_dataset(tmp_path)
     doc = _narrow_doc(tmp_path, teacher)
     plan = build_plan(_write(tmp_path, "narrow.json", doc))
     assert not [f for f in plan.findings if f.severity == "error"], plan.findings
     assert plan.facts["distill"]["projection_params"] == 2 * 16 * 32
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
-    cold = build_engine(AprConfig.model_validate(merge(doc, {"training": {"distill": {"init_from_teacher": False}}})),
-                        "cpu")
-    ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
+    engine, cold, ids = _warm_and_cold(doc)
     for block in range(2):
         warm = engine.loss.block_loss_of(engine, engine.model, block, ids).item()
         assert warm < 0.8 * cold.loss.block_loss_of(cold, cold.model, block, ids).item()
@@ -485,3 +476,14 @@ def test_a_narrower_student_trains_resumes_bitwise_and_exports_without_its_proje
     ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+def _warm_and_cold(doc: dict):
+    """The student engine started from its teacher, the same student started at random, and ids."""
+    from apr.train.build import build_engine
+    from tests.train.run_helpers import merge
+
+    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    cold = build_engine(AprConfig.model_validate(merge(doc, {"training": {"distill": {"init_from_teacher": False}}})),
+                        "cpu")
+    return engine, cold, torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))

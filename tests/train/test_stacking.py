@@ -267,10 +267,7 @@ def test_prepend_freeze_keeps_the_old_stack_on_top_resumes_across_the_grow_and_e
 def test_a_qlora_trunk_keeps_its_nf4_codes_trains_its_adapters_resumes_bitwise_and_exports_merged(tmp_path,
                                                                                                    monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
 
-    from apr.checkpoint.export import export_hf
-    from apr.data.standin import write_tokenizer
     from apr.generate.load import load_for_inference
 
     make_dataset(tmp_path)
@@ -286,12 +283,7 @@ def test_a_qlora_trunk_keeps_its_nf4_codes_trains_its_adapters_resumes_bitwise_a
     assert not at9[lora_b].equal(at6[lora_b]) and at9[lora_b].abs().sum() > 0  # its adapters train
     assert f"optimizer.m.{lora_b}" in at9 and f"optimizer.m.{codes}" not in at9
     assert not at9["model.layers.3.mlp.up_proj.weight"].equal(at6["model.layers.3.mlp.up_proj.weight"])
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        live = run.engine.model.eval()(ids)
-    tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
-    export_hf(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "hf", tokenizer=tok)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids, live, tok, hf = _live_and_exported(run, tmp_path)
     ours = load_for_inference(tmp_path / "run" / "checkpoint-step-9.json", tokenizer=tok, device="cpu")
     with torch.no_grad():  # dequantized and merged: the function the trained NF4 + adapter model computes
         torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
@@ -331,10 +323,8 @@ def test_kill_9_in_a_prepended_qlora_stage_with_the_users_model_lora_resumes_bit
 def test_progressive_lora_adds_an_adapter_to_the_trunk_at_each_later_grow_resumes_bitwise_across_it_and_exports_merged(
         tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
 
     from apr.checkpoint.export import export_hf
-    from apr.data.standin import write_tokenizer
 
     make_dataset(tmp_path)
     prog = {"stages": [{"blocks": 2, "steps": 3}, {"blocks": 3, "steps": 3}, {"blocks": 4}], "earlier": "freeze",
@@ -349,12 +339,7 @@ def test_progressive_lora_adds_an_adapter_to_the_trunk_at_each_later_grow_resume
         own = f"model.layers.{block}.mlp.down_proj.lora_B"
         assert not at9[own].equal(at6[own])  # the earlier adapter keeps training
     assert late.format(2, "A") not in at9 and "model.layers.2.mlp.down_proj.lora_A" in at9  # stage 1's: one
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        live = run.engine.model.eval()(ids)
-    tok = write_tokenizer(tmp_path / "tokenizer.json", VOCAB)
-    export_hf(tmp_path / "run" / "checkpoint-step-9.json", tmp_path / "hf", tokenizer=tok)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids, live, tok, hf = _live_and_exported(run, tmp_path)
     with torch.no_grad():  # every adapter folded in, the progressive ones with their own scaling
         torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
     # PEFT: blocks 0, 1 carry their adapter and the rank-2 progressive one as one rank-6 adapter
@@ -430,3 +415,18 @@ def test_cached_trunk_activations_give_the_uncached_weights_bitwise_resume_with_
     assert resumed.engine.trunk_cache.folder == cache.folder and resumed.engine.trunk_cache.hits > 0
     got = _weights(root, 9)
     assert all(got[k].equal(want[k]) for k in want)
+
+
+def _live_and_exported(run, root: Path):
+    """Token ids, the live model's logits on them, a tokenizer, and the HF export of step 9 loaded."""
+    from transformers import AutoModelForCausalLM
+
+    from apr.checkpoint.export import export_hf
+    from apr.data.standin import write_tokenizer
+
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        live = run.engine.model.eval()(ids)
+    tok = write_tokenizer(root / "tokenizer.json", VOCAB)
+    export_hf(root / "run" / "checkpoint-step-9.json", root / "hf", tokenizer=tok)
+    return ids, live, tok, AutoModelForCausalLM.from_pretrained(str(root / "hf")).eval()
