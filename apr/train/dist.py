@@ -27,6 +27,7 @@ class DataParallel:
     world_size: int
     local_rank: int
     backend: str
+    host_group: object | None = None  # gloo, for host-side flags under NCCL; None: the default group is gloo
 
     @property
     def is_main(self) -> bool:
@@ -44,10 +45,13 @@ class DataParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
-    def any_(self, flags: torch.Tensor) -> torch.Tensor:
-        """In place: the element-wise maximum over ranks (a flag set on any rank is set on all)."""
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return flags
+    def any_host(self, flags: list[int]) -> list[int]:
+        """The element-wise maximum over ranks of a few host integers, over gloo on the CPU: nothing
+        is read from the device, so the step's kernels stay queued behind it (the run loop's stop
+        flags; docs/design.md, "The run loop")."""
+        values = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.host_group)
+        return values.tolist()
 
     def _device(self) -> torch.device:
         """Where this backend's collectives take their tensors (NCCL: the current GPU)."""
@@ -91,4 +95,7 @@ def from_env(device_kind: str) -> DataParallel | None:
     timeout = float(os.environ.get("APR_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout))
-    return DataParallel(rank=rank, world_size=world, local_rank=local_rank, backend=backend)
+    # the run loop's per-step stop flags live on the host: under NCCL they travel over a gloo group,
+    # so agreeing on them never waits for the device (created collectively, by every rank, here)
+    host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    return DataParallel(rank=rank, world_size=world, local_rank=local_rank, backend=backend, host_group=host_group)

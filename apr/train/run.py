@@ -9,8 +9,9 @@ checkpoint metadata is the union of the registered stateful parts (apr/train/sta
 ``Run.execute`` runs optimizer steps ``start_step + 1 .. total_steps`` in ``_train``: ``Cadence``
 decides log / validate / save, each ending is a ``Stop`` made where it is decided, and hooks
 (``StepHook``) see every step's ``StepReport`` through the ``RunContext`` protocol and may stop the
-run. The loop reads the host only at log, evaluation and checkpoint steps and, under DDP, once per
-step for the ranks' stop flags (``_agree``). Signals: apr/train/signals.py.
+run. The loop reads the device only at log, evaluation and checkpoint steps; under DDP the ranks agree
+on the step's signal and stops (``agree``) over a host-side gloo group, which reads nothing from
+the device. Signals: apr/train/signals.py.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ class Run:
             self.echo(stop.reason)
             if self.dp is not None:
                 self.dp.close()
-            return self._result(stop, final_step=max(self.step - 1, self.start_step), warnings=recorder.warnings)
+            return _result(self, stop, final_step=max(self.step - 1, self.start_step), warnings=recorder.warnings)
         except BaseException as err:  # a crash: record it, then let it propagate
             self.checkpoints.settle(recorder)
             recorder.finish("failed", f"{type(err).__name__}: {err}"[:500])
@@ -248,7 +249,7 @@ class Run:
         if self.dp is not None:
             self.dp.barrier()  # rank 0's checkpoint is complete before any rank exits
             self.dp.close()
-        return self._result(stop, final_step=self.step, warnings=recorder.warnings)
+        return _result(self, stop, final_step=self.step, warnings=recorder.warnings)
 
     def _train(self, recorder: Recorder, signals: StopSignals) -> Stop:
         """Optimizer steps ``start_step + 1 .. total_steps``; returns why they ended (``self.step``: the last done)."""
@@ -270,16 +271,25 @@ class Run:
                 if isinstance(rolled, Stop):
                     return rolled  # no checkpoint: the newest one is the last good state
                 if rolled:  # back at the restored step; its checkpoint was rewritten with the skip
-                    if signals.received is not None:
-                        return Stop.signal(signals.received, self.step)
+                    if report.signal is not None:
+                        return Stop.signal(report.signal, self.step)
                     continue
             signals.announce()
             if self.is_main:
                 self.record_checkpoints(recorder)  # background writes finished meanwhile
                 if self.options.progress is not None:
                     self.options.progress(step, self.total_steps)
-            stop = agree(self._after_step(report, recorder, signals), signals, self.dp, self.device)
-            forced = stop is not None or signals.received is not None
+            # the step's stops and signals, the same on every rank; nothing below reads ``signals``
+            stop, signal = agree(self._after_step(report, recorder), signals, self.dp)
+            signals.announce()  # (once) a signal that came during the step's logging, or on another rank
+            forced = stop is not None or signal is not None
+            if forced and report.metrics is None:  # the step a run stops at is logged (on every rank: agreed)
+                try:
+                    self.engine.check_finite()
+                except NonFiniteError as err:
+                    return self._non_finite(err, recorder)
+                report.metrics = self.steplog.log(step, report.lr, report.result, events.epochs_read(self.loader),
+                                                  recorder)
             if (stop is None or stop.checkpoint) and self.survival.save_due(  # critical alert: nothing worth keeping
                     self.cadence.save(step, report.is_best, stopping=forced), forced or report.is_last):
                 try:
@@ -290,8 +300,8 @@ class Run:
                 self.steplog.restart_clock()
             if stop is not None:
                 return stop
-            if signals.received is not None:
-                return Stop.signal(signals.received, step)
+            if signal is not None:
+                return Stop.signal(signal, step)
             if self.orchestrator is not None and (stop := self.orchestrator.after_step(self, report, recorder)):
                 return stop  # a branch's non-finite step; a decision or a rollback moves self.step
         return FINISHED
@@ -308,17 +318,21 @@ class Run:
             events.stage_started(self, step, recorder)
         self.engine.current_step = step  # losses (distillation's phase and block) follow the run's step
         report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
+        # a signal that arrived by now stops the run after this step: agreed once, before anything
+        # this step does depends on it (under DDP a signal on one rank would otherwise make that rank
+        # alone log, read or save: collectives the others never join)
+        _, report.signal = agree(None, signals, self.dp)
         if self.engine.kind == "distill":
             events.distill_records(self, step, recorder)
-        if (self.survival.enabled or self.cadence.reads_device(step, signals.received is not None)
+        if (self.survival.enabled or self.cadence.reads_device(step, report.signal is not None)
                 or self.evaluator.due(step, report.is_last)):
             self.engine.check_finite()  # the engine's non-finite flags: read where the loop reads anyway
         return report
 
-    def _after_step(self, report: StepReport, recorder: Recorder, signals: StopSignals) -> Stop | None:
+    def _after_step(self, report: StepReport, recorder: Recorder) -> Stop | None:
         """Log, validate, evaluate and the hooks, each at its own cadence; the first stop stands."""
         step, stop = report.step, None
-        if self.cadence.log(step, stopping=signals.received is not None):
+        if self.cadence.log(step, stopping=report.signal is not None):
             report.metrics = self.steplog.log(step, report.lr, report.result, events.epochs_read(self.loader), recorder)
             events.record_mixture(self, step, recorder)
             stop = self.check_alerts(report.metrics, step, recorder)
@@ -344,16 +358,14 @@ class Run:
             self.save(self.step, False, recorder)
         return Stop.non_finite(err.what, self.step + 1)
 
-    # ------------------------------------------------------------------------------ records
 
-    def _result(self, stop: Stop, final_step: int, warnings: list[str]) -> RunResult:
-        v = self.validation
-        return RunResult(
-            status=stop.status, reason=stop.reason, run_dir=self.run_dir, run_id=self.run_id or "",
-            start_step=self.start_step, final_step=final_step, total_steps=self.total_steps, loss=self.steplog.loss,
-            val_loss=v.last, first_val_loss=v.first, last_checkpoint=self.checkpoints.last, exit_code=stop.exit_code,
-            tokens_per_s=self.steplog.tokens_per_s, warnings=warnings, is_main=self.is_main)
-
+def _result(run: Run, stop: Stop, final_step: int, warnings: list[str]) -> RunResult:
+    v = run.validation
+    return RunResult(
+        status=stop.status, reason=stop.reason, run_dir=run.run_dir, run_id=run.run_id or "",
+        start_step=run.start_step, final_step=final_step, total_steps=run.total_steps, loss=run.steplog.loss,
+        val_loss=v.last, first_val_loss=v.first, last_checkpoint=run.checkpoints.last, exit_code=stop.exit_code,
+        tokens_per_s=run.steplog.tokens_per_s, warnings=warnings, is_main=run.is_main)
 
 
 def _already_finished(run: Run) -> RunResult:
@@ -363,7 +375,7 @@ def _already_finished(run: Run) -> RunResult:
     run.echo(f"apply: run {run.run_id} {reason}")
     if run.dp is not None:
         run.dp.close()
-    return run._result(Stop("finished", reason, 0), final_step=run.start_step, warnings=[])
+    return _result(run, Stop("finished", reason, 0), final_step=run.start_step, warnings=[])
 
 
 def _watch_hooks(config: AprConfig, plan_doc: dict | None, early_stopping: EarlyStopping | None,

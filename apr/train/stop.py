@@ -74,6 +74,7 @@ class StepReport:
     metrics: dict | None = None  # the logged metrics (None: not a log step)
     val_loss: float | None = None  # validation loss measured at this step (None: not measured)
     is_best: bool = False  # val_loss beat every earlier one (a "best" checkpoint is written)
+    signal: int | None = None  # the signal every rank agreed, after the step's compute, that it stops for
 
 
 class RunContext(Protocol):
@@ -110,19 +111,21 @@ class StepHook(Protocol):
     def after_step(self, run: RunContext, report: StepReport) -> Stop | None: ...
 
 
-def agree(stop: Stop | None, signals, dp, device) -> Stop | None:
-    """Under DDP every rank stops at the same step: a signal or a stop on any rank stops all (one
-    collective per step)."""
+def agree(stop: Stop | None, signals, dp) -> tuple[Stop | None, int | None]:
+    """This step's stop and signal, the same on every rank (docs/design.md, "The run loop").
+
+    ``signals.received`` is read once, here: a signal that arrives later is seen at the next
+    agreement, so every decision of the step after it uses the returned value, never the live one.
+    Under DDP one all-reduce of three host integers (``DataParallel.any_host``: gloo, nothing read
+    from the device) makes a stop or a signal on any rank every rank's; a rank that learns of
+    another's signal records it, so a second one there exits at once."""
+    signal = signals.received
     if dp is None:
-        return stop
-    import torch
-
-    flags = torch.tensor([signals.received or 0, stop is not None, stop is not None and not stop.checkpoint],
-                         dtype=torch.float32, device=device)
-    sig_flag, stop_flag, no_save = (int(v) for v in dp.any_(flags).tolist())
-    if sig_flag and signals.received is None:
-        signals.received = sig_flag
-    if stop_flag and stop is None:
-        stop = Stop("stopped", "alert on rank 0", 1, checkpoint=not no_save)
-    return stop
-
+        return stop, signal
+    sig, stopped, no_save = dp.any_host([signal or 0, int(stop is not None),
+                                         int(stop is not None and not stop.checkpoint)])
+    if sig and signals.received is None:
+        signals.received = sig
+    if stopped and stop is None:
+        stop = Stop("stopped", "stopped on another rank (rank 0's records say why)", 1, checkpoint=not no_save)
+    return stop, sig or None

@@ -21,15 +21,16 @@ from tests.distributed.ranks import run_ranks, run_script  # noqa: E402
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
 
 
-def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None) -> subprocess.CompletedProcess:
+def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None, code: int = 0,
+            **env_extra: str) -> subprocess.CompletedProcess:
     path.write_text(json.dumps(doc))
     args = [str(WORKER), str(path)] + ([resume] if resume else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120", **env_extra}
     if nproc > 1:  # the ranks as torchrun describes them, without its process (tests/distributed/ranks.py)
         proc = run_ranks(args, nproc, env, timeout=240)
     else:
         proc = run_script(args, env, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -117,3 +118,28 @@ def test_two_ranks_equal_one_process_on_a_stacked_run_with_a_qlora_trunk_grown_b
     # elements with gradients near Adam's eps turn that rounding into ~4e-5 of its small norm (5e-3). An
     # adapter gradient not averaged across ranks would differ by ~1e-1.
     _assert_close(got, want, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rank", "when", "at"), [
+    (1, "compute", 3),  # before the loop looks at signals, on a step that is not a log step
+    (0, "log", 5),  # during the step's hooks, after its logging
+])
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(tmp_path, rank, when, at):
+    """A preempted node's SIGTERM may reach one rank before the others: every rank finishes the same
+    step, rank 0 writes its checkpoint, every rank exits 143, and the run resumes from there. A rank
+    that alone took the signal into account would log (a collective) or stop where the others go
+    on, and the job would hang or fail."""
+    make_dataset(tmp_path, train_rows=160)
+    doc = config_doc(tmp_path, data={"batch_size": 2}, training={
+        "epochs": 1, "max_steps": 8, "log_interval": 4, "save_interval": 100, "eval_interval": 0, "output_dir": "run/"})
+    proc = _launch(doc, tmp_path / "cfg.json", 2, code=143, APR_TEST_SIGNAL=f"{rank}:{at}:{when}",
+                   APR_DIST_TIMEOUT_S="60")
+    assert "SIGTERM: finishing this step" in proc.stderr, proc.stderr[-3000:]
+    state = json.loads((tmp_path / "run" / "training_state.json").read_text())
+    assert state["status"] == "stopped" and state["step"] == at and "SIGTERM" in state["status_reason"]
+    assert state["last_checkpoint"]["step"] == at
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-step-*.json")) == [f"checkpoint-step-{at}.json"]
+    _launch(doc, tmp_path / "cfg.json", 2, resume="latest")
+    state = json.loads((tmp_path / "run" / "training_state.json").read_text())
+    assert state["status"] == "finished" and state["step"] == 8

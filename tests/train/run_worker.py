@@ -6,7 +6,10 @@ gradient-shard elements the interleaved walk held at once); with
 APR_TEST_PIDS set, every rank appends "RANK PID" to that file; APR_TEST_LOSS_SCALE sets fp16's
 initial loss scale (a large one makes the first steps overflow); APR_TEST_HOLD_SAVE=N makes rank 0
 of a sharded run stop inside step N's save, after the parts are written and before the JSON, and
-say "holding the save of step N" on stderr (a test kills it there)."""
+say "holding the save of step N" on stderr (a test kills it there); APR_TEST_SIGNAL="RANK:STEP:WHEN"
+turns apr's signal handling on and makes that rank send itself SIGTERM at step STEP, WHEN "compute"
+(right after the step's compute, before the loop looks at signals) or "log" (from a step hook,
+after the step's logging)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,35 @@ from pathlib import Path
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.train.run import ApplyOptions, prepare_run
+
+
+class SignalAt:
+    """A step hook that sends this process SIGTERM after step ``step``'s logging."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def after_step(self, run, report):
+        if report.step == self.step:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+
+def signal_after_compute(run, step: int) -> None:
+    """This rank sends itself SIGTERM as step ``step``'s compute returns."""
+    import signal
+
+    train_step = run.engine.train_step
+
+    def then_signal(*args, **kwargs):
+        out = train_step(*args, **kwargs)
+        if run.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    run.engine.train_step = then_signal
 
 
 def hold_step(hold: int) -> None:
@@ -59,8 +91,13 @@ def main() -> int:
             live["max"] = max(live["max"], held)
 
         ShardedInterleavedEngine._arrived_grad = measured
+    signal_rank, signal_step, signal_when = (os.environ.get("APR_TEST_SIGNAL") or "-1:0:none").split(":")
+    mine = int(signal_rank) == int(os.environ.get("RANK", "0"))
+    hooks = [SignalAt(int(signal_step))] if mine and signal_when == "log" else []
     run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
-                      options=ApplyOptions(resume=resume, handle_signals=False))
+                      options=ApplyOptions(resume=resume, handle_signals=int(signal_rank) >= 0, hooks=hooks))
+    if mine and signal_when == "compute":
+        signal_after_compute(run, int(signal_step))
     if os.environ.get("APR_TEST_HOLD_SAVE"):
         hold_step(int(os.environ["APR_TEST_HOLD_SAVE"]))
     if os.environ.get("APR_TEST_LOSS_SCALE"):
