@@ -529,11 +529,28 @@ def render(res: dict) -> str:
     return "\n".join(out)
 
 
+def _threads(value: str, p: argparse.ArgumentParser) -> int:
+    """``--threads``: a positive number, or ``auto``, apr's own choice (printed, so the run's record
+    and the benchmark's can be compared)."""
+    if value == "auto":
+        from apr.threads import choose, describe
+
+        choice = choose()
+        print(f"threads: {describe(choice)}", file=sys.stderr)
+        return choice["threads"]
+    if not value.isdigit() or int(value) < 1:
+        p.error(f"--threads: a positive number or auto, not {value!r}")
+    return int(value)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in (("hidden", 256), ("layers", 6), ("heads", 4), ("intermediate", 1024), ("vocab", 8192),
-                          ("seq", 256), ("batch", 8), ("warmup", 2), ("steps", 8), ("threads", 1)):
+                          ("seq", 256), ("batch", 8), ("warmup", 2), ("steps", 8)):
         p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--threads", default="1", help="torch threads for every approach and command: a number, or "
+                   "auto: apr's own choice for one process on this machine (apr/threads.py: usable cores, "
+                   "APR_CPU_THREADS, OMP_NUM_THREADS), which apply would make")
     p.add_argument("--only", type=lambda s: s.split(","), default=list(DEFAULT),
                    help=f"comma-separated subset of {','.join(APPROACHES)}")
     p.add_argument("--e2e", action="store_true", help="also time the whole commands (apr train apply, litgpt pretrain)")
@@ -547,6 +564,7 @@ def main() -> None:
                    help="after the timed rounds, torch.profiler's self CPU time per step by op category")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    args.threads = _threads(args.threads, p)
     if set(args.only) - set(APPROACHES):
         p.error(f"--only: unknown {sorted(set(args.only) - set(APPROACHES))}")
     if len(args.e2e_steps) != 2 or not 1 <= args.e2e_steps[0] < args.e2e_steps[1]:
