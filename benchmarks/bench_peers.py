@@ -20,8 +20,9 @@ peer's layout), CPU time per step, round-robin (one step of each approach per ro
                   step loop. Its RoPE pairs dimensions (interleaved) where Hugging Face rotates
                   halves, so q/k are permuted with torchtitan's own state-dict adapter. torchtitan
                   0.3.0 refuses sdpa for language models and its flex attention has no backward on
-                  a CPU (torch 2.13), so it is skipped with that reason. The script is CPU-only: a
-                  --device cuda (and the 350M bf16 table) is still to be written and run on a GPU.
+                  a CPU (torch 2.13), so it is skipped with that reason. This script is the CPU
+                  table; benchmarks/bench_peers_cuda.py builds the same approaches on a GPU (the
+                  350M bf16 table) and scripts/gpu-check.sh runs it (stage peers).
 
 Step 1's loss of every approach is checked against the baseline's (same weights, same batch):
 printed as "dloss@1" and required below 1e-4 relative (chunked cross-entropies round differently).
@@ -87,10 +88,33 @@ class Skip(Exception):
 
 
 def shape_args(args) -> argparse.Namespace:
-    return argparse.Namespace(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.heads,
+    """bench_engine's arguments for this shape (the CPU fp32 table unless ``args`` names a device,
+    KV heads or a precision: benchmarks/bench_peers_cuda.py)."""
+    device = _device(args)
+    return argparse.Namespace(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=_kv_heads(args),
                               intermediate=args.intermediate, vocab=args.vocab, seq=args.seq, batch=args.batch,
-                              tied=False, precision=None, device="cpu", kernels="torch", loss_chunk=args.seq,
-                              budget_gib=64.0)
+                              tied=False, precision=getattr(args, "precision", None), device=device.type,
+                              kernels="auto" if device.type == "cuda" else "torch", loss_chunk=args.seq,
+                              budget_gib=float(getattr(args, "budget_gib", 64.0)))
+
+
+def _device(args) -> torch.device:
+    return torch.device(getattr(args, "device", "cpu"))
+
+
+def _kv_heads(args) -> int:
+    return getattr(args, "kv_heads", None) or args.heads
+
+
+def _autocast(args):
+    """What each peer's forward runs under: bench_engine's baseline rule (fp32 on the CPU, bf16
+    autocast on CUDA, or --precision) over fp32 weights, as litgpt's "bf16-mixed" and torchtitan's
+    mixed-precision policy keep fp32 masters."""
+    device = _device(args)
+    low = getattr(args, "precision", None) or ("bf16" if device.type == "cuda" else "fp32")
+    if low == "fp32":
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[low])
 
 
 def apr_weights(args) -> tuple[dict, object]:
@@ -115,15 +139,22 @@ def build_litgpt(args, weights: dict, arch, compiled: bool) -> bench_engine.Appr
     state: dict = {}
     copy_weights_hf_llama(config, {}, state, dict(weights))
     model.load_state_dict(state, strict=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    cuda = _device(args).type == "cuda"
+    model.to(_device(args))
+    # pretrain asks for a fused AdamW on CUDA, foreach elsewhere
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            **({"fused": True} if cuda else {"foreach": True}))
     forward = torch.compile(model) if compiled else model
     ap = bench_engine.Approach("litgpt+compile" if compiled else "litgpt",
-                               note="litgpt GPT, chunked_cross_entropy (128), clip_grad_norm_, AdamW (foreach, as "
-                                    f"pretrain on a CPU){'; torch.compile(model)' if compiled else ''}")
+                               note=f"litgpt GPT, chunked_cross_entropy (128), clip_grad_norm_, AdamW "
+                                    f"({'fused, as pretrain on CUDA' if cuda else 'foreach, as pretrain on a CPU'})"
+                                    f"{'; torch.compile(model)' if compiled else ''}")
 
     def step(batch: torch.Tensor, measure: bool) -> torch.Tensor:
         ids, targets = batch[:, :-1], batch[:, 1:]
-        loss = chunked_cross_entropy(forward(ids), targets)
+        with _autocast(args):
+            logits = forward(ids)
+        loss = chunked_cross_entropy(logits, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -166,7 +197,8 @@ def build_torchtitan(args, weights: dict, arch) -> bench_engine.Approach:
     dim = args.hidden
     try:
         rope = RoPE.Config(dim=dim // args.heads, max_seq_len=args.seq, theta=arch.rope_theta)
-        layers = llama3._build_llama3_layers(n_layers=args.layers, dim=dim, n_heads=args.heads, n_kv_heads=args.heads,
+        layers = llama3._build_llama3_layers(n_layers=args.layers, dim=dim, n_heads=args.heads,
+                                             n_kv_heads=_kv_heads(args),
                                              hidden_dim=args.intermediate, rope=rope, fuse_qkv=False,
                                              attn_backend=TITAN_ATTENTION)
         config = llama3.Llama3Model.Config(
@@ -180,16 +212,18 @@ def build_torchtitan(args, weights: dict, arch) -> bench_engine.Approach:
     except Exception as err:  # torchtitan's config API moves between releases
         raise Skip(f"torchtitan's Llama3Model could not be built from this shape: {type(err).__name__}: {err}") \
             from None
+    model.to(_device(args))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     ap = bench_engine.Approach("torchtitan", note="torchtitan Llama3Model (model code only: its Trainer needs "
                                                   "CUDA), full logits + cross_entropy, clip_grad_norm_, AdamW (fused)")
 
-    positions = torch.arange(args.seq).expand(args.batch, args.seq)  # one document per row
+    positions = torch.arange(args.seq, device=_device(args)).expand(args.batch, args.seq)  # one document per row
 
     def step(batch: torch.Tensor, measure: bool) -> torch.Tensor:
         ids, targets = batch[:, :-1], batch[:, 1:]
         # the trainer's post_dataloading_process: flex attention's block mask from the positions, every step
-        logits = model(ids, positions=positions, attention_masks=model.get_attention_masks(positions=positions))
+        with _autocast(args):
+            logits = model(ids, positions=positions, attention_masks=model.get_attention_masks(positions=positions))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -202,7 +236,7 @@ def build_torchtitan(args, weights: dict, arch) -> bench_engine.Approach:
 
 
 def build(args, name: str, weights: dict, arch) -> bench_engine.Approach:
-    device = torch.device("cpu")
+    device = _device(args)
     if name == "baseline":
         return bench_engine.build_baseline(shape_args(args), device)
     if name in ("apr", "apr+compile"):  # apr+compile: training.execution.compile: true (per-block torch.compile)
@@ -383,7 +417,7 @@ def _write_e2e_inputs(args, root: Path, steps: int, weights: dict, arch, compile
 
 def _litgpt_config(Config, args, arch):
     return Config(name="bench", block_size=args.seq, vocab_size=args.vocab, padded_vocab_size=args.vocab,
-                  n_layer=args.layers, n_head=args.heads, n_embd=args.hidden, n_query_groups=args.heads,
+                  n_layer=args.layers, n_head=args.heads, n_embd=args.hidden, n_query_groups=_kv_heads(args),
                   rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
                   norm_eps=arch.rms_norm_eps, mlp_class_name="LLaMAMLP", intermediate_size=args.intermediate,
                   rope_base=int(arch.rope_theta))

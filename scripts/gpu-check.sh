@@ -3,7 +3,7 @@
 # kernel microbenchmarks, the VRAM calibration, the end-to-end engine benchmark and FSDP2 sharding
 # on one GPU against DDP (the 350M shape).
 #
-#   scripts/gpu-check.sh [STAGE ...]     stages: info tests bench vram engine sharding probe  (default: all)
+#   scripts/gpu-check.sh [STAGE ...]     stages: info tests bench vram engine sharding probe peers  (default: all)
 #
 # Installs nothing from the network: it expects torch (a CUDA build), CuPy and apr's pure-Python
 # dependencies to be importable already, and puts this checkout first on PYTHONPATH (set
@@ -33,7 +33,7 @@ else
 fi
 
 STAGES=("$@")
-[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(info tests bench vram engine sharding probe)
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(info tests bench vram engine sharding probe peers)
 # The test files that hold the `gpu`-marked tests and the CUDA compile checks: collecting the whole
 # suite would import the dev-only extras (transformers, mlflow, playwright ...) a GPU image lacks.
 GPU_TESTS=(tests/kernels/test_cupy_backend.py tests/kernels/test_cuda_compile.py tests/checkpoint/test_rng.py
@@ -141,7 +141,12 @@ for stage in "${STAGES[@]}"; do
     sharding) run_stage sharding "$PY" benchmarks/bench_sharding.py --device cuda "${SHAPE_350M[@]}" \
                 --seq 1024 --batch 4 ;;
     probe) run_stage probe stage_probe ;;
-    *) echo "unknown stage $stage (info tests bench vram engine sharding probe)" >&2; exit 2 ;;
+    peers)  # issue 40's GPU table: the loop, apr, litgpt and torchtitan's model at 350M, seq 1024, bf16;
+      # a peer that is not importable here (pip install -e '.[bench]' where there is a network, or put
+      # its packages on PYTHONPATH) is skipped with the reason
+      run_stage peers "$PY" benchmarks/bench_peers_cuda.py --batch "${APR_PEERS_BATCH:-4}" --warmup 3 --steps 10 \
+        --only "${APR_PEERS_ONLY:-baseline,apr,apr+compile,litgpt,litgpt+compile,torchtitan}" ;;
+    *) echo "unknown stage $stage (info tests bench vram engine sharding probe peers)" >&2; exit 2 ;;
   esac
 done
 
