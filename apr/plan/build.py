@@ -24,6 +24,7 @@ from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.errors import AprError, Finding
 from apr.plan import gpus
 from apr.plan.clipadvice import exact_clip_findings
+from apr.plan.threadadvice import oversubscription_findings
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
 from apr.plan.datafacts import dataset_facts, fingerprint_entries, resolve, shared_shards
 from apr.plan.distillfacts import distill_config_findings, distill_facts
@@ -438,7 +439,8 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
                        *sharding_findings(loaded, world_size, nodes), *sharding_advice(loaded, sheet.facts),
                        *exact_clip_findings(loaded, Execution.from_dict(sheet.facts["execution"]["policy"],
                                                                         config.model.architecture.num_hidden_layers)),
-                       *resume_layout_findings(loaded, world_size)],
+                       *resume_layout_findings(loaded, world_size),
+                       *oversubscription_findings(loaded, sheet.facts["threads"])],
                       key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
     return Plan(
         loaded=loaded, config=config, config_path=config_path, config_hash=config_hash(config),

@@ -41,8 +41,11 @@ def _step_flops(facts: dict) -> float:
 
 
 def cpu_step_seconds(facts: dict) -> tuple[float, str]:
-    """A step's time at ``CPU_FLOPS_PER_THREAD`` x the run's intra-op threads (apr/threads.py)."""
-    threads = max(1, int((facts.get("threads") or {}).get("threads") or 1))
+    """A step's time at ``CPU_FLOPS_PER_THREAD`` x the run's intra-op threads (apr/threads.py), at
+    most the usable cores: threads beyond them add no FLOPs."""
+    choice = facts.get("threads") or {}
+    threads = max(1, int(choice.get("threads") or 1))
+    threads = min(threads, max(1, int(choice.get("cores") or threads)))
     rate = CPU_FLOPS_PER_THREAD * threads
     return _step_flops(facts) / rate, (f"estimated at an assumed {fmt_giga(CPU_FLOPS_PER_THREAD)}FLOP/s x "
                                         f"{threads} thread{'s' if threads != 1 else ''}; --probe measures it")
