@@ -24,7 +24,6 @@ from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.errors import AprError, Finding
 from apr.plan import gpus
 from apr.plan.clipadvice import exact_clip_findings
-from apr.plan.threadadvice import oversubscription_findings
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
 from apr.plan.datafacts import dataset_facts, fingerprint_entries, resolve, shared_shards
 from apr.plan.distillfacts import distill_config_findings, distill_facts
@@ -42,6 +41,7 @@ from apr.plan.orchestratefacts import (
     orchestrator_memory_rows,
 )
 from apr.plan.storage import storage_facts
+from apr.plan.threadadvice import oversubscription_findings
 from apr.plan.tokfacts import tokenizer_facts
 from apr.plan.validate import (
     alert_config_findings,
