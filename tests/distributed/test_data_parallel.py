@@ -140,6 +140,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_its_chec
     assert state["status"] == "stopped" and state["step"] == at and "SIGTERM" in state["status_reason"]
     assert state["last_checkpoint"]["step"] == at
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-step-*.json")) == [f"checkpoint-step-{at}.json"]
-    _launch(doc, tmp_path / "cfg.json", 2, resume="latest")
-    state = json.loads((tmp_path / "run" / "training_state.json").read_text())
-    assert state["status"] == "finished" and state["step"] == 8
+    if when == "compute":  # the stopped run resumes from that checkpoint (once: the other case stops alike)
+        _launch(doc, tmp_path / "cfg.json", 2, resume="latest")
+        state = json.loads((tmp_path / "run" / "training_state.json").read_text())
+        assert state["status"] == "finished" and state["step"] == 8
