@@ -89,10 +89,18 @@ class Run:
         self.echo = self.options.echo if self.is_main else (lambda line: None)
         if self.dp is not None and self.config.training.world_size != self.dp.world_size:
             self.config = layout.laid_out(self.config, self.dp.world_size)  # not planned: a caller without apply
-        self._elastic_layout()
-        self._setup_data()
-        self._setup_engine()
-        self._setup_output()
+        # a busy folder is refused before the model takes memory (the GPU's too) from the run holding it
+        self.lock = OutputDirLock(self.run_dir)
+        try:
+            if self.is_main:  # only rank 0 writes the folder
+                self.lock.acquire(self.config_path)
+            self._elastic_layout()
+            self._setup_data()
+            self._setup_engine()
+            self._setup_output()
+        except BaseException:
+            self.lock.release()
+            raise
         return self
 
     def _elastic_layout(self) -> None:
@@ -157,23 +165,16 @@ class Run:
         return engine
 
     def _setup_output(self) -> None:
-        """Lock the output folder (rank 0), then restore the checkpoint to resume or refuse foreign files."""
+        """Restore the checkpoint to resume, or refuse foreign files (the folder is locked already)."""
         manager = CheckpointManager(self.run_dir, self.config, config_hash=self.config_hash, on_warning=self.warn,
                                     trainer_state=True)
         manager.allow_other_run = self.options.allow_other_run
         self.checkpoints = Checkpoints(self, manager)
-        self.lock = OutputDirLock(self.run_dir)
-        try:
-            if self.is_main:  # only rank 0 writes the folder
-                self.lock.acquire(self.config_path)
-            if self.options.resume is not None:
-                refuse_user_config(self.run_dir, self.config_path)
-                self.checkpoints.resume(self.options.resume)
-            else:
-                refuse_foreign_files(self.run_dir, self.config_path)
-        except BaseException:
-            self.lock.release()
-            raise
+        if self.options.resume is not None:
+            refuse_user_config(self.run_dir, self.config_path)
+            self.checkpoints.resume(self.options.resume)
+        else:
+            refuse_foreign_files(self.run_dir, self.config_path)
 
     def warn(self, message: str) -> None:
         self.echo(f"warning: {message}")

@@ -77,6 +77,18 @@ def test_a_run_holds_the_lock_until_it_ends(root):
     assert again.execute().final_step == 4
 
 
+def test_a_busy_folder_is_refused_before_the_model_is_built_or_the_data_read(root, monkeypatch):
+    """A second apply must not take memory (a GPU's) from the run that holds the folder."""
+    first = _prepare(root, training={"max_steps": 2})
+    built: list[str] = []
+    monkeypatch.setattr("apr.train.run.engine_build.build_engine", lambda *a, **k: built.append("engine"))
+    monkeypatch.setattr("apr.train.run.data_side", lambda *a, **k: built.append("data"))
+    with pytest.raises(AprError, match="in use by another apr run"):
+        _prepare(root, training={"max_steps": 2})
+    assert built == []
+    first.lock.release()
+
+
 def test_a_folder_holding_only_checkpoint_best_is_in_use(root):
     _prepare(root, training={"max_steps": 4}).execute()
     run_dir = root / "run"
