@@ -9,6 +9,7 @@ from typer.core import TyperGroup
 
 from apr import __version__
 from apr.cli import (
+    cmd_cache,
     cmd_calibration,
     cmd_data,
     cmd_eval,
@@ -67,6 +68,8 @@ data_app = typer.Typer(help="Make tokenizers and pretokenized Parquet shards.", 
 runs_app = typer.Typer(help="List and inspect recorded runs.", no_args_is_help=True)
 experiment_app = typer.Typer(help="Compare and export runs from an experiment store.", no_args_is_help=True)
 calibration_app = typer.Typer(help="Probe results kept by `apr train plan --probe`.", no_args_is_help=True)
+cache_app = typer.Typer(help="The token, teacher-output and compile caches under $APR_HOME/cache.",
+                        no_args_is_help=True)
 sweep_app = typer.Typer(help="Hyperparameter sweeps over a config, planned before they train (Optuna).",
                         no_args_is_help=True)
 app.add_typer(train_app, name="train")
@@ -74,6 +77,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(runs_app, name="runs")
 app.add_typer(experiment_app, name="experiment")
 app.add_typer(calibration_app, name="calibration")
+app.add_typer(cache_app, name="cache")
 app.add_typer(sweep_app, name="sweep")
 
 def _print_version(value: bool) -> None:
@@ -101,6 +105,7 @@ cmd_data.register(data_app)
 cmd_runs.register(runs_app)
 cmd_experiment.register(experiment_app)
 cmd_calibration.register(calibration_app)
+cmd_cache.register(cache_app)
 cmd_sweep.register(sweep_app)
 cmd_monitor.register(app)
 cmd_export.register(app)
