@@ -19,6 +19,7 @@ from apr.errors import AprError, Finding
 from apr.launch import env_nodes, env_world_size
 from apr.plan.build import build_plan, normalise_overrides
 from apr.plan.planfile import check_plan_fresh, load_plan_file
+from apr.train.outdir import OutputDirLock
 
 
 def _plan_errors_error(plan, config_path: Path) -> AprError:
@@ -103,6 +104,27 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
                       overrides={**overrides, **layout_settings} or None, device_budget=_device_budget)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
+    lock = _lock_output(plan.config, config_path)  # a busy folder is refused before torch is imported
+    try:
+        return _prepare_and_run(plan, plan_doc, config_path, lock, overrides=overrides, resume=resume, force=force,
+                                apr_home=apr_home, echo=echo, progress=progress, handle_signals=handle_signals,
+                                allow_other_run=allow_other_run, elastic=elastic)
+    finally:
+        if lock is not None:
+            lock.release()  # (the run released it already when it ran)
+
+
+def _lock_output(config, config_path: Path):
+    """Rank 0 takes the output folder's lock (apr/train/outdir.py: torch-free); other ranks take none."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    lock = OutputDirLock(Path(os.path.abspath(os.path.expanduser(config.training.output_dir))))
+    lock.acquire(config_path)
+    return lock
+
+
+def _prepare_and_run(plan, plan_doc, config_path: Path, lock, *, overrides, resume, force, apr_home, echo, progress,
+                     handle_signals, allow_other_run, elastic):
     from apr.train.run import ApplyOptions, prepare_run  # imports torch: only once the plan is sound
     if plan_doc is None:
         plan_doc = plan.to_dict()
@@ -111,7 +133,7 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
         progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
                            progress=progress, overrides=overrides, resolved=replace(plan.resolved, elastic=elastic),
-                           allow_other_run=allow_other_run)
+                           allow_other_run=allow_other_run, lock=lock)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"

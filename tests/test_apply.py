@@ -41,3 +41,31 @@ def test_a_config_the_plan_refuses_fails_before_torch_is_imported(tmp_path):
     code, torch_loaded = json.loads(out.stdout.splitlines()[-1])
     assert code == 1 and not torch_loaded, out.stdout + out.stderr
     assert "num_attention_heads" in out.stdout + out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_busy_output_folder_is_refused_before_torch_is_imported(tmp_path):
+    """A second apply on a folder another run holds is refused in the plan's time, naming the holder,
+    without loading torch (let alone a model) in the process that is turned away."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from apr.train.outdir import OutputDirLock
+    from tests.train.run_helpers import make_dataset, write_config
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 8, "warmup_steps": 2})
+    holder = OutputDirLock(tmp_path / "run")
+    holder.acquire(cfg)  # this test process holds the folder, as a running apply would
+    try:
+        probe = ("import json, sys\nfrom apr.cli.entry import run\nsys.argv = ['apr', 'train', 'apply', sys.argv[1]]\n"
+                 "code = 0\ntry:\n    run()\nexcept SystemExit as e:\n    code = e.code\n"
+                 "print(json.dumps([code, 'torch' in sys.modules]))\n")
+        out = subprocess.run([sys.executable, "-c", probe, str(cfg)], capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "APR_HOME": str(tmp_path / "home")})
+    finally:
+        holder.release()
+    code, torch_loaded = json.loads(out.stdout.splitlines()[-1])
+    assert code == 1 and not torch_loaded, out.stdout + out.stderr
+    assert f"in use by another apr run (pid {os.getpid()}" in out.stderr and "Traceback" not in out.stderr

@@ -27,6 +27,9 @@ class ApplyOptions:
     resolved: Resolved | None = None
     hooks: list[StepHook] = field(default_factory=list)  # called after every step (apr.train.stop.StepHook)
     allow_other_run: bool = False  # resume into a folder holding another run's checkpoints (--allow-other-run)
+    # the output folder's lock, already taken by apply before it imported torch (apr/train/outdir.py);
+    # None: the run takes it itself
+    lock: object | None = None
 
 
 @dataclass

@@ -90,7 +90,7 @@ class Run:
         if self.dp is not None and self.config.training.world_size != self.dp.world_size:
             self.config = layout.laid_out(self.config, self.dp.world_size)  # not planned: a caller without apply
         # a busy folder is refused before the model takes memory (the GPU's too) from the run holding it
-        self.lock = OutputDirLock(self.run_dir)
+        self.lock = self.options.lock or OutputDirLock(self.run_dir)
         try:
             if self.is_main:  # only rank 0 writes the folder
                 self.lock.acquire(self.config_path)
