@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import struct
 import sys
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ BEST_STEM = "checkpoint-best"
 STEP_JSON_RE = re.compile(r"^checkpoint-step-(\d+)\.json$")
 STEP_FILE_RE = re.compile(r"^checkpoint-step-(\d+)\.(json|safetensors)$")
 TEMP_RE = re.compile(r"^\.checkpoint-.*\.tmp$")
+PART_FILE_RE = re.compile(r"^checkpoint-step-(\d+)\.part-\d+-of-\d+\.safetensors$")  # one rank's weights
 
 # torch dtype name -> safetensors dtype code
 ST_DTYPE_CODES = {
@@ -146,6 +148,57 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
     if not isinstance(doc, dict):
         raise ValueError("header is not a JSON object")
     return doc
+
+
+def interrupted_save(path: str | os.PathLike) -> bool:
+    """Whether ``path``, a step's weights file (``checkpoint-step-N.safetensors`` or one rank's part)
+    whose JSON is absent, is apr's own interrupted save: a regular file whose safetensors header
+    names apr's checkpoint format and step N. The weights are renamed into place before the JSON is
+    written, so a kill between the two leaves exactly this. Such a file is not a checkpoint (nothing
+    says which run or trainer state it belongs to); a file that is not apr's is the user's."""
+    path = Path(path)
+    m = STEP_FILE_RE.match(path.name)
+    if m and m.group(2) == "safetensors":
+        step = m.group(1)
+    else:
+        m = PART_FILE_RE.match(path.name)
+        if not m:
+            return False
+        step = m.group(1)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        meta = read_safetensors_header(path).get("__metadata__")
+    except (OSError, ValueError):  # unreadable, not safetensors, not UTF-8: not apr's
+        return False
+    return (isinstance(meta, dict) and meta.get("format") in ("apr-checkpoint", "apr-checkpoint-part")
+            and meta.get("step") == step)
+
+
+def interrupted_saves(run_dir: str | os.PathLike) -> list[str]:
+    """Names of the interrupted saves (:func:`interrupted_save`) in ``run_dir``: step weights files
+    whose JSON is absent. Sorted."""
+    run_dir = Path(run_dir)
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = STEP_FILE_RE.match(name) or PART_FILE_RE.match(name)
+        if not m or name.endswith(".json"):
+            continue
+        if not os.path.lexists(run_dir / f"{step_stem(int(m.group(1)))}.json") and interrupted_save(run_dir / name):
+            out.append(name)
+    return out
+
+
+def interrupted_message(names: list[str]) -> str:
+    """What a fresh run says about the interrupted saves it found (and will replace)."""
+    shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+    return (f"{shown}: weights of an interrupted save (the run stopped before writing the JSON), not a "
+            "checkpoint; nothing of that run can be resumed, and this run replaces "
+            + ("it" if len(names) == 1 else "them"))
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

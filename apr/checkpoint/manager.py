@@ -234,6 +234,11 @@ def read_info(json_path: str | os.PathLike) -> CheckpointInfo:
     if m and int(m.group(1)) != head.step:
         raise CheckpointError(f"{json_path.name} says step {doc['step']}", json_path, "foreign",
                               expected=f"step {m.group(1)}", got=f"step {doc['step']}")
+    stem = files.step_stem(head.step) if m else (files.BEST_STEM if json_path.stem == files.BEST_STEM else None)
+    if stem is not None and not weights_file.startswith(f"{stem}."):  # another step's (or run's) weights
+        raise CheckpointError(f"{json_path.name} names the weights {weights_file}, not its own {stem}.safetensors "
+                              "(the JSON was edited)", json_path, "edited", expected=f"{stem}.safetensors",
+                              got=weights_file)
     part_paths = _part_paths(json_path, doc)
     return CheckpointInfo(
         parts=part_paths,
@@ -334,6 +339,28 @@ def _read_header(path: Path) -> dict:
                               "bad_weights") from None
 
 
+def _check_self_consistent(info: CheckpointInfo, meta: dict) -> None:
+    """A JSON that disagrees with itself is an edited (or mixed-up) checkpoint, refused or fallen back
+    past like a corrupt one, never resumed into: weights whose own header records another step (the
+    weights of another step, with their digest copied into this JSON), or more optimizer updates than
+    steps (one step makes at most one update; fp16 overflows and gated steps make none)."""
+    for path in info.weights_files:
+        recorded = _read_header(path).get("__metadata__")
+        step = recorded.get("step") if isinstance(recorded, dict) else None
+        if isinstance(step, str) and step != str(info.step):
+            raise CheckpointError(
+                f"{path.name} holds the weights of step {step:.20}, but {info.json_path.name} says step "
+                f"{info.step} (the files were swapped or the JSON edited)", path, "edited",
+                expected=f"weights of step {info.step}", got=f"weights of step {step:.20}")
+    engine = meta.get("engine")
+    updates = engine.get("optimizer_steps") if isinstance(engine, dict) else None
+    if isinstance(updates, int) and not isinstance(updates, bool) and updates > info.step:
+        raise CheckpointError(
+            f"{info.json_path.name} records {updates} optimizer updates at step {info.step}; a run makes at most "
+            "one per step (the JSON was edited or belongs to another run)", info.json_path, "edited",
+            expected=f"at most {info.step} optimizer updates", got=f"{updates}")
+
+
 def checkpoint_shapes(info: CheckpointInfo) -> tuple[dict, dict]:
     """The whole tensors' shapes and dtypes from the weights file's header (or its parts')."""
     if not info.parts:
@@ -384,6 +411,7 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
         for path in info.weights_files:
             if not path.exists():
                 raise CheckpointError(f"{path.name} does not exist", path, "missing_weights")
+    _check_self_consistent(info, meta)
     shapes, dtypes = checkpoint_shapes(info)
     try:
         loss_tensors = loss_state_shapes(info.doc)  # a loss part's own tensors (names.LOSS_PREFIX)
@@ -476,10 +504,12 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
     entries = scan(run_dir)
     failures: list[CheckpointError] = []
     newest: str | None = None
+    interrupted: list[str] = []
     for entry in entries:
         if not entry.json_path.exists():
             what = entry.parts[0].name if entry.parts else entry.weights_path.name
-            warn(f"{what} has no JSON (the run stopped while saving it); ignored")
+            interrupted.append(what)
+            warn(f"{what} has no JSON (the run stopped while saving it): not a checkpoint; ignored")
             continue
         newest = newest or entry.json_path.name
         try:
@@ -508,11 +538,30 @@ def load_latest(run_dir: str | os.PathLike, config: Any = None,
             if failures:
                 warn(f"no step checkpoint is usable; resuming from {best.name} (step {state.step})")
             return state
+    if not failures and interrupted:
+        raise _only_interrupted(run_dir, interrupted)
     if not failures:
         raise CheckpointError(f"no checkpoint in {run_dir}", run_dir, "none_found",
                               expected="checkpoint-step-N.json and .safetensors")
     raise CheckpointError(f"no usable checkpoint in {run_dir}: all {len(failures)} are damaged", run_dir,
                           "none_usable", findings=[f for e in failures for f in e.findings])
+
+
+def _only_interrupted(run_dir: Path, names: list[str]) -> CheckpointError:
+    """``--resume latest`` on a folder whose only checkpoint files lack their JSON: a run killed while
+    writing its first checkpoint (apr's own weights: a fresh apply replaces them), or files of the user's."""
+    ours = set(files.interrupted_saves(run_dir))
+    if all(n in ours for n in names):
+        message = (f"no checkpoint in {run_dir}: {', '.join(names[:3])} "
+                   f"{'is the weights' if len(names) == 1 else 'are weights'} of an interrupted save (the run "
+                   "stopped before writing the JSON), not a checkpoint; nothing can be resumed: start the run "
+                   "afresh (apr train apply without --resume, which replaces those files)")
+    else:
+        theirs = [n for n in names if n not in ours]
+        message = (f"no checkpoint in {run_dir}: {', '.join(theirs[:3])} has no JSON and is not weights apr "
+                   "wrote; move it out of the folder, then start the run afresh (apr train apply without --resume)")
+    return CheckpointError(message, run_dir, "none_found", expected="checkpoint-step-N.json and .safetensors",
+                           got="weights without their JSON")
 
 
 # ------------------------------------------------------------------------------------ manager
@@ -822,13 +871,18 @@ class CheckpointManager:
         keep = {keep_step} | foreign | unattributed
         older = [e for e in entries if e.complete and e.step < keep_step and e.step not in foreign]
         keep.update(e.step for e in older[: self.keep_last - 1])
-        deleted = []
+        deleted, interrupted = [], []
         for entry in entries:
             if entry.step in keep:
                 continue
             for p in (entry.json_path, entry.weights_path, *entry.parts):
                 if files.unlink_quiet(p):
                     deleted.append(p)
+                    if not entry.complete and p != entry.json_path:
+                        interrupted.append(p.name)
+        if interrupted:  # never silently: a file under a checkpoint's name without its JSON
+            self._warn(f"removed {', '.join(interrupted)}: weights without their JSON (an interrupted save), "
+                       "not a checkpoint")
         for name in os.listdir(self.output_dir):
             if files.TEMP_RE.match(name) and files.unlink_quiet(self.output_dir / name):
                 deleted.append(self.output_dir / name)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import socket
 import time
 from pathlib import Path
 
+from apr.checkpoint import files
 from apr.errors import AprError, Finding
 from apr.readers import load_json
 from apr.track.names import PLAN_FORMAT
@@ -110,14 +112,17 @@ def _describe(text: str) -> str:
         return "a process that has not recorded its pid yet"
 
 
-def refuse_foreign_files(run_dir: Path, config_path: Path) -> None:
+def refuse_foreign_files(run_dir: Path, config_path: Path, warn=None) -> None:
     """A fresh run must not write into a folder that holds another run's checkpoints (any step, best,
-    complete or not) or a ``config.yaml`` of the user's, which apr would overwrite."""
+    complete or not) or a ``config.yaml`` of the user's, which apr would overwrite. A step's weights
+    file without its JSON that apr wrote (a run killed while saving) is no checkpoint: it is named
+    through ``warn`` (default: the ``apr.train`` logger) and the new run replaces it."""
     try:
         names = sorted(os.listdir(run_dir))
     except FileNotFoundError:
         return
-    found = [n for n in names if CHECKPOINT_FILE_RE.match(n)]
+    interrupted = set(files.interrupted_saves(run_dir))
+    found = [n for n in names if CHECKPOINT_FILE_RE.match(n) and n not in interrupted]
     if found:
         shown = ", ".join(found[:3]) + (f" (+{len(found) - 3} more)" if len(found) > 3 else "")
         raise _in_use(
@@ -126,6 +131,8 @@ def refuse_foreign_files(run_dir: Path, config_path: Path) -> None:
             "the output directory holds checkpoints; continue that run with --resume latest, or choose "
             "another training.output_dir (or move those files away)")
     refuse_user_config(run_dir, config_path)
+    if interrupted:
+        (warn or logging.getLogger("apr.train").warning)(files.interrupted_message(sorted(interrupted)))
 
 
 def _apr_json(path: Path, kind: str, check) -> bool:

@@ -167,3 +167,42 @@ def test_twenty_random_sigkills_never_leave_a_corrupt_checkpoint(tmp_path):
         server.close()
     _assert_same_state(run_dir / "checkpoint-step-240.safetensors",
                        tmp_path / "full" / "checkpoint-step-240.safetensors")
+
+
+def _apr(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apr", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**_env(), "NO_COLOR": "1"})
+
+
+def test_a_run_killed_while_writing_its_first_checkpoints_json_is_started_afresh_never_a_dead_end(tmp_path):
+    """The weights are renamed into place before the JSON: a kill between the two leaves weights without
+    JSON, which is no checkpoint. --resume latest says so and names the way on; a fresh apply replaces it."""
+    from run_helpers import write_config
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 4, "save_interval": 4, "eval_interval": 100})
+    assert _apr("train", "apply", str(cfg), cwd=tmp_path).returncode == 0
+    run = tmp_path / "run"
+    for name in ("checkpoint-step-4.json", "checkpoint-best.json", "checkpoint-best.safetensors"):
+        (run / name).unlink(missing_ok=True)  # the state a kill inside the first JSON's write leaves
+    (run / ".checkpoint-step-4.json.x1y2.tmp").write_text('{"format": "apr-che')
+    weights = (run / "checkpoint-step-4.safetensors").read_bytes()
+
+    resumed = _apr("train", "apply", str(cfg), "--resume", "latest", cwd=tmp_path)
+    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr
+    assert "interrupted save" in resumed.stderr and "without --resume" in resumed.stderr, resumed.stderr
+    assert (run / "checkpoint-step-4.safetensors").read_bytes() == weights  # nothing removed by the refusal
+
+    fresh = _apr("train", "apply", str(cfg), cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "checkpoint-step-4.safetensors" in fresh.stderr and "interrupted save" in fresh.stderr
+    assert read_checkpoint(run / "checkpoint-step-4.json", trainer_state=True).step == 4
+
+
+def test_weights_without_json_that_apr_did_not_write_still_keep_a_fresh_run_out(tmp_path):
+    from apr.errors import AprError
+    from apr.train.outdir import refuse_foreign_files
+
+    (tmp_path / "checkpoint-step-7.safetensors").write_bytes(b"someone's own file")
+    with pytest.raises(AprError, match="checkpoint-step-7.safetensors"):
+        refuse_foreign_files(tmp_path, tmp_path / "cfg.yaml")

@@ -260,3 +260,61 @@ def test_hostile_checkpoint_files_are_checkpoint_errors_not_hangs_or_tracebacks(
     with pytest.raises(CheckpointError) as e:
         read_info(tmp_path / "checkpoint-step-5.json")
     assert e.value.findings[0].code == "checkpoint.missing"
+
+
+def _same_digest(json_path, weights):
+    import hashlib
+
+    data = weights.read_bytes()
+    _rewrite_json(json_path, weights_sha256=hashlib.sha256(data).hexdigest(), weights_size=len(data))
+
+
+@pytest.mark.parametrize("edit", ["other_steps_weights", "names_other_weights", "optimizer_steps"])
+def test_a_json_that_disagrees_with_itself_is_refused_and_latest_falls_back(tmp_path, tiny_config, edit):
+    """Intact files with valid digests that do not describe one checkpoint: never resumed silently."""
+    from tests.checkpoint.test_sidecar import trainer_meta
+
+    mgr = CheckpointManager(tmp_path, tiny_config, keep_last=3, trainer_state=True)
+    for step in (10, 20):
+        mgr.save(TrainState(step=step, tensors=make_tensors(tiny_config, step), meta=trainer_meta(step)))
+    j20, w20, w10 = (tmp_path / n for n in ("checkpoint-step-20.json", "checkpoint-step-20.safetensors",
+                                            "checkpoint-step-10.safetensors"))
+    if edit == "other_steps_weights":  # step 10's weights under step 20's name, the JSON's digest updated
+        w20.write_bytes(w10.read_bytes())
+        _same_digest(j20, w20)
+    elif edit == "names_other_weights":
+        _rewrite_json(j20, weights_file=w10.name)
+        _same_digest(j20, w10)
+    else:
+        doc = json.loads(j20.read_text())
+        doc["engine"]["optimizer_steps"] = 5000
+        j20.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError) as err:
+        mgr.load(j20)
+    assert err.value.reason == "edited"
+    assert any(said in err.value.message for said in ("weights of step 10", "names the weights checkpoint-step-10",
+                                                      "5000 optimizer updates at step 20"))
+    s, path = mgr.load("latest")
+    assert s.step == 10 and path.name == "checkpoint-step-10.json"
+    assert any("checkpoint-step-20" in w and "older" in w for w in mgr.warnings)
+
+
+def test_pruning_an_interrupted_save_says_so(tmp_path, tiny_config):
+    warnings = []
+    mgr = CheckpointManager(tmp_path, tiny_config, on_warning=warnings.append)
+    mgr.save(state(tiny_config, 10))
+    (tmp_path / "checkpoint-step-10.json").unlink()  # killed before its JSON
+    mgr.save(state(tiny_config, 20))
+    assert names(tmp_path) == ["checkpoint-step-20.json", "checkpoint-step-20.safetensors"]
+    assert any("removed checkpoint-step-10.safetensors" in w and "interrupted save" in w for w in warnings)
+    assert not any("checkpoint-step-20" in w for w in warnings)
+
+
+def test_resume_latest_with_only_an_interrupted_save_says_how_to_go_on(tmp_path, tiny_config):
+    mgr = CheckpointManager(tmp_path, tiny_config)
+    mgr.save(state(tiny_config, 10))
+    (tmp_path / "checkpoint-step-10.json").unlink()
+    with pytest.raises(CheckpointError) as err:
+        mgr.load("latest")
+    assert "interrupted save" in err.value.message and "without --resume" in err.value.message
+    assert (tmp_path / "checkpoint-step-10.safetensors").exists()
