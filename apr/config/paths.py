@@ -8,6 +8,7 @@ is, holds or lies inside the data or the tokenizer would mix the run's files wit
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from apr.config.schema import AprConfig
@@ -22,11 +23,48 @@ def _within(inner: Path, outer: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
+def _kind(mode: int) -> str:
+    return ("a regular file" if stat.S_ISREG(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "not a folder")
+
+
+def _not_a_folder(text: str, out: Path) -> tuple[str, str] | None:
+    """The output folder itself, or the nearest existing folder above it, is something else (a file,
+    a FIFO, a device): apply could neither make the folder nor lock it."""
+    for path in (out, *out.parents):
+        try:
+            mode = path.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):  # not there yet, or under a file (found next)
+            continue
+        except OSError as err:
+            return (f"output_dir {text!r} cannot be used: {path}: {err.strerror or err}", f"{path}: {err.strerror}")
+        if stat.S_ISDIR(mode):
+            return None
+        if path == out:
+            return (f"output_dir {text!r} is {_kind(mode)} ({out}), not a folder: a run's checkpoints and records "
+                    "need a folder of their own", f"{out} ({_kind(mode)})")
+        return (f"output_dir {text!r} lies under {path}, which is {_kind(mode)}, not a folder",
+                f"{out}, under {_kind(mode)}")
+    return None
+
+
 def output_dir_problems(config: AprConfig) -> list[tuple[str, str]]:
     """(message, what was found) for every reason ``training.output_dir`` must not be written to."""
     text = config.training.output_dir
     out = _resolve(text)
     problems: list[tuple[str, str]] = []
+    shape = _not_a_folder(text, out)
+    if shape is not None:
+        problems.append(shape)
+    home_of_apr = _resolve(os.environ.get("APR_HOME") or "~/.apr")  # apr.track.names.apr_home, import-free
+    if _within(out, home_of_apr):
+        problems.append((f"output_dir {text!r} is {'' if out == home_of_apr else 'inside '}apr's own home "
+                         f"({home_of_apr}, $APR_HOME): it holds apr's registry and caches, not runs",
+                         f"{out} (apr's home)"))
+    elif ".apr" in out.parts:
+        problems.append((f"output_dir {text!r} is inside a run's .apr/ records folder: a run's checkpoints "
+                         "need a folder of their own", f"{out} (inside .apr/)"))
     if out == Path(out.anchor) or os.path.ismount(out):
         problems.append((f"output_dir {text!r} is a filesystem root ({out}): a run's checkpoints and records need a "
                          "folder of their own", f"{out} (a filesystem root)"))

@@ -42,6 +42,18 @@ def _safe_name(value: object) -> object:
 
 ExperimentName = Annotated[str | None, BeforeValidator(_safe_name)]
 
+
+def _folder_path(value: object) -> object:
+    """A path the file system can name: no NUL byte (no system call takes one), not empty."""
+    if isinstance(value, str) and "\0" in value:
+        raise ValueError("expected a folder path, got a path with a NUL byte (no file system names one)")
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("expected a folder path, got an empty string")
+    return value
+
+
+FolderPath = Annotated[str, BeforeValidator(_folder_path)]
+
 _COUNT_SCHEMA = {
     "anyOf": [
         {"type": "integer"},
@@ -842,7 +854,7 @@ class TrainingConfig(_Section):
     adagc: AdaGCConfig = Field(default_factory=AdaGCConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     mixed_precision: MixedPrecision = Field(MixedPrecision.bf16, description="Compute precision.")
-    output_dir: str = Field("checkpoints/run", description="Run directory: checkpoints and records.")
+    output_dir: FolderPath = Field("checkpoints/run", description="Run directory: checkpoints and records.")
     save_interval: PositiveCount = Field(1000, description="Checkpoint every N optimizer steps.")
     keep_last: PositiveCount = Field(1, description="Step checkpoints kept besides the best one.")
     checkpoint_async: Bool = Field(

@@ -194,3 +194,50 @@ def test_a_progressive_rank_that_is_not_positive_is_refused_at_its_key(tmp_path)
     r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
     found = [f for f in json.loads(r.stdout)["findings"] if f["path"] == "model.stacking.progressive_lora.rank"]
     assert r.exit_code == 1 and found and found[0]["line"] == 14, found
+
+
+def _unusable_output_dir(tmp_path, apr_home, kind):
+    import os
+
+    if kind == "device":
+        return "/dev/null", "a device"
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "pipe")
+        return str(tmp_path / "pipe"), "a FIFO"
+    if kind == "file":
+        (tmp_path / "notes.txt").write_text("mine\n")
+        return str(tmp_path / "notes.txt"), "a regular file"
+    if kind == "under_a_file":
+        (tmp_path / "notes.txt").write_text("mine\n")
+        return str(tmp_path / "notes.txt" / "run"), "lies under"
+    if kind == "apr_home":
+        return str(apr_home), "apr's own home"
+    return str(apr_home / "runs" / "a"), "inside apr's own home"
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "file", "under_a_file", "apr_home", "inside_apr_home"])
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_an_output_dir_that_cannot_be_a_runs_folder_is_refused_at_its_key(tmp_path, monkeypatch, _private_apr_home,
+                                                                          kind, command):
+    """Not passed by the plan and then refused by apply with "cannot lock the output folder: File exists"."""
+    from apr.plan.examples import materialize
+
+    config, _ = materialize({}, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    out, needle = _unusable_output_dir(tmp_path, _private_apr_home, kind)
+    r = runner.invoke(app, ["train", command, str(config), f"training.output_dir={out}", "--json"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    found = [f for f in json.loads(r.stdout)["findings"] if f["path"] == "training.output_dir"]
+    assert [f["code"] for f in found] == ["config.output_dir"] and needle in found[0]["message"], found
+    assert not (tmp_path / "pipe").exists() or (tmp_path / "pipe").is_fifo()
+
+
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_an_output_dir_with_a_nul_byte_is_a_finding_not_a_traceback(tmp_path, command):
+    config = tmp_path / "cfg.yaml"
+    config.write_text(ARCH.format(hidden=64) + "data: {train: data/, batch_size: 2, seq_len: 32}\n"
+                      'training:\n  output_dir: "runs/a\\0b"\n')
+    r = runner.invoke(app, ["train", command, str(config), "--json"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    found = [f for f in json.loads(r.stdout)["findings"] if f["path"] == "training.output_dir"]
+    assert found and "NUL byte" in found[0]["message"] and found[0]["line"] == 12
