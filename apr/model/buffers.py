@@ -192,8 +192,8 @@ def autograd_buffers(config: AprConfig, execution: Execution | None = None) -> l
     groups = group_sizes(config)
     bufs = _params_and_moments(config, groups, execution)
     bufs += [Buffer(f"{name}.grad", "gradients", (numel,), "float32") for name, numel in groups]
-    if config.model.lora is None:
-        bufs.append(Buffer("head_saved_grad", "gradients", (arch.vocab_size, arch.hidden_size), "float32"))
+    if config.model.lora is None:  # the loss phase's: it becomes the head's gradient in the backward
+        bufs.append(Buffer("head_saved_grad", "logits_chunk", (arch.vocab_size, arch.hidden_size), "float32"))
     return bufs
 
 
@@ -251,15 +251,22 @@ def source_buffers(config: AprConfig) -> Callable[[AprConfig, Execution | None],
 
 
 def step_buffers(config: AprConfig) -> list[Buffer]:
-    """The tensors every step creates outside the blocks: the loss's logits chunk, the head's
-    hidden states and the token ids."""
+    """The tensors every step creates outside the blocks: the loss's logits chunks, the head's
+    hidden states and the token ids.
+
+    The chunked loss (apr/kernels/linear_ce.py) holds two chunks at its peak: the previous chunk's
+    float32 logits (overwritten by their gradient) and its compute-dtype gradient stay referenced
+    while the next chunk's matmul output and float32 logits are formed. Under mixed precision the
+    head weight is cast to the compute dtype once per step. Counted op by op on fake tensors
+    (``apr train plan --trace``, 2026-11-28): 8 bytes per chunk element in fp32, 12 in bf16."""
     arch = config.model.architecture
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
     cdt = compute_dtype_name(config.training.mixed_precision)
     chunk = min(config.training.loss_chunk_size, s)
-    bufs = [Buffer("logits_chunk", "logits_chunk", (b, chunk, v), "float32")]  # d_logits in place
+    bufs = [Buffer("logits_chunk", "logits_chunk", (2, b, chunk, v), "float32")]  # d_logits in place
     if cdt != "float32":
-        bufs.append(Buffer("logits_chunk_compute", "logits_chunk", (b, chunk, v), cdt))
+        bufs.append(Buffer("logits_chunk_compute", "logits_chunk", (2, b, chunk, v), cdt))
+        bufs.append(Buffer("head_weight_compute", "logits_chunk", (v, h), cdt))
     # the final-normed hidden states (float32: the norm weight is float32) and their gradient
     bufs.append(Buffer("head_hidden", "logits_chunk", (2, b, s, h), "float32"))
     bufs.append(Buffer("token_ids", "inputs", (b, s + 1), "int64"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from apr.config.schema import AprConfig
-from apr.model.buffers import buffer_plan, compute_dtype_name
+from apr.model.buffers import buffer_plan, compute_dtype_name, uses_compute_copy
 from apr.model.spec import DTYPE_BYTES, block_numel
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
@@ -35,13 +35,14 @@ class MemoryCoefficients:
     attention_score_copies: float = 0.0
     # Under mixed precision, autocast's compute-dtype copies of one block's weights and their grads.
     block_weight_cast_copies: float = 2.0
-    # float32 softmax temporaries of one logits chunk, beyond the chunk and its gradient buffers.
-    logits_extra_copies: float = 1.0
     # Per token, in compute-dtype elements: what autograd saves for a block whose graph is kept
     # (beyond its input, which is an activation checkpoint anyway). Counted with
     # torch.autograd.graph.saved_tensors_hooks on the CPU (2026-11-24): norm outputs and the residual
     # (hidden), q/k/v after rope, attention output, SwiGLU gate, up, silu and product (intermediate).
-    keep_hidden_widths: float = 8.0
+    # The engine's trace on fake tensors (apr train plan --trace, 2026-11-28) found one more hidden
+    # width and the two RMSNorms' float32 inputs (keep_norm_fp32_widths, in float32 elements).
+    keep_hidden_widths: float = 9.0
+    keep_norm_fp32_widths: float = 2.0
     keep_kv_widths: float = 2.0
     keep_intermediate_widths: float = 4.0
     # Selective recompute keeps only the matmul and attention outputs: q, o_proj, down_proj and the
@@ -81,7 +82,8 @@ DESCRIPTIONS = {
     "gradients": "one gradient workspace (the largest group) or every group's gradient (kept)",
     "activation_checkpoints": "each block's input, kept for the recompute",
     "kept_activations": "autograd graphs kept from forward to backward (execution policy; modelled)",
-    "block_activations": "activations inside one block during recompute + backward (modelled)",
+    "block_activations": ("activations inside one block during recompute + backward, beyond the LM-head loss's "
+                          "(the two never overlap; modelled)"),
     "logits_chunk": "one LM-head chunk of logits and its gradient (never full logits)",
     "inputs": "token ids of one micro-batch",
     "cuda_context": "CUDA context and library workspaces (modelled)",
@@ -101,7 +103,9 @@ class MemoryRow:
         return asdict(self)
 
 
-def _block_activation_bytes(config: AprConfig, c: MemoryCoefficients) -> int:
+def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIENTS) -> int:
+    """One block's recompute and backward (modelled), whole: the table's row is its excess over the
+    LM-head loss's."""
     arch = config.model.architecture
     tr = config.training
     b, s = config.data.batch_size, config.data.seq_len
@@ -110,30 +114,29 @@ def _block_activation_bytes(config: AprConfig, c: MemoryCoefficients) -> int:
                  + c.block_intermediate_widths * arch.intermediate_size)
     scores = c.attention_score_copies * b * arch.num_attention_heads * s * s
     weight_casts = c.block_weight_cast_copies * block_numel(arch) if str(tr.mixed_precision) != "fp32" else 0
-    chunk = min(tr.loss_chunk_size, s)
-    logits_tmp = c.logits_extra_copies * b * chunk * arch.vocab_size * DTYPE_BYTES["float32"]
-    return int((b * s * per_token + scores + weight_casts) * elt + logits_tmp)
+    return int((b * s * per_token + scores + weight_casts) * elt)
 
 
 def _kept_activation_bytes(config: AprConfig, execution: Execution, c: MemoryCoefficients) -> int:
     arch = config.model.architecture
+    b, s = config.data.batch_size, config.data.seq_len
+    cdt = compute_dtype_name(config.training.mixed_precision)
+    elt = DTYPE_BYTES[cdt]
+    kv = arch.kv_heads * arch.head_dim
+    keep = ((c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * kv
+             + c.keep_intermediate_widths * arch.intermediate_size) * elt
+            + c.keep_norm_fp32_widths * arch.hidden_size * DTYPE_BYTES["float32"])
+    # autocast saves its compute-dtype copy of a kept block's weights for the backward, unless the
+    # blocks read the interleaved engine's compute copy
+    casts = block_numel(arch) * elt if cdt != "float32" and not uses_compute_copy(config, execution) else 0
     if policy.gradient_source(config) != "interleaved":
         # the standard engine is one autograd graph: every block's activations live from the forward
         # to the backward (the last block's are the block_activations row)
-        b, s = config.data.batch_size, config.data.seq_len
-        elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
-        keep = (c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * arch.kv_heads * arch.head_dim
-                + c.keep_intermediate_widths * arch.intermediate_size)
-        return int(b * s * (arch.num_hidden_layers - 1) * keep * elt)
-    b, s = config.data.batch_size, config.data.seq_len
-    elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
-    kv = arch.kv_heads * arch.head_dim
-    keep = (c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * kv
-            + c.keep_intermediate_widths * arch.intermediate_size)
+        return int((arch.num_hidden_layers - 1) * (b * s * keep + casts))
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * arch.intermediate_size)
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
-    return int(b * s * (execution.kept_blocks * keep + selective_blocks * sel) * elt)
+    return int(execution.kept_blocks * (b * s * keep + casts) + b * s * selective_blocks * sel * elt)
 
 
 def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS,
@@ -150,7 +153,11 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
             for name, (total, n) in sums.items()}
     rows["kept_activations"] = MemoryRow("kept_activations", _kept_activation_bytes(config, execution, coefficients),
                                          "modelled", 0, DESCRIPTIONS["kept_activations"])
-    rows["block_activations"] = MemoryRow("block_activations", _block_activation_bytes(config, coefficients),
+    # one block's recompute and backward never overlaps the LM-head loss: the row is what the block
+    # phase holds beyond the loss phase's logits chunks (the step's peak is the larger of the two)
+    head = rows["logits_chunk"].bytes if "logits_chunk" in rows else 0
+    rows["block_activations"] = MemoryRow("block_activations",
+                                          max(0, block_activation_bytes(config, coefficients) - head),
                                           "modelled", 0, DESCRIPTIONS["block_activations"])
     allocated = sum(r.bytes for r in rows.values())
     if str(config.training.device) != "cpu":  # a CPU run creates no CUDA context (device auto may be a GPU)

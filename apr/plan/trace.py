@@ -1,0 +1,480 @@
+"""`apr train plan CONFIG --trace`: run the resolved engine on fake tensors and set the bytes it holds
+beside the plan's memory table (docs/plan.md, "Trace").
+
+The engine apply would build (``apr.train.build.build_engine`` with the plan's ``Resolved``) is built
+under torch's ``FakeTensorMode``: every tensor has its shape, dtype and device but no storage, so a 7B
+step costs seconds and a few hundred MiB of host memory. Under ``training.sharding`` with N ranks the
+trace is rank 0 of N on a fake process group (``FakeStore``, backend ``fake``): collectives return at
+once and each rank's tensors are its own shards. Two steps run: the first allocates what is created
+lazily (torch AdamW's moments, FSDP2's lazy init), the second is the one measured.
+
+The bytes are counted as ``torch.distributed._tools.mem_tracker.MemTracker`` counts them (a dispatch
+mode that holds a weak reference to each new storage and subtracts it when the storage dies,
+``resize_`` patched for FSDP2's gathered parameters), but attributed to the plan's rows rather than
+MemTracker's parameter/activation classes, which cannot see the walk's flat buffers:
+
+* the buffer-plan tensors the engine allocates by name, each model parameter and its gradient, and
+  torch AdamW's state are tagged by identity (weights, compute copy, gradients, moments);
+* a tensor created during the step is tagged by where it was made: inside the LM-head loss (the
+  logits chunk and its head hidden states), inside an optimizer update or clipping (temporaries),
+  anywhere else in the forward and backward (activations);
+* FSDP2's all-gathered weights and unsharded gradients are weights and gradients (as the buffer plan
+  declares them).
+
+Device-only memory (the CUDA context, the allocator's slack) has no tensor: those rows stay modelled
+and are labelled so. A CPU-only torch traces on the CPU device, whose attention kernels are not the
+GPU's: the report says which device was traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import weakref
+from collections.abc import Callable
+
+from apr.errors import AprError, Finding
+
+# (trace row, the plan's memory-table components it is compared with, label)
+ROWS: list[tuple[str, tuple[str, ...], str]] = [
+    ("weights", ("weights", "frozen_weights", "adapters"), "weights (fp32 masters, frozen base, adapters)"),
+    ("compute_weights", ("compute_weights",), "compute copy of the blocks' weights"),
+    ("gradients", ("gradients",), "gradients or gradient workspace"),
+    ("moments", ("adamw_m", "adamw_v"), "AdamW moments"),
+    ("activations", ("activation_checkpoints", "kept_activations", "block_activations"),
+     "activations (checkpoints, kept graphs, one block's recompute + backward)"),
+    ("logits_chunk", ("logits_chunk",), "LM-head loss: logits chunk, head hidden states"),
+    ("inputs", ("inputs",), "token ids"),
+    ("temporaries", (), "optimizer and clipping temporaries (not itemised by the plan)"),
+    ("other", (), "other tensors: rope tables, flags, loss scaler (not itemised by the plan)"),
+]
+MODELLED = ("cuda_context", "allocator_slack")  # device-only: no tensor to trace
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class TraceTimeout(Exception):
+    pass
+
+
+def _trace_error(message: str, code: str, **kw) -> AprError:
+    return AprError(message, [Finding("error", code, message, **kw)])
+
+
+# ------------------------------------------------------------------------------------- the counter
+
+
+def _counter_class():
+    """The dispatch mode, defined once torch is imported (this module stays torch-free)."""
+    import torch
+    from torch.distributed._tensor import DTensor
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class RowCounter(TorchDispatchMode):
+        """Live bytes by row, each row's peak, and the total's peak with the rows at that moment."""
+
+        def __init__(self, deadline: float):
+            super().__init__()
+            self.deadline = deadline
+            self.info = WeakIdKeyDictionary()  # storage -> [row, nbytes]
+            self.refs: list = []
+            self.current = dict.fromkeys((r for r, _, _ in ROWS), 0)
+            self.total = 0
+            self.region = "other"
+            self.phase = "building the engine"
+            self.ops = 0
+            self.reset_peaks()
+            self._orig_resize = torch.UntypedStorage.resize_
+
+        def reset_peaks(self) -> None:
+            self.row_peak = dict(self.current)
+            self.peak = self.total
+            self.at_peak = dict(self.current)
+
+        def _add(self, row: str, nbytes: int) -> None:
+            self.current[row] += nbytes
+            self.total += nbytes
+            if self.current[row] > self.row_peak[row]:
+                self.row_peak[row] = self.current[row]
+            if self.total > self.peak:
+                self.peak = self.total
+                self.at_peak = dict(self.current)
+
+        def _dead(self, entry, _ref) -> None:
+            self._add(entry[0], -entry[1])
+            entry[1] = 0
+
+        def track(self, st, row: str, retag: bool = False) -> None:
+            entry = self.info.get(st)
+            if entry is None:
+                entry = [row, st.nbytes()]
+                self.info[st] = entry
+                self.refs.append(weakref.ref(st, lambda r, e=entry: self._dead(e, r)))
+                self._add(row, entry[1])
+            elif retag and entry[0] != row:
+                self._add(entry[0], -entry[1])
+                entry[0] = row
+                self._add(row, entry[1])
+
+        def tag(self, tensor, row: str) -> None:
+            """Attribute ``tensor``'s storage (a DTensor's local shard) to ``row``."""
+            if tensor is None:
+                return
+            for st in get_untyped_storages(tensor):
+                self.track(st, row, retag=True)
+
+        @contextlib.contextmanager
+        def in_region(self, row: str):
+            before, self.region = self.region, row
+            try:
+                yield
+            finally:
+                self.region = before
+
+        def __enter__(self):
+            counter = self
+
+            def resize_(st, size):  # FSDP2 frees and re-allocates its gathered weights by resizing
+                counter._orig_resize(st, size)
+                entry = counter.info.get(st)
+                if entry is None:
+                    counter.track(st, "weights")
+                elif entry[1] != st.nbytes():
+                    counter._add(entry[0], st.nbytes() - entry[1])
+                    entry[1] = st.nbytes()
+
+            torch.UntypedStorage.resize_ = resize_
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            torch.UntypedStorage.resize_ = self._orig_resize
+            return super().__exit__(*args)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor or issubclass(t, DTensor) for t in types):
+                return NotImplemented  # let DTensor run its local ops, which come back here
+            self.ops += 1
+            if self.ops % 256 == 0 and time.monotonic() > self.deadline:
+                raise TraceTimeout(self.phase)
+            if func is torch.ops.aten._local_scalar_dense.default:
+                # a host read (the standard engine's loss check, the fp16 scaler): a finite value
+                dtype = args[0].dtype
+                return True if dtype == torch.bool else 1 if not dtype.is_floating_point else 1.0
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                    for st in get_untyped_storages(t):
+                        if st not in self.info:
+                            self.track(st, self._row_for(func))
+            return out
+
+        def _row_for(self, func) -> str:
+            name = getattr(func, "_opname", "") or str(func)
+            if self.fsdp_gather and ("all_gather" in name):
+                return "weights"  # FSDP2's all-gather output: the gathered weights
+            if self.fsdp_gather and ("reduce_scatter" in name):
+                return "gradients"
+            return self.region
+
+        fsdp_gather = False
+
+    return RowCounter
+
+
+# ------------------------------------------------------------------------------------- the build
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def _fake_model_builder(device):
+    """``build_model_for`` for fake tensors: the model made on ``device`` directly, no random init
+    (values do not change the bytes), no ``init_from`` read; LoRA and a stacking trunk as apply
+    makes them."""
+    import torch
+
+    from apr.model.llama import LlamaForCausalLM
+    from apr.model.lora import add_adapters
+    from apr.model.trunk import apply_trunk
+    from apr.steps import stacking
+
+    def build(config, seed):
+        with torch.device(device):
+            model = LlamaForCausalLM(config.model.architecture)
+        if config.model.lora is not None:
+            add_adapters(model, config.model.lora, seed)
+        if stacking.trunk_storage(config):
+            apply_trunk(model, config, seed)
+        return model
+
+    return build
+
+
+def _to_if_moved(original):
+    """``nn.Module.to`` that returns the module as it is when nothing moves: a fake parameter cannot
+    be swapped for itself (``build_engine`` moves the model to the device it was made on)."""
+    import torch
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if dtype is None and all(device is None or t.device == torch.device(device) for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _fake_process_group(world_size: int):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from apr.train.dist import DataParallel
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return DataParallel(rank=0, world_size=world_size, local_rank=0, backend="fake")
+
+
+def trace_device(config) -> tuple[str, str]:
+    """The device the trace runs on and why: a GPU run on a CPU-only torch traces on the CPU."""
+    import torch
+
+    wanted = str(config.training.device)
+    if wanted == "cpu":
+        return "cpu", "training.device is cpu"
+    if torch.cuda.is_available():
+        return "cuda", "fake CUDA tensors"
+    return "cpu", (f"this torch ({torch.__version__}) has no CUDA: traced on the CPU device, whose attention "
+                   "and autocast kernels can differ from the GPU's")
+
+
+# ------------------------------------------------------------------------------------- the trace
+
+
+def _tag_state(counter, engine, planned: dict[str, str]) -> None:
+    """Tag the engine's persistent tensors by identity: buffer-plan buffers by name, parameters and
+    their gradients, torch AdamW's state."""
+    import torch
+
+    for name, tensor in (getattr(engine, "buffers", None) or {}).items():
+        counter.tag(tensor, _row_of(planned.get(name, "")))
+    for _, p in engine.model.named_parameters():
+        entry = [counter.info.get(st) for st in _storages(p)]
+        if not all(e is not None and e[0] != "other" for e in entry):  # not already a named buffer
+            counter.tag(p, "weights")
+        if p.grad is not None:
+            counter.tag(p.grad, "gradients")
+    optimizer = getattr(getattr(engine, "updater", None), "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    counter.tag(value, "moments" if key in ("exp_avg", "exp_avg_sq") else "other")
+
+
+def _storages(t):
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return get_untyped_storages(t)
+
+
+def _row_of(component: str) -> str:
+    for row, parts, _ in ROWS:
+        if component in parts:
+            return row
+    return "other"
+
+
+def _regions(counter, engine) -> contextlib.ExitStack:
+    """Mark where the step's tensors are made: the LM-head loss, the optimizer and clipping."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from apr.model import llama
+    from apr.train import engine as engine_module
+    from apr.train import finish
+
+    stack = contextlib.ExitStack()
+
+    def region(fn: Callable, row: str) -> Callable:
+        def wrapped(*args, **kwargs):
+            with counter.in_region(row):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    stack.enter_context(_patched(engine_module, "linear_cross_entropy_fwd_bwd",
+                                 region(engine_module.linear_cross_entropy_fwd_bwd, "logits_chunk")))
+    stack.enter_context(_patched(llama, "linear_cross_entropy", region(llama.linear_cross_entropy, "logits_chunk")))
+    if hasattr(engine, "_walk_head"):  # the walk's final norm, LM head and loss, chunk by chunk
+        stack.enter_context(_patched(engine, "_walk_head", region(engine._walk_head, "logits_chunk")))
+    stack.enter_context(_patched(type(engine.model), "loss", region(type(engine.model).loss, "logits_chunk")))
+    if hasattr(engine, "updater"):
+        for name in ("step", "update_flat"):
+            if callable(getattr(engine.updater, name, None)):
+                stack.enter_context(_patched(engine.updater, name, region(getattr(engine.updater, name), "temporaries")))
+    stack.enter_context(_patched(finish, "finish_step", region(finish.finish_step, "temporaries")))
+    if hasattr(engine_module, "finish_step"):
+        stack.enter_context(_patched(engine_module, "finish_step", region(engine_module.finish_step, "temporaries")))
+    handle = register_optimizer_step_pre_hook(lambda *a: setattr(counter, "region", "temporaries"))
+    stack.callback(handle.remove)
+    return stack
+
+
+def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list | None = None) -> dict:
+    """Trace one rank of the run ``resolved`` (apr/steps/resolved.py) on fake tensors; returns the
+    report (``peak_bytes``, ``plan_peak_bytes``, ``rows``...). ``plan_rows``: the plan's memory table
+    (``MemoryRow``s) for this rank."""
+    import resource
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+        UnsupportedOperatorException,
+    )
+
+    from apr.model.buffers import buffer_plan
+    from apr.train import build as engine_build
+
+    config, execution = resolved.config, resolved.execution
+    notes = []
+    if execution.compile:  # the compiled graph is not traced: its eager blocks are
+        execution = dataclasses.replace(execution, compile=False)
+        notes.append("training.compile: traced eager (the compiled blocks' memory can differ)")
+    if config.model.init_from is not None:
+        notes.append("model.init_from not read: the trace needs shapes, not values")
+    device_type, device_why = trace_device(config)
+    device = torch.device(device_type)
+    world = int(resolved.world_size)
+    sharded = str(config.training.sharding) != "none" and world > 1
+    t0 = time.monotonic()
+    counter = _counter_class()(t0 + timeout_s)
+    counter.fsdp_gather = sharded
+    planned = {b.name: b.component for b in buffer_plan(config, execution)}
+    steps_done, first_peak = 0, None
+    dp = None
+    try:
+        if sharded or world > 1:
+            dp = _fake_process_group(world)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(counter)
+            stack.enter_context(_patched(engine_build, "build_model_for", _fake_model_builder(device)))
+            stack.enter_context(_patched(torch.nn.Module, "to", _to_if_moved(torch.nn.Module.to)))
+            engine = _build(engine_build, resolved, execution, device, dp)
+            _tag_state(counter, engine, planned)
+            if not sharded:
+                _grad_hooks(counter, engine)
+            stack.enter_context(_regions(counter, engine))
+            b, s = config.data.batch_size, config.data.seq_len
+            vocab = config.model.architecture.vocab_size
+            lr = float(config.optimizer.lr)
+            for step in (1, 2):
+                counter.phase = f"step {step} of 2" + (" (the first: lazy state)" if step == 1 else "")
+                with counter.in_region("inputs"):
+                    batches = [torch.randint(0, vocab, (b, s + 1), device=device)
+                               for _ in range(config.training.gradient_accumulation)]
+                if step == 2:
+                    _tag_state(counter, engine, planned)
+                    first_peak = counter.peak
+                    counter.reset_peaks()
+                with counter.in_region("activations"):
+                    engine.train_step(batches, lr)
+                del batches
+                steps_done = step
+            _tag_state(counter, engine, planned)
+    except TraceTimeout as err:
+        raise _trace_error(
+            f"--trace stopped after {timeout_s:g} s (--trace-timeout) during {err.args[0]}, "
+            f"{steps_done} of 2 steps done, {counter.ops} tensor operations run, peak so far "
+            f"{counter.peak / 2**30:.2f} GiB", "plan.trace_timeout", path="--trace-timeout",
+            expected=f"the trace within {timeout_s:g} s", got=f"stopped during {err.args[0]}") from None
+    except (UnsupportedOperatorException, DataDependentOutputException, DynamicOutputShapeException) as err:
+        op = getattr(err, "func", None)
+        raise _trace_error(
+            f"--trace: fake tensors cannot run {op} ({type(err).__name__}) during {counter.phase}",
+            "plan.trace_unsupported", expected="operations fake tensors can run", got=str(op)) from None
+    except AprError:
+        raise
+    except Exception as err:
+        import os
+        if os.environ.get("APR_TRACE_RAISE"):
+            raise
+        raise _trace_error(f"--trace failed during {counter.phase}: {type(err).__name__}: {err}".strip(),
+                           "plan.trace_failed", expected="an engine that builds and steps on fake tensors",
+                           got=type(err).__name__) from None
+    finally:
+        if dp is not None and dist.is_initialized():
+            dist.destroy_process_group()
+    seconds = time.monotonic() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    plan_rows = plan_rows or []
+    own = {}
+    if any(r.component == "block_activations" for r in plan_rows):
+        # the activations row's own peak is its block phase whole; the table's block row is only the
+        # excess over the loss phase (which is what the step's peak sums)
+        from apr.plan.memory import block_activation_bytes
+
+        own["activations"] = (sum(r.bytes for r in plan_rows if r.component in ("activation_checkpoints",
+                                                                                 "kept_activations"))
+                              + block_activation_bytes(config))
+    return report(counter, plan_rows, own, device=device_type, device_why=device_why, world_size=world,
+                  nodes=int(resolved.nodes), sharding=str(config.training.sharding), seconds=seconds,
+                  rss=rss, first_peak=first_peak, notes=notes, torch_version=torch.__version__)
+
+
+def _build(engine_build, resolved, execution, device, dp):
+    """``build_engine`` as apply calls it: from the plan's ``Resolved`` (or, on the older signature,
+    from its config and execution)."""
+    import inspect
+
+    first = next(iter(inspect.signature(engine_build.build_engine).parameters))
+    if first == "plan":
+        return engine_build.build_engine(dataclasses.replace(resolved, execution=execution), device, dp=dp)
+    return engine_build.build_engine(resolved.config, device, dp=dp, execution=execution)
+
+
+def _grad_hooks(counter, engine) -> None:
+    """Plain autograd: a parameter's gradient is a gradient from the moment autograd stores it."""
+    for p in engine.model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda q: counter.tag(q.grad, "gradients"))
+
+
+def report(counter, plan_rows: list, own: dict[str, int], **facts) -> dict:
+    """The trace beside the plan: per row the plan's bytes, the traced row's peak and its bytes at the
+    total's peak; the modelled device-only rows as they are."""
+    by_component = {r.component: r.bytes for r in plan_rows}
+    rows = []
+    for row, parts, label in ROWS:
+        plan_bytes = own.get(row, sum(by_component.get(c, 0) for c in parts)) if parts else None
+        traced = counter.row_peak[row]
+        if plan_bytes is None and traced == 0:
+            continue
+        if plan_bytes == 0 and traced == 0:
+            continue
+        rows.append({"name": row, "label": label, "plan_bytes": plan_bytes, "traced_bytes": traced,
+                     "at_peak_bytes": counter.at_peak[row], "source": "traced",
+                     "ratio": (plan_bytes / traced) if plan_bytes and traced else None})
+    for name in MODELLED:
+        if name in by_component:
+            rows.append({"name": name, "label": "modelled: no tensor to trace", "plan_bytes": by_component[name],
+                         "traced_bytes": None, "at_peak_bytes": None, "source": "modelled", "ratio": None})
+    plan_peak = sum(r.bytes for r in plan_rows if r.component not in MODELLED)
+    return {"peak_bytes": counter.peak, "plan_peak_bytes": plan_peak,
+            "ratio": plan_peak / counter.peak if counter.peak else None,
+            "first_step_peak_bytes": facts.pop("first_peak"), "rows": rows, **facts}
