@@ -361,6 +361,13 @@ def _check_self_consistent(info: CheckpointInfo, meta: dict) -> None:
             expected=f"at most {info.step} optimizer updates", got=f"{updates}")
 
 
+def check_weights(info: CheckpointInfo) -> None:
+    """The weights on disk are those the JSON recorded (size, SHA-256) and agree with it (their own
+    step, the optimizer's count): what a reader that does not load (``apr inspect``) checks."""
+    verify_weights(info)
+    _check_self_consistent(info, {k: v for k, v in info.doc.items() if k not in RESERVED_KEYS})
+
+
 def checkpoint_shapes(info: CheckpointInfo) -> tuple[dict, dict]:
     """The whole tensors' shapes and dtypes from the weights file's header (or its parts')."""
     if not info.parts:

@@ -28,6 +28,8 @@ def register(app: typer.Typer) -> None:
         out: Path | None = typer.Option(None, "--out", metavar="DIR", help=(
             "Write the pictures (histograms, updates, attention) as files in this folder.")),
         fmt: str = typer.Option("svg", "--format", help="svg or png, for --out."),
+        overwrite: bool = typer.Option(False, "--overwrite", help=(
+            "Replace pictures of an earlier `apr inspect --out` in DIR (never apr's records).")),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON document."),
     ) -> None:
         """Look inside checkpoints: weights, updates between two, attention. Exit 0 ok, 1 error."""
@@ -37,6 +39,6 @@ def register(app: typer.Typer) -> None:
         if out is not None:  # refused before anything is read: a file, FIFO, device, symlink, apr's records
             check_output_folder(out, inputs=[source, *([other] if other else [])], option="--out")
         options = InspectOptions(bins=bins, tensors=tuple(tensor), prompt=prompt, layers=tuple(layer),
-                                 heads=tuple(head), tokenizer=tokenizer, out=out, fmt=fmt)
-        report = inspect(source, other, options)
+                                 heads=tuple(head), tokenizer=tokenizer, out=out, fmt=fmt, overwrite=overwrite)
+        report = inspect(source, other, options, warn=lambda m: typer.echo(f"warning: {m}", err=True))
         typer.echo(json.dumps(report.to_dict(), indent=2) if json_out else render_text(report))

@@ -7,6 +7,7 @@ few lines with no extra dependency, and the files come out byte-identical run to
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from html import escape
@@ -54,11 +55,16 @@ def shade_map(matrix: list[list[float]], size: int = 48) -> list[str]:
     return ["".join(SHADE[round((len(SHADE) - 1) * v)] * 2 for v in row) for row in by_row(pool(matrix, size))]
 
 
+def finite_or_zero(v: float | None) -> float:
+    """A bar's length: a missing or non-finite value draws none (its number is still printed)."""
+    return v if v is not None and math.isfinite(v) else 0.0
+
+
 def text_bars(labels: list[str], values: list[float], width: int = 40, fmt=lambda v: f"{v:.3g}") -> list[str]:
-    top = max((v for v in values if v is not None), default=0.0) or 1.0
+    top = max((finite_or_zero(v) for v in values), default=0.0) or 1.0
     pad = max((len(s) for s in labels), default=0)
-    return [f"{label.ljust(pad)}  {'█' * round(width * (v or 0) / top):<{width}}  {fmt(v) if v is not None else '-'}"
-            for label, v in zip(labels, values, strict=True)]
+    return [f"{label.ljust(pad)}  {'█' * round(width * finite_or_zero(v) / top):<{width}}  "
+            f"{fmt(v) if v is not None else '-'}" for label, v in zip(labels, values, strict=True)]
 
 
 # --------------------------------------------------------------------------------------- SVG
@@ -86,10 +92,10 @@ def svg_histograms(rows: list[tuple[str, list[int], float, float]], bar: int = 6
 
 
 def svg_bars(labels: list[str], values: list[float], title: str) -> str:
-    top = max((v for v in values if v is not None), default=0.0) or 1.0
+    top = max((finite_or_zero(v) for v in values), default=0.0) or 1.0
     body = [f'<text x="4" y="14">{escape(title)}</text>']
     for k, (label, v) in enumerate(zip(labels, values, strict=True)):
-        y, w = 24 + k * 16, round(300 * (v or 0) / top)
+        y, w = 24 + k * 16, round(300 * finite_or_zero(v) / top)
         body.append(f'<text x="4" y="{y + 11}">{escape(label)}</text>')
         body.append(f'<rect x="130" y="{y}" width="{w}" height="12" fill="#21918c"/>')
         body.append(f'<text x="{136 + w}" y="{y + 11}">{"-" if v is None else f"{v:.3g}"}</text>')

@@ -33,6 +33,8 @@ def _update_lines(report: InspectReport) -> list[str]:
     labels = [r.layer for r in u.layers]
     bars = draw.text_bars(labels, [r.stats["relative_update"] for r in u.layers], width=30)
     lines += [f"  {bar}   cosine {_g(r.stats['cosine'])}" for bar, r in zip(bars, u.layers, strict=True)]
+    lines += [f"  {r.layer}: {r.stats['nonfinite']} positions where a weight is inf or NaN, left out of these sums"
+              for r in u.layers if r.stats.get("nonfinite")]
     for what, names in (("only in the first", u.only_before), ("only in the second", u.only_after)):
         if names:
             lines.append(f"  {len(names)} tensors {what}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")

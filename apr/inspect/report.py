@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.fsutil import check_output_file, probe_writable, write_output
 from apr.generate.load import load_for_inference
 from apr.inspect import draw
 from apr.inspect.attention import AttentionMap, attention_maps
@@ -32,6 +33,7 @@ class InspectOptions:
     tokenizer: Path | None = None
     out: Path | None = None
     fmt: str = "svg"
+    overwrite: bool = False  # replace pictures already in --out (never anything else there)
 
     def check(self) -> None:
         if not 2 <= self.bins <= 1000:
@@ -67,9 +69,11 @@ class InspectReport:
     updates: Updates | None = None
     attention: list[AttentionMap] = field(default_factory=list)
     written: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # damaged or edited checkpoints shown or passed over
 
     def to_dict(self) -> dict:
-        return {"format_version": FORMAT_VERSION, "weights": [w.to_dict() for w in self.weights],
+        return {"format_version": FORMAT_VERSION, "warnings": list(self.warnings),
+                "weights": [w.to_dict() for w in self.weights],
                 "updates": self.updates.to_dict() if self.updates else None,
                 "attention": [a.to_dict() for a in self.attention], "written": [str(p) for p in self.written]}
 
@@ -79,20 +83,47 @@ def _attention(source: str | Path, options: InspectOptions) -> list[AttentionMap
     return attention_maps(loaded, options.prompt, list(options.layers), list(options.heads))
 
 
-def inspect(source: str | Path, other: str | Path | None, options: InspectOptions) -> InspectReport:
+def picture_names(other: bool, fmt: str) -> list[str]:
+    """The files ``--out`` gets whatever the weights hold (attention maps add one per layer and head)."""
+    return [f"{stem}.{fmt}" for stem in ("weights", *(("weights-other", "updates") if other else ()))]
+
+
+def check_out(options: InspectOptions, inputs: list[str | Path], other: bool) -> None:
+    """Before anything is read: ``--out`` can be written (a read-only folder is an error now), and none
+    of the pictures it will get is a file already there, unless ``--overwrite``."""
+    if options.out is None:
+        return
+    for name in picture_names(other, options.fmt):
+        check_output_file(options.out / name, inputs=inputs, overwrite=options.overwrite, option="--out")
+    probe_writable(options.out / picture_names(other, options.fmt)[0], "--out")
+
+
+def inspect(source: str | Path, other: str | Path | None, options: InspectOptions,
+            warn=None) -> InspectReport:
+    """``warn``: told at once of weights that are not what their checkpoint recorded (damaged or
+    edited); the report keeps those warnings too."""
     options.check()
-    opened = [open_weights(source)] + ([open_weights(other)] if other is not None else [])
+    check_out(options, [source, *([other] if other is not None else [])], other is not None)
+    said: list[str] = []
+
+    def _warn(message: str) -> None:
+        said.append(message)
+        if warn is not None:
+            warn(message)
+
+    opened = [open_weights(source, _warn)] + ([open_weights(other, _warn)] if other is not None else [])
     if not any(options.select(n) for n in opened[0].names):
         raise InspectOptionError(f"no tensor of {opened[0].path} matches --tensor {' '.join(options.tensors)}", [
             Finding("error", "inspect.no_tensor", "no tensor matches", path="--tensor",
                     expected="a pattern matching a tensor name, e.g. '*layers.0.*'", got=" ".join(options.tensors))])
-    report = InspectReport([Weights(w, *weight_stats(w, options.bins, options.select)) for w in opened])
+    report = InspectReport([Weights(w, *weight_stats(w, options.bins, options.select)) for w in opened],
+                           warnings=said)
     if other is not None:
         report.updates = compare_weights(opened[0], opened[1], options.select)
     if options.prompt is not None:
         report.attention = _attention(source, options)
     if options.out is not None:
-        report.written = write_pictures(report, options.out, options.fmt)
+        report.written = write_pictures(report, options.out, options.fmt, options.overwrite)
     return report
 
 
@@ -100,9 +131,10 @@ def _histogram_rows(weights: Weights) -> list[tuple[str, list[int], float, float
     return [(r.layer, r.counts, r.bin_edges[0], r.bin_edges[-1]) for r in weights.layers if r.counts]
 
 
-def write_pictures(report: InspectReport, out: Path, fmt: str) -> list[Path]:
-    """The report's pictures as ``fmt`` files in ``out`` (created if missing); their paths."""
-    out.mkdir(parents=True, exist_ok=True)
+def write_pictures(report: InspectReport, out: Path, fmt: str, overwrite: bool = False) -> list[Path]:
+    """The report's pictures as ``fmt`` files in ``out`` (created if missing), each through the one
+    checked writer (never over a file of the user's without ``overwrite``, nor over apr's records; all
+    checked before the first is written); their paths."""
     files: dict[str, str | bytes] = {}
     for k, w in enumerate(report.weights):
         rows = _histogram_rows(w)
@@ -112,17 +144,12 @@ def write_pictures(report: InspectReport, out: Path, fmt: str) -> list[Path]:
         labels = [r.layer for r in report.updates.layers]
         values = [r.stats["relative_update"] for r in report.updates.layers]
         files["updates"] = (draw.svg_bars(labels, values, "relative update ||B - A|| / ||A|| per layer")
-                            if fmt == "svg" else draw.png_bars([[round(1e6 * (v or 0)) for v in values]]))
+                            if fmt == "svg" else draw.png_bars([[round(1e6 * draw.finite_or_zero(v)) for v in values]]))
     for a in report.attention:
         title = f"layer {a.layer} head {a.head}"
         files[f"attention-L{a.layer}-H{a.head}"] = (draw.svg_heatmap(a.weights, a.tokens, title) if fmt == "svg"
                                                     else draw.png_heatmap(a.weights))
-    written = []
-    for stem, content in files.items():
-        path = out / f"{stem}.{fmt}"
-        if isinstance(content, str):
-            path.write_text(content, encoding="utf-8")
-        else:
-            path.write_bytes(content)
-        written.append(path)
-    return written
+    paths = {stem: out / f"{stem}.{fmt}" for stem in files}
+    for path in paths.values():
+        check_output_file(path, overwrite=overwrite, option="--out")
+    return [write_output(paths[stem], content, overwrite=overwrite, option="--out") for stem, content in files.items()]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from apr.checkpoint.manager import CheckpointError, read_info, scan
+from apr.checkpoint.manager import CheckpointError, check_weights, read_info, scan
 from apr.checkpoint.names import is_optimizer_state
 from apr.checkpoint.parts import LazyTensors
 from apr.errors import AprError, Finding
@@ -66,15 +66,34 @@ def _by_name(lazies: list[LazyTensors]) -> dict:
     return {name: lazy for lazy in lazies for name in lazy}
 
 
-def _apr(json_path: Path, kind: str) -> WeightSource:
+class Damaged(Exception):
+    """The weights are not what their checkpoint's JSON recorded (``problem``: why)."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+
+
+def _apr(json_path: Path, kind: str, warn=None) -> WeightSource:
+    """An apr checkpoint's weights. Weights that are not those its JSON recorded (another SHA-256 or
+    size, another step's) raise ``Damaged`` without ``warn``; with it they are said and still shown
+    (the user named this checkpoint: looking inside a damaged one is a reason to inspect)."""
     try:
         info = read_info(json_path)
     except CheckpointError as err:
         raise _refuse(json_path, err.message) from None
+    try:
+        check_weights(info)
+    except CheckpointError as err:
+        if warn is None:
+            raise Damaged(err.message) from None
+        warn(f"{err.message}: these are not the weights {json_path.name} recorded")
     return WeightSource(json_path, kind, info.step, _by_name([_open(info.weights_files, json_path)]))
 
 
-def _run_dir(path: Path) -> WeightSource:
+def _run_dir(path: Path, warn=None) -> WeightSource:
+    """The newest checkpoint of a run whose weights are those its JSON recorded; damaged ones are
+    passed over (and said through ``warn``), as a resume does."""
     errors = []
     for entry in scan(path):
         if entry.complete:
@@ -82,6 +101,10 @@ def _run_dir(path: Path) -> WeightSource:
                 return _apr(entry.json_path, "run")
             except NotACheckpoint as err:
                 errors.append(err.message)  # a torn newest checkpoint: fall back to the one before
+            except Damaged as err:
+                errors.append(err.problem)
+                if warn is not None:
+                    warn(f"{err.problem}; showing an older checkpoint")
     raise _refuse(path, errors[0] if errors else "a folder with no checkpoint-step-*.json and no model.safetensors")
 
 
@@ -96,16 +119,21 @@ def _hf_dir(path: Path) -> WeightSource:
     return WeightSource(path, "hf", None, _by_name([_open([path / "model.safetensors"], path)]))
 
 
-def open_weights(source: str | Path) -> WeightSource:
+def open_weights(source: str | Path, warn=None) -> WeightSource:
+    """``warn``: told of damaged or edited checkpoints (a run folder's are passed over, a named
+    checkpoint's are still shown); without it such a checkpoint is refused."""
     path = Path(source).expanduser()
     if not path.exists():
         raise _refuse(path, "no such file or folder")
     if path.is_dir():
         if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
             return _hf_dir(path)
-        return _run_dir(path)
+        return _run_dir(path, warn)
     if path.suffix == ".json" or (path.suffix == ".safetensors" and path.with_suffix(".json").is_file()):
-        return _apr(path.with_suffix(".json"), "checkpoint")
+        try:
+            return _apr(path.with_suffix(".json"), "checkpoint", warn)
+        except Damaged as err:
+            raise _refuse(path, err.problem) from None
     if path.suffix == ".safetensors":
         return WeightSource(path, "safetensors", None, _by_name([_open([path], path)]))
     raise _refuse(path, f"a {path.suffix or 'suffix-less'} file")

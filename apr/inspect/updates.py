@@ -23,9 +23,14 @@ class Sums:
     before: float = 0.0  # sum a^2
     after: float = 0.0  # sum b^2
     dot: float = 0.0  # sum a * b
+    nonfinite: int = 0  # positions where A or B is inf or NaN: left out of the sums, counted here
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         a, b = a.double(), b.double()
+        both = torch.isfinite(a) & torch.isfinite(b)
+        if not bool(both.all()):
+            self.nonfinite += int(both.numel() - both.sum())
+            a, b = a[both], b[both]
         self.diff += float(((b - a) ** 2).sum())
         self.before += float((a * a).sum())
         self.after += float((b * b).sum())
@@ -36,13 +41,14 @@ class Sums:
         self.before += other.before
         self.after += other.after
         self.dot += other.dot
+        self.nonfinite += other.nonfinite
 
     def summary(self) -> dict:
         norm = math.sqrt(self.diff)
         return {"update_norm": norm, "before_norm": math.sqrt(self.before), "after_norm": math.sqrt(self.after),
                 "relative_update": norm / math.sqrt(self.before) if self.before > 0 else None,
                 "cosine": (self.dot / math.sqrt(self.before * self.after)
-                           if self.before > 0 and self.after > 0 else None)}
+                           if self.before > 0 and self.after > 0 else None), "nonfinite": self.nonfinite}
 
 
 @dataclass
