@@ -140,8 +140,39 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
         return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind=kind, step=state.step,
                       eos_id=None, config=config, warnings=warnings)
     tok = _open_tokenizer(tok_path, config.model.architecture.vocab_size)
+    if tokenizer is not None:
+        try:
+            own = _checkpoint_tokenizer(None, config, info)
+        except LoadError:
+            own = None  # the run's own tokenizer is gone: nothing to compare with
+        warnings += other_tokenizer_warning(tok_path, own, f"data.tokenizer of {info.json_path.name}")
     return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind=kind, step=state.step,
                   eos_id=_eos_id(tok), config=config, warnings=warnings)
+
+
+def _sha256(path: Path) -> str | None:
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def other_tokenizer_warning(given: Path, own: Path | None, own_name: str) -> list[str]:
+    """A warning naming both digests when ``--tokenizer`` is not the model's own tokenizer file
+    (by content: a copy of it is the same tokenizer)."""
+    if own is None:
+        return []
+    a, b = _sha256(given), _sha256(own)
+    if a is None or b is None or a == b:
+        return []
+    return [f"--tokenizer {given} (sha256 {a}) is not the tokenizer the model was trained with: {own} "
+            f"({own_name}, sha256 {b}); ids decode as other text unless the two tokenizers agree"]
 
 
 def _checkpoint_tokenizer(given, config, info) -> Path:
@@ -203,6 +234,8 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
             "error", "generate.no_tokenizer", "no tokenizer to decode with", file=str(tok_path),
             expected="a tokenizer.json", got="none")])
     tok = _open_tokenizer(tok_path, arch.vocab_size)
+    warnings = (other_tokenizer_warning(tok_path, path / "tokenizer.json", "the folder's own")
+                if tokenizer is not None and (path / "tokenizer.json").is_file() else [])
     eos = doc.get("eos_token_id")
     gen_cfg = path / "generation_config.json"
     if gen_cfg.is_file():
@@ -214,7 +247,7 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind="hf", step=None,
-                  eos_id=eos if isinstance(eos, int) else _eos_id(tok))
+                  eos_id=eos if isinstance(eos, int) else _eos_id(tok), warnings=warnings)
 
 
 def hf_architecture(doc: dict, where: Path):

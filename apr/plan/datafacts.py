@@ -187,3 +187,50 @@ def shared_shards(train_text: str, val_text: str) -> int:
             train_sigs = {_signature(f) for f in train if f.stat().st_size in {c.stat().st_size for c in candidates}}
             same += [f for f in candidates if _signature(f) in train_sigs]
     return len(same)
+
+
+def manifest_tokenizer(path_text: str) -> dict | None:
+    """The tokenizer the pretokenize manifest beside a dataset records (``DIR/manifest.json``, or
+    ``DIR/../manifest.json`` for the ``train/`` and ``val/`` folders ``apr data pretokenize``
+    writes): manifest path, sha256, end-of-text token and id. None without a manifest, or when it
+    cannot be read or records no digest (nothing to compare)."""
+    from apr.errors import AprError
+    from apr.readers import load_json
+
+    path = resolve(path_text)
+    for folder in (path, path.parent) if path.is_dir() else (path.parent,):
+        manifest = folder / "manifest.json"
+        if not manifest.is_file():
+            continue
+        try:
+            doc = load_json(manifest, "manifest", "pretokenize manifest")
+        except AprError:  # unreadable or not JSON: not apr's manifest, nothing to compare against
+            return None
+        tok = doc.get("tokenizer") if isinstance(doc, dict) else None
+        sha = tok.get("sha256") if isinstance(tok, dict) else None
+        if not isinstance(sha, str) or not sha:
+            return None
+        eot_token, eot_id = tok.get("eot_token"), tok.get("eot_id")
+        return {"manifest": str(manifest), "sha256": sha[:128],
+                "tokenizer_path": str(tok.get("path"))[:500] if tok.get("path") is not None else None,
+                "eot_token": eot_token[:100] if isinstance(eot_token, str) else None,
+                "eot_id": eot_id if isinstance(eot_id, int) and not isinstance(eot_id, bool) else None}
+    return None
+
+
+def data_manifests(data) -> list[dict]:
+    """``manifest_tokenizer`` of every input of ``data`` (a DataConfig) that has one, each with
+    ``where`` (``train``, ``val``, ``source 'web'``, ``source 'web' val``), in config order."""
+    if data.sources is None:
+        inputs = [("train", data.train)]
+    else:
+        inputs = [(f"source {s.name!r}", s.path) for s in data.sources]
+        inputs += [(f"source {s.name!r} val", s.val) for s in data.sources if s.val]
+    if data.val:
+        inputs.append(("val", data.val))
+    out = []
+    for where, path_text in inputs:
+        m = manifest_tokenizer(path_text)
+        if m is not None:
+            out.append({"where": where, **m})
+    return out

@@ -10,7 +10,9 @@ Example keys (all optional but ``expect``):
 ``config``     mapping deep-merged over BASE_CONFIG (a null value sets the key to null)
 ``train``      shards: rows, shards, row_len (default seq_len + 1), max_token, column, dtype
                (uint32, int64, float32, string), list (false: a plain column), statistics, ragged,
-               missing (path absent), empty (folder without shards), corrupt (one shard is not Parquet)
+               missing (path absent), empty (folder without shards), corrupt (one shard is not Parquet),
+               manifest (``same``: a pretokenize manifest.json naming the example's tokenizer; ``other``:
+               naming another tokenizer's sha256), eot_id (the manifest's end-of-text id, default 0)
 ``val``        the same keys, or ``same_as_train: true`` / ``copy_of_train: true``
 ``tokenizer``  vocab_size (default: the config's), added_tokens, missing, corrupt
 ``target``     gpu / vram, as on the command line;  ``world_size``: as --world-size
@@ -115,6 +117,20 @@ def _write_dataset(folder: Path, spec: dict, config: dict, default_max: int, see
         (folder / "shard-99999.parquet").write_bytes(b"this is not a parquet file\n")
 
 
+def _write_manifest(folder: Path, spec: dict, tokenizer: str | None) -> None:
+    """A pretokenize manifest.json beside the shards, naming the example's tokenizer (``same``) or
+    another one (``other``), with ``<unk>`` as the end-of-text token."""
+    import hashlib
+
+    if spec["manifest"] == "same" and tokenizer is not None and Path(tokenizer).is_file():
+        sha = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+    else:
+        sha = "0" * 64
+    doc = {"tokenizer": {"path": "other-tokenizer.json", "sha256": sha, "eot_token": "<unk>",
+                         "eot_id": spec.get("eot_id", 0)}}
+    (folder / "manifest.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def materialize(example: dict, folder: Path) -> tuple[Path, dict]:
     """Write the example's config and inputs under ``folder``.
 
@@ -148,6 +164,9 @@ def materialize(example: dict, folder: Path) -> tuple[Path, dict]:
             path.write_text("{ not a tokenizer")
         else:
             write_tokenizer(path, tok_spec["vocab_size"], tok_spec.get("added_tokens", 0))
+    for key, spec in (("train", train_spec), ("val", val_spec if data.get("val") is not None else {})):
+        if spec.get("manifest"):
+            _write_manifest(Path(data[key]), spec, data.get("tokenizer"))
 
     config_path = folder / "config.yaml"
     config_path.write_text(to_yaml(config))

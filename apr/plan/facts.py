@@ -21,7 +21,7 @@ from apr.plan.configfacts import (  # validate's facts (config only), shared
     memory_facts,
     model_facts,
 )
-from apr.plan.datafacts import dataset_facts, shared_shards
+from apr.plan.datafacts import data_manifests, dataset_facts, shared_shards
 from apr.plan.gpus import Target
 from apr.plan.mixfacts import merged_train_facts, source_dataset_facts
 from apr.plan.stackfacts import stacking_facts
@@ -113,7 +113,7 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
     facts["data"] = data_facts
     if data.tokenizer is not None:
 
-        facts["tokenizer"] = tokenizer_facts(data.tokenizer)
+        facts["tokenizer"] = tokenizer_facts(data.tokenizer, data_manifests(data))
 
     train = data_facts["train"]
     if "sequences" in train:

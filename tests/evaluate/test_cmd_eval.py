@@ -81,3 +81,19 @@ def test_an_unparsable_line_and_a_checkpoint_without_a_tokenizer_are_refused(tin
     no_tok = CheckpointManager(tmp_path / "a", doc).save(read_checkpoint(tiny_lm.checkpoint))
     err = error(invoke(no_tok, "--task", "stdlib-nextline"))
     assert "names no tokenizer" in err and "--tokenizer" in err
+
+
+def test_another_tokenizer_than_the_runs_own_is_warned_about(tiny_lm, tmp_path):
+    import hashlib
+
+    spec = json.loads(tiny_lm.tokenizer.read_text())
+    vocab = spec["model"]["vocab"]
+    (a, ia), (b, ib) = list(vocab.items())[300:302]
+    vocab[a], vocab[b] = ib, ia  # the same size, two tokens swapped
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(spec))
+    r = invoke(tiny_lm.checkpoint, "--task", task_file(tmp_path, [GOOD]), "--tokenizer", other)
+    assert r.exit_code == 0, r.output
+    assert "is not the tokenizer the model was trained with" in r.stderr
+    assert hashlib.sha256(other.read_bytes()).hexdigest() in r.stderr
+    assert hashlib.sha256(tiny_lm.tokenizer.read_bytes()).hexdigest() in r.stderr

@@ -97,3 +97,31 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(tiny_lm, tmp_path):
     shutil.copytree(tiny_lm.hf_dir, hf)
     (hf / "tokenizer.json").unlink()
     assert "no tokenizer.json" in error(invoke(hf, "-p", "x"))
+
+
+def other_tokenizer(tiny_lm, folder):
+    """The model's tokenizer with two tokens swapped: the same size, another file."""
+    spec = json.loads(tiny_lm.tokenizer.read_text())
+    vocab = spec["model"]["vocab"]
+    (a, ia), (b, ib) = list(vocab.items())[300:302]
+    vocab[a], vocab[b] = ib, ia
+    path = folder / "other-tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def test_another_tokenizer_than_the_runs_own_is_warned_about_naming_both_digests(tiny_lm, tmp_path):
+    import hashlib
+
+    other = other_tokenizer(tiny_lm, tmp_path)
+    own_sha = hashlib.sha256(tiny_lm.tokenizer.read_bytes()).hexdigest()
+    other_sha = hashlib.sha256(other.read_bytes()).hexdigest()
+    for source in (tiny_lm.run_dir, tiny_lm.hf_dir):
+        r = invoke(source, "-p", "x", "-n", "2", "--tokenizer", other)
+        assert r.exit_code == 0, r.output
+        assert "is not the tokenizer the model was trained with" in r.stderr
+        assert own_sha in r.stderr and other_sha in r.stderr
+    copy = tmp_path / "copy.json"  # the same tokenizer under another name: no warning
+    copy.write_bytes(tiny_lm.tokenizer.read_bytes())
+    r = invoke(tiny_lm.run_dir, "-p", "x", "-n", "2", "--tokenizer", copy)
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
