@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from apr.errors import ConfigError, Finding
+from apr.quoting import describe, of_kind, what_it_holds
 
 COMMAND_LINE = "command line"
 MAX_EXTENDS_DEPTH = 16
@@ -96,7 +97,7 @@ def _extends_list(data: dict, file: str, positions: dict, is_base: bool = False)
         raise ConfigError(f"{file}: extends must name a base config file", [Finding(
             "error", "config.extends", "extends must be a file name or a list of file names", path="extends",
             file=file, line=line, column=col, expected="a path such as base.yaml, relative to this file",
-            got=type(ext).__name__ if is_base else repr(ext)[:60])])  # a base's values are never echoed
+            got=describe(ext, show=not is_base))])  # a base's values are never echoed
     return items
 
 
@@ -201,6 +202,16 @@ def read_layered(path: Path) -> tuple[Any, dict, dict, str, Layers]:
             refuse(named_at, "config.extends_too_large", f"the config and its bases hold more than "
                    f"{MAX_LAYERED_VALUES:,} values in all (a base named twice counts twice)",
                    f"at most {MAX_LAYERED_VALUES:,} values", f"{spent['values']:,} or more")
+        if data is not None and not of_kind(data, config_sections()):
+            # a file that is no apr config at all (`--config /etc/passwd`, `extends: ../.env`):
+            # refused whole, saying what it holds in words, never its keys or lines (apr/quoting.py)
+            file = str(p)
+            raise ConfigError(f"{file} is not an apr config", [Finding(
+                "error", "config.not_a_config", "the file is not an apr config: its top level "
+                + ("is not a mapping" if not isinstance(data, dict) else "names no section of one"),
+                file=file, line=1, column=1,
+                expected="a mapping of sections: " + ", ".join(config_sections()),
+                got=what_it_holds(data))])
         if not isinstance(data, dict):
             return data, text
         source_file = str(p)
@@ -213,10 +224,10 @@ def read_layered(path: Path) -> tuple[Any, dict, dict, str, Layers]:
             if problem is not None:
                 refuse(here, *problem)
             base, _ = load(p.parent / name, [*chain, resolved], here)
-            if not isinstance(base, dict):
+            if not isinstance(base, dict):  # an empty base (not-a-mapping is refused by the load)
                 raise ConfigError(f"{p.parent / name}: a base config must be a mapping", [Finding(
                     "error", "schema.type", "the top level must be a mapping of sections", file=str(p.parent / name),
-                    line=1, column=1, expected="a mapping (model:, data:, ...)", got=type(base).__name__)])
+                    line=1, column=1, expected="a mapping (model:, data:, ...)", got=what_it_holds(base))])
             merged = _merge(merged, base, (), str(p.parent / name), {}, {})
         own = {k: v for k, v in data.items() if k != "extends"}
         for loc, pos in my_pos.items():
@@ -232,6 +243,13 @@ def read_layered(path: Path) -> tuple[Any, dict, dict, str, Layers]:
 
     data, text = load(Path(path), [], None)
     return data, positions, files, text, layers
+
+
+def config_sections() -> tuple[str, ...]:
+    """The top-level keys of an apr config: its sections and ``extends``."""
+    from apr.config.schema import AprConfig
+
+    return (*AprConfig.model_fields, "extends")
 
 
 def _exists(p: Path) -> bool:

@@ -24,6 +24,7 @@ from apr.config.yamlfile import (  # noqa: F401  (re-exported: the readers impor
     read_yaml,
 )
 from apr.errors import ConfigError, Finding
+from apr.quoting import describe, is_name, key_path, quote_key, shown, what_it_holds
 
 
 @dataclass
@@ -121,14 +122,7 @@ def did_you_mean(loc: tuple) -> str:
 
 
 def _describe(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    if value is None:
-        return "null (empty value)"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return describe(value)  # the one rule of what an error may quote (apr/quoting.py)
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|[\w-]+\[.*\])$")
@@ -138,7 +132,7 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
     # pydantic names the member of a union it tried ('str', 'list[DataSource]') after the union's
     # key: not a key of the file. Only after the first element (a top-level key is always the user's).
     loc = _user_loc(err["loc"])
-    path = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+    path = key_path(loc)  # a key that is not a name (a line of another file read as a key) is not printed
     file, line, col = source.where(loc)
     etype = err["type"]
     got = _describe(err.get("input"))
@@ -146,9 +140,10 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
         owner = _model_at(loc[:-1])
         known = sorted(owner.model_fields) if owner else []
         hint = did_you_mean(loc)
-        return Finding("error", "schema.unknown_key", f"unknown key '{loc[-1]}'{hint}", path=path,
+        hint = hint if is_name(loc[-1]) else ""
+        return Finding("error", "schema.unknown_key", f"unknown key {quote_key(loc[-1])}{hint}", path=path,
                        file=file, line=line, column=col,
-                       expected="one of: " + ", ".join(known) if known else None, got=f"'{loc[-1]}'")
+                       expected="one of: " + ", ".join(known) if known else None, got=quote_key(loc[-1]))
     if etype == "missing":
         return Finding("error", "schema.missing", f"required key '{loc[-1]}' is missing", path=path,
                        file=file, line=line, column=col, expected=f"a value for '{loc[-1]}'",
@@ -172,6 +167,8 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
         expected = msg[0].lower() + msg[1:] if msg else None
     if file not in (source.file, COMMAND_LINE):  # a base config: say where, never what it holds
         msg, got = _VALUE_TAIL.sub("", msg), "a value in a base config (not shown)"
+    elif not shown(err.get("input")):  # too long, or not printable: a validator's ", got ..." goes too
+        msg = _VALUE_TAIL.sub("", msg)
     return Finding("error", f"schema.{etype}", msg, path=path, file=file, line=line, column=col,
                    expected=expected, got=got)
 
@@ -192,7 +189,7 @@ def validate_data(data: Any, source: SourceMap) -> AprConfig:
         line, col = source.positions.get((), (1, 1))
         raise ConfigError(f"config is not a mapping: {source.file}", [
             Finding("error", "schema.type", "the top level must be a mapping of sections", file=source.file,
-                    line=line, column=col, expected="a mapping (model:, data:, ...)", got=_describe(data))])
+                    line=line, column=col, expected="a mapping (model:, data:, ...)", got=what_it_holds(data))])
     try:
         return AprConfig.model_validate(data)
     except ValidationError as e:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from apr.errors import ConfigError, Finding
+from apr.quoting import key_path, scrub
 from apr.readers import read_text
 
 
@@ -167,14 +168,19 @@ def read_yaml(path: Path, kind: str = "config", what: str = "config file") -> tu
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else None
         col = mark.column + 1 if mark else None
-        problem = " ".join(str(x) for x in (e.context, e.problem) if x) or "invalid YAML"
+        # the parser quotes what it read (a duplicate key's values): scrubbed, as for any reader
+        problem = scrub(" ".join(str(x) for x in (e.context, e.problem) if x)) or "invalid YAML"
         raise ConfigError(f"YAML syntax error in {file}", [
             Finding("error", "yaml.syntax", problem, file=file, line=line, column=col,
                     expected="valid YAML")]) from None
     except YAMLError as e:
         raise ConfigError(f"YAML error in {file}", [
-            Finding("error", "yaml.syntax", str(e).splitlines()[0] if str(e) else "invalid YAML",
+            Finding("error", "yaml.syntax", scrub(str(e).splitlines()[0]) if str(e) else "invalid YAML",
                     file=file)]) from None
+    except ValueError as e:  # an integer of more than 4,300 digits (Python's int-from-text limit), and the like
+        raise ConfigError(f"{what} holds a value too large to read: {file}", [
+            Finding("error", "yaml.too_large", scrub(str(e).split(";")[0]), file=file,
+                    expected="numbers of at most 4,300 digits", got="a longer one")]) from None
     except RecursionError:  # block nesting ("- - - - ...") deep enough to exhaust the parser's stack
         raise ConfigError(f"{what} nests too deeply: {file}", [
             Finding("error", "yaml.too_deep", f"the document nests more than {MAX_YAML_DEPTH} levels deep",
@@ -184,7 +190,7 @@ def read_yaml(path: Path, kind: str = "config", what: str = "config file") -> tu
     try:
         data = _plain(doc, (), positions)
     except _TooMuchYaml as e:
-        path_text = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in e.loc).replace(".[", "[")
+        path_text = key_path(e.loc)
         line, col = SourceMap(file, positions).locate(e.loc)
         raise ConfigError(f"{what} is too large once parsed: {file}" if e.code == "yaml.too_large"
                           else f"{what} nests too deeply: {file}", [

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.quoting import describe, key_text
 from apr.readers import read_bytes
 
 ON_ERROR = ("stop", "skip")
@@ -43,8 +44,7 @@ def _problem(path: Path, line: int, key: str, message: str, expected: str, got: 
 
 
 def _short(value) -> str:
-    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return describe(value)  # the one rule of what an error may quote (apr/quoting.py)
 
 
 def parse_example(doc, path: Path, line: int) -> Example:
@@ -55,7 +55,8 @@ def parse_example(doc, path: Path, line: int) -> Example:
     for key in ("context", "choices", "gold"):
         if key not in doc:
             raise AprError(f"{path}:{line}: missing key {key!r}", [_problem(
-                path, line, key, f"missing key {key!r}", "context, choices and gold", ", ".join(doc) or "{}")])
+                path, line, key, f"missing key {key!r}", "context, choices and gold",
+                ", ".join(key_text(k) for k in list(doc)[:8]) or "{}")])
     context, choices, gold = doc["context"], doc["choices"], doc["gold"]
     if not isinstance(context, str) or not context:
         raise AprError(f"{path}:{line}: context must be a non-empty string", [_problem(
@@ -103,7 +104,13 @@ def read_task(path: str | Path, on_error: str = "stop", limit: int | None = None
             except json.JSONDecodeError as err:
                 raise AprError(f"{path}:{number}: not valid JSON: {err.msg}", [Finding(
                     "error", "eval.task_line", f"not valid JSON: {err.msg}", file=str(path), line=number,
-                    column=err.colno, expected="one JSON object per line", got=_short(line_bytes.decode()))]) from None
+                    column=err.colno, expected="one JSON object per line",
+                    got=f"a line of {len(line_bytes):,} bytes (not shown)")]) from None
+            except ValueError:  # an integer of more than 4,300 digits (Python's int-from-text limit)
+                raise AprError(f"{path}:{number}: a number too long", [Finding(
+                    "error", "eval.task_line", "a number longer than 4,300 digits", file=str(path), line=number,
+                    expected="one JSON object per line, numbers of at most 4,300 digits",
+                    got="a longer number")]) from None
             except RecursionError:  # '[[[[...' nested deeper than the parser's stack
                 raise AprError(f"{path}:{number}: nested too deep", [Finding(
                     "error", "eval.task_line", "JSON nested too deep", file=str(path), line=number,

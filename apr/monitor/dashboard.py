@@ -31,6 +31,7 @@ from pathlib import Path
 
 from apr.config.yamlfile import read_yaml
 from apr.errors import AprError, Finding
+from apr.quoting import describe, key_path, key_text, of_kind, quote_key, what_it_holds
 from apr.track.state import HISTORY_KEYS
 
 # panel kind -> widget id (the ids the app and its CSS know; a kind appears at most once)
@@ -38,6 +39,7 @@ FIXED_PANELS = {"loss": "loss", "run": "stats", "gpu": "gpu", "lr": "lr", "grad"
                 "alerts": "messages", "hist": "hist", "evals": "evals"}
 SPARK = "spark"
 SIZE = re.compile(r"^(\d+)(fr)?$")  # 4 (lines or columns) or 1fr (a share of what is left)
+MAX_SIZE = 1000  # lines, columns or shares: no terminal is larger, and Textual's layout grows with it
 
 DEFAULT_YAML = """\
 rows:
@@ -109,6 +111,7 @@ class _Builder:
 
     def fail(self, path: str, message: str, expected: str, got: str) -> DashboardError:
         line, column = self.source.locate(_loc(path)) if self.source is not None else (None, None)
+        path = key_path(_loc(path))
         return DashboardError(f"{self.where}: {path}: {message}", [Finding(
             "error", "monitor.dashboard", message, path=path, file=self.where, line=line, column=column,
             expected=expected, got=got)])
@@ -116,30 +119,37 @@ class _Builder:
     def size(self, value, path: str, default: str | None) -> str | None:
         if value is None:
             return default
-        text = str(value).strip()
-        if isinstance(value, bool) or not SIZE.match(text) or int(SIZE.match(text).group(1)) == 0:
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and value <= 0):
             raise self.fail(path, "not a size", "a positive number of lines/columns, or a share such as 1fr",
-                            repr(value))
+                            describe(value))
+        text = str(min(value, MAX_SIZE + 1)) if isinstance(value, int) else value.strip()
+        match = SIZE.match(text)
+        if match is None or int(match.group(1)[:6]) == 0:
+            raise self.fail(path, "not a size", "a positive number of lines/columns, or a share such as 1fr",
+                            describe(value))
+        if len(match.group(1)) > 6 or int(match.group(1)) > MAX_SIZE:
+            raise self.fail(path, "too large", f"at most {MAX_SIZE} lines/columns (or a share such as 1fr)",
+                            describe(value))
         return text
 
     def panel(self, entry, path: str) -> PanelSpec:
         if isinstance(entry, str):
             entry = {"panel": entry}
         if not isinstance(entry, dict) or not isinstance(entry.get("panel"), str):
-            raise self.fail(path, "not a panel", "a panel name or {panel: NAME, ...}", repr(entry)[:80])
+            raise self.fail(path, "not a panel", "a panel name or {panel: NAME, ...}", describe(entry))
         unknown = set(entry) - {"panel", "width", "metric", "title"}
         if unknown:
-            raise self.fail(path, f"unknown key {sorted(unknown)[0]!r}", "panel, width, metric, title",
-                            sorted(unknown)[0])
+            first = sorted(map(str, unknown))[0]
+            raise self.fail(path, f"unknown key {quote_key(first)}", "panel, width, metric, title", key_text(first))
         kind = entry["panel"]
         width = self.size(entry.get("width"), f"{path}.width", None)
         if kind == SPARK:
             return self.spark(entry, path, width)
         if kind not in FIXED_PANELS:
-            raise self.fail(path, f"no panel {kind!r}", ", ".join([*FIXED_PANELS, SPARK]), kind)
+            raise self.fail(path, f"no panel {describe(kind)}", ", ".join([*FIXED_PANELS, SPARK]), describe(kind))
         if entry.get("metric") is not None:
             raise self.fail(f"{path}.metric", f"the {kind} panel shows a fixed view; metric is for spark panels",
-                            "no metric", str(entry["metric"]))
+                            "no metric", describe(entry["metric"]))
         panel_id = FIXED_PANELS[kind]
         if panel_id in self.ids:
             raise self.fail(path, f"the {kind} panel appears twice", "each panel once", kind)
@@ -149,9 +159,9 @@ class _Builder:
     def spark(self, entry: dict, path: str, width: str | None) -> PanelSpec:
         metric = entry.get("metric")
         if metric not in HISTORY_KEYS:
-            raise self.fail(f"{path}.metric", f"metric {metric!r} does not exist in the run's state",
+            raise self.fail(f"{path}.metric", f"metric {describe(metric)} does not exist in the run's state",
                             "one of " + ", ".join(HISTORY_KEYS) + " (training_state.json keeps their history)",
-                            repr(metric))
+                            describe(metric))
         panel_id = f"spark-{self.sparks}"
         self.sparks += 1
         self.ids.add(panel_id)
@@ -161,7 +171,7 @@ class _Builder:
         if isinstance(entry, dict) and "column" in entry:
             inner = entry["column"]
             if not isinstance(inner, list) or not inner or set(entry) - {"column", "width"}:
-                raise self.fail(path, "not a column", "{column: [PANEL, ...], width: SIZE}", repr(entry)[:80])
+                raise self.fail(path, "not a column", "{column: [PANEL, ...], width: SIZE}", describe(entry))
             panels = tuple(self.panel(p, f"{path}.column[{i}]") for i, p in enumerate(inner))
             return Cell(panels, self.size(entry.get("width"), f"{path}.width", None), stacked=True)
         spec = self.panel(entry, path)
@@ -169,10 +179,10 @@ class _Builder:
 
     def row(self, entry, path: str) -> RowSpec:
         if not isinstance(entry, dict) or not isinstance(entry.get("panels"), list) or not entry["panels"]:
-            raise self.fail(path, "not a row", "{height: SIZE, panels: [PANEL, ...]}", repr(entry)[:80])
+            raise self.fail(path, "not a row", "{height: SIZE, panels: [PANEL, ...]}", describe(entry))
         if set(entry) - {"height", "panels"}:
-            raise self.fail(path, f"unknown key {sorted(set(entry) - {'height', 'panels'})[0]!r}", "height, panels",
-                            sorted(set(entry) - {"height", "panels"})[0])
+            first = sorted(map(str, set(entry) - {"height", "panels"}))[0]
+            raise self.fail(path, f"unknown key {quote_key(first)}", "height, panels", key_text(first))
         cells = tuple(self.cell(c, f"{path}.panels[{i}]") for i, c in enumerate(entry["panels"]))
         return RowSpec(self.size(entry.get("height"), f"{path}.height", "1fr"), cells)
 
@@ -180,17 +190,20 @@ class _Builder:
 def _title(entry: dict, path: str, builder: _Builder) -> str | None:
     title = entry.get("title")
     if title is not None and not isinstance(title, str):
-        raise builder.fail(f"{path}.title", "not text", "a string", repr(title))
+        raise builder.fail(f"{path}.title", "not text", "a string", describe(title))
     return title
 
 
 def parse_dashboard(doc, where: str = "default", source=None) -> Dashboard:
     """A Dashboard from parsed YAML; ``source`` (a SourceMap) puts line numbers on the errors."""
     builder = _Builder(where, source)
-    if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list) or not doc["rows"]:
-        raise builder.fail("rows", "no rows", "a mapping with rows: [ROW, ...]", repr(doc)[:80])
+    if not of_kind(doc, ("rows",)):  # not a dashboard file at all: what it holds in words, never its lines
+        raise builder.fail("rows", "not a dashboard file", "a mapping with rows: [ROW, ...]", what_it_holds(doc))
+    if not isinstance(doc.get("rows"), list) or not doc["rows"]:
+        raise builder.fail("rows", "no rows", "a mapping with rows: [ROW, ...]", describe(doc.get("rows")))
     if set(doc) - {"rows"}:
-        raise builder.fail(sorted(set(doc) - {"rows"})[0], "unknown key", "rows", sorted(set(doc) - {"rows"})[0])
+        first = sorted(map(str, set(doc) - {"rows"}))[0]
+        raise builder.fail(key_text(first), "unknown key", "rows", key_text(first))
     rows = tuple(builder.row(r, f"rows[{i}]") for i, r in enumerate(doc["rows"]))
     return Dashboard(rows, where, frozenset(builder.ids))
 

@@ -20,6 +20,7 @@ from typing import Any
 from apr.config.loader import did_you_mean, schema_key_paths
 from apr.config.yamlfile import SourceMap, read_yaml
 from apr.errors import AprError, Finding
+from apr.quoting import describe, is_name, key_path, key_text, of_kind, quote_key, what_it_holds
 
 
 class SweepError(AprError):
@@ -138,17 +139,18 @@ class _Collector:
     def add(self, loc: tuple, code: str, message: str, expected: str | None = None, got: Any = None,
             severity: str = "error") -> None:
         file, line, column = self.source.where(loc)
-        finding = Finding(severity, code, message, path=".".join(str(p) for p in loc), file=file, line=line,
+        finding = Finding(severity, code, message, path=key_path(loc), file=file, line=line,
                           column=column, expected=expected, got=None if got is None else _short(got))
         (self.errors if severity == "error" else self.warnings).append(finding)
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return describe(value)  # the one rule of what an error may quote (apr/quoting.py)
 
 
 def _close(word: str, choices) -> str:
+    if not is_name(word):
+        return ""
     close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
 
@@ -163,17 +165,18 @@ def load_sweep(path: str | Path, config: str | Path | None = None) -> SweepSpec:
     path = Path(path)
     data, source, text = read_yaml(path, kind="config", what="sweep file")
     c = _Collector(path, source)
-    if not isinstance(data, dict):
-        c.add((), "sweep.type", "a sweep file is a mapping (method:, metric:, parameters:)", "a mapping",
-              type(data).__name__)
+    if not of_kind(data, (*TOP_KEYS, *WANDB_ONLY)):
+        # not a sweep file at all: refused whole, saying what it holds in words, never its lines
+        c.add((), "sweep.type", "a sweep file is a mapping (method:, metric:, parameters:)", "a mapping with "
+              "method, parameters", what_it_holds(data))
         raise SweepError(f"{path}: not a sweep file", c.errors)
     for key in data:
         if key in WANDB_ONLY:
             c.add((key,), "sweep.ignored_key", f"'{key}' names W&B's agent program; apr runs `apr train apply` "
                   "on the base config instead, so it is ignored", severity="warning")
         elif key not in TOP_KEYS:
-            c.add((key,), "sweep.unknown_key", f"unknown key '{key}'{_close(key, TOP_KEYS)}",
-                  "one of: " + ", ".join(TOP_KEYS), key)
+            c.add((key,), "sweep.unknown_key", f"unknown key {quote_key(key)}{_close(key, TOP_KEYS)}",
+                  "one of: " + ", ".join(TOP_KEYS), key_text(key))
     method = _choice(c, data, "method", METHODS, required=True)
     metric, goal = _metric(c, data.get("metric"))
     params = _parameters(c, data.get("parameters"))
@@ -215,8 +218,8 @@ def _metric(c: _Collector, metric: Any) -> tuple[str, str]:
         return "val_loss", "minimize"
     for key in metric:
         if key not in ("name", "goal", "target"):
-            c.add(("metric", key), "sweep.unknown_key", f"unknown key '{key}'{_close(key, ('name', 'goal'))}",
-                  "name, goal", key)
+            c.add(("metric", key), "sweep.unknown_key",
+                  f"unknown key {quote_key(key)}{_close(key, ('name', 'goal'))}", "name, goal", key_text(key))
     goal = _choice(c, metric, "goal", GOALS, loc=("metric",)) or "minimize"
     name = metric.get("name")
     if name in METRIC_ALIASES:
@@ -226,7 +229,7 @@ def _metric(c: _Collector, metric: Any) -> tuple[str, str]:
     if name not in METRICS:
         known = [*METRICS, *METRIC_ALIASES]
         c.add(("metric", "name"), "sweep.unknown_metric",
-              f"unknown metric {name!r}{_close(name, known)}; a run records " + ", ".join(METRICS),
+              f"unknown metric {_short(name)}{_close(name, known)}; a run records " + ", ".join(METRICS),
               "one of: " + ", ".join(METRICS), name)
         return "val_loss", goal
     return name, goal
@@ -255,6 +258,8 @@ def _unknown_parameter(name: str) -> str:
         close = re.fullmatch(r"; did you mean '([^'.]+)'\?", hint)
         if close:  # a close name in the same section: say its whole path
             hint = f"; did you mean '{section}.{close[1]}'?"
+    if not is_name(name):
+        return f"{quote_key(name)} is not an apr config key"
     return f"'{name}' is not an apr config key{hint or _close(name, DANTINOX_NAMES)}"
 
 
@@ -274,7 +279,8 @@ def _parameters(c: _Collector, params: Any) -> list[Param]:
         loc = ("parameters", name)
         key, note = parameter_key(str(name))
         if key is None:
-            c.add(loc, "sweep.unknown_parameter", _unknown_parameter(str(name)), "an apr config key path", name)
+            c.add(loc, "sweep.unknown_parameter", _unknown_parameter(str(name)), "an apr config key path",
+                  key_text(name))
             continue
         if key in sections:
             c.add(loc, "sweep.section", f"'{key}' is a section; a parameter sets one value", "a key inside it", key)
@@ -303,8 +309,8 @@ def _param(c: _Collector, loc: tuple, key: str, name: str, body: Any) -> Param |
     bad = [k for k in body if k not in PARAM_KEYS]
     for k in bad:
         message = (f"'{k}' is not supported (Optuna samples each value with equal weight)" if k == "probabilities"
-                   else f"unknown key '{k}'{_close(k, PARAM_KEYS)}")
-        c.add((*loc, k), "sweep.unknown_key", message, "one of: " + ", ".join(PARAM_KEYS), k)
+                   else f"unknown key {quote_key(k)}{_close(k, PARAM_KEYS)}")
+        c.add((*loc, k), "sweep.unknown_key", message, "one of: " + ", ".join(PARAM_KEYS), key_text(k))
     if bad:
         return None
     dist = body.get("distribution")
@@ -313,7 +319,8 @@ def _param(c: _Collector, loc: tuple, key: str, name: str, body: Any) -> Param |
               "one of: " + ", ".join(DISTRIBUTIONS), dist)
         return None
     if dist is not None and dist not in DISTRIBUTIONS:
-        c.add((*loc, "distribution"), "sweep.bad_value", f"unknown distribution {dist!r}{_close(dist, DISTRIBUTIONS)}",
+        c.add((*loc, "distribution"), "sweep.bad_value",
+              f"unknown distribution {_short(dist)}{_close(dist, DISTRIBUTIONS)}",
               "one of: " + ", ".join(DISTRIBUTIONS), dist)
         return None
     if "value" in body:
@@ -477,8 +484,8 @@ def _early(c: _Collector, body: Any) -> EarlyTerminate | None:
         return None
     for key in body:
         if key not in EARLY_KEYS:
-            c.add((*loc, key), "sweep.unknown_key", f"unknown key '{key}'{_close(key, EARLY_KEYS)}",
-                  "one of: " + ", ".join(EARLY_KEYS), key)
+            c.add((*loc, key), "sweep.unknown_key", f"unknown key {quote_key(key)}{_close(key, EARLY_KEYS)}",
+                  "one of: " + ", ".join(EARLY_KEYS), key_text(key))
     kind = _choice(c, body, "type", PRUNERS, required=True, loc=loc)
     values = {}
     for key, least in (("min_iter", 1), ("max_iter", 1), ("eta", 2)):

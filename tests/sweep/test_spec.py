@@ -87,7 +87,7 @@ parameters:
     ("{distribution: q_uniform, min: 0.001, max: 0.01}", "parameters.optimizer.lr.q", "step q"),
     ("{distribution: normal, min: 0, max: 1}", "parameters.optimizer.lr.distribution", "no Optuna sampler"),
     ("{values: []}", "parameters.optimizer.lr.values", "non-empty"),
-    ("{values: [[1, 2]]}", "parameters.optimizer.lr.values.0", "a number, a string"),
+    ("{values: [[1, 2]]}", "parameters.optimizer.lr.values[0]", "a number, a string"),
 ])
 def test_impossible_ranges_are_refused_at_their_key(tmp_path, body, path, words):
     found = _errors(tmp_path, f"method: random\nrun_cap: 2\nparameters:\n  optimizer.lr: {body}\n")
