@@ -34,7 +34,8 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
              nodes: int | None = None,
              strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False,
              fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None,
-             price: str | None = None, probe: bool = False, probe_steps: int = 3) -> int:
+             price: str | None = None, probe: bool = False, probe_steps: int = 3,
+             trace: bool = False, trace_timeout: float = 600.0) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
     from apr.plan.build import PlanUsageError, build_plan
 
@@ -72,8 +73,22 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
             print_error(err)
         return err.exit_code
     code = plan.exit_code(strict)
+    traced = None
+    if trace and plan.errors:
+        print("--trace: not traced, the plan has errors (see its findings)", file=sys.stderr)
+    elif trace:
+        from apr.plan.trace import trace_plan
+
+        try:
+            traced = trace_plan(plan, timeout_s=trace_timeout)
+        except AprError as err:
+            if json_out:
+                sys.stdout.write(render_error_json(config, err))
+            else:
+                print_error(err)
+            return err.exit_code
     if json_out:
-        sys.stdout.write(render_json(plan))
+        sys.stdout.write(render_json(plan, trace=traced))
     elif fmt == "github":
 
         verdict = ("ok" if code == 0 else "errors" if plan.errors else "warnings (--strict)") + (
@@ -82,7 +97,7 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
                                              github_facts(plan)), str(config), sys.stdout)
     else:
 
-        sys.stdout.write(render_text(plan, colour=use_colour(sys.stdout), verbose=verbose))
+        sys.stdout.write(render_text(plan, colour=use_colour(sys.stdout), verbose=verbose, trace=traced))
     if out is not None:
         if code != 0:
             why = "errors" if plan.errors else "warnings (--strict)"
@@ -154,6 +169,12 @@ def register(app: typer.Typer) -> None:
         probe: bool = typer.Option(
             False, "--probe", help="Build the real engine on training.device, run a few steps on synthetic token "
             "ids and show measured memory and speed beside the model; kept as a calibration for later plans."),
+        trace: bool = typer.Option(
+            False, "--trace", help="Run one rank of the engine apply would build on fake tensors (no memory, no GPU) "
+            "for two steps and show the bytes it holds beside each memory row of the plan."),
+        trace_timeout: float = typer.Option(
+            600.0, "--trace-timeout", min=1.0, metavar="SECONDS", help="Stop --trace after this long and say what "
+            "it reached (exit 1)."),
         probe_steps: int = typer.Option(3, "--probe-steps", min=1, max=100, metavar="N",
                                         help="Timed steps of --probe (after one warm-up and one memory step)."),
         cpu_threads: int | None = typer.Option(
@@ -173,4 +194,5 @@ def register(app: typer.Typer) -> None:
                                   json_out=fmt == "json",
                                   strict=strict, out=out, verbose=verbose,
                                   overwrite=overwrite, fmt=fmt, settings=settings, explain=explain,
-                                  price=price, probe=probe, probe_steps=probe_steps))
+                                  price=price, probe=probe, probe_steps=probe_steps, trace=trace,
+                                  trace_timeout=trace_timeout))

@@ -28,7 +28,9 @@ _MIB = 2**20
 class MemoryCoefficients:
     # Per token of the micro-batch, in compute-dtype elements: tensors alive while one block is
     # recomputed and backpropagated (saved activations plus the gradients flowing through them).
-    block_hidden_widths: float = 12.0  # x, norms, q, attention out, o_proj out, residuals (+ grads)
+    # x, norms, q, attention out, o_proj out, residuals (+ grads); 8, not 12: the engine's trace on
+    # fake tensors (2026-11-28) at two shapes (h 256 and 512)
+    block_hidden_widths: float = 8.0
     block_kv_widths: float = 4.0  # k, v before and after RoPE
     block_intermediate_widths: float = 6.0  # SwiGLU gate, up, silu(gate), product (+ grads)
     # b * heads * s * s score tensors; 0 because flash / memory-efficient SDPA never materialises them.
@@ -113,7 +115,9 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
     per_token = (c.block_hidden_widths * arch.hidden_size + c.block_kv_widths * arch.kv_heads * arch.head_dim
                  + c.block_intermediate_widths * arch.intermediate_size)
     scores = c.attention_score_copies * b * arch.num_attention_heads * s * s
-    weight_casts = c.block_weight_cast_copies * block_numel(arch) if str(tr.mixed_precision) != "fp32" else 0
+    # with the interleaved engine's compute copy only the weights' compute-dtype gradients remain
+    copies = c.block_weight_cast_copies - (1 if uses_compute_copy(config) else 0)
+    weight_casts = copies * block_numel(arch) if str(tr.mixed_precision) != "fp32" else 0
     return int((b * s * per_token + scores + weight_casts) * elt)
 
 

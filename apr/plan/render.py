@@ -556,7 +556,35 @@ def _layer_section(plan, colour: bool) -> list[str]:
     return [_section("Config layers (base < file < command line)", colour), *lines, ""] if lines else []
 
 
-def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
+def trace_lines(t: dict | None, colour: bool = False) -> list[str]:
+    """``--trace``: the engine's tensors on fake tensors beside the plan's rows (apr/plan/trace.py)."""
+    if not t:
+        return []
+    ranks = (f"rank 0 of {t['world_size']} ({t['sharding']} sharding, fake process group)"
+             if t["world_size"] > 1 else "one process")
+    out = ["", _section(f"Trace (fake tensors on the {t['device']} device, {ranks}: {t['seconds']:.1f} s, "
+                        f"peak RSS {format_bytes(t['rss'])})", colour),
+           f"  {'row':<58}{'plan':>11}{'traced':>11}{'plan/trace':>11}"]
+    for r in t["rows"]:
+        plan_b = format_bytes(r["plan_bytes"]) if r["plan_bytes"] is not None else "-"
+        traced = format_bytes(r["traced_bytes"]) if r["traced_bytes"] is not None else "modelled"
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
+        label = f"{r['name']} {r['label']}" if r["source"] == "modelled" else r["label"]
+        out.append(f"  {label[:57]:<58}{plan_b:>11}{traced:>11}{ratio:>11}")
+    ratio = f"{t['ratio']:.3f}" if t["ratio"] else "-"
+    out.append(f"  {'peak (the rows above the modelled ones)':<58}{format_bytes(t['plan_peak_bytes']):>11}"
+               f"{format_bytes(t['peak_bytes']):>11}{ratio:>11}")
+    out.append("  each row's traced figure is its own peak in the second step; the modelled rows have no tensor")
+    if t.get("device_why") and t["device"] == "cpu" and "no CUDA" in t["device_why"]:
+        out.append(f"  {t['device_why']}")
+    first = t.get("first_step_peak_bytes")
+    if first and first > t["peak_bytes"]:
+        out.append(f"  the first step peaked higher: {format_bytes(first)} (lazily created state)")
+    out += [f"  {n}" for n in t.get("notes", [])]
+    return out
+
+
+def render_text(plan, *, colour: bool = False, verbose: bool = False, trace: dict | None = None) -> str:
     s = plan.summary()
     fp = plan.data_fingerprint
     out = [
@@ -579,6 +607,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
         *_time_lines(plan, colour),
         *_thread_lines(plan.facts),
         *_probe_lines(plan, colour),
+        *trace_lines(trace, colour),
         "",
         *_cost_lines(plan, colour),
         *_storage_lines(plan, colour),
@@ -602,8 +631,11 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_json(plan) -> str:
-    return json.dumps(plan.to_dict(), indent=2, allow_nan=False, default=str) + "\n"
+def render_json(plan, trace: dict | None = None) -> str:
+    doc = plan.to_dict()
+    if trace is not None:
+        doc["trace"] = trace
+    return json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n"
 
 
 def render_error_json(config_path, err: AprError) -> str:

@@ -43,11 +43,11 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("gradients", ("gradients",), "gradients or gradient workspace"),
     ("moments", ("adamw_m", "adamw_v"), "AdamW moments"),
     ("activations", ("activation_checkpoints", "kept_activations", "block_activations"),
-     "activations (checkpoints, kept graphs, one block's recompute + backward)"),
-    ("logits_chunk", ("logits_chunk",), "LM-head loss: logits chunk, head hidden states"),
+     "activations (checkpoints, kept graphs, one block)"),
+    ("logits_chunk", ("logits_chunk",), "LM-head loss (logits chunks, head hidden states)"),
     ("inputs", ("inputs",), "token ids"),
-    ("temporaries", (), "optimizer and clipping temporaries (not itemised by the plan)"),
-    ("other", (), "other tensors: rope tables, flags, loss scaler (not itemised by the plan)"),
+    ("temporaries", (), "optimizer and clipping temporaries (not in the plan)"),
+    ("other", (), "other: rope tables, flags, scaler (not in the plan)"),
 ]
 MODELLED = ("cuda_context", "allocator_slack")  # device-only: no tensor to trace
 DEFAULT_TIMEOUT_S = 600.0
@@ -235,6 +235,17 @@ def _to_if_moved(original):
     return to
 
 
+def _real(fn):
+    """``fn`` run outside the fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def call(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 def _fake_process_group(world_size: int):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -321,8 +332,9 @@ def _regions(counter, engine) -> contextlib.ExitStack:
     stack.enter_context(_patched(type(engine.model), "loss", region(type(engine.model).loss, "logits_chunk")))
     if hasattr(engine, "updater"):
         for name in ("step", "update_flat"):
-            if callable(getattr(engine.updater, name, None)):
-                stack.enter_context(_patched(engine.updater, name, region(getattr(engine.updater, name), "temporaries")))
+            method = getattr(engine.updater, name, None)
+            if callable(method):
+                stack.enter_context(_patched(engine.updater, name, region(method, "temporaries")))
     stack.enter_context(_patched(finish, "finish_step", region(finish.finish_step, "temporaries")))
     if hasattr(engine_module, "finish_step"):
         stack.enter_context(_patched(engine_module, "finish_step", region(engine_module.finish_step, "temporaries")))
@@ -375,6 +387,11 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
             stack.enter_context(counter)
             stack.enter_context(_patched(engine_build, "build_model_for", _fake_model_builder(device)))
             stack.enter_context(_patched(torch.nn.Module, "to", _to_if_moved(torch.nn.Module.to)))
+            if sharded:  # the device mesh's rank table is real (fake tensors cannot index it)
+                from apr.train import sharded as sharded_module
+
+                stack.enter_context(_patched(sharded_module, "init_device_mesh",
+                                             _real(sharded_module.init_device_mesh)))
             engine = _build(engine_build, resolved, execution, device, dp)
             _tag_state(counter, engine, planned)
             if not sharded:
@@ -411,9 +428,6 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     except AprError:
         raise
     except Exception as err:
-        import os
-        if os.environ.get("APR_TRACE_RAISE"):
-            raise
         raise _trace_error(f"--trace failed during {counter.phase}: {type(err).__name__}: {err}".strip(),
                            "plan.trace_failed", expected="an engine that builds and steps on fake tensors",
                            got=type(err).__name__) from None
@@ -472,9 +486,14 @@ def report(counter, plan_rows: list, own: dict[str, int], **facts) -> dict:
                      "ratio": (plan_bytes / traced) if plan_bytes and traced else None})
     for name in MODELLED:
         if name in by_component:
-            rows.append({"name": name, "label": "modelled: no tensor to trace", "plan_bytes": by_component[name],
+            rows.append({"name": name, "label": "(modelled: no tensor to trace)", "plan_bytes": by_component[name],
                          "traced_bytes": None, "at_peak_bytes": None, "source": "modelled", "ratio": None})
     plan_peak = sum(r.bytes for r in plan_rows if r.component not in MODELLED)
     return {"peak_bytes": counter.peak, "plan_peak_bytes": plan_peak,
             "ratio": plan_peak / counter.peak if counter.peak else None,
             "first_step_peak_bytes": facts.pop("first_peak"), "rows": rows, **facts}
+
+
+def trace_plan(plan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """``apr train plan --trace``: trace rank 0 of the plan's resolved run against its memory table."""
+    return run_trace(plan.resolved, timeout_s=timeout_s, plan_rows=plan.memory)

@@ -1,0 +1,128 @@
+"""`apr train plan --trace` (apr/plan/trace.py): the engine on fake tensors against the plan's memory
+table. The matrix holds the plan to 5% on the peak and 10% per row; benchmarks/bench_trace.py runs the
+bigger shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apr.config.schema import AprConfig
+from apr.plan.examples import materialize
+from apr.plan.memory import memory_table
+from apr.steps.resolved import resolve
+from tests.plan.plan_helpers import apr_cli
+
+# a small LLaMA (h 256, 4 blocks, vocab 8192) at bf16: seconds per trace on two cores
+SMALL = {
+    "model": {"architecture": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "intermediate_size": 768, "vocab_size": 8192,
+                               "max_position_embeddings": 512}},
+    "data": {"train": "unused/", "batch_size": 4, "seq_len": 256},
+    "optimizer": {"lr": 3e-4},
+    "training": {"mixed_precision": "bf16", "device": "cpu", "loss_chunk_size": 128, "grad_clip": 1.0},
+}
+
+
+def _config(training: dict) -> AprConfig:
+    doc = json.loads(json.dumps(SMALL))
+    doc["training"].update(training)
+    return AprConfig.model_validate(doc)
+
+
+def _trace(training: dict, world_size: int | None = None):
+    from apr.plan.trace import run_trace
+
+    resolved = resolve(_config(training), world_size=world_size)
+    return run_trace(resolved, plan_rows=memory_table(resolved.config, execution=resolved.execution))
+
+
+def _check(report: dict) -> None:
+    assert 0.95 <= report["plan_peak_bytes"] / report["peak_bytes"] <= 1.05, report
+    for row in report["rows"]:
+        if row["plan_bytes"] and row["traced_bytes"]:
+            assert 0.9 <= row["plan_bytes"] / row["traced_bytes"] <= 1.1, row
+
+
+@pytest.mark.parametrize("training", [
+    pytest.param({"execution": {"activations": "keep"}}, id="interleaved-keep", marks=pytest.mark.xfail(
+        strict=True, reason="activations row plan/trace 1.21 (peak 0.994): the plan adds a recomputed block's "
+        "forward to the backward of a kept graph, which only adds gradients")),
+    pytest.param({"execution": {"activations": "recompute"}}, id="interleaved-recompute"),
+    pytest.param({"execution": {"activations": "selective"}}, id="interleaved-selective", marks=pytest.mark.xfail(
+        strict=True, reason="activations row plan/trace 1.13 (peak within 5%; 1.08 at the 50M shape): as for "
+        "keep, the backward of a block that kept its matmul outputs recomputes less than the plan's block row")),
+    pytest.param({"engine": "standard"}, id="standard", marks=pytest.mark.xfail(
+        strict=True, reason="peak plan/trace 1.051, activations row 0.89: autograd's gradients do not coexist "
+        "with the forward's end, where its peak is; the plan sums them")),
+])
+def test_one_process_trace_matches_the_plan(training):
+    report = _trace(training)
+    _check(report)
+    names = {r["name"] for r in report["rows"]}
+    assert {"weights", "gradients", "moments", "activations", "logits_chunk"} <= names
+    assert report["device"] == "cpu" and report["world_size"] == 1
+
+
+@pytest.mark.xfail(strict=True, reason="FSDP2 full on 8 fake ranks traces, but its gathered weights and unsharded "
+                   "gradients are not yet attributed to their rows: measured plan/trace 1.39 on the peak (tiny "
+                   "shape), weights 5.7")
+def test_fsdp2_full_on_eight_fake_ranks_matches_the_plan():
+    _check(_trace({"sharding": "full", "world_size": 8}, world_size=8))
+
+
+def test_an_operation_fake_tensors_cannot_run_is_named(monkeypatch):
+    import torch
+
+    from apr.errors import AprError
+    from apr.plan.trace import run_trace
+    from apr.train import engine
+
+    def step(self, batches, lr):
+        return torch.nonzero(batches[0])  # a data-dependent shape: no fake tensor can hold it
+
+    monkeypatch.setattr(engine.InterleavedEngine, "train_step", step)
+    config = _config({})
+    resolved = resolve(config)
+    with pytest.raises(AprError) as err:
+        run_trace(resolved, plan_rows=memory_table(config))
+    assert "aten.nonzero" in err.value.message and "step 1" in err.value.message
+
+
+def _example(tmp_path, **config):
+    path, _ = materialize({"config": config}, tmp_path / "run")
+    return path
+
+
+def test_cli_trace_text_and_json(tmp_path):
+    path = _example(tmp_path)
+    text = apr_cli("train", "plan", str(path), "--trace")
+    assert text.returncode == 0, text.stderr
+    assert "Trace (fake tensors on the cpu device, one process" in text.stdout
+    assert "(modelled: no tensor to trace)" in text.stdout  # allocator slack stays a modelled row
+    out = apr_cli("train", "plan", str(path), "--trace", "--json")
+    assert out.returncode == 0, out.stderr
+    trace = json.loads(out.stdout)["trace"]
+    assert trace["peak_bytes"] > 0 and trace["plan_peak_bytes"] > 0
+    rows = {r["name"]: r for r in trace["rows"]}
+    assert rows["moments"]["plan_bytes"] == rows["moments"]["traced_bytes"] > 0
+    assert rows["allocator_slack"]["traced_bytes"] is None
+
+
+def test_a_config_the_plan_refuses_is_not_traced(tmp_path):
+    path = _example(tmp_path, training={"max_steps": 10_000})  # more steps than the data holds: an error
+    out = apr_cli("train", "plan", str(path), "--trace")
+    assert out.returncode == 1
+    assert "Trace (" not in out.stdout and "not traced" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_trace_past_its_timeout_stops_and_says_where(tmp_path):
+    arch = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "intermediate_size": 1536, "vocab_size": 512, "max_position_embeddings": 64}
+    path = _example(tmp_path, model={"architecture": arch})
+    out = apr_cli("train", "plan", str(path), "--trace", "--trace-timeout", "1")
+    assert out.returncode == 1, out.stdout
+    assert "--trace stopped after 1 s (--trace-timeout) during" in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr
