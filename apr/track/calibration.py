@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from apr.errors import AprError
+from apr.quoting import describe
 from apr.track.names import global_db_path
 from apr.track.store import StoreWriter, connect_readonly
 
@@ -76,10 +77,10 @@ def _malformed(row: dict) -> str | None:
     """Why a stored row cannot be used, or None. Every field a reader of the store touches is
     checked here, so one bad row (hand-edited, another version's, torn) is skipped, not a crash."""
     if not _number(row.get("time")):
-        return f"time is {row.get('time')!r}, expected a number"
+        return f"time is {describe(row.get('time'))}, expected a number"
     for key in ("device", "device_name", "apr", "shape_key"):
         if not isinstance(row.get(key), str):
-            return f"{key} is {row.get(key)!r}, expected text"
+            return f"{key} is {describe(row.get(key))}, expected text"
     for key in ("shape", "result"):
         try:
             row[key] = json.loads(row[key]) if isinstance(row[key], (str, bytes)) else None
@@ -95,13 +96,13 @@ def _malformed(row: dict) -> str | None:
         return "shape lacks batch_size / seq_len"
     for key in ("tokens_per_s", "step_seconds"):
         if not _number(result.get(key), True):
-            return f"result.{key} is {result.get(key)!r}, expected a positive number"
+            return f"result.{key} is {describe(result.get(key))}, expected a positive number"
     if result.get("source", "probe") not in ("probe", "run"):
-        return f"result.source is {result.get('source')!r}, expected probe or run"
+        return f"result.source is {describe(result.get('source'))}, expected probe or run"
     for key in ("startup_seconds", "transient_bytes", "modelled_transient_bytes", "load", "threads",
-                "actual_seconds", "base_seconds", "load_factor", "load_at_end"):
+                "actual_seconds", "base_seconds", "load_factor", "load_at_end", "compile_seconds"):
         if result.get(key) is not None and not _number(result[key]):
-            return f"result.{key} is {result[key]!r}, expected a number"
+            return f"result.{key} is {describe(result[key])}, expected a number"
     times = result.get("step_seconds_all")
     if times is not None and not (isinstance(times, list) and all(_number(t, True) for t in times)):
         return "result.step_seconds_all is not a list of positive numbers"
@@ -190,8 +191,23 @@ def _finished_ratio(result: dict) -> float | None:
     actual, base = result.get("actual_seconds"), result.get("base_seconds")
     if not (actual and base):
         return None
+    actual = max(actual - (result.get("compile_seconds") or 0.0), 1e-9)  # compiling is its own term, not in base
     load = result.get("load_factor")  # the cores' contention during the run over the probe's
     return actual / base / (load if load and load > 0 else 1.0)
+
+
+def compile_summary(results: list[dict]) -> dict:
+    """What compiling cost the probes and runs of a compiled shape (apr/train/calibrate.py keeps it
+    out of their step time): the median seconds with inductor's cache ``cold`` and ``warm``, and
+    the cache folders they filled."""
+    dirs = {r["compile_cache_dir"] for r in results if isinstance(r.get("compile_cache_dir"), str)}
+    out: dict = {"dirs": sorted(dirs)}
+    for cache in ("cold", "warm"):
+        seconds = [r["compile_seconds"] for r in results[-RECENT:]
+                   if r.get("compile_cache") == cache and _number(r.get("compile_seconds"), True)]
+        if seconds:
+            out[cache] = statistics.median(seconds)
+    return out
 
 
 def summary(rows: list[dict]) -> dict | None:
@@ -224,6 +240,7 @@ def summary(rows: list[dict]) -> dict | None:
            "transient_ratio": statistics.median(ratios) if ratios else None,
            "device_name": rows[-1]["device_name"], "ids": [r["id"] for r in rows], "correction": None}
     plural = lambda n, what: f"{n} {what}{'s' if n != 1 else ''}"  # noqa: E731
+    out["compile"] = compile_summary([r["result"] for r in rows])
     if probes:
         pool = [r["result"] for r in probes[-POOLED:]]
         when = probes[-1]["time"]
