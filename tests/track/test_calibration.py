@@ -50,7 +50,7 @@ BAD = [
     ("shape", json.dumps({"batch_size": 4}), "shape.architecture"),
     ("shape", "null", "shape is NoneType"),
     ("time", "yesterday", "time is 'yesterday'"),
-    ("device_name", None, "device_name is None"),
+    ("device_name", None, "device_name is null"),
 ]
 
 
