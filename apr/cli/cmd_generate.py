@@ -64,7 +64,8 @@ def register(app: typer.Typer) -> None:
 
         _check_numbers(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                        repetition_penalty=repetition_penalty, seed=seed)
-        prompts = read_prompts(prompt, prompt_file)
+        origins: list[str] = []
+        prompts = read_prompts(prompt, prompt_file, origins=origins)
         options = GenerateOptions(
             max_new_tokens=max_new_tokens, seed=seed, stop=tuple(stop), use_cache=not no_cache,
             logprobs=logprobs, stop_at_eos=not ignore_eos,
@@ -78,15 +79,20 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"warning: {w}", err=True)
 
         stream = not json_out and len(prompts) == 1
-        if stream:
-            sys.stdout.write(prompts[0])
-            sys.stdout.flush()
+        echoed = False
+
+        def echo_prompt() -> None:  # once the prompt is encoded: a refused prompt is never echoed
+            nonlocal echoed
+            if not echoed:
+                echoed = True
+                sys.stdout.write(prompts[0])
 
         def on_text(_i: int, text: str) -> None:
+            echo_prompt()
             sys.stdout.write(text)
             sys.stdout.flush()
 
-        result = generate(loaded, prompts, options, on_text=on_text if stream else None)
+        result = generate(loaded, prompts, options, on_text=on_text if stream else None, origins=origins)
         rate = result.tokens_per_s
         if json_out:
             doc = {
@@ -103,6 +109,7 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(doc, indent=2, ensure_ascii=False))
             return
         if stream:
+            echo_prompt()
             sys.stdout.write("\n")
         else:
             for i, g in enumerate(result.generations):

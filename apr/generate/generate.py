@@ -72,27 +72,32 @@ class GenerateResult:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
 
 
-def encode_prompts(loaded: Loaded, prompts: list[str], max_new_tokens: int = 1) -> list[list[int]]:
-    """Token ids of each prompt; AprError for an empty prompt or one that leaves no room in the context."""
+def encode_prompts(loaded: Loaded, prompts: list[str], max_new_tokens: int = 1,
+                   origins: list[str] | None = None) -> list[list[int]]:
+    """Token ids of each prompt; AprError for an empty prompt or one that leaves no room in the
+    context, naming the prompt by ``origins[i]`` (where it came from) and never quoting it."""
     if not prompts:
         raise AprError("no prompt given", [Finding("error", "generate.no_prompt", "no prompt to continue",
                                                    path="--prompt", expected="at least one prompt", got="none")])
     out = []
     for i, text in enumerate(prompts):
-        where = "--prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        where = (origins[i] if origins is not None and i < len(origins)
+                 else "--prompt" if len(prompts) == 1 else f"prompt {i + 1}")
+        option = where.split(" ", 1)[0] if origins is not None else where  # the option, for the finding
         if not text:
             raise AprError(f"{where} is empty", [Finding(
-                "error", "generate.empty_prompt", "empty prompt", path=where, expected="some text", got="''")])
+                "error", "generate.empty_prompt", "empty prompt", path=option, expected="some text", got="''")])
         ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
             raise AprError(f"{where} encodes to no tokens", [Finding(
-                "error", "generate.empty_prompt", "the prompt has no tokens", path=where,
+                "error", "generate.empty_prompt", "the prompt has no tokens", path=option,
                 expected="at least one token", got="0")])
         if len(ids) >= loaded.context:
             raise AprError(f"{where} is {len(ids)} tokens; the model's context is {loaded.context}, so it leaves "
                            "no room to generate", [Finding(
                                "error", "generate.prompt_too_long", "prompt longer than the context",
-                               path=where, expected=f"fewer than {loaded.context} tokens", got=f"{len(ids)} tokens")])
+                               path=option, expected=f"fewer than {loaded.context} tokens",
+                               got=f"{len(ids)} tokens")])
         out.append(ids)
     return out
 
@@ -152,10 +157,11 @@ class _Row:
 
 
 def generate(loaded: Loaded, prompts: list[str], options: GenerateOptions,
-             on_text: OnText | None = None) -> GenerateResult:
+             on_text: OnText | None = None, origins: list[str] | None = None) -> GenerateResult:
     """Continue each prompt (all in one batch). ``on_text(i, text)`` receives prompt ``i``'s text
-    as it becomes final; joined, the pieces are the generation's ``text``."""
-    prompt_ids = encode_prompts(loaded, prompts)
+    as it becomes final; joined, the pieces are the generation's ``text``. ``origins``: where each
+    prompt came from, for errors."""
+    prompt_ids = encode_prompts(loaded, prompts, origins=origins)
     seed = options.seed if options.seed is not None else secrets.randbelow(2**31)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rows = [_Row(p, ids, loaded, options) for p, ids in zip(prompts, prompt_ids, strict=True)]

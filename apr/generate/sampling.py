@@ -69,9 +69,13 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def choose(logits: torch.Tensor, seen: torch.Tensor, sampling: Sampling,
            generator: torch.Generator | None) -> torch.Tensor:
     """Next token per row ``[batch]`` from float32 ``logits`` ``[batch, vocab]``."""
-    logits = penalise_repeats(logits, seen, sampling.repetition_penalty)
-    if sampling.is_greedy:
+    # clamped, then shifted so the largest is 0: an extreme temperature or penalty (1e-300) gives
+    # -inf and 0, never inf - inf (NaN probabilities the sampler refuses)
+    big = torch.finfo(logits.dtype).max / 4
+    logits = penalise_repeats(logits, seen, sampling.repetition_penalty).clamp(-big, big)
+    if sampling.is_greedy or sampling.temperature < torch.finfo(logits.dtype).tiny:  # 1e-300 is 0 in float32
         return logits.argmax(-1)
+    logits = logits - logits.amax(-1, keepdim=True)
     logits = filter_logits(logits / sampling.temperature, sampling.top_k, sampling.top_p)
     probs = logits.softmax(-1)
     if generator is not None and generator.device != probs.device:

@@ -3,6 +3,7 @@ training step and the inference latency, and compare the step with the plan's fi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,12 +12,19 @@ from apr.generate.load import load_for_inference
 from apr.profile.compare import Comparison, compare, plan_config
 from apr.profile.latency import LatencyRow, check_lengths, measure_latency
 from apr.profile.step import StepProfile, profile_step
+from apr.readers import human_bytes
 
 FORMAT_VERSION = "1"
 
 
 class ProfileOptionError(AprError):
     """An option of `apr profile` out of its range."""
+
+
+# Upper bounds: medians settle within a few runs; more only holds the machine (each step and each
+# repeat is a whole forward and backward, or a whole prefill and decode).
+MAX_STEPS = 1000
+MAX_REPEATS = 1000
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,11 @@ class ProfileOptions:
                 raise ProfileOptionError(f"{option} must be at least {low}, not {value}", [Finding(
                     "error", "profile.option", f"{option} out of range", path=option, expected=f">= {low}",
                     got=str(value))])
+        for option, value, high in (("--steps", self.steps, MAX_STEPS), ("--repeats", self.repeats, MAX_REPEATS)):
+            if value > high:
+                raise ProfileOptionError(f"{option} must be at most {high:,}, not {value:,}", [Finding(
+                    "error", "profile.option", f"{option} out of range", path=option, expected=f"<= {high:,}",
+                    got=f"{value:,}")])
         if self.precision not in (None, "fp32", "bf16", "fp16"):
             raise ProfileOptionError(f"--precision must be fp32, bf16 or fp16, not {self.precision}", [Finding(
                 "error", "profile.option", "unknown precision", path="--precision", expected="fp32, bf16 or fp16",
@@ -82,6 +95,60 @@ def _step_shape(loaded, options: ProfileOptions) -> tuple[int, int]:
     return batch, seq
 
 
+def _memory_budget(device) -> tuple[int, str] | None:
+    """What the profiled step must fit in: the CUDA device's memory, or the RAM available now."""
+    if device.type == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(device)
+        return int(props.total_memory), f"the memory of {props.name}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "the RAM available now"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def step_bytes(loaded, batch: int, seq: int, precision: str) -> int:
+    """The plan's peak for the profiled step (engine standard, this batch, length, precision and
+    device): ``apr.plan.memory.memory_table``, as `--compare` shows it."""
+    from types import SimpleNamespace
+
+    from apr.plan.memory import memory_table
+
+    shape = SimpleNamespace(device=str(loaded.device), batch_size=batch, seq_len=seq, precision=precision)
+    return sum(r.bytes for r in memory_table(plan_config(loaded.config, loaded.arch, shape)))
+
+
+def check_step_fits(loaded, options: ProfileOptions, batch: int, seq: int, precision: str) -> None:
+    """Refuse a step the plan says cannot fit this device's memory, before allocating any of it (a
+    --batch-size of 100,000 otherwise grows until the machine kills the process)."""
+    budget = _memory_budget(loaded.device)
+    if budget is None:
+        return
+    limit, where = budget
+    need = step_bytes(loaded, batch, seq, precision)
+    if need <= limit:
+        return
+    fit = batch
+    while fit > 1 and step_bytes(loaded, fit, seq, precision) > limit:
+        fit //= 2
+    option = "--batch-size" if options.batch_size is not None or options.seq_len is None else "--seq-len"
+    message = (f"a training step of batch {batch:,} x {seq:,} tokens needs about {human_bytes(need)} by the "
+               f"plan's memory estimate, more than {where} ({human_bytes(limit)}); use a smaller {option}"
+               + (f" (batch {fit:,} fits)" if option == "--batch-size" and fit < batch and
+                  step_bytes(loaded, fit, seq, precision) <= limit else ""))
+    raise ProfileOptionError(message, [Finding(
+        "error", "profile.too_large", "the step does not fit memory", path=option,
+        expected=f"at most {human_bytes(limit)} ({where})", got=f"about {human_bytes(need)}")])
+
+
 def _precision(loaded, options: ProfileOptions) -> str:
     if options.precision is not None:
         return options.precision
@@ -118,6 +185,7 @@ def profile_source(source: str | Path, options: ProfileOptions) -> ProfileReport
         check_lengths(lengths, options.new_tokens, loaded.context)
     if options.step:
         batch, seq = _step_shape(loaded, options)
+        check_step_fits(loaded, options, batch, seq, _precision(loaded, options))
         for p in model.parameters():
             p.requires_grad_(True)
         report.step = profile_step(model, batch_size=batch, seq_len=seq, precision=_precision(loaded, options),

@@ -45,6 +45,10 @@ def test_text_output_of_a_hugging_face_folder(untrained_lm):
     (("--no-latency", "--seq-len", "97"), "longer than the model's context of 96"),
     (("--no-step", "--no-latency"), "nothing to measure"),
     (("--steps", "0"), "--steps must be at least 1"),
+    (("--steps", str(10**9)), "--steps must be at most 1,000"),
+    (("--repeats", str(10**9)), "--repeats must be at most 1,000"),
+    # a batch the plan's memory estimate puts past this machine's memory: refused before allocating
+    (("--no-latency", "--batch-size", str(10**8)), "by the plan's memory estimate, more than"),
 ])
 def test_bad_options_exit_1_with_the_reason(untrained_lm, args, message):
     r = invoke(untrained_lm.checkpoint, *args)

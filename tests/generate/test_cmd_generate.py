@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from apr.cli.main import app
@@ -125,3 +126,19 @@ def test_another_tokenizer_than_the_runs_own_is_warned_about_naming_both_digests
     copy.write_bytes(tiny_lm.tokenizer.read_bytes())
     r = invoke(tiny_lm.run_dir, "-p", "x", "-n", "2", "--tokenizer", copy)
     assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+
+
+def test_a_prompt_longer_than_the_context_names_its_line_and_is_not_echoed(tiny_lm, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("SECRET " * 400 + "\n")
+    r = invoke(tiny_lm.run_dir, "--prompt-file", f, "-n", "2")
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert f"--prompt-file {f} line 1 is" in r.stderr and "the model's context is 96" in r.stderr
+    assert "SECRET" not in r.output
+
+
+@pytest.mark.parametrize("temperature", ["1e-300", "1e-40", "1e300"])
+def test_extreme_temperatures_sample_without_a_traceback(tiny_lm, temperature):
+    r = invoke(tiny_lm.run_dir, "-p", tiny_lm.lines[0], "-n", "3", "-t", temperature, "--seed", "1",
+               "--repetition-penalty", "1e-30")
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output

@@ -87,3 +87,31 @@ def test_a_fifo_or_folder_as_prompt_file_is_refused_without_blocking(tmp_path):
     for path in (tmp_path / "fifo", tmp_path):
         with pytest.raises(AprError):
             read_prompts([], str(path))
+
+
+def test_one_long_line_is_refused_by_size_naming_the_file_and_line_not_echoing_it(tmp_path):
+    """A 15 MiB single-line prompt file (under the 16 MiB file cap) took gigabytes and half a minute
+    to tokenize before the context refused it, and the error named --prompt and echoed the prompt."""
+    f = tmp_path / "one-line.txt"
+    secret = "SECRET-PROMPT-TEXT "
+    f.write_text("short prompt\n" + secret * (15 * 2**20 // len(secret)) + "\n")
+    with pytest.raises(AprError) as err:
+        read_prompts([], str(f))
+    e = err.value
+    assert f"--prompt-file {f} line 2 is 15.0 MiB: one prompt may be at most 1 MiB" in e.message
+    assert e.findings[0].path == "--prompt-file" and e.findings[0].line == 2
+    assert "SECRET" not in e.message and "SECRET" not in str(e.findings[0])
+
+
+def test_a_prompt_argument_that_is_not_utf8_is_refused_naming_the_byte():
+    """Command-line bytes that are not UTF-8 reach Python as lone surrogates: a traceback once."""
+    with pytest.raises(AprError, match=r"--prompt is not UTF-8 text: invalid byte 0xff at character 2"):
+        read_prompts(["ab\udcffcd"], None)
+
+
+def test_origins_name_where_each_prompt_came_from(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a\n\nb\n")
+    origins: list[str] = []
+    assert read_prompts(["x", "y"], str(f), origins=origins) == ["x", "y", "a", "b"]
+    assert origins == ["--prompt 1", "--prompt 2", f"--prompt-file {f} line 1", f"--prompt-file {f} line 3"]
