@@ -8,7 +8,9 @@ when the process ends, however it ends, so a
 lock two different files). It holds the holder's pid, host and start time, which a refused second
 writer names. ``refuse_foreign_files`` keeps a fresh run out of a folder holding another run's
 checkpoints; ``refuse_user_records`` keeps any run off a ``config.yaml``, ``training_state.json``,
-``plan.json`` or lock file that apr did not write. docs/training.md, "The output folder".
+``plan.json`` or lock file that apr did not write; ``refuse_resume_over_other_run`` keeps a resume
+allowed into another run's folder (``--allow-other-run``) off that run's records and checkpoint
+names. docs/training.md, "The output folder".
 """
 
 from __future__ import annotations
@@ -199,3 +201,79 @@ def refuse_user_config(run_dir: Path, config_path: Path, records: bool = True) -
         f"{target} is not a config apr wrote; apr records the resolved config of a run under that name and "
         "will not overwrite yours", config_path, "apply.output_dir_config",
         f"move {target.name} out of the output directory, or choose another training.output_dir")
+
+
+# What a run writes into its output folder besides checkpoints: one of each per folder, so a resume
+# into another run's folder would replace that run's copy (its store is the .apr/ folder).
+RUN_RECORDS = ("config.yaml", "plan.json", "training_state.json", ".apr")
+
+
+def _run_id_of(path: Path) -> str | None:
+    """The ``run_id`` a record or checkpoint JSON holds (bounded read), None when it holds none."""
+    try:
+        doc = load_json(path, "state" if path.name == "training_state.json" else "checkpoint", "record")
+    except AprError:
+        return None
+    value = doc.get("run_id") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def other_run_checkpoints(run_dir: Path, run_id: str) -> dict[str, str]:
+    """Checkpoint JSON name -> run id, for the checkpoints in ``run_dir`` that record a run other
+    than ``run_id`` (step checkpoints and checkpoint-best; files without a run id are not counted)."""
+    out = {}
+    try:
+        names = sorted(os.listdir(run_dir))
+    except OSError:
+        return out
+    for name in names:
+        if files.STEP_JSON_RE.match(name) or name == f"{files.BEST_STEM}.json":
+            rid = _run_id_of(run_dir / name)
+            if rid is not None and rid != run_id:
+                out[name] = rid
+    return out
+
+
+def planned_saves(start_step: int, total_steps: int, save_interval: int | None) -> set[int]:
+    """The steps a run resumed at ``start_step`` saves a step checkpoint at: every ``save_interval``
+    steps, and the last step."""
+    steps = {total_steps} if total_steps > start_step else set()
+    if save_interval and save_interval > 0:
+        first = (start_step // save_interval + 1) * save_interval
+        steps |= set(range(first, total_steps + 1, save_interval))
+    return steps
+
+
+def refuse_resume_over_other_run(run_dir: Path, config_path: Path, run_id: str | None, *, start_step: int,
+                                 total_steps: int, save_interval: int | None, saves_best: bool = True) -> None:
+    """A resume of run ``run_id`` into ``run_dir`` that holds another run's checkpoints (allowed by
+    ``--allow-other-run``) is refused before anything is written when it would replace that run's
+    files: its records (``config.yaml``, ``plan.json``, ``training_state.json``, its ``.apr/``
+    store: one per folder, so the resumed run would write over them), its ``checkpoint-best`` or a
+    step checkpoint at a step the resumed run saves at (found at the save, after every step was
+    trained; ``saves_best``: the run evaluates, so it saves a best). Nothing to refuse in a folder of
+    no other run, or with no run id to compare."""
+    if run_id is None:
+        return
+    theirs = other_run_checkpoints(run_dir, run_id)
+    if not theirs:
+        return
+    other = sorted(set(theirs.values()))[0]
+    state = run_dir / "training_state.json"
+    state_run = _run_id_of(state) if state.is_file() else None
+    records = [] if state_run == run_id else [n for n in RUN_RECORDS if os.path.lexists(run_dir / n)]
+    if records:
+        raise _in_use(
+            f"{run_dir} holds run {other}'s records ({', '.join(records)}); resuming run {run_id} there would "
+            "write over them", config_path, "resume.other_run_records",
+            f"resume run {run_id} into an empty training.output_dir (its own folder, or a new one); run "
+            f"{other}'s records are one per folder and are never replaced")
+    saves = planned_saves(start_step, total_steps, save_interval)
+    clash = sorted(n for n in theirs if (saves_best if n == f"{files.BEST_STEM}.json"
+                                         else int(files.STEP_JSON_RE.match(n).group(1)) in saves))
+    if clash:
+        raise _in_use(
+            f"{run_dir} holds run {other}'s {', '.join(clash[:3])}; run {run_id}, resumed at step {start_step}, "
+            "would save under the same name, and another run's checkpoint is never replaced", config_path,
+            "resume.other_run_clash",
+            f"resume run {run_id} into an empty training.output_dir; it would train to the save and then stop")

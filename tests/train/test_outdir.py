@@ -16,6 +16,7 @@ from run_helpers import config_doc, make_dataset
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.plan.build import resolve_config
 from apr.train.outdir import LOCK_FILE, OutputDirLock, refuse_foreign_files
 from apr.train.run import ApplyOptions, prepare_run
 
@@ -59,7 +60,7 @@ def test_a_second_writer_is_refused_with_the_holders_pid_and_host_and_kill_9_fre
 def _prepare(root: Path, resume=None, **sections):
     cfg = AprConfig.model_validate(config_doc(root, **sections))
     opts = ApplyOptions(resume=resume, echo=lambda line: None)
-    return prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts)
+    return prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts)
 
 
 @pytest.fixture
@@ -117,3 +118,74 @@ def test_refuse_foreign_files_names_what_it_found(tmp_path):
     (tmp_path / "checkpoint-step-7.safetensors").write_bytes(b"partial")  # a crash mid-save still counts
     with pytest.raises(AprError, match="checkpoint-step-7.safetensors"):
         refuse_foreign_files(tmp_path, tmp_path / "cfg.yaml")
+
+
+# ---------------------------------------------------------- a resume allowed into another run's folder
+def _other_run_folder(folder: Path, steps=(2, 4), best=True, records=True) -> dict[str, bytes]:
+    """A folder as run "c" leaves it: its checkpoints' JSON (with its run id), and its records."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for step in steps:
+        (folder / f"checkpoint-step-{step:08d}.json").write_text(json.dumps({"run_id": "c", "step": step}))
+        (folder / f"checkpoint-step-{step:08d}.safetensors").write_bytes(b"c's weights")
+    if best:
+        (folder / "checkpoint-best.json").write_text(json.dumps({"run_id": "c", "step": steps[-1]}))
+    if records:
+        (folder / "training_state.json").write_text(json.dumps({"schema_version": 3, "run_id": "c"}))
+        (folder / "config.yaml").write_text("# resolved config of this run\nmodel: {}\n")
+        (folder / "plan.json").write_text(json.dumps({"format": "apr-plan"}))
+        (folder / ".apr").mkdir()
+        (folder / ".apr" / "experiments.db").write_bytes(b"c's store")
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_resume_into_a_third_runs_folder_is_refused_before_its_records_are_written(tmp_path):
+    """--allow-other-run lets run a resume beside run c's checkpoints, never over c's config.yaml,
+    plan.json, training_state.json or store (one per folder): refused before anything is written."""
+    from apr.train.outdir import refuse_resume_over_other_run
+
+    folder = tmp_path / "c"
+    before = _other_run_folder(folder, steps=(10, 20), best=False)
+    with pytest.raises(AprError) as caught:
+        refuse_resume_over_other_run(folder, tmp_path / "cfg.yaml", "a", start_step=2, total_steps=4, save_interval=2)
+    err = caught.value
+    assert err.findings[0].code == "resume.other_run_records" and err.findings[0].path == "training.output_dir"
+    for name in ("config.yaml", "plan.json", "training_state.json", ".apr"):
+        assert name in err.message
+    assert "run c's records" in err.message and "run a" in err.message
+    assert {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("steps, best, start, clash", [
+    ((4,), False, 2, "checkpoint-step-00000004.json"),  # the last step: always saved
+    ((6,), False, 2, "checkpoint-step-00000006.json"),  # on the save interval
+    ((1,), True, 2, "checkpoint-best.json"),  # a run that evaluates saves a best
+])
+def test_a_resume_whose_saves_would_hit_another_runs_checkpoints_is_refused_up_front(tmp_path, steps, best, start,
+                                                                                    clash):
+    from apr.train.outdir import refuse_resume_over_other_run
+
+    folder = tmp_path / "c"
+    _other_run_folder(folder, steps=steps, best=best, records=False)
+    with pytest.raises(AprError) as caught:
+        refuse_resume_over_other_run(folder, tmp_path / "cfg.yaml", "a", start_step=start, total_steps=8,
+                                     save_interval=2)
+    assert caught.value.findings[0].code == "resume.other_run_clash"
+    assert clash in caught.value.message
+
+
+def test_a_resume_beside_another_runs_checkpoints_that_it_never_overwrites_goes_on(tmp_path):
+    from apr.train.outdir import refuse_resume_over_other_run
+
+    folder = tmp_path / "c"
+    _other_run_folder(folder, steps=(1, 3, 40), best=True, records=False)  # odd steps, past the end; a best
+    refuse_resume_over_other_run(folder, tmp_path / "cfg.yaml", "a", start_step=2, total_steps=8, save_interval=2,
+                                 saves_best=False)
+    # run a's own folder (its records are its own), and a folder of no other run, are never refused
+    own = tmp_path / "a"
+    _other_run_folder(own, steps=(2,), best=False)
+    (own / "training_state.json").write_text('{"schema_version": 3, "run_id": "a"}')
+    refuse_resume_over_other_run(own, tmp_path / "cfg.yaml", "a", start_step=4, total_steps=8, save_interval=2)
+    refuse_resume_over_other_run(tmp_path / "empty", tmp_path / "cfg.yaml", "a", start_step=2, total_steps=8,
+                                 save_interval=2)
