@@ -60,7 +60,8 @@ def _layout(config, resume: str | None, world: int) -> tuple[dict, dict | None]:
     """The layout the run will execute, as settings the plan is built with: the world size torchrun
     started and, resuming a checkpoint of another world size, the gradient accumulation that keeps
     its global batch (apr/train/layout.py). The plan then sizes what runs; the run edits nothing."""
-    from apr.train.layout import elastic_layout, laid_out
+    from apr.steps.resolved import laid_out
+    from apr.train.layout import elastic_layout
 
     settings: dict = {}
     if world > 1 and config.training.world_size != world:
@@ -132,8 +133,7 @@ def _prepare_and_run(plan, plan_doc, config_path: Path, lock, *, overrides, resu
     if not plan.config.monitoring.terminal.enabled:  # monitoring.terminal.enabled: false draws no bar
         progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
-                           progress=progress, overrides=overrides, resolved=replace(plan.resolved, elastic=elastic),
-                           allow_other_run=allow_other_run, lock=lock)
+                           progress=progress, overrides=overrides, allow_other_run=allow_other_run, lock=lock)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"
@@ -145,6 +145,6 @@ def _prepare_and_run(plan, plan_doc, config_path: Path, lock, *, overrides, resu
                      f"blocks: {decided['reason']}")
     for skipped in (plan.facts.get("calibration_skipped") or []) if is_main else []:
         options.echo(f"warning: calibration row skipped: {skipped}")
-    run = prepare_run(plan.config, config_hash=plan.config_hash, config_path=config_path, options=options,
-                      plan_doc=plan_doc)
+    run = prepare_run(replace(plan.resolved, elastic=elastic), config_hash=plan.config_hash,
+                      config_path=config_path, options=options, plan_doc=plan_doc)
     return run.execute()

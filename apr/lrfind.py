@@ -164,7 +164,7 @@ def run_range_test(config_path: Path, test: RangeTest, *, settings: list[str] | 
     """Plan the config (refusing on its errors), then sweep on a throwaway copy. Raises AprError."""
     from apr.apply import _device_budget, _plan_errors_error, command_line_overrides
     from apr.config import config_hash, load_config
-    from apr.plan.build import build_plan, normalise_overrides
+    from apr.plan.build import build_plan, normalise_overrides, resolve_config
 
     problems = range_findings(test)
     if problems:
@@ -180,10 +180,10 @@ def run_range_test(config_path: Path, test: RangeTest, *, settings: list[str] | 
     with tempfile.TemporaryDirectory(prefix="apr-lr-find-") as tmp:
         config = sweep_config(plan.config, test, Path(tmp) / "run")
         options = ApplyOptions(apr_home=Path(tmp) / "home", echo=echo or (lambda line: None),
-                               handle_signals=False, resolved=replace(plan.resolved, config=config),
-                               hooks=[_Sweep(test, curve)])
-        run = prepare_run(config, config_hash=config_hash(config), config_path=Path(config_path), options=options)
-        run.schedule = test.lr  # the exponential sweep replaces the config's schedule
+                               handle_signals=False, hooks=[_Sweep(test, curve)])
+        # the plan's policy on the throwaway copy; the exponential sweep is the schedule
+        swept = replace(resolve_config(config, execution=plan.resolved.execution), schedule=test.lr)
+        run = prepare_run(swept, config_hash=config_hash(config), config_path=Path(config_path), options=options)
         result = run.execute()
     if result.status == "failed" and curve.stopped_early is None:
         curve.stopped_early = result.reason

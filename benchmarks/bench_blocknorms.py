@@ -36,6 +36,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from apr.steps.resolved import resolve as plan_of  # noqa: E402
+
 LR = 3e-4
 SEED = 1234
 
@@ -94,7 +96,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     config = make_config(args)
-    engine = build_engine(config, device)
+    engine = build_engine(plan_of(config), device)
     gen = torch.Generator().manual_seed(SEED)
     data = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen) for _ in range(8)]
     step_times: list[float] = []

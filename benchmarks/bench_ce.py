@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_engine  # noqa: E402
 
 from apr.kernels.torch_backend import TorchBackend  # noqa: E402
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine  # noqa: E402
 
 
@@ -98,8 +99,8 @@ def main() -> None:
     rowwise = {name: _row_independent(fn, logits, targets) for name, fn in variants.items()}
     shape = argparse.Namespace(hidden=256, layers=6, heads=4, kv_heads=4, intermediate=1024, vocab=8192, tied=False,
                                seq=256, batch=8, loss_chunk=256, device="cpu", precision=None, kernels="torch")
-    engine = build_engine(bench_engine.make_config(shape, engine="interleaved", clip_mode="global",
-                                                   execution=("keep", "kept")))
+    engine = build_engine(plan_of(bench_engine.make_config(shape, engine="interleaved", clip_mode="global",
+                                                   execution=("keep", "kept"))))
     batches = [torch.randint(0, 8192, (8, 257), generator=gen) for _ in range(args.rounds + 1)]
     op, step, losses = ({k: [] for k in variants} for _ in range(3))
     engine.train_step([batches[0]], 3e-4)

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from apr.steps.resolved import resolve as plan_of
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -45,7 +47,7 @@ def main() -> None:
     from apr.train.build import build_engine
 
     config = load_config(args.config, settings=["training.device=cpu", "training.mixed_precision=fp32"]).config
-    engine = build_engine(config, torch.device("cpu"))
+    engine = build_engine(plan_of(config), torch.device("cpu"))
     tensors = engine.train_state_tensors()
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     base = Path(args.out or tempfile.mkdtemp(prefix="bench-ckpt-"))

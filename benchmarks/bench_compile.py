@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from apr.steps.resolved import resolve as plan_of
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -57,7 +59,7 @@ def child(steps: int) -> dict:
         config = bench_engine.make_config(args, engine="interleaved", clip_mode="global",
                                           execution=("keep", "kept"), compile=compiled)
         w0, c0 = time.perf_counter(), _cpu()
-        engine = build_engine(config)
+        engine = build_engine(plan_of(config))
         float(engine.train_step([batches[0]], 3e-4).loss)
         first = {"first_wall_s": time.perf_counter() - w0, "first_cpu_s": _cpu() - c0}
         out["compiled" if compiled else "eager"] = first

@@ -60,6 +60,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from apr.steps.resolved import resolve as plan_of  # noqa: E402
+
 # name -> (engine, clip_mode, training.execution); execution None: auto, resolved by the plan's chooser
 SETTINGS = {
     "auto": ("interleaved", "global", None),
@@ -154,9 +156,9 @@ def build_apr(args, device: torch.device, name: str) -> Approach:
         from apr.model import spec
 
         with mock.patch.object(spec, "uses_compute_copy", lambda *a, **k: False):
-            engine = build_engine(config, device, execution=chosen)
+            engine = build_engine(plan_of(config, execution=chosen), device)
     else:
-        engine = build_engine(config, device, execution=chosen)
+        engine = build_engine(plan_of(config, execution=chosen), device)
     params = list(engine.model.parameters())
     ap = Approach(name, note=f"kernels {engine.backend.name}; {policy.describe(config, chosen)}; "
                   f"{engine.strategy.describe()}", cost_f=policy.step_cost_f(config, chosen))

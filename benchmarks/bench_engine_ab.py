@@ -30,6 +30,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_engine  # noqa: E402  (the shapes, settings and config of the engine benchmark)
 
+from apr.steps.resolved import resolve as plan_of  # noqa: E402
+
 
 def _drop_apr() -> None:
     for name in [m for m in sys.modules if m == "apr" or m.startswith("apr.")]:
@@ -53,7 +55,7 @@ def _build(tree: Path, args, names: list[str]) -> dict:
             kind, clip, execution = bench_engine.SETTINGS[name]
             config = bench_engine.make_config(args, engine=kind, clip_mode=clip, execution=execution)
             chosen = choose(config, 64 * 2**30, "bench").execution
-            engines[name] = build_engine(config, torch.device("cpu"), execution=chosen)
+            engines[name] = build_engine(plan_of(config, execution=chosen), torch.device("cpu"))
         return engines
     finally:
         sys.path.remove(str(tree))

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from apr.plan.build import resolve_config
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -88,7 +90,8 @@ def run_one(doc: dict) -> tuple[float, float, list[str]]:
     cfg = AprConfig.model_validate(doc)
     lines: list[str] = []
     t0 = time.perf_counter()
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=Path(doc["training"]["output_dir"]) / "c.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg),
+                      config_path=Path(doc["training"]["output_dir"]) / "c.yaml",
                       options=ApplyOptions(echo=lines.append, handle_signals=False))
     result = run.execute()
     history = [d["winner"] for d in run.orchestrator.history] if run.orchestrator is not None else []

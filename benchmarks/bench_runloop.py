@@ -48,6 +48,8 @@ os.environ.setdefault("APR_CPU_THREADS", "1")  # one torch thread, as bench_engi
 
 import numpy as np  # noqa: E402
 
+from apr.steps.resolved import resolve as plan_of  # noqa: E402
+
 
 class FakeTTY(io.StringIO):
     """A terminal stand-in, so the progress bar draws as it would for a user."""
@@ -108,7 +110,7 @@ class Pairing:
 
         self.log_interval = run.cadence.log_interval
         with torch.random.fork_rng():
-            self.bare = build_engine(run.config, run.device, execution=run.engine.execution)
+            self.bare = build_engine(plan_of(run.config, execution=run.engine.execution), run.device)
         gen = torch.Generator().manual_seed(1)
         a = self.args
         self.batches = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=gen) for _ in range(4)]

@@ -15,7 +15,7 @@ everywhere; fp32 on the CPU, bf16 autocast on CUDA, fp32 master weights):
                          F.cross_entropy, clip_grad_norm_(1.0), torch AdamW (foreach)
   torch/fsdp2            the same loop on fully_shard per decoder block and at the root
                          (reshard after forward: full sharding)
-  apr/E/none             build_engine(engine E, training.sharding none): the engine all-reduces
+  apr/E/none             build_engine(plan_of(engine E), training.sharding none): the engine all-reduces
                          gradients itself (E: standard or interleaved, its auto execution policy)
   apr/E/full             training.sharding full (apr/train/sharded.py, sharded_walk.py)
   apr/E/shard_grad_op    training.sharding shard_grad_op (with --only)
@@ -47,6 +47,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from apr.steps.resolved import resolve as plan_of  # noqa: E402
 
 LR = 3e-4
 SEED = 1234
@@ -106,7 +108,7 @@ def build_apr(args, name: str, device: torch.device, dp):
     engine_kind, sharding, execution = APR[name]
     config = make_config(args, engine_kind, sharding, execution, dp.world_size)
     chosen = policy.from_config(config)
-    engine = build_engine(config, device, dp=dp, execution=chosen)
+    engine = build_engine(plan_of(config, execution=chosen), device, dp=dp)
     note = f"{type(engine).__name__}; {policy.describe(config, chosen)}"
 
     def step(batch: torch.Tensor) -> torch.Tensor:

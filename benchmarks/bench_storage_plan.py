@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from apr.steps.resolved import resolve as plan_of
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -40,7 +42,7 @@ def main() -> None:
     from apr.train.build import build_engine
 
     config = load_config(args.config, settings=["training.device=cpu", "training.mixed_precision=fp32"]).config
-    engine = build_engine(config, torch.device("cpu"))
+    engine = build_engine(plan_of(config), torch.device("cpu"))
     tensors = engine.train_state_tensors()
     base = Path(args.out or tempfile.mkdtemp(prefix="bench-storage-"))
     print(f"# bench_storage_plan {datetime.datetime.now(datetime.UTC):%Y-%m-%dT%H:%MZ} {platform.node()} "

@@ -34,6 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from apr.steps.resolved import resolve as plan_of  # noqa: E402
 from tests.train.run_helpers import VOCAB, config_doc, make_dataset  # noqa: E402  (the repository on the path first)
 
 
@@ -48,7 +49,7 @@ def phase1(doc: dict, batches: list, blocks: int, per_block: int) -> tuple[float
     from apr.config.schema import AprConfig
     from apr.train.build import build_engine
 
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    engine = build_engine(plan_of(AprConfig.model_validate(doc)), "cpu")
     torch.manual_seed(0)
     start = time.process_time()
     for step in range(1, blocks * per_block + 1):

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from apr.steps.resolved import resolve as plan_of
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -106,7 +108,7 @@ def _demo_step_fn():
 
     cfg, _ = _demo_config()
     torch.manual_seed(0)
-    engine = build_engine(cfg, torch.device("cpu"))
+    engine = build_engine(plan_of(cfg), torch.device("cpu"))
     vocab = cfg.model.architecture.vocab_size
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, vocab, (cfg.data.batch_size, cfg.data.seq_len + 1), generator=gen)

@@ -30,6 +30,8 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from apr.plan.build import resolve_config  # noqa: E402
+
 
 def write_rows(folder: Path, rows: int, seq: int, vocab: int) -> None:
     import pyarrow as pa
@@ -78,7 +80,7 @@ def run(root: Path, args, cache: bool) -> dict:
 
     StandardEngine.train_step = timed
     try:
-        r = prepare_run(config, config_hash=config_hash(config), config_path=root / "cfg.yaml",
+        r = prepare_run(resolve_config(config), config_hash=config_hash(config), config_path=root / "cfg.yaml",
                         options=ApplyOptions(echo=lambda line: None, handle_signals=False))
         result = r.execute()
     finally:

@@ -36,6 +36,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from apr.steps.resolved import resolve as plan_of
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -93,7 +95,7 @@ def measure(path: str, batch: int | None, seq: int | None, steps: int, warmup: i
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     free0, total = torch.cuda.mem_get_info()
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     torch.cuda.synchronize()
     buffers = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -22,6 +22,7 @@ from apr import __version__
 from apr.checkpoint.manager import CheckpointError, read_info, scan
 from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.errors import AprError, Finding
+from apr.launch import env_world_size
 from apr.plan import gpus
 from apr.plan.clipadvice import exact_clip_findings
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
@@ -33,7 +34,14 @@ from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
 from apr.plan.memory import MemoryRow, coefficients_dict
-from apr.plan.mixfacts import mixture_config_findings, mixture_facts, reads, source_contract_results
+from apr.plan.mixfacts import (
+    merged_train_facts,
+    mixture_config_findings,
+    mixture_facts,
+    reads,
+    source_contract_results,
+    source_dataset_facts,
+)
 from apr.plan.orchestratefacts import (
     orchestrator_facts,
     orchestrator_findings,
@@ -57,6 +65,7 @@ from apr.plan.validate import (
 from apr.steps.algebra import elastic_accumulation
 from apr.steps.execution import Execution
 from apr.steps.resolved import Resolved
+from apr.steps.resolved import resolve as resolve_run
 from apr.track.names import PLAN_FORMAT
 from apr.track.trackers import sink_target_findings
 
@@ -120,11 +129,13 @@ class Plan:
 
     @property
     def resolved(self) -> Resolved:
-        """What the trainer receives (apr/steps/resolved.py): this plan's config and choices, frozen."""
+        """What the trainer receives (apr/steps/resolved.py): this plan's config and choices, frozen.
+        Its step counts are over the rows the plan counted in the data's footers."""
         layers = self.config.model.architecture.num_hidden_layers
-        return Resolved(config=self.config, execution=Execution.from_dict(self.execution["policy"], layers),
-                        world_size=self.world_size, nodes=self.nodes,
-                        total_steps=(self.facts.get("steps") or {}).get("total_steps"))
+        train = ((self.facts.get("data") or {}).get("train") or {})
+        return resolve_run(self.config, world_size=self.world_size, nodes=self.nodes,
+                           num_sequences=train.get("sequences"),
+                           execution=Execution.from_dict(self.execution["policy"], layers))
 
     def summary(self) -> dict:
         # An info contract whose rule is false is a note, not a failure: `failed` counts errors and warnings.
@@ -328,6 +339,30 @@ def sharding_advice(loaded, facts: dict) -> list[Finding]:
                f"({gib:.1f} GiB per rank at {sh['world_size']} ranks)")
     return [Finding("warning", "plan.sharding", message, path="training.sharding", file=file, line=line,
                     column=column, expected=f"sharding {best}", got=sh["strategy"])]
+
+
+def data_sequences(config: AprConfig) -> int | None:
+    """The training rows the plan counts (the Parquet footers; a mixture's sources summed); None
+    when the data is unreadable."""
+    if config.data.sources is not None:
+        train = merged_train_facts(source_dataset_facts(config, dataset_facts))
+    else:
+        train = dataset_facts(config.data.train, config.data.input_column)
+    return train.get("sequences")
+
+
+def resolve_config(config: AprConfig, *, world_size: int | None = None, nodes: int | None = None,
+                   execution: Execution | None = None, elastic: dict | None = None,
+                   data: bool = True) -> Resolved:
+    """The ``Resolved`` of a config for a caller without a saved plan (tests, lr-find, probe,
+    profile, benchmarks): the plan's own resolution (``apr.steps.resolved.resolve``) over the rows
+    the plan counts in the data; ``data=False``: an engine-only resolution, no data read. No
+    memory budget: ``auto`` policies resolve as if memory were unlimited."""
+    if world_size is None:
+        world_size = env_world_size() if env_world_size() > 1 else config.training.world_size
+    return resolve_run(config, world_size=world_size, nodes=nodes or config.training.nodes,
+                       num_sequences=data_sequences(config) if data else None, execution=execution,
+                       elastic=elastic)
 
 
 def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,

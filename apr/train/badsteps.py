@@ -79,8 +79,8 @@ class BadStepTest:
         self.grad_norm = RunningStats(window)
 
     @classmethod
-    def from_config(cls, config) -> BadStepTest | None:
-        bs = config.training.bad_steps
+    def of(cls, bs) -> BadStepTest | None:
+        """From ``training.bad_steps``; None when neither test is on."""
         if bs.loss_z is None and bs.grad_norm_z is None:
             return None
         return cls(bs.loss_z, bs.grad_norm_z, bs.window, bs.min_history)

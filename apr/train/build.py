@@ -12,8 +12,9 @@
    is the causal-LM loss or the distillation loss (``distill.py``);
 4. recompute and compile: the execution policy's per-block modes, ``compile_blocks``.
 
-The engine receives the plan's ``Execution`` and never derives one: ``execution=None`` is the
-config's own policy (``auto`` as if memory were unlimited), for tests and tools without a plan.
+The engine receives the resolved plan (apr/steps/resolved.py: execution, gradient source, sharding,
+step strategy) and derives none of it; a caller without a plan resolves its config with
+``apr.plan.build.resolve_config``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from apr.kernels import KernelBackend, get_backend
 from apr.model.llama import LlamaForCausalLM, build_model
 from apr.model.lora import add_adapters
 from apr.model.trunk import apply_trunk
-from apr.steps import execution as execution_policy
 from apr.steps import stacking
 from apr.steps.execution import Execution
+from apr.steps.resolved import Resolved
 from apr.train.compile import compile_blocks
 from apr.train.dist import DataParallel
 from apr.train.distill import distill_loss
@@ -58,42 +59,45 @@ def build_model_for(config: AprConfig, seed: int) -> LlamaForCausalLM:
     return model
 
 
-def _gradient_source(config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                     dp: DataParallel | None, execution: Execution) -> Engine:
+def _gradient_source(plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                     dp: DataParallel | None) -> Engine:
     """The engine for the plan's (loss, layout, gradient source): the flat-buffer walk or autograd,
     either under FSDP2 hooks when ``training.sharding`` shards the state over the ranks."""
-    tr = config.training
-    sharded = dp is not None and str(tr.sharding) != "none"
+    config, execution = plan.config, plan.execution
+    sharded = dp is not None and plan.sharded  # FSDP2 needs the process group torchrun started
     loss = None
-    autograd = execution_policy.gradient_source(config) == "standard"
-    if str(tr.mode) == "distill":  # the student on autograd, the teacher whole beside it
+    autograd = plan.gradient_source == "standard"
+    if str(config.training.mode) == "distill":  # the student on autograd, the teacher whole beside it
         loss = distill_loss(config, model, device)
     if sharded:
         from apr.train.sharded import ShardedEngine  # lazy: FSDP2 and DTensor are ~1 s of import, sharded runs only
         from apr.train.sharded_walk import ShardedInterleavedEngine  # lazy: as above
 
         if autograd:  # autograd under FSDP2 hooks
-            return ShardedEngine(config, model, device, backend, execution, loss)
-        return ShardedInterleavedEngine(config, model, device, backend, execution)  # the walk under FSDP2 hooks
+            return ShardedEngine(plan, model, device, backend, loss)
+        return ShardedInterleavedEngine(plan, model, device, backend)  # the walk under FSDP2 hooks
     if autograd:
-        return StandardEngine(config, model.to(device), device, backend, execution, loss)
+        return StandardEngine(plan, model.to(device), device, backend, loss)
     if config.model.lora is not None:  # the frozen base on the device as it is; adapters into flat buffers
         model = model.to(device)
-    return InterleavedEngine(config, model, device, backend, allocate_buffers(config, device, execution), execution)
+    return InterleavedEngine(plan, model, device, backend, allocate_buffers(config, device, execution))
 
 
-def build_engine(
-    config: AprConfig, device: torch.device | str | None = None, *, seed: int | None = None,
-    backend: KernelBackend | None = None, dp: DataParallel | None = None, execution: Execution | None = None,
-) -> Engine:
-    """A freshly initialised model (or ``model.init_from``'s weights) inside the composed engine;
-    ``dp``: the data-parallel ranks (torchrun); ``execution``: the plan's resolved policy."""
+def build_engine(plan: Resolved, device: torch.device | str | None = None, *, seed: int | None = None,
+                 backend: KernelBackend | None = None, dp: DataParallel | None = None) -> Engine:
+    """A freshly initialised model (or ``model.init_from``'s weights) inside the composed engine the
+    resolved plan describes (``apr.plan.build.resolve_config`` for a caller without a plan);
+    ``dp``: the data-parallel ranks (torchrun)."""
+    if not isinstance(plan, Resolved):
+        raise TypeError(f"build_engine takes the resolved plan (apr.steps.resolved.Resolved), got "
+                        f"{type(plan).__name__}: resolve a config with apr.steps.resolved.resolve (engine "
+                        "only) or apr.plan.build.resolve_config")
+    config = plan.config
     tr = config.training
     device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
     backend = backend or get_backend(str(tr.kernels), device)
-    execution = execution or execution_policy.from_config(config)
     model = build_model_for(config, tr.seed if seed is None else seed)
-    engine = _gradient_source(config, model, device, backend, dp, execution)
+    engine = _gradient_source(plan, model, device, backend, dp)
     engine.dp = dp
     if engine.execution.compile:
         compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,

@@ -14,9 +14,11 @@ class Cadence:
     validates: bool  # a validation set is configured
 
     @classmethod
-    def from_config(cls, training, total_steps: int, validates: bool) -> Cadence:
-        return cls(total_steps=total_steps, log_interval=training.log_interval, eval_interval=training.eval_interval,
-                   save_interval=training.save_interval, validates=validates)
+    def from_plan(cls, plan, validates: bool) -> Cadence:
+        """The resolved plan's intervals over its total steps (``plan``: apr.steps.resolved.Resolved)."""
+        training = plan.config.training
+        return cls(total_steps=plan.steps.total_steps, log_interval=training.log_interval,
+                   eval_interval=training.eval_interval, save_interval=training.save_interval, validates=validates)
 
     def log(self, step: int, stopping: bool) -> bool:
         """A log step reads the loss and norm to the host; a stopping run logs its last step."""

@@ -136,8 +136,7 @@ class Checkpoints:
         an earlier checkpoint of this run)."""
         run = self.run
         if stacking.stage_at(run.config, int(state.step)) != run.stack_stage:  # another stacking stage's depth
-            run.engine = None
-            run.engine = run.build_engine(int(state.step))
+            run.rebuild_engine(int(state.step))
         run.engine.load_train_state_tensors(state.tensors)
         run.force_cursor = force
         run.registry.load_state_dict(state.meta)

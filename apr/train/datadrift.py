@@ -45,7 +45,7 @@ class DataDriftCheck:
         self.last: dict | None = None
 
     @classmethod
-    def from_config(cls, config, data_folder) -> DataDriftCheck:
+    def of(cls, config, data_folder) -> DataDriftCheck:
         watch = config.monitoring.data_drift
         return cls(watch.interval, watch.sample_tokens, watch.seed, config.model.architecture.vocab_size,
                    manifest_eot_id(data_folder) if data_folder is not None else None)

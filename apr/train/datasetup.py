@@ -1,6 +1,5 @@
-"""The run's data side, set up from the config: the training loader (one source or a mixture), the
-step count (the plan's formula, ``apr.steps.algebra.step_count``), the LR schedule and the cadence;
-and each step's micro-batches (``micro_batches``)."""
+"""The run's data side, set up from the resolved plan: the training loader (one source or a mixture)
+at the plan's step counts; and each step's micro-batches (``micro_batches``)."""
 
 from __future__ import annotations
 
@@ -8,11 +7,9 @@ import os
 from dataclasses import dataclass
 
 from apr.data.loader import ShardLoader
-from apr.data.mixconfig import decay_start_step, token_stages
+from apr.data.mixconfig import token_stages
 from apr.data.mixloader import MixtureLoader
 from apr.errors import AprError, Finding
-from apr.steps.algebra import step_count
-from apr.steps.schedule import LRSchedule
 
 
 @dataclass
@@ -20,10 +17,6 @@ class DataSide:
     loader: ShardLoader | MixtureLoader
     mixture: bool
     loader_options: dict  # what a validation loader needs to read rows alike
-    epoch_steps: int
-    total_steps: int
-    tokens_per_step: int
-    schedule: LRSchedule
 
 
 def micro_batches(loader, count: int, pin: bool) -> list:
@@ -35,7 +28,11 @@ def micro_batches(loader, count: int, pin: bool) -> list:
     return [b.pin_memory() for b in batches] if pin else batches
 
 
-def data_side(config, dp, warn) -> DataSide:
+def data_side(plan, dp, warn) -> DataSide:
+    """The training loader for the resolved plan (``plan``: apr.steps.resolved.Resolved), at the
+    plan's step counts: rows that differ from the ones the plan counted are refused (the data changed
+    after the plan was made)."""
+    config = plan.config
     tr, data = config.training, config.data
     rank, world = (0, 1) if dp is None else (dp.rank, dp.world_size)
     options = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed, world_size=world, rank=rank,
@@ -48,18 +45,17 @@ def data_side(config, dp, warn) -> DataSide:
     else:
         loader = ShardLoader(os.path.expanduser(data.train), shuffle=data.shuffle,
                              gradient_accumulation=tr.gradient_accumulation, **options)
+    file = data.train_paths()[0][1] if not mixture else "the mixture"
+    if loader.num_rows != plan.steps.num_sequences:
+        message = (f"{file}: {loader.num_rows} training sequences, but the plan counted "
+                   f"{plan.steps.num_sequences}: the data changed after the plan was made; plan again")
+        raise AprError(message, [Finding("error", "apply.data", message, path="data.train", file=str(file),
+                                         expected=str(plan.steps.num_sequences), got=str(loader.num_rows))])
     if loader.steps_per_epoch == 0:
-        file = data.train_paths()[0][1]
-        message = (f"{file if not mixture else 'the mixture'}: {loader.num_rows} sequences are fewer than one "
+        message = (f"{file}: {loader.num_rows} sequences are fewer than one "
                    f"optimizer step needs ({loader.sequences_per_step} = batch_size x gradient_accumulation x "
                    "world_size)")
         raise AprError(message, [Finding("error", "apply.data", message, path="data.train", file=str(file))])
-    steps = step_count(num_sequences=loader.num_rows, batch_size=data.batch_size,
-                       gradient_accumulation=tr.gradient_accumulation, world_size=world, epochs=tr.epochs,
-                       max_steps=tr.max_steps)
     if mixture:
-        loader.set_total_steps(steps.total_steps)
-    decay_start = decay_start_step(config, steps.total_steps)
-    schedule = LRSchedule.from_config(config, steps.total_steps, decay_start=decay_start)
-    return DataSide(loader, mixture, options, steps.epoch_steps, steps.total_steps,
-                    steps.sequences_per_step * data.seq_len, schedule)
+        loader.set_total_steps(plan.steps.total_steps)
+    return DataSide(loader, mixture, options)

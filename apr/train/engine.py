@@ -40,8 +40,7 @@ from apr.model import buffers as planned_buffers
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM
 from apr.model.trunk import load_trunk_state, trunk_state
-from apr.steps.execution import Execution
-from apr.steps.strategy import step_strategy
+from apr.steps.resolved import Resolved
 from apr.train.backprop import backward
 from apr.train.dist import DataParallel
 from apr.train.finish import finish_step
@@ -79,17 +78,19 @@ class Engine:
     declares: Callable = staticmethod(lambda config, execution=None: [])
     sharded = False  # state sharded over the ranks by FSDP2 (apr/train/sharded.py): checkpoints in parts
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                 execution: Execution, loss: CausalLM | None = None):
+    def __init__(self, plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                 loss: CausalLM | None = None):
+        config = plan.config
         tr = config.training
+        self.plan = plan  # the resolved plan this engine was built from (apr/steps/resolved.py)
         self.loss = loss or CausalLM()
         self.current_step = 1  # the run's step in progress (set by the run loop; losses may follow it)
         self.config = config
         self.model = model
         self.device = device
         self.backend = backend
-        self.execution = execution  # the plan's, never re-derived here (apr/train/build.py)
-        self.strategy = step_strategy(config, self.execution)
+        self.execution = plan.execution  # the plan's, never re-derived here (apr/train/build.py)
+        self.strategy = plan.strategy
         self.cdt = torch_dtype(tr.mixed_precision)
         self.scaler = DynamicLossScaler(enabled=self.strategy.loss_scaling)
         self.chunk_size = tr.loss_chunk_size
@@ -322,9 +323,10 @@ class InterleavedEngine(Engine):
     source = "interleaved"
     declares = staticmethod(planned_buffers.walk_buffers)  # allocated from this list (build.allocate_buffers)
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                 buffers: dict[str, torch.Tensor], execution: Execution):
-        super().__init__(config, model, device, backend, execution)
+    def __init__(self, plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                 buffers: dict[str, torch.Tensor]):
+        super().__init__(plan, model, device, backend)
+        config = plan.config
         self.buffers = buffers  # the buffer plan's tensors by name (measured by apr/probe.py)
         self.groups: list[FlatGroup] = [
             flatten_group(model, name, specs, buffers[f"{name}.flat_params"], buffers[f"{name}.adam_m"],
@@ -722,9 +724,10 @@ class StandardEngine(Engine):
     source = "standard"
     declares = staticmethod(planned_buffers.autograd_buffers)  # torch allocates these at the declared sizes
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                 execution: Execution, loss: CausalLM | None = None):
-        super().__init__(config, model, device, backend, execution, loss)
+    def __init__(self, plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+                 loss: CausalLM | None = None):
+        super().__init__(plan, model, device, backend, loss)
+        config = plan.config
         named = dict(model.named_parameters())
         self.groups = [(name, [named[s.name] for s in specs]) for name, specs in group_specs(config)]
         self.named = {s.name: named[s.name] for _, specs in group_specs(config) for s in specs}

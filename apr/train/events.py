@@ -161,7 +161,7 @@ def check_alerts(run, metrics: dict, step: int, recorder):
     of this step, else the first other ``stop`` alert (error) stops it after one."""
     fired = recorder.check_alerts(metrics)
     for alert in fired:
-        run.echo(f"alert ({alert.action}) at step {step}: {alert.message}")
+        run.echo(f"alert ({alert.severity}) at step {step}: {alert.message}")
     critical = [a for a in fired if getattr(a, "severity", None) == "critical"]
     if critical:
         return Stop.critical(critical[0].message)

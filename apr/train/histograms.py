@@ -66,8 +66,8 @@ class LayerHistograms:
         self.skipped: str | None = None
 
     @classmethod
-    def from_config(cls, config) -> LayerHistograms | None:
-        watch = config.monitoring.histograms
+    def from_plan(cls, plan) -> LayerHistograms | None:
+        watch = plan.config.monitoring.histograms
         return cls(watch.interval, watch.bins) if watch.interval > 0 else None
 
     def attach(self, engine, is_main: bool = True) -> None:

@@ -3,9 +3,8 @@
 
 ``apr train apply`` decides the layout before it plans (``elastic_layout`` on the newest or named
 checkpoint), so the plan sizes the run that will execute: the world size torchrun started and the
-gradient accumulation that keeps the checkpoint's global batch. The run loop then finds its config
-already laid out and changes nothing; only a caller that skipped the plan (``prepare_run`` directly:
-tests, tools) gets the layout applied here, and is told it was not planned.
+gradient accumulation that keeps the checkpoint's global batch. The run receives the config laid out
+(``apr.steps.resolved.resolve``) and changes nothing.
 """
 
 from __future__ import annotations
@@ -17,30 +16,25 @@ from apr.config.schema import AprConfig
 from apr.data.loader import ShardLoader
 from apr.errors import AprError, Finding
 from apr.steps.algebra import elastic_accumulation
+from apr.steps.resolved import Resolved
 from apr.train.dist import DataParallel, from_env
 from apr.train.engine import resolve_device
 
 
-def device_and_ranks(config: AprConfig) -> tuple[torch.device, DataParallel | None]:
-    """The device ``training.device`` names and, under torchrun, the process group."""
-    device = resolve_device(str(config.training.device))
+def device_and_ranks(plan: Resolved) -> tuple[torch.device, DataParallel | None]:
+    """The device ``training.device`` names and, under torchrun, the process group: the world size
+    the plan was made for, or an error (a saved plan run by another number of ranks)."""
+    device = resolve_device(str(plan.config.training.device))
     dp = from_env(device.type)
+    world = 1 if dp is None else dp.world_size
+    if world != plan.world_size:
+        message = (f"the plan was made for {plan.world_size} rank(s) but {world} started; plan again at this "
+                   f"world size (apply plans at the world size torchrun starts)")
+        raise AprError(message, [Finding("error", "apply.world_size", message, path="training.world_size",
+                                         expected=str(plan.world_size), got=str(world))])
     if dp is not None and device.type == "cuda":
         device = torch.device("cuda", dp.local_rank)
     return device, dp
-
-
-def laid_out(config: AprConfig, world_size: int, accumulation: int | None = None) -> AprConfig:
-    """The config at ``world_size`` ranks (and ``accumulation``), as a new validated config; the
-    same object when nothing changes."""
-    tr = config.training
-    if tr.world_size == world_size and (accumulation is None or tr.gradient_accumulation == accumulation):
-        return config
-    doc = config.model_dump(mode="json")
-    doc["training"]["world_size"] = world_size
-    if accumulation is not None:
-        doc["training"]["gradient_accumulation"] = accumulation
-    return AprConfig.model_validate(doc)
 
 
 def elastic_layout(config: AprConfig, run_dir, resume: str | None, world_size: int) -> dict | None:

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apr.steps.resolved import Resolved
 from apr.train.stop import StepHook
 
 
@@ -22,9 +21,6 @@ class ApplyOptions:
     progress: Callable[[int, int], None] | None = None  # called after every step with (step, total_steps)
     handle_signals: bool = True
     overrides: dict = field(default_factory=dict)  # --seed/--device/--max-steps given (recorded in checkpoints)
-    # what the plan decided (apr/steps/resolved.py); None only for callers that skip the plan (tests,
-    # tools), whose run then lays itself out and uses the config's own execution policy
-    resolved: Resolved | None = None
     hooks: list[StepHook] = field(default_factory=list)  # called after every step (apr.train.stop.StepHook)
     allow_other_run: bool = False  # resume into a folder holding another run's checkpoints (--allow-other-run)
     # the output folder's lock, already taken by apply before it imported torch (apr/train/outdir.py);

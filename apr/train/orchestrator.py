@@ -29,8 +29,6 @@ from apr.checkpoint.manager import scan
 from apr.fmt import fmt_loss
 from apr.steps import orchestration
 from apr.steps.orchestration import UCB1, Strategy
-from apr.steps.strategy import step_strategy
-from apr.train.datasetup import micro_batches
 from apr.train.outcome import NonFiniteError
 from apr.train.updaters import make_updater
 
@@ -47,7 +45,7 @@ def apply_strategy(engine, config, strategy: Strategy) -> None:
                                                                           "grad_clip": strategy.grad_clip})})
     # the gradient buffers were allocated for the plan's execution: whether every gradient is kept stays
     keeps = engine.strategy.keeps_all_grads
-    new = step_strategy(clipped, engine.execution)
+    new = engine.plan.with_clip(clipped).strategy  # a planned candidate (apr/steps/orchestration.py)
     engine.strategy = replace(new, keeps_all_grads=keeps, norm_prepass=new.norm_prepass and not keeps)
     engine.grad_clip = strategy.grad_clip if strategy.grad_clip is not None else (tr.grad_clip or 1.0)
 
@@ -87,7 +85,7 @@ class Snapshot:
         load = run.engine.load_local_state_tensors if self.local else run.engine.load_train_state_tensors
         load(self.tensors if tensors is None else tensors)
         run.registry.load_state_dict(copy.deepcopy(self.meta))
-        run.step = self.step
+        run.move_to(self.step)
 
     def weights(self, run) -> dict[str, torch.Tensor]:
         names = {n for n in self.tensors if not n.startswith("optimizer.")}
@@ -193,7 +191,7 @@ class Orchestrator:
         winner = self.current if failed else branches[best]["strategy"]
         if nowcast is None and best_state is not None:
             best_state.restore(run)  # the last branch trained was not the winner: take the winner's bits
-        run.step = step if failed else step + horizon
+        run.move_to(step if failed else step + horizon)
         self.next_decision = step + self.orch.decision_interval
         self.decisions += 1
         previous, self.current = self.current, winner
@@ -222,15 +220,8 @@ class Orchestrator:
         """``horizon`` steps of strategy ``name`` from the run's current state; its validation loss."""
         apply_strategy(run.engine, run.config, self.strategy(name))
         factor = self.strategy(name).lr_factor
-        accum, cuda = run.config.training.gradient_accumulation, run.device.type == "cuda"
-        losses: list[torch.Tensor] = []
         try:
-            for s in range(step + 1, step + horizon + 1):
-                run.step = s
-                run.engine.current_step = s
-                lr = run.survival.lr(s, run.schedule(s)) * factor
-                result = run.engine.train_step(micro_batches(run.loader, accum, cuda), lr)
-                losses.append(result.loss.detach().float().reshape(()))
+            losses = run.run_steps(horizon, factor)  # the loop's own steps, from ``step`` (the run's)
             run.engine.check_finite()
         except NonFiniteError:
             return None, [], True
@@ -295,7 +286,7 @@ class Orchestrator:
         run.adopt(state)
         self.load_state_dict(kept)  # the bandit, the decisions, the strategy: the run's, not the checkpoint's
         run.loader.load_state_dict(cursor)
-        run.step = int(state.step)
+        run.move_to(int(state.step))
         run.echo(f"orchestrator: the last decision's state is {json_path.name} (resumed process)")
         return Snapshot(run)
 

@@ -30,8 +30,8 @@ class SpikeWatch:
         self.count = 0  # spike steps in a row
 
     @classmethod
-    def from_config(cls, config) -> SpikeWatch | None:
-        rb = config.training.rollback
+    def of(cls, rb) -> SpikeWatch | None:
+        """From ``training.rollback``; None when no threshold is set."""
         if rb.threshold is None:
             return None
         return cls(rb.threshold, rb.patience, rb.window, rb.min_history)

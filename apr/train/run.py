@@ -27,6 +27,7 @@ from apr.checkpoint.manager import CheckpointManager, TrainState
 from apr.config.schema import AprConfig
 from apr.evaluate.during_training import TrainingEvaluator
 from apr.steps import stacking
+from apr.steps.resolved import Resolved
 from apr.threads import apply_thread_policy
 from apr.track.protocol import Recorder
 from apr.train import build as engine_build  # build_engine looked up at call time (tests spy on it)
@@ -62,15 +63,19 @@ __all__ = ["ApplyOptions", "Run", "RunResult", "prepare_run"]
 class Run:
     """One apply. ``prepare_run`` builds and sets it up; ``execute`` trains."""
 
-    def __init__(self, *, config: AprConfig, config_hash: str, config_path: Path, options: ApplyOptions,
+    def __init__(self, plan: Resolved, *, config_hash: str, config_path: Path, options: ApplyOptions,
                  plan_doc: dict | None):
-        self.config, self.config_hash, self.config_path = config, config_hash, config_path
+        if plan.steps is None:
+            raise ValueError("a run needs a Resolved with step counts (apr.plan.build.resolve_config, or a plan)")
+        self.plan = plan  # what the plan decided: the only input (apr/steps/resolved.py)
+        config = self.config = plan.config
+        self.config_hash, self.config_path = config_hash, config_path
         self.options, self.plan_doc = options, plan_doc
         self.hooks: list[StepHook] = list(options.hooks)
         es = config.training.early_stopping
         self.early_stopping = EarlyStopping(es.patience, es.min_delta) if es.patience else None
-        self.survival = Survival(config)  # training.bad_steps and training.rollback
-        self.histograms = LayerHistograms.from_config(config)  # attached to each engine built
+        self.survival = Survival(plan)  # training.bad_steps and training.rollback
+        self.histograms = LayerHistograms.from_plan(plan)  # attached to each engine built
         self.hooks += _watch_hooks(config, plan_doc, self.early_stopping, self.histograms)
         self.orchestrator = Orchestrator(config) if config.training.orchestrator.enabled else None  # strategies
         self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
@@ -83,12 +88,10 @@ class Run:
     # ------------------------------------------------------------------------------ set-up
 
     def setup(self) -> Run:
-        self.device, self.dp = layout.device_and_ranks(self.config)
+        self.device, self.dp = layout.device_and_ranks(self.plan)
         self.threads = apply_thread_policy(self.config, 1 if self.dp is None else self.dp.world_size)
         self.is_main = self.dp is None or self.dp.is_main
         self.echo = self.options.echo if self.is_main else (lambda line: None)
-        if self.dp is not None and self.config.training.world_size != self.dp.world_size:
-            self.config = layout.laid_out(self.config, self.dp.world_size)  # not planned: a caller without apply
         # a busy folder is refused before the model takes memory (the GPU's too) from the run holding it
         self.lock = self.options.lock or OutputDirLock(self.run_dir)
         try:
@@ -105,24 +108,20 @@ class Run:
 
     def _elastic_layout(self) -> None:
         """A resume on another number of ranks keeps the checkpoint's global batch (apr/train/layout.py):
-        the plan decided it (``options.resolved``), or, for a caller without a plan, it is decided here."""
-        planned = self.options.resolved
-        self.elastic = (dict(planned.elastic) if planned.elastic else None) if planned is not None else \
-            layout.elastic_layout(self.config, self.run_dir, self.options.resume, self.config.training.world_size)
+        the plan laid the config out for it; the run says so."""
+        self.elastic = dict(self.plan.elastic) if self.plan.elastic else None
         if self.elastic is not None:
-            self.config = layout.laid_out(self.config, self.elastic["to_world_size"],
-                                          self.elastic["to_accumulation"])
             self.echo(self.elastic["message"])
 
     def _setup_data(self) -> None:
-        side = data_side(self.config, self.dp, self.warn)
-        self.loader, self.mixture, self.schedule = side.loader, side.mixture, side.schedule
-        self.epoch_steps, self.total_steps, self.tokens_per_step = side.epoch_steps, side.total_steps, \
-            side.tokens_per_step
+        side = data_side(self.plan, self.dp, self.warn)
+        self.loader, self.mixture, self.schedule = side.loader, side.mixture, self.plan.schedule
+        steps = self.plan.steps
+        self.epoch_steps, self.total_steps, self.tokens_per_step = steps.epoch_steps, steps.total_steps, \
+            steps.tokens_per_step
         self.validation = Validation(self.config, side.loader_options, self.dp, self.device, self.echo,
                                      self.step_label)
-        self.cadence = Cadence.from_config(self.config.training, self.total_steps,
-                                           validates=self.validation.configured)
+        self.cadence = Cadence.from_plan(self.plan, validates=self.validation.configured)
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
                                echo=self.echo, label=self.step_label,
                                shown=tuple(self.config.monitoring.terminal.metrics))
@@ -144,16 +143,14 @@ class Run:
     def build_engine(self, step: int) -> Engine:
         """The engine of the model at ``step`` (progressive stacking: that stage's depth, earlier
         blocks frozen with ``earlier: freeze``), hooked to the run."""
-        config, options = self.config, self.options
-        staged = stacking.config_at(config, step)
+        config = self.config
+        staged = self.plan.at_depth(stacking.config_at(config, step))
         self.stack_stage = stacking.stage_at(config, step)
-        execution = (None if options.resolved is None
-                     else options.resolved.execution_at(staged.model.architecture.num_hidden_layers))
         if self.stack_stage == 0:
-            engine = engine_build.build_engine(staged, self.device, dp=self.dp, execution=execution)
+            engine = engine_build.build_engine(staged, self.device, dp=self.dp)
         else:  # a later stage's fresh blocks: their own seed; the run's RNG stream is left as it was
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                engine = engine_build.build_engine(staged, self.device, dp=self.dp, execution=execution,
+                engine = engine_build.build_engine(staged, self.device, dp=self.dp,
                                                    seed=config.training.seed + 1000 * self.stack_stage)
         stage_parts(engine, config, step, self.run_dir, self.warn)  # freezing, the trunk's activation cache
         if self.survival.bad_steps is not None:
@@ -163,6 +160,38 @@ class Run:
         if config.monitoring.block_norms:  # under sharding too: the norms are all-reduced from the shards'
             self.steplog.block_norms = partial(block_metrics, engine)
         return engine
+
+    def rebuild_engine(self, step: int, fill=None) -> Engine:
+        """The engine of ``step``'s stage in place of the current one, which is freed first (its memory
+        is the new one's); ``fill(engine)`` loads the new engine's state before the loop sees it.
+        Stacking growth and a restore across stages ask for it; only the loop sets ``self.engine``."""
+        self.engine = None
+        engine = self.build_engine(step)
+        if fill is not None:
+            fill(engine)
+        self.engine = engine
+        return engine
+
+    def move_to(self, step: int) -> None:
+        """Make ``step`` the last finished step (a rollback, a restored snapshot, an orchestrator's
+        decision): the loop continues from ``step + 1``. Only the loop sets ``self.step``."""
+        self.step = int(step)
+
+    def run_steps(self, n: int, lr_factor: float = 1.0) -> list[torch.Tensor]:
+        """``n`` optimizer steps after the current one with no logging, validation, checkpoint or hook
+        (an orchestrator's branch); the step moves with them. Each step's mean loss (device tensors,
+        not read)."""
+        losses: list[torch.Tensor] = []
+        for _ in range(n):
+            self.step += 1
+            self.engine.current_step = self.step
+            lr = self.survival.lr(self.step, self.schedule(self.step)) * lr_factor
+            result = self.engine.train_step(self._micro_batches(), lr)
+            losses.append(result.loss.detach().float().reshape(()))
+        return losses
+
+    def _micro_batches(self) -> list:
+        return micro_batches(self.loader, self.config.training.gradient_accumulation, self.device.type == "cuda")
 
     def _setup_output(self) -> None:
         """Restore the checkpoint to resume, or refuse foreign files (the folder is locked already)."""
@@ -314,7 +343,7 @@ class Run:
             grow(self, step, recorder)
         self.survival.before_batches(self, recorder)
         stage = self.loader.stage if self.mixture else 0
-        micro = micro_batches(self.loader, self.config.training.gradient_accumulation, self.device.type == "cuda")
+        micro = self._micro_batches()
         if self.mixture and self.loader.stage != stage:
             events.stage_started(self, step, recorder)
         self.engine.current_step = step  # losses (distillation's phase and block) follow the run's step
@@ -337,13 +366,19 @@ class Run:
             report.metrics = self.steplog.log(step, report.lr, report.result, events.epochs_read(self.loader), recorder)
             events.record_mixture(self, step, recorder)
             stop = self.check_alerts(report.metrics, step, recorder)
+        evaluated = False
         if self.cadence.validate(step):
             report.val_loss, report.is_best = self.validation.at(step, self.engine, recorder)
             events.record_mixture(self, step, recorder)
             self.steplog.restart_clock()
+            evaluated = report.val_loss is not None
         if self.evaluator.due(step, report.is_last):
             stop = first_stop(stop, events.tasks_and_samples(self, step, recorder))
             self.steplog.restart_clock()
+            evaluated = True
+        if evaluated:  # alerts on val_loss and eval.* at the evaluation, before this step's checkpoint
+            measured = {"val_loss": report.val_loss} if report.val_loss is not None else {}
+            stop = first_stop(stop, self.check_alerts(measured, step, recorder))
         for hook in self.hooks:
             stop = first_stop(stop, hook.after_step(self, report))  # every hook sees every step
         return stop
@@ -389,7 +424,7 @@ def _watch_hooks(config: AprConfig, plan_doc: dict | None, early_stopping: Early
     if histograms is not None:
         hooks.append(histograms)
     if config.monitoring.data_drift.interval > 0 and config.data.sources is None:
-        hooks.append(DataDriftCheck.from_config(config, _dataset_folder(config.data.train)))
+        hooks.append(DataDriftCheck.of(config, _dataset_folder(config.data.train)))
     return hooks
 
 
@@ -399,8 +434,9 @@ def _dataset_folder(train: str) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def prepare_run(config: AprConfig, *, config_hash: str, config_path: Path, options: ApplyOptions,
+def prepare_run(plan: Resolved, *, config_hash: str, config_path: Path, options: ApplyOptions,
                 plan_doc: dict | None = None) -> Run:
-    """A ``Run`` set up: data read, engine built, output folder locked, checkpoint restored when resuming."""
-    return Run(config=config, config_hash=config_hash, config_path=config_path, options=options,
-               plan_doc=plan_doc).setup()
+    """A ``Run`` of the resolved plan, set up: data read, engine built, output folder locked, checkpoint
+    restored when resuming. A caller without a saved plan resolves its config with
+    ``apr.plan.build.resolve_config``."""
+    return Run(plan, config_hash=config_hash, config_path=config_path, options=options, plan_doc=plan_doc).setup()

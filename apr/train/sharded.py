@@ -31,12 +31,11 @@ from torch.distributed.tensor import distribute_tensor
 from apr.checkpoint import names
 from apr.checkpoint.files import ST_DTYPE_NAMES
 from apr.checkpoint.parts import LazyTensors
-from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.launch import env_ranks_per_node
 from apr.model.buffers import fsdp2_buffers
 from apr.model.llama import LlamaForCausalLM
-from apr.steps.execution import Execution
+from apr.steps.resolved import Resolved
 from apr.train.engine import StandardEngine, group_specs
 from apr.train.losses import CausalLM
 
@@ -95,11 +94,11 @@ class ShardedEngine(StandardEngine):
     sharded = True
     declares = staticmethod(fsdp2_buffers)  # one rank's shards, either source
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend,
-                 execution: Execution, loss: CausalLM | None = None):
+    def __init__(self, plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend,
+                 loss: CausalLM | None = None):
         model = model.to(device)
-        self.root = _shard(model, self, str(config.training.sharding), device)
-        super().__init__(config, model, device, backend, execution, loss)
+        self.root = _shard(model, self, plan.sharding, device)
+        super().__init__(plan, model, device, backend, loss)
 
     # ------------------------------------------------------------------------------ steps
 

@@ -36,12 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from apr.config.schema import AprConfig
 from apr.kernels import KernelBackend
 from apr.kernels.interface import DecayRanges
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM
-from apr.steps.execution import Execution
+from apr.steps.resolved import Resolved
 from apr.train.engine import StepResult, _sac_policy
 from apr.train.nonfinite import GRADIENTS, LOSS
 from apr.train.sharded import ShardedEngine
@@ -50,9 +49,9 @@ from apr.train.sharded import ShardedEngine
 class ShardedInterleavedEngine(ShardedEngine):
     source = "interleaved"
 
-    def __init__(self, config: AprConfig, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                 execution: Execution):
-        super().__init__(config, model, device, backend, execution)
+    def __init__(self, plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend):
+        super().__init__(plan, model, device, backend)
+        config = plan.config
         self._lr = 0.0
         self.group_params = dict(self.groups)
         decays = {s.name: s.decay for _, specs in spec.optimizer_groups(config) for s in specs}

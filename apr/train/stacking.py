@@ -131,14 +131,15 @@ def grow(run, step: int, recorder) -> None:
     old, old_depth = run.engine, len(run.engine.model.model.layers)
     meta = old.meta_state()
     before = {k: v.detach().clone() for k, v in old.train_state_tensors(everywhere=True).items()}
-    run.engine = None
     del old
-    engine = run.build_engine(step)
-    fresh = engine.train_state_tensors(everywhere=True)
-    engine.load_train_state_tensors(grown_tensors(before, fresh, old_depth, len(engine.model.model.layers),
-                                                  str(run.config.model.stacking.init),
-                                                  str(run.config.model.stacking.building_mode),
-                                                  stacking.config_at(run.config, step - 1)))
-    engine.load_meta_state(meta)
-    run.engine = engine
+
+    def fill(engine) -> None:  # the grown blocks from the old stage's state, the new ones fresh
+        fresh = engine.train_state_tensors(everywhere=True)
+        engine.load_train_state_tensors(grown_tensors(before, fresh, old_depth, len(engine.model.model.layers),
+                                                      str(run.config.model.stacking.init),
+                                                      str(run.config.model.stacking.building_mode),
+                                                      stacking.config_at(run.config, step - 1)))
+        engine.load_meta_state(meta)
+
+    run.rebuild_engine(step, fill)
     events.grown(run, step, old_depth, recorder)

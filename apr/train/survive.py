@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
 
 class Survival:
-    def __init__(self, config):
-        self.config = config
-        self.bad_steps = BadStepTest.from_config(config)
-        self.spikes = SpikeWatch.from_config(config)
+    def __init__(self, plan):
+        self.config = config = plan.config  # plan: apr.steps.resolved.Resolved
+        self.bad_steps = BadStepTest.of(config.training.bad_steps)
+        self.spikes = SpikeWatch.of(config.training.rollback)
         self.rollback = RollbackState()
         self.verdict = None  # the last step's bad-step verdict (None: not flagged)
         self.save_deferred = False  # a checkpoint fell due during a spike: written when it ends
@@ -159,7 +159,7 @@ class Survival:
             "ema": ema, "limit": limit, "attempt": rb.rollbacks, "lr_factor": rb.lr_factor,
             "lr_until": rb.lr_until if rb.lr_until >= start else None, **window}}
         rb.events.append(event)
-        run.step = restored
+        run.move_to(restored)
         # The decision first (a kill from here on resumes past the window, and the resumed run
         # records the event if this one could not: ``restore_records``), then the records.
         run.save(restored, False, recorder)

@@ -7,6 +7,7 @@ import torch
 
 from apr.checkpoint.names import expected_tensors, is_optimizer_state, moment_names, tensor_mismatches, torch_mismatches
 from apr.model.spec import param_specs
+from apr.steps.resolved import resolve as plan_of
 from tests.checkpoint.conftest import make_config, make_tensors
 
 
@@ -44,7 +45,7 @@ def test_both_engines_write_the_names_the_checkpoint_expects(engine_kind):
     from apr.train.build import build_engine
 
     config = make_config(**{"training.engine": engine_kind})
-    engine = build_engine(config, torch.device("cpu"))
+    engine = build_engine(plan_of(config), torch.device("cpu"))
     tensors = engine.train_state_tensors()
     assert tensor_mismatches({n: tuple(t.shape) for n, t in tensors.items()}, {},
                              expected_tensors(config.model.architecture)) == []
@@ -56,7 +57,7 @@ def test_both_engines_refuse_a_state_of_another_shape_naming_the_tensor(engine_k
     from apr.train.build import build_engine
 
     config = make_config(**{"training.engine": engine_kind})
-    engine = build_engine(config, torch.device("cpu"))
+    engine = build_engine(plan_of(config), torch.device("cpu"))
     tensors = {n: t.clone() for n, t in engine.train_state_tensors().items()}
     tensors["model.norm.weight"] = torch.zeros(3)
     with pytest.raises(AprError, match=r"model\.norm\.weight has shape \[3\]"):

@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from apr.train.dist import DataParallel
 from tests.train.tiny import batches, make_config
@@ -29,8 +30,8 @@ def main() -> int:
     plain = make_config(training={**training, "sharding": "none"})
     sharded = make_config(training={**training, "sharding": sharding})
     data = batches(plain, int(steps))
-    ref = build_engine(plain, torch.device(device))
-    eng = build_engine(sharded, torch.device(device), dp=dp)
+    ref = build_engine(plan_of(plain), torch.device(device))
+    eng = build_engine(plan_of(sharded), torch.device(device), dp=dp)
     for batch in data:
         ref.train_step([batch.to(device)], 3e-3)
         eng.train_step([batch.to(device)], 3e-3)

@@ -236,9 +236,8 @@ def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path):
 
 
 def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones_that_can(tmp_path):
-    from apr.config import config_hash
     from apr.errors import AprError
-    from apr.train.run import ApplyOptions, Run
+    from apr.train.layout import elastic_layout
 
     make_dataset(tmp_path, train_rows=160)
     doc = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
@@ -247,11 +246,8 @@ def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones
     _launch(doc, tmp_path / "cfg.json", 1)  # 2 micro-batches per step
     doc["training"].update(max_steps=4, world_size=3)  # as torchrun with 3 processes resolves it
     config = AprConfig.model_validate(doc)
-    run = Run(config=config, config_hash=config_hash(config), config_path=tmp_path / "cfg.json",
-              options=ApplyOptions(resume="latest", handle_signals=False), plan_doc=None)
-    run.echo = lambda line: None
-    with pytest.raises(AprError) as err:
-        run._elastic_layout()
+    with pytest.raises(AprError) as err:  # apply lays the resume out before it plans
+        elastic_layout(config, tmp_path / "run", "latest", 3)
     assert "which 3 ranks cannot split evenly; resume on 1, 2 ranks" in err.value.message
 
 

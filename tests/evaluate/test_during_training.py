@@ -9,6 +9,7 @@ import pytest
 
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.plan.build import resolve_config
 from tests.train.run_helpers import VOCAB, config_doc, make_dataset
 
 
@@ -39,7 +40,7 @@ def run(root, **sections):
 
     cfg = AprConfig.model_validate(config_doc(root, **sections))
     lines: list[str] = []
-    r = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+    r = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                     options=ApplyOptions(echo=lines.append))
     return r.execute(), lines
 
@@ -94,7 +95,7 @@ def test_a_stop_alert_on_a_task_score_stops_the_run(root):
         evaluation={"tasks": [str(root / "count.jsonl")], "interval": 4},
         monitoring={"alerts": [{"condition": "eval.count.acc >= 0.0", "action": "stop"}]})
     assert result.status == "stopped" and result.final_step == 4
-    assert any(line.startswith("alert (stop) at step 4") for line in lines)
+    assert any(line.startswith("alert (error) at step 4") for line in lines)
 
 
 def test_bad_evaluation_config_fails_validation_or_start(root, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from apr.errors import AprError
 from apr.evaluate.loss import data_sources, eval_loss
 from apr.generate.load import load_for_inference
+from apr.plan.build import resolve_config
 from tests.train.run_helpers import config_doc, make_dataset
 
 
@@ -23,7 +24,7 @@ def trained_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("evalrun")
     make_dataset(root, train_rows=96, val_rows=16)
     cfg = AprConfig.model_validate(config_doc(root, training={"eval_batches": 4}))
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=ApplyOptions(echo=lambda line: None))
     result = run.execute()
     assert result.status == "finished"

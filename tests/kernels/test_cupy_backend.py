@@ -25,6 +25,7 @@ from apr.errors import AprError
 from apr.kernels import DecayRanges, get_backend
 from apr.kernels.cupy_backend import ADAMW_SCALARS, adamw_scalars
 from apr.kernels.torch_backend import TorchBackend
+from apr.steps.resolved import resolve as plan_of
 
 
 def decay_mask(decay: DecayRanges) -> torch.Tensor:
@@ -413,7 +414,7 @@ def _engine_run(config, device: torch.device, steps: int):
     from apr.train.build import build_engine
     from tests.train.tiny import batches
 
-    engine = build_engine(config, device)
+    engine = build_engine(plan_of(config), device)
     accum = config.training.gradient_accumulation
     data = batches(config, steps * accum, seed=3)
     losses, norms = [], []
@@ -977,7 +978,7 @@ def test_emulated_kernels_train_the_engine_like_the_reference(emu, engine, preci
     data = batches(config, 4, seed=1)
     runs = []
     for backend in (emu, REF):
-        eng = build_engine(config, "cpu", backend=backend)
+        eng = build_engine(plan_of(config), "cpu", backend=backend)
         losses = [eng.train_step([b], lr=3e-3).loss.item() for b in data]
         runs.append((losses, {k: v.detach().clone() for k, v in eng.train_state_tensors().items()}))
     (l_emu, w_emu), (l_ref, w_ref) = runs

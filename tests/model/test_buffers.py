@@ -14,6 +14,7 @@ from apr.model.buffers import (
     source_buffers,
     step_buffers,
 )
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from tests.train.tiny import make_config
 
@@ -29,7 +30,7 @@ LORA = {"rank": 2, "alpha": 4.0, "targets": "all"}
 ])
 def test_the_engine_build_composes_declares_what_the_plan_sums(sections):
     config = make_config(**sections)
-    engine = build_engine(config, "cpu")
+    engine = build_engine(plan_of(config), "cpu")
     assert type(engine).declares is source_buffers(config)
     assert buffer_plan(config) == frozen_buffers(config) + type(engine).declares(config) + step_buffers(config)
 
@@ -51,7 +52,7 @@ def test_autograd_declares_the_parameters_moments_and_gradients_torch_allocates(
     """The standard engine's parameters, torch AdamW's moments (after a step) and its gradients are
     the sizes ``autograd_buffers`` declares for them."""
     config = make_config(training={"engine": "standard"})
-    engine = build_engine(config, "cpu")
+    engine = build_engine(plan_of(config), "cpu")
     batch = torch.randint(0, config.model.architecture.vocab_size, (config.data.batch_size, config.data.seq_len + 1))
     engine.train_step([batch], lr=1e-3)
     for p in engine.named.values():  # train_step leaves the gradients in place until the next step
@@ -69,7 +70,7 @@ def test_a_lora_base_is_declared_by_the_transform_and_sharded_by_rows():
     """The frozen base is every parameter that gets no gradient; FSDP2 gives a rank ``ceil(rows /
     ranks)`` rows of each (tests/scenarios/test_composition.py checks that against real shards)."""
     config = make_config(model={"lora": LORA})
-    frozen = [p for p in build_engine(config, "cpu").model.parameters() if not p.requires_grad]
+    frozen = [p for p in build_engine(plan_of(config), "cpu").model.parameters() if not p.requires_grad]
     declared = make_config(model={"lora": LORA, "init_from": "x"})
     assert sum(b.numel for b in frozen_buffers(declared)) == sum(p.numel() for p in frozen)
     two = make_config(model={"lora": LORA, "init_from": "x"}, training={"sharding": "full", "world_size": 2})

@@ -15,7 +15,7 @@ from apr.cli.main import app
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.plan import storage
-from apr.plan.build import build_plan
+from apr.plan.build import build_plan, resolve_config
 from apr.plan.examples import materialize
 from apr.plan.render import render_text
 from apr.train.cadence import Cadence
@@ -47,7 +47,7 @@ def test_sizes_match_a_real_runs_checkpoint_files(tmp_path, monkeypatch):
                                                         "eval_interval": 10}}}, tmp_path / "a")
     plan = build_plan(cfg_path, **kw)
     st = plan.facts["storage"]
-    run = prepare_run(plan.config, config_hash=config_hash(plan.config), config_path=cfg_path,
+    run = prepare_run(resolve_config(plan.config), config_hash=config_hash(plan.config), config_path=cfg_path,
                       options=ApplyOptions(echo=lambda line: None))
     assert run.execute().exit_code == 0
     run_dir = tmp_path / "run"

@@ -9,6 +9,7 @@ import pytest
 
 from apr.model.buffers import buffer_plan
 from apr.steps.execution import from_config
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
@@ -33,7 +34,7 @@ def _planned(config) -> dict[str, int]:
 ], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora"])
 def test_the_plans_rows_are_what_the_engine_holds(sections):
     config = make_config(**sections)
-    engine = build_engine(config, execution=from_config(config))
+    engine = build_engine(plan_of(config, execution=from_config(config)))
     engine.train_step(batches(config, config.training.gradient_accumulation), 1e-3)
     held = engine.buffer_bytes()
     if engine.source == "interleaved":  # by buffer name: map each to its plan row

@@ -5,7 +5,7 @@ from __future__ import annotations
 from run_helpers import make_dataset, write_config
 
 from apr.apply import run_apply
-from apr.plan.build import build_plan
+from apr.plan.build import build_plan, resolve_config
 from apr.train import build as engine_module
 
 
@@ -73,7 +73,8 @@ def test_an_adagc_run_resumes_from_its_checkpoint_bitwise(tmp_path):
         doc["training"].update(over)
         cfg = AprConfig.model_validate(doc)
         opts = ApplyOptions(echo=lambda line: None, resume=resume)
-        return prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts).execute()
+        return prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                           options=opts).execute()
 
     assert run().final_step == 6
     meta = json.loads((tmp_path / "run" / "checkpoint-step-3.json").read_text())

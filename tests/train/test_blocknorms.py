@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from apr.steps.resolved import resolve as plan_of
 from apr.train import blocknorms
 from apr.train.blocknorms import adamw_update_sq_norm, block_metrics
 from apr.train.build import build_engine
@@ -28,7 +29,7 @@ def _real_norms(before: dict, after: dict) -> dict[str, float]:
 @pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
 def test_norms_equal_the_real_differences_of_a_cloned_copy(engine_kind):
     config = make_config(training={"engine": engine_kind})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 3)
     lr = 3e-2
     for k in range(2):  # moments with history, then the step measured
@@ -51,11 +52,11 @@ def test_norms_equal_the_real_differences_of_a_cloned_copy(engine_kind):
 def test_grad_norms_are_each_groups_gradient_norm_in_both_engines():
     # no clipping: the standard engine's .grad after the step is the raw gradient
     std_config = make_config(training={"engine": "standard", "grad_clip": None})
-    std = build_engine(std_config)
+    std = build_engine(plan_of(std_config))
     data = batches(std_config, 1)
     std.train_step(data, lr=1e-2)
     want = {name: math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params)) for name, params in std.groups}
-    inter = build_engine(make_config(training={"grad_clip": None}))
+    inter = build_engine(plan_of(make_config(training={"grad_clip": None})))
     inter.train_step(data, lr=1e-2)
     for engine in (std, inter):
         got = block_metrics(engine, 1e-2)
@@ -68,7 +69,7 @@ def test_grad_norms_are_each_groups_gradient_norm_in_both_engines():
 @pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
 def test_a_step_that_applied_no_update_has_update_norm_zero(engine_kind):
     config = make_config(training={"engine": engine_kind, "mixed_precision": "fp16"})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 2)
     engine.train_step([data[0]], lr=1e-2)
     assert block_metrics(engine, 1e-2)["max_block_update_norm"] > 0
@@ -83,18 +84,18 @@ def test_a_step_that_applied_no_update_has_update_norm_zero(engine_kind):
 
 def test_fp16_grad_norms_are_unscaled():
     config = make_config(training={"mixed_precision": "fp16", "grad_clip": None})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 1)
     engine.train_step(data, lr=1e-2)
     assert engine.group_sq_scale == 65536.0
-    fp32 = build_engine(make_config(training={"grad_clip": None}))
+    fp32 = build_engine(plan_of(make_config(training={"grad_clip": None})))
     fp32.train_step(data, lr=1e-2)
     got, want = block_metrics(engine, 1e-2), block_metrics(fp32, 1e-2)
     assert got["block_grad_norm"] == pytest.approx(want["block_grad_norm"], rel=2e-2)  # fp16 autocast vs fp32
 
 
 def test_nothing_before_the_first_step():
-    assert block_metrics(build_engine(make_config()), 1e-3) == {}
+    assert block_metrics(build_engine(plan_of(make_config())), 1e-3) == {}
 
 
 def test_chunks_and_decay_ranges_match_the_direct_formula(monkeypatch):
@@ -116,7 +117,7 @@ def test_chunks_and_decay_ranges_match_the_direct_formula(monkeypatch):
 
 def test_lora_has_blocks_only():
     config = make_config(model={"lora": {"rank": 2}})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     engine.train_step(batches(config, 1), lr=1e-2)
     got = block_metrics(engine, 1e-2)
     assert len(got["block_grad_norm"]) == 3 and "embed_grad_norm" not in got
@@ -126,7 +127,7 @@ def test_lora_has_blocks_only():
 @pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
 def test_a_step_the_bad_step_gate_skips_has_update_norm_zero(engine_kind):
     config = make_config(training={"engine": engine_kind})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 2)
     engine.train_step([data[0]], lr=1e-2)
     engine.step_gate = lambda loss, norm: True  # apr/train/badsteps.py's decision: skip this step

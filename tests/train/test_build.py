@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from apr.steps.execution import gradient_source, parse
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from apr.train.engine import InterleavedEngine, StandardEngine
 from apr.train.losses import CausalLM
@@ -14,7 +15,7 @@ from tests.train.tiny import make_config
 
 @pytest.mark.parametrize(("engine", "cls"), [("interleaved", InterleavedEngine), ("standard", StandardEngine)])
 def test_the_configured_gradient_source_is_built_with_the_causal_lm_loss(engine, cls):
-    built = build_engine(make_config(training={"engine": engine}))
+    built = build_engine(plan_of(make_config(training={"engine": engine})))
     assert type(built) is cls and isinstance(built.loss, CausalLM) and built.kind == engine
     assert not built.sharded
 
@@ -22,7 +23,7 @@ def test_the_configured_gradient_source_is_built_with_the_causal_lm_loss(engine,
 def test_the_plans_execution_policy_is_the_engines_own_object():
     config = make_config(training={"execution": {"activations": "keep", "gradients": "workspace"}})
     chosen = parse("recompute", "workspace", 3, False)  # what a plan under a tight budget would choose
-    assert build_engine(config, execution=chosen).execution is chosen
+    assert build_engine(plan_of(config, execution=chosen)).execution is chosen
 
 
 def test_distillation_runs_on_autograd_whatever_training_engine_says():

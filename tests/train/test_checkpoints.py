@@ -18,6 +18,7 @@ from apr.checkpoint.rng import capture_rng, restore_rng
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.plan.build import resolve_config
 from apr.track.names import new_run_id
 from apr.train.run import ApplyOptions, prepare_run
 from apr.train.stacking import grow
@@ -59,7 +60,7 @@ def _prepare(root: Path, *, resume=None, force=False, overrides=None, lines=None
     cfg = AprConfig.model_validate(config_doc(root, **sections))
     opts = ApplyOptions(resume=resume, force=force, overrides=overrides or {}, handle_signals=False,
                         echo=(lines if lines is not None else []).append)
-    return prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts)
+    return prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts)
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import torch
 
 from apr.errors import AprError
 from apr.steps.execution import compile_problem
+from apr.steps.resolved import resolve as plan_of
 from apr.train import compile as compile_mod
 from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
@@ -26,7 +27,7 @@ def test_compiled_blocks_train_the_same_weights_as_eager_ones(activations, gradi
     results = []
     for compiled in (False, True):
         config = _config(compiled, activations, gradients)
-        engine = build_engine(config)
+        engine = build_engine(plan_of(config))
         layer = engine.model.model.layers[0]
         assert (type(layer).__name__ == "OptimizedModule" or getattr(layer, "_compiled_call_impl", None)
                 is not None) == compiled
@@ -35,7 +36,7 @@ def test_compiled_blocks_train_the_same_weights_as_eager_ones(activations, gradi
         results.append((losses, {k: v.clone() for k, v in engine.train_state_tensors().items()}))
     (eager_losses, eager), (comp_losses, comp) = results
     assert comp_losses == pytest.approx(eager_losses, rel=1e-5)
-    initial = build_engine(_config(False)).train_state_tensors()
+    initial = build_engine(plan_of(_config(False))).train_state_tensors()
     for name, tensor in eager.items():
         if name.startswith("optimizer."):
             continue
@@ -48,7 +49,7 @@ def test_compiled_blocks_train_the_same_weights_as_eager_ones(activations, gradi
 def test_no_compiler_is_refused_when_the_engine_is_built(monkeypatch):
     monkeypatch.setattr("shutil.which", lambda name: None)
     with pytest.raises(AprError) as err:
-        build_engine(_config(True))
+        build_engine(plan_of(_config(True)))
     message = str(err.value)
     assert "training.execution.compile" in message and "no C++ compiler" in message
     assert "compile: false" in message
@@ -61,7 +62,7 @@ def test_a_compile_failure_is_a_clean_error_before_any_step(monkeypatch):
     monkeypatch.setattr(compile_mod, "compile_problem", lambda device_type: None)
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: setattr(self, "forward", broken.__get__(self)))
     with pytest.raises(AprError) as err:
-        build_engine(_config(True))
+        build_engine(plan_of(_config(True)))
     assert "torch.compile failed on this machine: RuntimeError: inductor: the C++ compile failed" in str(err.value)
     assert "long log" not in str(err.value)
 

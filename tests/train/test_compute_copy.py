@@ -10,6 +10,7 @@ from tiny import batches, make_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apr.model import buffers, spec
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 
 POLICIES = [  # (activations, gradients, clip_mode): every walk the engine has
@@ -26,7 +27,7 @@ def _config(precision: str, activations: str, gradients: str, clip: str, **train
 def _train(config, steps: int = 4, copy: bool = True, monkeypatch=None):
     if not copy:
         monkeypatch.setattr(buffers, "uses_compute_copy", lambda *a, **k: False)
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     for b in batches(config, steps, seed=4):
         engine.train_step([b], lr=1e-2)
     if not copy:
@@ -81,7 +82,7 @@ def test_no_forward_casts_the_block_weights(activations, monkeypatch):
     for copy in (True, False):
         if not copy:
             monkeypatch.setattr(buffers, "uses_compute_copy", lambda *a, **k: False)
-        engine = build_engine(config)
+        engine = build_engine(plan_of(config))
         engine.train_step([data[0]], lr=1e-2)
         with _Casts(shapes) as casts:
             engine.train_step([data[1]], lr=1e-2)
@@ -93,13 +94,13 @@ def test_no_forward_casts_the_block_weights(activations, monkeypatch):
 def test_a_resumed_run_derives_its_copy_from_the_loaded_masters():
     config = _config("bf16", "recompute", "workspace", "global")
     data = batches(config, 6, seed=9)
-    straight = build_engine(config)
+    straight = build_engine(plan_of(config))
     for b in data:
         straight.train_step([b], lr=1e-2)
-    first = build_engine(config)
+    first = build_engine(plan_of(config))
     for b in data[:3]:
         first.train_step([b], lr=1e-2)
-    resumed = build_engine(config, seed=1234)
+    resumed = build_engine(plan_of(config), seed=1234)
     resumed.load_train_state_tensors({k: v.clone() for k, v in first.train_state_tensors().items()})
     resumed.load_meta_state(first.meta_state())
     for b in data[3:]:
@@ -113,7 +114,7 @@ def test_the_plan_counts_the_copy_and_the_engine_allocates_exactly_that():
     rows = [b for b in buffers.buffer_plan(config) if b.component == "compute_weights"]
     arch = config.model.architecture
     assert len(rows) == arch.num_hidden_layers and all(r.dtype == "bfloat16" for r in rows)
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     assert sum(g.compute.numel() * g.compute.element_size() for g in engine.block_groups) == sum(
         r.nbytes for r in rows)
     for fp32 in (_config("fp32", "recompute", "workspace", "global"),

@@ -5,6 +5,8 @@ token shares, and data too small for one step is refused with its key."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -26,9 +28,16 @@ class Rank:
 
 
 def _side(plan, dp=None):
+    """The loader data_side builds for the plan's Resolved, with the step counts and schedule the run
+    takes from that Resolved."""
     warnings: list[str] = []
-    side = data_side(plan.config, dp, warnings.append)
-    return side, warnings
+    resolved = plan.resolved
+    side = data_side(resolved, dp, warnings.append)
+    steps = resolved.steps
+    assert side.loader.steps_per_epoch == steps.steps_per_epoch  # what the loader reads is what was planned
+    return SimpleNamespace(loader=side.loader, mixture=side.mixture, loader_options=side.loader_options,
+                           total_steps=steps.total_steps, epoch_steps=steps.epoch_steps,
+                           tokens_per_step=steps.tokens_per_step, schedule=resolved.schedule), warnings
 
 
 @pytest.mark.parametrize(("accum", "epochs", "max_steps", "total"), [
@@ -87,7 +96,7 @@ def test_fewer_rows_than_one_step_is_refused_at_data_train(tmp_path):
     cfg = write_config(tmp_path, training={"gradient_accumulation": 2})
     with pytest.raises(AprError, match=r"6 sequences are fewer than one optimizer step needs \(8 = batch_size x "
                                        r"gradient_accumulation x world_size\)") as err:
-        data_side(build_plan(cfg).config, None, print)
+        data_side(build_plan(cfg).resolved, None, print)
     finding = err.value.findings[0]
     assert (finding.code, finding.path) == ("apply.data", "data.train")
     assert finding.file == str(tmp_path / "data" / "train")
@@ -162,7 +171,7 @@ def test_document_weights_reach_the_loader_as_the_plans_token_shares(tmp_path):
 def test_a_mixture_too_small_for_one_step_is_refused(tmp_path):
     plan = _mixture_plan(tmp_path, data={"batch_size": 40}, training={"gradient_accumulation": 2})
     with pytest.raises(AprError, match=r"^the mixture: 64 sequences are fewer than one optimizer step needs \(80 "):
-        data_side(plan.config, None, print)
+        data_side(plan.resolved, None, print)
 
 
 class Batch:

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from apr.config.schema import AprConfig, AutotuneConfig
 from apr.steps.distill import MappingError, phase_at, spans
+from apr.steps.resolved import resolve as plan_of
 from apr.train.distill import Autotune
 from tests.train.run_helpers import config_doc, make_dataset, run_until
 
@@ -76,13 +77,13 @@ def test_a_student_copied_from_its_teacher_has_zero_loss_in_both_phases(teacher,
     make_dataset(tmp_path)
     doc = _student_doc(tmp_path, teacher, kd_weight=1.0)
     doc["model"]["architecture"]["num_hidden_layers"] = 4
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    engine = build_engine(plan_of(AprConfig.model_validate(doc)), "cpu")
     ids = torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))
     for block in range(4):
         assert engine.loss.block_loss_of(engine, engine.model, block, ids).item() == 0.0
     assert engine.loss.kd_loss(engine, engine.model, ids, ids).item() == pytest.approx(0.0, abs=1e-6)
     doc["model"]["architecture"]["num_hidden_layers"] = 2  # two teacher blocks per student block: not a copy
-    half = build_engine(AprConfig.model_validate(doc), "cpu")
+    half = build_engine(plan_of(AprConfig.model_validate(doc)), "cpu")
     assert half.loss.block_loss_of(half, half.model, 0, ids).item() > 0.0
 
 
@@ -91,7 +92,7 @@ def test_phase_1_updates_only_the_block_in_training(teacher, tmp_path):
 
     make_dataset(tmp_path)
     config = AprConfig.model_validate(_student_doc(tmp_path, teacher))
-    engine = build_engine(config, "cpu")
+    engine = build_engine(plan_of(config), "cpu")
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
     engine.current_step = 3  # phase 1, block 1 (2 steps per block)
@@ -296,7 +297,7 @@ def test_a_gqa_student_is_planned_beside_its_teacher_and_started_from_averaged_h
     shown = render_text(plan)
     assert "student" in shown and "1 KV heads, KV cache 256 B/token" in shown, shown
 
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    engine = build_engine(plan_of(AprConfig.model_validate(doc)), "cpu")
     t = load_teacher(AprConfig.model_validate(doc), torch.device("cpu"))
     tk, sk = t.model.layers[2].self_attn.k_proj.weight, engine.model.model.layers[2].self_attn.k_proj.weight
     torch.testing.assert_close(sk, (tk[:8] + tk[8:]) / 2)  # head_dim 8: teacher heads 0 and 1 averaged
@@ -335,7 +336,7 @@ def test_convergence_stopping_moves_to_the_next_block_early_and_says_why(teacher
 
     make_dataset(tmp_path)
     doc = _student_doc(tmp_path, teacher, block_loss="l1", convergence_target=1e6, phase1_steps=50)
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    engine = build_engine(plan_of(AprConfig.model_validate(doc)), "cpu")
     batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
     phases = []
     for step in (1, 2, 3):
@@ -483,7 +484,7 @@ def _warm_and_cold(doc: dict):
     from apr.train.build import build_engine
     from tests.train.run_helpers import merge
 
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
-    cold = build_engine(AprConfig.model_validate(merge(doc, {"training": {"distill": {"init_from_teacher": False}}})),
-                        "cpu")
+    engine = build_engine(plan_of(AprConfig.model_validate(doc)), "cpu")
+    cold_doc = merge(doc, {"training": {"distill": {"init_from_teacher": False}}})
+    cold = build_engine(plan_of(AprConfig.model_validate(cold_doc)), "cpu")
     return engine, cold, torch.randint(0, 61, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -11,7 +11,7 @@ from run_helpers import config_doc, make_dataset, write_config
 
 from apr.config import config_hash, load_config
 from apr.config.schema import AprConfig
-from apr.plan.build import build_plan
+from apr.plan.build import build_plan, resolve_config
 from apr.plan.validate import config_findings
 from apr.train.earlystop import EarlyStopping
 from apr.train.run import ApplyOptions, prepare_run
@@ -39,7 +39,8 @@ def _run(tmp_path: Path, resume: str | None = None, **training):
         "max_steps": 60, "warmup_steps": 0, "lr_scheduler": "constant", "log_interval": 2, "eval_interval": 2,
         "eval_batches": 1, "save_interval": 1000, "keep_last": 1, **training}))
     opts = ApplyOptions(echo=lambda line: None, resume=resume)
-    return prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts).execute()
+    return prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                       options=opts).execute()
 
 
 def test_a_plateau_at_high_lr_ends_the_run_and_the_best_checkpoint_is_kept(tmp_path):

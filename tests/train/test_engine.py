@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from apr.model.buffers import buffer_plan
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from apr.train.engine import InterleavedEngine, NonFiniteError, StandardEngine
 from tests.train.tiny import batches, make_config
@@ -16,7 +17,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run(config, steps: int, lr: float = 1e-2, seed: int = 0):
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     accum = config.training.gradient_accumulation
     data = batches(config, steps * accum, seed=seed)
     norms = []
@@ -48,7 +49,8 @@ def test_interleaved_equals_standard_over_20_steps(accum, clip_mode, tied):
     assert a.keys() == b.keys()
     worst = max(_rel(a[k], b[k]) for k in b)
     assert worst <= 1e-6
-    moved = max(_rel(a[k], _weights(build_engine(make_config(**_with(sections, engine="standard"))))[k]) for k in a)
+    moved = max(_rel(a[k], _weights(build_engine(plan_of(make_config(**_with(sections,
+                                                                             engine="standard")))))[k]) for k in a)
     assert moved > 1e-2  # the 20 steps did change the weights
 
 
@@ -74,7 +76,7 @@ def test_accumulation_equals_one_large_batch():
     small = make_config(training={"gradient_accumulation": 2, "grad_clip": None})
     large = make_config(data={"batch_size": 4}, training={"engine": "standard", "grad_clip": None})
     data = batches(small, 2, seed=5)
-    e_small, e_large = build_engine(small), build_engine(large)
+    e_small, e_large = build_engine(plan_of(small)), build_engine(plan_of(large))
     r1 = e_small.train_step(data, lr=1e-3)
     r2 = e_large.train_step([torch.cat(data)], lr=1e-3)
     assert r1.loss.item() == pytest.approx(r2.loss.item(), rel=1e-6)
@@ -99,7 +101,7 @@ def test_peak_live_gradient_bytes_are_one_blocks(clip_mode):
     arch = {"hidden_size": 48, "intermediate_size": 192, "vocab_size": 40, "num_hidden_layers": 4}
     lean = {"activations": "recompute", "gradients": "workspace"}
     config = make_config(model={"architecture": arch}, training={"clip_mode": clip_mode, "execution": lean})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     block_bytes = engine.block_groups[0].numel * 4
     assert block_bytes > max(engine.embed.numel, engine.head.numel) * 4
     seen = []
@@ -111,7 +113,7 @@ def test_peak_live_gradient_bytes_are_one_blocks(clip_mode):
     assert plan_grad_bytes == block_bytes  # the plan's gradient row is what the engine holds
 
     std_config = make_config(model={"architecture": arch}, training={"engine": "standard"})
-    std = build_engine(std_config)
+    std = build_engine(plan_of(std_config))
     std_seen = []
     std.grad_probe = lambda name: std_seen.append(_live_grad_bytes(std))
     std.train_step(batches(std_config, 1), lr=1e-3)
@@ -120,7 +122,7 @@ def test_peak_live_gradient_bytes_are_one_blocks(clip_mode):
 
 
 def test_parameters_are_views_of_the_flat_buffers():
-    engine = build_engine(make_config())
+    engine = build_engine(plan_of(make_config()))
     for g in engine.groups:
         base = g.flat_params.untyped_storage().data_ptr()
         for p in g.params:
@@ -137,7 +139,7 @@ def test_parameters_are_views_of_the_flat_buffers():
 def test_weight_decay_spares_norms_and_embeddings_unless_asked(decay_embeddings):
     config = make_config(optimizer={"weight_decay": 0.5, "decay_embeddings": decay_embeddings},
                          training={"grad_clip": None})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     for g in engine.groups:  # zero gradients: only the decay moves anything
         g.release_grads()
     before = _weights(engine)
@@ -155,7 +157,7 @@ def test_weight_decay_spares_norms_and_embeddings_unless_asked(decay_embeddings)
 
 def test_non_finite_loss_stops_before_any_update():
     config = make_config()
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     with torch.no_grad():
         engine.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     before = _weights(engine)
@@ -172,7 +174,7 @@ def test_non_finite_loss_stops_before_any_update():
 @pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
 def test_fp16_overflow_skips_the_step_and_backs_off_the_scale(engine_kind):
     config = make_config(training={"mixed_precision": "fp16", "engine": engine_kind})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     engine.scaler.scale = 2.0**127  # gradients overflow float32
     before = _weights(engine)
     result = engine.train_step(batches(config, 1), lr=1e-2)
@@ -186,12 +188,12 @@ def test_fp16_overflow_skips_the_step_and_backs_off_the_scale(engine_kind):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains_with_float32_master_state(precision):
     config = make_config(training={"mixed_precision": precision})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 1, seed=3) * 12
     losses = [engine.train_step([b], lr=1e-2).loss.item() for b in data]
     assert losses[-1] < losses[0] - 0.5
     assert all(t.dtype == torch.float32 for t in engine.train_state_tensors().values())
-    ref = build_engine(make_config())
+    ref = build_engine(plan_of(make_config()))
     fp32_loss = ref.train_step(data[:1], lr=1e-2).loss.item()
     assert losses[0] == pytest.approx(fp32_loss, rel=2e-2)
 
@@ -200,15 +202,15 @@ def test_mixed_precision_trains_with_float32_master_state(precision):
 def test_train_state_round_trip_resumes_bitwise(engine_kind):
     config = make_config(training={"engine": engine_kind})
     data = batches(config, 6, seed=9)
-    straight = build_engine(config)
+    straight = build_engine(plan_of(config))
     for b in data:
         straight.train_step([b], lr=1e-2)
-    first = build_engine(config)
+    first = build_engine(plan_of(config))
     for b in data[:3]:
         first.train_step([b], lr=1e-2)
     saved = {k: v.clone() for k, v in first.train_state_tensors().items()}
     meta = first.meta_state()
-    resumed = build_engine(config, seed=1234)  # different init: everything must come from the state
+    resumed = build_engine(plan_of(config), seed=1234)  # different init: everything must come from the state
     resumed.load_train_state_tensors(saved)
     resumed.load_meta_state(meta)
     for b in data[3:]:
@@ -220,19 +222,19 @@ def test_train_state_round_trip_resumes_bitwise(engine_kind):
 
 def test_train_state_names_follow_hf_and_optimizer_prefixes():
     config = make_config(model={"architecture": {"tie_word_embeddings": True}})
-    names = set(build_engine(config).train_state_tensors())
+    names = set(build_engine(plan_of(config)).train_state_tensors())
     assert "model.layers.2.mlp.down_proj.weight" in names
     assert "optimizer.m.model.embed_tokens.weight" in names and "optimizer.v.model.norm.weight" in names
     assert "lm_head.weight" not in names  # tied
     from apr.errors import AprError
 
     with pytest.raises(AprError):
-        build_engine(config).load_train_state_tensors({"model.norm.weight": torch.ones(32)})
+        build_engine(plan_of(config)).load_train_state_tensors({"model.norm.weight": torch.ones(32)})
 
 
 def test_eval_loss_sum_matches_the_training_loss():
     config = make_config()
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     batch = batches(config, 1)[0]
     loss_sum, count = engine.eval_loss_sum(batch)
     step = engine.train_step([batch], lr=1e-2)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from apr.model.buffers import buffer_plan
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
@@ -15,7 +16,7 @@ LEAN = {"activations": "recompute", "gradients": "workspace"}
 
 
 def _train(config, steps: int = 3, accum: int = 1, seed: int = 4):
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, steps * accum, seed=seed)
     norms = [engine.train_step(data[k * accum:(k + 1) * accum], lr=1e-2).grad_norm.item() for k in range(steps)]
     return engine.train_state_tensors(), norms
@@ -58,7 +59,7 @@ def test_kept_gradients_take_one_walk_and_the_workspace_two_under_global_clippin
     walks = {}
     for gradients in ("kept", "workspace"):
         config = _config("keep", gradients, "global")
-        engine = build_engine(config)
+        engine = build_engine(plan_of(config))
         seen = []
         engine.grad_probe = seen.append
         engine.train_step(batches(config, 1), lr=1e-2)
@@ -70,7 +71,7 @@ def test_kept_graphs_mean_no_block_is_recomputed():
     calls = {}
     for activations in ("keep", "keep_first:1", "recompute"):
         config = _config(activations, "kept", "global")
-        engine = build_engine(config)
+        engine = build_engine(plan_of(config))
         count = [0]
         for layer in engine.model.model.layers:
             layer.register_forward_hook(lambda *a, count=count: count.__setitem__(0, count[0] + 1))
@@ -85,7 +86,7 @@ def test_the_buffer_plan_holds_what_each_gradient_policy_allocates():
     lean = {b.name for b in buffer_plan(_config("keep", "workspace", "global")) if b.component == "gradients"}
     assert lean == {"grad_workspace"}
     assert kept == {"embed.grad", "head.grad"} | {f"block.{i}.grad" for i in range(3)}  # no scratch needed
-    engine = build_engine(_config("keep", "kept", "global"))
+    engine = build_engine(plan_of(_config("keep", "kept", "global")))
     assert all(g.own_grad is not None for g in engine.groups) and engine.workspace is None
 
 
@@ -117,7 +118,7 @@ def test_adagc_is_the_same_under_every_policy(activations, gradients):
 
 def test_adagc_warmup_clips_each_tensor_to_grad_clip():
     config = _adagc("interleaved")
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     engine.train_step(batches(config, 1), lr=1e-2)
     ema = torch.cat(list(engine.adagc_ema.values()))
     assert bool((ema <= 0.3 + 1e-6).all()) and bool((ema > 0).all())  # first step: the clipped norms
@@ -126,14 +127,14 @@ def test_adagc_warmup_clips_each_tensor_to_grad_clip():
 def test_adagc_state_resumes_bitwise():
     config = _adagc("interleaved", activations="recompute", gradients="workspace")
     data = batches(config, 6, seed=2)
-    straight = build_engine(config)
+    straight = build_engine(plan_of(config))
     for b in data:
         straight.train_step([b], lr=1e-2)
-    first = build_engine(config)
+    first = build_engine(plan_of(config))
     for b in data[:3]:
         first.train_step([b], lr=1e-2)
     saved = {k: v.clone() for k, v in first.train_state_tensors().items()}
-    resumed = build_engine(config, seed=99)
+    resumed = build_engine(plan_of(config), seed=99)
     resumed.load_train_state_tensors(saved)
     resumed.load_meta_state(first.meta_state())
     for b in data[3:]:

@@ -21,7 +21,7 @@ from apr.checkpoint.rng import capture_rng, restore_rng
 from apr.config.schema import AprConfig
 from apr.data.shards import write_dataset
 from apr.model.spec import param_count
-from apr.plan.build import build_plan
+from apr.plan.build import build_plan, resolve_config
 from apr.plan.examples import to_yaml
 from apr.steps.distill import phase_at
 from apr.track.protocol import NullRecorder
@@ -57,7 +57,8 @@ def _rngs_put_back():
 
 def _prepare(plan, lines: list[str]):
     opts = ApplyOptions(echo=lines.append, handle_signals=False)
-    return prepare_run(plan.config, config_hash=plan.config_hash, config_path=plan.config_path, options=opts,
+    return prepare_run(resolve_config(plan.config), config_hash=plan.config_hash, config_path=plan.config_path,
+                       options=opts,
                        plan_doc=plan.to_dict())
 
 
@@ -291,10 +292,10 @@ def test_alerts_are_printed_and_recorded_and_the_first_stop_alert_stops(tmp_path
     run = run_of(build_plan(write_config(tmp_path, monitoring={"alerts": alerts})))
     _opened(run)
     assert events.check_alerts(run, {"step": 2, "loss": 6.0}, 2, run.recorder) is None
-    assert run.lines[-1].startswith("alert (warn) at step 2: loss is high")
+    assert run.lines[-1].startswith("alert (warning) at step 2: loss is high")
     stop = events.check_alerts(run, {"step": 3, "loss": 1.0}, 3, run.recorder)
     assert (stop.status, stop.exit_code) == ("stopped", 1) and stop.reason.startswith("alert: enough")
-    assert run.lines[-1] == f"alert (stop) at step 3: {stop.reason.removeprefix('alert: ')}"
+    assert run.lines[-1] == f"alert (error) at step 3: {stop.reason.removeprefix('alert: ')}"
     _state(run)
     assert [(step, action, message.split(" (")[0]) for step, action, message in
             _db(run, "select step, action, message from alerts order by step")] == \

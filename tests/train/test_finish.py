@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from apr.train.finish import clip_, finish_step
 from apr.train.outcome import NonFiniteError
@@ -14,8 +15,8 @@ from tests.train.tiny import batches, make_config
 
 
 def _backward(clip_mode: str, grad_clip: float | None = 0.3):
-    engine = build_engine(make_config(training={"engine": "standard", "clip_mode": clip_mode,
-                                                "grad_clip": grad_clip}))
+    engine = build_engine(plan_of(make_config(training={"engine": "standard", "clip_mode": clip_mode,
+                                                "grad_clip": grad_clip})))
     loss = engine._backward(batches(engine.config, 1))
     local = engine._reduced_grads()
     return engine, loss, local, engine._group_sq(local)

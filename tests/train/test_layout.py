@@ -8,7 +8,9 @@ import pytest
 
 from apr.config.schema import AprConfig
 from apr.errors import AprError
-from apr.train.layout import elastic_layout, laid_out
+from apr.steps.resolved import laid_out
+from apr.steps.resolved import resolve as plan_of
+from apr.train.layout import elastic_layout
 from tests.train.tiny import make_config
 
 
@@ -29,7 +31,7 @@ def _saved(tmp_path, world: int, accum: int) -> None:
     config = make_config(training={"world_size": world, "gradient_accumulation": accum, "engine": "standard",
                                    "output_dir": str(tmp_path / "run")})
     manager = CheckpointManager(tmp_path / "run", config)
-    tensors = build_engine(config).train_state_tensors()
+    tensors = build_engine(plan_of(config)).train_state_tensors()
     manager.save(TrainState(step=2, tensors=tensors, meta={"run_id": "r1"}))
 
 

@@ -16,6 +16,8 @@ from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.model import buffers, spec
+from apr.plan.build import resolve_config
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from apr.train.run import ApplyOptions, prepare_run
 from tests.train.tiny import batches, make_config
@@ -26,7 +28,7 @@ LORA = {"rank": 4, "alpha": 8.0, "targets": "all"}
 def _run(root, *, resume=None, **sections):
     cfg = AprConfig.model_validate(config_doc(root, **sections))
     lines: list[str] = []
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=ApplyOptions(resume=resume, echo=lines.append))
     return run.execute(), run, lines
 
@@ -74,11 +76,11 @@ def _lora_engine(tmp_path, lora=None, **training):
 
     base_cfg = make_config()
     if not (tmp_path / "base").exists():
-        base = build_engine(base_cfg)
+        base = build_engine(plan_of(base_cfg))
         CheckpointManager(tmp_path / "base", base_cfg).save(
             TrainState(step=1, tensors=base.train_state_tensors(), meta={}))
     cfg = make_config(model={"init_from": str(tmp_path / "base"), "lora": lora or LORA}, training=training)
-    return build_engine(cfg)
+    return build_engine(plan_of(cfg))
 
 
 @pytest.mark.parametrize(("training", "dropout"), [
@@ -174,7 +176,8 @@ def _adapted_logits(root, ckpt_dir, ids):
 
     state = load_latest(ckpt_dir)
     cfg = AprConfig.model_validate(state.info.config)
-    engine = build_engine(cfg.model_copy(update={"training": cfg.training.model_copy(update={"engine": "standard"})}))
+    standard = cfg.model_copy(update={"training": cfg.training.model_copy(update={"engine": "standard"})})
+    engine = build_engine(plan_of(standard))
     engine.load_train_state_tensors(state.tensors)
     with torch.no_grad():
         return engine.model(ids)
@@ -273,7 +276,7 @@ def test_a_second_stage_trains_new_adapters_over_the_first_stage_merged(root):
         training={"output_dir": "stage2/", "engine": "standard"}))
     ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        start = build_engine(stage2).model(ids)
+        start = build_engine(plan_of(stage2)).model(ids)
     torch.testing.assert_close(start, _adapted_logits(root, root / "stage1", ids), atol=1e-5, rtol=0)
     result, run, _ = _run(root, model=stage2.model.model_dump(mode="json"),
                           training={"output_dir": "stage2/", "max_steps": 4, "save_interval": 4})

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from apr.train.losses import CausalLM
 from tests.train.tiny import batches, make_config
 
 
 def test_the_loss_part_the_models_forward_and_evaluation_agree():
-    engine = build_engine(make_config(training={"engine": "standard"}))
+    engine = build_engine(plan_of(make_config(training={"engine": "standard"})))
     (batch,) = batches(engine.config, 1)
     ids, targets = engine.split(batch)
     part = CausalLM()(engine, engine.model, ids, targets)

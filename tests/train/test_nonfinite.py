@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from apr.plan.build import resolve_config
+from apr.steps.resolved import resolve as plan_of
 from apr.train import build as build_mod
 from apr.train import engine as engine_mod
 from apr.train.build import build_engine
@@ -44,7 +46,7 @@ class HostReads:
 @pytest.mark.parametrize("activations,gradients,clip", STRATEGIES)
 def test_a_step_reads_nothing_on_the_host_and_a_check_reads_once(monkeypatch, activations, gradients, clip):
     config = _config(activations, gradients, clip)
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 3)
     engine.train_step([data[0]], lr=1e-2)  # first-step allocations out of the way
     reads = HostReads(monkeypatch)
@@ -59,7 +61,7 @@ def test_a_step_reads_nothing_on_the_host_and_a_check_reads_once(monkeypatch, ac
 
 def test_fp16_keeps_its_one_loss_scale_read_per_step(monkeypatch):
     config = _config("keep", "kept", "global", mixed_precision="fp16")
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 2)
     engine.train_step([data[0]], lr=1e-2)
     reads = HostReads(monkeypatch)
@@ -85,11 +87,11 @@ def _poison_loss_at(monkeypatch, calls: set[int]):
 def test_a_bad_step_and_every_step_after_it_write_nothing_until_checked(monkeypatch, activations, gradients, clip):
     config = _config(activations, gradients, clip)
     data = batches(config, 5)
-    clean = build_engine(config)
+    clean = build_engine(plan_of(config))
     for batch in data[:2]:
         clean.train_step([batch], lr=1e-2)
 
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     seen = _poison_loss_at(monkeypatch, {3})
     seen["engine"] = engine
     for batch in data:  # steps 3, 4 and 5 are not in the weights
@@ -119,7 +121,7 @@ def test_a_bad_gradient_in_the_one_walk_says_whether_a_group_was_already_updated
     """The single walk updates the head first and the embedding last: a NaN in the head's gradient
     stops every update; one in block 0 comes after the head and the later blocks were updated."""
     config = _config("recompute", "workspace", "per_block")
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     before = _state(engine)
 
     def poison(name: str) -> None:
@@ -141,7 +143,7 @@ def test_a_bad_gradient_in_the_one_walk_says_whether_a_group_was_already_updated
 
 def test_the_standard_engine_still_stops_inside_the_step():
     config = make_config(training={"engine": "standard"})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     with torch.no_grad():
         engine.model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteError) as err:
@@ -155,7 +157,7 @@ def test_a_cuda_step_never_synchronises(activations, gradients, clip):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     config = _config(activations, gradients, clip, device="cuda", mixed_precision="bf16", kernels="auto")
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = [b.cuda() for b in batches(config, 3)]
     engine.train_step([data[0]], lr=1e-2)
     torch.cuda.synchronize()
@@ -187,7 +189,8 @@ def test_a_run_stops_at_the_next_log_with_the_last_good_weights(tmp_path, monkey
         cfg = AprConfig.model_validate(config_doc(tmp_path, training={
             "output_dir": out, "save_interval": 2, "eval_interval": 0, "log_interval": 2}))
         opts = ApplyOptions(echo=lambda line: None)
-        r = prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts)
+        r = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                        options=opts)
         return r, r.execute()
 
     _, clean = run("clean/")

@@ -13,6 +13,8 @@ from run_helpers import config_doc, make_dataset, signal_at
 
 from apr.config import config_hash
 from apr.config.schema import AprConfig
+from apr.plan.build import resolve_config
+from apr.steps.resolved import resolve as plan_of
 from apr.train.run import ApplyOptions, prepare_run
 
 STALL = {"stall": {"lr_factor": 1.0e-4}}  # a strategy that barely moves: it loses every branch
@@ -21,7 +23,7 @@ STALL = {"stall": {"lr_factor": 1.0e-4}}  # a strategy that barely moves: it los
 def _run(root, *, resume=None, echo=None, **sections):
     cfg = AprConfig.model_validate(config_doc(root, **sections))
     lines: list[str] = []
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=ApplyOptions(resume=resume, echo=echo or lines.append))
     return run.execute(), run, getattr(echo, "lines", lines)
 
@@ -225,13 +227,13 @@ def test_switching_a_strategy_sets_the_updater_its_settings_and_the_clipping_on_
     from tests.train.tiny import batches, make_config
 
     config = make_config(training={"engine": "standard"})
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     apply_strategy(engine, config, resolve(config, "spike_resistant"))
     groups = engine.updater.optimizer.param_groups  # torch's AdamW, bound: its groups follow
     assert engine.strategy.clip == "global" and engine.grad_clip == config.training.grad_clip / 4
     assert groups[0]["weight_decay"] == config.optimizer.weight_decay and groups[1]["weight_decay"] == 0.0
     config = make_config()
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     apply_strategy(engine, config, resolve(config, "sgd_escape"))
     assert engine.updater.name == "sgd" and engine.updater.weight_decay == config.optimizer.weight_decay / 30
     losses = [engine.train_step([b], lr=1e-2 * 30).loss.item() for b in batches(config, 3, seed=1)]

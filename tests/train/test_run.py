@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.plan.build import resolve_config
 from apr.train.run import ApplyOptions, prepare_run
 
 
@@ -22,7 +23,7 @@ def _run(root, *, resume=None, force=False, echo=None, **sections):
     cfg = AprConfig.model_validate(config_doc(root, **sections))
     lines: list[str] = []
     opts = ApplyOptions(resume=resume, force=force, echo=echo or lines.append)
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts)
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts)
     result = run.execute()
     return result, run, getattr(echo, "lines", lines)
 
@@ -132,6 +133,20 @@ def test_a_critical_alert_stops_at_once_and_keeps_the_last_checkpoint_the_newest
     assert not (root / "run" / "checkpoint-step-3.json").exists()
 
 
+def test_a_critical_alert_on_val_loss_stops_at_the_validation_before_its_checkpoint(root):
+    """The alert is judged at the evaluation that met it, not one log interval later: the run stops
+    at the validation step, writes no checkpoint of it, and keeps the last periodic one."""
+    result, _, lines = _run(root, training={"save_interval": 2, "eval_interval": 4, "log_interval": 5,
+                                            "max_steps": 8},
+                            monitoring={"alerts": [{"condition": "val_loss > 0.0", "severity": "critical",
+                                                    "message": "val diverged"}]})
+    assert result.status == "stopped" and result.exit_code == 1 and "val diverged" in result.reason
+    assert result.final_step == 4 and "no checkpoint written" in result.reason
+    assert (root / "run" / "checkpoint-step-2.json").is_file()
+    assert not (root / "run" / "checkpoint-step-4.json").exists()
+    assert any(line.startswith("alert (critical) at step 4: val diverged") for line in lines)
+
+
 def test_too_little_data_for_one_step_is_a_clear_error(root):
     with pytest.raises(AprError, match="fewer than one optimizer step"):
         _run(root, data={"batch_size": 64}, training={"gradient_accumulation": 2})
@@ -141,7 +156,7 @@ def test_warn_alerts_are_printed_and_the_run_goes_on(root):
     result, _, lines = _run(root, training={"max_steps": 6}, monitoring={"alerts": [
         {"condition": "step == 4", "action": "warn", "message": "halfway"}]})
     assert result.status == "finished" and result.final_step == 6
-    assert any(line.startswith("alert (warn) at step 4") and "halfway" in line for line in lines)
+    assert any(line.startswith("alert (warning) at step 4") and "halfway" in line for line in lines)
 
 
 def test_best_checkpoint_must_beat_the_initial_weights(root):
@@ -187,7 +202,8 @@ def test_forced_resume_with_another_batch_size_remaps_the_data_cursor(root):
 def test_a_refused_resume_names_the_overrides_the_run_was_started_with(root):
     cfg = AprConfig.model_validate(config_doc(root, training={"max_steps": 4, "seed": 5}))
     opts = ApplyOptions(echo=lambda line: None, overrides={"seed": 5})
-    prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml", options=opts).execute()
+    prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+                options=opts).execute()
     with pytest.raises(AprError, match="started with --seed 5"):
         _run(root, resume="latest", training={"max_steps": 8})
 

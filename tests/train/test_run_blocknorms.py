@@ -10,13 +10,14 @@ from run_helpers import config_doc, make_dataset
 
 from apr.config import config_hash
 from apr.config.schema import AprConfig
+from apr.plan.build import resolve_config
 from apr.train.run import ApplyOptions, prepare_run
 
 
 def _run(root, **sections):
     cfg = AprConfig.model_validate(config_doc(root, **sections))
     lines: list[str] = []
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=ApplyOptions(echo=lines.append))
     return run.execute(), lines
 

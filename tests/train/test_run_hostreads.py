@@ -11,6 +11,7 @@ from run_helpers import config_doc, make_dataset
 
 from apr.config import config_hash
 from apr.config.schema import AprConfig
+from apr.plan.build import resolve_config
 from apr.train.run import ApplyOptions, prepare_run
 
 
@@ -49,7 +50,8 @@ def test_the_loop_reads_the_device_only_at_log_steps_and_the_records_arrive(tmp_
     reads = HostReads(monkeypatch)
     hook = ReadsPerStep(reads)
     opts = ApplyOptions(echo=lambda line: None, hooks=[hook], progress=lambda step, total: progress.append(step))
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts)
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                      options=opts)
     result = run.execute()
     assert result.status == "finished" and result.final_step == 12
     quiet = {step: n for step, n in hook.per_step.items() if step % 4}

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.plan.build import resolve_config
 from apr.steps.stacking import config_at
 from apr.train.run import ApplyOptions, prepare_run
 from apr.train.stacking import frozen_groups, grown_tensors, sources
@@ -214,7 +215,7 @@ def _inproc(root: Path, resume: str | None = None, **stacking):
                                   "stacking": {**STACKING, **stacking}},
                      training={"max_steps": 9, "save_interval": 3, "eval_interval": 0, "log_interval": 3})
     cfg = AprConfig.model_validate(doc)
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=ApplyOptions(resume=resume, echo=lambda line: None, handle_signals=False))
     assert run.execute().status == "finished"
     return run
@@ -306,7 +307,7 @@ def test_kill_9_in_a_prepended_qlora_stage_with_the_users_model_lora_resumes_bit
     make_dataset(want_root)
     cfg = AprConfig.model_validate(json.loads(_cfg(want_root, stacking, lora=lora).read_text()))
     assert cfg.model.stacking.trunk_lora.rank == 4
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=want_root / "cfg.json",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=want_root / "cfg.json",
                       options=ApplyOptions(echo=lambda line: None, handle_signals=False))
     assert run.execute().status == "finished"  # uninterrupted, in this process
     root = tmp_path / "killed"

@@ -8,6 +8,7 @@ from run_helpers import config_doc, make_dataset
 
 from apr.config import config_hash
 from apr.config.schema import AprConfig
+from apr.plan.build import resolve_config
 from apr.train.run import ApplyOptions, prepare_run
 from apr.train.stop import Stop
 
@@ -31,7 +32,8 @@ def test_a_hook_sees_each_step_and_its_stop_ends_the_run_with_a_checkpoint(tmp_p
         "max_steps": 12, "log_interval": 2, "eval_interval": 6, "save_interval": 100}))
     hook = StopWhenValidated()
     opts = ApplyOptions(echo=lambda line: None, hooks=[hook])
-    result = prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts).execute()
+    result = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                         options=opts).execute()
     assert hook.seen == [(1, False, False), (2, True, False), (3, False, False), (4, True, False),
                          (5, False, False), (6, True, True)]
     assert (result.status, result.exit_code, result.final_step) == ("stopped", 3, 6)
@@ -55,7 +57,9 @@ def test_every_hook_sees_the_step_an_earlier_one_stopped_and_the_earlier_stop_st
     later = StopWhenValidated()
     also_at_2 = StopAt(2)
     also_at_2.after_step = lambda run, report: Stop("failed", "other", 9) if report.step == 2 else None
-    opts = ApplyOptions(echo=lambda line: None, hooks=[StopAt(2), also_at_2, later])
-    result = prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml", options=opts).execute()
+    opts = ApplyOptions(echo=lambda line: None, hooks=[StopAt(2), also_at_2,
+                                                       later])
+    result = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                         options=opts).execute()
     assert (result.status, result.reason, result.exit_code, result.final_step) == ("stopped", "hook at 2", 1, 2)
     assert [s for s, _, _ in later.seen] == [1, 2]

@@ -20,6 +20,7 @@ from apr.apply import run_apply
 from apr.cli.main import app
 from apr.monitor.state import normalize
 from apr.monitor.view import messages
+from apr.steps.resolved import resolve as plan_of
 from apr.track.names import global_db_path, local_db_path
 from apr.track.store import connect_readonly, events
 from apr.train.badsteps import BadStepTest, RunningStats
@@ -136,7 +137,7 @@ def _weights(engine) -> dict[str, torch.Tensor]:
 def test_a_flagged_step_changes_nothing_and_is_not_counted(training, gate_norm):
     config = make_config(training=training)
     accum = config.training.gradient_accumulation
-    engine = build_engine(config)
+    engine = build_engine(plan_of(config))
     data = batches(config, 3 * accum, seed=1)
     seen = []
 
@@ -160,8 +161,8 @@ def test_the_gradient_norm_test_adds_a_norm_prepass_to_the_lean_walk():
     lean = make_config(training={"grad_clip": None, "execution": {"gradients": "workspace"}})
     tested = make_config(training={"grad_clip": None, "execution": {"gradients": "workspace"},
                                    "bad_steps": {"grad_norm_z": 6}})
-    assert build_engine(lean).strategy.backward_walks == 1
-    st = build_engine(tested).strategy
+    assert build_engine(plan_of(lean)).strategy.backward_walks == 1
+    st = build_engine(plan_of(tested)).strategy
     assert st.backward_walks == 2 and "bad-step test" in st.describe()
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from apr.config.schema import AprConfig
+from apr.steps.resolved import resolve as plan_of
 from tests.train import test_distill
 from tests.train.run_helpers import make_dataset
 from tests.train.test_distill import _student_doc
@@ -21,7 +22,7 @@ teacher = test_distill.teacher  # the distillation tests' trained 4-block teache
 def _phase1(doc: dict, batches: list[torch.Tensor]):
     from apr.train.build import build_engine
 
-    engine = build_engine(AprConfig.model_validate(doc), "cpu")
+    engine = build_engine(plan_of(AprConfig.model_validate(doc)), "cpu")
     for step, batch in enumerate(batches, start=1):
         engine.current_step = step
         engine.train_step([batch], 1e-2)

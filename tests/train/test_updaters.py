@@ -9,6 +9,7 @@ import torch
 from apr.config.schema import OptimizerConfig
 from apr.kernels import get_backend
 from apr.kernels.interface import DecayRanges
+from apr.steps.resolved import resolve as plan_of
 from apr.train.updaters import AdamW
 
 OPT = OptimizerConfig(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -145,16 +146,16 @@ def test_swats_resumes_exactly_across_its_switch():
     config = make_config(optimizer={"name": "swats", "swats_min_steps": 4, "swats_tolerance": 1e6},
                          training={"grad_clip": None})
     data = batches(config, 8, seed=5)
-    straight = build_engine(config)
+    straight = build_engine(plan_of(config))
     for b in data:
         straight.train_step([b], lr=1e-2)
     assert set(straight.updater.switched().values()) == {5}  # the first step past min_steps
-    first = build_engine(config)
+    first = build_engine(plan_of(config))
     for b in data[:3]:
         first.train_step([b], lr=1e-2)
     saved = {k: v.clone() for k, v in first.train_state_tensors().items()}
     meta = json.loads(json.dumps(first.meta_state()))
-    resumed = build_engine(config, seed=99)
+    resumed = build_engine(plan_of(config), seed=99)
     resumed.load_train_state_tensors(saved)
     resumed.load_meta_state(meta)
     for b in data[3:]:
@@ -172,7 +173,7 @@ def test_sgd_and_swats_are_refused_on_the_autograd_engine():
     from tests.train.tiny import make_config
 
     with pytest.raises(AprError, match="interleaved engine's walk"):
-        build_engine(make_config(optimizer={"name": "sgd"}, training={"engine": "standard"}))
+        build_engine(plan_of(make_config(optimizer={"name": "sgd"}, training={"engine": "standard"})))
 
 
 def test_sgd_writes_nothing_on_a_flagged_step_without_reading_the_flag_on_the_host():

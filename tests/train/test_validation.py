@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from apr.config.schema import AprConfig
 from apr.data.shards import write_dataset
+from apr.plan.build import resolve_config
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from apr.train.datasetup import data_side
 from apr.train.validation import Validation
@@ -53,7 +55,7 @@ class Recorded:
 def _validation(root: Path, dp=None, doc: dict | None = None, **sections) -> tuple[Validation, list[str]]:
     config = AprConfig.model_validate(doc or config_doc(root, **sections))
     lines: list[str] = []
-    side = data_side(config, None, lines.append)  # the loader options the run hands validation
+    side = data_side(resolve_config(config), None, lines.append)  # the loader options the run hands validation
     return Validation(config, side.loader_options, dp, CPU, lines.append, lambda step: f"step {step}"), lines
 
 
@@ -66,7 +68,7 @@ def root(tmp_path):
 def test_the_loss_is_the_mean_token_cross_entropy_over_the_first_eval_batches_of_val(root):
     val, _ = _validation(root, training={"eval_batches": 2})
     config = AprConfig.model_validate(config_doc(root))
-    engine = build_engine(config, CPU)
+    engine = build_engine(plan_of(config), CPU)
     # the first 2 batches x 4 rows of the val shard, in stored order (not shuffled, not the train set)
     table = pq.read_table(root / "data" / "val" / "shard-00000.parquet")
     rows = torch.tensor(np.array(table.column("input_ids").to_pylist()[:8]), dtype=torch.int64)
