@@ -129,25 +129,82 @@ def sha256_file(path: str | os.PathLike) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+# Bounds on a safetensors header, checked before it is parsed or anything is allocated from it: a
+# hostile file (one shared as a checkpoint, or a Hugging Face model to import) must not make a command
+# hang or take unbounded memory. Real headers are far inside them (a 70B model shard: ~1,000
+# tensors, a 40 KiB header). Every tensor's bytes must lie inside the file, so nothing read from a
+# header asks for more memory than the file holds.
+MAX_HEADER_BYTES = 100 << 20
+MAX_HEADER_TENSORS = 100_000
+MAX_TENSOR_RANK = 8
+MAX_NAME_CHARS = 1024
+ST_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+                 "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+
+
 def read_safetensors_header(path: str | os.PathLike) -> dict:
-    """The JSON header of a safetensors file (names, dtypes, shapes, offsets, ``__metadata__``)."""
+    """The JSON header of a safetensors file (names, dtypes, shapes, offsets, ``__metadata__``),
+    checked: a length inside the file and ``MAX_HEADER_BYTES``, at most ``MAX_HEADER_TENSORS``
+    entries (counted before parsing), and for every tensor a known dtype, a shape of at most
+    ``MAX_TENSOR_RANK`` non-negative ints whose bytes are exactly its offsets' span, inside the file.
+    A ValueError says what is wrong (a short message: nothing of the header is echoed at length)."""
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError("shorter than a safetensors header")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise ValueError(f"header length {n} is not plausible")
+        if n > MAX_HEADER_BYTES:
+            raise ValueError(f"header length {n} is not plausible (at most {MAX_HEADER_BYTES})")
+        if n > size - 8:
+            raise ValueError(f"header cut short: it claims {n} bytes, the file holds {size - 8} after its length")
         head = f.read(n)
         if len(head) != n:
             raise ValueError("header cut short")
+    if head.count(b"{") > MAX_HEADER_TENSORS + 2 or head.count(b"[") > 2 * MAX_HEADER_TENSORS + 2:
+        raise ValueError(f"header describes more than {MAX_HEADER_TENSORS} tensors")
     try:
         doc = json.loads(head.decode("utf-8"))
     except RecursionError:
         raise ValueError("header nests too deeply") from None
     if not isinstance(doc, dict):
         raise ValueError("header is not a JSON object")
+    _check_entries(doc, size - 8 - n)
     return doc
+
+
+def _check_entries(doc: dict, data_bytes: int) -> None:
+    """Every tensor entry well formed, its bytes inside the ``data_bytes`` after the header."""
+    meta = doc.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise ValueError("header's __metadata__ is not a mapping of strings")
+    for name, entry in doc.items():
+        if name == "__metadata__":
+            continue
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        if len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"tensor name {shown!r} is longer than {MAX_NAME_CHARS} characters")
+        if not isinstance(entry, dict):
+            raise ValueError(f"tensor {shown!r}: its entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in ST_ITEM_BYTES:
+            raise ValueError(f"tensor {shown!r}: unknown dtype {str(dtype)[:20]!r}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_TENSOR_RANK
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise ValueError(f"tensor {shown!r}: shape is not a list of at most {MAX_TENSOR_RANK} non-negative ints")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise ValueError(f"tensor {shown!r}: data_offsets are not a [start, end] inside the file")
+        nbytes = ST_ITEM_BYTES[dtype]
+        for d in shape:  # stops as soon as the product passes the file: no huge number is formed
+            nbytes *= d
+            if nbytes > data_bytes:
+                break
+        if nbytes != offsets[1] - offsets[0]:
+            need = "more than the file holds" if nbytes > data_bytes else f"{nbytes} bytes"
+            raise ValueError(f"tensor {shown!r}: its shape and dtype need {need}, its offsets span "
+                             f"{offsets[1] - offsets[0]}")
 
 
 def interrupted_save(path: str | os.PathLike) -> bool:

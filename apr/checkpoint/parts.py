@@ -86,6 +86,8 @@ class LazyTensors(Mapping):
     def __init__(self, paths: list[Path], keep=lambda name: True):
         from safetensors import safe_open
 
+        for p in paths:  # bounded and checked before the library maps the file (files.read_safetensors_header)
+            files.read_safetensors_header(p)
         self._handles = [safe_open(str(p), framework="pt") for p in paths]
         self._names = [n for n in self._handles[0].keys() if keep(n)]
         self._counts: dict[str, list[int]] = {}

@@ -104,7 +104,7 @@ def _run_dir(path: Path, warn=None) -> WeightSource:
             except Damaged as err:
                 errors.append(err.problem)
                 if warn is not None:
-                    warn(f"{err.problem}; showing an older checkpoint")
+                    warn(f"{err.problem}; passed over")
     raise _refuse(path, errors[0] if errors else "a folder with no checkpoint-step-*.json and no model.safetensors")
 
 
