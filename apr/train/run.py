@@ -48,6 +48,7 @@ from apr.train.orchestrator import Orchestrator
 from apr.train.outdir import (
     OutputDirLock,
     refuse_foreign_files,
+    refuse_resume_over_other_run,
     refuse_user_config,
 )
 from apr.train.signals import Interrupted, StopSignals
@@ -202,6 +203,11 @@ class Run:
         if self.options.resume is not None:
             refuse_user_config(self.run_dir, self.config_path)
             self.checkpoints.resume(self.options.resume)
+            if self.options.allow_other_run and self.is_main:  # never over a third run's records or saves
+                refuse_resume_over_other_run(self.run_dir, self.config_path, self.run_id, start_step=self.start_step,
+                                             total_steps=self.total_steps,
+                                             save_interval=self.config.training.save_interval,
+                                             saves_best=self.validation.configured)
         else:
             refuse_foreign_files(self.run_dir, self.config_path)
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from apr.checkpoint.manager import CheckpointManager, OtherRunError, TrainState, folder_run_ids
 from apr.errors import AprError
+from apr.plan.build import resolve_config
 from tests.checkpoint.conftest import make_tensors
 from tests.checkpoint.test_sidecar import trainer_meta
 
@@ -121,7 +123,7 @@ def test_apply_resume_from_another_run_into_a_third_runs_folder_is_refused_and_c
     def run(out: str, resume=None, allow=False):
         cfg = AprConfig.model_validate(config_doc(tmp_path, training={
             "max_steps": 4, "save_interval": 2, "eval_interval": 0, "epochs": 1, "output_dir": out}))
-        return prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+        return prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
                            options=ApplyOptions(resume=resume, echo=lambda line: None, allow_other_run=allow))
 
     run("a/").execute()
@@ -131,14 +133,17 @@ def test_apply_resume_from_another_run_into_a_third_runs_folder_is_refused_and_c
         run("b/", resume=str(tmp_path / "a" / "checkpoint-step-2.json")).execute()
     after = {p: h for p, h in _hashes(tmp_path / "b").items() if p != ".apr-run.lock"}
     assert after == before
-    # --allow-other-run: the resume goes on from step 2, but never writes over run b's own files: its
-    # checkpoint-step-4 is b's, so the save there is refused and b's files stay as they were
-    with pytest.raises(AprError, match="would overwrite it"):
+    # --allow-other-run: run b's records (config.yaml, training_state.json, its store) are one per
+    # folder: the resume is refused before any step is trained, and nothing of b's changes
+    with pytest.raises(AprError, match="would write over them"):
         run("b/", resume=str(tmp_path / "a" / "checkpoint-step-2.json"), allow=True).execute()
-    ckpts = {p: h for p, h in before.items() if p.startswith("checkpoint-")}
-    assert {p: h for p, h in _hashes(tmp_path / "b").items() if p in ckpts} == ckpts
-    # into a folder of another run whose step numbers do not collide, it finishes beside that run's files
+    assert {p: h for p, h in _hashes(tmp_path / "b").items() if p != ".apr-run.lock"} == before
+    # into a folder holding only another run's checkpoints whose step numbers do not collide, it
+    # finishes beside that run's files
     run("c/").execute()
+    for record in ("config.yaml", "plan.json", "training_state.json"):
+        (tmp_path / "c" / record).unlink(missing_ok=True)
+    shutil.rmtree(tmp_path / "c" / ".apr", ignore_errors=True)
     for p in (tmp_path / "c").glob("checkpoint-step-4*"):
         p.rename(p.with_name(p.name.replace("step-4", "step-40")))
     kept = {p: h for p, h in _hashes(tmp_path / "c").items() if "step-40" in p}
