@@ -1,7 +1,9 @@
-"""Export a checkpoint as a Hugging Face Llama folder that `transformers` loads offline.
+"""Export a checkpoint as a Hugging Face folder of its family (Llama, Mistral or Qwen2:
+``model.architecture.family``) that `transformers` loads offline.
 
-    config.json               LlamaConfig fields; RoPE in the installed transformers' form
-    model.safetensors         weights only, Llama names (no optimizer state; no lm_head when tied)
+    config.json               the family's config fields; RoPE (and its scaling) in the installed
+                              transformers' form
+    model.safetensors         weights only, HF names (no optimizer state; no lm_head when tied)
     generation_config.json    bos / eos / pad token ids
     tokenizer.json            the run's tokenizer (``data.tokenizer``), copied
     tokenizer_config.json     tokenizer class, special tokens (eos), model_max_length
@@ -23,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 
 from apr.checkpoint import files
-from apr.checkpoint.hf_import import ARCH_TO_HF, check_source, load_source_weights, source_digest
+from apr.checkpoint.hf_import import ARCH_TO_HF, FAMILIES, check_source, load_source_weights, source_digest
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo, load_latest, read_checkpoint
 from apr.checkpoint.names import is_optimizer_state
 from apr.config.schema import AprConfig
@@ -114,32 +116,41 @@ def _special_tokens(tokenizer_path: Path, vocab_size: int) -> dict[str, tuple[st
 
 
 def hf_config(arch, specials: dict, transformers_major: int | None) -> tuple[dict, str]:
-    """config.json for LlamaForCausalLM, and which RoPE form it uses."""
+    """config.json for the architecture's family (LlamaForCausalLM, MistralForCausalLM or
+    Qwen2ForCausalLM), and which RoPE form it uses."""
     tok_id = {k: (v[1] if v else None) for k, v in specials.items()}
+    family = str(getattr(arch.family, "value", arch.family))
     doc = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [FAMILIES[family]],
+        "model_type": family,
         **{hf_key: getattr(arch, attr) for attr, hf_key in ARCH_TO_HF},  # import reads them back
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "use_cache": True,
         "bos_token_id": tok_id["bos"],
         "eos_token_id": tok_id["eos"],
         "pad_token_id": tok_id["pad"],
     }
-    rope_parameters = {"rope_type": "default", "rope_theta": arch.rope_theta}
+    if family == "llama":
+        doc.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif family == "mistral":
+        doc["sliding_window"] = arch.sliding_window
+    else:  # qwen2: full attention in every layer (its per-layer window is not implemented)
+        doc.update(use_sliding_window=False, sliding_window=None, max_window_layers=arch.num_hidden_layers,
+                   layer_types=["full_attention"] * arch.num_hidden_layers)
+    scaling = arch.rope_scaling.model_dump(mode="json", exclude_none=True) if arch.rope_scaling else None
+    if scaling is not None and scaling["rope_type"] != "yarn":
+        scaling.pop("truncate")  # a yarn key: transformers warns of it elsewhere
+    rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": arch.rope_theta}
     if transformers_major is None:  # not installed: both forms, each version reads its own
-        doc.update(rope_theta=arch.rope_theta, rope_scaling=None, rope_parameters=rope_parameters,
+        doc.update(rope_theta=arch.rope_theta, rope_scaling=scaling, rope_parameters=rope_parameters,
                    dtype="float32", torch_dtype="float32")
         form = "rope_parameters+rope_theta"
     elif transformers_major >= 5:  # 5.x moved rope_theta / rope_scaling into rope_parameters
         doc.update(rope_parameters=rope_parameters, dtype="float32")
         form = "rope_parameters"
     else:
-        doc.update(rope_theta=arch.rope_theta, rope_scaling=None, torch_dtype="float32")
+        doc.update(rope_theta=arch.rope_theta, rope_scaling=scaling, torch_dtype="float32")
         form = "rope_theta"
     try:
         doc["transformers_version"] = metadata.version("transformers")

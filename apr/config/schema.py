@@ -137,6 +137,53 @@ class DecoupledAttention(_Section):
     geo_dim: PositiveCount = Field(description="Width per head of the geometric (RoPE) query/key part; even.")
 
 
+class ModelFamily(StrEnum):
+    """The Hugging Face family a model is read from and exported as; all are the same decoder."""
+
+    llama = "llama"  # LlamaForCausalLM (LLaMA 1/2/3.x, SmolLM2, TinyLlama)
+    mistral = "mistral"  # MistralForCausalLM: LLaMA with an optional sliding attention window
+    qwen2 = "qwen2"  # Qwen2ForCausalLM: LLaMA with biases on the q, k and v projections
+
+
+class RopeType(StrEnum):
+    llama3 = "llama3"
+    linear = "linear"
+    dynamic = "dynamic"
+    yarn = "yarn"
+
+
+class RopeScaling(_Section):
+    """RoPE frequency scaling as transformers computes it (``rope_scaling`` / ``rope_parameters`` of
+    a config.json); apr/model/llama.py ``rope_frequencies`` implements each type."""
+
+    rope_type: RopeType = Field(description="llama3 (Llama 3.1+), linear (positions divided by factor), dynamic "
+                                "(NTK, base grows past max_position_embeddings), yarn.")
+    factor: Float = Field(ge=1, description="Context extension factor.")
+    original_max_position_embeddings: PositiveCount | None = Field(
+        None, description="Pretraining context (llama3, yarn). Default: max_position_embeddings.")
+    low_freq_factor: Float | None = Field(None, gt=0, description="llama3: wavelengths above original / this are "
+                                          "divided by factor.")
+    high_freq_factor: Float | None = Field(None, gt=0, description="llama3: wavelengths below original / this are "
+                                           "kept.")
+    attention_factor: Float | None = Field(None, gt=0, description="yarn: cos/sin scale. Default: from factor "
+                                           "(and mscale, mscale_all_dim).")
+    beta_fast: Float | None = Field(None, description="yarn: fast boundary of the ramp (default 32).")
+    beta_slow: Float | None = Field(None, description="yarn: slow boundary of the ramp (default 1).")
+    mscale: Float | None = Field(None, description="yarn: numerator scale of the attention factor.")
+    mscale_all_dim: Float | None = Field(None, description="yarn: denominator scale of the attention factor.")
+    truncate: Bool = Field(True, description="yarn: round the ramp's boundaries to whole dimensions.")
+
+    @model_validator(mode="after")
+    def _keys_of_its_type(self):
+        if self.rope_type == RopeType.llama3 and (self.low_freq_factor is None or self.high_freq_factor is None):
+            raise ValueError("rope_type llama3 needs low_freq_factor and high_freq_factor, expected both, got "
+                             f"low_freq_factor {self.low_freq_factor}, high_freq_factor {self.high_freq_factor}")
+        if self.rope_type == RopeType.llama3 and self.low_freq_factor >= self.high_freq_factor:
+            raise ValueError(f"expected low_freq_factor < high_freq_factor, got {self.low_freq_factor} >= "
+                             f"{self.high_freq_factor}")
+        return self
+
+
 class Architecture(_Section):
     """LLaMA-style decoder shapes. Names follow Hugging Face's LlamaConfig."""
 
@@ -157,10 +204,23 @@ class Architecture(_Section):
     decoupled_attention: DecoupledAttention | None = Field(
         None, description="Decoupled bottleneck attention instead of standard attention (apr checkpoints "
         "only: no Hugging Face export). Default: standard attention.")
+    family: ModelFamily = Field(ModelFamily.llama, description="Hugging Face family: llama, mistral (sliding_window) "
+                                "or qwen2 (q/k/v projection biases); export writes it back. Read from "
+                                "model.init_from's config.json.")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+: llama3). "
+                                             "Default: plain RoPE.")
+    sliding_window: PositiveCount | None = Field(
+        None, description="mistral: each position attends to the last sliding_window positions (itself "
+        "included). Default: full causal attention.")
 
     @model_validator(mode="after")
     def _decoupled_fits(self):
         d = self.decoupled_attention
+        if self.sliding_window is not None and self.family != ModelFamily.mistral:
+            raise ValueError(f"sliding_window is a mistral key: expected family mistral, got {self.family.value}")
+        if d is not None and (self.family != ModelFamily.llama or self.rope_scaling is not None):
+            raise ValueError("decoupled_attention is built on the plain llama block: expected family llama without "
+                             f"rope_scaling, got family {self.family.value}, rope_scaling {self.rope_scaling}")
         if d is not None:
             hd = self.hidden_size // self.num_attention_heads
             if d.geo_dim % 2:
@@ -359,7 +419,31 @@ class ModelConfig(_Section):
     stacking: StackingConfig | None = Field(
         None, description="Progressive stacking: grow the model through stages of increasing depth. Default: "
         "train at full depth from the first step.")
-    architecture: Architecture
+    architecture: Architecture = Field(description="The model's shapes. With model.init_from naming a Hugging Face "
+                                       "folder, every key left out is read from its config.json.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _architecture_from_init_from(cls, data):
+        """With model.init_from naming a Hugging Face folder, model.architecture's keys default to its
+        config.json's (the keys set here win; the plan refuses one that contradicts the weights)."""
+        if not isinstance(data, dict) or not isinstance(data.get("init_from"), str):
+            return data
+        given = data.get("architecture")
+        if given is not None and not isinstance(given, dict):
+            return data
+        from apr.checkpoint.hf_import import REQUIRED_ARCH_KEYS, folder_architecture  # reads JSON only
+
+        found = folder_architecture(data["init_from"])
+        if found is None:
+            return data
+        cfg_path, fields, problem = found
+        if problem is not None:
+            if any(k not in (given or {}) for k in REQUIRED_ARCH_KEYS):  # nothing to build the model from
+                raise ValueError(f"model.init_from: {problem}; expected a folder apr imports, or every "
+                                 "model.architecture key")
+            return data  # the plan names the problem at model.init_from
+        return {**data, "architecture": {**fields, **(given or {})}}
 
     @model_validator(mode="after")
     def _lora_on_standard_attention(self):
@@ -374,6 +458,9 @@ class ModelConfig(_Section):
         progressive stacks", LoRA on a stacked run): it moves to stacking.trunk_lora, so the rest
         of apr sees one key. Both set with different values stay as they are (validate names both)."""
         st = self.stacking
+        if st is not None and self.architecture.family == ModelFamily.qwen2:
+            raise ValueError("model.stacking's trunk stores bias-free projections: expected family llama or mistral, "
+                             "got qwen2 (q/k/v biases)")
         if st is not None and self.lora is not None and st.trunk_lora in (None, self.lora):
             st.trunk_lora, self.lora = self.lora, None
             st._trunk_lora_key = ("model", "lora")

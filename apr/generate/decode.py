@@ -68,14 +68,20 @@ def forward_cached(model: LlamaForCausalLM, ids: torch.Tensor, cache: KVCache,
         raise ValueError(f"the cache holds {cache.capacity} positions; {end} were asked for")
     cos_all, sin_all = model.rope(cache.capacity, ids.device)
     mask = None
+    window = model.arch.sliding_window  # mistral: keys more than window - 1 positions back are masked
     if pad is None:
         cos, sin = cos_all[start:end], sin_all[start:end]
+        if window is not None and end > window:
+            back = torch.arange(start, end, device=ids.device)[:, None] - torch.arange(end, device=ids.device)[None, :]
+            mask = ((back >= 0) & (back < window))[None, None]
     else:
         positions = (torch.arange(start, end, device=ids.device)[None, :] - pad[:, None]).clamp(min=0)
         cos, sin = cos_all[positions][:, None], sin_all[positions][:, None]  # [b, 1, t, head_dim]
         key_pos = torch.arange(end, device=ids.device)
         query_pos = torch.arange(start, end, device=ids.device)
         causal = key_pos[None, :] <= query_pos[:, None]  # [t, end]
+        if window is not None:
+            causal = causal & (query_pos[:, None] - key_pos[None, :] < window)
         real = key_pos[None, :] >= pad[:, None]  # [b, end]
         mask = (causal[None] & real[:, None])[:, None]  # [b, 1, t, end]
         # a padded query row sees no real key; let it see itself so softmax stays finite (it is discarded)

@@ -15,7 +15,7 @@ from apr.checkpoint.export import (
     EOS_NAMES,  # end-of-text names, most specific first
     merged_weights,
 )
-from apr.checkpoint.hf_import import architecture_fields, unsupported_math, unsupported_message
+from apr.checkpoint.hf_import import architecture_fields, family_problem, unsupported_math, unsupported_message
 from apr.checkpoint.manager import load_latest, read_checkpoint
 from apr.config.schema import AprConfig, Architecture
 from apr.data.tokenizer import load_tokenizer
@@ -251,12 +251,13 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
 
 
 def hf_architecture(doc: dict, where: Path):
-    """The Architecture a Hugging Face Llama config.json describes (either RoPE form)."""
+    """The Architecture a Hugging Face config.json of a family apr runs describes (either RoPE form)."""
 
-    if doc.get("model_type") not in (None, "llama"):
-        raise LoadError(f"{where}: model_type {doc.get('model_type')!r} is not a Llama model", [Finding(
+    problem = family_problem(doc) if doc.get("model_type") is not None else None
+    if problem is not None:
+        raise LoadError(f"{where}: {problem[0]} is not a family apr runs", [Finding(
             "error", "generate.hf_config", "unsupported model type", path="model_type", file=str(where),
-            expected="llama", got=str(doc.get("model_type")))])
+            expected=problem[1], got=problem[0])])
 
     for key, value, want in unsupported_math(doc)[:1]:
         raise LoadError(unsupported_message(where, key, value, want), [Finding(

@@ -1,8 +1,9 @@
 """The LLaMA-style decoder, top to bottom in the order data flows through it.
 
-RMSNorm -> rotary embeddings -> attention (GQA, SDPA) -> SwiGLU MLP -> decoder block -> model.
-Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly
-(``model.layers.0.self_attn.q_proj.weight``, ...), so ``state_dict()`` is an HF checkpoint without
+RMSNorm -> rotary embeddings (with Llama 3's, linear, dynamic and YaRN scaling) -> attention (GQA,
+SDPA; Qwen2's q/k/v biases, Mistral's sliding window) -> SwiGLU MLP -> decoder block -> model.
+Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly (Qwen2 and Mistral
+use the same names: ``model.layers.0.self_attn.q_proj.weight``, ...), so ``state_dict()`` is an HF checkpoint without
 renaming. Shapes, counts and init order come from ``apr.model.spec``.
 
 The model is plain ``nn.Module`` code; the training engine (``apr.train.engine``) re-points every
@@ -12,6 +13,7 @@ parameter at a view of its group's flat buffer and drives the blocks one at a ti
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn as nn
@@ -37,13 +39,60 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_cos_sin(head_dim: int, seq_len: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables ``[seq_len, head_dim]`` in float32 (HF's default rope, halves concatenated)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+def rope_frequencies(arch: Architecture, seq_len: int, device) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies ``[rope_dim / 2]`` (float32) for a forward over ``seq_len``
+    positions, and the factor cos and sin are scaled by: plain RoPE, or ``arch.rope_scaling`` computed
+    as transformers' ``modeling_rope_utils`` does for each type (same operations, same order)."""
+    dim, base, rs = spec.rope_dim(arch), spec.rope_base(arch), arch.rope_scaling
+    exponents = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
+    if rs is None or rs.rope_type == "linear":  # linear: positions divided by factor, i.e. frequencies
+        return 1.0 / (base ** exponents) / (1.0 if rs is None else rs.factor), 1.0
+    if rs.rope_type == "dynamic":  # NTK: the base grows once a forward runs past max_position_embeddings
+        longest = max(seq_len, arch.max_position_embeddings)
+        base = base * ((rs.factor * longest / arch.max_position_embeddings) - (rs.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** exponents), 1.0
+    original = rs.original_max_position_embeddings or arch.max_position_embeddings
+    if rs.rope_type == "llama3":  # long wavelengths divided by factor, short ones kept, a ramp between
+        inv_freq = 1.0 / (base ** exponents)
+        low_wavelen, high_wavelen = original / rs.low_freq_factor, original / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (original / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn: interpolated (divided by factor) below a ramp over dimensions, extrapolated above it
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rs.attention_factor
+    if attention is None:
+        attention = (float(mscale(rs.factor, rs.mscale) / mscale(rs.factor, rs.mscale_all_dim))
+                     if rs.mscale and rs.mscale_all_dim else mscale(rs.factor))
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rs.beta_fast or 32), correction_dim(rs.beta_slow or 1)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1).to(device)
+    pos_freqs = base ** exponents
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (rs.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention
+
+
+def rope_cos_sin(arch: Architecture, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables ``[seq_len, rope_dim]`` in float32 (HF's rope, halves concatenated)."""
+    inv_freq, scale = rope_frequencies(arch, seq_len, device)
     positions = torch.arange(seq_len, dtype=torch.float, device=device)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,10 +114,11 @@ class Attention(nn.Module):
         self.n_heads = arch.num_attention_heads
         self.n_kv_heads = arch.kv_heads
         self.head_dim = self.key_dim = arch.head_dim  # key_dim: the cached key's width (apr.generate.decode)
-        h = arch.hidden_size
-        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=False)
+        self.sliding_window = arch.sliding_window  # mistral: keys at most this many positions back, itself included
+        h, bias = arch.hidden_size, spec.qkv_bias(arch)  # qwen2: biases on q, k and v
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -82,7 +132,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        gqa = self.n_kv_heads != self.n_heads
+        if self.sliding_window is not None and s > self.sliding_window:
+            pos = torch.arange(s, device=x.device)
+            back = pos[:, None] - pos[None, :]  # query position minus key position
+            mask = (back >= 0) & (back < self.sliding_window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -186,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         """cos/sin tables for ``seq_len`` positions, cached per device."""
         key = (seq_len, str(device))
         if key not in self._rope:
-            self._rope[key] = rope_cos_sin(spec.rope_dim(self.arch), seq_len, spec.rope_base(self.arch), device)
+            self._rope[key] = rope_cos_sin(self.arch, seq_len, device)
         return self._rope[key]
 
     def hidden_states(self, input_ids: torch.Tensor, residual_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -236,7 +293,8 @@ class LlamaForCausalLM(nn.Module):
 
 @torch.no_grad()
 def init_weights(model: LlamaForCausalLM, seed: int) -> None:
-    """Deterministic init from ``seed``: every matrix N(0, initializer_range), every norm 1.
+    """Deterministic init from ``seed``: every matrix N(0, initializer_range), every norm 1, every
+    bias 0.
 
     Drawn on the CPU from one generator in ``spec.param_specs`` order, then copied to the model's
     device, so the same seed gives the same weights on any device.
@@ -246,7 +304,7 @@ def init_weights(model: LlamaForCausalLM, seed: int) -> None:
     for ps in spec.param_specs(model.arch):
         p = params[ps.name]
         if len(ps.shape) == 1:
-            p.fill_(1.0)
+            p.fill_(0.0 if ps.name.endswith(".bias") else 1.0)
         else:
             w = torch.empty(ps.shape, dtype=torch.float32).normal_(0.0, model.arch.initializer_range, generator=gen)
             p.copy_(w)

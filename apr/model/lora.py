@@ -19,12 +19,14 @@ from apr.model import spec
 
 
 class LoRALinear(nn.Module):
-    """A frozen bias-free linear layer plus a trainable low-rank update."""
+    """A frozen linear layer (its bias too: Qwen2's q/k/v) plus a trainable low-rank update."""
 
-    def __init__(self, weight: nn.Parameter, rank: int, scaling: float, dropout: float):
+    def __init__(self, weight: nn.Parameter, rank: int, scaling: float, dropout: float,
+                 bias: nn.Parameter | None = None):
         super().__init__()
         out_features, in_features = weight.shape
         self.weight = weight
+        self.bias = bias
         self.lora_A = nn.Parameter(torch.zeros(rank, in_features, device=weight.device))
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, device=weight.device))
         self.scaling = scaling
@@ -37,7 +39,7 @@ class LoRALinear(nn.Module):
             # a bf16 trunk read outside autocast (evaluation and samples compute in float32): the
             # bf16 values widened exactly, as autocast's cast of them back to bf16 would be
             weight = weight.to(x.dtype)
-        return F.linear(x, weight) + F.linear(F.linear(xa, self.lora_A), self.lora_B) * self.scaling
+        return F.linear(x, weight, self.bias) + F.linear(F.linear(xa, self.lora_A), self.lora_B) * self.scaling
 
 
 @torch.no_grad()
@@ -62,7 +64,8 @@ def add_adapters(model, lora: LoraConfig, seed: int) -> None:
             path = spec.lora_module_path(i, m)
             parent_name, _, leaf = path.rpartition(".")
             parent = model.get_submodule(parent_name)
-            layer = LoRALinear(getattr(parent, leaf).weight, lora.rank, lora.scaling, lora.dropout)
+            base = getattr(parent, leaf)
+            layer = LoRALinear(base.weight, lora.rank, lora.scaling, lora.dropout, base.bias)
             bound = 1.0 / math.sqrt(layer.lora_A.shape[1])
             layer.lora_A.copy_(torch.empty(layer.lora_A.shape).uniform_(-bound, bound, generator=gen))
             setattr(parent, leaf, layer)

@@ -26,16 +26,25 @@ class ParamSpec:
         return math.prod(self.shape)
 
 
+def qkv_bias(arch: Architecture) -> bool:
+    """Qwen2's query, key and value projections carry biases (no other family's projections do)."""
+    return arch.family == "qwen2"
+
+
 def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
-    """Parameters of block ``i`` in the order they sit in the block's flat buffer."""
+    """Parameters of block ``i`` in the order they sit in the block's flat buffer (a bias, not
+    decayed, right after its projection's weight)."""
     h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
     nq, nkv = arch.num_attention_heads, arch.kv_heads
     p = f"model.layers.{i}."
     g = f"block.{i}"
     d = arch.decoupled_attention
+    bias = qkv_bias(arch)
     if d is None:
         qk = [ParamSpec(p + "self_attn.q_proj.weight", (nq * hd, h), g, True),
-              ParamSpec(p + "self_attn.k_proj.weight", (nkv * hd, h), g, True)]
+              *([ParamSpec(p + "self_attn.q_proj.bias", (nq * hd,), g, False)] if bias else []),
+              ParamSpec(p + "self_attn.k_proj.weight", (nkv * hd, h), g, True),
+              *([ParamSpec(p + "self_attn.k_proj.bias", (nkv * hd,), g, False)] if bias else [])]
     else:  # decoupled bottleneck attention (apr.model.llama.DecoupledAttention)
         qk = [ParamSpec(p + "self_attn.q_sem_proj.weight", (nq * d.sem_dim, h), g, True),
               ParamSpec(p + "self_attn.k_sem_proj.weight", (nkv * d.sem_dim, h), g, True),
@@ -45,6 +54,7 @@ def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
         ParamSpec(p + "input_layernorm.weight", (h,), g, False),
         *qk,
         ParamSpec(p + "self_attn.v_proj.weight", (nkv * hd, h), g, True),
+        *([ParamSpec(p + "self_attn.v_proj.bias", (nkv * hd,), g, False)] if bias else []),
         ParamSpec(p + "self_attn.o_proj.weight", (h, nq * hd), g, True),
         ParamSpec(p + "post_attention_layernorm.weight", (h,), g, False),
         ParamSpec(p + "mlp.gate_proj.weight", (inter, h), g, True),
@@ -223,7 +233,8 @@ def flops_per_token(arch: Architecture, seq_len: int) -> int:
     12 * layers * hidden * seq_len (PaLM, appendix B). Recompute in the interleaved engine is not
     counted: this is the model-FLOPs figure MFU is quoted against."""
     n = non_embedding_param_count(arch)
-    return 6 * n + 12 * arch.num_hidden_layers * arch.hidden_size * seq_len
+    attended = min(seq_len, arch.sliding_window or seq_len)  # a sliding window caps the keys per query
+    return 6 * n + 12 * arch.num_hidden_layers * arch.hidden_size * attended
 
 
 def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:

@@ -13,6 +13,7 @@ import yaml
 
 from apr.checkpoint.hf_import import ARCH_TO_HF, InitFromError, inspect_source, load_source_weights
 from apr.plan.examples import write_tokenizer
+from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from tests.plan.plan_helpers import apr_cli
 from tests.train.tiny import TINY, batches, make_config
@@ -55,7 +56,7 @@ def test_imported_logits_equal_transformers(tmp_path, shard):
     hf = hf_llama(tmp_path / "hf", shard=shard)
     files = sorted(p.name for p in (tmp_path / "hf").iterdir())
     assert ("model.safetensors.index.json" in files) == (shard is not None)
-    engine = build_engine(config_for(tmp_path / "hf", engine="standard"))
+    engine = build_engine(plan_of(config_for(tmp_path / "hf", engine="standard")))
     ids = batches(engine.config, 1)[0][:, :-1]
     with torch.no_grad():
         ours = engine.model(ids)
@@ -69,7 +70,7 @@ def test_one_step_from_imported_weights_equals_the_standard_engine(tmp_path):
     data = batches(make_config(), 1, seed=5)
     after = {}
     for kind in ("interleaved", "standard"):
-        engine = build_engine(config_for(tmp_path / "hf", engine=kind))
+        engine = build_engine(plan_of(config_for(tmp_path / "hf", engine=kind)))
         loss = engine.train_step(data, lr=1e-2).loss
         after[kind] = ({k: v.clone() for k, v in engine.train_state_tensors().items() if "optimizer" not in k},
                        float(loss))
@@ -85,11 +86,11 @@ def test_init_from_an_apr_checkpoint_loads_its_weights(tmp_path):
     from apr.checkpoint.manager import CheckpointManager, TrainState
 
     config = make_config()
-    trained = build_engine(config)
+    trained = build_engine(plan_of(config))
     trained.train_step(batches(config, 1), lr=1e-2)
     tensors = trained.train_state_tensors()
     CheckpointManager(tmp_path / "run", config).save(TrainState(step=1, tensors=tensors, meta={}))
-    started = build_engine(config_for(tmp_path / "run"))
+    started = build_engine(plan_of(config_for(tmp_path / "run")))
     for name, t in started.train_state_tensors().items():
         if name.startswith("optimizer."):
             assert not t.any()  # a run started from weights begins its own AdamW moments
@@ -213,7 +214,7 @@ def test_a_shape_edited_tensor_is_named(tmp_path):
     assert [f.code for f in src.findings] == ["init_from.shape"]
     assert src.findings[0].got == "[8, 32]" and src.findings[0].expected == "[16, 32]"
     with pytest.raises(InitFromError):
-        build_engine(config_for(tmp_path / "hf"))
+        build_engine(plan_of(config_for(tmp_path / "hf")))
 
 
 def test_missing_source_is_a_finding(tmp_path):
@@ -221,27 +222,28 @@ def test_missing_source_is_a_finding(tmp_path):
     assert [f.code for f in src.findings] == ["init_from.missing"]
 
 
-LLAMA31_SCALING = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                   "original_max_position_embeddings": 32, "rope_type": "llama3"}
-
-
 @pytest.mark.parametrize("edit,key", [
-    # transformers 4.x form (Llama 3.1's config.json on the Hub), and the older "type" spelling
-    ({"rope_scaling": LLAMA31_SCALING}, "rope_scaling.rope_type"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.type"),
+    # transformers 4.x form: a type apr does not compute, the older "type" spelling, keys a type needs
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     "rope_scaling.rope_type"),
+    ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling.type"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
+     "rope_scaling.low_freq_factor"),
+    ({"rope_scaling": {"type": "linear"}}, "rope_scaling.factor"),
     ({"rope_scaling": {"factor": 4.0}}, "rope_scaling.factor"),  # no type: still a scaling
     ({"rope_scaling": "yarn"}, "rope_scaling"),
     # transformers 5.x form: rope_parameters carries the type, and rope_scaling can be null
-    ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}},
+    ({"rope_scaling": None, "rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 10000.0}},
      "rope_parameters.rope_type"),
     ({"rope_parameters": {"rope_theta": 10000.0}, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-     "rope_scaling.rope_type"),
+     "rope_scaling.low_freq_factor"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"head_dim": 16}, "head_dim"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4}, "use_sliding_window"),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "layer_types"),
 ])
 def test_hf_keys_that_change_the_math_are_refused_by_every_reader(tmp_path, edit, key):
     """A config.json apr would otherwise import as plain RoPE / bias-free LLaMA (computing other
