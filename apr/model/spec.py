@@ -290,6 +290,17 @@ def student_init_problems(student: Architecture, teacher: Architecture) -> list[
         if student.decoupled_attention is not None or teacher.decoupled_attention is not None:
             out.append(("decoupled_attention", "a narrower student starts from the teacher only with standard "
                         "attention on both sides", "standard attention", str(student.decoupled_attention)))
+    if qkv_bias(teacher) or qkv_bias(student):  # apr.model.surgery copies weight matrices only
+        out.append(("family", "a student starts from its teacher's projection weights, and apr carries no q/k/v "
+                    "biases into it: a qwen2 teacher or student cannot use init_from_teacher", "llama or mistral on "
+                    "both sides", f"teacher {teacher.family.value}, student {student.family.value}"))
+    if student.rope_scaling != teacher.rope_scaling:
+        out.append(("rope_scaling", "the student's queries and keys start from the teacher's, which turn by the "
+                    "teacher's RoPE: the student needs the same rope_scaling", str(teacher.rope_scaling),
+                    str(student.rope_scaling)))
+    elif teacher.rope_scaling is not None and student.hidden_size != teacher.hidden_size:
+        out.append(("rope_scaling", "a narrower student keeps every k-th RoPE pair of its teacher's heads, which a "
+                    "scaled RoPE does not preserve", "a teacher without rope_scaling", str(teacher.rope_scaling)))
     if student.intermediate_size > teacher.intermediate_size:
         out.append(("intermediate_size", f"the student's MLP is {student.intermediate_size} wide, wider than the "
                     f"teacher's {teacher.intermediate_size}: the student keeps a subset of the teacher's neurons",

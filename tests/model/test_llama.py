@@ -80,3 +80,46 @@ def test_attention_heads_take_the_architectures_head_dim():
     assert attn.head_dim == arch.head_dim == 16
     assert attn.q_proj.weight.shape == (arch.num_attention_heads * 16, arch.hidden_size)
     assert attn.k_proj.weight.shape == (arch.kv_heads * 16, arch.hidden_size)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8},
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 1.0, "mscale_all_dim": 0.5,
+     "beta_fast": 16.0, "truncate": False},
+])
+def test_rope_scaling_gives_transformers_frequencies_bit_for_bit(scaling):
+    """Each scaling's inverse frequencies and cos/sin factor, inside max_position_embeddings and past
+    it (dynamic grows its base there), equal transformers' own functions exactly."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from apr.model.llama import rope_frequencies
+
+    arch = _arch(rope_scaling=scaling)
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=32,
+                      rope_parameters={"rope_theta": 500.0, **scaling})
+    plain, _ = rope_frequencies(_arch(), 32, "cpu")
+    for seq_len in (16, 32, 80):
+        theirs, their_scale = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu", seq_len=seq_len)
+        ours, our_scale = rope_frequencies(arch, seq_len, "cpu")
+        assert torch.equal(ours, theirs) and our_scale == their_scale, seq_len
+    assert not torch.equal(ours, plain)  # the scaling changed something (dynamic: past 32 positions)
+
+
+def test_qwen2_biases_start_at_zero_and_a_sliding_window_masks_older_keys():
+    arch = _arch(family="qwen2")
+    model = build_model(arch, seed=0)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and not attn.q_proj.bias.any() and attn.o_proj.bias is None
+    assert {n for n, _ in model.named_parameters()} == {p.name for p in spec.param_specs(arch)}
+    window = build_model(_arch(family="mistral", sliding_window=4), seed=0)
+    full = build_model(_arch(family="mistral"), seed=0)
+    ids = torch.randint(0, 101, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = window(ids), full(ids)
+    assert torch.equal(a[:, :4], b[:, :4])  # within the window nothing changes
+    assert (a[:, 4:] - b[:, 4:]).abs().max() > 1e-3

@@ -54,6 +54,15 @@ def test_students_the_teacher_cannot_start_name_the_key_that_differs():
     assert [p[0] for p in more] == ["num_key_value_heads"]
     heads = spec.student_init_problems(Architecture(**{**ARCH, "num_attention_heads": 2}), teacher)
     assert [p[0] for p in heads] == ["num_attention_heads"]
+    # a Qwen2 teacher's q/k/v biases are not carried over; a student needs its teacher's RoPE scaling
+    qwen = spec.student_init_problems(teacher, Architecture(**ARCH, num_key_value_heads=2, family="qwen2"))
+    assert [p[0] for p in qwen] == ["family"] and "qwen2" in qwen[0][3]
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    scaled = Architecture(**ARCH, num_key_value_heads=2, rope_scaling=llama3)
+    assert [p[0] for p in spec.student_init_problems(teacher, scaled)] == ["rope_scaling"]
+    assert spec.student_init_problems(scaled, scaled) == []
+    narrow = Architecture(**{**ARCH, "hidden_size": 16}, num_key_value_heads=2, rope_scaling=llama3)
+    assert [p[0] for p in spec.student_init_problems(narrow, scaled)] == ["rope_scaling"]
 
 
 def test_a_gqa_student_holds_a_smaller_kv_cache_per_token():
