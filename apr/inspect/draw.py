@@ -120,12 +120,72 @@ def svg_heatmap(matrix: list[list[float]], labels: list[str], title: str, cell: 
 
 # --------------------------------------------------------------------------------------- PNG
 
+# A 3x5 pixel font (drawn for apr, capitals only: lower case is shown in capitals), enough for the
+# labels, numbers and titles of the pictures; a character it lacks is drawn as "?". Each glyph is five
+# rows of three pixels, "#" set.
+_FONT_ROWS = {
+    "0": "### #.# #.# #.# ###", "1": ".#. ##. .#. .#. ###", "2": "### ..# ### #.. ###", "3": "### ..# .## ..# ###",
+    "4": "#.# #.# ### ..# ..#", "5": "### #.. ### ..# ###", "6": "### #.. ### #.# ###", "7": "### ..# ..# .#. .#.",
+    "8": "### #.# ### #.# ###", "9": "### #.# ### ..# ###", "A": ".#. #.# ### #.# #.#", "B": "##. #.# ##. #.# ##.",
+    "C": ".## #.. #.. #.. .##", "D": "##. #.# #.# #.# ##.", "E": "### #.. ##. #.. ###", "F": "### #.. ##. #.. #..",
+    "G": ".## #.. #.# #.# .##", "H": "#.# #.# ### #.# #.#", "I": "### .#. .#. .#. ###", "J": "..# ..# ..# #.# .#.",
+    "K": "#.# #.# ##. #.# #.#", "L": "#.. #.. #.. #.. ###", "M": "#.# ### ### #.# #.#", "N": "##. #.# #.# #.# #.#",
+    "O": ".#. #.# #.# #.# .#.", "P": "##. #.# ##. #.. #..", "Q": ".#. #.# #.# ##. .##", "R": "##. #.# ##. #.# #.#",
+    "S": ".## #.. .#. ..# ##.", "T": "### .#. .#. .#. .#.", "U": "#.# #.# #.# #.# ###", "V": "#.# #.# #.# #.# .#.",
+    "W": "#.# #.# ### ### #.#", "X": "#.# #.# .#. #.# #.#", "Y": "#.# #.# .#. .#. .#.", "Z": "### ..# .#. #.. ###",
+    " ": "... ... ... ... ...", ".": "... ... ... ... .#.", ",": "... ... ... .#. #..", ":": "... .#. ... .#. ...",
+    "-": "... ... ### ... ...", "+": "... .#. ### .#. ...", "=": "... ### ... ### ...", "_": "... ... ... ... ###",
+    "/": "..# ..# .#. #.. #..", "|": ".#. .#. .#. .#. .#.", "(": "..# .#. .#. .#. ..#", ")": "#.. .#. .#. .#. #..",
+    "[": "##. #.. #.. #.. ##.", "]": ".## ..# ..# ..# .##", "<": "..# .#. #.. .#. ..#", ">": "#.. .#. ..# .#. #..",
+    "%": "#.# ..# .#. #.. #.#", "'": ".#. .#. ... ... ...", "*": "#.# .#. #.# ... ...", "?": "### ..# .#. ... .#.",
+    "#": "#.# ### #.# ### #.#", "!": ".#. .#. .#. ... .#.", "^": ".#. #.# ... ... ...", "~": "... .#. #.# ... ...",
+}
+_FONT = {ch: [[c == "#" for c in row] for row in rows.split()] for ch, rows in _FONT_ROWS.items()}
+INK, GREY, WHITE, BAR = (0, 0, 0), (110, 110, 110), (255, 255, 255), (59, 82, 139)
+TEXT_SCALE = 2  # font pixels per glyph pixel: 6 x 10 characters, 8 pixels apart
+CHAR_W, CHAR_H = 4 * TEXT_SCALE, 5 * TEXT_SCALE
 
-def png(pixels: list[list[tuple[int, int, int]]]) -> bytes:
-    """An 8-bit RGB PNG of ``pixels`` rows (every row the same length)."""
-    height, width = len(pixels), len(pixels[0])
-    raw = b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels)
 
+def text_width(text: str) -> int:
+    return len(text) * CHAR_W
+
+
+def fit(text: str, chars: int) -> str:
+    """``text`` cut to ``chars`` characters, its end marked."""
+    return text if len(text) <= chars else text[:max(chars - 2, 1)] + ".."
+
+
+class Canvas:
+    """An RGB picture to draw filled boxes and text on, then encode as PNG."""
+
+    def __init__(self, width: int, height: int):
+        self.width, self.height = max(width, 1), max(height, 1)
+        self.pixels = bytearray(WHITE * (self.width * self.height))
+
+    def box(self, x: int, y: int, w: int, h: int, rgb: tuple[int, int, int]) -> None:
+        x0, x1, y0, y1 = max(x, 0), min(x + w, self.width), max(y, 0), min(y + h, self.height)
+        if x0 >= x1:
+            return
+        line = bytes(rgb) * (x1 - x0)
+        for row in range(y0, y1):
+            start = 3 * (row * self.width + x0)
+            self.pixels[start:start + len(line)] = line
+
+    def text(self, x: int, y: int, text: str, rgb: tuple[int, int, int] = INK) -> None:
+        for k, ch in enumerate(text.upper()):
+            glyph = _FONT.get(ch, _FONT["?"])
+            for gy, row in enumerate(glyph):
+                for gx, on in enumerate(row):
+                    if on:
+                        self.box(x + k * CHAR_W + gx * TEXT_SCALE, y + gy * TEXT_SCALE, TEXT_SCALE, TEXT_SCALE, rgb)
+
+    def png(self) -> bytes:
+        stride = 3 * self.width
+        raw = b"".join(b"\x00" + bytes(self.pixels[r * stride:(r + 1) * stride]) for r in range(self.height))
+        return _png_bytes(self.width, self.height, raw)
+
+
+def _png_bytes(width: int, height: int, raw: bytes) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -133,24 +193,72 @@ def png(pixels: list[list[tuple[int, int, int]]]) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def png_heatmap(matrix: list[list[float]], cell: int = 8) -> bytes:
-    rows = []
-    for row in by_row(matrix):
-        line = [colour(v) for v in row for _ in range(cell)]
-        rows += [line] * cell
-    return png(rows)
+def png(pixels: list[list[tuple[int, int, int]]]) -> bytes:
+    """An 8-bit RGB PNG of ``pixels`` rows (every row the same length)."""
+    height, width = len(pixels), len(pixels[0])
+    return _png_bytes(width, height, b"".join(b"\x00" + bytes(c for px in row for c in px) for row in pixels))
 
 
-def png_bars(columns: list[list[int]], height: int = 40, bar: int = 4) -> bytes:
-    """Stacked strips of bars: one strip per list of counts (a layer's histogram, or one strip of
-    per-layer values), dark bars on white, a grey rule between strips."""
-    width = max(len(c) for c in columns) * bar
-    rows: list[list[tuple[int, int, int]]] = []
-    for counts in columns:
-        top = max(counts) if counts and max(counts) else 1
-        heights = [round(height * c / top) for c in counts]
-        for y in range(height):
-            rows.append([(59, 82, 139) if x // bar < len(heights) and height - y <= heights[x // bar] and x % bar
-                         else (255, 255, 255) for x in range(width)])
-        rows.append([(200, 200, 200)] * width)
-    return png(rows)
+_PAD = 8
+_LABEL_CHARS = 18  # a row's label column: 18 characters (144 pixels)
+
+
+def png_histograms(rows: list[tuple[str, list[int], float, float]], title: str, bar: int = 4,
+                   height: int = 40) -> bytes:
+    """As ``svg_histograms``: one histogram per (label, counts, low, high), each labelled with its
+    layer and its range (the x axis runs from low to high), under a title."""
+    bins = max((len(c) for _, c, _, _ in rows), default=1)
+    left = _PAD + _LABEL_CHARS * CHAR_W + _PAD
+    row_h = max(height, 2 * CHAR_H + 6) + _PAD
+    top = _PAD + CHAR_H + _PAD
+    canvas = Canvas(max(left + bins * bar + _PAD, 2 * _PAD + text_width(title)),
+                    top + max(len(rows), 1) * row_h + _PAD)
+    canvas.text(_PAD, _PAD, title)
+    if not rows:
+        canvas.text(_PAD, top, "no finite weights to draw", GREY)
+    for k, (label, counts, low, high) in enumerate(rows):
+        y0 = top + k * row_h
+        canvas.text(_PAD, y0, fit(label, _LABEL_CHARS))
+        canvas.text(_PAD, y0 + CHAR_H + 4, fit(f"{low:.3g} .. {high:.3g}", _LABEL_CHARS), GREY)
+        peak = max(counts) if counts and max(counts) else 1
+        for i, c in enumerate(counts):
+            h = round(height * c / peak)
+            canvas.box(left + i * bar, y0 + height - h, bar - 1, h, BAR)
+        canvas.box(left, y0 + height, len(counts) * bar, 1, GREY)  # the x axis, low to high
+    return canvas.png()
+
+
+def png_bars(labels: list[str], values: list[float | None], title: str, width: int = 300) -> bytes:
+    """As ``svg_bars``: one labelled horizontal bar per value, its number beside it, under a title."""
+    peak = max((finite_or_zero(v) for v in values), default=0.0) or 1.0
+    left, row_h, top = _PAD + _LABEL_CHARS * CHAR_W + _PAD, CHAR_H + 6, _PAD + CHAR_H + _PAD
+    canvas = Canvas(max(left + width + _PAD + 10 * CHAR_W, 2 * _PAD + text_width(title)),
+                    top + max(len(labels), 1) * row_h + _PAD)
+    canvas.text(_PAD, _PAD, title)
+    for k, (label, v) in enumerate(zip(labels, values, strict=True)):
+        y = top + k * row_h
+        w = round(width * finite_or_zero(v) / peak)
+        canvas.text(_PAD, y, fit(label, _LABEL_CHARS))
+        canvas.box(left, y, w, CHAR_H, (33, 145, 140))
+        canvas.text(left + w + 4, y, "-" if v is None else f"{v:.3g}", GREY)
+    return canvas.png()
+
+
+def png_heatmap(matrix: list[list[float]], labels: list[str], title: str, cell: int = 8) -> bytes:
+    """As ``svg_heatmap``: cells coloured by ``by_row`` (queries down, keys across), each row labelled
+    with its token when a row is tall enough for a line of text, under a title."""
+    n = len(matrix)
+    labelled = cell >= CHAR_H + 2 and n > 0
+    left = _PAD + (8 * CHAR_W + _PAD if labelled else 0)
+    top = _PAD + 2 * (CHAR_H + 4) + _PAD
+    axes = "rows: queries, columns: keys"
+    canvas = Canvas(max(left + n * cell + _PAD, 2 * _PAD + text_width(max(title, axes, key=len))),
+                    top + n * cell + _PAD)
+    canvas.text(_PAD, _PAD, title)
+    canvas.text(_PAD, _PAD + CHAR_H + 4, axes, GREY)
+    for i, row in enumerate(by_row(matrix)):
+        for j, v in enumerate(row):
+            canvas.box(left + j * cell, top + i * cell, cell, cell, colour(v))
+        if labelled and i < len(labels):
+            canvas.text(_PAD, top + i * cell + (cell - CHAR_H) // 2, fit(labels[i].replace("\n", "~"), 8))
+    return canvas.png()

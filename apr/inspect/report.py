@@ -139,16 +139,20 @@ def write_pictures(report: InspectReport, out: Path, fmt: str, overwrite: bool =
     for k, w in enumerate(report.weights):
         rows = _histogram_rows(w)
         name = "weights" if k == 0 else "weights-other"
-        files[name] = draw.svg_histograms(rows) if fmt == "svg" else draw.png_bars([r[1] for r in rows])
+        title = f"weights per layer of {w.source.path.name}: counts from min to max"
+        files[name] = draw.svg_histograms(rows) if fmt == "svg" else draw.png_histograms(rows, title)
     if report.updates and report.updates.layers:
         labels = [r.layer for r in report.updates.layers]
         values = [r.stats["relative_update"] for r in report.updates.layers]
-        files["updates"] = (draw.svg_bars(labels, values, "relative update ||B - A|| / ||A|| per layer")
-                            if fmt == "svg" else draw.png_bars([[round(1e6 * draw.finite_or_zero(v)) for v in values]]))
+        title = "relative update ||B - A|| / ||A|| per layer"
+        files["updates"] = (draw.svg_bars(labels, values, title) if fmt == "svg"
+                            else draw.png_bars(labels, values, title))
     for a in report.attention:
         title = f"layer {a.layer} head {a.head}"
+        # PNG cells tall enough for a row's token label (beyond 48 tokens: 8 pixels, unlabelled)
         files[f"attention-L{a.layer}-H{a.head}"] = (draw.svg_heatmap(a.weights, a.tokens, title) if fmt == "svg"
-                                                    else draw.png_heatmap(a.weights))
+                                                    else draw.png_heatmap(a.weights, a.tokens, title,
+                                                                          cell=12 if len(a.tokens) <= 48 else 8))
     paths = {stem: out / f"{stem}.{fmt}" for stem in files}
     for path in paths.values():
         check_output_file(path, overwrite=overwrite, option="--out")

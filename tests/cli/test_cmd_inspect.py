@@ -137,3 +137,14 @@ def test_comparing_with_non_finite_weights_counts_them_and_prints_valid_json(tmp
     doc = json.loads(r.stdout, parse_constant=refuse)
     (layer0,) = [row for row in doc["updates"]["layers"] if row["layer"] == "layers.0"]
     assert layer0["nonfinite"] == 3 and layer0["relative_update"] == 0.0  # the finite weights did not move
+
+
+def test_png_pictures_are_labelled_not_bare_strips(untrained_lm, tmp_path):
+    from tests.inspect.test_draw import decode_png
+
+    out = tmp_path / "png"
+    r = invoke(untrained_lm.checkpoint, untrained_lm.hf_dir, "--out", out, "--format", "png")
+    assert r.exit_code == 0, r.output
+    sizes = {p.name: decode_png(p.read_bytes())[:2] for p in out.iterdir()}
+    assert set(sizes) == {"weights.png", "weights-other.png", "updates.png"}
+    assert all(w >= 300 and h >= 60 for w, h in sizes.values()), sizes  # was 16 x 41 and 160 x 164, unlabelled

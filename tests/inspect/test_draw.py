@@ -27,12 +27,50 @@ def decode_png(data: bytes) -> tuple[int, int, list[bytes]]:
     return width, height, [raw[r * stride + 1:(r + 1) * stride] for r in range(height)]
 
 
-def test_png_heatmap_round_trips():
+def _pixel(rows, x, y) -> tuple[int, int, int]:
+    return tuple(rows[y][3 * x:3 * x + 3])
+
+
+def _ink(rows, x0, x1, y0, y1) -> int:
+    """Black (text) pixels in the box."""
+    return sum(_pixel(rows, x, y) == draw.INK for y in range(y0, y1) for x in range(x0, x1))
+
+
+def test_png_heatmap_round_trips_under_its_title_and_token_labels():
     matrix = [[1.0, 0.0], [0.25, 0.75]]
-    width, height, rows = decode_png(draw.png_heatmap(matrix, cell=3))
-    assert (width, height) == (6, 6)
-    assert rows[0][:3] == bytes(draw.colour(1.0)) and rows[0][9:12] == bytes(draw.colour(0.0))
-    assert rows[4][:3] == bytes(draw.colour(1 / 3))  # each row scaled to its maximum (0.25 / 0.75)
+    cell = 12
+    width, height, rows = decode_png(draw.png_heatmap(matrix, ["ab", "cd"], "layer 0 head 1", cell=cell))
+    left, top = 8 + 8 * draw.CHAR_W + 8, 8 + 2 * (draw.CHAR_H + 4) + 8
+    assert height == top + 2 * cell + 8
+    assert _pixel(rows, left, top) == draw.colour(1.0) and _pixel(rows, left + cell, top) == draw.colour(0.0)
+    assert _pixel(rows, left, top + cell) == draw.colour(1 / 3)  # each row scaled to its maximum (0.25 / 0.75)
+    assert _ink(rows, 0, width, 8, 8 + draw.CHAR_H) > 0  # the title
+    assert _ink(rows, 0, left, top, top + cell) > 0 and _ink(rows, 0, left, top + cell, top + 2 * cell) > 0
+
+
+def test_png_pictures_carry_a_title_and_a_label_per_row():
+    """Not bare bars: each histogram and each bar is named, with its range or its value."""
+    rows_in = [("embed_tokens", [1, 5, 2] * 10, -0.1, 0.1), ("layers.0", [3, 1, 4] * 10, -2.0, 2.5)]
+    for data, count in ((draw.png_histograms(rows_in, "weights per layer"), 2),
+                        (draw.png_bars(["layers.0", "layers.1"], [0.5, None], "relative update"), 2)):
+        width, height, rows = decode_png(data)
+        assert width >= 250 and height >= 60
+        assert _ink(rows, 0, width, 8, 8 + draw.CHAR_H) > 20  # the title
+        label_column = 8 + 18 * draw.CHAR_W
+        bands = [y for y in range(8 + draw.CHAR_H + 8, height) if _ink(rows, 0, label_column, y, y + 1)]
+        runs = sum(1 for a, b in zip([None, *bands[:-1]], bands, strict=True) if a is None or b - a > 1)
+        assert runs >= count  # one label (and range) block per row
+
+
+def test_the_font_draws_what_it_is_given():
+    canvas = draw.Canvas(40, 12)
+    canvas.text(0, 0, "1")
+    _, _, rows = decode_png(canvas.png())
+    scale = draw.TEXT_SCALE
+    drawn = ["".join("#" if _pixel(rows, x * scale, y * scale) == draw.INK else "." for x in range(3))
+             for y in range(5)]
+    assert drawn == [".#.", "##.", ".#.", ".#.", "###"]
+    assert draw.fit("embed_tokens_long", 8) == "embed_.."
 
 
 def test_svg_pictures_parse_and_carry_their_labels():
