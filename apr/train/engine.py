@@ -136,7 +136,27 @@ class Engine:
         """The embedding and the blocks (the last block's output), as the loss parts read them."""
         if self.trunk_cache is not None:  # model.stacking.cache_activations: the trunk's rows from disk
             return self.trunk_cache.hidden(lm, ids, self.cdt)
+        if self.source == "standard" and self.execution.recomputed_blocks and torch.is_grad_enabled():
+            return self._hidden_recomputed(lm, ids)
         return lm.hidden_states(ids, self.cdt)
+
+    def _hidden_recomputed(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+        """``lm.hidden_states`` under the execution policy on autograd (plain, FSDP2, a distillation
+        student, a transformed stacking trunk): a ``recompute`` block keeps only its input and runs
+        again in the backward, a ``selective`` one keeps its matmul and attention outputs
+        (docs/design.md, "Execution policy"); ``keep`` blocks as they are."""
+        cos, sin = lm.rope(ids.shape[1], ids.device)
+        x = lm.model.embed_tokens(ids).to(self.cdt)
+        for i, layer in enumerate(lm.model.layers):
+            mode = self.execution.block_mode(i)
+            if mode == "recompute":
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            elif mode == "selective":
+                x = _selective(layer, x, cos, sin)
+            else:
+                x = layer(x, cos, sin)
+            x = x.to(self.cdt)
+        return x
 
     def whole_weights(self):
         """A context in which ``self.model`` holds its whole weights (evaluation, samples): as it is

@@ -143,3 +143,33 @@ def test_adagc_state_resumes_bitwise():
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert straight.meta_state()["adagc_ema"] == resumed.meta_state()["adagc_ema"]
     assert len(straight.meta_state()["adagc_ema"]["block.0"]) == 9  # one EMA per tensor of the block
+
+
+# ------------------------------------------------------------------ autograd (engine: standard)
+
+
+def _standard(activations: str):
+    return make_config(training={"engine": "standard", "execution": {"activations": activations},
+                                 "clip_mode": "global", "grad_clip": 0.3})
+
+
+@pytest.mark.parametrize("activations", ["selective", "recompute", "keep_first:1"])
+def test_autograd_honours_the_activation_policy_with_the_same_weights(activations):
+    """training.execution.activations on the autograd source: recomputed blocks run their forward
+    again in the backward (they were silently kept before), and train the same weights bitwise."""
+    got, norms = _train(_standard(activations))
+    want, want_norms = _train(_standard("keep"))
+    assert norms == want_norms
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    calls = {}
+    for policy in ("keep", activations):
+        config = _standard(policy)
+        engine = build_engine(plan_of(config))
+        count = [0]
+        for layer in engine.model.model.layers:
+            # a pre-hook: checkpoint's recompute stops once it has what the backward needs
+            layer.register_forward_pre_hook(lambda *a, count=count: count.__setitem__(0, count[0] + 1))
+        engine.train_step(batches(config, 1), lr=1e-2)
+        calls[policy] = count[0]
+    layers, recomputed = 3, engine.execution.recomputed_blocks
+    assert recomputed > 0 and calls == {"keep": layers, activations: layers + recomputed}
