@@ -117,6 +117,50 @@ def mlflow_local_target(uri: str) -> tuple[Path, str] | None:
     return None
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def local_target_problem(path: Path, kind: str) -> str | None:
+    """Why a tracker cannot write its local ``file`` (a SQLite store) or ``folder`` here, found
+    before the tracker opens it (MLflow retries a store it cannot open for ~100 s, and SQLite makes
+    ``<file>-journal`` beside whatever it was given, a device included); None when it can."""
+    import stat as stat_mod
+
+    from apr.readers import file_kind
+
+    path = Path(os.path.expanduser(str(path)))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        return f"{path} cannot be examined: {e.strerror or e}"
+    if st is not None:
+        if kind == "file" and not stat_mod.S_ISREG(st.st_mode):
+            return f"{path} is {file_kind(st.st_mode)}, not a SQLite file"
+        if kind == "folder" and not stat_mod.S_ISDIR(st.st_mode):
+            return f"{path} is {file_kind(st.st_mode)}, not a folder"
+        if not os.access(path, os.R_OK | os.W_OK):
+            return f"{path} is not writable"
+        if kind == "file" and st.st_size:
+            try:
+                with open(path, "rb") as f:
+                    head = f.read(len(SQLITE_HEADER))
+            except OSError as e:
+                return f"{path} cannot be read: {e.strerror or e}"
+            if head != SQLITE_HEADER:
+                return f"{path} is not a SQLite database"
+    folder = path.parent if kind == "file" or st is None else path
+    while not folder.exists() and folder != folder.parent:  # the tracker makes the missing folders
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is read-only" + (
+            " (SQLite writes a journal beside its file)" if kind == "file" else "")
+    return None
+
+
 def _resolve(path: str | os.PathLike) -> Path:
     """As the run opens it: ``~`` expanded, relative to the current folder, symlinks followed."""
     return Path(os.path.realpath(os.path.expanduser(str(path))))
@@ -171,6 +215,7 @@ def sink_target_problems(config, *, apr_home: Path | None = None,
         what = "file" if kind == "file" else "folder"
         lead = f"the {sink.type} sink's {key.rsplit('.', 1)[1]} {given!r} would write"
         refuse = _refusal(problems, key, lead, expected)
+        exists_as = _node_kind(target)
         if any(_within(w, own_store_dir) for w in writes):
             refuse(f"into the run's own experiment store ({own_store_dir})", f"{target}, inside {own_store_dir}")
         elif any(w in store_files for w in writes) or (kind == "file" and target.name in STORE_FILES):
@@ -182,6 +227,8 @@ def sink_target_problems(config, *, apr_home: Path | None = None,
                 or target.relative_to(output_dir).parts[0].startswith("checkpoint-")):
             part = target.relative_to(output_dir).parts[0]
             refuse(f"onto the run's records ({part} in {output_dir})", f"{target} (apr's {part})")
+        elif exists_as is not None and exists_as != ("a regular file" if kind == "file" else "a directory"):
+            refuse(f"into {exists_as}", f"{target} ({exists_as})")  # a device, a FIFO: never opened
         else:
             for data_key, value in inputs:
                 source = _resolve(value)
@@ -192,6 +239,20 @@ def sink_target_problems(config, *, apr_home: Path | None = None,
                            f"{what} {hit}, {how} {source}")
                     break
     return problems
+
+
+def _node_kind(path: Path) -> str | None:
+    """What is at ``path`` (``a regular file``, ``a directory``, ``a FIFO (named pipe)``...); None
+    when nothing is, or it cannot be examined."""
+    from apr.readers import file_kind
+
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    import stat as stat_mod
+
+    return "a regular file" if stat_mod.S_ISREG(mode) else file_kind(mode)
 
 
 def _refusal(problems: list, key: str, lead: str, expected: str) -> Callable[[str, str], None]:
@@ -354,6 +415,10 @@ class MlflowSink:
     def __init__(self, uri: str, experiment: str, run_id: str, create: bool | None = None):
         """Find the run tagged ``apr.run_id`` (``existed``) or create it; ``create`` True: an
         existing one is deleted and made anew (a re-export)."""
+        local = mlflow_local_target(uri)
+        problem = local_target_problem(*local) if local is not None else None
+        if problem is not None:  # before MLflow retries it for ~100 s, or SQLite writes a journal beside it
+            raise OSError(f"the MLflow store {uri!r} cannot be written: {problem}")
         from mlflow import MlflowClient  # lazy: mlflow is an optional extra
 
         for name in ("mlflow", "alembic"):  # their INFO lines (creating tables...) are not the run's output

@@ -552,3 +552,53 @@ def test_the_recorder_refuses_a_sink_on_its_own_registry_when_it_opens_and_the_r
     assert "experiment store" in warning and "continues without it" in warning
     assert json.loads((tmp_path / "run" / "training_state.json").read_text())["status"] == "finished"
     assert not (home / "mlruns").exists() and (home / "experiments.db").exists()  # apr's registry, untouched by MLflow
+
+
+def test_a_sink_aimed_at_a_device_or_fifo_is_refused_by_validate(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    make_dataset(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    (tmp_path / "a-file").write_text("x\n")
+    for sink, found in (({"type": "mlflow", "uri": "sqlite:////dev/null"}, "a character device"),
+                        ({"type": "mlflow", "uri": f"sqlite:///{fifo}"}, "a FIFO"),
+                        ({"type": "mlflow", "uri": f"sqlite:///{tmp_path}"}, "a directory"),
+                        ({"type": "tensorboard", "dir": str(fifo)}, "a FIFO"),
+                        ({"type": "wandb", "dir": "a-file"}, "a regular file")):
+        ((key, message, _expected, got),) = trackers.sink_target_problems(_sink_config(tmp_path, sink))
+        assert key.startswith("monitoring.sinks[0].") and found in message and found in got, (sink, message)
+
+
+@pytest.mark.parametrize("target", ["fifo", "device", "read-only folder", "not sqlite"])
+def test_an_mlflow_store_that_cannot_be_written_fails_at_once_and_writes_nothing_beside_it(
+        tmp_path, monkeypatch, target):
+    """MLflow retried such a store for ~100 s after the last step, and SQLite made
+    `<device>-journal` beside a device; the sink now fails before MLflow or SQLite see it."""
+    import os
+    import time
+
+    if target == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    elif target == "device":
+        path = Path("/dev/null")
+    elif target == "read-only folder":
+        (tmp_path / "ro").mkdir()
+        path = tmp_path / "ro" / "mlflow.db"
+        real_access = os.access
+        ro = str(tmp_path / "ro")
+        # root may write anywhere: the folder is made read-only for os.access, as it is for a user
+        monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == ro else real_access(p, mode))
+    else:
+        path = tmp_path / "runs.db"
+        path.write_text("not a database\n")
+    before = sorted(os.listdir(path.parent))
+    started = time.monotonic()
+    with pytest.raises(OSError, match="cannot be written") as err:
+        trackers.MlflowSink(f"sqlite:///{path}", "e", "run-1")
+    assert time.monotonic() - started < 5
+    assert {"fifo": "a FIFO", "device": "a character device", "read-only folder": "is read-only",
+            "not sqlite": "not a SQLite database"}[target] in str(err.value)
+    assert sorted(os.listdir(path.parent)) == before  # no -journal beside it
