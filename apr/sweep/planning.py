@@ -167,7 +167,10 @@ def plan_sweep(spec: SweepSpec, *, sample: int | None = None, count: int | None 
     nothing is written). ``settings``: extra config settings for every trial (--price)."""
     import optuna
 
+    from apr.sweep.folder import check_folder
+
     base = check_base(spec)
+    check_folder(spec, sweep_dir(spec))  # the folder `apr sweep run` would write: refused now, not then
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     is_grid = spec.method == "grid"
     cap = min(x for x in (count, spec.run_cap, grid_size(spec) if is_grid else None, 10**9) if x is not None)

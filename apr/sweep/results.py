@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from apr.config import load_config
-from apr.fsutil import atomic_write_json, atomic_write_text
 from apr.plan.examples import to_yaml
+from apr.sweep.folder import write_report
 from apr.sweep.planning import trial_dir
 from apr.sweep.spec import Param, SweepSpec
 
@@ -111,9 +111,33 @@ def write_best_config(spec: SweepSpec, base: Path, best: dict, folder: Path) -> 
                 "monitoring.tracking.experiment": spec.name}
     loaded = load_config(base, settings)
     path = folder / REPORT_FILES["best_config"]
-    atomic_write_text(path, f"# the best trial ({best['number']}, {spec.metric} {best['value']!r}) of sweep "
-                            f"{spec.name}, on {base}\n" + to_yaml(loaded.raw))
-    return path
+    return write_report(path, f"# the best trial ({best['number']}, {spec.metric} {best['value']!r}) of sweep "
+                              f"{spec.name}, on {base}\n" + to_yaml(loaded.raw), spec)
+
+
+def is_own_report(path: Path, spec: SweepSpec) -> bool:
+    """Whether ``path`` is a report this sweep wrote (best.yaml, importance.json, the plot): the only
+    file of those names `apr sweep run` replaces."""
+    from apr.errors import AprError
+    from apr.readers import read_text
+
+    try:
+        text = read_text(path, "manifest", "sweep report")
+    except AprError:  # a folder, a FIFO, a device, a symlink loop, too large, not UTF-8
+        return False
+    if path.name == REPORT_FILES["best_config"]:
+        first = text.split("\n", 1)[0]
+        return first.startswith("# the best trial (") and f") of sweep {spec.name}, on " in first
+    if path.name == REPORT_FILES["importance"]:
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            return False
+        return isinstance(doc, dict) and doc.get("evaluator") == "fanova" and doc.get("sweep", spec.name) == spec.name
+    if path.name == REPORT_FILES["plot"]:
+        head = text.split("\n", 2)
+        return len(head) > 1 and head[0].startswith("<svg xmlns=") and f">sweep {html.escape(spec.name)}:" in head[1]
+    return False
 
 
 def importances(study) -> dict[str, float] | None:
@@ -141,12 +165,10 @@ def write_reports(study, spec: SweepSpec, base: Path, folder: Path) -> dict[str,
     found = importances(study)
     if found is not None:
         path = folder / REPORT_FILES["importance"]
-        atomic_write_json(path, {"metric": spec.metric, "evaluator": "fanova", "importances": found})
-        written["importance"] = path
+        doc = {"sweep": spec.name, "metric": spec.metric, "evaluator": "fanova", "importances": found}
+        written["importance"] = write_report(path, json.dumps(doc, indent=2, allow_nan=False) + "\n", spec)
     if any(r["state"] == "finished" for r in rows):
-        path = folder / REPORT_FILES["plot"]
-        atomic_write_text(path, metric_svg(rows, spec))
-        written["plot"] = path
+        written["plot"] = write_report(folder / REPORT_FILES["plot"], metric_svg(rows, spec), spec)
     return written
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from apr.errors import Finding
+from apr.sweep.folder import check_folder, claim_folder
 from apr.sweep.planning import check_base, plan_trial, trial_dir, trial_settings
 from apr.sweep.space import grid_size, suggest
 from apr.sweep.spec import SweepError, SweepSpec
@@ -467,14 +468,16 @@ class SweepRun:
 
 
 def prepare(spec: SweepSpec, folder: Path, storage: str | None, count: int | None, worker: int = 0, *,
-            heartbeat: int | None = HEARTBEAT_S, grace: int | None = GRACE_S):
+            heartbeat: int | None = HEARTBEAT_S, grace: int | None = GRACE_S, given: str | Path | None = None):
     """Everything checked before any trial: the base config and the listed values, the budget, the
-    storage and the study (with Optuna's heartbeat every ``heartbeat`` seconds, None or 0: off, and
+    sweep's folder (apr.sweep.folder; ``given``: it came from --dir), the storage and the study
+    (with Optuna's heartbeat every ``heartbeat`` seconds, None or 0: off, and
     a stale trial retried after ``grace`` seconds). Returns (base config, study, url, budget)."""
     base = check_base(spec)
     budget = trial_budget(spec, count)
     check_heartbeat(heartbeat, grace)
-    folder.mkdir(parents=True, exist_ok=True)
+    check_folder(spec, folder, given)
+    claim_folder(spec, folder, given)  # this sweep's alone: another sweep's folder is refused, never shared
     url = storage or default_url(folder)
     study = open_study(spec, url, worker=worker, heartbeat=heartbeat or None, grace=grace,
                        on_stale=StaleTrialRetry() if heartbeat else None)
@@ -494,10 +497,10 @@ def run_sweep(spec: SweepSpec, folder: Path, *, storage: str | None = None, coun
               workers: int = 1, nproc: int = 1, gpu: str | None = None, vram: str | None = None,
               heartbeat: int | None = HEARTBEAT_S, grace: int | None = GRACE_S,
               helper_command: Callable[[int], list[str]] | None = None,
-              echo: Callable[[str], None] = lambda s: None) -> SweepRun:
+              echo: Callable[[str], None] = lambda s: None, given: str | Path | None = None) -> SweepRun:
     """Run (or continue) the sweep with ``workers`` processes on this machine: this one and
     ``workers - 1`` helpers started with ``helper_command(i)`` (the CLI's own command line)."""
-    base, study, url, budget = prepare(spec, folder, storage, count, heartbeat=heartbeat, grace=grace)
+    base, study, url, budget = prepare(spec, folder, storage, count, heartbeat=heartbeat, grace=grace, given=given)
     echo(f"sweep {spec.name}: {spec.method}, {budget} trials, {spec.goal} {spec.metric}; storage "
          f"{display_url(url)}; {workers} worker(s)")
     helpers = [subprocess.Popen(helper_command(i), start_new_session=True)

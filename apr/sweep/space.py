@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Any
 
-from apr.sweep.spec import Param, SweepSpec, grid_values, quantize
+from apr.sweep.spec import Param, SweepSpec, grid_count, grid_values, quantize
 
 
 def grid_space(spec: SweepSpec) -> dict[str, list]:
@@ -22,7 +22,8 @@ def grid_space(spec: SweepSpec) -> dict[str, list]:
 
 
 def grid_size(spec: SweepSpec) -> int:
-    return math.prod(len(v) for v in grid_space(spec).values()) if spec.params else 1
+    """The grid's points, counted without listing them (load_sweep has bounded the count)."""
+    return int(math.prod(grid_count(p) or 1 for p in spec.params)) if spec.params else 1
 
 
 def make_sampler(spec: SweepSpec, stream: int = 0):

@@ -57,6 +57,7 @@ DANTINOX_NAMES = {
 # Keys the sweep sets on every trial itself: a parameter may not set them.
 RESERVED = ("training.output_dir", "monitoring.tracking.experiment")
 GRID_LIMIT = 100_000  # points; a grid larger than this is a mistake, not a sweep
+MAX_TRIALS = 1_000_000  # run_cap and --count: a sweep of more trials is a mistake (each trial is a run)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -384,8 +385,25 @@ def _range(c: _Collector, loc: tuple, key: str, name: str, body: dict, dist: str
     return Param(key, dist, (), lo, hi, q, name=name, line=line)
 
 
+def grid_count(param: Param) -> float | None:
+    """How many points a grid visits for ``param``, counted without listing them (``q_uniform`` with a
+    tiny ``q`` has more points than memory holds); None for a continuous range; inf past any bound."""
+    if param.kind in ("constant", "categorical"):
+        return len(param.values)
+    if param.kind == "int_uniform":
+        return int(param.high) - int(param.low) + 1
+    if param.kind == "q_uniform":
+        try:
+            span = (param.high - param.low) / param.q
+        except (OverflowError, ZeroDivisionError):
+            return math.inf
+        return math.floor(span + 1e-9) + 1 if math.isfinite(span) else math.inf
+    return None
+
+
 def grid_values(param: Param) -> list | None:
-    """The points a grid visits for ``param``; None for a continuous range (a grid cannot list it)."""
+    """The points a grid visits for ``param``; None for a continuous range (a grid cannot list it).
+    Call it only after ``grid_count`` (load_sweep's grid check) bounded the count."""
     if param.kind in ("constant", "categorical"):
         return list(param.values)
     if param.kind == "int_uniform":
@@ -412,17 +430,27 @@ def _round_q(value: float, q: float) -> float | int:
 
 
 def _check_grid(c: _Collector, params: list[Param]) -> None:
-    size = 1
+    size: float = 1
     for p in params:
-        values = grid_values(p)
-        if values is None:
+        count = grid_count(p)
+        if count is None:
             c.add(("parameters", p.name), "sweep.grid_continuous",
                   f"method grid cannot list the {p.kind} range of '{p.name}'",
                   "values, value, int_uniform or q_uniform", p.kind)
             continue
-        size *= max(len(values), 1)
+        if count > GRID_LIMIT:  # one range alone: named at its key, before anything is listed
+            c.add(("parameters", p.name), "sweep.grid_too_large",
+                  f"'{p.name}' alone has {_points(count)} grid points", f"at most {GRID_LIMIT:,} in the whole grid",
+                  _points(count))
+            return
+        size *= max(count, 1)
     if size > GRID_LIMIT:
-        c.add(("method",), "sweep.grid_too_large", f"the grid has {size:,} points", f"at most {GRID_LIMIT:,}", size)
+        c.add(("method",), "sweep.grid_too_large", f"the grid has {_points(size)} points", f"at most {GRID_LIMIT:,}",
+              _points(size))
+
+
+def _points(count: float) -> str:
+    return f"{int(count):,}" if math.isfinite(count) and count < 10**15 else "more than 10**15"
 
 
 def _name(c: _Collector, data: dict, path: Path) -> str:
@@ -453,8 +481,9 @@ def _count(c: _Collector, data: dict, key: str) -> int | None:
     value = data.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        c.add((key,), "sweep.bad_value", f"{key} is a number of trials, at least 1", "an integer >= 1", value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TRIALS:
+        c.add((key,), "sweep.bad_value", f"{key} is a number of trials, from 1 to {MAX_TRIALS:,}",
+              f"an integer from 1 to {MAX_TRIALS:,}", value)
         return None
     return value
 
