@@ -28,9 +28,11 @@ _MIB = 2**20
 class MemoryCoefficients:
     # Per token of the micro-batch, in compute-dtype elements: tensors alive while one block is
     # recomputed and backpropagated (saved activations plus the gradients flowing through them).
-    # x, norms, q, attention out, o_proj out, residuals (+ grads); 8, not 12: the engine's trace on
-    # fake tensors (2026-11-28) at two shapes (h 256 and 512)
-    block_hidden_widths: float = 8.0
+    # x, norms, q, attention out, o_proj out, residuals (+ grads); 8, not 12, under mixed precision
+    # (4 of them autocast's compute-dtype copies, absent in fp32): the engine's trace on fake tensors
+    # (2026-11-28) at two shapes (h 256 and 512)
+    block_hidden_widths: float = 4.0
+    block_autocast_hidden_widths: float = 4.0
     block_kv_widths: float = 4.0  # k, v before and after RoPE
     block_intermediate_widths: float = 6.0  # SwiGLU gate, up, silu(gate), product (+ grads)
     # b * heads * s * s score tensors; 0 because flash / memory-efficient SDPA never materialises them.
@@ -43,8 +45,12 @@ class MemoryCoefficients:
     # (hidden), q/k/v after rope, attention output, SwiGLU gate, up, silu and product (intermediate).
     # The engine's trace on fake tensors (apr train plan --trace, 2026-11-28) found one more hidden
     # width and the two RMSNorms' float32 inputs (keep_norm_fp32_widths, in float32 elements).
-    keep_hidden_widths: float = 9.0
+    # Under mixed precision only (the norm's input is already float32 in fp32, and nothing is cast).
+    keep_hidden_widths: float = 8.0
+    keep_autocast_hidden_widths: float = 1.0
     keep_norm_fp32_widths: float = 2.0
+    # A kept graph's backward adds, per token, about one intermediate width of gradients (traced).
+    keep_backward_intermediate_widths: float = 1.0
     keep_kv_widths: float = 2.0
     keep_intermediate_widths: float = 4.0
     # Selective recompute keeps only the matmul and attention outputs: q, o_proj, down_proj and the
@@ -83,7 +89,8 @@ DESCRIPTIONS = {
     "adamw_v": "AdamW second moment (fp32)",
     "gradients": "one gradient workspace (the largest group) or every group's gradient (kept)",
     "activation_checkpoints": "each block's input, kept for the recompute",
-    "kept_activations": "autograd graphs kept from forward to backward (execution policy; modelled)",
+    "kept_activations": ("autograd graphs kept from forward to backward (execution policy; modelled); under "
+                         "plain autograd with one micro-batch, beyond the gradients that replace them"),
     "block_activations": ("activations inside one block during recompute + backward, beyond the LM-head loss's "
                           "(the two never overlap; modelled)"),
     "logits_chunk": "one LM-head chunk of logits and its gradient (never full logits)",
@@ -105,42 +112,69 @@ class MemoryRow:
         return asdict(self)
 
 
-def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIENTS) -> int:
-    """One block's recompute and backward (modelled), whole: the table's row is its excess over the
-    LM-head loss's."""
+def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIENTS,
+                           execution: Execution | None = None) -> int:
+    """One block's backward (modelled), whole, for the costliest kind of block the policy has: a
+    recomputed block's forward and backward; a selective block's, less the matmul outputs it kept;
+    a kept graph's backward, which only adds gradients (one intermediate width and the weights'
+    compute-dtype gradients; measured on fake tensors, 2026-11-28). The table's row is its excess over
+    the LM-head loss's."""
     arch = config.model.architecture
     tr = config.training
+    execution = execution or policy.from_config(config)
     b, s = config.data.batch_size, config.data.seq_len
     elt = DTYPE_BYTES[compute_dtype_name(tr.mixed_precision)]
-    per_token = (c.block_hidden_widths * arch.hidden_size + c.block_kv_widths * arch.kv_heads * arch.head_dim
+    kv = arch.kv_heads * arch.head_dim
+    mixed = str(tr.mixed_precision) != "fp32"
+    hidden = c.block_hidden_widths + (c.block_autocast_hidden_widths if mixed else 0)
+    per_token = (hidden * arch.hidden_size + c.block_kv_widths * kv
                  + c.block_intermediate_widths * arch.intermediate_size)
     scores = c.attention_score_copies * b * arch.num_attention_heads * s * s
     # with the interleaved engine's compute copy only the weights' compute-dtype gradients remain
-    copies = c.block_weight_cast_copies - (1 if uses_compute_copy(config) else 0)
+    copies = c.block_weight_cast_copies - (1 if uses_compute_copy(config, execution) else 0)
     weight_casts = copies * block_numel(arch) if str(tr.mixed_precision) != "fp32" else 0
-    return int((b * s * per_token + scores + weight_casts) * elt)
+    recomputed = execution.recomputed_blocks if policy.gradient_source(config) == "interleaved" else 0
+    if recomputed and execution.rest == "recompute":
+        return int((b * s * per_token + scores + weight_casts) * elt)
+    if recomputed:  # selective: the matmul and attention outputs are kept, the rest recomputed
+        kept = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
+                + c.selective_intermediate_widths * arch.intermediate_size)
+        return int((b * s * (per_token - kept) + scores + weight_casts) * elt)
+    grads = c.keep_backward_intermediate_widths * arch.intermediate_size
+    return int((b * s * grads + weight_casts) * elt)
 
 
-def _kept_activation_bytes(config: AprConfig, execution: Execution, c: MemoryCoefficients) -> int:
+def kept_activation_bytes(config: AprConfig, execution: Execution,
+                          c: MemoryCoefficients = COEFFICIENTS) -> int:
+    """The autograd graphs kept from the forward to the backward, whole (modelled)."""
     arch = config.model.architecture
     b, s = config.data.batch_size, config.data.seq_len
     cdt = compute_dtype_name(config.training.mixed_precision)
     elt = DTYPE_BYTES[cdt]
     kv = arch.kv_heads * arch.head_dim
-    keep = ((c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * kv
+    mixed = cdt != "float32"
+    hidden = c.keep_hidden_widths + (c.keep_autocast_hidden_widths if mixed else 0)
+    keep = ((hidden * arch.hidden_size + c.keep_kv_widths * kv
              + c.keep_intermediate_widths * arch.intermediate_size) * elt
-            + c.keep_norm_fp32_widths * arch.hidden_size * DTYPE_BYTES["float32"])
+            + (c.keep_norm_fp32_widths * arch.hidden_size * DTYPE_BYTES["float32"] if mixed else 0))
     # autocast saves its compute-dtype copy of a kept block's weights for the backward, unless the
     # blocks read the interleaved engine's compute copy
     casts = block_numel(arch) * elt if cdt != "float32" and not uses_compute_copy(config, execution) else 0
     if policy.gradient_source(config) != "interleaved":
         # the standard engine is one autograd graph: every block's activations live from the forward
-        # to the backward (the last block's are the block_activations row)
-        return int((arch.num_hidden_layers - 1) * (b * s * keep + casts))
+        # to the backward
+        return int(arch.num_hidden_layers * (b * s * keep + casts))
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * arch.intermediate_size)
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
     return int(execution.kept_blocks * (b * s * keep + casts) + b * s * selective_blocks * sel * elt)
+
+
+def _grads_replace_graph(config: AprConfig) -> bool:
+    """Plain autograd in one process or DDP with one micro-batch: gradients start at None each step."""
+    tr = config.training
+    unsharded = str(tr.sharding) == "none" or tr.world_size <= 1
+    return policy.gradient_source(config) == "standard" and unsharded and tr.gradient_accumulation == 1
 
 
 def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS,
@@ -155,13 +189,18 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
         entry[1] += 1
     rows = {name: MemoryRow(name, total, "buffer_plan", n, DESCRIPTIONS.get(name, "from the buffer plan"))
             for name, (total, n) in sums.items()}
-    rows["kept_activations"] = MemoryRow("kept_activations", _kept_activation_bytes(config, execution, coefficients),
-                                         "modelled", 0, DESCRIPTIONS["kept_activations"])
+    kept = kept_activation_bytes(config, execution, coefficients)
+    if _grads_replace_graph(config):
+        # plain autograd, one micro-batch: the gradients appear in the backward as the graph is freed
+        # (at the forward's end, the step's peak, none exists), so the row is the graph beyond them
+        kept = max(0, kept - rows["gradients"].bytes) if "gradients" in rows else kept
+    rows["kept_activations"] = MemoryRow("kept_activations", kept, "modelled", 0,
+                                         DESCRIPTIONS["kept_activations"])
     # one block's recompute and backward never overlaps the LM-head loss: the row is what the block
     # phase holds beyond the loss phase's logits chunks (the step's peak is the larger of the two)
     head = rows["logits_chunk"].bytes if "logits_chunk" in rows else 0
     rows["block_activations"] = MemoryRow("block_activations",
-                                          max(0, block_activation_bytes(config, coefficients) - head),
+                                          max(0, block_activation_bytes(config, coefficients, execution) - head),
                                           "modelled", 0, DESCRIPTIONS["block_activations"])
     allocated = sum(r.bytes for r in rows.values())
     if str(config.training.device) != "cpu":  # a CPU run creates no CUDA context (device auto may be a GPU)

@@ -142,9 +142,10 @@ def _counter_class():
                 entry = counter.info.get(st)
                 if entry is None:
                     counter.track(st, "weights")
-                elif entry[1] != st.nbytes():
-                    counter._add(entry[0], st.nbytes() - entry[1])
-                    entry[1] = st.nbytes()
+                elif entry[1] != st.nbytes() or entry[0] != "weights":
+                    counter._add(entry[0], -entry[1])
+                    entry[0], entry[1] = "weights", st.nbytes()
+                    counter._add("weights", entry[1])
 
             torch.UntypedStorage.resize_ = resize_
             return super().__enter__()
@@ -168,18 +169,8 @@ def _counter_class():
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
                     for st in get_untyped_storages(t):
                         if st not in self.info:
-                            self.track(st, self._row_for(func))
+                            self.track(st, self.region)
             return out
-
-        def _row_for(self, func) -> str:
-            name = getattr(func, "_opname", "") or str(func)
-            if self.fsdp_gather and ("all_gather" in name):
-                return "weights"  # FSDP2's all-gather output: the gathered weights
-            if self.fsdp_gather and ("reduce_scatter" in name):
-                return "gradients"
-            return self.region
-
-        fsdp_gather = False
 
     return RowCounter
 
@@ -336,6 +327,12 @@ def _regions(counter, engine) -> contextlib.ExitStack:
             if callable(method):
                 stack.enter_context(_patched(engine.updater, name, region(method, "temporaries")))
     stack.enter_context(_patched(finish, "finish_step", region(finish.finish_step, "temporaries")))
+    if getattr(engine, "sharded", False):  # FSDP2: what its collectives make is weights or gradients
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        for name, row in (("foreach_all_gather", "weights"), ("foreach_all_gather_copy_out", "weights"),
+                          ("foreach_reduce", "gradients")):
+            stack.enter_context(_patched(group, name, region(getattr(group, name), row)))
     if hasattr(engine_module, "finish_step"):
         stack.enter_context(_patched(engine_module, "finish_step", region(engine_module.finish_step, "temporaries")))
     handle = register_optimizer_step_pre_hook(lambda *a: setattr(counter, "region", "temporaries"))
@@ -375,7 +372,6 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     sharded = str(config.training.sharding) != "none" and world > 1
     t0 = time.monotonic()
     counter = _counter_class()(t0 + timeout_s)
-    counter.fsdp_gather = sharded
     planned = {b.name: b.component for b in buffer_plan(config, execution)}
     steps_done, first_peak = 0, None
     dp = None
@@ -407,6 +403,8 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
                                for _ in range(config.training.gradient_accumulation)]
                 if step == 2:
                     _tag_state(counter, engine, planned)
+                    if sharded:
+                        _unsharded_grad_hooks(counter, engine)
                     first_peak = counter.peak
                     counter.reset_peaks()
                 with counter.in_region("activations"):
@@ -441,11 +439,11 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     if any(r.component == "block_activations" for r in plan_rows):
         # the activations row's own peak is its block phase whole; the table's block row is only the
         # excess over the loss phase (which is what the step's peak sums)
-        from apr.plan.memory import block_activation_bytes
+        from apr.plan.memory import block_activation_bytes, kept_activation_bytes
 
-        own["activations"] = (sum(r.bytes for r in plan_rows if r.component in ("activation_checkpoints",
-                                                                                 "kept_activations"))
-                              + block_activation_bytes(config))
+        own["activations"] = (sum(r.bytes for r in plan_rows if r.component == "activation_checkpoints")
+                              + kept_activation_bytes(config, execution)
+                              + block_activation_bytes(config, execution=execution))
     return report(counter, plan_rows, own, device=device_type, device_why=device_why, world_size=world,
                   nodes=int(resolved.nodes), sharding=str(config.training.sharding), seconds=seconds,
                   rss=rss, first_peak=first_peak, notes=notes, torch_version=torch.__version__)
@@ -460,6 +458,17 @@ def _build(engine_build, resolved, execution, device, dp):
     if first == "plan":
         return engine_build.build_engine(dataclasses.replace(resolved, execution=execution), device, dp=dp)
     return engine_build.build_engine(resolved.config, device, dp=dp, execution=execution)
+
+
+def _unsharded_grad_hooks(counter, engine) -> None:
+    """FSDP2: a gathered parameter's gradient (before its reduce-scatter) is a gradient."""
+    for module in engine.model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+        for fsdp_param in getattr(group, "fsdp_params", []):
+            param = getattr(fsdp_param, "_unsharded_param", None)
+            if param is not None and param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda q: counter.tag(q.grad, "gradients"))
 
 
 def _grad_hooks(counter, engine) -> None:

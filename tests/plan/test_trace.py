@@ -46,17 +46,12 @@ def _check(report: dict) -> None:
 
 
 @pytest.mark.parametrize("training", [
-    pytest.param({"execution": {"activations": "keep"}}, id="interleaved-keep", marks=pytest.mark.xfail(
-        strict=True, reason="activations row plan/trace 1.21 (peak 0.994): the plan adds a recomputed block's "
-        "forward to the backward of a kept graph, which only adds gradients")),
-    pytest.param({"execution": {"activations": "recompute"}}, id="interleaved-recompute"),
-    pytest.param({"execution": {"activations": "selective"}}, id="interleaved-selective", marks=pytest.mark.xfail(
-        strict=True, reason="activations row plan/trace 1.13 (peak within 5%; 1.08 at the 50M shape): as for "
-        "keep, the backward of a block that kept its matmul outputs recomputes less than the plan's block row")),
-    pytest.param({"engine": "standard"}, id="standard", marks=pytest.mark.xfail(
-        strict=True, reason="peak plan/trace 1.051, activations row 0.89: autograd's gradients do not coexist "
-        "with the forward's end, where its peak is; the plan sums them")),
-])
+    {"execution": {"activations": "keep"}},
+    {"execution": {"activations": "recompute"}},
+    {"execution": {"activations": "selective"}},
+    {"engine": "standard"},
+    {"execution": {"activations": "keep_first:2"}, "mixed_precision": "fp32"},
+], ids=["interleaved-keep", "interleaved-recompute", "interleaved-selective", "standard", "keep-first-2-fp32"])
 def test_one_process_trace_matches_the_plan(training):
     report = _trace(training)
     _check(report)
