@@ -33,9 +33,10 @@ def init_from_check(loaded: LoadedConfig) -> tuple[dict | None, list[Finding]]:
     if taken is not None:
         facts["architecture_from_folder"] = taken
         shown = ", ".join(f"{k} {_short(v)}" for k, v in taken["keys"].items())
-        file, line, column = loaded.source.where(("model", "architecture"))
-        if line is None:
-            file, line, column = loaded.source.where(("model", "init_from"))
+        # at model.architecture when the config has one, else at the key that named the folder
+        key = ("model", "architecture") if ("model", "architecture") in loaded.source.positions else (
+            "model", "init_from")
+        file, line, column = loaded.source.where(key)
         findings.append(Finding("info", "init_from.architecture_from_folder",
                                 f"model.architecture from {taken['file']}: {shown}" if shown else
                                 f"every model.architecture key is set in the config ({taken['file']} agrees)",

@@ -45,12 +45,12 @@ FAMILIES = {
 }
 
 
-def hf_model(folder: Path, family: str, seed: int = 3, shard: str | None = None):
+def hf_model(folder: Path, family: str, seed: int = 3, shard: str | None = None, **shapes):
     """A random tiny model of ``family`` saved with save_pretrained (safetensors), and the model.
     Norms and biases are randomised so that they matter in the comparison."""
     torch.manual_seed(seed)
     cls, over = FAMILIES[family]
-    cfg = getattr(transformers, cls)(**{**SHAPES, **over})
+    cfg = getattr(transformers, cls)(**{**SHAPES, **over, **shapes})
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -154,6 +154,8 @@ def test_the_plan_shows_what_it_took_from_the_folder_and_counts_biases_and_tied_
     assert taken["file"].endswith("hf/config.json")
     assert taken["keys"]["family"] == "qwen2" and taken["keys"]["tie_word_embeddings"] is True
     assert "rope_theta" not in taken["keys"]  # the config set it
+    info = [f for f in doc["findings"] if f["code"] == "init_from.architecture_from_folder"]
+    assert info and info[0]["path"] == "model.architecture" and "family qwen2" in info[0]["message"]
     n = sum(p.numel() for p in hf.parameters())  # transformers counts the tied matrix once, biases in
     assert facts["model"]["params"] == n == facts["init_from"]["params"]
     assert not (tmp_path / "out").exists()
@@ -203,6 +205,44 @@ def test_greedy_generation_equals_transformers_token_for_token(tmp_path, family)
                                                        stop_at_eos=False)).generations[0]
         assert got.token_ids == want, text
         assert len(want) == 16  # past the sliding window of the Mistral (5 positions)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama3.2"])
+def test_a_lora_run_on_each_family_exports_peft_adapters_over_the_same_family(tmp_path, family, monkeypatch):
+    """apr train apply with model.lora over the folder, then apr export --format peft: PEFT loads the
+    adapters onto the exported base (of the folder's class) with apr's logits."""
+    from apr.checkpoint.export import export_hf
+    from apr.checkpoint.manager import load_latest
+    from apr.config.loader import config_hash
+    from apr.plan.build import resolve_config
+    from apr.train.run import ApplyOptions, prepare_run
+    from tests.train.run_helpers import VOCAB, config_doc, make_dataset
+
+    peft = pytest.importorskip("peft")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = hf_model(tmp_path / "hf", family, vocab_size=VOCAB)
+    make_dataset(tmp_path, train_rows=16, val_rows=4)
+    doc = config_doc(tmp_path, training={"max_steps": 2, "epochs": 1, "eval_interval": 0, "save_interval": 2,
+                                         "output_dir": "lora/"})
+    doc["model"] = {"init_from": str(tmp_path / "hf"), "lora": {"rank": 4, "alpha": 8.0, "targets": "all"}}
+    cfg = AprConfig.model_validate(doc)
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                      options=ApplyOptions(echo=lambda line: None))
+    assert run.execute().final_step == 2
+    result = export_hf(tmp_path / "lora", tmp_path / "peft", fmt="peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(result.base))
+    assert type(base) is type(hf)
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    state = load_latest(tmp_path / "lora")
+    engine = build_engine(plan_of(cfg.model_copy(update={"training": cfg.training.model_copy(
+        update={"engine": "standard"})})))
+    engine.load_train_state_tensors(state.tensors)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = engine.model(ids)
+        torch.testing.assert_close(model(input_ids=ids).logits.float(), ours, atol=1e-5, rtol=0)
+        with model.disable_adapter():  # the adapters trained: they change the output
+            assert (model(input_ids=ids).logits.float() - ours).abs().max() > 1e-4
 
 
 # ------------------------------------------------------------------------------------- bad folders
