@@ -23,9 +23,12 @@ and the space comes back when that run ends.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +36,7 @@ from pathlib import Path
 from apr.track.names import apr_home
 
 KINDS = ("tokens", "teacher", "inductor")
+_KEY = re.compile(r"^[0-9a-f]{32}$")  # apr's cache keys: the first 32 hex digits of a SHA-256
 SUFFIXES = {"tokens": (".u32", ".sum", ".json", ".lock"), "teacher": (".f32", ".sum", ".idx", ".json")}
 
 
@@ -90,12 +94,23 @@ def _what(kind: str, doc: dict | None) -> str:
             f"rank {doc.get('rank', '?')}")
 
 
+def _is_aprs(path: Path, kind: str) -> bool:
+    """Whether ``path`` is a file apr's cache made: ``KEY.<suffix>`` with the 32 hex digits of apr's
+    keys and one of the kind's suffixes, a regular file (a symlink, folder or FIFO is not). Anything
+    else in the folder is someone else's and is neither listed nor removed."""
+    stem, dot, suffix = path.name.partition(".")
+    return (bool(dot) and f".{suffix}" in SUFFIXES[kind] and _KEY.match(stem) is not None
+            and stat.S_ISREG(path.lstat().st_mode))
+
+
 def _file_entries(kind: str, where: Path) -> list[Entry]:
     groups: dict[str, list[Path]] = {}
     for path in where.iterdir():
-        stem, dot, suffix = path.name.partition(".")
-        if dot and f".{suffix}" in SUFFIXES[kind] and (path.is_file() or path.is_symlink()):
-            groups.setdefault(stem, []).append(path)
+        try:
+            if _is_aprs(path, kind):
+                groups.setdefault(path.name.partition(".")[0], []).append(path)
+        except OSError:  # vanished while listed
+            continue
     out = []
     for key, files in sorted(groups.items()):
         stats = [_stat(f) for f in files]
@@ -180,9 +195,11 @@ def prune(found: list[Entry], older_than_s: float | None, dry_run: bool = False,
 
 def _remove(e: Entry) -> None:
     if e.kind == "inductor":
+        if os.path.islink(e.path):  # apr's folder replaced by a link to someone's: not removed
+            raise OSError(errno.ENOTDIR, "a symlink, not apr's folder")
         shutil.rmtree(e.path)
         return
     for suffix in SUFFIXES[e.kind]:
         path = Path(f"{e.path}{suffix}")
-        if path.is_file() or path.is_symlink():
+        if path.exists() and _is_aprs(path, e.kind):  # checked again at removal: only apr's own files
             path.unlink()

@@ -16,8 +16,8 @@ runner = CliRunner()
 def test_ls_and_prune_by_age_through_the_cli(tmp_path, monkeypatch):
     home = tmp_path / "home"
     monkeypatch.setenv("APR_HOME", str(home))
-    _tokens(home, "o" * 32, tmp_path, age_days=45)
-    _tokens(home, "n" * 32, tmp_path, age_days=2)
+    _tokens(home, "0" * 32, tmp_path, age_days=45)
+    _tokens(home, "1" * 32, tmp_path, age_days=2)
     listed = runner.invoke(app, ["cache", "ls"], terminal_width=160)
     assert listed.exit_code == 0 and "45 d ago" in listed.output and "2 entries" in listed.output
     doc = json.loads(runner.invoke(app, ["cache", "ls", "--json", "--kind", "tokens"]).output)
@@ -26,8 +26,8 @@ def test_ls_and_prune_by_age_through_the_cli(tmp_path, monkeypatch):
     assert dry.exit_code == 0 and "would remove 1 of 2 entries" in dry.output
     assert len(list((home / "cache" / "tokens").iterdir())) == 6
     done = json.loads(runner.invoke(app, ["cache", "prune", "--older-than", "30", "--json"]).output)
-    assert [e["key"] for e in done["removed"]] == ["o" * 32] and done["freed_bytes"] > 4000
-    assert [e["key"] for e in json.loads(runner.invoke(app, ["cache", "ls", "--json"]).output)["entries"]] == ["n" * 32]
+    assert [e["key"] for e in done["removed"]] == ["0" * 32] and done["freed_bytes"] > 4000
+    assert [e["key"] for e in json.loads(runner.invoke(app, ["cache", "ls", "--json"]).output)["entries"]] == ["1" * 32]
 
 
 def test_prune_needs_one_rule_and_bad_values_remove_nothing(tmp_path, monkeypatch):

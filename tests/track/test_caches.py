@@ -40,7 +40,7 @@ def test_entries_are_grouped_sized_and_dated_and_listing_is_not_a_use(home, tmp_
     data = tmp_path / "data"
     data.mkdir()
     _tokens(home, "a" * 32, data, age_days=40)
-    _entry(home / "cache" / "teacher", "t" * 32, {".f32": b"\0" * 9000, ".sum": b"", ".idx": b""},
+    _entry(home / "cache" / "teacher", "7" * 32, {".f32": b"\0" * 9000, ".sum": b"", ".idx": b""},
            {"teacher": "f" * 64, "row_len": 128, "hidden": 64, "boundaries": [0, 1, 2], "rank": 0}, age_days=3)
     (home / "cache" / "inductor" / "fxgraph").mkdir(parents=True)
     (home / "cache" / "inductor" / "fxgraph" / "g1").write_bytes(b"x" * 500)
@@ -57,24 +57,24 @@ def test_entries_are_grouped_sized_and_dated_and_listing_is_not_a_use(home, tmp_
 
 
 def test_prune_by_age_removes_whole_old_entries_only(home, tmp_path):
-    _tokens(home, "o" * 32, tmp_path, age_days=40)
-    _tokens(home, "n" * 32, tmp_path, age_days=1)
+    _tokens(home, "0" * 32, tmp_path, age_days=40)
+    _tokens(home, "1" * 32, tmp_path, age_days=1)
     removed, skipped = caches.prune(caches.entries(("tokens",)), 30 * DAY, dry_run=True)
-    assert [e.key for e in removed] == ["o" * 32] and skipped == []
+    assert [e.key for e in removed] == ["0" * 32] and skipped == []
     assert len(list((home / "cache" / "tokens").iterdir())) == 6  # a dry run removes nothing
     caches.prune(caches.entries(("tokens",)), 30 * DAY)
     assert sorted(p.name for p in (home / "cache" / "tokens").iterdir()) == [
-        f"{'n' * 32}{s}" for s in (".json", ".sum", ".u32")]
+        f"{'1' * 32}{s}" for s in (".json", ".sum", ".u32")]
 
 
 def test_prune_gone_removes_the_entries_of_datasets_that_no_longer_exist(home, tmp_path):
     kept, vanished = tmp_path / "kept", tmp_path / "vanished"
     kept.mkdir()
-    _tokens(home, "k" * 32, kept, age_days=0)
-    _tokens(home, "v" * 32, vanished, age_days=0)
+    _tokens(home, "2" * 32, kept, age_days=0)
+    _tokens(home, "3" * 32, vanished, age_days=0)
     removed, _ = caches.prune(caches.entries(), None, gone=True)
-    assert [e.key for e in removed] == ["v" * 32] and removed[0].source_gone
-    assert [e.key for e in caches.entries()] == ["k" * 32]
+    assert [e.key for e in removed] == ["3" * 32] and removed[0].source_gone
+    assert [e.key for e in caches.entries()] == ["2" * 32]
 
 
 def test_a_token_entry_whose_lock_is_held_is_skipped(home, tmp_path):
@@ -100,3 +100,35 @@ def test_a_user_inductor_cache_is_not_aprs(home, tmp_path, monkeypatch):
     assert caches.entries() == []
     caches.prune(caches.entries(), None)
     assert (mine / "x" / "graph").exists()
+
+
+def test_prune_removes_only_what_aprs_cache_made(home, tmp_path):
+    """A file of someone else's in a cache folder (another name, a symlink under an entry's name, a
+    folder) is neither listed nor removed, even by --all."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _tokens(home, "a" * 32, data, age_days=40)
+    tokens = home / "cache" / "tokens"
+    (tokens / "notes.json").write_text('{"source": "mine", "rows": 1, "row_len": 1}')
+    (tokens / "my-export.u32").write_bytes(b"\0" * 64)
+    precious = tmp_path / "precious.u32"
+    precious.write_bytes(b"keep")
+    (tokens / f"{'b' * 32}.u32").symlink_to(precious)
+    (tokens / f"{'c' * 32}.json").mkdir()
+    assert [e.key for e in caches.entries()] == ["a" * 32]
+    removed, skipped = caches.prune(caches.entries(), None)
+    assert [e.key for e in removed] == ["a" * 32] and skipped == []
+    assert sorted(p.name for p in tokens.iterdir()) == [f"{'b' * 32}.u32", f"{'c' * 32}.json", "my-export.u32",
+                                                       "notes.json"]
+    assert precious.read_bytes() == b"keep"
+
+
+def test_an_inductor_folder_that_is_a_link_is_not_removed(home, tmp_path):
+    theirs = tmp_path / "theirs"
+    (theirs / "g").mkdir(parents=True)
+    (theirs / "g" / "graph").write_bytes(b"1")
+    (home / "cache").mkdir(parents=True)
+    (home / "cache" / "inductor").symlink_to(theirs)
+    removed, skipped = caches.prune(caches.entries(("inductor",)), None)
+    assert removed == [] and skipped and "symlink" in skipped[0][1]
+    assert (theirs / "g" / "graph").read_bytes() == b"1"
