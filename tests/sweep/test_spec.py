@@ -138,3 +138,67 @@ def test_the_fingerprint_changes_with_the_space_not_with_the_name(tmp_path):
     b = _load(tmp_path, "name: b\nmethod: random\nrun_cap: 9\nparameters:\n  optimizer.lr: {min: 0.001, max: 0.01}\n")
     c = _load(tmp_path, "name: a\nmethod: random\nrun_cap: 2\nparameters:\n  optimizer.lr: {min: 0.001, max: 0.02}\n")
     assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+
+
+@pytest.mark.parametrize("body", [
+    "{distribution: q_uniform, min: 0, max: 1, q: 1.0e-9}",  # a billion points: counted, never listed
+    "{distribution: q_uniform, min: -1.0e300, max: 1.0e300, q: 1.0e-300}",  # past any float
+    "{min: -1000000000000000000, max: 1000000000000000000}",  # int_uniform of 2e18 integers
+])
+def test_a_grid_too_large_is_refused_at_its_key_before_it_is_listed(tmp_path, body):
+    import time
+
+    start = time.monotonic()
+    found = _errors(tmp_path, f"method: grid\nparameters:\n  optimizer.lr: {body}\n")
+    assert time.monotonic() - start < 5  # today's q_uniform grid with q 1e-9 plans for minutes
+    assert [(f.code, f.path, f.line) for f in found] == [("sweep.grid_too_large", "parameters.optimizer.lr", 3)]
+    assert "at most 100,000" in found[0].expected
+
+
+def test_a_grid_of_many_small_ranges_is_refused_by_its_product(tmp_path):
+    batch_sizes = ", ".join(str(i) for i in range(1, 101))  # 100 points, and 2,000 steps: 200,000 in all
+    found = _errors(tmp_path, f"method: grid\nparameters:\n  data.batch_size: {{values: [{batch_sizes}]}}\n"
+                              "  training.max_steps: {min: 1, max: 2000}\n")
+    assert [(f.code, f.path) for f in found] == [("sweep.grid_too_large", "method")]
+    assert "200,000 points" in found[0].message
+
+
+@pytest.mark.parametrize("cap", ["100000000000000000000", "1000001", "0", "1.0e20", "true"])
+def test_run_cap_is_a_bounded_number_of_trials(tmp_path, cap):
+    found = _errors(tmp_path, f"method: random\nrun_cap: {cap}\nparameters:\n  optimizer.lr: {{values: [0.001]}}\n")
+    assert [(f.code, f.path, f.line) for f in found] == [("sweep.bad_value", "run_cap", 2)]
+    assert "1,000,000" in found[0].expected
+    assert _load(tmp_path, "method: random\nrun_cap: 1000000\nparameters:\n  optimizer.lr: {values: [1]}\n").run_cap \
+        == 1_000_000
+
+
+@pytest.mark.parametrize("text", [
+    "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[",  # bracket bomb
+    "a: &a [1, 2]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nc: &c [*b, *b, *b, *b, *b, *b, *b, *b]\n"
+    "d: &d [*c, *c, *c, *c, *c, *c, *c, *c]\ne: [*d, *d, *d, *d, *d, *d, *d, *d]\n",  # alias bomb
+    "method: grid\nparameters:\n  optimizer.lr: {values: [" + ", ".join("0.1" for _ in range(3000)) + "]}\n",
+    "method: grid\nrun_cap: " + "9" * 5000 + "\nparameters: {}\n",  # an integer past Python's text limit
+    "method: grid\nparameters:\n  " + "x" * 100_000 + ": {values: [1]}\n",  # a key past the size cap
+    "method: grid\nparameters:\n  optimizer.lr: {min: 0, max: 1, q: .nan, distribution: q_uniform}\n",
+    "method: grid\nseed: -1\nparameters:\n  optimizer.lr: {values: [.inf]}\n",
+    "\x00\x01\x02",
+    "",
+])
+def test_no_hostile_sweep_file_hangs_or_tracebacks(tmp_path, text):
+    """Every such file is a clean exit 1 within seconds, from the sweep commands that read it."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from apr.cli.main import app
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    for args in (["sweep", "plan", str(path)], ["sweep", "run", str(path), "--dir", str(tmp_path / "d")],
+                 ["sweep", "status", str(path), "--dir", str(tmp_path / "d")]):
+        start = time.monotonic()
+        result = CliRunner().invoke(app, args)
+        assert time.monotonic() - start < 10, args
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (args, result.output)
+        assert "Traceback" not in result.output and "sweep.yaml" in result.output
+    assert not (tmp_path / "d").exists()
