@@ -220,6 +220,8 @@ def _folder_architecture(cfg_path: Path, mtime_ns: int, size: int) -> tuple[Path
     fields = architecture_fields(hf)
     if "num_key_value_heads" not in fields and "num_attention_heads" in fields:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if "max_position_embeddings" not in fields:  # early LLaMA conversions: max_sequence_length, else 2048
+        fields["max_position_embeddings"] = hf.get("max_sequence_length") or 2048
     return cfg_path, fields, None
 
 

@@ -436,6 +436,10 @@ class ModelConfig(_Section):
 
         found = folder_architecture(data["init_from"])
         if found is None:
+            if given is None:
+                raise ValueError(f"model.architecture is missing and model.init_from {data['init_from']!r} is no "
+                                 "Hugging Face folder with a config.json to read it from: expected model.architecture, "
+                                 "or init_from naming such a folder")
             return data
         cfg_path, fields, problem = found
         if problem is not None:
