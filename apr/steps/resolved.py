@@ -1,5 +1,5 @@
 """What the plan decided for one run, frozen and handed to the trainer (decision 13 of the design;
-docs/design.md, "The composed engine" and "The resolved plan").
+docs/design.md, "The composed engine" and "Steps, strategy and schedules (`apr/steps/`)").
 
 ``resolve`` is the one function that turns a config into what runs: the config laid out at the
 world size (and a resume's gradient accumulation), the execution policy, the gradient source, the

@@ -54,7 +54,8 @@ def _assert_close(a: dict, b: dict, rtol: float) -> None:
     ("interleaved", 2, "global"),
     ("interleaved", 1, "per_block"),
     ("standard", 2, "global"),
-])
+], ids=["ddp-interleaved-1-global", "ddp-interleaved-2-global", "ddp-interleaved-1-per_block",
+        "ddp-standard-2-global"])  # the layout in the id (apr/steps/composition.py)
 def test_two_ranks_equal_one_process_with_twice_the_batch(tmp_path, engine, accum, clip_mode):
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "eval_interval": 5, "engine": engine,
@@ -124,7 +125,7 @@ def test_two_ranks_equal_one_process_on_a_stacked_run_with_a_qlora_trunk_grown_b
 @pytest.mark.parametrize(("rank", "when", "at"), [
     (1, "compute", 3),  # before the loop looks at signals, on a step that is not a log step
     (0, "log", 5),  # during the step's hooks, after its logging
-])
+], ids=["ddp-rank1-compute-3", "ddp-rank0-log-5"])  # the layout in the id (apr/steps/composition.py)
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_its_checkpoint(tmp_path, rank, when, at):
     """A preempted node's SIGTERM may reach one rank before the others: every rank finishes the same
     step, rank 0 writes its checkpoint, every rank exits 143, and the run resumes from there. A rank

@@ -120,7 +120,8 @@ def _assert_same_block_norms(run: Path, ref: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("engine", "accum", "clip_mode"), [("interleaved", 1, "adagc"), ("standard", 2, "global")])
+@pytest.mark.parametrize(("engine", "accum", "clip_mode"), [("interleaved", 1, "adagc"), ("standard", 2, "global")],
+                         ids=["hybrid-interleaved-1-adagc", "hybrid-standard-2-global"])  # apr/steps/composition.py
 def test_hybrid_sharding_replicates_across_nodes_and_equals_one_process(tmp_path, engine, accum, clip_mode):
     """2 ranks as 2 one-rank 'nodes' (APR_SHARD_GROUP_SIZE=1): each holds a whole replica, gradients
     all-reduced across the replicas; the same weights as one process with twice the batch. The
@@ -182,14 +183,15 @@ def _kill_rank_0_mid_save(doc: dict, path: Path, step: int, rows: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("sharding", ["full"])  # the layout in the id (apr/steps/composition.py)
+def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_one(tmp_path, sharding):
     """2 ranks, full sharding; rank 0 is killed inside step 4's save, with both parts on disk and no
     JSON yet: the save never looks complete. The run resumes in one process (elastic: accumulation
     1 -> 2) from step 2's parts, ends within 1e-6 of the uninterrupted 2-rank run and reads exactly
     its rows, in order."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "max_steps": 8, "save_interval": 2, "keep_last": 5, "eval_interval": 0, "log_interval": 1,
-              "engine": "standard", "sharding": "full", "lr_scheduler": "constant", "warmup_steps": 0}
+              "engine": "standard", "sharding": sharding, "lr_scheduler": "constant", "warmup_steps": 0}
     full = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "full/"})
     _launch(full, tmp_path / "full.json", 2, rows=tmp_path / "full-rows.jsonl")
     doc = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT, training={**common, "output_dir": "run/"})
@@ -207,14 +209,15 @@ def test_a_sharded_run_killed_mid_save_resumes_on_one_rank_as_the_uninterrupted_
 
 
 @pytest.mark.slow
-def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("sharding", ["full"])  # the layout in the id (apr/steps/composition.py)
+def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path, sharding):
     """One process (interleaved engine, accumulation 4) stopped at step 4, resumed on 2 fully sharded
     ranks (the interleaved walk on FSDP2, accumulation 2) to step 8, whose checkpoint is in 2 parts,
     then on 4 ranks as 2 nodes of 2 under hybrid sharding (a 2 x 2 mesh, accumulation 1) to step 12:
     the uninterrupted run's weights to 1e-6 at both steps, its rows in order."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "save_interval": 4, "keep_last": 5, "eval_interval": 0, "gradient_accumulation": 4,
-              "lr_scheduler": "constant", "warmup_steps": 0, "sharding": "full"}
+              "lr_scheduler": "constant", "warmup_steps": 0, "sharding": sharding}
     full = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,
                       training={**common, "max_steps": 12, "output_dir": "full/"})
     _launch(full, tmp_path / "full.json", 1, rows=tmp_path / "full-rows.jsonl")
