@@ -407,9 +407,10 @@ class ModelConfig(_Section):
         ".", description='Only "." (train from scratch, randomly initialised). Start from trained weights '
                          "with init_from; continue a run with `--resume`.")
     init_from: str | None = Field(
-        None, description="Initial weights: a local Hugging Face LLaMA folder (config.json + model.safetensors "
-        "or a sharded model.safetensors.index.json; no .bin) or an apr checkpoint (.json, or a run folder: its "
-        "newest). Its architecture must equal model.architecture (the plan names each difference). "
+        None, description="Initial weights: a local Hugging Face folder of model_type llama, mistral or qwen2 "
+        "(config.json + model.safetensors or a sharded model.safetensors.index.json; no .bin) or an apr checkpoint "
+        "(.json, or a run folder: its newest). From a Hugging Face folder, model.architecture may be left out (its "
+        "keys come from config.json); every key set must agree with the source (the plan names each difference). "
         "Default: random init from training.seed.")
     lora: LoraConfig | None = Field(
         None, description="Train low-rank adapters on a frozen base (needs init_from). With model.stacking: the "
