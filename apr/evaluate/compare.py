@@ -170,7 +170,18 @@ def verify(teacher_src: str | Path, student_src: str | Path, *, batches: int, da
         spans_map = d.block_map if d is not None else None
         ids = (b.to(student.device) for b in shard_batches(data, seq_len=seq_len, batch_size=batch_size,
                                                             batches=batches))
-        return compare_models(teacher.model, student.model, ids, thresholds, spans_map)
+        result = compare_models(teacher.model, student.model, ids, thresholds, spans_map)
     except schedule.MappingError as err:
         raise AprError(f"the student's blocks do not map onto the teacher's: {err}", [Finding(
             "error", "verify.mapping", str(err), file=str(student_src))]) from None
+    if result.batches == 0:  # nothing compared is no evidence: "within every threshold" would be a lie
+        from apr.data.loader import ShardLoader
+
+        rows = ShardLoader(Path(data).expanduser(), seq_len=seq_len, batch_size=batch_size, shuffle=False,
+                           cache_dir=False).num_rows
+        message = (f"{data} holds {rows:,} rows, fewer than one batch of {batch_size:,}: nothing would be "
+                   "compared; give a smaller --batch-size or more data (--data)")
+        raise AprError(message, [Finding("error", "verify.data", "fewer rows than one batch", path="--batch-size",
+                                         file=str(data), expected=f"at least {batch_size:,} rows",
+                                         got=f"{rows:,} rows")])
+    return result
