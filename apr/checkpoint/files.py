@@ -148,8 +148,12 @@ def read_safetensors_header(path: str | os.PathLike) -> dict:
     entries (counted before parsing), and for every tensor a known dtype, a shape of at most
     ``MAX_TENSOR_RANK`` non-negative ints whose bytes are exactly its offsets' span, inside the file.
     A ValueError says what is wrong (a short message: nothing of the header is echoed at length)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO is refused below, never waited on
+    with open(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        size = st.st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError("shorter than a safetensors header")

@@ -15,6 +15,7 @@ from apr.checkpoint.export import (
     EOS_NAMES,  # end-of-text names, most specific first
     merged_weights,
 )
+from apr.checkpoint.files import read_safetensors_header
 from apr.checkpoint.hf_import import architecture_fields, family_problem, unsupported_math, unsupported_message
 from apr.checkpoint.manager import load_latest, read_checkpoint
 from apr.config.schema import AprConfig, Architecture
@@ -217,8 +218,9 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
             got=type(doc).__name__)])
     arch = hf_architecture(doc, cfg_path)
     try:
+        read_safetensors_header(path / "model.safetensors")  # bounded and checked before the library maps it
         tensors = load_file(str(path / "model.safetensors"))
-    except Exception as err:  # SafetensorError
+    except Exception as err:  # SafetensorError, or the header check's ValueError
         raise LoadError(f"{path / 'model.safetensors'} cannot be read: {err}", [Finding(
             "error", "generate.weights", str(err), file=str(path / "model.safetensors"))]) from None
     model = _build(arch, tensors, device, path / "model.safetensors")

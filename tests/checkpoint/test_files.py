@@ -126,3 +126,12 @@ def test_a_real_header_passes_the_checks(tmp_path):
     sha, size = files.write_safetensors(tmp_path / "ok.safetensors", tensors, metadata={"step": "3"})
     header = files.read_safetensors_header(tmp_path / "ok.safetensors")
     assert header["a"]["shape"] == [3, 4] and header["__metadata__"] == {"step": "3"}
+
+
+def test_a_fifo_under_a_weights_name_is_refused_not_waited_on(tmp_path):
+    import os
+
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        files.read_safetensors_header(fifo)

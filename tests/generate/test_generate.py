@@ -134,3 +134,17 @@ def test_an_empty_prompt_and_one_longer_than_the_context_are_refused(tiny_lm, lo
     with pytest.raises(AprError, match="context is 96") as err:
         encode_prompts(loaded, ["ok", " ".join(tiny_lm.lines)])
     assert err.value.findings[0].path == "prompt 2"
+
+
+def test_a_hostile_safetensors_header_in_an_hf_folder_is_refused_before_the_library_reads_it(untrained_lm,
+                                                                                             tmp_path):
+    import shutil
+    import struct
+
+    folder = tmp_path / "hf"
+    shutil.copytree(untrained_lm.hf_dir, folder)
+    head = b'{"a":[' + b"[]," * 1_000_000 + b"[]]}"  # a million lists: gigabytes once parsed
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head)
+    with pytest.raises(AprError) as err:
+        load_for_inference(folder)
+    assert "more than 100000 tensors" in str(err.value)
