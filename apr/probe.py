@@ -18,6 +18,7 @@ A layer of its own above ``apr.train`` (like ``apr.lrfind``): the plan package s
 
 from __future__ import annotations
 
+import os
 import platform
 import resource
 import statistics
@@ -38,6 +39,7 @@ from apr.threads import apply_thread_policy
 from apr.track.calibration import host_cpu_name
 from apr.train import build as engine_build
 from apr.train import engine as engine_module
+from apr.train.calibrate import compile_seconds
 
 STARTUP_MAX_S = 300.0  # longer since the process started: it is not a CLI's start-up
 TRANSIENT = ("activation_checkpoints", "kept_activations", "block_activations", "logits_chunk", "inputs")
@@ -113,7 +115,22 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
     The probe runs at the intra-op threads one of ``world_size`` ranks would get (apr/threads.py),
     and records them with the load average before it started."""
     device = _resolve(config)
+    # inductor points TORCHINDUCTOR_CACHE_DIR at its own default when it first compiles: the plan
+    # this probe serves then looks at the cache apply would use, not at that one (issue 54 item 8)
+    user_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        return _run_probe(config, device, execution_policy, modelled, steps, world_size)
+    finally:
+        if user_cache is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = user_cache
+
+
+def _run_probe(config, device, execution_policy: dict, modelled: dict[str, int], steps: int,
+               world_size: int) -> dict:
     thread_choice = apply_thread_policy(config, world_size)
+    began = time.time()
     arch = config.model.architecture
     execution = Execution.from_dict(execution_policy, arch.num_hidden_layers)
     phase, step = "building the engine", 0
@@ -171,7 +188,10 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
                            got=type(err).__name__) from None
     tokens = config.data.batch_size * config.data.seq_len * config.training.gradient_accumulation
     step_s = statistics.median(times)
-    startup = ready_at - STARTED_AT + max(0.0, warmup_s - step_s)
+    # compiling (block 0 at engine build, the first step's graphs) is its own term, not start-up
+    compiled = compile_seconds(began, only_after=True)  # an earlier probe in this process compiled its own
+    cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    startup = max(0.0, ready_at - STARTED_AT + max(0.0, warmup_s - step_s) - compiled["seconds"])
     if ready_at - STARTED_AT > STARTUP_MAX_S:  # a long-lived process (a notebook): not apply's start-up
         startup = None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
@@ -190,4 +210,6 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
         "transient_how": how, "modelled_transient_bytes": modelled_transient, "peak_rss_bytes": int(rss),
         "seconds": time.perf_counter() - t_start, "startup_seconds": startup,
         "threads": thread_choice["threads"], "thread_choice": thread_choice, "load": thread_choice["load"],
+        **({"compile_seconds": compiled["seconds"], "compile_cache": compiled["cache"], "compile_cache_dir": cache_dir}
+           if compiled["seconds"] > 0 else {}),
     }

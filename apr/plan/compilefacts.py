@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from apr import hardware
 from apr.config.schema import AprConfig
-from apr.fmt import fmt_giga
+from apr.fmt import fmt_giga, fmt_percent, fmt_seconds
 from apr.plan import gpus
 from apr.plan.gpus import Target
 from apr.plan.memory import memory_table
@@ -81,9 +81,45 @@ def decide(config: AprConfig, facts: dict, target: Target | None, total_steps: i
     problem = policy.compile_problem(device)
     if problem is not None and device == "cuda":  # planned elsewhere: apply decides again on the GPU box
         problem += " here; apply decides again on the machine it runs on"
+    warm, _why = cache_state(compiled)
+    if (measured is not None and measured <= 0 and problem is None and total_steps and step_s
+            and config.training.execution.compile == "auto"):
+        # compiled steps measured no faster: no saving to weigh against compiling (not "x -92% saved")
+        return CompileDecision(False, "auto", f"compiled steps measured {fmt_percent(-measured)} slower than eager "
+                               f"ones ({fmt_seconds(compiled['step_seconds'])} against "
+                               f"{fmt_seconds(eager['step_seconds'])} a step, measured by probes or runs of both)",
+                               device=device, steps=total_steps, step_seconds=step_s, saving=measured,
+                               saving_source="measured by probes of both", saved_seconds=0.0,
+                               cache="warm" if warm else "cold")
     return policy.decide_compile(config, device=device, total_steps=total_steps, step_seconds=step_s,
-                                 step_basis=basis, measured_saving=measured,
-                                 cache_warm=compile_cache_warm(), problem=problem)
+                                 step_basis=basis, measured_saving=measured, cache_warm=warm, problem=problem)
+
+
+def cache_state(compiled: dict | None) -> tuple[bool, str]:
+    """Whether inductor's cache is warm for this shape, checked rather than assumed: the folder apply
+    compiles into holds compiled graphs, and a compiled probe or run of this shape (``compiled``,
+    its calibration summary) recorded filling that folder. Anything else is cold: an empty folder,
+    one of another shape's graphs, a tmp cleaner's leftovers. Returns (warm, why)."""
+    folder = compile_cache_dir()
+    if not compile_cache_warm(folder):
+        return False, f"{folder} holds no compiled graphs"
+    dirs = ((compiled or {}).get("compile") or {}).get("dirs") or []
+    if str(folder) not in dirs:
+        return False, f"no compiled probe or run of this shape filled {folder}"
+    return True, f"{folder} holds this shape's graphs"
+
+
+def compile_term(device: str, compiled: dict | None) -> dict:
+    """The time compiling adds to a compiled run, its own term of the estimate (never step time):
+    what compiled probes and runs of this shape measured at this cache state, else the assumed
+    cost of the device (apr/steps/execution.py ``COMPILE_COST_S``)."""
+    warm, why = cache_state(compiled)
+    cache = "warm" if warm else "cold"
+    seconds = ((compiled or {}).get("compile") or {}).get(cache)
+    source = "measured by compiled probes or runs of this shape" if seconds else "assumed for the device"
+    if not seconds:
+        seconds = policy.COMPILE_COST_S.get(device, policy.COMPILE_COST_S["cpu"])[cache]
+    return {"seconds": seconds, "cache": cache, "cache_why": why, "source": source}
 
 
 def record(sheet, config: AprConfig, ranked: AprConfig, decision: CompileDecision) -> None:

@@ -177,6 +177,10 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
     compilefacts.record(sheet, config, ranked, decision)
     if auto and decision.compile and compiled_cal is not None:  # else the eager rate: a cautious estimate
         calibrated = compiled_cal
+    compiling = None  # a compiled run's compile time: its own term, never in the measured step time
+    if facts["execution"]["policy"].get("compile"):
+        compiled_summary = compiled_cal if auto else calibrated
+        compiling = compilefacts.compile_term(compilefacts.compile_device(config, target), compiled_summary)
     if skipped:  # malformed rows were left out: the plan says which
         facts["calibration_skipped"] = skipped
     if calibrated is not None:
@@ -184,11 +188,11 @@ def all_facts(config: AprConfig, *, world_size: int, target: Target | None, node
         if tokens is not None:  # measured beats assumed: the probe's or the runs' tokens/s on this device
             sheet.time_estimate = calibrated_estimate(
                 config, tokens, facts["model"]["flops_per_token"], calibrated, world_size, basis,
-                facts["execution"]["cost_f"], facts["threads"])
+                facts["execution"]["cost_f"], facts["threads"], compiling=compiling)
             facts["time"] = {k: sheet.time_estimate[k] for k in (
                 "estimated_seconds", "total_flops", "calibrated", "low_seconds", "high_seconds", "base_seconds",
                 "base_kind", "startup_seconds", "tokens_per_s", "loop_tokens_per_s", "tokens_per_s_low",
-                "tokens_per_s_high", "assumes")}
+                "tokens_per_s_high", "assumes", "compile_seconds", "compile") if k in sheet.time_estimate}
     facts["storage"] = storage_facts(config, total_steps, (sheet.time_estimate or {}).get("estimated_seconds"),
                                      world_size)
     if tr.price_per_gpu_hour is not None:
@@ -233,7 +237,8 @@ def validations(config: AprConfig, total_steps: int) -> int:
 
 
 def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal: dict, world_size: int, basis: str,
-                        cost_f: float, threads_choice: dict, load_now: float | None = None) -> dict:
+                        cost_f: float, threads_choice: dict, load_now: float | None = None,
+                        compiling: dict | None = None) -> dict:
     """Wall time from measured tokens/s, with a range (docs/plan.md, "The time estimate's range").
 
     point = (compute + validation + start-up) x the runs' correction x the load change, where
@@ -241,7 +246,9 @@ def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal:
     at the probe's step rate (a forward is 1 of the step's ``cost_f`` forward-equivalents), and
     start-up is the probe's own (imports, plan, engine). The range is point x exp(+-w), w the root
     sum of squares of: the basis's spread (probe steps or runs), the correction's spread, the load
-    (``LOAD_WEIGHT`` x log contention at the busier of calibration time and now) and a floor."""
+    (``LOAD_WEIGHT`` x log contention at the busier of calibration time and now) and a floor.
+    ``compiling`` (compiled blocks; apr/plan/compilefacts.py ``compile_term``): what compiling
+    costs at the cache's state, added as its own term, outside the measured rate and the range."""
     tr = config.training
     tokens_per_step = config.data.batch_size * config.data.seq_len * tr.gradient_accumulation * world_size
     total_steps = max(1, tokens // max(1, tokens_per_step))
@@ -265,6 +272,7 @@ def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal:
     c_cal, c_now = threads.contention(load_cal, n, cores), threads.contention(load_now, n, cores)
     load_factor = c_now / c_cal if load_cal is not None and load_now is not None else 1.0
     point = (compute + evaluation) * factor * load_factor + startup * factor
+    compile_s = compiling["seconds"] if compiling else 0.0
     widths = {"basis": cal.get("spread") or 0.0, "correction": correction.get("spread", 0.0),
               "load": LOAD_WEIGHT * math.log(max(c_cal, c_now)), "floor": RANGE_FLOOR}
     w = math.sqrt(sum(v * v for v in widths.values()))
@@ -277,8 +285,9 @@ def calibrated_estimate(config: AprConfig, tokens: int, flops_per_tok: int, cal:
         "calibrated": True, "tokens": tokens, "flops_per_token": flops_per_tok,
         "total_flops": tokens * flops_per_tok, "tokens_per_s": rate, "gpus": world_size, "basis": basis,
         "compute_seconds": compute, "evaluation_seconds": evaluation, "startup_seconds": startup,
-        "base_seconds": base, "base_kind": cal["basis"], "estimated_seconds": point,
-        "low_seconds": point * math.exp(-w), "high_seconds": point * math.exp(w), "range_log_width": w,
+        "base_seconds": base, "base_kind": cal["basis"], "estimated_seconds": point + compile_s,
+        "low_seconds": point * math.exp(-w) + compile_s, "high_seconds": point * math.exp(w) + compile_s,
+        "range_log_width": w, **({"compile_seconds": compile_s, "compile": compiling} if compiling else {}),
         "range_widths": widths, "tokens_per_s_low": loop_rate * math.exp(-w), "tokens_per_s_high":
         loop_rate * math.exp(w), "loop_tokens_per_s": loop_rate, "assumes": assumes,
         "calibration": f"calibrated from {cal['what']} on {cal['date']} ({cal['device_name']})"}

@@ -390,6 +390,9 @@ def _calibrated_time_lines(te: dict, facts: dict) -> list[str]:
     a = te.get("assumes") or {}
     extra = "".join(f" + {te[k]:.1f} s {what}" for k, what in (("evaluation_seconds", "validation"),
                                                                 ("startup_seconds", "start-up")) if te.get(k))
+    if te.get("compile"):  # compiled blocks: compiling is its own term, never step time
+        c = te["compile"]
+        extra += f" + {c['seconds']:.1f} s compiling ({c['cache']} cache: {c['source']})"
     out = [f"  {format_count(te['tokens'])} tokens (from {te['basis']}) at {fmt_number(te['tokens_per_s'])} "
            f"tokens/s measured x {te['gpus']} process{'es' if te['gpus'] != 1 else ''}{extra}"]
     if "low_seconds" not in te:  # a plan file from before the range

@@ -70,12 +70,15 @@ def compile_cache_dir() -> Path:
 
 
 def compile_cache_warm(folder: Path | None = None) -> bool:
-    """Whether the compile cache holds anything yet (a first run on this machine pays the cold cost)."""
+    """Whether the compile cache holds compiled graphs (a file in inductor's ``fxgraph`` or
+    ``aotautograd`` cache); an empty folder, or one of only locks and empty folders, is cold (a
+    first run on this machine pays the cold cost)."""
     folder = folder if folder is not None else compile_cache_dir()
-    try:
-        return folder.is_dir() and any(folder.iterdir())
-    except OSError:
-        return False
+    for sub in ("fxgraph", "aotautograd"):
+        for _dirpath, _dirnames, filenames in os.walk(folder / sub):
+            if filenames:
+                return True
+    return False
 
 
 def global_db_path(home: Path | None = None) -> Path:

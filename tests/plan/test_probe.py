@@ -123,3 +123,29 @@ def test_a_finished_run_calibrates_the_next_plan_with_its_own_throughput(tmp_pat
     assert "calibrated from 1 run on" in text
     shown = runner.invoke(app, ["calibration", "show", str(row["id"])])
     assert shown.exit_code == 0 and f"from run {result.run_id}" in shown.stdout
+
+
+def test_a_probe_plan_does_not_claim_a_warm_compile_cache_torch_s_default_folder_holds(tmp_path):
+    """Torch points TORCHINDUCTOR_CACHE_DIR at its own /tmp folder when the probe imports inductor;
+    the plan after the probe still judges the cache apply compiles into (apr's, here empty), never
+    that one (issue 54 item 8)."""
+    import getpass
+    import os
+    import subprocess
+    import sys
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"execution": {"activations": "keep", "gradients": "kept",
+                                                         "compile": "auto"}, "max_steps": 12})
+    tmp = tmp_path / "tmp"
+    torch_default = tmp / f"torchinductor_{getpass.getuser()}" / "fxgraph" / "ab"
+    torch_default.mkdir(parents=True)
+    (torch_default / "graph").write_bytes(b"someone else's graph")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(TMPDIR=str(tmp), APR_HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, "-m", "apr", "train", "plan", str(cfg), "--probe", "--probe-steps", "1",
+                           "--json"], capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    decision = json.loads(proc.stdout)["facts"]["execution"]["compile"]
+    assert decision["cache"] == "cold", decision
+    assert decision["cache_dir"] == str(tmp_path / "home" / "cache" / "inductor")

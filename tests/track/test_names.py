@@ -67,7 +67,10 @@ def test_the_compile_cache_lives_in_apr_home_unless_inductor_is_told_otherwise(t
     assert folder == tmp_path / "home" / "cache" / "inductor" and not compile_cache_warm()
     folder.mkdir(parents=True)
     assert not compile_cache_warm()  # an empty folder: a first compile still pays the cold cost
-    (folder / "fxgraph").mkdir()
+    (folder / "fxgraph" / "ab").mkdir(parents=True)
+    (folder / "locks").mkdir()
+    assert not compile_cache_warm()  # folders and locks, no compiled graph: still cold
+    (folder / "fxgraph" / "ab" / "entry").write_bytes(b"graph")
     assert compile_cache_warm()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compile_cache_dir() == tmp_path / "mine"
