@@ -46,10 +46,11 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
                            expected=expected, got=got))
 
     walk_problem = _flat_walk_problem(config)
-    if str(config.optimizer.name) != "adamw" and walk_problem is not None:
-        finding(("optimizer", "name"), f"optimizer {config.optimizer.name} updates the flat buffers of the "
-                f"interleaved engine's walk, which {walk_problem} does not use",
-                "adamw, or training.engine: interleaved without sharding", str(config.optimizer.name))
+    if str(config.optimizer.name) != "adamw" and str(tr.sharding) != "none":
+        finding(("optimizer", "name"), f"optimizer {config.optimizer.name} updates whole optimizer groups (the "
+                f"walk's flat buffers, or autograd's groups gathered); under training.sharding: {tr.sharding} each "
+                "rank holds shards of them, and SWATS's switch needs dot products over whole groups",
+                "adamw, or training.sharding: none", str(config.optimizer.name))
     if not orch.enabled:
         return out
     if str(config.optimizer.name) != "adamw":

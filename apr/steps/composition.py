@@ -92,8 +92,8 @@ FEATURES: list[Feature] = [
     }),
     Feature("SGD / SWATS updaters", {
         "one": tested("tests/train/test_updaters.py::test_swats_resumes_exactly_across_its_switch",
-                      note="the walk only; refused on autograd: "
-                           "tests/train/test_updaters.py::test_sgd_and_swats_are_refused_on_the_autograd_engine"),
+                      "tests/train/test_updaters.py::test_sgd_and_swats_on_autograd_train_as_on_the_walk_and_resume",
+                      note="the walk, and autograd through GroupedUpdates"),
         "ddp": not_tested("the walk's update is per rank, as AdamW's"),
         "full": refused(_SHARDS_NO_SGD),
         "hybrid": refused(_SHARDS_NO_SGD),

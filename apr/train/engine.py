@@ -96,9 +96,9 @@ class Engine:
         self.chunk_size = tr.loss_chunk_size
         self.grad_clip = tr.grad_clip
         self.updater = make_updater(config.optimizer, backend)  # the update part (apr/train/updaters.py)
-        if self.updater.name != "adamw" and (self.source != "interleaved" or self.sharded):
-            raise AprError(f"optimizer.name {self.updater.name} updates the flat buffers of the interleaved "
-                           "engine's walk; this run's gradient source does not use them (see apr train validate)")
+        if self.updater.name != "adamw" and self.sharded:
+            raise AprError(f"optimizer.name {self.updater.name} updates whole optimizer groups; under "
+                           "training.sharding each rank holds shards of them (see apr train validate)")
         self.optimizer_steps = 0  # updates applied (fp16 overflow steps are not counted)
         self.adagc = tr.adagc
         # AdaGC: per tensor, an EMA of its clipped gradient norm (float32, on the device), one vector
@@ -758,7 +758,7 @@ class StandardEngine(Engine):
             if self.adagc_ema:
                 self.adagc_ema[LOSS_GROUP] = torch.zeros(len(extra), device=device)
         decay_names = {s.name for _, specs in group_specs(config) for s in specs if s.decay}
-        self.updater.bind(self.named, decay_names, device)
+        self.updater.bind(self.named, decay_names, device, groups=self.groups)
         self.idle_groups: set[str] = set()  # groups the last step gave no gradient (apr/train/blocknorms.py)
         self.trunk = bool(spec.trunk_specs(config))  # a transformed stacking trunk, outside the groups
 

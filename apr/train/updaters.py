@@ -12,7 +12,8 @@ finished gradient into new weights, apart from where the gradient came from.
 Its moments are ``exp_avg`` / ``exp_avg_sq`` (checkpointed as ``optimizer.m.`` / ``optimizer.v.``):
 in the buffer plan's flat buffers for the walk, in ``torch.optim.AdamW``'s per-parameter state for
 the autograd sources and the sharded walk (``moments`` / ``set_moments``). Another optimizer (SGD,
-SWATS) is another class with these methods; the engines call nothing else.
+SWATS) implements ``update_flat`` and inherits ``bind`` / ``step`` from ``GroupedUpdates``: every
+updater has both interfaces, so each runs on every unsharded source; the engines call nothing else.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class AdamW:
 
     # ------------------------------------------------------------------ named parameters, after a backward
 
-    def bind(self, named: dict[str, torch.Tensor], decay_names: set[str], device: torch.device) -> None:
+    def bind(self, named: dict[str, torch.Tensor], decay_names: set[str], device: torch.device,
+             groups: list[tuple[str, list[torch.Tensor]]] | None = None) -> None:
         """Hold torch's AdamW over these parameters: decayed ones, then the rest without decay."""
         params = list(named.items())
         self.optimizer = torch.optim.AdamW(
@@ -109,12 +111,82 @@ class AdamW:
             state["step"].fill_(float(step))
 
 
-# The SGD and SWATS updaters (docs/design.md, "Orchestrated training"): the flat-buffer walk only
-# (validate refuses them elsewhere: apr/plan/orchestratefacts.py). Both keep their momentum in the
-# walk's first-moment buffer, so they need no memory AdamW does not already have.
+class GroupedUpdates:
+    """``bind`` / ``step`` for an updater whose update is ``update_flat`` (SGD, SWATS): after an
+    autograd backward, one optimizer group at a time in the walk's group order, the group's weights
+    and gradients gathered into flat float32 tensors, its moments kept flat per group (per-parameter
+    views for checkpoints): the walk's update, element for element, on the autograd source. One
+    process or DDP (every rank holds whole groups); sharded state is refused by validate."""
+
+    optimizer = None  # no torch.optim object: apr/train/blocknorms.py reads the groups' moments instead
+
+    def bind(self, named: dict[str, torch.Tensor], decay_names: set[str], device: torch.device,
+             groups: list[tuple[str, list[torch.Tensor]]] | None = None) -> None:
+        from apr.kernels.interface import DecayRanges  # the walk's own description of decayed elements
+
+        names = {id(p): n for n, p in named.items()}
+        self._groups: list[tuple[str, list[torch.Tensor], DecayRanges, torch.Tensor, torch.Tensor]] = []
+        self._views: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
+        self._decayed: dict[int, bool] = {}
+        self._steps: dict[str, int] = {}
+        self._frozen: set[int] = set()
+        for gname, params in groups or [("all", list(named.values()))]:
+            decay = DecayRanges.from_segments([(p.numel(), names.get(id(p)) in decay_names) for p in params])
+            total = sum(p.numel() for p in params)
+            m = torch.zeros(total, dtype=torch.float32, device=device)
+            v = torch.zeros(total, dtype=torch.float32, device=device)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                self._views[id(p)] = (gname, m[offset:offset + n].view_as(p), v[offset:offset + n].view_as(p))
+                self._decayed[id(p)] = names.get(id(p)) in decay_names
+                offset += n
+            self._groups.append((gname, params, decay, m, v))
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for gname, params, decay, m, v in self._groups:
+            if all(id(p) in self._frozen for p in params) or any(p.grad is None for p in params):
+                continue  # frozen, or no gradient this step (distillation's other blocks)
+            flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+            grad = torch.cat([p.grad.reshape(-1).float() for p in params])
+            self._steps[gname] = self._steps.get(gname, 0) + 1
+            self.update_flat(flat, grad, m, v, lr=lr, step=self._steps[gname], decay=decay, group=gname)
+            torch._foreach_copy_([p.data for p in params],
+                                 [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params,
+                                                               strict=True)])
+
+    def freeze(self, params: list[torch.Tensor]) -> None:
+        self._frozen.update(id(p) for p in params)
+
+    def weight_decay_of(self) -> dict[torch.Tensor, float]:
+        return {p: (self.weight_decay if self._decayed[id(p)] else 0.0) for _, ps, *_ in self._groups for p in ps}
+
+    def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        _, m, v = self._views[id(p)]
+        return m, v
+
+    def set_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float) -> None:
+        gname, m, v = self._views[id(p)]
+        m.copy_(exp_avg)
+        v.copy_(exp_avg_sq)
+        self._steps[gname] = int(step)
+
+    def steps_of(self, p: torch.Tensor) -> int | None:
+        return self._steps.get(self._views[id(p)][0])
+
+    def set_steps(self, p: torch.Tensor, step: float) -> None:
+        self._steps[self._views[id(p)][0]] = int(step)
 
 
-class SGD:
+# The SGD and SWATS updaters (docs/design.md, "Orchestrated training"): on the flat-buffer walk they
+# update each group's flat buffers in the walk; on autograd (one process or DDP) ``GroupedUpdates``
+# gathers each group and calls the same ``update_flat``. Sharded state is refused (validate:
+# apr/plan/orchestratefacts.py). Both keep their momentum in AdamW's first-moment buffer, so they
+# need no memory AdamW does not already have.
+
+
+class SGD(GroupedUpdates):
     """SGD with momentum ``beta1`` kept as an EMA of the gradient (dampening 1 - beta1): the same
     quantity, in the same buffer, as AdamW's first moment, so the orchestrator can switch between
     the two at any step without a cold start. Decoupled weight decay ``lr x weight_decay``."""
@@ -155,7 +227,7 @@ class SGD:
         pass
 
 
-class SWATS:
+class SWATS(GroupedUpdates):
     """SWATS (Keskar & Socher 2017, "Improving Generalization Performance by Switching from Adam to
     SGD"), per optimizer group (a block: the paper's per-layer variant, which is what the walk's
     one-group-at-a-time update can do).

@@ -4,13 +4,16 @@ AdamW, a frozen parameter is left alone, and adopted moments continue the bias c
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from apr.config.schema import OptimizerConfig
 from apr.kernels import get_backend
 from apr.kernels.interface import DecayRanges
+from apr.plan.examples import to_yaml
 from apr.steps.resolved import resolve as plan_of
 from apr.train.updaters import AdamW
+from tests.train.tiny import make_config
 
 OPT = OptimizerConfig(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -165,15 +168,58 @@ def test_swats_resumes_exactly_across_its_switch():
     assert resumed.meta_state()["swats"] == straight.meta_state()["swats"]
 
 
-def test_sgd_and_swats_are_refused_on_the_autograd_engine():
-    import pytest
+@pytest.mark.parametrize("name", ["sgd", "swats"])
+def test_sgd_and_swats_on_autograd_train_as_on_the_walk_and_resume(name):
+    """One updater interface: on autograd (engine: standard) SGD and SWATS gather each optimizer
+    group and run the walk's own update, so both sources end at the same weights and moments, and
+    SWATS switches at the same step; a checkpoint taken mid-way resumes bitwise."""
+    import json
 
-    from apr.errors import AprError
     from apr.train.build import build_engine
-    from tests.train.tiny import make_config
+    from tests.train.tiny import batches, make_config
 
-    with pytest.raises(AprError, match="interleaved engine's walk"):
-        build_engine(plan_of(make_config(optimizer={"name": "sgd"}, training={"engine": "standard"})))
+    def config(engine):
+        return make_config(optimizer={"name": name, "swats_min_steps": 4, "swats_tolerance": 1e6},
+                           training={"engine": engine, "grad_clip": None})
+
+    data = batches(config("standard"), 8, seed=5)
+    walk, auto = build_engine(plan_of(config("interleaved"))), build_engine(plan_of(config("standard")))
+    for b in data:
+        walk.train_step([b], lr=1e-2)
+        auto.train_step([b], lr=1e-2)
+    a, w = auto.train_state_tensors(), walk.train_state_tensors()
+    assert set(a) == set(w)
+    worst = max(((a[k] - w[k]).abs().max() / w[k].abs().max().clamp_min(1e-30)).item() for k in w)
+    assert worst <= 1e-5, worst  # the same update; the gradients differ in summation order only
+    if name == "swats":
+        assert set(auto.updater.switched().values()) == set(walk.updater.switched().values()) == {5}
+    first = build_engine(plan_of(config("standard")))
+    for b in data[:3]:
+        first.train_step([b], lr=1e-2)
+    saved = {k: v.clone() for k, v in first.train_state_tensors().items()}
+    meta = json.loads(json.dumps(first.meta_state()))
+    resumed = build_engine(plan_of(config("standard")), seed=99)
+    resumed.load_train_state_tensors(saved)
+    resumed.load_meta_state(meta)
+    for b in data[3:]:
+        resumed.train_step([b], lr=1e-2)
+    r = resumed.train_state_tensors()
+    assert all(torch.equal(r[k], a[k]) for k in a)
+
+
+def test_validate_refuses_sgd_only_on_sharded_state(tmp_path):
+    from apr.config.loader import load_config
+    from apr.plan.orchestratefacts import orchestrator_findings
+
+    def findings(training):
+        path = tmp_path / "cfg.yaml"
+        path.write_text(to_yaml({**make_config().model_dump(mode="json"), "optimizer": {"name": "sgd"},
+                                 "training": {**make_config().training.model_dump(mode="json"), **training}}))
+        return [f for f in orchestrator_findings(load_config(path), 10) if f.path == "optimizer.name"]
+
+    assert findings({"engine": "standard"}) == []  # autograd runs it (GroupedUpdates)
+    (refusal,) = findings({"sharding": "full", "world_size": 2})
+    assert refusal.severity == "error" and "training.sharding: full" in refusal.message
 
 
 def test_sgd_writes_nothing_on_a_flagged_step_without_reading_the_flag_on_the_host():
