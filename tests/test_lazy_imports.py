@@ -166,6 +166,7 @@ VALIDATE_APR_MODULES = {
     "apr.errors", "apr.fmt", "apr.model.buffers", "apr.severity",
     "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
+    "apr.quoting",  # what an error may quote of a file (every reader's error rendering)
     "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.strategy", "apr.track", "apr.track.alerts",
     "apr.steps.stacking",
     "apr.track.state",

@@ -13,7 +13,6 @@ from apr.cli.render import print_findings
 from apr.cli.table import text_table
 from apr.fmt import fmt_duration, fmt_setting, safe_text
 from apr.fsutil import check_output_folder
-from apr.sweep.spec import MAX_TRIALS
 
 CONFIG_HELP = "Base config (overrides the sweep file's `config:` key)."
 DIR_HELP = "The sweep's folder: storage, trials' runs, reports (default: output_dir of the file, else sweeps/NAME)."
@@ -41,8 +40,7 @@ def register(app: typer.Typer) -> None:
     def run(
         sweep: Path = typer.Argument(..., show_default=False, help="The sweep file (W&B sweep format)."),
         config: Path | None = typer.Option(None, "--config", help=CONFIG_HELP),
-        count: int | None = typer.Option(None, "--count", min=1, max=MAX_TRIALS,
-                                         help="Trials in all (overrides run_cap)."),
+        count: int | None = typer.Option(None, "--count", min=1, help="Trials in all (overrides run_cap)."),
         workers: int = typer.Option(1, "--workers", min=1, max=64, help="Worker processes on this machine."),
         storage: str | None = typer.Option(None, "--storage", metavar="URL", help=STORAGE_HELP),
         folder: Path | None = typer.Option(None, "--dir", help=DIR_HELP),
@@ -89,8 +87,7 @@ def register(app: typer.Typer) -> None:
         sample: int | None = typer.Option(None, "--sample", min=1, max=10_000,
                                           help="Plan N trials drawn by the sweep's sampler (default: a grid's every "
                                                "point, else 20)."),
-        count: int | None = typer.Option(None, "--count", min=1, max=MAX_TRIALS,
-                                         help="Trials in all (overrides run_cap)."),
+        count: int | None = typer.Option(None, "--count", min=1, help="Trials in all (overrides run_cap)."),
         gpu: str | None = typer.Option(None, "--gpu", help="Target GPU: memory check, time and cost per trial."),
         vram: str | None = typer.Option(None, "--vram", help="Target VRAM for the memory check."),
         price: float | None = typer.Option(None, "--price", min=0.0, help="Price of one GPU-hour (cost per trial)."),

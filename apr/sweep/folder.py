@@ -14,13 +14,19 @@ unless its storage holds this very sweep (a folder of a version before the recor
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import sqlite3
 import tempfile
 from pathlib import Path
+from urllib.parse import quote
 
+from apr.config import load_config
+from apr.config.paths import output_dir_problems
 from apr.errors import AprError, Finding
 from apr.fsutil import atomic_write_bytes, check_output_file, output_write_error
+from apr.readers import load_json, read_text
 from apr.sweep.spec import SweepError, SweepSpec
 
 MARKER = ".apr-sweep.json"
@@ -28,6 +34,8 @@ MARKER_FORMAT = "apr-sweep-folder"
 # What `apr sweep run` writes into its folder (the reports' names: apr.sweep.results.REPORT_FILES)
 SWEEP_NAMES = ("study.db", "trials", "best.yaml", "importance.json", "metric_vs_params.svg", "best-run",
                ".sweep.lock")
+# The reports `apr sweep run` writes when it ends (apr/sweep/results.py)
+REPORT_FILES = {"best_config": "best.yaml", "importance": "importance.json", "plot": "metric_vs_params.svg"}
 # What marks a folder as a training run's (apr/train/outdir.py)
 RUN_NAMES = ("training_state.json", ".apr-run.lock", "plan.json")
 
@@ -52,9 +60,6 @@ def folder_problems(spec: SweepSpec, folder: Path, given: str | Path | None = No
     """Every reason ``folder`` can never be this sweep's folder, as findings at ``--dir`` or the
     file's ``output_dir``. Needs the base config (its data paths); none when it cannot be loaded
     (check_base names that)."""
-    from apr.config import load_config
-    from apr.config.paths import output_dir_problems
-
     key, file, line, column = _where(spec, given)
     out: list[Finding] = []
 
@@ -104,8 +109,6 @@ def identity(spec: SweepSpec) -> dict:
 
 def read_marker(folder: Path) -> dict | None:
     """The folder's sweep record, or None when there is none; a record that is not one raises."""
-    from apr.readers import load_json
-
     path = folder / MARKER
     if not os.path.lexists(path):
         return None
@@ -127,9 +130,6 @@ def _legacy_own(spec: SweepSpec, folder: Path) -> bool:
     db = folder / "study.db"
     if not db.is_file():
         return False
-    import sqlite3
-    from urllib.parse import quote
-
     try:
         conn = sqlite3.connect(f"file:{quote(str(db.resolve()))}?mode=ro", uri=True, timeout=5.0)
         try:
@@ -187,8 +187,6 @@ def claim_folder(spec: SweepSpec, folder: Path, given: str | Path | None = None)
                       f"{doc.get('sweep_file')!s:.200}); two sweeps never share a folder: their trials' runs, "
                       "storage and reports would mix", "a folder of this sweep's own (another --dir or output_dir)",
                       f"sweep {doc.get('sweep')!s:.60}'s folder", "sweep.folder_in_use")
-    from apr.sweep.results import REPORT_FILES, is_own_report
-
     for name in REPORT_FILES.values():
         path = folder / name
         if os.path.lexists(path) and not is_own_report(path, spec):
@@ -196,11 +194,33 @@ def claim_folder(spec: SweepSpec, folder: Path, given: str | Path | None = None)
                           "it", f"no {name} but this sweep's own", "another file", "sweep.folder_in_use")
 
 
+def is_own_report(path: Path, spec: SweepSpec) -> bool:
+    """Whether ``path`` is a report this sweep wrote (best.yaml, importance.json, the plot): the only
+    file of those names `apr sweep run` replaces."""
+    try:
+        text = read_text(path, "manifest", "sweep report")
+    except AprError:  # a folder, a FIFO, a device, a symlink loop, too large, not UTF-8
+        return False
+    if path.name == REPORT_FILES["best_config"]:
+        first = text.split("\n", 1)[0]
+        return first.startswith("# the best trial (") and f") of sweep {spec.name}, on " in first
+    if path.name == REPORT_FILES["importance"]:
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            return False
+        return (isinstance(doc, dict) and doc.get("evaluator") == "fanova"
+                and doc.get("sweep", spec.name) == spec.name)
+    if path.name == REPORT_FILES["plot"]:
+        head = text.split("\n", 2)
+        return (len(head) > 1 and head[0].startswith("<svg xmlns=")
+                and f">sweep {html.escape(spec.name)}:" in head[1])
+    return False
+
+
 def write_report(path: Path, text: str, spec: SweepSpec) -> Path:
     """The one write of a sweep report: refused over anything but this sweep's own earlier report (a
     user's file of that name, a symlink, a FIFO, a device, apr's records), atomic, an OSError named."""
-    from apr.sweep.results import is_own_report
-
     if os.path.lexists(path) and not is_own_report(path, spec):
         raise SweepError(f"{path} is not a report of sweep {spec.name}; apr will not replace it", [Finding(
             "error", "sweep.folder_in_use", "not a report this sweep wrote; apr will not replace it", path="--dir",

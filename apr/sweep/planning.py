@@ -14,8 +14,9 @@ from typing import Any
 from apr.config import load_config
 from apr.errors import AprError, ConfigError, Finding
 from apr.plan.build import build_plan
+from apr.sweep.folder import check_folder
 from apr.sweep.space import grid_size, make_sampler, suggest
-from apr.sweep.spec import Param, SweepError, SweepSpec, quantize
+from apr.sweep.spec import Param, SweepError, SweepSpec, check_count, quantize
 
 
 def sweep_dir(spec: SweepSpec, given: str | Path | None = None) -> Path:
@@ -167,8 +168,7 @@ def plan_sweep(spec: SweepSpec, *, sample: int | None = None, count: int | None 
     nothing is written). ``settings``: extra config settings for every trial (--price)."""
     import optuna
 
-    from apr.sweep.folder import check_folder
-
+    check_count(count)
     base = check_base(spec)
     check_folder(spec, sweep_dir(spec))  # the folder `apr sweep run` would write: refused now, not then
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -16,7 +16,7 @@ from typing import Any
 
 from apr.config import load_config
 from apr.plan.examples import to_yaml
-from apr.sweep.folder import write_report
+from apr.sweep.folder import REPORT_FILES, write_report
 from apr.sweep.planning import trial_dir
 from apr.sweep.spec import Param, SweepSpec
 
@@ -100,7 +100,6 @@ def status_doc(study, spec: SweepSpec, folder: Path, url: str, budget: int | Non
             "files": {k: str(folder / v) for k, v in REPORT_FILES.items() if (folder / v).exists()}}
 
 
-REPORT_FILES = {"best_config": "best.yaml", "importance": "importance.json", "plot": "metric_vs_params.svg"}
 
 
 def write_best_config(spec: SweepSpec, base: Path, best: dict, folder: Path) -> Path:
@@ -113,31 +112,6 @@ def write_best_config(spec: SweepSpec, base: Path, best: dict, folder: Path) -> 
     path = folder / REPORT_FILES["best_config"]
     return write_report(path, f"# the best trial ({best['number']}, {spec.metric} {best['value']!r}) of sweep "
                               f"{spec.name}, on {base}\n" + to_yaml(loaded.raw), spec)
-
-
-def is_own_report(path: Path, spec: SweepSpec) -> bool:
-    """Whether ``path`` is a report this sweep wrote (best.yaml, importance.json, the plot): the only
-    file of those names `apr sweep run` replaces."""
-    from apr.errors import AprError
-    from apr.readers import read_text
-
-    try:
-        text = read_text(path, "manifest", "sweep report")
-    except AprError:  # a folder, a FIFO, a device, a symlink loop, too large, not UTF-8
-        return False
-    if path.name == REPORT_FILES["best_config"]:
-        first = text.split("\n", 1)[0]
-        return first.startswith("# the best trial (") and f") of sweep {spec.name}, on " in first
-    if path.name == REPORT_FILES["importance"]:
-        try:
-            doc = json.loads(text)
-        except ValueError:
-            return False
-        return isinstance(doc, dict) and doc.get("evaluator") == "fanova" and doc.get("sweep", spec.name) == spec.name
-    if path.name == REPORT_FILES["plot"]:
-        head = text.split("\n", 2)
-        return len(head) > 1 and head[0].startswith("<svg xmlns=") and f">sweep {html.escape(spec.name)}:" in head[1]
-    return False
 
 
 def importances(study) -> dict[str, float] | None:

@@ -41,7 +41,7 @@ from apr.errors import Finding
 from apr.sweep.folder import check_folder, claim_folder
 from apr.sweep.planning import check_base, plan_trial, trial_dir, trial_settings
 from apr.sweep.space import grid_size, suggest
-from apr.sweep.spec import SweepError, SweepSpec
+from apr.sweep.spec import SweepError, SweepSpec, check_count
 from apr.sweep.storage import default_url, display_url, open_study
 from apr.sweep.trial import (
     LOCKED_RETRY_S,
@@ -61,7 +61,7 @@ WAIT_POLL_S = 2.0  # how often an idle worker looks again while trials run elsew
 
 def trial_budget(spec: SweepSpec, count: int | None) -> int:
     """How many trials the sweep runs: --count, else run_cap; a grid at most its size."""
-    caps = [c for c in (count, spec.run_cap) if c is not None]
+    caps = [c for c in (check_count(count), spec.run_cap) if c is not None]
     if spec.method == "grid":
         caps.append(grid_size(spec))
     if not caps:

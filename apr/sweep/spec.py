@@ -488,6 +488,15 @@ def _count(c: _Collector, data: dict, key: str) -> int | None:
     return value
 
 
+def check_count(count: int | None) -> int | None:
+    """``--count``: like ``run_cap``, 1 to MAX_TRIALS trials."""
+    if count is not None and not 1 <= count <= MAX_TRIALS:
+        message = f"--count is a number of trials, from 1 to {MAX_TRIALS:,}"
+        raise SweepError(message, [Finding("error", "sweep.bad_value", message, path="--count",
+                                           expected=f"an integer from 1 to {MAX_TRIALS:,}", got=describe(count))])
+    return count
+
+
 def _seed(c: _Collector, data: dict) -> int:
     value = data.get("seed", 0)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
