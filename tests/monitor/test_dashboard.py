@@ -127,3 +127,38 @@ def test_the_histogram_and_eval_panels_show_the_recorded_layers_and_scores_by_st
         assert evals[0].endswith("20.0%") and evals[1].endswith("60.0%") and "@2,000" in evals[0]
 
     drive(app, body, size=(100, 12))
+
+
+@pytest.mark.parametrize("yaml, message", [
+    ("rows:\n  - height: 100000000000000000000\n    panels: [loss]\n", "too large"),  # grew until killed
+    ("rows:\n  - height: 1e20\n    panels: [loss]\n", "not a size"),
+    ("rows:\n  - height: " + "9" * 5000 + "\n    panels: [loss]\n", "too large to read"),  # past int-from-text
+    ("rows:\n  - height: " + "9" * 5000 + "fr\n    panels: [loss]\n", "too large"),
+    ("rows:\n  - height: 4\n    panels: [{panel: loss, width: 1001}]\n", "too large"),
+    ("rows:\n  - panels: [{column: [{column: [loss]}]}]\n", "not a panel"),
+    ("rows:\n  - panels: [{panel: spark, metric: [1, 2], title: {a: 1}}]\n", "does not exist"),
+    ("rows:\n  - panels: [{panel: {a: 1}}]\n", "not a panel"),
+    ("[" * 40 + "]" * 40, "nests too deeply"),
+])
+def test_a_hostile_file_is_refused_at_once_without_a_traceback(tmp_path, yaml, message):
+    path = tmp_path / "dash.yaml"
+    path.write_text(yaml)
+    result = CliRunner().invoke(cli, ["monitor", str(FIXTURES / "mid_run"), "--dashboard", str(path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output and message in " ".join(result.output.split()), result.output
+    assert "9" * 100 not in result.output  # a long value is described, not printed
+
+
+@pytest.mark.parametrize("text_, hidden", [
+    ("root:$6$SECRETHASH$xyz:19000:0:99999:7:::\n", "SECRETHASH"),  # a shadow line: one string
+    ("API_KEY=SECRETKEY\n", "SECRETKEY"),
+    ("password: SECRETPW\n", "SECRETPW"),  # a mapping, but not a dashboard's
+    ("rows:\n  - panels: [SECRETPANEL_" + "x" * 60 + "]\n", "SECRETPANEL"),  # a long value of a dashboard
+])
+def test_a_file_that_is_not_a_dashboard_is_refused_without_quoting_it(tmp_path, text_, hidden):
+    path = tmp_path / "dash.yaml"
+    path.write_text(text_)
+    with pytest.raises(DashboardError) as err:
+        load_dashboard(path)
+    rendered = err.value.message + json.dumps([f.to_dict() for f in err.value.findings])
+    assert hidden not in rendered and "not shown" in rendered
