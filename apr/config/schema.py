@@ -46,7 +46,8 @@ ExperimentName = Annotated[str | None, BeforeValidator(_safe_name)]
 def _folder_path(value: object) -> object:
     """A path the file system can name: no NUL byte (no system call takes one), not empty."""
     if isinstance(value, str) and "\0" in value:
-        raise ValueError("expected a folder path, got a path with a NUL byte (no file system names one)")
+        raise ValueError("expected a folder path without a NUL byte (no file system can name one), got a path "
+                         "with one")
     if isinstance(value, str) and not value.strip():
         raise ValueError("expected a folder path, got an empty string")
     return value
@@ -543,7 +544,8 @@ class DataDriftConfig(_Section):
     ks_warning: Float = Field(
         0.2, gt=0, le=1, description="Kolmogorov-Smirnov statistic (largest gap between the two CDFs) at or above "
         "which the plan warns.")
-    seed: Count = Field(0, description="Seed of the sample.")
+    seed: Annotated[int, BeforeValidator(_seed)] = Field(
+        0, ge=0, le=MAX_SEED, description="Seed of the sample (0 to 2**63 - 1).")
 
 
 class DataConfig(_Section):
@@ -598,7 +600,7 @@ class OptimizerConfig(_Section):
     name: OptimizerName = Field(
         OptimizerName.adamw, description="adamw; sgd (momentum beta1, in AdamW's first-moment buffer); swats "
         "(AdamW, then SGD once the SWATS learning-rate estimate settles, per optimizer group; docs/training.md "
-        "\"SWATS\"). sgd and swats need the flat-buffer walk (training.engine: interleaved, no sharding).")
+        "\"SWATS\"). sgd and swats run on either gradient source, not under training.sharding.")
     swats_min_steps: NonNegCount = Field(
         100, description="swats: AdamW steps before a group may switch to SGD.")
     swats_tolerance: Float = Field(
@@ -1136,7 +1138,8 @@ class DataDriftWatchConfig(_Section):
         "ranks) and data_drift_doc_length_* in the stores, training_state.json and alert conditions.")
     sample_tokens: PositiveCount = Field(
         65_536, description="Tokens sampled (whole rows) from each side at each check.")
-    seed: Count = Field(0, description="Seed of the samples (mixed with the step).")
+    seed: Annotated[int, BeforeValidator(_seed)] = Field(
+        0, ge=0, le=MAX_SEED, description="Seed of the samples (mixed with the step; 0 to 2**63 - 1).")
 
 
 class HistogramsConfig(_Section):
