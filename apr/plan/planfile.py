@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from apr import __version__
 from apr.checkpoint.compat import normalise_config
 from apr.config import config_hash, load_config
 from apr.config.loader import config_doc_hash
@@ -76,6 +77,12 @@ def load_plan_file(path: str | os.PathLike) -> dict:
             value = _get(doc, key)
             raise _plan_error(file, "plan.field", f"{file} is not a valid plan file: {key} is not {expected}; {hint}",
                               path=key, expected=expected, got=_show(value)[:80])
+    made_by = doc.get("apr_version")
+    if made_by != __version__:  # another apr may resolve the same config into another run
+        shown = (made_by if isinstance(made_by, str) and made_by.isprintable() else _show(made_by))[:40]
+        raise _plan_error(file, "plan.apr_version", f"{file} was planned by apr {shown}; this is apr {__version__}, "
+                                                    f"which may resolve it differently; plan again: {hint}",
+                          path="apr_version", expected=__version__, got=shown)
     return doc
 
 

@@ -201,3 +201,22 @@ def test_hostile_plan_files_are_clear_errors(tmp_path, saved):
         with pytest.raises(AprError) as info:
             load_plan_file(path)
         assert info.value.findings[0].code == code and info.value.findings[0].file == str(path), path
+
+
+def test_a_plan_saved_by_another_apr_version_is_refused_naming_both(saved):
+    """Another apr may resolve the same config into another run (issue 46): the saved plan names the
+    version that made it, and apply refuses it rather than run what this version would decide."""
+    import json
+
+    from apr import __version__
+
+    _, path = saved
+    doc = json.loads(path.read_text())
+    doc["apr_version"] = "0.0.9"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(AprError) as info:
+        load_plan_file(path)
+    err = info.value
+    assert "planned by apr 0.0.9" in err.message and f"this is apr {__version__}" in err.message
+    (finding,) = err.findings
+    assert (finding.code, finding.expected, finding.got) == ("plan.apr_version", __version__, "0.0.9")
