@@ -206,6 +206,22 @@ def _sink_target_findings(loaded: LoadedConfig) -> list[Finding]:
     return sink_target_findings(loaded)
 
 
+def warmup_findings(loaded: LoadedConfig) -> list[Finding]:
+    """C-TRAINCFG-004 (warmup above 10% of the run) where the config alone decides it: with
+    ``training.max_steps`` in the file the run has at most that many steps (the data may cap it
+    lower, which only raises the share), so the same contract the plan evaluates over the data's
+    step count is evaluated here over ``max_steps``: the same message and location."""
+    tr = loaded.config.training
+    if not tr.max_steps or not tr.warmup_steps or tr.warmup_steps / tr.max_steps <= 0.10:
+        return []
+    contract = next((c for c in load_contracts().contracts if c.id == "C-TRAINCFG-004"), None)
+    if contract is None:
+        return []
+    facts = {"steps": {"total_steps": tr.max_steps, "warmup_fraction": tr.warmup_steps / tr.max_steps}}
+    results = evaluate_contracts([contract], loaded.config.model_dump(mode="json"), facts, loaded.source)
+    return [r.finding for r in results if r.finding is not None]
+
+
 def early_stopping_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
     """`training.early_stopping.patience` set where it cannot act: no validation (no data.val, or
     training.eval_interval 0), or more validations than the run has (``total_steps``; validate knows
@@ -453,6 +469,7 @@ _CHECKS: tuple = (
     (sink_findings, (("monitoring", "sinks"),)),
     (_sink_target_findings, (("monitoring", "sinks"), ("data",), ("training", "output_dir"))),
     (_mixture_findings, (("data",), ("training",))),
+    (warmup_findings, (("training", "max_steps"), ("training", "warmup_steps"))),
     (lambda loaded: early_stopping_findings(loaded, loaded.config.training.max_steps),
      (("training",), ("data", "val"))),
     (lambda loaded: survival_findings(loaded, loaded.config.training.max_steps), (("training",),)),
