@@ -34,6 +34,11 @@ SECRET_FILES = {
     "duplicate": ("password: SECRETPWe8\npassword: SECRETPWe9\n", ["SECRETPWe8", "SECRETPWe9"]),
     "shadow_key": ("root:$6$SECRETHASHf1:19000:0: x\n", ["SECRETHASHf1"]),
     "json": ('{"password": "SECRETJSONg1", "rows": 1}\n', ["SECRETJSONg1"]),
+    "private_key": ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmSECRETKEYj1\n"
+                    "-----END OPENSSH PRIVATE KEY-----\n", ["SECRETKEYj1", "b3BlbnNzaC1"]),
+    "ini": ("[default]\naws_access_key_id = AKIASECRETk1\naws_secret_access_key = SECRETk2/x+y\n",
+            ["AKIASECRETk1", "SECRETk2"]),
+    "netrc": ("machine github.com login me password SECRETNETRCl1\n", ["SECRETNETRCl1"]),
 }
 
 
