@@ -125,10 +125,12 @@ def _other_run_folder(folder: Path, steps=(2, 4), best=True, records=True) -> di
     """A folder as run "c" leaves it: its checkpoints' JSON (with its run id), and its records."""
     import json
 
+    from apr.checkpoint.files import step_stem
+
     folder.mkdir(parents=True, exist_ok=True)
     for step in steps:
-        (folder / f"checkpoint-step-{step:08d}.json").write_text(json.dumps({"run_id": "c", "step": step}))
-        (folder / f"checkpoint-step-{step:08d}.safetensors").write_bytes(b"c's weights")
+        (folder / f"{step_stem(step)}.json").write_text(json.dumps({"run_id": "c", "step": step}))
+        (folder / f"{step_stem(step)}.safetensors").write_bytes(b"c's weights")
     if best:
         (folder / "checkpoint-best.json").write_text(json.dumps({"run_id": "c", "step": steps[-1]}))
     if records:
@@ -158,8 +160,8 @@ def test_a_resume_into_a_third_runs_folder_is_refused_before_its_records_are_wri
 
 
 @pytest.mark.parametrize("steps, best, start, clash", [
-    ((4,), False, 2, "checkpoint-step-00000004.json"),  # the last step: always saved
-    ((6,), False, 2, "checkpoint-step-00000006.json"),  # on the save interval
+    ((4,), False, 2, "checkpoint-step-4.json"),  # the last step: always saved
+    ((6,), False, 2, "checkpoint-step-6.json"),  # on the save interval
     ((1,), True, 2, "checkpoint-best.json"),  # a run that evaluates saves a best
 ])
 def test_a_resume_whose_saves_would_hit_another_runs_checkpoints_is_refused_up_front(tmp_path, steps, best, start,
