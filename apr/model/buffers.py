@@ -226,10 +226,21 @@ def fsdp2_buffers(config: AprConfig, execution: Execution | None = None) -> list
         unit = max(largest + sum(p.numel for p in block_param_specs(arch, 0)), root)
     gathered = (sum(n for _, n in groups) + (param_count(arch) if config.model.lora else 0)
                 if str(tr.sharding) == "shard_grad_op" else 2 * unit)
+    if config.model.lora is None and str(tr.sharding) != "shard_grad_op":
+        # the root unit (embedding, final norm, head) stays gathered from its forward to its backward;
+        # a block is gathered with the next one prefetched, or beside its all-gather output while it
+        # is copied out (traced on fake ranks, 2026-11-28)
+        sizes = dict(groups)
+        block = max((n for name, n in groups if name.startswith("block.")), default=0)
+        gathered = sizes.get("embed", 0) + sizes.get("head", 0) + 2 * block
     bufs.append(Buffer("gathered_weights", "weights", (gathered,), "float32"))
-    bufs.append(Buffer("unsharded_grad", "gradients", (largest,), "float32"))
+    unsharded_grad = largest
+    if config.model.lora is None:  # the root unit's (embedding, final norm, head) before its reduce-scatter
+        sizes = dict(groups)
+        unsharded_grad = max(largest, sizes.get("embed", 0) + sizes.get("head", 0))
+    bufs.append(Buffer("unsharded_grad", "gradients", (unsharded_grad,), "float32"))
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
-    bufs.append(Buffer("head_saved_grad", "gradients", (v, h), "float32"))
+    bufs.append(Buffer("head_saved_grad", "logits_chunk", (v, h), "float32"))  # the loss phase's
     if interleaved:  # recomputed blocks' inputs (saved by activation checkpointing), the residual gradient
         cdt = compute_dtype_name(tr.mixed_precision)
         recomputed = (execution or from_config(config)).recomputed_blocks
@@ -267,6 +278,8 @@ def step_buffers(config: AprConfig) -> list[Buffer]:
     if cdt != "float32":
         bufs.append(Buffer("logits_chunk_compute", "logits_chunk", (2, b, chunk, v), cdt))
         bufs.append(Buffer("head_weight_compute", "logits_chunk", (v, h), cdt))
+        # one chunk's head-weight gradient in the compute dtype, before it is added in float32
+        bufs.append(Buffer("head_grad_compute", "logits_chunk", (v, h), cdt))
     # the final-normed hidden states (float32: the norm weight is float32) and their gradient
     bufs.append(Buffer("head_hidden", "logits_chunk", (2, b, s, h), "float32"))
     bufs.append(Buffer("token_ids", "inputs", (b, s + 1), "int64"))

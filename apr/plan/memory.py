@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from apr.config.schema import AprConfig
-from apr.model.buffers import buffer_plan, compute_dtype_name, uses_compute_copy
+from apr.model.buffers import buffer_plan, compute_dtype_name, sharded, uses_compute_copy
 from apr.model.spec import DTYPE_BYTES, block_numel
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
@@ -51,6 +51,9 @@ class MemoryCoefficients:
     keep_norm_fp32_widths: float = 2.0
     # A kept graph's backward adds, per token, about one intermediate width of gradients (traced).
     keep_backward_intermediate_widths: float = 1.0
+    # ... and about four under one autograd graph (plain autograd, FSDP2), which keeps each activation's
+    # gradient until the op that consumes it has run.
+    autograd_backward_intermediate_widths: float = 4.0
     keep_kv_widths: float = 2.0
     keep_intermediate_widths: float = 4.0
     # Selective recompute keeps only the matmul and attention outputs: q, o_proj, down_proj and the
@@ -131,7 +134,7 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
                  + c.block_intermediate_widths * arch.intermediate_size)
     scores = c.attention_score_copies * b * arch.num_attention_heads * s * s
     # with the interleaved engine's compute copy only the weights' compute-dtype gradients remain
-    copies = c.block_weight_cast_copies - (1 if uses_compute_copy(config, execution) else 0)
+    copies = c.block_weight_cast_copies - (1 if _reads_compute_copy(config, execution) else 0)
     weight_casts = copies * block_numel(arch) if str(tr.mixed_precision) != "fp32" else 0
     recomputed = execution.recomputed_blocks if policy.gradient_source(config) == "interleaved" else 0
     if recomputed and execution.rest == "recompute":
@@ -140,7 +143,9 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
         kept = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
                 + c.selective_intermediate_widths * arch.intermediate_size)
         return int((b * s * (per_token - kept) + scores + weight_casts) * elt)
-    grads = c.keep_backward_intermediate_widths * arch.intermediate_size
+    one_graph = policy.gradient_source(config) == "standard" or sharded(config)
+    grads = (c.autograd_backward_intermediate_widths if one_graph
+             else c.keep_backward_intermediate_widths) * arch.intermediate_size
     return int((b * s * grads + weight_casts) * elt)
 
 
@@ -159,7 +164,7 @@ def kept_activation_bytes(config: AprConfig, execution: Execution,
             + (c.keep_norm_fp32_widths * arch.hidden_size * DTYPE_BYTES["float32"] if mixed else 0))
     # autocast saves its compute-dtype copy of a kept block's weights for the backward, unless the
     # blocks read the interleaved engine's compute copy
-    casts = block_numel(arch) * elt if cdt != "float32" and not uses_compute_copy(config, execution) else 0
+    casts = block_numel(arch) * elt if cdt != "float32" and not _reads_compute_copy(config, execution) else 0
     if policy.gradient_source(config) != "interleaved":
         # the standard engine is one autograd graph: every block's activations live from the forward
         # to the backward
@@ -170,11 +175,17 @@ def kept_activation_bytes(config: AprConfig, execution: Execution,
     return int(execution.kept_blocks * (b * s * keep + casts) + b * s * selective_blocks * sel * elt)
 
 
+def _reads_compute_copy(config: AprConfig, execution: Execution | None) -> bool:
+    """The blocks read the interleaved engine's compute copy (never under FSDP2, which gathers fp32)."""
+    return uses_compute_copy(config, execution) and not sharded(config)
+
+
 def _grads_replace_graph(config: AprConfig) -> bool:
-    """Plain autograd in one process or DDP with one micro-batch: gradients start at None each step."""
+    """Gradients that start at None each step and appear as the backward frees the graph: plain
+    autograd, or either source under FSDP2, with one micro-batch."""
     tr = config.training
-    unsharded = str(tr.sharding) == "none" or tr.world_size <= 1
-    return policy.gradient_source(config) == "standard" and unsharded and tr.gradient_accumulation == 1
+    return ((policy.gradient_source(config) == "standard" or sharded(config))
+            and tr.gradient_accumulation == 1)
 
 
 def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS,

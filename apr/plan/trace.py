@@ -444,6 +444,14 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
         own["activations"] = (sum(r.bytes for r in plan_rows if r.component == "activation_checkpoints")
                               + kept_activation_bytes(config, execution)
                               + block_activation_bytes(config, execution=execution))
+    if sharded and config.model.lora is None and str(config.training.sharding) != "shard_grad_op":
+        # the weights row's own peak is at the root unit's all-gather, its output beside the gathered
+        # root before the forward has made any activation: a transient the step's peak never sees
+        from apr.model.spec import group_sizes
+
+        sizes = dict(group_sizes(config))
+        own["weights"] = (sum(r.bytes for r in plan_rows if r.component in ("weights", "frozen_weights", "adapters"))
+                          + 4 * (sizes.get("embed", 0) + sizes.get("head", 0)))
     return report(counter, plan_rows, own, device=device_type, device_why=device_why, world_size=world,
                   nodes=int(resolved.nodes), sharding=str(config.training.sharding), seconds=seconds,
                   rss=rss, first_peak=first_peak, notes=notes, torch_version=torch.__version__)
