@@ -174,6 +174,21 @@ def _apr(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300, env={**_env(), "NO_COLOR": "1"})
 
 
+# apply, SIGKILLed inside the first checkpoint JSON's write: half of it in the temp file, the weights renamed
+KILL_IN_FIRST_JSON = """
+import os, signal, sys
+import apr.checkpoint.manager as manager
+def killed(path, doc, **kw):
+    (path.parent / f".{path.name}.x1y2.tmp").write_text('{"format": "apr-che')
+    os.kill(os.getpid(), signal.SIGKILL)
+manager.atomic_write_json = killed
+from apr.cli.main import app
+sys.argv = ["apr", "train", "apply", sys.argv[1]]
+app()
+"""
+
+
+@pytest.mark.slow  # three applies in subprocesses
 def test_a_run_killed_while_writing_its_first_checkpoints_json_is_started_afresh_never_a_dead_end(tmp_path):
     """The weights are renamed into place before the JSON: a kill between the two leaves weights without
     JSON, which is no checkpoint. --resume latest says so and names the way on; a fresh apply replaces it."""
@@ -181,11 +196,12 @@ def test_a_run_killed_while_writing_its_first_checkpoints_json_is_started_afresh
 
     make_dataset(tmp_path)
     cfg = write_config(tmp_path, training={"max_steps": 4, "save_interval": 4, "eval_interval": 100})
-    assert _apr("train", "apply", str(cfg), cwd=tmp_path).returncode == 0
+    killed = subprocess.run([sys.executable, "-c", KILL_IN_FIRST_JSON, str(cfg)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, env={**_env(), "NO_COLOR": "1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
     run = tmp_path / "run"
-    for name in ("checkpoint-step-4.json", "checkpoint-best.json", "checkpoint-best.safetensors"):
-        (run / name).unlink(missing_ok=True)  # the state a kill inside the first JSON's write leaves
-    (run / ".checkpoint-step-4.json.x1y2.tmp").write_text('{"format": "apr-che')
+    assert sorted(p.name for p in run.glob("*checkpoint*")) == [".checkpoint-step-4.json.x1y2.tmp",
+                                                                  "checkpoint-step-4.safetensors"]
     weights = (run / "checkpoint-step-4.safetensors").read_bytes()
 
     resumed = _apr("train", "apply", str(cfg), "--resume", "latest", cwd=tmp_path)
@@ -197,6 +213,7 @@ def test_a_run_killed_while_writing_its_first_checkpoints_json_is_started_afresh
     assert fresh.returncode == 0, fresh.stderr
     assert "checkpoint-step-4.safetensors" in fresh.stderr and "interrupted save" in fresh.stderr
     assert read_checkpoint(run / "checkpoint-step-4.json", trainer_state=True).step == 4
+    assert not list(run.glob(".checkpoint-*.tmp"))  # the half-written JSON went with the first save's pruning
 
 
 def test_weights_without_json_that_apr_did_not_write_still_keep_a_fresh_run_out(tmp_path):
