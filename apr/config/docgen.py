@@ -138,17 +138,22 @@ def _summary(doc: str) -> str:
     return " ".join(line.strip() for line in doc.strip().split("\n\n")[0].splitlines())
 
 
+# ``extends`` is read by the loader (apr/config/layers.py) before the schema sees the file, so it is no
+# schema field; it is still a top-level key a user writes, listed with the others
+EXTENDS_ROW = ("| `extends` | string \\| list of strings | (none) | Base config file(s), relative to this file; this "
+               "file's keys apply over them (see \"Reusing configs\" above). |")
+
+
 def render_markdown() -> str:
     parts = [HEADER]
     queue: list = [("", AprConfig)]
     while queue:
         path, model = queue.pop(0)
-        title = path or "top level"
-        parts.append(f"\n## `{title}`\n")
+        parts.append(f"\n## `{path}`\n" if path else "\n## Top-level keys\n")
         if model.__doc__ and model is not AprConfig:
             parts.append(_summary(model.__doc__) + "\n")
         parts.append("| key | type | default | meaning |\n| --- | --- | --- | --- |")
-        rows: list[str] = []
+        rows: list[str] = [] if path else [EXTENDS_ROW]
         found: list = []
         _rows(model, f"{path}." if path else "", rows, found)
         parts.append("\n".join(rows))

@@ -97,13 +97,20 @@ def schema_key_paths() -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
+def known_keys(section: tuple) -> list[str]:
+    """The keys a file may write in ``section`` (a key path): the schema's fields, and at the top
+    level ``extends``, which the loader reads (apr/config/layers.py) before the schema sees the file."""
+    owner = _model_at(section)
+    known = sorted(owner.model_fields) if owner else []
+    return sorted([*known, "extends"]) if owner is AprConfig else known
+
+
 def did_you_mean(loc: tuple) -> str:
     """``"; did you mean 'seq_len'?"`` for an unknown key at ``loc``: a close name in the same
     section, else a key of that name (or close to it) in another section, named by its whole path
     (``training.lr`` -> ``optimizer.lr``); '' when nothing is close."""
     name = str(loc[-1])
-    owner = _model_at(loc[:-1])
-    close = difflib.get_close_matches(name, sorted(owner.model_fields) if owner else [], n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, known_keys(loc[:-1]), n=1, cutoff=0.6)
     if close:
         return f"; did you mean '{close[0]}'?"
     paths = schema_key_paths()
@@ -137,8 +144,7 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
     etype = err["type"]
     got = _describe(err.get("input"))
     if etype == "extra_forbidden":
-        owner = _model_at(loc[:-1])
-        known = sorted(owner.model_fields) if owner else []
+        known = known_keys(loc[:-1])
         hint = did_you_mean(loc)
         hint = hint if is_name(loc[-1]) else ""
         return Finding("error", "schema.unknown_key", f"unknown key {quote_key(loc[-1])}{hint}", path=path,
