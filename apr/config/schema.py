@@ -219,9 +219,10 @@ class Architecture(_Section):
         d = self.decoupled_attention
         if self.sliding_window is not None and self.family != ModelFamily.mistral:
             raise ValueError(f"sliding_window is a mistral key: expected family mistral, got {self.family.value}")
-        if d is not None and (self.family != ModelFamily.llama or self.rope_scaling is not None):
-            raise ValueError("decoupled_attention is built on the plain llama block: expected family llama without "
-                             f"rope_scaling, got family {self.family.value}, rope_scaling {self.rope_scaling}")
+        yarn = self.rope_scaling is not None and self.rope_scaling.rope_type == RopeType.yarn
+        if d is not None and (self.family != ModelFamily.llama or yarn):  # yarn scales the whole head's scores
+            raise ValueError("decoupled_attention is built on the llama block: expected family llama without yarn "
+                             f"RoPE scaling, got family {self.family.value}, rope_scaling {self.rope_scaling}")
         if d is not None:
             hd = self.hidden_size // self.num_attention_heads
             if d.geo_dim % 2:

@@ -42,8 +42,13 @@ class RMSNorm(nn.Module):
 def rope_frequencies(arch: Architecture, seq_len: int, device) -> tuple[torch.Tensor, float]:
     """RoPE's inverse frequencies ``[rope_dim / 2]`` (float32) for a forward over ``seq_len``
     positions, and the factor cos and sin are scaled by: plain RoPE, or ``arch.rope_scaling`` computed
-    as transformers' ``modeling_rope_utils`` does for each type (same operations, same order)."""
+    as transformers' ``modeling_rope_utils`` does for each type (same operations, same order).
+    Decoupled attention's geometric part with a scaling turns at the first ``geo_dim / 2`` of the
+    head's scaled frequencies (without one, ``spec.rope_base`` gives the same frequencies)."""
     dim, base, rs = spec.rope_dim(arch), spec.rope_base(arch), arch.rope_scaling
+    if rs is not None and arch.decoupled_attention is not None:
+        head, scale = rope_frequencies(arch.model_copy(update={"decoupled_attention": None}), seq_len, device)
+        return head[:dim // 2], scale
     exponents = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
     if rs is None or rs.rope_type == "linear":  # linear: positions divided by factor, i.e. frequencies
         return 1.0 / (base ** exponents) / (1.0 if rs is None else rs.factor), 1.0

@@ -77,12 +77,15 @@ def _attention_out(model, x):
     return layer.self_attn(layer.input_layernorm(x), cos, sin)
 
 
-def test_a_full_width_decoupled_student_reproduces_its_teachers_attention():
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8}])
+def test_a_full_width_decoupled_student_reproduces_its_teachers_attention(scaling):
     """sem_dim + geo_dim = head_dim: the geometric part is the teacher's fastest RoPE rows turned at
-    the same frequencies, the semantic part the rest's exact factorisation; what differs is only the
-    slow rows' rotation, negligible at rope_theta 1e6 over 8 positions."""
-    teacher_arch = Architecture(**ARCH, num_key_value_heads=2, rope_theta=1e6)
-    student_arch = Architecture(**ARCH, num_key_value_heads=2, rope_theta=1e6,
+    the same frequencies (a Llama-3 teacher's: scaled), the semantic part the rest's exact
+    factorisation; what differs is only the slow rows' rotation, negligible at rope_theta 1e6 over 8
+    positions."""
+    teacher_arch = Architecture(**ARCH, num_key_value_heads=2, rope_theta=1e6, rope_scaling=scaling)
+    student_arch = Architecture(**ARCH, num_key_value_heads=2, rope_theta=1e6, rope_scaling=scaling,
                                 decoupled_attention={"sem_dim": 4, "geo_dim": 4})
     teacher, student = build_model(teacher_arch, 1), build_model(student_arch, 2)
     assert [p.name for p in spec.param_specs(student_arch)] == [n for n, _ in student.named_parameters()]
