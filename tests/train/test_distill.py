@@ -392,6 +392,35 @@ def test_a_decoupled_attention_student_starts_close_to_its_teacher_and_trains_in
     assert [r.what for r in result.rows][:2] == ["block 0 attention", "block 1 attention"]
 
 
+def test_the_caramba_upcycle_of_a_llama3_shaped_teacher_folder_starts_close_and_trains(tmp_path):
+    """The caramba recipe on a Llama-3-shaped teacher: a Hugging Face folder (llama3 RoPE scaling,
+    tied embeddings; tiny random weights transformers builds here) upcycled to decoupled attention
+    with the teacher's rope_scaling. The student's phase-1 block losses start far below a random
+    one's and both phases step."""
+    transformers = pytest.importorskip("transformers")
+    from tests.train.run_helpers import merge
+
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8}
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=61, max_position_embeddings=16,
+                                   tie_word_embeddings=True, rope_parameters={"rope_theta": 500000.0, **llama3})
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama3", safe_serialization=True)
+    make_dataset(tmp_path)
+    arch = {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
+            "rope_scaling": llama3, "decoupled_attention": {"sem_dim": 2, "geo_dim": 4}}
+    doc = merge(_student_doc(tmp_path, tmp_path / "llama3", phase1_steps=1), {"model": {"architecture": arch}})
+    engine, cold, ids = _warm_and_cold(doc)
+    for block in range(4):
+        warm = engine.loss.block_loss_of(engine, engine.model, block, ids).item()
+        assert warm < 0.2 * cold.loss.block_loss_of(cold, cold.model, block, ids).item()
+    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
+    for step in (1, 5):  # phase 1 (block 0), then phase 2
+        engine.current_step = step
+        assert torch.isfinite(engine.train_step([batch], 1e-3).loss)
+
+
 def _narrow_doc(root: Path, teacher: Path) -> dict:
     """A student half the teacher's width (hidden 32 -> 16, head_dim 8 -> 4), 2 blocks of 2."""
     from tests.train.run_helpers import merge
