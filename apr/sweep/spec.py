@@ -57,6 +57,7 @@ DANTINOX_NAMES = {
 # Keys the sweep sets on every trial itself: a parameter may not set them.
 RESERVED = ("training.output_dir", "monitoring.tracking.experiment")
 GRID_LIMIT = 100_000  # points; a grid larger than this is a mistake, not a sweep
+MAX_Q_STEPS = 2**52  # a q_ distribution's bounds / q: past it, round(x / q) * q is no longer exact in a float
 MAX_TRIALS = 1_000_000  # run_cap and --count: a sweep of more trials is a mistake (each trial is a run)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -382,6 +383,16 @@ def _range(c: _Collector, loc: tuple, key: str, name: str, body: dict, dist: str
                   hi)
             return None
         lo, hi = math.exp(lo), math.exp(hi)
+    if dist.startswith("q_"):  # a draw is round(x / q) * q: a step below the bounds' float precision means nothing
+        try:
+            steps = max(abs(lo), abs(hi)) / q
+        except OverflowError:
+            steps = math.inf
+        if not steps <= MAX_Q_STEPS:
+            least = max(abs(lo), abs(hi)) / MAX_Q_STEPS
+            c.add((*loc, "q"), "sweep.bad_range", f"q {q:g} is finer than a float can tell apart between {lo:g} and "
+                  f"{hi:g}", f"q >= {least:.3g}" if math.isfinite(least) else "a smaller range", q)
+            return None
     return Param(key, dist, (), lo, hi, q, name=name, line=line)
 
 

@@ -142,7 +142,7 @@ def test_the_fingerprint_changes_with_the_space_not_with_the_name(tmp_path):
 
 @pytest.mark.parametrize("body", [
     "{distribution: q_uniform, min: 0, max: 1, q: 1.0e-9}",  # a billion points: counted, never listed
-    "{distribution: q_uniform, min: -1.0e300, max: 1.0e300, q: 1.0e-300}",  # past any float
+    "{distribution: q_uniform, min: -1.0e+15, max: 1.0e+15, q: 1}",  # 2e15 points, each a float apart
     "{min: -1000000000000000000, max: 1000000000000000000}",  # int_uniform of 2e18 integers
 ])
 def test_a_grid_too_large_is_refused_at_its_key_before_it_is_listed(tmp_path, body):
@@ -181,6 +181,10 @@ def test_run_cap_is_a_bounded_number_of_trials(tmp_path, cap):
     "method: grid\nparameters:\n  " + "x" * 100_000 + ": {values: [1]}\n",  # a key past the size cap
     "method: grid\nparameters:\n  optimizer.lr: {min: 0, max: 1, q: .nan, distribution: q_uniform}\n",
     "method: grid\nseed: -1\nparameters:\n  optimizer.lr: {values: [.inf]}\n",
+    "method: random\nrun_cap: 2\nparameters:\n  optimizer.lr: {distribution: q_uniform, min: 0.0001, max: 1.0e+300, "
+    "q: 1.0e-300}\n",  # round(x / q) overflowed in the sampler
+    "method: bayes\nrun_cap: 2\nparameters:\n  optimizer.lr: {distribution: q_log_uniform, min: -700, max: 700, "
+    "q: 1.0e-300}\n",
     "\x00\x01\x02",
     "",
 ])
@@ -202,3 +206,12 @@ def test_no_hostile_sweep_file_hangs_or_tracebacks(tmp_path, text):
         assert result.exit_code == 1 and isinstance(result.exception, SystemExit), (args, result.output)
         assert "Traceback" not in result.output and "sweep.yaml" in result.output
     assert not (tmp_path / "d").exists()
+
+
+def test_a_q_step_finer_than_a_float_can_tell_apart_is_refused_at_q(tmp_path):
+    found = _errors(tmp_path, "method: random\nrun_cap: 2\nparameters:\n  optimizer.lr:\n    distribution: q_uniform\n"
+                              "    min: 0.0001\n    max: 1.0e+300\n    q: 1.0e-300\n")
+    assert [(f.code, f.path, f.line) for f in found] == [("sweep.bad_range", "parameters.optimizer.lr.q", 8)]
+    spec = _load(tmp_path, "method: random\nrun_cap: 2\nparameters:\n  optimizer.lr: {distribution: q_uniform, "
+                           "min: 0, max: 1, q: 1.0e-9}\n")  # a fine step over a small range is fine
+    assert spec.params[0].q == 1e-9
