@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from apr.errors import AprError, Finding
+from apr.quoting import quote_key
 
 DEFAULT_SUFFIXES = (".txt", ".jsonl", ".parquet")  # what a folder contributes when no --glob is given
 OnBytes = Callable[[int], None]
@@ -135,7 +136,7 @@ def _read_jsonl(path: Path, text_key: str, on_bytes: OnBytes | None) -> Iterator
                     expected="one JSON object per line, with its text at the top level",
                     got="deeply nested arrays or objects")]) from None
             if not isinstance(obj, dict) or text_key not in obj:
-                got = ("keys " + ", ".join(map(repr, list(obj)[:8]))) if isinstance(obj, dict) \
+                got = ("keys " + ", ".join(map(quote_key, list(obj)[:8]))) if isinstance(obj, dict) \
                     else f"a JSON {type(obj).__name__}"
                 raise _err(path, f"no key {text_key!r} (choose one with --text-key)", line=n, key=text_key,
                            expected=f"an object with key {text_key!r}", got=got)
