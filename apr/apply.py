@@ -77,7 +77,7 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
               resume: str | None = None, force: bool = False, gpu: str | None = None, vram: str | None = None,
               allow_other_run: bool = False,
               apr_home: Path | None = None, echo=None, progress=None, handle_signals: bool = True,
-              settings: list[str] | None = None):
+              settings: list[str] | None = None, fork_of: dict | None = None):
     """Plan and run; returns ``apr.train.run.RunResult``. Raises AprError for anything a user can fix."""
     if force and resume is None:
         raise AprError("--force only applies to a resume (--resume latest|PATH)", [Finding(
@@ -109,7 +109,7 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
     try:
         return _prepare_and_run(plan, plan_doc, config_path, lock, overrides=overrides, resume=resume, force=force,
                                 apr_home=apr_home, echo=echo, progress=progress, handle_signals=handle_signals,
-                                allow_other_run=allow_other_run, elastic=elastic)
+                                allow_other_run=allow_other_run, elastic=elastic, fork_of=fork_of)
     finally:
         if lock is not None:
             lock.release()  # (the run released it already when it ran)
@@ -125,7 +125,7 @@ def _lock_output(config, config_path: Path):
 
 
 def _prepare_and_run(plan, plan_doc, config_path: Path, lock, *, overrides, resume, force, apr_home, echo, progress,
-                     handle_signals, allow_other_run, elastic):
+                     handle_signals, allow_other_run, elastic, fork_of=None):
     from apr.train.run import ApplyOptions, prepare_run  # imports torch: only once the plan is sound
     if plan_doc is None:
         plan_doc = plan.to_dict()
@@ -133,7 +133,8 @@ def _prepare_and_run(plan, plan_doc, config_path: Path, lock, *, overrides, resu
     if not plan.config.monitoring.terminal.enabled:  # monitoring.terminal.enabled: false draws no bar
         progress = None
     options = ApplyOptions(resume=resume, force=force, apr_home=apr_home, handle_signals=handle_signals,
-                           progress=progress, overrides=overrides, allow_other_run=allow_other_run, lock=lock)
+                           progress=progress, overrides=overrides, allow_other_run=allow_other_run, lock=lock,
+                           fork_of=fork_of)
     if echo is not None:
         options.echo = echo
     is_main = os.environ.get("RANK", "0") == "0"

@@ -23,6 +23,7 @@ from apr.cli import (
     cmd_schema,
     cmd_sweep,
     cmd_train_apply,
+    cmd_train_fork,
     cmd_train_lrfind,
     cmd_train_plan,
     cmd_train_validate,
@@ -100,6 +101,7 @@ def _root(
 cmd_train_validate.register(train_app)
 cmd_train_plan.register(train_app)
 cmd_train_apply.register(train_app)
+cmd_train_fork.register(train_app)
 cmd_train_lrfind.register(train_app)
 cmd_data.register(data_app)
 cmd_runs.register(runs_app)

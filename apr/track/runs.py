@@ -277,7 +277,9 @@ def show_run(
             "status_history": store.status_history(conn, full_id),
             "alerts": (alerts := store.alerts(conn, full_id)),
             "alert_counts": count_by_severity(alerts),
-            "events": store.events(conn, full_id),
+            "events": (events := store.events(conn, full_id)),
+            # ``apr train fork``: the run and step this run started from (its ``fork`` event), else None
+            "parent": next(((e["detail"] or {}).get("parent") for e in events if e["kind"] == "fork"), None),
         }
     except (sqlite3.Error, DamagedStore) as e:
         raise AprError(f"{path}: cannot read run {full_id}: {e}",

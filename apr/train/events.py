@@ -169,6 +169,16 @@ def check_alerts(run, metrics: dict, step: int, recorder):
     return Stop.alert(stops[0].message) if stops else None
 
 
+def forked(run, recorder) -> None:
+    """A fork's first record: the parent run and step it starts from (``apr runs show``'s ``parent``)."""
+    parent = run.options.fork_of
+    detail = {"parent": {"run_id": parent.get("run_id"), "step": int(parent["step"])},
+              "parent_dir": parent.get("run_dir"), "overrides": dict(run.options.overrides or {})}
+    recorder.log_event("fork", run.start_step, f"forked from run {parent.get('run_id')} at step {parent['step']}",
+                       detail)
+    run.echo(f"fork: run {recorder.run_id} starts from run {parent.get('run_id')}'s step {parent['step']}")
+
+
 def open_recorder(run):
     """Rank 0 writes the run files (the resolved config, the plan) and records; the other ranks record
     nothing."""

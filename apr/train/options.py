@@ -26,6 +26,9 @@ class ApplyOptions:
     # the output folder's lock, already taken by apply before it imported torch (apr/train/outdir.py);
     # None: the run takes it itself
     lock: object | None = None
+    # ``apr train fork``: the parent run's {"run_id", "step", "run_dir"}; the resumed checkpoint starts a
+    # new run (a new id) that records where it came from
+    fork_of: dict | None = None
 
 
 @dataclass

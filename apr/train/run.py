@@ -203,13 +203,15 @@ class Run:
         if self.options.resume is not None:
             refuse_user_config(self.run_dir, self.config_path)
             self.checkpoints.resume(self.options.resume)
+            if self.options.fork_of is not None:  # a fork: the parent's state, a run of its own
+                self.run_id = None
             if self.options.allow_other_run and self.is_main:  # never over a third run's records or saves
                 refuse_resume_over_other_run(self.run_dir, self.config_path, self.run_id, start_step=self.start_step,
                                              total_steps=self.total_steps,
                                              save_interval=self.config.training.save_interval,
                                              saves_best=self.validation.configured)
         else:
-            refuse_foreign_files(self.run_dir, self.config_path)
+            refuse_foreign_files(self.run_dir, self.config_path, warn=self.warn)
 
     def warn(self, message: str) -> None:
         self.echo(f"warning: {message}")
@@ -251,6 +253,8 @@ class Run:
         recorder = self.recorder = events.open_recorder(self)
         self.run_id = recorder.run_id
         recorder.start(resume_step=self.start_step if self.resumed_from else None)
+        if self.options.fork_of is not None:
+            events.forked(self, recorder)
         if self.resumed_from is not None and self.survival.enabled:
             self.survival.restore_records(recorder)
         self.echo(events.banner(self))
