@@ -32,6 +32,7 @@ from apr.train.lrplot import svg_plot
 from apr.train.stop import StepReport, Stop
 
 MAX_STEPS = 100_000  # a sweep is a few hundred steps; more is a typo (10**30) that would never end
+MAX_LR = 1e3  # far past where any model diverges; 1e300 overflowed the float32 update (a traceback)
 
 RULES = {
     "steepest": "steepest descent of the smoothed loss (most negative d loss / d ln lr, before its minimum)",
@@ -64,6 +65,9 @@ def range_findings(test: RangeTest) -> list[Finding]:
     for option, value in (("--min-lr", test.min_lr), ("--max-lr", test.max_lr)):
         if not (value > 0 and math.isfinite(value)):
             bad(option, "a learning rate must be a positive number", "a number > 0", value)
+        elif value > MAX_LR:
+            bad(option, f"a learning rate above {MAX_LR:,.0f} diverges at the first step", f"at most {MAX_LR:,.0f}",
+                f"{value:g}")
     if not out and test.min_lr >= test.max_lr:
         bad("--min-lr", f"the range is empty: min {test.min_lr:g} >= max {test.max_lr:g}",
             f"below --max-lr ({test.max_lr:g})", test.min_lr)

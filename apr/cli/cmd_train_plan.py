@@ -118,8 +118,11 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
 def probe_plan(plan, steps: int, rebuild):
     """Run the probe (apr/probe.py), keep it in the calibration store, and plan again so the
     printed plan uses it; the probe's measurements go into the plan's facts."""
+    import sqlite3
+
     from apr.probe import one_process_rows, run_probe
     from apr.track import calibration
+    from apr.track.names import global_db_path
 
     policy = plan.execution["policy"]
     print(f"probing {plan.config.training.device} with the real engine ({steps} timed steps)...", file=sys.stderr)
@@ -127,7 +130,14 @@ def probe_plan(plan, steps: int, rebuild):
                        world_size=plan.world_size)
     result["planned_world_size"] = plan.world_size
     threads = result["threads"] if result["device"] == "cpu" else None  # a CPU's speed depends on them
-    result["calibration_id"] = calibration.record(result, calibration.shape(plan.config, policy, threads))
+    try:
+        result["calibration_id"] = calibration.record(result, calibration.shape(plan.config, policy, threads))
+    except (sqlite3.Error, OSError, AprError) as err:  # a damaged or foreign calibrations table, a full disk
+        reason = err.message if isinstance(err, AprError) else f"{type(err).__name__}: {str(err)[:200]}"
+        print(f"warning: the probe's result could not be kept in the calibration store "
+              f"{global_db_path()} ({reason}); this plan shows the probe, later plans cannot use it "
+              "(move the damaged store aside to start a new one)", file=sys.stderr)
+        result["calibration_id"] = None
     plan = rebuild()
     plan.facts["probe"] = result
     return plan

@@ -270,11 +270,16 @@ def key_loc(key: str) -> tuple:
     return tuple(out)
 
 
+MAX_SETTING_CHARS = 4096  # one KEY=VALUE's value, as typed
+
+
 def parse_settings(settings: list[str]) -> dict[str, Any]:
     """``["optimizer.lr=1e-3", "data.val=null"]`` -> ``{"optimizer.lr": 0.001, "data.val": None}``; values
     are read as YAML (numbers, booleans, null, flow lists and mappings), so they are typed as in a file."""
     from ruamel.yaml import YAML
     from ruamel.yaml.error import YAMLError
+
+    from apr.config.yamlfile import MAX_YAML_DEPTH, _flow_depth_exceeded
 
     out: dict[str, Any] = {}
     for arg in settings:
@@ -284,14 +289,25 @@ def parse_settings(settings: list[str]) -> dict[str, Any]:
                 "error", "config.setting", "a command-line setting is a dotted key, '=', and a value",
                 file=COMMAND_LINE, expected="KEY.PATH=VALUE, e.g. training.max_steps=100", got=repr(arg)[:80])])
         text = m["value"]
+
+        def refuse(summary: str, expected: str, got: str, key: str = m["key"]) -> ConfigError:
+            return ConfigError(f"setting {key}: {summary}", [Finding(
+                "error", "config.setting", summary, path=key, file=COMMAND_LINE, expected=expected, got=got)])
+
+        # bounded before YAML sees it: 100,000 digits or 5,000 brackets were a traceback in the parser
+        if len(text) > MAX_SETTING_CHARS:
+            raise refuse(f"the value is longer than {MAX_SETTING_CHARS:,} characters",
+                         f"at most {MAX_SETTING_CHARS:,} characters", f"{len(text):,} characters")
+        if _flow_depth_exceeded(text) is not None:
+            raise refuse(f"the value nests brackets more than {MAX_YAML_DEPTH} levels deep",
+                         f"at most {MAX_YAML_DEPTH} levels of [ ] and {{ }}", "deeper nesting")
         try:
             value = YAML(typ="safe", pure=True).load(text) if text.strip() else ""
         except YAMLError:
             value = text  # not YAML on its own: the plain string, as a file would hold it quoted
-        if isinstance(value, str) and len(value) > 4096:
-            raise ConfigError(f"setting {m['key']} is too long", [Finding(
-                "error", "config.setting", "the value is longer than 4,096 characters", path=m["key"],
-                file=COMMAND_LINE, expected="at most 4,096 characters", got=f"{len(value):,}")])
+        except (ValueError, RecursionError):  # an integer past Python's 4,300-digit limit, and the like
+            raise refuse("the value cannot be read as a number, a list or a mapping",
+                         "a YAML value (numbers of at most 4,300 digits)", f"{len(text):,} characters") from None
         out[m["key"]] = _plain(value)
     return out
 

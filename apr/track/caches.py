@@ -78,20 +78,30 @@ def _meta(meta: Path) -> dict | None:
         if not meta.is_file() or meta.stat().st_size > 1 << 20:
             return None
         doc = json.loads(meta.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: [[[[... nested deeply
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def _field(doc: dict, key: str, limit: int = 200) -> str:
+    """One metadata value for the listing: a number or a short string, else ``?`` (a nested or
+    huge value in a damaged file is never printed)."""
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return "?"
+    text = str(value) if not isinstance(value, int) or abs(value) < 10**18 else "?"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _what(kind: str, doc: dict | None) -> str:
     if doc is None:
         return "no readable metadata"
     if kind == "tokens":
-        return f"{doc.get('source', '?')} ({doc.get('rows', '?')} rows x {doc.get('row_len', '?')})"
+        return f"{_field(doc, 'source')} ({_field(doc, 'rows')} rows x {_field(doc, 'row_len')})"
     boundaries = doc.get("boundaries")
-    return (f"teacher {str(doc.get('teacher', '?'))[:16]}, rows of {doc.get('row_len', '?')} x hidden "
-            f"{doc.get('hidden', '?')} at {len(boundaries) if isinstance(boundaries, list) else '?'} boundaries, "
-            f"rank {doc.get('rank', '?')}")
+    return (f"teacher {_field(doc, 'teacher', 16)}, rows of {_field(doc, 'row_len')} x hidden "
+            f"{_field(doc, 'hidden')} at {len(boundaries) if isinstance(boundaries, list) else '?'} boundaries, "
+            f"rank {_field(doc, 'rank')}")
 
 
 def _is_aprs(path: Path, kind: str) -> bool:
@@ -116,10 +126,17 @@ def _file_entries(kind: str, where: Path) -> list[Entry]:
         stats = [_stat(f) for f in files]
         doc = _meta(where / f"{key}.json")
         source = doc.get("source") if doc is not None and kind == "tokens" else None
-        gone = isinstance(source, str) and not Path(source).exists()
+        gone = isinstance(source, str) and not _exists(source)
         out.append(Entry(kind, key, str(where / key), len(files), sum(s for s, _ in stats),
                          max(t for _, t in stats), _what(kind, doc) + (" (gone)" if gone else ""), gone))
     return out
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):  # a NUL byte, a name too long: not a file the cache came from
+        return False
 
 
 def _tree_entry(kind: str, where: Path) -> list[Entry]:

@@ -16,7 +16,15 @@ from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file, check_output_folder, is_sqlite_file, output_path
 from apr.track import store
 from apr.track.names import validate_run_id
-from apr.track.trackers import EXTRA, PACKAGES, MlflowSink, TensorBoardSink, missing_package
+from apr.track.trackers import (
+    EXTRA,
+    PACKAGES,
+    MlflowSink,
+    TensorBoardSink,
+    local_target_problem,
+    missing_package,
+    mlflow_local_target,
+)
 
 MAX_DEFAULT_RUNS = 8  # runs drawn when --runs is not given (newest first); more is unreadable
 MARKERS = ("x", "o", "+", "*", "#", "@", "%", "&", "=", "~")
@@ -299,6 +307,21 @@ def export_to_tracker(db: Path | str, run_ids: list[str] | None, tracker: str, d
         conn.close()
     if tracker == "mlflow" and "://" not in dest:
         dest = f"sqlite:///{Path(dest).resolve()}"
+    local = (Path(dest), "folder") if tracker == "tensorboard" else mlflow_local_target(dest)
+    problem = local_target_problem(*local) if local is not None else None
+    if problem is not None:  # a read-only folder: refused before any work, never a traceback half-way
+        raise AprError(f"--out {dest}: cannot write the {tracker} export: {problem}", [Finding(
+            "error", "experiment.output", f"cannot write the {tracker} export: {problem}", path="--out",
+            file=str(local[0]), expected="a folder (or SQLite file) apr can write", got=problem)])
+    try:
+        return _export_runs(tracker, dest, ids, runs, data, overwrite)
+    except OSError as err:  # the disk filled, permissions changed while writing
+        raise AprError(f"--out {dest}: writing the {tracker} export failed: {err.strerror or err}", [Finding(
+            "error", "experiment.output", f"writing the {tracker} export failed", path="--out", file=dest,
+            expected="a folder (or SQLite file) apr can write", got=str(err.strerror or err))]) from None
+
+
+def _export_runs(tracker: str, dest: str, ids: list[str], runs: dict, data: dict, overwrite: bool) -> TrackerExport:
     out = TrackerExport([], [])
     if tracker == "tensorboard":
         Path(dest).mkdir(parents=True, exist_ok=True)

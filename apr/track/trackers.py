@@ -141,7 +141,7 @@ def local_target_problem(path: Path, kind: str) -> str | None:
         if kind == "folder" and not stat_mod.S_ISDIR(st.st_mode):
             return f"{path} is {file_kind(st.st_mode)}, not a folder"
         if not os.access(path, os.R_OK | os.W_OK):
-            return f"{path} is not writable"
+            return f"the folder {path} is read-only" if kind == "folder" else f"{path} is not writable"
         if kind == "file" and st.st_size:
             try:
                 with open(path, "rb") as f:

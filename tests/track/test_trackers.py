@@ -590,7 +590,8 @@ def test_an_mlflow_store_that_cannot_be_written_fails_at_once_and_writes_nothing
         real_access = os.access
         ro = str(tmp_path / "ro")
         # root may write anywhere: the folder is made read-only for os.access, as it is for a user
-        monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == ro else real_access(p, mode))
+        monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == ro and mode & os.W_OK
+                            else real_access(p, mode))
     else:
         path = tmp_path / "runs.db"
         path.write_text("not a database\n")
