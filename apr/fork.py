@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from apr.apply import run_apply
 from apr.checkpoint.manager import read_info, scan
 from apr.errors import AprError, Finding
 from apr.train.outdir import RESOLVED_CONFIG
@@ -62,8 +63,6 @@ def run_fork(run_dir: Path, *, at: int, settings: list[str] | None = None, out: 
              progress=None, handle_signals: bool = True):
     """Plan and run the fork; returns ``apr.train.run.RunResult``. Raises AprError for anything a user
     can fix, before anything is written."""
-    from apr.apply import run_apply
-
     run_dir = Path(os.path.abspath(os.path.expanduser(run_dir)))
     config_path = run_dir / RESOLVED_CONFIG
     if not config_path.is_file():
