@@ -35,7 +35,7 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
              strict: bool, out: Path | None, verbose: bool = False, overwrite: bool = False,
              fmt: str | None = None, settings: list[str] | None = None, explain: str | None = None,
              price: str | None = None, probe: bool = False, probe_steps: int = 3,
-             trace: bool = False, trace_timeout: float = 600.0) -> int:
+             trace: bool = False, trace_timeout: float = 600.0, fit: bool = False) -> int:
     """Build, render and optionally save the plan; return the exit code (0 ok, 1 errors)."""
     from apr.plan.build import PlanUsageError, build_plan
 
@@ -44,6 +44,9 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
             settings = [*(settings or []), f"training.price_per_gpu_hour={parse_price(price)!r}"]
         if out is not None:
             check_output_file(out, inputs=[config], overwrite=overwrite, option="-out")
+            if fit and out.suffix.lower() not in (".yaml", ".yml"):
+                raise typer.BadParameter(f"with --fit, -out writes the fitted config: a .yaml file, got {out}",
+                                         param_hint="'-out'")
         from apr.config.layers import parse_settings
 
         overrides = parse_settings(settings) if settings else None
@@ -57,6 +60,14 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
         if probe:  # synthetic ids: the probe runs even where the data is missing (the plan still fails)
             plan = probe_plan(plan, probe_steps, lambda: build_plan(config, gpu=gpu, vram=vram, world_size=world_size,
                                                                     nodes=nodes, overrides=overrides))
+        fitted = None
+        if fit:  # the layout that trains fastest within the budget, then the plan of that layout
+            from apr.plan.fit import fit_plan
+
+            fitted = fit_plan(plan)
+            if fitted.changed and not fitted.planned_as_is(plan):
+                plan = build_plan(config, gpu=gpu, vram=vram, world_size=world_size, nodes=nodes,
+                                  overrides={**(overrides or {}), **fitted.changed})
     except PlanUsageError as err:
         hint = {"plan.unknown_gpu": "'--gpu'", "plan.bad_vram": "'--vram'"}.get(
             err.findings[0].code if err.findings else "", "'--world-size'")
@@ -88,7 +99,7 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
                 print_error(err)
             return err.exit_code
     if json_out:
-        sys.stdout.write(render_json(plan, trace=traced))
+        sys.stdout.write(render_json(plan, trace=traced, fit=fitted))
     elif fmt == "github":
 
         verdict = ("ok" if code == 0 else "errors" if plan.errors else "warnings (--strict)") + (
@@ -97,11 +108,21 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
                                              github_facts(plan)), str(config), sys.stdout)
     else:
 
-        sys.stdout.write(render_text(plan, colour=use_colour(sys.stdout), verbose=verbose, trace=traced))
+        sys.stdout.write(render_text(plan, colour=use_colour(sys.stdout), verbose=verbose, trace=traced, fit=fitted))
     if out is not None:
         if code != 0:
             why = "errors" if plan.errors else "warnings (--strict)"
-            print(f"plan not saved to {out}: it has {why}", file=sys.stderr)
+            print(f"{'fitted config' if fit else 'plan'} not saved to {out}: it has {why}", file=sys.stderr)
+        elif fitted is not None:
+            from apr.plan.fit import write_fitted
+
+            try:
+                write_fitted(fitted, out, settings=overrides, overwrite=overwrite)
+            except AprError as err:
+                print_error(err)
+                return err.exit_code
+            print(f"Saved the fitted config to {out}; plan it with: apr train plan {out}",
+                  file=sys.stderr if json_out else sys.stdout)
         else:
             from apr.plan.planfile import save_plan
 
@@ -193,6 +214,10 @@ def register(app: typer.Typer) -> None:
                  "default: training.cpu_threads, else the usable cores / ranks per node)."),
         verbose: bool = typer.Option(False, "--verbose", "-v", help="List skipped contracts and why."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing -out file."),
+        fit: bool = typer.Option(
+            False, "--fit", help="Search micro-batch x accumulation x activation policy x sharding x compile, keeping "
+            "the global batch, for the fastest layout within the memory budget; plan it (-out FITTED.yaml: a config "
+            "extending this one with the changed keys)."),
     ) -> None:
         """Check a run without a GPU: step algebra, architecture, data, tokenizer, memory and time.
         Exit 0 no errors, 1 errors (or warnings with --strict), 2 usage."""
@@ -205,4 +230,4 @@ def register(app: typer.Typer) -> None:
                                   strict=strict, out=out, verbose=verbose,
                                   overwrite=overwrite, fmt=fmt, settings=settings, explain=explain,
                                   price=price, probe=probe, probe_steps=probe_steps, trace=trace,
-                                  trace_timeout=trace_timeout))
+                                  trace_timeout=trace_timeout, fit=fit))

@@ -587,7 +587,39 @@ def trace_lines(t: dict | None, colour: bool = False) -> list[str]:
     return out
 
 
-def render_text(plan, *, colour: bool = False, verbose: bool = False, trace: dict | None = None) -> str:
+def fit_lines(fit, colour: bool = False) -> list[str]:
+    """``--fit``: the layout chosen, why, and the best few candidates (apr/plan/fit.py)."""
+    if fit is None:
+        return []
+    from apr.plan.fit import SHOWN
+
+    doc = fit.to_dict()
+    out = [_section(f"Fit (--fit): the fastest layout within {format_bytes(fit.budget_bytes)} "
+                    f"({1 - doc['headroom']:.0%} of {format_bytes(fit.vram_bytes)}, {fit.target}), "
+                    f"{fit.world_size} rank(s)", colour),
+           f"  global batch kept: {fit.global_batch:,} sequences x {fit.seq_len:,} = "
+           f"{fit.global_batch * fit.seq_len:,} tokens per optimizer step",
+           "  chosen: " + (", ".join(f"{k} {json.dumps(v)}" for k, v in fit.changed.items())
+                           or "the config's own layout (no key changes)")]
+    out += textwrap.wrap(f"why: {fit.why}", WIDTH, initial_indent="  ", subsequent_indent="    ")
+    out.append(f"  {'batch':>5} {'accum':>5}  {'activations':<14}{'gradients':<11}{'sharding':<14}{'compile':<8}"
+               f"{'peak':>11}{'tokens/s':>12}  fits")
+    for i, c in enumerate(fit.candidates[:SHOWN]):
+        rate = f"{c.tokens_per_s:,.0f}" if c.tokens_per_s else fmt_f(c.cost_f)
+        mark = "  <- chosen" if i == 0 else ""
+        out.append(f"  {c.batch_size:>5} {c.accumulation:>5}  {c.execution.activations:<14}{c.execution.gradients:<11}"
+                   f"{c.sharding:<14}{'yes' if c.execution.compile else 'no':<8}{format_bytes(c.peak_bytes):>11}"
+                   f"{rate:>12}  {'yes' if c.fits else 'no'}{mark}")
+    if len(fit.candidates) > SHOWN:
+        out.append(f"  ... {len(fit.candidates) - SHOWN} more layouts (--json lists them all)")
+    out.append(f"  searched {fit.searched:,} layout x policy pairs in {fit.seconds:.2f} s; tokens/s over the run "
+               "(compiling included); each layout with its fastest fitting policy")
+    out += [f"  {n}" for n in fit.notes]
+    return [*out, ""]
+
+
+def render_text(plan, *, colour: bool = False, verbose: bool = False, trace: dict | None = None,
+                fit=None) -> str:
     s = plan.summary()
     fp = plan.data_fingerprint
     out = [
@@ -596,6 +628,7 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False, trace: dic
         f"({len(fp['files'])} files)",
         "",
         *_layer_section(plan, colour),
+        *fit_lines(fit, colour),
         _section("Resolved run", colour),
         *_item("model", _model_lines(plan)),
         *_item("stacking", stacking_lines(plan.facts.get("stacking"))),
@@ -634,10 +667,12 @@ def render_text(plan, *, colour: bool = False, verbose: bool = False, trace: dic
     return "\n".join(out) + "\n"
 
 
-def render_json(plan, trace: dict | None = None) -> str:
+def render_json(plan, trace: dict | None = None, fit=None) -> str:
     doc = plan.to_dict()
     if trace is not None:
         doc["trace"] = trace
+    if fit is not None:
+        doc["fit"] = fit.to_dict()
     return json.dumps(doc, indent=2, allow_nan=False, default=str) + "\n"
 
 

@@ -1,0 +1,148 @@
+"""`apr train plan --fit` (apr/plan/fit.py): the fastest layout of the global batch within the budget."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.config.loader import read_yaml
+from apr.plan.build import build_plan
+from apr.plan.examples import materialize
+from apr.plan.fit import HEADROOM, Candidate, fit_plan
+
+runner = CliRunner()
+
+# 4 blocks of width 256, a global batch of 64 sequences of 128 tokens (16 x accumulation 4): the layouts'
+# peaks run from ~0.8 GiB (micro-batch 1) to ~1.4 GiB (64, nothing recomputed) on a GPU
+EXAMPLE = {"config": {"model": {"architecture": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                                 "num_key_value_heads": 2, "intermediate_size": 768,
+                                                 "vocab_size": 512, "max_position_embeddings": 128}},
+                      "data": {"batch_size": 16, "seq_len": 128},
+                      "training": {"device": "cuda", "gradient_accumulation": 4, "max_steps": 4,
+                                   "mixed_precision": "fp16"}},
+           "train": {"rows": 256, "shards": 1}}
+GLOBAL = 64
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path, _ = materialize(EXAMPLE, tmp_path_factory.mktemp("fit"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def unbounded(config):
+    """The fit on an H100: every layout fits, so the search is over time alone."""
+    return fit_plan(build_plan(config, gpu="h100"))
+
+
+def _vram_between(fit) -> int:
+    """A memory size whose budget lies between the smallest and the largest layout's peak."""
+    peaks = [c.peak_bytes for c in fit.candidates]
+    return int((min(peaks) + max(peaks)) / 2 / (1 - HEADROOM))
+
+
+def test_every_candidate_keeps_the_global_batch(config, unbounded):
+    assert unbounded.global_batch == GLOBAL
+    assert {c.batch_size for c in unbounded.candidates} == {1, 2, 4, 8, 16, 32, 64}
+    assert all(c.batch_size * c.accumulation == GLOBAL for c in unbounded.candidates)
+    # on 4 ranks over 2 nodes: 16 sequences a rank, and each sharding strategy is a candidate
+    fit = fit_plan(build_plan(config, gpu="h100", world_size=4, nodes=2))
+    assert all(c.batch_size * c.accumulation * 4 == GLOBAL for c in fit.candidates)
+    assert {c.sharding for c in fit.candidates} == {"none", "shard_grad_op", "hybrid", "full"}
+    assert fit.changed["training.world_size"] == 4 and fit.changed["training.nodes"] == 2
+    # the keys a fit changes are layout keys only
+    layout = {"data.batch_size", "training.gradient_accumulation", "training.execution.activations",
+              "training.execution.gradients", "training.sharding", "training.execution.compile",
+              "training.world_size", "training.nodes"}
+    assert set(fit.changed) <= layout and set(unbounded.changed) <= layout
+
+
+def test_the_fit_never_exceeds_the_budget_and_picks_the_fastest_fitting(config, unbounded):
+    vram = _vram_between(unbounded)
+    fit = fit_plan(build_plan(config, gpu="t4", vram=vram))
+    assert fit.budget_bytes == int(vram * (1 - HEADROOM))
+    assert all(c.fits == (c.peak_bytes <= fit.budget_bytes) for c in fit.candidates)
+    fitting = [c for c in fit.candidates if c.fits]
+    assert fit.chosen.fits and fit.chosen.peak_bytes <= fit.budget_bytes
+    assert fit.chosen == min(fitting, key=Candidate.rank_key)
+    assert all(fit.chosen.tokens_per_s >= c.tokens_per_s for c in fitting)
+    # the budget binds: the unbounded winner (the largest micro-batch, nothing recomputed) is over it
+    best = unbounded.chosen
+    assert best.batch_size == GLOBAL and best.peak_bytes > fit.budget_bytes
+    assert fit.chosen.batch_size < GLOBAL
+
+
+def test_out_writes_an_extends_file_that_plans_to_the_chosen_layout(config, unbounded):
+    vram = _vram_between(unbounded)
+    out = config.parent / "fitted.yaml"
+    args = ["train", "plan", str(config), "--gpu", "t4", "--vram", str(vram), "--fit", "--json", "-out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)["fit"]
+    assert doc["chosen"] and doc["candidates"]
+    first = doc["candidates"][0]
+    assert set(first) >= {"keys", "peak_bytes", "tokens_per_s", "fits"} and first["fits"]
+    assert all(v == first["keys"][k] for k, v in doc["chosen"].items())
+    # the file extends the config and sets the changed keys, nothing else
+    raw, _, _ = read_yaml(out)
+    assert raw.pop("extends") == config.name
+
+    def flat(node, prefix=""):
+        for k, v in node.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+    assert dict(flat(raw)) == doc["chosen"]
+    fitted = build_plan(out, gpu="t4", vram=vram)
+    assert fitted.errors == []
+    c = fitted.config
+    assert (c.data.batch_size, c.training.gradient_accumulation) == (first["keys"]["data.batch_size"],
+                                                                     first["keys"]["training.gradient_accumulation"])
+    assert c.data.batch_size * c.training.gradient_accumulation == GLOBAL
+    policy = fitted.execution["policy"]
+    assert (policy["activations"], policy["gradients"]) == (first["keys"]["training.execution.activations"],
+                                                            first["keys"]["training.execution.gradients"])
+    assert fitted.facts["memory"]["total_bytes"] == first["peak_bytes"]
+    # never over an existing file without --overwrite
+    before = out.read_text()
+    again = runner.invoke(app, args[:-3] + ["-out", str(out)])
+    assert again.exit_code == 1 and "--overwrite" in again.output and out.read_text() == before
+    assert runner.invoke(app, args + ["--overwrite"]).exit_code == 0
+
+
+def test_the_text_output_shows_the_choice_why_and_the_best_candidates(config, unbounded):
+    result = runner.invoke(app, ["train", "plan", str(config), "--vram", str(_vram_between(unbounded)),
+                                 "--gpu", "t4", "--fit"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "Fit (--fit): the fastest layout within" in text and "global batch kept: 64 sequences" in text
+    assert "why: the fastest of" in text and "<- chosen" in text
+    assert "Resolved run" in text and "Plan:" in text.splitlines()[-1]
+
+
+def test_a_global_batch_the_ranks_cannot_split_is_refused_with_the_nearest(config):
+    result = runner.invoke(app, ["train", "plan", str(config), "--gpu", "h100", "--fit", "--world-size", "3"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "global batch of 64 sequences" in result.output and "cannot be split over 3 ranks" in result.output
+    assert "63 or 66 sequences" in result.output
+
+
+def test_nothing_fits_names_the_smallest_layout_and_what_to_change(config):
+    result = runner.invoke(app, ["train", "plan", str(config), "--vram", "900MiB", "--fit"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert re.search(r"the smallest, batch_size 1 x accumulation 64, recompute .* needs [\d.]+ MiB per GPU "
+                     r"against a budget of 810\.00 MiB", text), text
+    assert "a larger GPU (--gpu)" in text and "a shorter data.seq_len" in text
+
+
+def test_fit_needs_a_budget_and_a_yaml_out(config, tmp_path):
+    result = runner.invoke(app, ["train", "plan", str(config), "--fit"])  # device cuda, no target
+    assert result.exit_code == 1 and "--fit needs a memory budget" in result.output
+    result = runner.invoke(app, ["train", "plan", str(config), "--gpu", "h100", "--fit", "-out",
+                                 str(tmp_path / "plan.json")])
+    assert result.exit_code == 2 and "a .yaml file" in result.output
