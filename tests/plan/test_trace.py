@@ -90,19 +90,37 @@ def _example(tmp_path, **config):
     return path
 
 
-def test_cli_trace_text_and_json(tmp_path):
-    path = _example(tmp_path)
-    text = apr_cli("train", "plan", str(path), "--trace")
-    assert text.returncode == 0, text.stderr
-    assert "Trace (fake tensors on the cpu device, one process" in text.stdout
-    assert "(modelled: no tensor to trace)" in text.stdout  # allocator slack stays a modelled row
-    out = apr_cli("train", "plan", str(path), "--trace", "--json")
-    assert out.returncode == 0, out.stderr
+def _plan(*args: str):
+    from typer.testing import CliRunner
+
+    from apr.cli.main import app
+
+    return CliRunner().invoke(app, ["train", "plan", *args])
+
+
+def test_cli_trace_text(tmp_path):
+    out = _plan(str(_example(tmp_path)), "--trace")
+    assert out.exit_code == 0, out.output
+    assert "Trace (fake tensors on the cpu device, one process" in out.stdout
+    assert "allocator_slack (modelled: no tensor to trace)" in out.stdout  # device-only: stays modelled
+    assert "peak (the rows above the modelled ones)" in out.stdout
+
+
+def test_cli_trace_json_of_rank_zero_of_a_sharded_gpu_run(tmp_path):
+    import torch
+
+    path = _example(tmp_path, training={"device": "cuda", "sharding": "full", "max_steps": 8})
+    out = _plan(str(path), "--trace", "--json", "--world-size", "2", "--gpu", "h100")
+    assert out.exit_code == 0, out.output
     trace = json.loads(out.stdout)["trace"]
     assert trace["peak_bytes"] > 0 and trace["plan_peak_bytes"] > 0
+    assert trace["world_size"] == 2 and trace["sharding"] == "full"
+    if not torch.cuda.is_available():  # a CPU-only torch traces on the CPU and says so
+        assert trace["device"] == "cpu" and "no CUDA" in trace["device_why"]
     rows = {r["name"]: r for r in trace["rows"]}
     assert rows["moments"]["plan_bytes"] == rows["moments"]["traced_bytes"] > 0
-    assert rows["allocator_slack"]["traced_bytes"] is None
+    assert rows["cuda_context"]["source"] == "modelled" and rows["cuda_context"]["traced_bytes"] is None
+    assert {"name", "plan_bytes", "traced_bytes"} <= set(rows["activations"])
 
 
 def test_a_config_the_plan_refuses_is_not_traced(tmp_path):
@@ -117,7 +135,7 @@ def test_a_trace_past_its_timeout_stops_and_says_where(tmp_path):
     arch = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
             "intermediate_size": 1536, "vocab_size": 512, "max_position_embeddings": 64}
     path = _example(tmp_path, model={"architecture": arch})
-    out = apr_cli("train", "plan", str(path), "--trace", "--trace-timeout", "1")
-    assert out.returncode == 1, out.stdout
-    assert "--trace stopped after 1 s (--trace-timeout) during" in out.stderr + out.stdout
-    assert "Traceback" not in out.stderr
+    out = _plan(str(path), "--trace", "--trace-timeout", "1")
+    assert out.exit_code == 1, out.output
+    assert "--trace stopped after 1 s (--trace-timeout) during" in out.output
+    assert out.exception is None or isinstance(out.exception, SystemExit)
