@@ -162,7 +162,7 @@ def _device_flops(plan, device: str) -> tuple[float | None, str]:
         peak = gpu.peak_flops(str(config.training.mixed_precision)) if gpu is not None else None
         if peak is None:
             return None, "no GPU from the catalogue (--gpu NAME): the step time is unknown"
-        return peak * gpu.mfu, f"{gpu.name} at an assumed {gpu.mfu:.0%} MFU"
+        return peak * gpu.mfu, f"{gpu.label} at an assumed {gpu.mfu:.0%} MFU"
     if device == "cpu":
         choice = plan.facts.get("threads") or {}
         threads = max(1, int(choice.get("threads") or 1))
