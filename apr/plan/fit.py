@@ -233,7 +233,8 @@ def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
                 cfg = _layout_config(config, batch_size=batch, accumulation=per_rank // batch, sharding=sharding,
                                      world_size=world, nodes=nodes, compile=compile)
                 options = []
-                for e in policy.candidates(cfg):
+                autograd = policy.gradient_source(cfg) == "standard"  # it keeps every graph whatever the policy says
+                for e in [policy.from_config(cfg)] if autograd else policy.candidates(cfg):
                     searched += 1
                     peak = sum(r.bytes for r in memory_table(cfg, execution=e)) + extra
                     options.append((e, peak, policy.step_cost_f(cfg, e)))
@@ -310,7 +311,10 @@ def changed_keys(plan, chosen: Candidate, compiles: list[bool]) -> dict:
               "training.execution.gradients": str(tr.execution.gradients), "training.sharding": str(tr.sharding),
               "training.execution.compile": tr.execution.compile}
     out = {}
+    autograd = policy.gradient_source(config) == "standard"
     for key, value in chosen.keys.items():
+        if autograd and key in ("training.execution.activations", "training.execution.gradients"):
+            continue  # the standard engine runs no execution policy
         if key == "training.execution.compile" and len(compiles) == 1:
             continue  # not searched: left as stated
         if key == "training.sharding" and plan.world_size == 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -146,3 +147,21 @@ def test_fit_needs_a_budget_and_a_yaml_out(config, tmp_path):
     result = runner.invoke(app, ["train", "plan", str(config), "--gpu", "h100", "--fit", "-out",
                                  str(tmp_path / "plan.json")])
     assert result.exit_code == 2 and "a .yaml file" in result.output
+
+
+def test_the_350m_config_fits_a_4090_keeping_its_global_batch(repo, tmp_path, monkeypatch):
+    """The reference config on its stand-in data (`apr data synth --like`), as docs/plan.md shows it."""
+    config = repo / "configs/train/pretrain-350m-v2.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert runner.invoke(app, ["data", "synth", "--like", str(config), "--out", "standin"]).exit_code == 0
+    monkeypatch.chdir(tmp_path / "standin")
+    t0 = time.monotonic()
+    result = runner.invoke(app, ["train", "plan", str(config), "--gpu", "4090", "--fit", "--json"])
+    seconds = time.monotonic() - t0
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    fit, layout = doc["fit"], doc["fit"]["layout"]
+    assert layout["data.batch_size"] * layout["training.gradient_accumulation"] == fit["global_batch_sequences"] == 4
+    assert fit["peak_bytes"] <= fit["budget_bytes"] == int(fit["vram_bytes"] * (1 - HEADROOM))
+    assert doc["summary"]["errors"] == 0 and doc["memory"]["total_bytes"] == fit["peak_bytes"]
+    assert seconds < 30  # measured 3.3-3.7 s wall (1.2 s of CPU) on the loaded 2-core box; docs/plan.md
