@@ -112,7 +112,8 @@ def _sweep_config_key(tmp, secret):
 
 
 def _dashboard(tmp, secret):
-    return [["monitor", str(MID_RUN), "--dashboard", str(secret)]]
+    return [["monitor", str(MID_RUN), "--dashboard", str(secret)],
+            ["monitor", str(MID_RUN), "--web", "--dashboard", str(secret)]]  # refused before the server starts
 
 
 READERS = {"config": _config, "base config": _base_config, "sweep file": _sweep_file,
