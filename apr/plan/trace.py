@@ -188,6 +188,21 @@ def _patched(obj, name: str, value):
         setattr(obj, name, old)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    import os
+
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def _fake_model_builder(device):
     """``build_model_for`` for fake tensors: the model made on ``device`` directly, no random init
     (values do not change the bytes), no ``init_from`` read; LoRA and a stacking trunk as apply
@@ -385,6 +400,9 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
             stack.enter_context(_patched(torch.nn.Module, "to", _to_if_moved(torch.nn.Module.to)))
             if sharded:  # the device mesh's rank table is real (fake tensors cannot index it)
                 from apr.train import sharded as sharded_module
+
+                if str(config.training.sharding) == "hybrid":  # a node's ranks, as torchrun would say
+                    stack.enter_context(_env("APR_SHARD_GROUP_SIZE", str(max(1, world // int(resolved.nodes)))))
 
                 stack.enter_context(_patched(sharded_module, "init_device_mesh",
                                              _real(sharded_module.init_device_mesh)))

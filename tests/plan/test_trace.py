@@ -9,7 +9,7 @@ import json
 import pytest
 
 from apr.config.schema import AprConfig
-from apr.plan.examples import materialize
+from apr.plan.examples import deep_merge, materialize
 from apr.plan.memory import memory_table
 from apr.steps.resolved import resolve
 from tests.plan.plan_helpers import apr_cli
@@ -31,10 +31,13 @@ def _config(training: dict) -> AprConfig:
     return AprConfig.model_validate(doc)
 
 
-def _trace(training: dict, world_size: int | None = None):
+def _trace(training: dict, world_size: int | None = None, nodes: int = 1, model: dict | None = None):
     from apr.plan.trace import run_trace
 
-    resolved = resolve(_config(training), world_size=world_size)
+    config = _config(training)
+    if model:
+        config = AprConfig.model_validate(deep_merge(config.model_dump(mode="json"), {"model": model}))
+    resolved = resolve(config, world_size=world_size, nodes=nodes)
     return run_trace(resolved, plan_rows=memory_table(resolved.config, execution=resolved.execution))
 
 
@@ -65,6 +68,24 @@ def test_fsdp2_full_on_eight_fake_ranks_matches_the_plan(training):
     report = _trace({"sharding": "full", "world_size": 8, **training}, world_size=8)
     _check(report)
     assert report["world_size"] == 8 and report["sharding"] == "full"
+
+
+def test_hybrid_sharding_two_nodes_of_four_matches_the_plan():
+    report = _trace({"sharding": "hybrid", "world_size": 8, "nodes": 2}, world_size=8, nodes=2)
+    _check(report)  # the moments row holds them to shards over a node's 4 ranks, not all 8
+    assert report["nodes"] == 2
+
+
+@pytest.mark.xfail(strict=True, reason="not reconciled: LoRA measured plan/trace 1.127 on the peak and 1.28 on the "
+                   "activations row (the kept graphs save less than autocast's copies of the frozen weights)")
+def test_lora_matches_the_plan():
+    _check(_trace({}, model={"lora": {"rank": 8}}))
+
+
+@pytest.mark.xfail(strict=True, reason="not reconciled: shard_grad_op measured 0.994 on the peak but 0.76 on the "
+                   "weights row (a block's all-gather output and the root's beside the gathered model)")
+def test_fsdp2_shard_grad_op_matches_the_plan():
+    _check(_trace({"sharding": "shard_grad_op", "world_size": 8}, world_size=8))
 
 
 def test_an_operation_fake_tensors_cannot_run_is_named(monkeypatch):
