@@ -38,6 +38,7 @@ from apr.monitor.view import (
     SparkView,
     block_view,
     eval_bars_view,
+    fit_caption,
     gpu_lines,
     grad_view,
     header_view,
@@ -217,7 +218,7 @@ class SparkPanel(Panel):
         if view is None:
             return Text("")
         text = Text(sparkline(view.values, width, view.steps), style=_style("train"))
-        text.append("\n" + view.caption[:width], style=_style("label"))
+        text.append("\n" + fit_caption(view.caption, width, max(1, height - 1)), style=_style("label"))
         return text
 
 

@@ -162,6 +162,29 @@ class SparkView:
     steps: tuple[float, ...] | None = None
 
 
+def fit_caption(caption: str, width: int, lines: int = 1) -> str:
+    """``caption`` (parts joined by two spaces: ``now 3.1  min 2.0  max 9.4``) in ``width``
+    columns and at most ``lines`` lines: as is; with single spaces; wrapped between parts; else
+    without its first parts, so the last (``max``) stays whole, never cut off mid-number."""
+    if len(caption) <= width:
+        return caption
+    parts = caption.split("  ")
+    if len(" ".join(parts)) <= width:
+        return " ".join(parts)
+    if lines > 1:
+        rows: list[str] = []
+        for part in parts:
+            if rows and len(rows[-1]) + 2 + len(part) <= width:
+                rows[-1] += "  " + part
+            else:
+                rows.append(part)
+        if len(rows) <= lines and all(len(r) <= width for r in rows):
+            return "\n".join(rows)
+    while len(parts) > 1 and len(" ".join(parts)) > width:
+        parts = parts[1:]
+    return " ".join(parts)[:width]
+
+
 def lr_view(state: dict | None) -> SparkView:
     hist = state.get("lr_history", ()) if state else ()
     values = tuple(v for _, v in hist)

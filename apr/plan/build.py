@@ -176,7 +176,7 @@ class Plan:
                 "usage_fraction": (memory_total / self.target.vram_bytes
                                    if self.target and self.target.vram_bytes else None),
                 "max_micro_batch": self.facts["memory"].get("max_micro_batch"),
-                "coefficients": coefficients_dict(),
+                "coefficients": coefficients_dict(device=str(self.config.training.device)),
             },
             "time_estimate": self.time_estimate,
             "mfu": self.facts.get("mfu"),

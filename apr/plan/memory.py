@@ -218,7 +218,8 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
         rows["cuda_context"] = MemoryRow("cuda_context", coefficients.cuda_context_bytes, "modelled", 0,
                                          DESCRIPTIONS["cuda_context"])
     rows["allocator_slack"] = MemoryRow("allocator_slack", int(allocated * coefficients.allocator_slack_fraction),
-                                        "modelled", 0, DESCRIPTIONS["allocator_slack"])
+                                        "modelled", 0, DESCRIPTIONS["allocator_slack"] if str(config.training.device)
+                                        != "cpu" else "the host allocator's fragmentation and headroom (modelled)")
     order = [c for c in _ORDER if c in rows] + [c for c in rows if c not in _ORDER]
     return [rows[c] for c in order]
 
@@ -275,8 +276,12 @@ def max_layers(config: AprConfig, vram_bytes: int, limit: int = MAX_LAYERS_SEARC
         lambda n: _fits_leanest(with_layers(config, n), vram_bytes, coefficients), limit)
 
 
-def coefficients_dict(coefficients: MemoryCoefficients = COEFFICIENTS) -> dict:
-    return asdict(coefficients)
+def coefficients_dict(coefficients: MemoryCoefficients = COEFFICIENTS, device: str | None = None) -> dict:
+    """The coefficients the memory rows use; on the CPU (``device`` cpu) without the CUDA context's."""
+    doc = asdict(coefficients)
+    if device == "cpu":
+        doc.pop("cuda_context_bytes", None)
+    return doc
 
 
 # ------------------------------------------------------------------------------ execution choice

@@ -360,6 +360,10 @@ def _time_lines(plan, colour: bool) -> list[str]:
     if te is None:
         if mfu.get("known") is False and plan.target is not None and plan.target.gpu is not None:
             why = f"MFU unknown: {mfu['reason']}"
+        elif str(plan.config.training.device) == "cpu" or (plan.target is not None and plan.target.gpu is None
+                                                           and plan.target.source.startswith("this machine's RAM")):
+            why = ("a CPU's speed is measured, not looked up: pass --probe (a few real steps on this machine), "
+                   "or finish a run here: later plans are calibrated from it")
         elif plan.target is None or plan.target.gpu is None:
             why = "no catalogue GPU (pass --gpu NAME); MFU unknown"
         else:

@@ -62,3 +62,21 @@ def test_an_orchestrated_run_shows_its_strategy_in_force_and_its_decisions():
     assert ("step 100 decision 1: sgd_escape wins", "msg.info") in lines
     state, _ = normalize({"status": "running", "step": 150, "heartbeat": 1.0, "events": events[:1]})
     assert ("strategy conservative_adamw (0 decisions)", "msg.info") in messages(None, state, "running", 2.0, 600.0)
+
+
+def test_a_spark_caption_keeps_max_whole_in_a_narrow_panel():
+    """At width 30 (28 columns inside the border) the lr caption lost its `max`."""
+    from apr.monitor.view import fit_caption, lr_view, metric_view
+
+    state = {"lr_history": [[1, 3e-4], [2, 2.5e-4], [3, 3e-5]], "val_loss_history": [[1, 9.4], [2, 2.0], [3, 3.1]]}
+    assert len(lr_view(state).caption) > 28  # "3.00e-4 → 3.00e-5  max 3.00e-4": cut at 28 before
+    for view in (lr_view(state), metric_view(state, "val_loss")):
+        for width in (28, 24, 20, 14):
+            shown = fit_caption(view.caption, width)
+            assert len(shown) <= width and shown.endswith(view.caption.split("max ")[1]), (width, shown)
+            assert "max " in shown
+        # with room for two lines, nothing is dropped
+        two = fit_caption(view.caption, 20, lines=2).splitlines()
+        assert len(two) == 2 and all(len(line) <= 20 for line in two)
+        assert " ".join(two).split() == view.caption.split()
+    assert fit_caption("now 1  max 2", 80) == "now 1  max 2"

@@ -82,3 +82,24 @@ def test_a_cpu_config_compared_with_a_gpu_says_no_cuda_context_is_counted(tmp_pa
     assert head == ("Resources per GPU (target: NVIDIA GeForce RTX 4090 24GB, 23.99 GiB, from --gpu; "
                     "training.device cpu: no CUDA context counted)")
     assert "cuda_context" not in rows
+
+
+def test_a_first_cpu_plan_names_probe_and_its_json_has_no_gpu_memory_terms(tmp_path, monkeypatch):
+    """A first CPU plan (no calibration yet) said `pass --gpu NAME`; its JSON carried the CUDA
+    context's coefficient and a caching-allocator row (issue 54 item 10)."""
+    import json
+
+    monkeypatch.setenv("APR_HOME", str(tmp_path / "home"))  # no calibration rows
+    monkeypatch.setattr(gpus, "host_memory_bytes", lambda: 16 * GIB)
+    cfg, _ = materialize({}, tmp_path / "cpu")
+    plan = build_plan(cfg)
+    text = render_text(plan)
+    time_lines = text.split("Time (estimate)", 1)[1].splitlines()
+    assert "pass --probe" in time_lines[1] and "--gpu" not in time_lines[1], time_lines[:2]
+    doc = json.loads(runner.invoke(app, ["train", "plan", str(cfg), "--json"]).stdout)
+    assert "cuda_context_bytes" not in doc["memory"]["coefficients"]
+    assert not any("caching-allocator" in r["detail"] for r in doc["memory"]["rows"])
+    gpu_cfg, _ = materialize({"config": {"training": {"device": "cuda"}}}, tmp_path / "gpu")
+    gpu_doc = json.loads(runner.invoke(app, ["train", "plan", str(gpu_cfg), "--json", "--gpu", "4090"]).stdout)
+    assert gpu_doc["memory"]["coefficients"]["cuda_context_bytes"] == COEFFICIENTS.cuda_context_bytes
+    assert any("caching-allocator" in r["detail"] for r in gpu_doc["memory"]["rows"])
