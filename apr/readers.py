@@ -37,6 +37,7 @@ LIMITS: dict[str, int] = {
     "manifest": 16 * MiB,  # data manifests, cache metadata
     "tokenizer": 64 * MiB,  # tokenizer.json (vocab and merges of large vocabularies)
     "task": 512 * MiB,  # multiple-choice task JSONL and prompt files (apr eval, apr generate)
+    "steer": 64 * KiB,  # apr train steer requests and their applied records
 }
 MAX_JSON_DEPTH = 64  # nesting levels of any JSON document apr reads (ours use fewer than 8)
 

@@ -197,10 +197,11 @@ class RunState:
 
     def drop_events_after(self, step: int) -> None:
         """Steps after ``step`` will be trained again (a resume or a rollback): their ``bad_step``
-        events go (a replayed step that is flagged again records again); rollbacks stay, since
+        and ``steer`` events go (a replayed step that is flagged again records again; a resume replays
+        a steer at its step and records it again); rollbacks stay, since
         the checkpoint the run goes on from holds their decision."""
         self.fields["events"] = [e for e in self.fields["events"]
-                                 if not (e.get("kind") == "bad_step" and (e.get("step") or 0) > step)]
+                                 if not (e.get("kind") in ("bad_step", "steer") and (e.get("step") or 0) > step)]
 
     def carry_over(self, previous: dict, upto_step: int | None) -> None:
         """Adopt a previous state of the same run (resume): its histories up to ``upto_step``,

@@ -174,10 +174,17 @@ def run_state(run) -> StateRegistry:
     reg.register("survival", lambda: {"survival": run.survival.state_dict() if run.survival.enabled else None},
                  lambda meta: run.survival.load_state_dict(meta.get("survival")))
     reg.register("tokens", lambda: {"tokens_seen": run.step * run.tokens_per_step})
+    reg.register("steering", run.steering.state_dict, partial(_load_steering, run))
     orchestrator = run.orchestrator
     if orchestrator is not None:  # the strategy in force, the bandit, the decisions (apr/train/orchestrator.py)
         reg.register("orchestrator", orchestrator.state_dict, orchestrator.load_state_dict)
     return reg
+
+
+def _load_steering(run, meta: dict) -> None:
+    """The steer requests the checkpoint holds, in force again (apr/train/steering.py)."""
+    run.steering.load_state_dict(meta, int((meta.get("schedule") or {}).get("step", 0)))
+    run.steering.restore(run)
 
 
 def _load_cursor(run, meta: dict) -> None:

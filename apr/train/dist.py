@@ -53,6 +53,12 @@ class DataParallel:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.host_group)
         return values.tolist()
 
+    def broadcast_host(self, obj):
+        """Rank 0's ``obj`` (a small picklable value) on every rank, over the host group (steer requests)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]
+
     def _device(self) -> torch.device:
         """Where this backend's collectives take their tensors (NCCL: the current GPU)."""
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")

@@ -53,6 +53,7 @@ from apr.train.outdir import (
 )
 from apr.train.signals import Interrupted, StopSignals
 from apr.train.stacking import grow, stage_parts
+from apr.train.steering import Steering
 from apr.train.steplog import StepLog
 from apr.train.stop import FINISHED, StepHook, StepReport, Stop, agree, first_stop
 from apr.train.survive import Survival
@@ -80,6 +81,7 @@ class Run:
         self.hooks += _watch_hooks(config, plan_doc, self.early_stopping, self.histograms)
         self.orchestrator = Orchestrator(config) if config.training.orchestrator.enabled else None  # strategies
         self.run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
+        self.steering = Steering(self.run_dir)  # apr train steer: requests applied between steps
         self.start_step = 0
         self.step = 0  # the step in progress (the last finished one between steps)
         self.run_id: str | None = None
@@ -186,10 +188,14 @@ class Run:
         for _ in range(n):
             self.step += 1
             self.engine.current_step = self.step
-            lr = self.survival.lr(self.step, self.schedule(self.step)) * lr_factor
+            lr = self._lr(self.step) * lr_factor
             result = self.engine.train_step(self._micro_batches(), lr)
             losses.append(result.loss.detach().float().reshape(()))
         return losses
+
+    def _lr(self, step: int) -> float:
+        """The schedule's learning rate at ``step``, after a rollback's lowering and a steered factor."""
+        return self.survival.lr(step, self.schedule(step)) * self.steering.lr_factor
 
     def _micro_batches(self) -> list:
         return micro_batches(self.loader, self.config.training.gradient_accumulation, self.device.type == "cuda")
@@ -299,8 +305,11 @@ class Run:
             self.orchestrator.start(self, recorder)
         self.steplog.start(self.step)
         while self.step < self.total_steps:
+            due = self.steering.due(self, self.step + 1)  # apr train steer, at this step boundary
+            if due:
+                self.steering.apply(self, due, recorder)
             self.step += 1
-            step, lr = self.step, self.survival.lr(self.step, self.schedule(self.step))
+            step, lr = self.step, self._lr(self.step)
             lr = lr if self.orchestrator is None else self.orchestrator.lr(lr)  # the strategy's lr factor
             try:
                 report = self._one_step(step, lr, signals, recorder)
@@ -330,8 +339,9 @@ class Run:
                     return self._non_finite(err, recorder)
                 report.metrics = self.steplog.log(step, report.lr, report.result, events.epochs_read(self.loader),
                                                   recorder)
+            due = self.cadence.save(step, report.is_best, stopping=forced) or self.steering.checkpoint_at == step
             if (stop is None or stop.checkpoint) and self.survival.save_due(  # critical alert: nothing worth keeping
-                    self.cadence.save(step, report.is_best, stopping=forced), forced or report.is_last):
+                    due, forced or report.is_last):
                 try:
                     self.engine.check_finite()  # no read when already checked after this step
                 except NonFiniteError as err:
@@ -377,7 +387,7 @@ class Run:
             events.record_mixture(self, step, recorder)
             stop = self.check_alerts(report.metrics, step, recorder)
         evaluated = False
-        if self.cadence.validate(step):
+        if self.cadence.validate(step) or (self.steering.evaluate_at == step and self.validation.configured):
             report.val_loss, report.is_best = self.validation.at(step, self.engine, recorder)
             events.record_mixture(self, step, recorder)
             self.steplog.restart_clock()
@@ -391,6 +401,8 @@ class Run:
             stop = first_stop(stop, self.check_alerts(measured, step, recorder))
         for hook in self.hooks:
             stop = first_stop(stop, hook.after_step(self, report))  # every hook sees every step
+        if self.steering.stop_at == step and not report.is_last:
+            stop = first_stop(stop, Stop("stopped", f"steer: stop_at {step}; resume with --resume latest", 0))
         return stop
 
     def _non_finite(self, err: NonFiniteError, recorder: Recorder) -> Stop:
