@@ -165,3 +165,39 @@ def test_the_350m_config_fits_a_4090_keeping_its_global_batch(repo, tmp_path, mo
     assert fit["peak_bytes"] <= fit["budget_bytes"] == int(fit["vram_bytes"] * (1 - HEADROOM))
     assert doc["summary"]["errors"] == 0 and doc["memory"]["total_bytes"] == fit["peak_bytes"]
     assert seconds < 30  # measured 3.3-3.7 s wall (1.2 s of CPU) on the loaded 2-core box; docs/plan.md
+
+
+def _record_probe(config_path, candidate: Candidate, tokens_per_s: float) -> None:
+    """A probe of ``candidate``'s shape on this CPU, as `apr train plan --probe` records one."""
+    from apr import __version__
+    from apr.config import load_config
+    from apr.plan.facts import cpu_threads
+    from apr.track import calibration
+
+    config = load_config(config_path, {"data.batch_size": candidate.batch_size,
+                                       "training.gradient_accumulation": candidate.accumulation}).config
+    step = candidate.batch_size * candidate.accumulation * config.data.seq_len / tokens_per_s
+    probe = {"source": "probe", "device": "cpu", "device_name": calibration.host_cpu_name(),
+             "versions": {"torch": calibration.torch_version(), "cuda": None, "apr": __version__, "python": "3"},
+             "tokens_per_s": tokens_per_s, "step_seconds": step, "step_seconds_all": [step], "startup_seconds": 1.0,
+             "load": 0.5, "threads": 1, "rows": []}
+    threads = cpu_threads(config, 1)["threads"]
+    calibration.record(probe, calibration.shape(config, candidate.execution.to_dict(), threads))
+
+
+def test_calibrations_replace_the_model_where_they_exist(tmp_path, monkeypatch):
+    monkeypatch.setattr("apr.steps.execution.compile_problem", lambda device: "no compiler in this test")
+    cfg, _ = materialize({"config": {"data": {"batch_size": 4}, "training": {"max_steps": 10}}}, tmp_path / "cal")
+    before = fit_plan(build_plan(cfg))  # the CPU's assumed rate: every micro-batch ties, the largest wins
+    assert before.chosen.batch_size == 4 and {c.basis for c in before.candidates} == {"model"}
+    by_batch = {c.batch_size: c for c in before.candidates}
+    _record_probe(cfg, by_batch[1], 1000.0)  # measured: micro-batch 1 is twice as fast as 2
+    _record_probe(cfg, by_batch[2], 500.0)
+    fit = fit_plan(build_plan(cfg))
+    after = {c.batch_size: c for c in fit.candidates}
+    assert after[1].basis == after[2].basis == "measured" and after[1].tokens_per_s == pytest.approx(1000.0)
+    # micro-batch 4 has no probe: the model's time, scaled by the median of measured / modelled over the
+    # probes (the mean of the two: 1.5 x the model's time at 1,000 tokens/s)
+    assert after[4].basis == "model scaled to measurements"
+    assert after[4].tokens_per_s == pytest.approx(1000.0 / 1.5)
+    assert fit.chosen.batch_size == 1 and "measured by probes or runs" in " ".join(fit.notes)
