@@ -77,7 +77,8 @@ def test_hybrid_sharding_two_nodes_of_four_matches_the_plan():
 
 
 @pytest.mark.xfail(strict=True, reason="not reconciled: LoRA measured plan/trace 1.127 on the peak and 1.28 on the "
-                   "activations row (the kept graphs save less than autocast's copies of the frozen weights)")
+                   "activations row; the traced kept graphs hold neither autocast's copies of the frozen weights nor "
+                   "the norms' float32 inputs, which saved_tensors_hooks finds in the real engine's graphs")
 def test_lora_matches_the_plan():
     _check(_trace({}, model={"lora": {"rank": 8}}))
 
