@@ -406,8 +406,12 @@ def fitted_yaml(fit: Fit, out: Path, settings: dict | None = None) -> str:
                 lines.append(f"{' ' * indent}{k}: {json.dumps(v)}")
         return lines
 
-    head = [f"# apr train plan {fit.config_path} --fit: the fastest layout within {format_bytes(fit.budget_bytes)} "
-            f"({1 - HEADROOM:.0%} of {format_bytes(fit.vram_bytes)}, {fit.target}) on {fit.world_size} rank(s)",
+    def one_line(text: str) -> str:  # a comment cannot end early: no line break of a path reaches the YAML
+        return " ".join(str(text).split())
+
+    head = [f"# apr train plan {one_line(fit.config_path)} --fit: the fastest layout within "
+            f"{format_bytes(fit.budget_bytes)} ({1 - HEADROOM:.0%} of {format_bytes(fit.vram_bytes)}, "
+            f"{one_line(fit.target)}) on {fit.world_size} rank(s)",
             f"# keeps the global batch: {fit.global_batch} sequences per optimizer step",
             f"extends: {json.dumps(base)}"]
     return "\n".join([*head, *emit(tree, 0)]) + "\n"
@@ -422,13 +426,16 @@ def write_fitted(fit: Fit, out: Path, *, settings: dict | None = None, overwrite
 
     from apr.config import load_config
     from apr.errors import ConfigError
-    from apr.fsutil import check_output_file, write_output
+    from apr.fsutil import check_output_file, output_write_error, write_output
 
     check_output_file(out, inputs=[fit.config_path], overwrite=overwrite, option="-out")
     text = fitted_yaml(fit, out, settings)
     folder = out.parent if str(out.parent) else Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".fit-", suffix=".yaml", dir=folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".fit-", suffix=".yaml", dir=folder)
+    except OSError as err:
+        raise output_write_error(out, "-out", err) from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -439,6 +446,8 @@ def write_fitted(fit: Fit, out: Path, *, settings: dict | None = None, overwrite
 
         found = [dataclasses.replace(f, file=named(f.file), message=named(f.message)) for f in err.findings]
         raise FitError(f"-out {out} not written: {named(err.message)}", found) from None
+    except OSError as err:
+        raise output_write_error(out, "-out", err) from None
     finally:
         os.unlink(tmp)
     write_output(out, text, inputs=[fit.config_path], overwrite=overwrite, option="-out")

@@ -201,3 +201,12 @@ def test_calibrations_replace_the_model_where_they_exist(tmp_path, monkeypatch):
     assert after[4].basis == "model scaled to measurements"
     assert after[4].tokens_per_s == pytest.approx(1000.0 / 1.5)
     assert fit.chosen.batch_size == 1 and "measured by probes or runs" in " ".join(fit.notes)
+
+
+def test_a_fitted_file_whose_base_the_loader_would_refuse_is_not_written(config, tmp_path, monkeypatch):
+    monkeypatch.delenv("APR_EXTENDS_ANYWHERE", raising=False)
+    out = tmp_path / "elsewhere" / "fitted.yaml"  # outside the config's folder (no repository holds either)
+    result = runner.invoke(app, ["train", "plan", str(config), "--gpu", "h100", "--fit", "-out", str(out)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"-out {out} not written" in result.output and "config.extends_outside" in result.output
+    assert not out.exists() and list(out.parent.iterdir()) == []  # no temporary file left either
