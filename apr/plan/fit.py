@@ -16,15 +16,22 @@ least memory.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from apr.config import load_config
 from apr.config.schema import AprConfig, Sharding
-from apr.errors import AprError, Finding
+from apr.errors import AprError, ConfigError, Finding
 from apr.fmt import format_bytes
+from apr.fsutil import check_output_file, output_write_error, write_output
 from apr.plan import compilefacts
+from apr.plan.facts import calibration_facts
 from apr.plan.memory import memory_table
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
@@ -180,8 +187,6 @@ def _run_tokens(plan) -> int | None:
 
 def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
     """Search the layouts of ``plan``'s config at its ranks and target; see the module's docstring."""
-    from apr.plan.facts import calibration_facts
-
     t0 = time.perf_counter()
     config, target, file = plan.config, plan.target, str(plan.config_path)
     if target is None or not target.vram_bytes:
@@ -384,9 +389,6 @@ def _none_fits(config: AprConfig, candidates: list[Candidate], budget: int, targ
 def fitted_yaml(fit: Fit, out: Path, settings: dict | None = None) -> str:
     """A config that ``extends:`` the original (named relative to ``out``'s folder) and overrides the
     command line's settings and the keys the fit changed, nothing else."""
-    import json
-    import os
-
     base = os.path.relpath(os.path.abspath(fit.config_path), os.path.abspath(out.parent))
     values = {**(settings or {}), **fit.changed}
     tree: dict = {}
@@ -420,14 +422,6 @@ def fitted_yaml(fit: Fit, out: Path, settings: dict | None = None) -> str:
 def write_fitted(fit: Fit, out: Path, *, settings: dict | None = None, overwrite: bool = False) -> str:
     """Write the fitted config through the checked writer (never over a file without ``overwrite``),
     after checking that it loads (its ``extends`` may point only where the loader allows)."""
-    import dataclasses
-    import os
-    import tempfile
-
-    from apr.config import load_config
-    from apr.errors import ConfigError
-    from apr.fsutil import check_output_file, output_write_error, write_output
-
     check_output_file(out, inputs=[fit.config_path], overwrite=overwrite, option="-out")
     text = fitted_yaml(fit, out, settings)
     folder = out.parent if str(out.parent) else Path(".")
