@@ -256,13 +256,13 @@ def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
     # calibrations: measured where a probe or run of the shape exists; the others scaled by what they measured
     measured: dict[int, float] = {}
     for i, (cfg, e, _peak, _cost, fits) in enumerate(picks):
-        if not fits:
+        if not fits or not flops:  # without a model rate, measured and unmeasured ones are not comparable
             continue
         cal = calibration_facts(cfg, e.to_dict(), target, world_size=world, nodes=nodes)
         if cal and cal.get("tokens_per_s"):
             measured[i] = 1.0 / (cal["tokens_per_s"] * world)
     scale = 1.0
-    if flops and measured:
+    if measured:
         ratios = [measured[i] / model_seconds(picks[i][3]) for i in measured if not picks[i][1].compile]
         scale = statistics.median(ratios) if ratios else 1.0
     if measured:
