@@ -80,6 +80,6 @@ def assert_clean_failure(result, *needles: str) -> None:
     assert result.exit_code == 1, result.output
     assert isinstance(result.exception, SystemExit), f"unhandled {result.exception!r}\n{result.output}"
     assert "Traceback" not in result.output
-    assert result.output.startswith("error: "), result.output
+    assert result.output.startswith("error"), result.output
     for needle in needles:
         assert needle in result.output, f"{needle!r} not in:\n{result.output}"

@@ -147,7 +147,7 @@ def test_cli_json_without_a_readable_state_exits_1(run_dir, content, needle):
         (run_dir / "training_state.json").write_text(content)
     result = runner.invoke(app, ["monitor", "--json", str(run_dir)])
     assert result.exit_code == 1
-    assert f"error: {run_dir}: " in result.output  # which run, then what is wrong with it
+    assert result.output.startswith("error[monitor.state_") and f" {run_dir}/" in result.output  # which run
     assert needle in result.output and "Traceback" not in result.output
     assert result.stdout == ""
 

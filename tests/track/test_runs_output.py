@@ -83,7 +83,7 @@ def test_show_of_a_run_in_a_damaged_store_is_a_clear_error(two_runs):
     _tamper(db, "DROP TABLE status_history")
     result = runner.invoke(app, ["runs", "show", "20261122-000000-aaaa01"])
     assert result.exit_code == 1
-    assert "error:" in result.output and str(db) in result.output and "Traceback" not in result.output
+    assert "error[" in result.output and str(db) in result.output and "Traceback" not in result.output
 
 
 def test_control_characters_in_records_are_escaped(two_runs):
