@@ -18,6 +18,7 @@ from apr.config.layers import parse_settings
 from apr.errors import AprError, Finding
 from apr.launch import env_nodes, env_world_size
 from apr.plan.build import build_plan, normalise_overrides
+from apr.plan.elastic import elastic_layout
 from apr.plan.planfile import check_plan_fresh, load_plan_file
 from apr.steps.resolved import laid_out
 from apr.train.outdir import OutputDirLock
@@ -61,8 +62,6 @@ def _layout(config, resume: str | None, world: int) -> tuple[dict, dict | None]:
     """The layout the run will execute, as settings the plan is built with: the world size torchrun
     started and, resuming a checkpoint of another world size, the gradient accumulation that keeps
     its global batch (apr/train/layout.py). The plan then sizes what runs; the run edits nothing."""
-    from apr.train.layout import elastic_layout
-
     settings: dict = {}
     if world > 1 and config.training.world_size != world:
         settings["training.world_size"] = world

@@ -35,6 +35,7 @@ from apr.errors import AprError, Finding
 from apr.model.buffers import buffer_plan
 from apr.plan.memory import memory_table
 from apr.steps.execution import Execution
+from apr.steps.resolved import resolve
 from apr.threads import apply_thread_policy
 from apr.track.calibration import host_cpu_name
 from apr.train import build as engine_build
@@ -138,7 +139,7 @@ def _run_probe(config, device, execution_policy: dict, modelled: dict[str, int],
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = engine_build.build_engine(config, device, execution=execution)
+        engine = engine_build.build_engine(resolve(config, execution=execution), device)
         gen = torch.Generator().manual_seed(0)
         lr = float(config.optimizer.lr)
         phase, step = "the warm-up step", 1

@@ -37,7 +37,7 @@ import json, sys, time
 import yaml
 from apr.config.schema import AprConfig
 from apr.plan.memory import choose_execution, memory_table
-from apr.plan.trace import run_trace
+from apr.trace import run_trace
 from apr.steps.resolved import resolve
 from apr.plan.examples import deep_merge
 case = json.loads(sys.argv[1])

@@ -15,18 +15,20 @@ import pytest
 # top-level module goes in the lowest layer above everything it imports.
 LAYERS: list[set[str]] = [
     {"apr", "errors"},
-    {"fmt", "fsutil", "rate", "resources", "cel", "readers", "hardware", "threads", "launch", "severity"},
+    {"fmt", "fsutil", "rate", "resources", "cel", "readers", "hardware", "threads", "launch", "severity",
+     "quoting"},  # quoting: what an error may quote of a file (stdlib only)
     {"config"},
-    {"steps"},  # torch-free step algebra, step strategy, LR schedules
+    {"steps", "steer"},  # torch-free step algebra, step strategy, LR schedules; steer requests (apr train steer)
     {"data", "kernels", "track"},
     {"model"},
     {"checkpoint"},
     {"generate"},  # loading a model for inference, KV-cache decoding, sampling
     {"evaluate", "inspect"},  # loss over shards, multiple-choice scoring; weight/update/attention views
     {"plan", "train", "monitor"},
-    {"apply", "probe", "sweep", "profile"},  # plan-then-apply, the plan's probe (the real engine), sweeps (plan,
-    #                                          then apply processes), apr profile: above both plan and train
-    {"lrfind"},  # the LR range test: runs apply on a throwaway copy
+    # plan-then-apply, the plan's probe (the real engine), sweeps (plan, then apply processes), apr
+    # profile, the plan's trace (its engine on fake tensors): above both plan and train
+    {"apply", "probe", "sweep", "profile", "trace"},
+    {"lrfind", "fork"},  # the LR range test: runs apply on a throwaway copy; fork: apply from a checkpoint
     {"cli"},
     {"__main__"},
 ]

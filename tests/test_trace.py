@@ -1,4 +1,4 @@
-"""`apr train plan --trace` (apr/plan/trace.py): the engine on fake tensors against the plan's memory
+"""`apr train plan --trace` (apr/trace.py): the engine on fake tensors against the plan's memory
 table. The matrix holds the plan to 5% on the peak and 10% per row; benchmarks/bench_trace.py runs the
 bigger shapes."""
 
@@ -32,7 +32,7 @@ def _config(training: dict) -> AprConfig:
 
 
 def _trace(training: dict, world_size: int | None = None, nodes: int = 1, model: dict | None = None):
-    from apr.plan.trace import run_trace
+    from apr.trace import run_trace
 
     config = _config(training)
     if model:
@@ -93,7 +93,7 @@ def test_an_operation_fake_tensors_cannot_run_is_named(monkeypatch):
     import torch
 
     from apr.errors import AprError
-    from apr.plan.trace import run_trace
+    from apr.trace import run_trace
     from apr.train import engine
 
     def step(self, batches, lr):

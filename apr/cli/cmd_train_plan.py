@@ -88,7 +88,7 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
     if trace and plan.errors:
         print("--trace: not traced, the plan has errors (see its findings)", file=sys.stderr)
     elif trace:
-        from apr.plan.trace import trace_plan
+        from apr.trace import trace_plan
 
         try:
             traced = trace_plan(plan, timeout_s=trace_timeout)

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from apr import severity as severities
+from apr.config.hf_folder import REQUIRED_ARCH_KEYS, folder_architecture
 from apr.config.numbers import MAX_COUNT, parse_bytes, parse_count
 
 # Experiment names and run ids: letters, digits, '.', '_' and '-'; starts with a letter or digit;
@@ -435,8 +436,6 @@ class ModelConfig(_Section):
         given = data.get("architecture")
         if given is not None and not isinstance(given, dict):
             return data
-        from apr.checkpoint.hf_import import REQUIRED_ARCH_KEYS, folder_architecture  # reads JSON only
-
         found = folder_architecture(data["init_from"])
         if found is None:
             if given is None:

@@ -21,6 +21,7 @@ from typing import Any
 from apr import __version__
 from apr.checkpoint.manager import CheckpointError, read_info, scan
 from apr.config import AprConfig, LoadedConfig, config_hash, load_config
+from apr.data.mixconfig import decay_start_step
 from apr.errors import AprError, Finding
 from apr.launch import env_world_size
 from apr.plan import gpus
@@ -29,6 +30,7 @@ from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contract
 from apr.plan.datafacts import dataset_facts, fingerprint_entries, resolve, shared_shards
 from apr.plan.distillfacts import distill_config_findings, distill_facts
 from apr.plan.driftfacts import drift_check
+from apr.plan.elastic import elastic_layout
 from apr.plan.explain import layers_dict
 from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
@@ -64,7 +66,7 @@ from apr.plan.validate import (
 )
 from apr.steps.algebra import elastic_accumulation
 from apr.steps.execution import Execution
-from apr.steps.resolved import Resolved
+from apr.steps.resolved import Resolved, laid_out
 from apr.steps.resolved import resolve as resolve_run
 from apr.track.names import PLAN_FORMAT
 from apr.track.trackers import sink_target_findings
@@ -135,7 +137,8 @@ class Plan:
         train = ((self.facts.get("data") or {}).get("train") or {})
         return resolve_run(self.config, world_size=self.world_size, nodes=self.nodes,
                            num_sequences=train.get("sequences"),
-                           execution=Execution.from_dict(self.execution["policy"], layers))
+                           execution=Execution.from_dict(self.execution["policy"], layers),
+                           decay_start_of=decay_start_step)
 
     def summary(self) -> dict:
         # An info contract whose rule is false is a note, not a failure: `failed` counts errors and warnings.
@@ -353,16 +356,20 @@ def data_sequences(config: AprConfig) -> int | None:
 
 def resolve_config(config: AprConfig, *, world_size: int | None = None, nodes: int | None = None,
                    execution: Execution | None = None, elastic: dict | None = None,
-                   data: bool = True) -> Resolved:
+                   data: bool = True, resume: str | None = None) -> Resolved:
     """The ``Resolved`` of a config for a caller without a saved plan (tests, lr-find, probe,
     profile, benchmarks): the plan's own resolution (``apr.steps.resolved.resolve``) over the rows
     the plan counts in the data; ``data=False``: an engine-only resolution, no data read. No
-    memory budget: ``auto`` policies resolve as if memory were unlimited."""
+    memory budget: ``auto`` policies resolve as if memory were unlimited. ``resume``: the
+    checkpoint the run resumes, whose world size may differ (an elastic resume, as apply plans it)."""
     if world_size is None:
         world_size = env_world_size() if env_world_size() > 1 else config.training.world_size
+    if elastic is None and resume is not None:
+        run_dir = Path(os.path.abspath(os.path.expanduser(config.training.output_dir)))
+        elastic = elastic_layout(laid_out(config, world_size), run_dir, resume, world_size)
     return resolve_run(config, world_size=world_size, nodes=nodes or config.training.nodes,
                        num_sequences=data_sequences(config) if data else None, execution=execution,
-                       elastic=elastic)
+                       elastic=elastic, decay_start_of=decay_start_step)
 
 
 def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,

@@ -564,7 +564,7 @@ def _layer_section(plan, colour: bool) -> list[str]:
 
 
 def trace_lines(t: dict | None, colour: bool = False) -> list[str]:
-    """``--trace``: the engine's tensors on fake tensors beside the plan's rows (apr/plan/trace.py)."""
+    """``--trace``: the engine's tensors on fake tensors beside the plan's rows (apr/trace.py)."""
     if not t:
         return []
     ranks = (f"rank 0 of {t['world_size']} ({t['sharding']} sharding, fake process group)"

@@ -95,21 +95,24 @@ def laid_out(config: AprConfig, world_size: int, accumulation: int | None = None
     return AprConfig.model_validate(doc)
 
 
-def run_steps(config: AprConfig, num_sequences: int, world_size: int) -> RunSteps:
-    """The step counts of ``config`` over ``num_sequences`` training rows on ``world_size`` ranks."""
-    from apr.data.mixconfig import decay_start_step  # lazy: the mixture's stages read manifests
-
+def run_steps(config: AprConfig, num_sequences: int, world_size: int, decay_start_of=None) -> RunSteps:
+    """The step counts of ``config`` over ``num_sequences`` training rows on ``world_size`` ranks;
+    ``decay_start_of(config, total_steps)``: the step ``training.decay_stage`` starts at (the plan's
+    ``apr.data.mixconfig.decay_start_step``, which reads the mixture's stages)."""
     tr, data = config.training, config.data
+    if getattr(tr, "decay_stage", None) and decay_start_of is None:
+        raise ResolveError("training.decay_stage: its start is a data stage's; resolve through the plan "
+                           "(apr.plan.build.resolve_config)")
     count = step_count(num_sequences=num_sequences, batch_size=data.batch_size,
                        gradient_accumulation=tr.gradient_accumulation, world_size=world_size, epochs=tr.epochs,
                        max_steps=tr.max_steps)
     return RunSteps(num_sequences, count.sequences_per_step, count.steps_per_epoch, count.epoch_steps,
                     count.total_steps, count.sequences_per_step * data.seq_len,
-                    decay_start_step(config, count.total_steps))
+                    decay_start_of(config, count.total_steps) if decay_start_of is not None else None)
 
 
 def resolve(config: AprConfig, *, world_size: int | None = None, nodes: int = 1, num_sequences: int | None = None,
-            execution: Execution | None = None, elastic: Mapping | None = None) -> Resolved:
+            execution: Execution | None = None, elastic: Mapping | None = None, decay_start_of=None) -> Resolved:
     """What runs for ``config``: laid out at ``world_size`` (default: ``training.world_size``) and,
     with ``elastic`` (a resume on another number of ranks), at its gradient accumulation. Without
     ``execution`` the config's own policy (``auto`` as if memory were unlimited); without
@@ -123,7 +126,7 @@ def resolve(config: AprConfig, *, world_size: int | None = None, nodes: int = 1,
         execution = Execution.from_dict(execution.to_dict(), layers)
     steps = schedule = None
     if num_sequences is not None:
-        steps = run_steps(config, num_sequences, world)
+        steps = run_steps(config, num_sequences, world, decay_start_of)
         schedule = LRSchedule.from_config(config, steps.total_steps, decay_start=steps.decay_start)
     sharding = str(config.training.sharding)  # under a process group (torchrun), even of one rank
     return Resolved(config=config, execution=execution, world_size=world, nodes=int(nodes),

@@ -100,21 +100,16 @@ class Run:
         try:
             if self.is_main:  # only rank 0 writes the folder
                 self.lock.acquire(self.config_path)
-            self._elastic_layout()
+            self.elastic = dict(self.plan.elastic) if self.plan.elastic else None  # laid out by the plan
+            if self.elastic is not None:
+                self.echo(self.elastic["message"])
             self._setup_data()
-            self._setup_engine()
-            self._setup_output()
+            _setup_engine(self)
+            _setup_output(self)
         except BaseException:
             self.lock.release()
             raise
         return self
-
-    def _elastic_layout(self) -> None:
-        """A resume on another number of ranks keeps the checkpoint's global batch (apr/train/layout.py):
-        the plan laid the config out for it; the run says so."""
-        self.elastic = dict(self.plan.elastic) if self.plan.elastic else None
-        if self.elastic is not None:
-            self.echo(self.elastic["message"])
 
     def _setup_data(self) -> None:
         side = data_side(self.plan, self.dp, self.warn)
@@ -128,20 +123,6 @@ class Run:
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
                                echo=self.echo, label=self.step_label,
                                shown=tuple(self.config.monitoring.terminal.metrics))
-
-    def _setup_engine(self) -> None:
-        """The engine (model, optimizer state, execution policy), the in-training evaluator and the
-        stateful parts a checkpoint is made of."""
-        config = self.config
-        torch.manual_seed(config.training.seed)
-        self.engine = self.build_engine(0)
-        self.steplog.mfu, line = mfu_meter(config, self.device, self.engine.execution,
-                                           1 if self.dp is None else self.dp.world_size)
-        if self.device.type == "cuda":  # a CPU run has no MFU, and no line about it
-            self.echo(line)
-        # reads the task files now, so a malformed one fails before the first step
-        self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
-        self.registry = run_state(self)
 
     def build_engine(self, step: int) -> Engine:
         """The engine of the model at ``step`` (progressive stacking: that stage's depth, earlier
@@ -165,8 +146,7 @@ class Run:
         return engine
 
     def rebuild_engine(self, step: int, fill=None) -> Engine:
-        """The engine of ``step``'s stage in place of the current one, which is freed first (its memory
-        is the new one's); ``fill(engine)`` loads the new engine's state before the loop sees it.
+        """``step``'s engine in place of the current one (freed first); ``fill(engine)`` loads its state.
         Stacking growth and a restore across stages ask for it; only the loop sets ``self.engine``."""
         self.engine = None
         engine = self.build_engine(step)
@@ -176,8 +156,7 @@ class Run:
         return engine
 
     def move_to(self, step: int) -> None:
-        """Make ``step`` the last finished step (a rollback, a restored snapshot, an orchestrator's
-        decision): the loop continues from ``step + 1``. Only the loop sets ``self.step``."""
+        """``step`` is the last finished one (a rollback, a snapshot, a decision); only the loop sets it."""
         self.step = int(step)
 
     def run_steps(self, n: int, lr_factor: float = 1.0) -> list[torch.Tensor]:
@@ -189,35 +168,13 @@ class Run:
             self.step += 1
             self.engine.current_step = self.step
             lr = self._lr(self.step) * lr_factor
-            result = self.engine.train_step(self._micro_batches(), lr)
+            result = self.engine.train_step(_micro_batches(self), lr)
             losses.append(result.loss.detach().float().reshape(()))
         return losses
 
     def _lr(self, step: int) -> float:
         """The schedule's learning rate at ``step``, after a rollback's lowering and a steered factor."""
         return self.survival.lr(step, self.schedule(step)) * self.steering.lr_factor
-
-    def _micro_batches(self) -> list:
-        return micro_batches(self.loader, self.config.training.gradient_accumulation, self.device.type == "cuda")
-
-    def _setup_output(self) -> None:
-        """Restore the checkpoint to resume, or refuse foreign files (the folder is locked already)."""
-        manager = CheckpointManager(self.run_dir, self.config, config_hash=self.config_hash, on_warning=self.warn,
-                                    trainer_state=True)
-        manager.allow_other_run = self.options.allow_other_run
-        self.checkpoints = Checkpoints(self, manager)
-        if self.options.resume is not None:
-            refuse_user_config(self.run_dir, self.config_path)
-            self.checkpoints.resume(self.options.resume)
-            if self.options.fork_of is not None:  # a fork: the parent's state, a run of its own
-                self.run_id = None
-            if self.options.allow_other_run and self.is_main:  # never over a third run's records or saves
-                refuse_resume_over_other_run(self.run_dir, self.config_path, self.run_id, start_step=self.start_step,
-                                             total_steps=self.total_steps,
-                                             save_interval=self.config.training.save_interval,
-                                             saves_best=self.validation.configured)
-        else:
-            refuse_foreign_files(self.run_dir, self.config_path, warn=self.warn)
 
     def warn(self, message: str) -> None:
         self.echo(f"warning: {message}")
@@ -314,7 +271,7 @@ class Run:
             try:
                 report = self._one_step(step, lr, signals, recorder)
             except NonFiniteError as err:
-                return self._non_finite(err, recorder)
+                return _non_finite(self, err, recorder)
             if self.survival.enabled:
                 rolled = self.survival.after_step(self, report, recorder)
                 if isinstance(rolled, Stop):
@@ -336,7 +293,7 @@ class Run:
                 try:
                     self.engine.check_finite()
                 except NonFiniteError as err:
-                    return self._non_finite(err, recorder)
+                    return _non_finite(self, err, recorder)
                 report.metrics = self.steplog.log(step, report.lr, report.result, events.epochs_read(self.loader),
                                                   recorder)
             due = self.cadence.save(step, report.is_best, stopping=forced) or self.steering.checkpoint_at == step
@@ -345,7 +302,7 @@ class Run:
                 try:
                     self.engine.check_finite()  # no read when already checked after this step
                 except NonFiniteError as err:
-                    return self._non_finite(err, recorder)
+                    return _non_finite(self, err, recorder)
                 self.save(step, report.is_best, recorder)
                 self.steplog.restart_clock()
             if stop is not None:
@@ -363,7 +320,7 @@ class Run:
             grow(self, step, recorder)
         self.survival.before_batches(self, recorder)
         stage = self.loader.stage if self.mixture else 0
-        micro = self._micro_batches()
+        micro = _micro_batches(self)
         if self.mixture and self.loader.stage != stage:
             events.stage_started(self, step, recorder)
         self.engine.current_step = step  # losses (distillation's phase and block) follow the run's step
@@ -405,17 +362,57 @@ class Run:
             stop = first_stop(stop, Stop("stopped", f"steer: stop_at {step}; resume with --resume latest", 0))
         return stop
 
-    def _non_finite(self, err: NonFiniteError, recorder: Recorder) -> Stop:
-        """A step produced NaN/inf (found ``err.steps_back`` steps ago): fail, keeping the last good
-        step's weights when they are intact, the data cursor just past the bad step's batches."""
-        self.step -= err.steps_back
-        if err.steps_back > 1:  # put the data cursor back by the later steps' micro-batches
-            accum = self.config.training.gradient_accumulation
-            self.loader.seek(max(self.loader.absolute - (err.steps_back - 1) * accum, 0))
-        if err.state_is_last_good and self.step > self.start_step:
-            self.save(self.step, False, recorder)
-        return Stop.non_finite(err.what, self.step + 1)
 
+
+def _setup_engine(self) -> None:
+    """The engine (model, optimizer state, execution policy), the in-training evaluator and the
+    stateful parts a checkpoint is made of."""
+    config = self.config
+    torch.manual_seed(config.training.seed)
+    self.engine = self.build_engine(0)
+    self.steplog.mfu, line = mfu_meter(config, self.device, self.engine.execution,
+                                       1 if self.dp is None else self.dp.world_size)
+    if self.device.type == "cuda":  # a CPU run has no MFU, and no line about it
+        self.echo(line)
+    # reads the task files now, so a malformed one fails before the first step
+    self.evaluator = TrainingEvaluator(config, seed=config.training.seed)
+    self.registry = run_state(self)
+
+
+def _setup_output(self) -> None:
+    """Restore the checkpoint to resume, or refuse foreign files (the folder is locked already)."""
+    manager = CheckpointManager(self.run_dir, self.config, config_hash=self.config_hash, on_warning=self.warn,
+                                trainer_state=True)
+    manager.allow_other_run = self.options.allow_other_run
+    self.checkpoints = Checkpoints(self, manager)
+    if self.options.resume is not None:
+        refuse_user_config(self.run_dir, self.config_path)
+        self.checkpoints.resume(self.options.resume)
+        if self.options.fork_of is not None:  # a fork: the parent's state, a run of its own
+            self.run_id = None
+        if self.options.allow_other_run and self.is_main:  # never over a third run's records or saves
+            refuse_resume_over_other_run(self.run_dir, self.config_path, self.run_id, start_step=self.start_step,
+                                         total_steps=self.total_steps,
+                                         save_interval=self.config.training.save_interval,
+                                         saves_best=self.validation.configured)
+    else:
+        refuse_foreign_files(self.run_dir, self.config_path, warn=self.warn)
+
+
+def _non_finite(self, err: NonFiniteError, recorder: Recorder) -> Stop:
+    """A step produced NaN/inf (found ``err.steps_back`` steps ago): fail, keeping the last good
+    step's weights when they are intact, the data cursor just past the bad step's batches."""
+    self.step -= err.steps_back
+    if err.steps_back > 1:  # put the data cursor back by the later steps' micro-batches
+        accum = self.config.training.gradient_accumulation
+        self.loader.seek(max(self.loader.absolute - (err.steps_back - 1) * accum, 0))
+    if err.state_is_last_good and self.step > self.start_step:
+        self.save(self.step, False, recorder)
+    return Stop.non_finite(err.what, self.step + 1)
+
+
+def _micro_batches(self) -> list:
+    return micro_batches(self.loader, self.config.training.gradient_accumulation, self.device.type == "cuda")
 
 def _result(run: Run, stop: Stop, final_step: int, warnings: list[str]) -> RunResult:
     v = run.validation

@@ -11,6 +11,7 @@ import pytest
 from apr import fsutil
 from apr.checkpoint import manager as manager_module
 from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState
+from apr.plan.build import resolve_config
 from tests.checkpoint.conftest import make_tensors
 
 
@@ -94,7 +95,7 @@ def test_a_run_whose_disk_fills_fails_cleanly_and_resumes_from_the_last_checkpoi
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(files, "write_safetensors", full_at_step_4)
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
                       options=ApplyOptions(echo=lambda line: None))
     with pytest.raises(CheckpointError, match="the disk is full") as err:
         run.execute()

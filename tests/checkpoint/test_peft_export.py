@@ -18,6 +18,8 @@ from typer.testing import CliRunner
 from apr.cli.main import app
 from apr.config import config_hash
 from apr.config.schema import AprConfig
+from apr.plan.build import resolve_config
+from apr.steps.resolved import resolve as plan_of
 from tests.train.run_helpers import VOCAB, config_doc, make_dataset
 
 transformers = pytest.importorskip("transformers")
@@ -36,7 +38,7 @@ def _run(root, **sections):
     from apr.train.run import ApplyOptions, prepare_run
 
     cfg = AprConfig.model_validate(config_doc(root, **sections))
-    run = prepare_run(cfg, config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=ApplyOptions(echo=lambda line: None))
     return run.execute()
 
@@ -59,7 +61,8 @@ def _apr_logits(run_dir, ids):
 
     state = load_latest(run_dir)
     cfg = AprConfig.model_validate(state.info.config)
-    engine = build_engine(cfg.model_copy(update={"training": cfg.training.model_copy(update={"engine": "standard"})}))
+    standard = cfg.model_copy(update={"training": cfg.training.model_copy(update={"engine": "standard"})})
+    engine = build_engine(plan_of(standard))
     engine.load_train_state_tensors(state.tensors)
     with torch.no_grad():
         return engine.model(ids)

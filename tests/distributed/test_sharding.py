@@ -240,7 +240,7 @@ def test_a_run_resumed_on_more_ranks_ends_as_the_uninterrupted_one(tmp_path, sha
 
 def test_a_world_size_that_cannot_keep_the_global_batch_is_refused_with_the_ones_that_can(tmp_path):
     from apr.errors import AprError
-    from apr.train.layout import elastic_layout
+    from apr.plan.elastic import elastic_layout
 
     make_dataset(tmp_path, train_rows=160)
     doc = config_doc(tmp_path, data={"batch_size": 2}, optimizer=OPT,

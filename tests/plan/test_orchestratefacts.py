@@ -52,11 +52,16 @@ def test_settings_the_orchestrator_cannot_honour_are_refused(tmp_path):
     assert {"training.orchestrator.candidates", "training.orchestrator.strategies.mine.clip_mode"} <= paths
 
 
-def test_sgd_and_swats_need_the_flat_buffer_walk(tmp_path):
+def test_sgd_and_swats_run_on_autograd_but_not_on_shards(tmp_path):
+    """optimizer.name sgd / swats: both gradient sources update whole groups (apr/train/updaters.py
+    GroupedUpdates); sharded state is refused at the key with the reason."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(BASE + "  engine: standard\noptimizer:\n  name: swats\n")
+    assert orchestrator_findings(load_config(cfg), 1000) == []
+    cfg.write_text(BASE + "  sharding: full\noptimizer:\n  name: swats\n")
     found = orchestrator_findings(load_config(cfg), 1000)
     assert [(f.path, f.line) for f in found] == [("optimizer.name", 20)]
+    assert "training.sharding: full" in found[0].message
 
 
 def test_orchestration_runs_on_shards_but_sgd_strategies_are_refused_there_with_the_reason(tmp_path):

@@ -19,7 +19,8 @@ def main() -> int:
     config = load_config(Path(sys.argv[1])).config
     log = Path(sys.argv[2])
     resume = sys.argv[3] if len(sys.argv) > 3 else None
-    run = prepare_run(resolve_config(config), config_hash=config_hash(config), config_path=Path(sys.argv[1]),
+    run = prepare_run(resolve_config(config, resume=resume), config_hash=config_hash(config),
+                      config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=False))
     loader, draw = run.loader, run.loader.next_batch
 

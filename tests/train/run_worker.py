@@ -95,7 +95,7 @@ def main() -> int:
     signal_rank, signal_step, signal_when = (os.environ.get("APR_TEST_SIGNAL") or "-1:0:none").split(":")
     mine = int(signal_rank) == int(os.environ.get("RANK", "0"))
     hooks = [SignalAt(int(signal_step))] if mine and signal_when == "log" else []
-    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
+    run = prepare_run(resolve_config(cfg, resume=resume), config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=int(signal_rank) >= 0, hooks=hooks))
     if mine and signal_when == "compute":
         signal_after_compute(run, int(signal_step))

@@ -8,9 +8,9 @@ import pytest
 
 from apr.config.schema import AprConfig
 from apr.errors import AprError
+from apr.plan.elastic import elastic_layout
 from apr.steps.resolved import laid_out
 from apr.steps.resolved import resolve as plan_of
-from apr.train.layout import elastic_layout
 from tests.train.tiny import make_config
 
 
