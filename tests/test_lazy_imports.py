@@ -166,6 +166,7 @@ VALIDATE_APR_MODULES = {
     "apr.errors", "apr.fmt", "apr.model.buffers", "apr.severity",
     "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
+    "apr.config.hf_folder",  # model.init_from's architecture from a Hugging Face folder (stdlib only)
     "apr.quoting",  # what an error may quote of a file (every reader's error rendering)
     "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.strategy", "apr.track", "apr.track.alerts",
     "apr.steps.stacking",
@@ -177,7 +178,9 @@ VALIDATE_PACKAGES = {"pydantic", "pydantic_core", "annotated_types", "typing_ext
 NEVER_ON_VALIDATE = {"apr.plan.facts", "apr.plan.storage", "apr.track.trackers", "apr.plan.datafacts",
                      "apr.plan.distillfacts",
                      "apr.plan.mixfacts", "apr.plan.build", "apr.track.calibration", "apr.track.store", "sqlite3",
-                     "typer", "click", "rich", *HEAVY - {"pydantic", "pydantic_core", "ruamel", "cel"}}
+                     "typer", "click", "rich", *HEAVY - {"pydantic", "pydantic_core", "ruamel", "cel"},
+                     # pydantic's plugin loader and what it imports (apr.cli.entry stands in for it)
+                     "importlib.metadata", "email", "zipfile", "socket"}
 
 
 def _modules_of_a_validate_run(config: Path) -> tuple[set[str], set[str]]:
@@ -200,3 +203,39 @@ def test_a_validate_run_imports_only_the_config_only_modules():
     assert third_party <= VALIDATE_PACKAGES, f"packages on validate's path: {sorted(third_party - VALIDATE_PACKAGES)}"
     assert not loaded & NEVER_ON_VALIDATE, sorted(loaded & NEVER_ON_VALIDATE)
     assert {"apr.plan.configfacts", "apr.plan.contracts", "apr.config.schema"} <= apr_modules  # it did validate
+
+
+_PLUGIN_PROBE = """
+import os, sys
+from apr.cli.entry import skip_plugin_loader
+skip_plugin_loader()
+from pydantic import BaseModel
+class Off(BaseModel):
+    x: int
+print(Off(x=1).x, 'importlib.metadata' in sys.modules)
+os.environ['PYDANTIC_DISABLE_PLUGINS'] = ''  # plugins back on: the real loader scans entry points
+class On(BaseModel):
+    y: int
+print(On(y=2).y, 'importlib.metadata' in sys.modules, hasattr(sys.modules['pydantic.plugin._loader'], 'entry_points'))
+"""
+
+
+def test_the_plugin_loaders_stand_in_returns_no_plugins_while_they_are_off_and_hands_over_when_they_are_on():
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYDANTIC_DISABLE_PLUGINS": "__all__"}
+    out = subprocess.run([sys.executable, "-c", _PLUGIN_PROBE], capture_output=True, text=True, check=True, env=env,
+                         cwd=ROOT)
+    assert out.stdout.split("\n")[:2] == ["1 False", "2 True True"], out.stdout + out.stderr
+
+
+def test_the_plugin_loader_is_left_alone_when_the_user_turns_plugins_on():
+    import os
+    import subprocess
+
+    probe = ("import sys\nfrom apr.cli.entry import skip_plugin_loader\nskip_plugin_loader()\n"
+             "print('pydantic.plugin._loader' in sys.modules)\n")
+    env = {**os.environ, "PYDANTIC_DISABLE_PLUGINS": ""}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
+    assert out.stdout.strip() == "False"
