@@ -16,10 +16,17 @@ its slowest thread. apr decides instead, in this order:
 Torch-free: the plan and ``validate`` compute the same choice without importing torch; only
 ``apply_thread_policy`` (apply and the probe) hands it to torch.
 
-Waiting threads sleep: importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` unless the user set
-it or torch is already loaded (OpenMP reads it once, when torch loads). OpenMP's default spins
-waiting threads; on a 2-core machine with a load of 6 that made a 0.36 s step take 7.3 s with 2
-threads (docs/performance.md, "CPU threads"). apply and plan import this module before torch.
+How waiting threads wait (``OMP_WAIT_POLICY``) is chosen from what the machine is doing when the
+process starts, before torch loads (OpenMP reads the variable once, when torch loads): importing
+this module sets it, unless the user set it or torch is already loaded (``wait_policy`` decides,
+a pure function of the load, the cores and the environment). While the 1-minute load average is
+below the machine's cores, waiting threads spin (ACTIVE: the fastest on cores that are free);
+once other work alone fills every core they sleep (PASSIVE). Spinning threads on busy cores wait
+for each other at every parallel region: on a 2-core machine with a load of 6 that made a 0.36 s
+step take 7.3 s; sleeping on free cores cost a third of the speed (docs/performance.md, "CPU
+threads"). apply, plan and the probe import this module before torch; a child process (the
+probe, torchrun's ranks) decides again, since it inherits apr's choice marked as apr's
+(``APR_OMP_WAIT_POLICY``), not the user's.
 """
 
 from __future__ import annotations
@@ -35,19 +42,59 @@ ENV = "APR_CPU_THREADS"
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
 _applied: dict | None = None  # the last choice handed to torch in this process
-WAIT_POLICY = "PASSIVE"
+WAIT_ENV = "OMP_WAIT_POLICY"
+WAIT_MARK = "APR_OMP_WAIT_POLICY"  # set beside OMP_WAIT_POLICY when apr chose it, so children re-decide
+_wait: dict | None = None  # this process's wait-policy decision (set_wait_policy)
 
 
-def set_wait_policy(environ=None) -> str | None:
-    """``OMP_WAIT_POLICY`` for this process: the user's if set, else PASSIVE when torch is not
-    loaded yet; returns what OpenMP will use (None: torch loaded first with OpenMP's default)."""
+def system_cores() -> int:
+    """Every CPU the machine has online: what the load average (a whole-machine count) is out of."""
+    return max(1, os.cpu_count() or 1)
+
+
+def wait_policy(load: float | None, cores: int, environ, torch_loaded: bool = False) -> dict:
+    """How OpenMP's waiting threads should wait: ``policy`` (ACTIVE, PASSIVE, or None for OpenMP's
+    own default), ``source`` and ``why``. The user's ``OMP_WAIT_POLICY`` wins (one apr set in a
+    parent process, marked by ``APR_OMP_WAIT_POLICY``, does not); torch loaded first leaves
+    OpenMP's default (it has read the variable already); an unknown load leaves OpenMP's default
+    too. Otherwise PASSIVE once ``load`` (the 1-minute load average: other work that wants a core)
+    reaches ``cores`` (the machine's), else ACTIVE. Pure: the caller reads the load and the cores."""
+    user = environ.get(WAIT_ENV)
+    if user and environ.get(WAIT_MARK) != user:
+        return {"policy": user, "source": f"env {WAIT_ENV}", "why": "set by the user", "load": load, "cores": cores}
+    if torch_loaded:
+        return {"policy": user or None, "source": "torch loaded first",
+                "why": "torch was loaded before apr could choose: OpenMP's own", "load": load, "cores": cores}
+    if load is None:
+        return {"policy": None, "source": "auto", "why": "no load average on this OS: OpenMP's own",
+                "load": None, "cores": cores}
+    busy = load >= cores
+    return {"policy": "PASSIVE" if busy else "ACTIVE", "source": "auto", "load": load, "cores": cores,
+            "why": (f"load {load:.2f} >= {cores} cores: other work fills them, waiting threads sleep" if busy else
+                    f"load {load:.2f} < {cores} cores: free cores, waiting threads spin")}
+
+
+def set_wait_policy(environ=None, load: float | None | str = "now") -> dict:
+    """Decide ``OMP_WAIT_POLICY`` for this process (``wait_policy`` on the load of this moment) and
+    put it in ``environ`` (default ``os.environ``), marked as apr's; returns the decision."""
+    global _wait
     env = os.environ if environ is None else environ
-    if not env.get("OMP_WAIT_POLICY") and "torch" not in sys.modules:
-        env["OMP_WAIT_POLICY"] = WAIT_POLICY
-    return env.get("OMP_WAIT_POLICY")
+    choice = wait_policy(load_average() if load == "now" else load, system_cores(), env,
+                         torch_loaded="torch" in sys.modules)
+    if choice["source"] == "auto":
+        if choice["policy"]:
+            env[WAIT_ENV] = env[WAIT_MARK] = choice["policy"]
+        elif env.get(WAIT_MARK) is not None:  # a parent's choice, and none to replace it with here
+            env.pop(WAIT_ENV, None)
+            env.pop(WAIT_MARK, None)
+    if environ is None:
+        _wait = choice
+    return choice
 
 
-set_wait_policy()  # before anything imports torch (see the module's docstring)
+def wait_decision() -> dict | None:
+    """This process's wait-policy decision (made when this module was imported)."""
+    return None if _wait is None else dict(_wait)
 
 
 def cgroup_cpu_limit(v2: Path = _CGROUP_V2, v1: tuple[Path, Path] = _CGROUP_V1) -> float | None:
@@ -141,10 +188,13 @@ def describe(choice: dict) -> str:
                f"{ranks} rank{'s' if ranks != 1 else ''} per node")
     else:
         why = f"from {choice['source']}; {choice['cores']} usable cores"
-    wait = os.environ.get("OMP_WAIT_POLICY")
+    wait = os.environ.get(WAIT_ENV)
+    decided = _wait or {}
+    how = (f"{decided['source']}, {decided['why']}" if decided.get("source") == "auto" and decided.get("policy")
+           else decided.get("source", ""))
     return f"{n} CPU thread{'s' if n != 1 else ''} per process ({why})" + (
-        f"; waiting threads {'sleep' if wait.upper() == 'PASSIVE' else 'spin'} (OMP_WAIT_POLICY={wait})"
-        if wait else "")
+        f"; waiting threads {'sleep' if wait.upper() == 'PASSIVE' else 'spin'} ({WAIT_ENV}={wait}"
+        f"{'; ' + how if how else ''})" if wait else "")
 
 
 def apply_thread_policy(config, world: int = 1) -> dict:
@@ -161,7 +211,8 @@ def apply_thread_policy(config, world: int = 1) -> dict:
         torch.set_num_threads(choice["threads"])
     # the load of the moment, before our threads run: what the estimate's load terms compare
     _applied = {**choice, "torch_default": default, "load": load_average(),
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "OpenMP default (active)"}
+                "omp_wait_policy": os.environ.get(WAIT_ENV) or "OpenMP default",
+                "omp_wait_policy_from": (_wait or {}).get("source"), "load_at_import": (_wait or {}).get("load")}
     return dict(_applied)
 
 
@@ -182,3 +233,6 @@ def contention(load: float | None, threads: int, cores: int) -> float:
     """How oversubscribed the cores are with ``threads`` of ours on top of ``load`` (other runnable
     processes, the 1-minute load average): 1.0 while they fit, (load + threads) / cores beyond."""
     return max(1.0, ((load or 0.0) + threads) / max(1, cores))
+
+
+set_wait_policy()  # at import, before anything imports torch (see the module's docstring)

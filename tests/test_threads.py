@@ -88,12 +88,38 @@ def test_apply_sets_torch_and_records_the_choice(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_waiting_threads_sleep_unless_the_user_said_otherwise(monkeypatch):
+def test_waiting_threads_spin_on_free_cores_and_sleep_once_other_work_fills_them():
+    quiet = threads.wait_policy(0.3, 2, {})
+    assert quiet["policy"] == "ACTIVE" and quiet["source"] == "auto" and "0.30 < 2 cores" in quiet["why"]
+    assert threads.wait_policy(1.99, 2, {})["policy"] == "ACTIVE"
+    assert threads.wait_policy(2.0, 2, {})["policy"] == "PASSIVE"
+    busy = threads.wait_policy(6.2, 2, {})
+    assert busy["policy"] == "PASSIVE" and "6.20 >= 2 cores" in busy["why"]
+    assert threads.wait_policy(6.2, 64, {})["policy"] == "ACTIVE"  # the load is out of the machine's cores
+    assert threads.wait_policy(None, 2, {})["policy"] is None  # no load average: OpenMP's own default
+
+
+def test_the_users_wait_policy_wins_and_a_parents_choice_is_made_again():
+    for load in (0.0, 9.0):
+        mine = threads.wait_policy(load, 2, {"OMP_WAIT_POLICY": "ACTIVE"})
+        assert mine["policy"] == "ACTIVE" and mine["source"] == "env OMP_WAIT_POLICY"
+    # apr set PASSIVE in the process that started this one (the plan, before its probe): decide anew
+    inherited = {"OMP_WAIT_POLICY": "PASSIVE", "APR_OMP_WAIT_POLICY": "PASSIVE"}
+    assert threads.wait_policy(0.1, 2, inherited) == threads.wait_policy(0.1, 2, {})
+    # torch loaded before apr: OpenMP has read the variable already, nothing apr sets would count
+    late = threads.wait_policy(0.1, 2, {}, torch_loaded=True)
+    assert late["policy"] is None and late["source"] == "torch loaded first"
+
+
+def test_set_wait_policy_writes_the_choice_marked_as_aprs(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "torch", raising=False)  # as if torch were not loaded yet
     env: dict = {}
-    assert threads.set_wait_policy(env) == "PASSIVE" and env["OMP_WAIT_POLICY"] == "PASSIVE"
-    mine = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert threads.set_wait_policy(mine) == "ACTIVE"
+    assert threads.set_wait_policy(env, load=0.0)["policy"] == "ACTIVE"
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "APR_OMP_WAIT_POLICY": "ACTIVE"}
+    assert threads.set_wait_policy(env, load=50.0)["policy"] == "PASSIVE" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert threads.set_wait_policy(env, load=None)["policy"] is None and env == {}  # apr's own, taken back
+    mine = {"OMP_WAIT_POLICY": "passive"}
+    assert threads.set_wait_policy(mine, load=0.0)["policy"] == "passive" and mine == {"OMP_WAIT_POLICY": "passive"}
 
 
 def test_contention_counts_only_beyond_the_cores():
