@@ -65,12 +65,15 @@ def run_fork(run_dir: Path, *, at: int, settings: list[str] | None = None, out: 
     can fix, before anything is written."""
     run_dir = Path(os.path.abspath(os.path.expanduser(run_dir)))
     config_path = run_dir / RESOLVED_CONFIG
+    if out is not None:  # a bad --out is refused before anything else is read
+        out = Path(os.path.abspath(os.path.expanduser(out)))
+        _refuse_folder(out, run_dir)
     if not config_path.is_file():
         raise _error("fork.no_run", f"{run_dir} is not an apr run folder (no {RESOLVED_CONFIG})", file=str(run_dir),
                      expected=f"a run folder holding {RESOLVED_CONFIG} and checkpoints", got="no config.yaml")
     checkpoint, parent_id = fork_checkpoint(run_dir, at)
-    out = Path(os.path.abspath(os.path.expanduser(out))) if out is not None else default_fork_dir(run_dir, at)
-    _refuse_folder(out, run_dir)
+    if out is None:
+        out = default_fork_dir(run_dir, at)
     if any(s.split("=", 1)[0].strip() == "training.output_dir" for s in settings or []):
         raise _error("fork.usage", "a fork's folder is --out, not training.output_dir", path="training.output_dir",
                      file="command line", expected="--out DIR", got="training.output_dir=...")

@@ -173,6 +173,10 @@ def show_text(detail: dict) -> str:
     if detail["best_val_loss"]:
         b = detail["best_val_loss"]
         out.append(f"  best val_loss  {fmt_value(b['value'])} (step {fmt_value(b['step'])})")
+    if detail.get("forecast"):
+        f = detail["forecast"]
+        out.append(f"  forecast       val_loss {f['loss']:.4f} [{f['low']:.4f}, {f['high']:.4f}] at step "
+                   f"{fmt_value(f['step'])} (from {f['points']} validations to step {fmt_value(f['last_step'])})")
     if lists:
         out += ["", "per-block and other list metrics (block 0 is the one nearest the embedding):",
                 *list_metric_lines(lists)]

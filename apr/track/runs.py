@@ -14,6 +14,7 @@ from pathlib import Path
 from apr.errors import AprError, Finding
 from apr.severity import count_by_severity
 from apr.track import store
+from apr.track.forecast import forecast
 from apr.track.liveness import trainer_alive
 from apr.track.names import global_db_path, validate_experiment, validate_run_id
 from apr.track.state import ACTIVE_STATUSES, STATUSES, is_stale
@@ -281,6 +282,9 @@ def show_run(
             # ``apr train fork``: the run and step this run started from (its ``fork`` event), else None
             "parent": next(((e["detail"] or {}).get("parent") for e in events if e["kind"] == "fork"), None),
         }
+        # the final validation loss forecast from the curve so far (apr/track/forecast.py)
+        predicted = forecast(store.metric_series(conn, full_id, "val_loss"), int(row.get("total_steps") or 0))
+        detail["forecast"] = None if predicted is None else predicted.to_dict()
     except (sqlite3.Error, DamagedStore) as e:
         raise AprError(f"{path}: cannot read run {full_id}: {e}",
                        [Finding("error", "track.store_damaged", f"cannot read run {full_id}: {e}", file=str(path),

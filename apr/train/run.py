@@ -118,7 +118,7 @@ class Run:
         self.epoch_steps, self.total_steps, self.tokens_per_step = steps.epoch_steps, steps.total_steps, \
             steps.tokens_per_step
         self.validation = Validation(self.config, side.loader_options, self.dp, self.device, self.echo,
-                                     self.step_label)
+                                     self.step_label, total_steps=self.total_steps)
         self.cadence = Cadence.from_plan(self.plan, validates=self.validation.configured)
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
                                echo=self.echo, label=self.step_label,

@@ -11,10 +11,12 @@ import os
 import torch
 
 from apr.data.loader import ShardLoader
+from apr.track.forecast import forecast
 
 
 class Validation:
-    def __init__(self, config, loader_options: dict, dp, device: torch.device, echo, label):
+    def __init__(self, config, loader_options: dict, dp, device: torch.device, echo, label,
+                 total_steps: int | None = None):
         data, tr = config.data, config.training
         self.eval_batches = tr.eval_batches
         self.dp, self.device, self.echo, self.label = dp, device, echo, label
@@ -28,6 +30,8 @@ class Validation:
         self.best: float | None = None
         self.first: float | None = None
         self.last: float | None = None  # the last measured validation loss
+        self.points: list[tuple[int, float]] = []  # this process's (step, val loss): the forecast's input
+        self.total_steps = total_steps  # the run's last step: the step the forecast is for
         self.by_source: dict[str, float | None] = {}  # a mixture's per-source val losses, last measured
 
     @property
@@ -69,6 +73,8 @@ class Validation:
         """Validation loss at ``step``, recorded and printed, and whether it beats every earlier one."""
         self.last = self.measure(engine)
         recorder.log_eval(step, self.last)
+        if self.last is not None:
+            self.points.append((step, self.last))
         is_best = self.last is not None and (self.best is None or self.last < self.best)
         if is_best:
             self.best = self.last
@@ -81,8 +87,11 @@ class Validation:
     def _echo(self, step: int, val: float | None, best: bool) -> None:
         if val is None:
             return
+        ahead = forecast(self.points, self.total_steps) if self.total_steps and step < self.total_steps else None
         self.echo(f"{self.label(step)}  val loss {val:.4f} (ppl {math.exp(min(val, 700)):.1f})"
-                  + ("  best" if best else ""))
+                  + ("  best" if best else "")
+                  + (f"  forecast {ahead.loss:.4f} [{ahead.low:.4f}, {ahead.high:.4f}] at step {ahead.step}"
+                     if ahead is not None else ""))
 
     def state_dict(self) -> dict:
         return {"best_val_loss": self.best, "first_val_loss": self.first}

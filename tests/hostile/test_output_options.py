@@ -35,6 +35,8 @@ OUTPUT_WORDS = {"out", "output", "o", "plot", "to", "uri", "dest", "save", "dump
 NOT_OUTPUTS = {
     ("experiment", "export", "to"): "picks the tracker (tensorboard or mlflow); the path is --out or --uri",
     ("monitor", "run_dir"): "the run folder the monitor reads",
+    ("train", "fork", "run_dir"): "the parent run's folder, which the fork reads and never writes",
+    ("train", "steer", "run_dir"): "the live run's folder: a request goes to a new numbered file under its steer/",
 }
 
 
@@ -144,6 +146,8 @@ def invocations(w: World) -> dict[tuple[str, ...], list]:
         ("sweep", "run", "folder"): [lambda t: ["sweep", "run", sweep, "--dir", t], "--workers=1"],
         ("sweep", "status", "folder"): [lambda t: ["sweep", "status", sweep, "--dir", t], "--json"],
         ("sweep", "best", "folder"): [lambda t: ["sweep", "best", sweep, "--dir", t], "--json"],
+        ("train", "fork", "out"): [lambda t: ["train", "fork", str(w.run_dir), "--at", "2", "--out", t],
+                                   "--gpu=h100"],
     }
 
 

@@ -203,7 +203,9 @@ def test_show_run_by_prefix_has_params_metrics_and_history(runs_tree):
     assert detail["final_metrics"]["loss"] == {"step": 5, "value": 0.8, "time": pytest.approx(time.time(), abs=120)}
     assert [s["status"] for s in detail["status_history"]] == ["starting", "running", "finished"]
     assert set(detail) == {"run", "params", "final_metrics", "best_val_loss", "artifacts", "checkpoints",
-                           "status_history", "alerts", "alert_counts", "events", "tags"}
+                           "status_history", "alerts", "alert_counts", "events", "tags", "parent", "forecast"}
+    assert detail["parent"] is None  # not a fork (apr train fork)
+    assert detail["forecast"] is None  # fewer validations than a forecast needs
 
 
 def test_show_run_errors(runs_tree):

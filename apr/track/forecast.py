@@ -1,0 +1,92 @@
+"""The final validation loss, forecast from the curve so far (docs/runs.md, "Forecast").
+
+The validation losses ``(step, loss)`` are fitted with a saturating power law in the step (tokens are
+steps times a constant, so the same law): ``loss(s) = floor + scale * s ** -alpha``. For each
+``alpha`` on a grid, ``floor`` and ``scale`` are an ordinary least-squares fit (a line in
+``s ** -alpha``, ``scale`` > 0); the ``alpha`` with the smallest squared error wins. The band is the
+forecast at ``total_steps`` plus and minus twice the root of the residual variance plus the spread of
+the leave-one-out refits' forecasts: wide while few points pin the curve, narrow once they agree.
+Pure numpy; nothing is read from a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+MIN_POINTS = 4  # three parameters and one degree of freedom for the residuals
+ALPHAS = np.geomspace(0.02, 3.0, 120)
+
+
+@dataclass(frozen=True)
+class Forecast:
+    step: int  # the step forecast (the run's last)
+    loss: float
+    low: float
+    high: float
+    floor: float
+    scale: float
+    alpha: float
+    points: int  # validation losses the fit used
+    last_step: int  # the latest of them
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def contains(self, loss: float) -> bool:
+        return self.low <= loss <= self.high
+
+
+def _fit(steps: np.ndarray, losses: np.ndarray) -> tuple[float, float, float, float] | None:
+    """(floor, scale, alpha, squared error) of the best law, or None when no alpha fits a decreasing
+    curve: the grid, then a finer one between the best point's neighbours."""
+    best = _best(steps, losses, ALPHAS)
+    if best is None:
+        return None
+    i = int(np.argmin(np.abs(ALPHAS - best[2])))
+    finer = np.linspace(ALPHAS[max(i - 1, 0)], ALPHAS[min(i + 1, len(ALPHAS) - 1)], 81)
+    return _best(steps, losses, finer) or best
+
+
+def _best(steps: np.ndarray, losses: np.ndarray, alphas) -> tuple[float, float, float, float] | None:
+    best = None
+    for alpha in alphas:
+        x = steps ** -alpha
+        design = np.stack([np.ones_like(x), x], axis=1)
+        (floor, scale), *_ = np.linalg.lstsq(design, losses, rcond=None)
+        if not scale > 0:
+            continue
+        sse = float(np.sum((design @ np.array([floor, scale]) - losses) ** 2))
+        if best is None or sse < best[3]:
+            best = (float(floor), float(scale), float(alpha), sse)
+    return best
+
+
+def forecast(points: list[tuple[int, float]], total_steps: int) -> Forecast | None:
+    """The forecast final loss at ``total_steps`` from ``points`` (step, validation loss); None with
+    fewer than ``MIN_POINTS`` finite points after step 0, or a curve no law fits (not decreasing)."""
+    clean = sorted((int(s), float(v)) for s, v in points
+                   if s is not None and v is not None and int(s) > 0 and math.isfinite(float(v)))
+    if len(clean) < MIN_POINTS or total_steps <= 0:
+        return None
+    steps = np.array([s for s, _ in clean], dtype=np.float64)
+    losses = np.array([v for _, v in clean], dtype=np.float64)
+    fit = _fit(steps, losses)
+    if fit is None:
+        return None
+    floor, scale, alpha, sse = fit
+    at = float(total_steps)
+    predicted = floor + scale * at ** -alpha
+    residual_var = sse / max(len(clean) - 3, 1)
+    refits = []
+    for i in range(len(clean)):  # leave-one-out: how much the forecast hangs on any one point
+        keep = np.arange(len(clean)) != i
+        f = _fit(steps[keep], losses[keep])
+        if f is not None:
+            refits.append(f[0] + f[1] * at ** -f[2])
+    spread = float(np.var(refits) * (len(refits) - 1)) if len(refits) > 1 else 0.0  # jackknife variance
+    half = 2.0 * math.sqrt(residual_var + spread)
+    return Forecast(step=int(total_steps), loss=predicted, low=predicted - half, high=predicted + half, floor=floor,
+                    scale=scale, alpha=alpha, points=len(clean), last_step=int(steps[-1]))
