@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -139,8 +140,6 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
 def probe_plan(plan, steps: int, rebuild):
     """Run the probe (apr/probe.py), keep it in the calibration store, and plan again so the
     printed plan uses it; the probe's measurements go into the plan's facts."""
-    import sqlite3
-
     from apr.probe import one_process_rows, run_probe
     from apr.track import calibration
     from apr.track.names import global_db_path

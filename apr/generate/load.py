@@ -6,6 +6,7 @@ The weights come back as a float32 ``LlamaForCausalLM`` in eval mode; nothing is
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,8 +153,6 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
 
 
 def _sha256(path: Path) -> str | None:
-    import hashlib
-
     h = hashlib.sha256()
     try:
         with open(path, "rb") as f:

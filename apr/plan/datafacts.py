@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from apr.readers import content_digest
+from apr.errors import AprError
+from apr.readers import content_digest, load_json
 
 _INT_TYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
@@ -194,9 +195,6 @@ def manifest_tokenizer(path_text: str) -> dict | None:
     ``DIR/../manifest.json`` for the ``train/`` and ``val/`` folders ``apr data pretokenize``
     writes): manifest path, sha256, end-of-text token and id. None without a manifest, or when it
     cannot be read or records no digest (nothing to compare)."""
-    from apr.errors import AprError
-    from apr.readers import load_json
-
     path = resolve(path_text)
     for folder in (path, path.parent) if path.is_dir() else (path.parent,):
         manifest = folder / "manifest.json"

@@ -22,6 +22,7 @@ Example keys (all optional but ``expect``):
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import json
 import shutil
@@ -120,8 +121,6 @@ def _write_dataset(folder: Path, spec: dict, config: dict, default_max: int, see
 def _write_manifest(folder: Path, spec: dict, tokenizer: str | None) -> None:
     """A pretokenize manifest.json beside the shards, naming the example's tokenizer (``same``) or
     another one (``other``), with ``<unk>`` as the end-of-text token."""
-    import hashlib
-
     if spec["manifest"] == "same" and tokenizer is not None and Path(tokenizer).is_file():
         sha = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
     else:

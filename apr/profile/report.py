@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
 
 from apr.errors import AprError, Finding
 from apr.generate.load import load_for_inference
+from apr.plan.memory import memory_table
 from apr.profile.compare import Comparison, compare, plan_config
 from apr.profile.latency import LatencyRow, check_lengths, measure_latency
 from apr.profile.step import StepProfile, profile_step
@@ -98,8 +102,6 @@ def _step_shape(loaded, options: ProfileOptions) -> tuple[int, int]:
 def _memory_budget(device) -> tuple[int, str] | None:
     """What the profiled step must fit in: the CUDA device's memory, or the RAM available now."""
     if device.type == "cuda":
-        import torch
-
         props = torch.cuda.get_device_properties(device)
         return int(props.total_memory), f"the memory of {props.name}"
     try:
@@ -118,10 +120,6 @@ def _memory_budget(device) -> tuple[int, str] | None:
 def step_bytes(loaded, batch: int, seq: int, precision: str) -> int:
     """The plan's peak for the profiled step (engine standard, this batch, length, precision and
     device): ``apr.plan.memory.memory_table``, as `--compare` shows it."""
-    from types import SimpleNamespace
-
-    from apr.plan.memory import memory_table
-
     shape = SimpleNamespace(device=str(loaded.device), batch_size=batch, seq_len=seq, precision=precision)
     return sum(r.bytes for r in memory_table(plan_config(loaded.config, loaded.arch, shape)))
 

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import re
+import stat as stat_mod
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +43,7 @@ from typing import Any
 from apr.config.schema import SinkConfig
 from apr.errors import Finding
 from apr.fsutil import is_apr_store
+from apr.readers import file_kind
 from apr.track.names import experiment_from_dir, global_db_path
 
 EXTRA = "sinks"  # pip install 'apr[sinks]'
@@ -124,10 +126,6 @@ def local_target_problem(path: Path, kind: str) -> str | None:
     """Why a tracker cannot write its local ``file`` (a SQLite store) or ``folder`` here, found
     before the tracker opens it (MLflow retries a store it cannot open for ~100 s, and SQLite makes
     ``<file>-journal`` beside whatever it was given, a device included); None when it can."""
-    import stat as stat_mod
-
-    from apr.readers import file_kind
-
     path = Path(os.path.expanduser(str(path)))
     try:
         st = os.stat(path)
@@ -244,14 +242,10 @@ def sink_target_problems(config, *, apr_home: Path | None = None,
 def _node_kind(path: Path) -> str | None:
     """What is at ``path`` (``a regular file``, ``a directory``, ``a FIFO (named pipe)``...); None
     when nothing is, or it cannot be examined."""
-    from apr.readers import file_kind
-
     try:
         mode = os.stat(path).st_mode
     except (OSError, ValueError):
         return None
-    import stat as stat_mod
-
     return "a regular file" if stat_mod.S_ISREG(mode) else file_kind(mode)
 
 
