@@ -168,11 +168,13 @@ def token_ranks(reference: np.ndarray, current: np.ndarray, vocab_size: int) -> 
 def manifest_eot_id(folder: Path) -> int | None:
     """The end-of-text id the pretokenize manifest of a dataset folder records (None without one,
     or when it cannot be read: document lengths are then not compared)."""
-    manifest = Path(folder) / "manifest.json"
-    if not manifest.is_file():
+    # DIR/manifest.json, or DIR/../manifest.json for the train/ and val/ folders pretokenize writes
+    manifest = next((m for m in (Path(folder) / "manifest.json", Path(folder).parent / "manifest.json")
+                     if m.is_file()), None)
+    if manifest is None:
         return None
     try:
-        doc = load_json(manifest, "data", "pretokenize manifest")
+        doc = load_json(manifest, "manifest", "pretokenize manifest")
     except Exception:  # an unreadable manifest: C-DATA contracts name it; lengths are skipped
         return None
     eot = (doc.get("tokenizer") or {}).get("eot_id") if isinstance(doc, dict) else None

@@ -81,3 +81,17 @@ def test_sample_rows_reads_whole_rows_from_a_few_row_groups(tmp_path):
     assert np.array_equal(rows, sample_rows(shards, "input_ids", sample_tokens=17 * 40, seed=4))  # seeded
     every = sample_rows(shards, "input_ids", sample_tokens=10**9, seed=0)
     assert every.shape == (300, 17)  # asked for more than there is: everything
+
+
+def test_the_end_of_text_id_comes_from_the_pretokenize_manifest_beside_the_split(tmp_path):
+    """`data.train: DIR/train/` has its manifest at DIR/manifest.json; the reader asked the bounded
+    reader for an unknown kind and always found no id, so document lengths were never compared."""
+    import json
+
+    from apr.data.drift import manifest_eot_id
+
+    (tmp_path / "train").mkdir()
+    (tmp_path / "manifest.json").write_text(json.dumps({"tokenizer": {"eot_id": 7, "sha256": "ab"}}))
+    assert manifest_eot_id(tmp_path / "train") == 7
+    assert manifest_eot_id(tmp_path) == 7
+    assert manifest_eot_id(tmp_path / "elsewhere" / "x") is None
