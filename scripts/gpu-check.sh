@@ -4,6 +4,7 @@
 # on one GPU against DDP (the 350M shape).
 #
 #   scripts/gpu-check.sh [STAGE ...]     stages: info tests bench vram engine sharding probe peers  (default: all)
+#                                        issue 53's, run only when named: compiled batch16 probegap
 #
 # Installs nothing from the network: it expects torch (a CUDA build), CuPy and apr's pure-Python
 # dependencies to be importable already, and puts this checkout first on PYTHONPATH (set
@@ -116,6 +117,17 @@ stage_probe() {  # the plan, a probe on this GPU, and the plan again calibrated 
   "$PY" -m apr calibration ls
 }
 
+stage_probegap() {  # issue 53: the probe's tokens/s against bench_engine's at the same shape (350M, 4 x 1024)
+  local cfg=$REPO/configs/train/pretrain-350m-v2.yaml dir=$OUT_DIR/synth-350m
+  "$PY" -m apr data synth --like "$cfg" --out "$dir" --train-rows 4000 --overwrite || return 1
+  (cd "$dir" && timeout --kill-after=20 "$STAGE_TIMEOUT" "$PY" -m apr train plan "$cfg" --probe --json \
+     >"$OUT_DIR/probe-350m.json")
+  echo "plan --probe exit $? (the probe's measured step and tokens/s: $OUT_DIR/probe-350m.json)"
+  "$PY" benchmarks/bench_engine.py --device cuda "${SHAPE_350M[@]}" --seq 1024 --batch 4 --warmup 3 --steps 10 \
+    --only auto --json >"$OUT_DIR/bench-engine-auto-350m.json"
+  echo "bench_engine auto exit $? ($OUT_DIR/bench-engine-auto-350m.json): compare its tokens/s with the probe's"
+}
+
 if [[ "${APR_PIP_INSTALL:-0}" == 1 ]]; then
   banner "pip install -e . --no-deps (no network needed)"
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install failed: using PYTHONPATH"
@@ -141,12 +153,23 @@ for stage in "${STAGES[@]}"; do
     sharding) run_stage sharding "$PY" benchmarks/bench_sharding.py --device cuda "${SHAPE_350M[@]}" \
                 --seq 1024 --batch 4 ;;
     probe) run_stage probe stage_probe ;;
+    compiled)  # issue 53: apr compiled at the 350M config's own micro-batch (4 x 1024) against the compiled
+      # loop, and lean mode against auto (targets: apr >= 1.0x baseline+compile, lean >= 0.8x auto)
+      run_stage compiled "$PY" benchmarks/bench_engine.py --device cuda "${SHAPE_350M[@]}" --seq 1024 --batch 4 \
+        --warmup 3 --steps 10 --peak-tflops "${APR_PEAK_TFLOPS:-989}" \
+        --only "${APR_COMPILED_ONLY:-auto,auto+compile,lean/selective+adagc,baseline,baseline+compile}" ;;
+    batch16)  # issue 53: MFU at batch 16 x 1024 (target >= 50%); the plain compiled loop beside
+      run_stage batch16 "$PY" benchmarks/bench_engine.py --device cuda "${SHAPE_350M[@]}" --seq 1024 --batch 16 \
+        --warmup 3 --steps 10 --peak-tflops "${APR_PEAK_TFLOPS:-989}" \
+        --only "${APR_BATCH16_ONLY:-auto,auto+compile,baseline+compile}" ;;
+    probegap) run_stage probegap stage_probegap ;;
     peers)  # issue 40's GPU table: the loop, apr, litgpt and torchtitan's model at 350M, seq 1024, bf16;
       # a peer that is not importable here (pip install -e '.[bench]' where there is a network, or put
       # its packages on PYTHONPATH) is skipped with the reason
       run_stage peers "$PY" benchmarks/bench_peers_cuda.py --batch "${APR_PEERS_BATCH:-4}" --warmup 3 --steps 10 \
         --only "${APR_PEERS_ONLY:-baseline,apr,apr+compile,litgpt,litgpt+compile,torchtitan}" ;;
-    *) echo "unknown stage $stage (info tests bench vram engine sharding probe peers)" >&2; exit 2 ;;
+    *) echo "unknown stage $stage (info tests bench vram engine sharding probe peers compiled batch16 probegap)" >&2
+       exit 2 ;;
   esac
 done
 
