@@ -205,7 +205,7 @@ def _plan_text(result) -> str:
     for i, t in enumerate(result.trials):
         seconds = fmt_duration(t.seconds) if t.seconds is not None else "-"
         rows.append([str(i), "valid" if t.valid else "invalid", *[fmt_setting(t.settings.get(k)) for k in keys],
-                     fmt_setting(t.tokens) if t.valid and t.tokens is not None else "-", seconds if t.valid else "-",
+                     f"{t.tokens:,}" if t.valid and t.tokens is not None else "-", seconds if t.valid else "-",
                      safe_text(t.reason())[:100]])
     lines.append(text_table(["#", "plan", *keys, "tokens", "time", "finding"], rows))
     valid = doc["valid"]

@@ -606,7 +606,7 @@ class OptimizerConfig(_Section):
     swats_tolerance: Float = Field(
         1.0e-9, gt=0, description="swats: a group switches when its bias-corrected SGD learning-rate estimate "
         "is within this of the step's own estimate.")
-    lr: Float = Field(3.0e-4, gt=0, description="Peak learning rate.")
+    lr: Float = Field(3.0e-4, gt=0, le=1e3, description="Peak learning rate.")
     min_lr: Float | None = Field(None, ge=0, description="Floor of the schedule. Default: 10% of lr.")
     beta1: Float = Field(0.9, ge=0, lt=1)
     beta2: Float = Field(0.95, ge=0, lt=1)

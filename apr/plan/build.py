@@ -27,7 +27,7 @@ from apr.launch import env_world_size
 from apr.plan import gpus
 from apr.plan.clipadvice import exact_clip_findings
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
-from apr.plan.datafacts import dataset_facts, fingerprint_entries, resolve, shared_shards
+from apr.plan.datafacts import data_manifests, dataset_facts, fingerprint_entries, resolve, shared_shards
 from apr.plan.distillfacts import distill_config_findings, distill_facts
 from apr.plan.driftfacts import drift_check
 from apr.plan.elastic import elastic_layout
@@ -410,7 +410,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
         sheet.facts["init_from"] = init_facts
         if config.data.tokenizer is None and init_facts["tokenizer"]:
 
-            sheet.facts["tokenizer"] = tokenizer_facts(init_facts["tokenizer"])
+            sheet.facts["tokenizer"] = tokenizer_facts(init_facts["tokenizer"], data_manifests(config.data))
     contract_set = load_contracts(contracts_dir)
     contracts = contract_set.contracts
     mixture_findings: list[Finding] = mixture_config_findings(loaded)

@@ -103,7 +103,8 @@ def test_numbers_beyond_what_the_trainer_holds_are_refused(repo):
     from apr.errors import ConfigError
 
     base = repo / "configs/train/demo-tiny.yaml"
-    for setting, path in (("optimizer.lr=1e39", "optimizer.lr"), ("training.cpu_threads=5000", "training.cpu_threads"),
+    for setting, path in (("optimizer.lr=1e39", "optimizer.lr"), ("optimizer.lr=5000", "optimizer.lr"),
+                          ("training.cpu_threads=5000", "training.cpu_threads"),
                           ("training.world_size=4294967296", "training.world_size"),
                           ("data.shuffle=1", "data.shuffle")):
         with pytest.raises(ConfigError) as e:
