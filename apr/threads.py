@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from apr.errors import AprError, Finding
@@ -52,35 +53,64 @@ def system_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def wait_policy(load: float | None, cores: int, environ, torch_loaded: bool = False) -> dict:
+def wait_policy(load: float | None, cores: int, environ, torch_loaded: bool = False,
+                running_now: float | None = None) -> dict:
     """How OpenMP's waiting threads should wait: ``policy`` (ACTIVE, PASSIVE, or None for OpenMP's
     own default), ``source`` and ``why``. The user's ``OMP_WAIT_POLICY`` wins (one apr set in a
     parent process, marked by ``APR_OMP_WAIT_POLICY``, does not); torch loaded first leaves
     OpenMP's default (it has read the variable already); an unknown load leaves OpenMP's default
-    too. Otherwise PASSIVE once ``load`` (the 1-minute load average: other work that wants a core)
-    reaches ``cores`` (the machine's), else ACTIVE. Pure: the caller reads the load and the cores."""
+    too. Otherwise PASSIVE when the machine is busy both over the last minute (``load``, the
+    1-minute load average, reaches ``cores``, the machine's) and now (``running_now``, other
+    processes runnable at this moment, reaches half the cores; None where the OS does not say),
+    else ACTIVE. The second test keeps a process started right after another busy one (a sweep's
+    next trial, a benchmark's next variant) from reading that one's minute as other work. Pure: the
+    caller reads the load, the runnable count and the cores."""
     user = environ.get(WAIT_ENV)
+    base = {"load": load, "running_now": running_now, "cores": cores}
     if user and environ.get(WAIT_MARK) != user:
-        return {"policy": user, "source": f"env {WAIT_ENV}", "why": "set by the user", "load": load, "cores": cores}
+        return {**base, "policy": user, "source": f"env {WAIT_ENV}", "why": "set by the user"}
     if torch_loaded:
-        return {"policy": user or None, "source": "torch loaded first",
-                "why": "torch was loaded before apr could choose: OpenMP's own", "load": load, "cores": cores}
+        return {**base, "policy": user or None, "source": "torch loaded first",
+                "why": "torch was loaded before apr could choose: OpenMP's own"}
     if load is None:
-        return {"policy": None, "source": "auto", "why": "no load average on this OS: OpenMP's own",
-                "load": None, "cores": cores}
-    busy = load >= cores
-    return {"policy": "PASSIVE" if busy else "ACTIVE", "source": "auto", "load": load, "cores": cores,
-            "why": (f"load {load:.2f} >= {cores} cores: other work fills them, waiting threads sleep" if busy else
-                    f"load {load:.2f} < {cores} cores: free cores, waiting threads spin")}
+        return {**base, "policy": None, "source": "auto", "why": "no load average on this OS: OpenMP's own"}
+    if load < cores:
+        return {**base, "policy": "ACTIVE", "source": "auto",
+                "why": f"load {load:.2f} < {cores} cores: free cores, waiting threads spin"}
+    if running_now is not None and running_now < cores / 2:
+        return {**base, "policy": "ACTIVE", "source": "auto",
+                "why": f"load {load:.2f} >= {cores} cores but {running_now:.1f} other processes runnable now: "
+                       "the minute's load has gone, waiting threads spin"}
+    now = f", {running_now:.1f} runnable now" if running_now is not None else ""
+    return {**base, "policy": "PASSIVE", "source": "auto",
+            "why": f"load {load:.2f} >= {cores} cores{now}: other work fills them, waiting threads sleep"}
 
 
-def set_wait_policy(environ=None, load: float | None | str = "now") -> dict:
+def running_now(samples: int = 5, interval_s: float = 0.004, path: str = "/proc/loadavg") -> float | None:
+    """Other processes runnable at this moment: the mean over ``samples`` readings of the kernel's
+    count of runnable tasks (the fourth field of /proc/loadavg, which counts this process too), or
+    None where there is no such file."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open(path) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return max(0.0, sum(counts) / len(counts))
+
+
+def set_wait_policy(environ=None, load: float | None | str = "now", running: float | None | str = "now") -> dict:
     """Decide ``OMP_WAIT_POLICY`` for this process (``wait_policy`` on the load of this moment) and
     put it in ``environ`` (default ``os.environ``), marked as apr's; returns the decision."""
     global _wait
     env = os.environ if environ is None else environ
-    choice = wait_policy(load_average() if load == "now" else load, system_cores(), env,
-                         torch_loaded="torch" in sys.modules)
+    load = load_average() if load == "now" else load
+    if running == "now":  # read only where it can change the answer (~20 ms)
+        running = running_now() if load is not None and load >= system_cores() else None
+    choice = wait_policy(load, system_cores(), env, torch_loaded="torch" in sys.modules, running_now=running)
     if choice["source"] == "auto":
         if choice["policy"]:
             env[WAIT_ENV] = env[WAIT_MARK] = choice["policy"]

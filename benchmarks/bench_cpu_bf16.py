@@ -3,7 +3,7 @@
 Two parts, both in this process's machine conditions (the load average is printed with each):
 
 1. matmul throughput, one thread: GFLOP/s of fp32 and bf16 ``a @ b`` at the demo's and a 30M
-   model's shapes (median of 7 x 10 products). A CPU with bf16 dot-product instructions
+   model's shapes (median of 5 x 5 products). A CPU with bf16 dot-product instructions
    (``avx512_bf16`` in /proc/cpuinfo) or AMX runs bf16 faster; without them torch emulates it.
 2. the demo (configs/train/demo-tiny.yaml, or --config), trained end to end by `apr train apply`
    with ``training.mixed_precision`` fp32 and bf16 (fp32 master weights, autocast), alternating,
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SHAPES = ((2048, 128, 384), (2048, 384, 128), (2048, 128, 2048), (2048, 512, 1408), (2048, 512, 32768))
+SHAPES = ((2048, 128, 384), (2048, 384, 128), (2048, 128, 2048), (2048, 512, 1408), (512, 512, 8192))
 
 
 def cpu_flags() -> str:
@@ -51,11 +51,11 @@ def matmuls() -> list[dict]:
             for _ in range(3):
                 a @ b
             times = []
-            for _ in range(7):
+            for _ in range(5):
                 t0 = time.perf_counter()
-                for _ in range(10):
+                for _ in range(5):
                     a @ b
-                times.append((time.perf_counter() - t0) / 10)
+                times.append((time.perf_counter() - t0) / 5)
             row[name] = 2 * n * k * m / statistics.median(times) / 1e9
         out.append(row)
     return out

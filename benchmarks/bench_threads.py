@@ -188,7 +188,9 @@ def main() -> int:
         loads = [x["load_start"] for x in ok]
         print(f"| {n} | {med[n]:,.0f} | {med[n] / ref:.2f}x | " if ref else f"| {n} | {med[n]:,.0f} | - | ", end="")
         print(f"{med[n] / best:.2f}x | " if best else "- | ", end="")
-        print(f"{ok[0]['threads']} | {ok[0]['wait']} | {min(loads):.2f}-{max(loads):.2f} |")
+        waits = [x["wait"] for x in ok]  # apr's default may choose differently in each round
+        wait = ", ".join(f"{w} x{waits.count(w)}" for w in dict.fromkeys(waits)) if len(set(waits)) > 1 else waits[0]
+        print(f"{ok[0]['threads']} | {wait} | {min(loads):.2f}-{max(loads):.2f} |")
     print("losses (first -> last step): " + "; ".join(f"{n} {rs[0]['first_loss']:.4f} -> {rs[0]['last_loss']:.4f}"
                                                      for n, rs in results.items() if "error" not in rs[0]))
     return 0

@@ -99,6 +99,26 @@ def test_waiting_threads_spin_on_free_cores_and_sleep_once_other_work_fills_them
     assert threads.wait_policy(None, 2, {})["policy"] is None  # no load average: OpenMP's own default
 
 
+def test_a_minutes_load_that_has_gone_does_not_make_threads_sleep():
+    # the last minute was busy, and other processes still run now: sleep
+    assert threads.wait_policy(4.0, 2, {}, running_now=3.2)["policy"] == "PASSIVE"
+    assert threads.wait_policy(4.0, 2, {}, running_now=1.0)["policy"] == "PASSIVE"
+    # busy a minute ago (a sweep's previous trial, a benchmark's previous variant), nothing runs now: spin
+    gone = threads.wait_policy(2.3, 2, {}, running_now=0.2)
+    assert gone["policy"] == "ACTIVE" and "0.2 other processes runnable now" in gone["why"]
+    assert threads.wait_policy(40.0, 64, {}, running_now=31.0)["policy"] == "ACTIVE"  # half of 64 cores
+    assert threads.wait_policy(70.0, 64, {}, running_now=32.0)["policy"] == "PASSIVE"
+
+
+def test_running_now_reads_the_kernels_runnable_count_less_this_process(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("5.10 4.20 3.90 4/312 9876\n")
+    assert threads.running_now(samples=3, interval_s=0, path=str(loadavg)) == 3.0
+    loadavg.write_text("0.01 0.02 0.03 1/80 9876\n")
+    assert threads.running_now(samples=2, interval_s=0, path=str(loadavg)) == 0.0
+    assert threads.running_now(path=str(tmp_path / "missing")) is None  # no /proc: the minute's load alone
+
+
 def test_the_users_wait_policy_wins_and_a_parents_choice_is_made_again():
     for load in (0.0, 9.0):
         mine = threads.wait_policy(load, 2, {"OMP_WAIT_POLICY": "ACTIVE"})
@@ -114,12 +134,14 @@ def test_the_users_wait_policy_wins_and_a_parents_choice_is_made_again():
 def test_set_wait_policy_writes_the_choice_marked_as_aprs(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "torch", raising=False)  # as if torch were not loaded yet
     env: dict = {}
-    assert threads.set_wait_policy(env, load=0.0)["policy"] == "ACTIVE"
+    assert threads.set_wait_policy(env, load=0.0, running=None)["policy"] == "ACTIVE"
     assert env == {"OMP_WAIT_POLICY": "ACTIVE", "APR_OMP_WAIT_POLICY": "ACTIVE"}
-    assert threads.set_wait_policy(env, load=50.0)["policy"] == "PASSIVE" and env["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert threads.set_wait_policy(env, load=None)["policy"] is None and env == {}  # apr's own, taken back
+    busy = threads.set_wait_policy(env, load=50.0, running=49.0)
+    assert busy["policy"] == "PASSIVE" and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert threads.set_wait_policy(env, load=None, running=None)["policy"] is None and env == {}  # apr's, taken back
     mine = {"OMP_WAIT_POLICY": "passive"}
-    assert threads.set_wait_policy(mine, load=0.0)["policy"] == "passive" and mine == {"OMP_WAIT_POLICY": "passive"}
+    assert threads.set_wait_policy(mine, load=0.0, running=None)["policy"] == "passive"
+    assert mine == {"OMP_WAIT_POLICY": "passive"}
 
 
 def test_contention_counts_only_beyond_the_cores():
