@@ -30,6 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import os
+import resource
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -190,7 +194,6 @@ def _patched(obj, name: str, value):
 
 @contextlib.contextmanager
 def _env(name: str, value: str):
-    import os
 
     before = os.environ.get(name)
     os.environ[name] = value
@@ -359,8 +362,6 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     """Trace one rank of the run ``resolved`` (apr/steps/resolved.py) on fake tensors; returns the
     report (``peak_bytes``, ``plan_peak_bytes``, ``rows``...). ``plan_rows``: the plan's memory table
     (``MemoryRow``s) for this rank."""
-    import resource
-    import sys
 
     import torch
     import torch.distributed as dist
@@ -478,7 +479,6 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
 def _build(engine_build, resolved, execution, device, dp):
     """``build_engine`` as apply calls it: from the plan's ``Resolved`` (or, on the older signature,
     from its config and execution)."""
-    import inspect
 
     first = next(iter(inspect.signature(engine_build.build_engine).parameters))
     if first == "plan":

@@ -157,7 +157,9 @@ def test_a_trace_past_its_timeout_stops_and_says_where(tmp_path):
     arch = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
             "intermediate_size": 1536, "vocab_size": 512, "max_position_embeddings": 64}
     path = _example(tmp_path, model={"architecture": arch})
-    out = _plan(str(path), "--trace", "--trace-timeout", "1")
-    assert out.exit_code == 1, out.output
-    assert "--trace stopped after 1 s (--trace-timeout) during" in out.output
-    assert out.exception is None or isinstance(out.exception, SystemExit)
+    # a process of its own, as a user runs it: the trace stops inside the engine's step, and nothing
+    # another test left in this process (a fake process group, FSDP2 state) is in its way
+    out = apr_cli("train", "plan", str(path), "--trace", "--trace-timeout", "1")
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "--trace stopped after 1 s (--trace-timeout) during" in text and "Traceback" not in text

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from apr.checkpoint.files import ST_DTYPE_CODES, read_safetensors_header, sha256_file
+from apr.checkpoint.manager import CheckpointError, _architecture, checkpoint_shapes, read_checkpoint, read_info, scan
 from apr.checkpoint.names import is_optimizer_state
 from apr.config.hf_folder import (  # noqa: F401  (re-exported: the weights side reads the same tables)
     ARCH_TO_HF,
@@ -36,7 +37,9 @@ from apr.config.hf_folder import (  # noqa: F401  (re-exported: the weights side
     unsupported_math,
     unsupported_message,
 )
+from apr.config.schema import Architecture, LoraConfig, RopeScaling
 from apr.errors import AprError, Finding
+from apr.model.spec import param_specs
 from apr.readers import InputError, check_regular, load_json
 
 KEY = "model.init_from"
@@ -131,7 +134,6 @@ def inspect_source(path_text: str, arch, depth: int = 0) -> InitSource:
         src.kind = "apr"
         _inspect_apr(src, path.with_suffix(".json"), arch, depth)
     elif path.is_dir():
-        from apr.checkpoint.manager import scan
 
         entries = [e for e in scan(path) if e.complete]
         if entries:
@@ -230,7 +232,6 @@ def _check_hf_config(src: InitSource, cfg_path: Path, hf: dict, arch) -> None:
 def source_attributes(hf: Mapping) -> dict:
     """Architecture attribute -> value, for every one a config.json states or implies (family,
     kv_heads, rope_scaling and sliding_window always: absent means llama, MHA, none)."""
-    from apr.config.schema import RopeScaling
 
     fields = architecture_fields(hf)
     source = {attr: hf[key] for attr, key in ARCH_TO_HF if key in hf}
@@ -282,7 +283,6 @@ def stage_base(info) -> str | None:
 
 
 def _inspect_apr(src: InitSource, json_path: Path, arch, depth: int = 0) -> None:
-    from apr.checkpoint.manager import CheckpointError, _architecture, read_info
 
     try:
         info = read_info(json_path)
@@ -311,7 +311,6 @@ def _inspect_apr(src: InitSource, json_path: Path, arch, depth: int = 0) -> None
         src.tokenizer = base.tokenizer
         return
     if info.parts:  # a sharded run's checkpoint: the whole tensors' shapes from its parts' headers
-        from apr.checkpoint.manager import checkpoint_shapes
 
         try:
             shapes, dtypes = checkpoint_shapes(info)
@@ -359,7 +358,6 @@ def _read_headers(src: InitSource, paths: list[Path], skip_optimizer: bool = Fal
 
 
 def expected_shapes(arch) -> dict[str, tuple[int, ...]]:
-    from apr.model.spec import param_specs
 
     return {p.name: p.shape for p in param_specs(arch)}
 
@@ -433,7 +431,6 @@ def load_source_weights(path_text: str, arch) -> dict:
     if src.kind == "apr-lora":
         return _merged_stage(src, arch)
     if src.kind == "apr":
-        from apr.checkpoint.manager import read_checkpoint
 
         state = read_checkpoint(src.checkpoint_json, weights_only=True)
         return {n: state.tensors[n].to(torch.float32) for n in want}
@@ -470,7 +467,6 @@ def source_digest(path_text: str, arch) -> str:
 
     src = check_source(path_text, arch)
     if src.kind in ("apr", "apr-lora"):  # a LoRA stage: its adapters; they pin their own base
-        from apr.checkpoint.manager import read_info
 
         return str(read_info(src.checkpoint_json).doc["weights_sha256"])
     lines = [f"{p.name} {sha256_file(p)[0]}\n" for p in sorted({t.file for t in src.tensors.values()})]
@@ -480,8 +476,6 @@ def source_digest(path_text: str, arch) -> str:
 def _merged_stage(src: InitSource, arch) -> dict:
     """A LoRA checkpoint as a trunk: its base (checked against the SHA-256 it recorded) with its
     adapters merged in, float32; the next stage trains a new adapter set over it."""
-    from apr.checkpoint.manager import read_checkpoint, read_info
-    from apr.config.schema import LoraConfig
     from apr.model.lora import merge
 
     info = read_info(src.checkpoint_json)
@@ -502,7 +496,6 @@ def source_architecture(path_text: str):
     """The Architecture a weights source holds (a Hugging Face folder's config.json, or an apr
     checkpoint's stored config at its step's depth), read without loading weights: the teacher of
     a distillation. Raises InitFromError (key ``training.distill.teacher``) when it has none."""
-    from apr.config.schema import Architecture
 
     path = resolve(path_text)
     key = "training.distill.teacher"
@@ -518,7 +511,6 @@ def source_architecture(path_text: str):
             fields = architecture_fields(hf)
             fields.setdefault("max_position_embeddings", 2048)
             return Architecture.model_validate(fields)
-        from apr.checkpoint.manager import _architecture, read_info, scan
 
         if path.is_dir():
             entries = [e for e in scan(path) if e.complete]

@@ -16,6 +16,7 @@ from apr.cli.render import print_error, use_colour
 from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file
 from apr.plan.render import github_facts, render_error_json, render_json, render_text
+from apr.trace import trace_plan
 
 
 def parse_price(text: str) -> float:
@@ -89,8 +90,6 @@ def run_plan(config: Path, *, gpu: str | None, vram: str | None, world_size: int
     if trace and plan.errors:
         print("--trace: not traced, the plan has errors (see its findings)", file=sys.stderr)
     elif trace:
-        from apr.trace import trace_plan
-
         try:
             traced = trace_plan(plan, timeout_s=trace_timeout)
         except AprError as err:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from apr.steer import request_steer
+
 
 def register(app: typer.Typer) -> None:
     @app.command("steer")
@@ -20,7 +22,5 @@ def register(app: typer.Typer) -> None:
         SSH). Every rank applies it at the same step; it is recorded as a `steer` event and in the
         checkpoints, so a resume replays it. Exit 0 when the request is written, 1 for a key that
         cannot be steered (the steerable ones are listed)."""
-        from apr.steer import request_steer
-
         path = request_steer(run_dir, settings)
         typer.echo(f"steer request written: {path} (applied at the run's next step boundary)")

@@ -58,7 +58,7 @@ def compile_seconds(since: float | None = None, only_after: bool = False) -> dic
     that began before ``since`` are none of the caller's (an earlier probe in this process)."""
     out = {"seconds": 0.0, "before": 0.0, "after": 0.0, "cache": None}
     try:
-        from torch._dynamo import utils as dynamo_utils
+        from torch._dynamo import utils as dynamo_utils  # lazy: dynamo loads in seconds; a finished run's summary only
 
         metrics = list(dynamo_utils.get_compilation_metrics())
     except Exception:  # a torch without them: nothing known, nothing subtracted

@@ -22,6 +22,7 @@ import torch
 
 from apr.config.schema import OptimizerConfig
 from apr.kernels import KernelBackend
+from apr.kernels.interface import DecayRanges
 
 
 class AdamW:
@@ -122,8 +123,6 @@ class GroupedUpdates:
 
     def bind(self, named: dict[str, torch.Tensor], decay_names: set[str], device: torch.device,
              groups: list[tuple[str, list[torch.Tensor]]] | None = None) -> None:
-        from apr.kernels.interface import DecayRanges  # the walk's own description of decayed elements
-
         names = {id(p): n for n, p in named.items()}
         self._groups: list[tuple[str, list[torch.Tensor], DecayRanges, torch.Tensor, torch.Tensor]] = []
         self._views: dict[int, tuple[str, torch.Tensor, torch.Tensor]] = {}
