@@ -61,7 +61,7 @@ def wait_policy(load: float | None, cores: int, environ, torch_loaded: bool = Fa
     OpenMP's default (it has read the variable already); an unknown load leaves OpenMP's default
     too. Otherwise PASSIVE when the machine is busy both over the last minute (``load``, the
     1-minute load average, reaches ``cores``, the machine's) and now (``running_now``, other
-    processes runnable at this moment, reaches half the cores; None where the OS does not say),
+    processes runnable at this moment, reaches ``cores`` too; None where the OS does not say),
     else ACTIVE. The second test keeps a process started right after another busy one (a sweep's
     next trial, a benchmark's next variant) from reading that one's minute as other work. Pure: the
     caller reads the load, the runnable count and the cores."""
@@ -77,10 +77,10 @@ def wait_policy(load: float | None, cores: int, environ, torch_loaded: bool = Fa
     if load < cores:
         return {**base, "policy": "ACTIVE", "source": "auto",
                 "why": f"load {load:.2f} < {cores} cores: free cores, waiting threads spin"}
-    if running_now is not None and running_now < cores / 2:
+    if running_now is not None and running_now < cores:
         return {**base, "policy": "ACTIVE", "source": "auto",
                 "why": f"load {load:.2f} >= {cores} cores but {running_now:.1f} other processes runnable now: "
-                       "the minute's load has gone, waiting threads spin"}
+                       "free cores now, waiting threads spin"}
     now = f", {running_now:.1f} runnable now" if running_now is not None else ""
     return {**base, "policy": "PASSIVE", "source": "auto",
             "why": f"load {load:.2f} >= {cores} cores{now}: other work fills them, waiting threads sleep"}

@@ -163,6 +163,7 @@ def main() -> int:
                 res = run_variant(name, args)
                 results[name].append(res)
                 print(f"  round {r + 1} {name}: " + (f"{res['tokens_per_s']:,.0f} tok/s, load {res['load_start']:.2f}"
+                      f"; {res['wait']}" + (f" ({res['wait_from']})" if res.get("wait_from") else "")
                       if "error" not in res else res["error"]), file=sys.stderr, flush=True)
     finally:
         for h in hogs:

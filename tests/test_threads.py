@@ -100,14 +100,15 @@ def test_waiting_threads_spin_on_free_cores_and_sleep_once_other_work_fills_them
 
 
 def test_a_minutes_load_that_has_gone_does_not_make_threads_sleep():
-    # the last minute was busy, and other processes still run now: sleep
+    # the last minute was busy, and other processes fill the cores now too: sleep
     assert threads.wait_policy(4.0, 2, {}, running_now=3.2)["policy"] == "PASSIVE"
-    assert threads.wait_policy(4.0, 2, {}, running_now=1.0)["policy"] == "PASSIVE"
-    # busy a minute ago (a sweep's previous trial, a benchmark's previous variant), nothing runs now: spin
+    assert threads.wait_policy(4.0, 2, {}, running_now=2.0)["policy"] == "PASSIVE"
+    # busy a minute ago (a sweep's previous trial, a benchmark's previous variant), free cores now: spin
     gone = threads.wait_policy(2.3, 2, {}, running_now=0.2)
     assert gone["policy"] == "ACTIVE" and "0.2 other processes runnable now" in gone["why"]
-    assert threads.wait_policy(40.0, 64, {}, running_now=31.0)["policy"] == "ACTIVE"  # half of 64 cores
-    assert threads.wait_policy(70.0, 64, {}, running_now=32.0)["policy"] == "PASSIVE"
+    assert threads.wait_policy(4.0, 2, {}, running_now=1.4)["policy"] == "ACTIVE"
+    assert threads.wait_policy(70.0, 64, {}, running_now=63.0)["policy"] == "ACTIVE"
+    assert threads.wait_policy(70.0, 64, {}, running_now=64.0)["policy"] == "PASSIVE"
 
 
 def test_running_now_reads_the_kernels_runnable_count_less_this_process(tmp_path):
