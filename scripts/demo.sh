@@ -14,12 +14,6 @@ mkdir -p "$OUT"
 if [ -t 1 ] && [ -z "${NO_COLOR:-}" ]; then BOLD=$'\033[1m' PLAIN=$'\033[0m'; else BOLD='' PLAIN=''; fi
 step() { printf '\n%s==> %s%s\n' "$BOLD" "$*" "$PLAIN"; }
 
-# bf16 autocast (fp32 master weights) where the CPU has bf16 instructions: there it trained the demo
-# at 1.10-1.13x fp32's tokens/s to the same loss (docs/performance.md, "bf16 on the CPU"); without
-# them torch emulates bf16 and runs several times slower, so the config's fp32 stays.
-PRECISION=fp32
-if grep -qwE 'avx512_bf16|amx_bf16' "${APR_DEMO_CPUINFO:-/proc/cpuinfo}" 2>/dev/null; then PRECISION=bf16; fi
-
 step "1/6 Train a byte-level BPE tokenizer on the standard library's source"
 apr data train-tokenizer --builtin stdlib --vocab-size 2048 --overwrite --out "$OUT/tokenizer.json"
 
@@ -30,8 +24,8 @@ apr data pretokenize --builtin stdlib --tokenizer "$OUT/tokenizer.json" --seq-le
 step "3/6 Validate the config (schema and config-only contracts, no torch import)"
 apr train validate "$CONFIG"
 
-step "4/6 Plan: step algebra, memory and time budget, data and tokenizer contracts ($PRECISION)"
-apr train plan "$CONFIG" "training.mixed_precision=$PRECISION" -out "$OUT/plan.json" --overwrite
+step "4/6 Plan: step algebra, memory and time budget, data and tokenizer contracts"
+apr train plan "$CONFIG" -out "$OUT/plan.json" --overwrite
 
 step "5/6 Apply the saved plan: train on the CPU"
 apr train apply "$OUT/plan.json"

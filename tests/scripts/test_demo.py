@@ -87,23 +87,3 @@ def test_the_demos_apr_commands_write_no_escape_codes_into_a_pipe(tmp_path, args
                           timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
     assert "\x1b" not in proc.stdout + proc.stderr
-
-
-@pytest.mark.parametrize(("flags", "precision"), [("fpu avx2 avx512f avx512_bf16 avx512_vnni", "bf16"),
-                                                  ("fpu avx2 amx_bf16 amx_tile", "bf16"),
-                                                  ("fpu avx2 avx512f avx512_vnni", "fp32")])
-def test_the_demo_trains_in_bf16_only_where_the_cpu_has_bf16_instructions(tmp_path, flags, precision):
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    proc = subprocess.run(["bash", str(DEMO)], env=_demo_env(tmp_path, APR_DEMO_CPUINFO=str(cpuinfo)),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    plan = next(line for line in proc.stdout.splitlines() if line.startswith("apr train plan"))
-    assert f"training.mixed_precision={precision} " in plan
-    assert f"data and tokenizer contracts ({precision})" in proc.stdout  # the plan's heading says which
-
-
-def test_the_demo_keeps_fp32_where_the_cpu_cannot_be_read(tmp_path):
-    proc = subprocess.run(["bash", str(DEMO)], env=_demo_env(tmp_path, APR_DEMO_CPUINFO=str(tmp_path / "none")),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "training.mixed_precision=fp32 " in proc.stdout, proc.stderr
