@@ -93,6 +93,8 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
         config_path = target
     overrides = command_line_overrides(settings, plan_doc is not None, seed=seed, device=device,
                                        max_steps=max_steps)
+    if plan_doc is not None:  # the plan's own KEY=VALUE settings: what was planned is what runs
+        overrides = {**(plan_doc.get("overrides") or {}), **overrides}
     # read and check the config before importing torch: a bad one fails at once
     loaded = load_config(config_path, normalise_overrides(overrides) or None)
     world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks

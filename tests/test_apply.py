@@ -69,3 +69,24 @@ def test_a_busy_output_folder_is_refused_before_torch_is_imported(tmp_path):
     code, torch_loaded = json.loads(out.stdout.splitlines()[-1])
     assert code == 1 and not torch_loaded, out.stdout + out.stderr
     assert f"in use by another apr run (pid {os.getpid()}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_saved_plan_runs_with_the_settings_it_was_planned_with(tmp_path):
+    """`apr train plan CONFIG KEY=VALUE -out PLAN.json` then `apr train apply PLAN.json`: the run is the
+    planned one (the settings were dropped before: the plan said one thing, the run did another)."""
+    from apr.apply import run_apply
+    from apr.plan.build import build_plan
+    from apr.plan.planfile import save_plan
+    from tests.train.run_helpers import make_dataset, write_config
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, training={"max_steps": 6, "eval_interval": 0, "save_interval": 1000})
+    plan = build_plan(cfg, overrides={"training.max_steps": 3, "optimizer.lr": 0.002})
+    save_plan(plan, tmp_path / "plan.json")
+    result = run_apply(tmp_path / "plan.json", apr_home=tmp_path / "home", echo=lambda line: None,
+                       handle_signals=False)
+    assert (result.status, result.final_step, result.total_steps) == ("finished", 3, 3)
+    import yaml
+
+    ran = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert ran["optimizer"]["lr"] == 0.002 and ran["training"]["max_steps"] == 3
