@@ -3,6 +3,7 @@ every layout, and names only node ids pytest collects, on their layout."""
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -28,6 +29,12 @@ def test_every_feature_has_one_cell_per_layout_tested_refused_or_not_tested():
             assert sum(kinds) == 1, (feature.name, layout)
 
 
+@functools.cache
+def _collected_all() -> tuple[str, ...]:
+    """Every node id of the files the matrix names, collected once per process (one pytest run)."""
+    return tuple(_collected(sorted({node.split("::")[0] for _, _, node in node_ids()})))
+
+
 def _collected(files: list[str]) -> list[str]:
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "-p", "no:xdist", *files], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -36,7 +43,7 @@ def _collected(files: list[str]) -> list[str]:
 
 def test_every_named_node_id_is_collected_on_its_layout():
     named = node_ids()
-    collected = _collected(sorted({node.split("::")[0] for _, _, node in named}))
+    collected = _collected_all()
     missing, off_layout = [], []
     for feature, layout, node in named:
         runs = [c for c in collected if c == node or c.startswith(node + "[")]
@@ -55,7 +62,7 @@ def test_every_named_node_id_is_collected_on_its_layout():
 
 def test_a_cell_naming_a_missing_test_or_another_layout_is_caught():
     """The checker itself: a node id that is not collected, and one whose params name another layout."""
-    collected = _collected(["tests/scenarios/test_composition.py"])
+    collected = _collected_all()
     assert not [c for c in collected if c.startswith("tests/scenarios/test_composition.py::test_no_such_test")]
     full = "tests/scenarios/test_composition.py::test_compiled_blocks_on_shards_equal_one_process[full]"
     assert full in collected
