@@ -163,7 +163,23 @@ def test_status_and_best_of_a_sweep_that_never_ran(root):
     assert not (root / "sweeps" / "sweep" / "study.db").exists()
 
 
-def test_a_worker_killed_on_another_machine_is_retried_and_hyperband_prunes_from_the_retry(root):
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_storage(request, root):
+    """The storage two machines' workers share: a SQLite file, and a PostgreSQL server (issue 54
+    item 11: the multi-machine storage users run; tests/sweep/postgres.py starts a private one)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{root / 'shared.db'}"
+        return
+    from tests.sweep.postgres import start_server
+
+    url, stop = start_server()
+    try:
+        yield url
+    finally:
+        stop()
+
+
+def test_a_worker_killed_on_another_machine_is_retried_and_hyperband_prunes_from_the_retry(root, shared_storage):
     # One story, two behaviours, sharing their trainings (each apply start costs seconds of CPU):
     # 1. Two workers on one storage, each with its own sweep folder (as two machines: neither sees
     #    the other's lock). Worker A takes trial 0 (seed 1 orders the grid lr 0.01 first) and is
@@ -185,7 +201,7 @@ parameters:
   optimizer.lr: {values: [0.01, 1.0e-6]}
   optimizer.min_lr: {value: 1.0e-8}
 """)
-    url = f"sqlite:///{root / 'shared.db'}"
+    url = shared_storage
     beat = ["--storage", url, "--heartbeat", "1", "--grace", "3"]
     a = subprocess.Popen([sys.executable, "-m", "apr", "sweep", "run", "sweep.yaml", "--dir", "machine-a", *beat],
                          cwd=root, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
