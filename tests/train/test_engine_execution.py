@@ -67,16 +67,19 @@ def test_kept_gradients_take_one_walk_and_the_workspace_two_under_global_clippin
     assert walks == {"kept": 1, "workspace": 2}
 
 
+def _block_forwards(config) -> int:
+    """Block forwards of one step (a pre-hook: torch.utils.checkpoint's recompute stops once it has
+    what the backward needs, before a forward hook would run)."""
+    engine = build_engine(plan_of(config))
+    count = [0]
+    for layer in engine.model.model.layers:
+        layer.register_forward_pre_hook(lambda *a, count=count: count.__setitem__(0, count[0] + 1))
+    engine.train_step(batches(config, 1), lr=1e-2)
+    return count[0]
+
+
 def test_kept_graphs_mean_no_block_is_recomputed():
-    calls = {}
-    for activations in ("keep", "keep_first:1", "recompute"):
-        config = _config(activations, "kept", "global")
-        engine = build_engine(plan_of(config))
-        count = [0]
-        for layer in engine.model.model.layers:
-            layer.register_forward_hook(lambda *a, count=count: count.__setitem__(0, count[0] + 1))
-        engine.train_step(batches(config, 1), lr=1e-2)
-        calls[activations] = count[0]
+    calls = {a: _block_forwards(_config(a, "kept", "global")) for a in ("keep", "keep_first:1", "recompute")}
     layers = 3
     assert calls == {"keep": layers, "keep_first:1": 2 * layers - 1, "recompute": 2 * layers}
 
@@ -161,15 +164,6 @@ def test_autograd_honours_the_activation_policy_with_the_same_weights(activation
     want, want_norms = _train(_standard("keep"))
     assert norms == want_norms
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
-    calls = {}
-    for policy in ("keep", activations):
-        config = _standard(policy)
-        engine = build_engine(plan_of(config))
-        count = [0]
-        for layer in engine.model.model.layers:
-            # a pre-hook: checkpoint's recompute stops once it has what the backward needs
-            layer.register_forward_pre_hook(lambda *a, count=count: count.__setitem__(0, count[0] + 1))
-        engine.train_step(batches(config, 1), lr=1e-2)
-        calls[policy] = count[0]
-    layers, recomputed = 3, engine.execution.recomputed_blocks
+    calls = {policy: _block_forwards(_standard(policy)) for policy in ("keep", activations)}
+    layers, recomputed = 3, plan_of(_standard(activations)).execution.recomputed_blocks
     assert recomputed > 0 and calls == {"keep": layers, activations: layers + recomputed}
