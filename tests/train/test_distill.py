@@ -380,14 +380,7 @@ def test_a_decoupled_attention_student_starts_close_to_its_teacher_and_trains_in
     make_dataset(tmp_path)
     arch = {"num_hidden_layers": 4, "decoupled_attention": {"sem_dim": 2, "geo_dim": 4}}
     doc = merge(_student_doc(tmp_path, teacher, phase1_steps=1), {"model": {"architecture": arch}})
-    engine, cold, ids = _warm_and_cold(doc)
-    for block in range(4):
-        warm = engine.loss.block_loss_of(engine, engine.model, block, ids).item()
-        assert warm < 0.2 * cold.loss.block_loss_of(cold, cold.model, block, ids).item()
-    batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
-    for step in (1, 5):  # phase 1 (block 0), then phase 2
-        engine.current_step = step
-        assert torch.isfinite(engine.train_step([batch], 1e-3).loss)
+    engine, ids = _starts_close_and_steps(doc)
     result = compare_models(engine.loss.teacher, engine.model, [ids], Thresholds())
     assert [r.what for r in result.rows][:2] == ["block 0 attention", "block 1 attention"]
 
@@ -411,14 +404,21 @@ def test_the_caramba_upcycle_of_a_llama3_shaped_teacher_folder_starts_close_and_
     arch = {"num_hidden_layers": 4, "tie_word_embeddings": True, "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
             "rope_scaling": llama3, "decoupled_attention": {"sem_dim": 2, "geo_dim": 4}}
     doc = merge(_student_doc(tmp_path, tmp_path / "llama3", phase1_steps=1), {"model": {"architecture": arch}})
+    _starts_close_and_steps(doc)
+
+
+def _starts_close_and_steps(doc: dict):
+    """The warm student's four block losses start below a fifth of a random one's, and it steps in
+    phase 1 (block 0) and phase 2; the engine and the rows compared."""
     engine, cold, ids = _warm_and_cold(doc)
     for block in range(4):
         warm = engine.loss.block_loss_of(engine, engine.model, block, ids).item()
         assert warm < 0.2 * cold.loss.block_loss_of(cold, cold.model, block, ids).item()
     batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
-    for step in (1, 5):  # phase 1 (block 0), then phase 2
+    for step in (1, 5):
         engine.current_step = step
         assert torch.isfinite(engine.train_step([batch], 1e-3).loss)
+    return engine, ids
 
 
 def _narrow_doc(root: Path, teacher: Path) -> dict:
