@@ -67,7 +67,7 @@ class Steering:
             self._replay = [e for e in self._replay if e["step"] != step]
             if not found:  # a replayed step takes exactly what was applied there, nothing new
                 found = self._new_requests(run, step)
-        if run.dp is not None:
+        if run.dp is not None and run.dp.any_host([len(found)])[0]:  # three ints a step; the list only when due
             found = run.dp.broadcast_host(found)
         return found
 
