@@ -208,6 +208,20 @@ FEATURES: list[Feature] = [
         "full": not_tested("as DDP"),
         "hybrid": not_tested("as DDP"),
     }),
+    Feature("apr train fork (a new run from a checkpoint, with overrides)", {
+        "one": tested("tests/test_fork.py::"
+                      "test_a_fork_with_no_overrides_continues_bitwise_as_the_parent_and_records_it", note="bitwise"),
+        "ddp": not_tested("a planned apply resuming the parent's checkpoint: the resume cells' path"),
+        "full": not_tested("as DDP; a sharded parent's parts are read as any sharded resume"),
+        "hybrid": not_tested("as `full`"),
+    }),
+    Feature("apr train steer (changes at a step boundary, replayed on resume)", {
+        "one": tested("tests/train/test_steering.py::"
+                      "test_steered_killed_and_resumed_ends_bitwise_as_the_uninterrupted_steered_run", note="bitwise"),
+        "ddp": not_tested("rank 0 reads the requests and broadcasts them over the host group before the step"),
+        "full": not_tested("as DDP"),
+        "hybrid": not_tested("as DDP"),
+    }),
     Feature("data drift and histograms during training", {
         "one": tested("tests/train/test_datadrift.py::test_a_run_records_data_drift_in_both_stores_and_alerts_on_it",
                       "tests/train/test_histograms.py::test_a_run_records_every_layers_weight_and_gradient_histograms"),
