@@ -26,8 +26,17 @@ if TYPE_CHECKING:
     import typer
 
 
+def parent_cell(parent: dict | None) -> str:
+    """``RUN_ID@STEP`` of the run and step a fork started from; ``-`` for a run that is no fork."""
+    if not parent:
+        return "-"
+    return f"{safe_text(parent.get('run_id') or '?')}@{fmt_value(parent.get('step'))}"
+
+
 def runs_table(runs: list[dict]) -> str:
-    header = ["RUN ID", "EXPERIMENT", "STATUS", "STEP", "LOSS", "STARTED", "DURATION"]
+    """One line per run; a PARENT column (``RUN_ID@STEP``) when any listed run is a fork."""
+    lineage = any(r.get("parent") for r in runs)
+    header = ["RUN ID", "EXPERIMENT", "STATUS", "STEP", "LOSS", "STARTED", "DURATION", *(["PARENT"] if lineage else [])]
     rows = [
         [
             safe_text(r["run_id"]),
@@ -37,6 +46,7 @@ def runs_table(runs: list[dict]) -> str:
             fmt_loss(r["last_loss"]),
             fmt_timestamp(r["started_at"]),
             fmt_clock(r["duration_s"]),
+            *([parent_cell(r.get("parent"))] if lineage else []),
         ]
         for r in runs
     ]
@@ -157,6 +167,7 @@ def show_text(detail: dict) -> str:
         f"step       {fmt_value(r['step'])}/{fmt_value(r['total_steps'])}",
         f"started    {fmt_timestamp(r['started_at'])}   duration {fmt_clock(r['duration_s'])}",
         f"host       {t(r['host'])} (pid {fmt_value(r['pid'])})",
+        *([f"parent     {parent_cell(detail['parent'])} (apr train fork)"] if detail.get("parent") else []),
         *cost_lines(detail),
         f"output     {t(r['output_dir'])}",
         f"config     {t(r['config_path'] or '-')}  hash {t(str(r['config_hash'] or '-')[:12])}",

@@ -85,9 +85,11 @@ def _check_row(row: dict) -> None:
             raise DamagedStore(f"run {run!r}: column {col!r} holds {type(v).__name__}, expected text")
 
 
-def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: float | None = None) -> dict:
-    """A runs-table row as the documented `apr runs ls --json` object. Raises DamagedStore when the
-    row's values do not have the types apr writes."""
+def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: float | None = None,
+              parent: dict | None = None) -> dict:
+    """A runs-table row as the documented `apr runs ls --json` object; ``parent``: the run and step
+    ``apr train fork`` started it from (``store.fork_parents``). Raises DamagedStore when the row's
+    values do not have the types apr writes."""
     _check_row(row)
     recorded = row.get("status")
     alive = trainer_alive(row.get("host"), row.get("pid"), row.get("heartbeat")) if recorded in ACTIVE_STATUSES \
@@ -130,6 +132,7 @@ def summarize(row: dict, store_path: Path | str, now: float, stale_after_s: floa
         "config_hash": row.get("config_hash"),
         "model_params": row.get("model_params"),
         "store": str(store_path),
+        "parent": parent,
     }
 
 
@@ -191,7 +194,8 @@ def list_runs(
             continue
         try:
             rows = store.query_runs(conn, statuses=sql_statuses, experiment=experiment, limit=sql_limit)
-            summaries = [summarize(row, path, now, stale_after_s) for row in rows]
+            parents = store.fork_parents(conn)
+            summaries = [summarize(row, path, now, stale_after_s, parents.get(row.get("id"))) for row in rows]
         except (sqlite3.Error, DamagedStore) as e:
             listing.warnings.append(f"{path}: cannot read runs, store skipped: {e}")
             continue
@@ -266,8 +270,9 @@ def show_run(
             "ORDER BY value ASC, step ASC LIMIT 1",
             (full_id,),
         ).fetchone()
+        parent = store.fork_parents(conn).get(full_id)
         detail = {
-            "run": summarize(row, path, now, stale_after_s),
+            "run": summarize(row, path, now, stale_after_s, parent),
             "params": (params := store.run_params(conn, full_id)),
             "tags": {k[len(TAG_PREFIX):]: v for k, v in params.items() if k.startswith(TAG_PREFIX)},
             "final_metrics": metrics,
@@ -278,9 +283,8 @@ def show_run(
             "status_history": store.status_history(conn, full_id),
             "alerts": (alerts := store.alerts(conn, full_id)),
             "alert_counts": count_by_severity(alerts),
-            "events": (events := store.events(conn, full_id)),
-            # ``apr train fork``: the run and step this run started from (its ``fork`` event), else None
-            "parent": next(((e["detail"] or {}).get("parent") for e in events if e["kind"] == "fork"), None),
+            "events": store.events(conn, full_id),
+            "parent": parent,  # ``apr train fork``: the run and step this run started from, else None
         }
         # the final validation loss forecast from the curve so far (apr/track/forecast.py)
         predicted = forecast(store.metric_series(conn, full_id, "val_loss"), int(row.get("total_steps") or 0))

@@ -487,6 +487,22 @@ def events(conn: sqlite3.Connection, run_id: str) -> list[dict]:
     return [{**dict(r), "detail": json.loads(r["detail"]) if r["detail"] else None} for r in rows]
 
 
+def fork_parents(conn: sqlite3.Connection) -> dict[str, dict]:
+    """``{run_id: {"run_id", "step"}}``: the parent run and step of every run in the store that
+    ``apr train fork`` started (its ``fork`` event); {} from a store without events."""
+    if conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name='events'").fetchone() is None:
+        return {}
+    out: dict[str, dict] = {}
+    for run_id, detail in conn.execute("SELECT run_id, detail FROM events WHERE kind = 'fork' ORDER BY time, rowid"):
+        try:
+            parent = (json.loads(detail) if detail else {}).get("parent")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a hand-edited row: no lineage rather than no listing
+        if isinstance(parent, dict) and run_id not in out:
+            out[run_id] = {"run_id": parent.get("run_id"), "step": parent.get("step")}
+    return out
+
+
 def histograms(conn: sqlite3.Connection, run_id: str) -> list[dict]:
     """The run's per-layer histogram records (monitoring.histograms), oldest first: each
     ``{step, bins, layers: [{name, kind, lo, hi, counts, ...}]}``."""

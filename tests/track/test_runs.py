@@ -16,7 +16,7 @@ from apr.track.store import Batch, StoreWriter
 RUN_KEYS = {
     "run_id", "experiment", "status", "recorded_status", "status_reason", "step", "total_steps", "last_loss",
     "last_val_loss", "tokens_seen", "started_at", "ended_at", "heartbeat", "duration_s", "host", "pid",
-    "pid_alive", "output_dir", "config_path", "config_hash", "model_params", "store",
+    "pid_alive", "output_dir", "config_path", "config_hash", "model_params", "store", "parent",
 }
 
 runner = CliRunner()
@@ -239,6 +239,44 @@ def test_cli_ls_table_and_json(runs_tree):
     doc = json.loads(result.stdout)
     assert [r["run_id"] for r in doc] == [c.run_id, a.run_id]
     assert all(set(r) == RUN_KEYS for r in doc)
+
+
+def _fork(rec_factory, folder, parent, at, run_id):
+    """A run recorded as `apr train fork` records one: its fork event names the parent and step."""
+    rec = rec_factory(folder, experiment="alpha", background=False, run_id=run_id)
+    rec.start(resume_step=at)
+    rec.log_event("fork", at, f"forked from run {parent} at step {at}",
+                  {"parent": {"run_id": parent, "step": at}, "parent_dir": "x", "overrides": {}})
+    for s in range(at + 1, at + 3):
+        rec.log_step(s, {"loss": 1.0 / s})
+    rec.finish("finished")
+    return rec
+
+
+def test_ls_shows_a_forks_parent_run_and_step(runs_tree, recorder_factory, tmp_path):
+    a, b, c = runs_tree
+    fork = _fork(recorder_factory, tmp_path / "runs" / "a-fork-3", a.run_id, 3, "20261122-000000-aaaa09")
+    by_id = {r["run_id"]: r for r in list_runs().runs}
+    assert by_id[fork.run_id]["parent"] == {"run_id": a.run_id, "step": 3}
+    assert by_id[a.run_id]["parent"] is None and by_id[b.run_id]["parent"] is None
+    assert list_runs(global_=True).runs[0]["parent"] == {"run_id": a.run_id, "step": 3}  # the registry too
+    result = runner.invoke(app, ["runs", "ls"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[-1] == "PARENT"
+    assert next(ln for ln in lines if ln.startswith(fork.run_id)).split()[-1] == f"{a.run_id}@3"
+    assert next(ln for ln in lines if ln.startswith(b.run_id)).split()[-1] == "-"
+    doc = json.loads(runner.invoke(app, ["runs", "ls", "--json"]).stdout)
+    assert {r["run_id"]: r["parent"] for r in doc}[fork.run_id] == {"run_id": a.run_id, "step": 3}
+    shown = runner.invoke(app, ["runs", "show", fork.run_id])
+    assert f"parent     {a.run_id}@3 (apr train fork)" in shown.stdout
+    assert json.loads(runner.invoke(app, ["runs", "show", fork.run_id, "--json"]).stdout)["run"]["parent"] == {
+        "run_id": a.run_id, "step": 3}
+
+
+def test_ls_has_no_parent_column_without_forks(runs_tree):
+    lines = runner.invoke(app, ["runs", "ls"]).stdout.splitlines()
+    assert "PARENT" not in lines[0]
 
 
 def test_cli_ls_global_on_an_empty_registry_is_an_empty_array(tmp_path, monkeypatch):
