@@ -44,6 +44,8 @@ def register(app: typer.Typer) -> None:
         experiment: str | None = typer.Option(None, "--experiment", "-e", help=(
             "Only runs of this experiment (monitoring.tracking.experiment).")),
         runs: str | None = typer.Option(None, "--runs", help="Comma-separated run ids (or unique prefixes)."),
+        forks: bool = typer.Option(False, "--forks", help=(
+            "Also draw the runs forked from these (apr train fork), and their forks, over them.")),
         chart: Chart = typer.Option(Chart.line, "--chart", help=(
             "line (loss_curve): the metric by step, one curve per run; bar: each run's last value.")),
         metric: str = typer.Option("loss", "--metric", help="Metric to plot: loss, val_loss, lr, grad_norm, ..."),
@@ -58,7 +60,7 @@ def register(app: typer.Typer) -> None:
         from apr.track.names import global_db_path
 
         wanted = [r.strip() for r in runs.split(",") if r.strip()] if runs else None
-        v = load_view(db if db is not None else global_db_path(), wanted, metric, experiment=experiment)
+        v = load_view(db if db is not None else global_db_path(), wanted, metric, experiment=experiment, forks=forks)
         if not v.series:
             print(f"no runs in {v.db}", file=sys.stderr)
             raise typer.Exit(0)

@@ -45,6 +45,31 @@ class ExperimentView:
     params: dict[str, dict[str, Any]]  # run_id -> {param: value}
     omitted_runs: int = 0  # runs left out of the default selection
     notes: list[str] = field(default_factory=list)
+    parents: dict[str, dict] = field(default_factory=dict)  # a fork's run id -> its parent {"run_id", "step"}
+
+    def label(self, run_id: str) -> str:
+        """The run's id, and for a fork the run and step it started from: ``ID (fork of P@S)``."""
+        parent = self.parents.get(run_id)
+        return run_id if parent is None else f"{run_id} (fork of {parent.get('run_id')}@{parent.get('step')})"
+
+
+def _with_forks(ids: list[str], parents: dict[str, dict]) -> list[str]:
+    """``ids`` and, after each, the runs forked from it (and from those), oldest fork step first."""
+    children: dict[str, list[str]] = {}
+    for child, parent in sorted(parents.items(), key=lambda kv: (kv[1].get("step") or 0, kv[0])):
+        children.setdefault(parent.get("run_id"), []).append(child)
+    out: list[str] = []
+
+    def add(run_id: str) -> None:
+        if run_id in out:
+            return
+        out.append(run_id)
+        for child in children.get(run_id, []):
+            add(child)
+
+    for run_id in ids:
+        add(run_id)
+    return out
 
 
 def resolve_db(path: Path | str) -> Path:
@@ -127,13 +152,17 @@ def _decimate(points: list[tuple[int, float]], max_points: int) -> list[tuple[in
 
 def load_view(
     db: Path | str, runs: list[str] | None = None, metric: str = "loss", max_points: int = 2000,
-    experiment: str | None = None,
+    experiment: str | None = None, forks: bool = False,
 ) -> ExperimentView:
     """The curves of ``metric`` (step, value) for the chosen runs (of ``experiment`` only, when
-    given) and their params."""
+    given) and their params; with ``forks``, also the runs ``apr train fork`` started from them
+    (and from those), each after its parent."""
     path, conn = _open(db)
     try:
         ids, omitted = _select_runs(conn, runs, experiment)
+        parents = store.fork_parents(conn)
+        if forks:
+            ids = _with_forks(ids, parents)
         series, params, notes = [], {}, []
         for run_id in ids:
             points = [(int(s), float(v)) for s, v in store.metric_series(conn, run_id, metric) if v is not None]
@@ -147,7 +176,8 @@ def load_view(
         conn.close()
     if omitted:
         notes.append(f"{omitted} older run(s) not shown; choose runs with --runs A,B")
-    return ExperimentView(db=path, metric=metric, series=series, params=params, omitted_runs=omitted, notes=notes)
+    return ExperimentView(db=path, metric=metric, series=series, params=params, omitted_runs=omitted, notes=notes,
+                          parents={r: p for r, p in parents.items() if r in params})
 
 
 def render_chart(view: ExperimentView, width: int = 100, height: int = 24, colour: bool = False) -> str:
@@ -165,7 +195,7 @@ def render_chart(view: ExperimentView, width: int = 100, height: int = 24, colou
             continue
         xs = [p[0] for p in s.points]
         ys = [p[1] for p in s.points]
-        fig.draw(fig.signal(xs, ys, marker=MARKERS[i % len(MARKERS)]).label(s.run_id).lines(True))
+        fig.draw(fig.signal(xs, ys, marker=MARKERS[i % len(MARKERS)]).label(view.label(s.run_id)).lines(True))
         drawn += 1
     if not drawn:
         return f"(no {view.metric!r} values to plot)"
@@ -177,7 +207,7 @@ def render_bars(view: ExperimentView, width: int = 100) -> str:
     """Each run's last value of the metric as one bar from zero (an eval score across stages, the
     final loss of a sweep), in the order of the selection, as text. Drawn with block characters:
     plotext's horizontal bars put every bar at the same length in this version."""
-    last = [(s.run_id, s.points[-1]) for s in view.series if s.points]
+    last = [(view.label(s.run_id), s.points[-1]) for s in view.series if s.points]
     if not last:
         return f"(no {view.metric!r} values to plot)"
     labels = [f"{rid} @{step}" for rid, (step, _) in last]

@@ -157,3 +157,35 @@ def test_cli_view_by_experiment_from_the_global_registry(two_experiments):
     assert result.exit_code == 0 and "loss by step" in result.stdout
     result = runner.invoke(app, ["experiment", "view", "--experiment", "nope"])
     assert result.exit_code == 1 and "no experiment 'nope'" in result.stderr and "Traceback" not in result.output
+
+
+@pytest.fixture
+def forked(sweep, recorder_factory, tmp_path):
+    """The sweep's first run forked at step 30 (a lower lr), and that fork forked again at 45."""
+    recs, registry = sweep
+    forks, parent = [], recs[0]
+    for i, at in enumerate((30, 45)):
+        rec = recorder_factory(tmp_path / f"fork{i}", experiment="sweep", background=False,
+                               run_id=f"20261122-00001{i}-f0f0f{i}")
+        rec.start(resume_step=at)
+        rec.log_event("fork", at, "forked", {"parent": {"run_id": parent.run_id, "step": at}})
+        for s in range(at + 1, 61):
+            rec.log_step(s, {"loss": 0.5 + i / 10})
+        rec.finish("finished")
+        forks.append(rec)
+        parent = rec
+    return recs, forks, registry
+
+
+def test_view_with_forks_overlays_a_run_and_its_forks(forked):
+    recs, forks, registry = forked
+    view = load_view(registry, runs=[recs[0].run_id], forks=True)
+    assert [s.run_id for s in view.series] == [recs[0].run_id, forks[0].run_id, forks[1].run_id]
+    assert view.series[1].points[0] == (31, 0.5)  # a fork's curve starts after its fork step
+    assert view.label(forks[1].run_id) == f"{forks[1].run_id} (fork of {forks[0].run_id}@45)"
+    assert [s.run_id for s in load_view(registry, runs=[recs[0].run_id]).series] == [recs[0].run_id]
+    result = runner.invoke(app, ["experiment", "view", "--db", str(registry), "--runs", recs[0].run_id[:-1],
+                                 "--forks", "--width", "160"])
+    assert result.exit_code == 0, result.output
+    assert f"{forks[0].run_id} (fork of {recs[0].run_id}@30)" in result.stdout
+    assert recs[1].run_id not in result.stdout  # another run of the experiment, not a fork
