@@ -3,7 +3,8 @@
 The validation losses ``(step, loss)`` are fitted with a saturating power law in the step (tokens are
 steps times a constant, so the same law): ``loss(s) = floor + scale * s ** -alpha``. For each
 ``alpha`` on a grid, ``floor`` and ``scale`` are an ordinary least-squares fit (a line in
-``s ** -alpha``, ``scale`` > 0); the ``alpha`` with the smallest squared error wins. The band is the
+``s ** -alpha``, ``scale`` > 0; all alphas in one vectorised pass); the ``alpha`` with the smallest
+squared error wins. The band is the
 forecast at ``total_steps`` plus and minus twice the root of the residual variance plus the spread of
 the leave-one-out refits' forecasts: wide while few points pin the curve, narrow once they agree.
 Pure numpy; nothing is read from a GPU.
@@ -51,17 +52,23 @@ def _fit(steps: np.ndarray, losses: np.ndarray) -> tuple[float, float, float, fl
 
 
 def _best(steps: np.ndarray, losses: np.ndarray, alphas) -> tuple[float, float, float, float] | None:
-    best = None
-    for alpha in alphas:
-        x = steps ** -alpha
-        design = np.stack([np.ones_like(x), x], axis=1)
-        (floor, scale), *_ = np.linalg.lstsq(design, losses, rcond=None)
-        if not scale > 0:
-            continue
-        sse = float(np.sum((design @ np.array([floor, scale]) - losses) ** 2))
-        if best is None or sse < best[3]:
-            best = (float(floor), float(scale), float(alpha), sse)
-    return best
+    """The straight-line fit ``losses ~ floor + scale * steps ** -alpha`` for every alpha at once
+    (closed-form least squares, one row per alpha); the alpha of the smallest squared error among
+    those with ``scale`` > 0, or None when none has."""
+    alphas = np.asarray(alphas, dtype=np.float64)
+    x = steps[None, :] ** -alphas[:, None]
+    xc = x - x.mean(axis=1, keepdims=True)
+    yc = losses - losses.mean()
+    sxx = np.einsum("ij,ij->i", xc, xc)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(sxx > 0, (xc @ yc) / sxx, np.nan)
+    floor = losses.mean() - scale * x.mean(axis=1)
+    sse = np.sum((floor[:, None] + scale[:, None] * x - losses[None, :]) ** 2, axis=1)
+    ok = np.flatnonzero(scale > 0)
+    if ok.size == 0:
+        return None
+    i = int(ok[np.argmin(sse[ok])])
+    return float(floor[i]), float(scale[i]), float(alphas[i]), float(sse[i])
 
 
 def forecast(points: list[tuple[int, float]], total_steps: int) -> Forecast | None:
