@@ -594,13 +594,27 @@ class OptimizerName(StrEnum):
     adamw = "adamw"
     sgd = "sgd"
     swats = "swats"
+    lion = "lion"
+    adafactor = "adafactor"
 
 
 class OptimizerConfig(_Section):
     name: OptimizerName = Field(
         OptimizerName.adamw, description="adamw; sgd (momentum beta1, in AdamW's first-moment buffer); swats "
         "(AdamW, then SGD once the SWATS learning-rate estimate settles, per optimizer group; docs/training.md "
-        "\"SWATS\"). sgd and swats run on either gradient source, not under training.sharding.")
+        "\"SWATS\"); lion (sign of the beta1 interpolation, momentum beta2: one moment); adafactor "
+        "(torch.optim.Adafactor: row and column second-moment statistics, no first moment; lr caps its "
+        "relative step). sgd, swats and lion run on either gradient source, adafactor on autograd only "
+        "(training.engine: standard); none of them under training.sharding.")
+    adafactor_beta2_decay: Float = Field(
+        -0.8, le=0, description="adafactor: the second-moment decay is 1 - step^beta2_decay.")
+    adafactor_eps1: Float | None = Field(
+        None, ge=0, description="adafactor: floor of the second-moment estimate (squared). Default: the "
+        "weights' dtype epsilon.")
+    adafactor_eps2: Float = Field(
+        1.0e-3, ge=0, description="adafactor: floor of a weight's RMS in its relative step size.")
+    adafactor_clip_threshold: Float = Field(
+        1.0, ge=1, description="adafactor: an update whose RMS exceeds this is scaled down to it.")
     swats_min_steps: NonNegCount = Field(
         100, description="swats: AdamW steps before a group may switch to SGD.")
     swats_tolerance: Float = Field(
@@ -608,8 +622,10 @@ class OptimizerConfig(_Section):
         "is within this of the step's own estimate.")
     lr: Float = Field(3.0e-4, gt=0, le=1e3, description="Peak learning rate.")
     min_lr: Float | None = Field(None, ge=0, description="Floor of the schedule. Default: 10% of lr.")
-    beta1: Float = Field(0.9, ge=0, lt=1)
-    beta2: Float = Field(0.95, ge=0, lt=1)
+    beta1: Float = Field(0.9, ge=0, lt=1, description="First-moment decay (adamw, swats, sgd's momentum); lion: "
+                         "the weight of the momentum against the gradient in the signed step.")
+    beta2: Float = Field(0.95, ge=0, lt=1, description="Second-moment decay (adamw, swats); lion: the momentum's "
+                         "decay (the Lion paper uses 0.99).")
     eps: Float = Field(1.0e-8, gt=0)
     weight_decay: Float = Field(0.1, ge=0, description="Decoupled weight decay (not applied to norms).")
     decay_embeddings: Bool = Field(False, description="Apply weight decay to the embedding matrix too.")

@@ -46,11 +46,22 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
                            expected=expected, got=got))
 
     walk_problem = _flat_walk_problem(config)
-    if str(config.optimizer.name) != "adamw" and str(tr.sharding) != "none":
-        finding(("optimizer", "name"), f"optimizer {config.optimizer.name} updates whole optimizer groups (the "
+    optimizer = str(config.optimizer.name)
+    if optimizer == "adafactor" and str(tr.sharding) != "none":
+        finding(("optimizer", "name"), f"adafactor's row and column statistics average over whole rows and "
+                f"columns of each matrix; under training.sharding: {tr.sharding} each rank holds some rows only",
+                "adamw, or training.sharding: none", optimizer)
+    elif optimizer != "adamw" and str(tr.sharding) != "none":
+        finding(("optimizer", "name"), f"optimizer {optimizer} updates whole optimizer groups (the "
                 f"walk's flat buffers, or autograd's groups gathered); under training.sharding: {tr.sharding} each "
-                "rank holds shards of them, and SWATS's switch needs dot products over whole groups",
-                "adamw, or training.sharding: none", str(config.optimizer.name))
+                "rank holds shards of them" + (", and SWATS's switch needs dot products over whole groups"
+                                               if optimizer == "swats" else ""),
+                "adamw, or training.sharding: none", optimizer)
+    elif optimizer == "adafactor" and gradient_source(config) == "interleaved":
+        finding(("optimizer", "name"), "adafactor keeps row and column statistics of each weight matrix, but the "
+                "flat-buffer walk (training.engine: interleaved) hands the updater each group's flat buffer, "
+                "without the matrices' shapes", "training.engine: standard, or another optimizer",
+                f"adafactor with training.engine: {tr.engine}")
     if not orch.enabled:
         return out
     if str(config.optimizer.name) != "adamw":

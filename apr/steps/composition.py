@@ -98,6 +98,24 @@ FEATURES: list[Feature] = [
         "full": refused(_SHARDS_NO_SGD),
         "hybrid": refused(_SHARDS_NO_SGD),
     }),
+    Feature("Lion updater", {
+        "one": tested("tests/train/test_updaters.py::test_lion_follows_the_papers_rule",
+                      "tests/train/test_updaters.py::test_lion_on_autograd_trains_as_on_the_walk",
+                      "tests/train/test_updaters.py::test_a_run_resumed_from_a_middle_checkpoint_ends_bitwise_equal"
+                      "[lion-interleaved]", note="the walk, and autograd through GroupedUpdates; resume bitwise"),
+        "ddp": not_tested("the walk's update is per rank, as AdamW's"),
+        "full": refused("Lion updates whole optimizer groups (the walk's flat buffers, or autograd's groups "
+                        "gathered); sharded state lives in torch's AdamW"),
+        "hybrid": refused("as `full`"),
+    }),
+    Feature("Adafactor updater (autograd only)", {
+        "one": tested("tests/train/test_updaters.py::test_adafactors_first_step_is_the_factored_rule",
+                      "tests/train/test_updaters.py::test_a_run_resumed_from_a_middle_checkpoint_ends_bitwise_equal"
+                      "[adafactor-standard]", note="torch.optim.Adafactor; the walk refused (no matrix shapes)"),
+        "ddp": not_tested("torch's Adafactor on each rank's whole, averaged gradients, as AdamW's"),
+        "full": refused("row and column statistics are means over whole rows and columns; a rank holds some rows"),
+        "hybrid": refused("as `full`"),
+    }),
     Feature("LoRA (both sources) + in-training tasks and samples", {
         "one": tested("tests/train/test_lora.py::test_interleaved_lora_equals_the_standard_engine",
                       "tests/evaluate/test_during_training.py::test_a_stop_alert_on_a_task_score_stops_the_run"),

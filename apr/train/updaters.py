@@ -1,7 +1,7 @@
 """The updater part of the composed engine (docs/design.md, "The composed engine"): what turns a
 finished gradient into new weights, apart from where the gradient came from.
 
-``AdamW`` is the one updater today. It updates in two ways, one per kind of gradient source:
+``AdamW`` is the default updater. It updates in two ways, one per kind of gradient source:
 
 - ``update_flat``: the kernel backend's fused AdamW (the CuPy RawKernel on CUDA, torch ops on the
   CPU) on flat float32 tensors, one optimizer group (the flat-buffer walk) or one local shard
@@ -12,8 +12,10 @@ finished gradient into new weights, apart from where the gradient came from.
 Its moments are ``exp_avg`` / ``exp_avg_sq`` (checkpointed as ``optimizer.m.`` / ``optimizer.v.``):
 in the buffer plan's flat buffers for the walk, in ``torch.optim.AdamW``'s per-parameter state for
 the autograd sources and the sharded walk (``moments`` / ``set_moments``). Another optimizer (SGD,
-SWATS) implements ``update_flat`` and inherits ``bind`` / ``step`` from ``GroupedUpdates``: every
-updater has both interfaces, so each runs on every unsharded source; the engines call nothing else.
+SWATS, Lion) implements ``update_flat`` and inherits ``bind`` / ``step`` from ``GroupedUpdates``:
+every such updater has both interfaces, so each runs on every unsharded source; the engines call
+nothing else. ``Adafactor`` is torch's, bound like AdamW's; it factors each matrix's statistics by
+shape, which the walk's flat buffers do not carry, so it runs on the autograd sources only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from apr.config.schema import OptimizerConfig
+from apr.errors import AprError
 from apr.kernels import KernelBackend
 from apr.kernels.interface import DecayRanges
 
@@ -53,11 +56,13 @@ class AdamW:
              groups: list[tuple[str, list[torch.Tensor]]] | None = None) -> None:
         """Hold torch's AdamW over these parameters: decayed ones, then the rest without decay."""
         params = list(named.items())
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = self._torch_optimizer(
             [{"params": [p for n, p in params if n in decay_names], "weight_decay": self.weight_decay},
-             {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}],
-            lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps, fused=(device.type == "cuda") or None,
-        )
+             {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}], device)
+
+    def _torch_optimizer(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
+                                 fused=(device.type == "cuda") or None)
 
     def step(self, lr: float) -> None:
         for pg in self.optimizer.param_groups:
@@ -113,13 +118,16 @@ class AdamW:
 
 
 class GroupedUpdates:
-    """``bind`` / ``step`` for an updater whose update is ``update_flat`` (SGD, SWATS): after an
+    """``bind`` / ``step`` for an updater whose update is ``update_flat`` (SGD, SWATS, Lion): after an
     autograd backward, one optimizer group at a time in the walk's group order, the group's weights
     and gradients gathered into flat float32 tensors, its moments kept flat per group (per-parameter
     views for checkpoints): the walk's update, element for element, on the autograd source. One
-    process or DDP (every rank holds whole groups); sharded state is refused by validate."""
+    process or DDP (every rank holds whole groups); sharded state is refused by validate. An updater
+    with one moment (``second_moment = False``: Lion) holds no second buffer here; its checkpointed
+    ``optimizer.v.`` is a view of one zero."""
 
     optimizer = None  # no torch.optim object: apr/train/blocknorms.py reads the groups' moments instead
+    second_moment = True
 
     def bind(self, named: dict[str, torch.Tensor], decay_names: set[str], device: torch.device,
              groups: list[tuple[str, list[torch.Tensor]]] | None = None) -> None:
@@ -133,11 +141,12 @@ class GroupedUpdates:
             decay = DecayRanges.from_segments([(p.numel(), names.get(id(p)) in decay_names) for p in params])
             total = sum(p.numel() for p in params)
             m = torch.zeros(total, dtype=torch.float32, device=device)
-            v = torch.zeros(total, dtype=torch.float32, device=device)
+            v = torch.zeros(total if self.second_moment else 1, dtype=torch.float32, device=device)
             offset = 0
             for p in params:
                 n = p.numel()
-                self._views[id(p)] = (gname, m[offset:offset + n].view_as(p), v[offset:offset + n].view_as(p))
+                v_view = v[offset:offset + n].view_as(p) if self.second_moment else v[0].expand_as(p)
+                self._views[id(p)] = (gname, m[offset:offset + n].view_as(p), v_view)
                 self._decayed[id(p)] = names.get(id(p)) in decay_names
                 offset += n
             self._groups.append((gname, params, decay, m, v))
@@ -168,7 +177,8 @@ class GroupedUpdates:
     def set_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float) -> None:
         gname, m, v = self._views[id(p)]
         m.copy_(exp_avg)
-        v.copy_(exp_avg_sq)
+        if self.second_moment:  # one moment: the checkpoint's optimizer.v. is zeros, nothing to adopt
+            v.copy_(exp_avg_sq)
         self._steps[gname] = int(step)
 
     def steps_of(self, p: torch.Tensor) -> int | None:
@@ -297,13 +307,119 @@ class SWATS(GroupedUpdates):
         self.groups = {name: dict(s) for name, s in ((state or {}).get("swats") or {}).items()}
 
 
+class Lion(GroupedUpdates):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), per element:
+    ``c = beta1 m + (1 - beta1) g``; ``w -= lr (sign(c) + wd w)`` (decay on the decayed ranges only);
+    ``m = beta2 m + (1 - beta2) g``. One moment, in the first-moment buffer (``optimizer.m.``); the
+    walk's second buffer stays zero. Each group's squared update norm is kept (``update_sq``, device
+    tensors, for monitoring.block_norms), as the state after the step cannot give it."""
+
+    name = "lion"
+    second_moment = False
+
+    def __init__(self, opt: OptimizerConfig, backend: KernelBackend):
+        self.lr = opt.lr
+        self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
+        self.backend = backend
+        self.update_sq: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
+                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
+        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        rate = lr
+        if found_inf is not None:  # a flagged step writes nothing; decided on the device, no host read
+            grad = torch.where(found_inf, exp_avg, grad)  # the momentum stands in: m and c stay finite
+            rate = lr * (~found_inf).to(params.dtype)
+        direction = exp_avg.lerp(grad, 1 - self.beta1).sign_()
+        if self.weight_decay != 0.0:
+            for s, e in decay.ranges:
+                direction[s:e].add_(params[s:e], alpha=self.weight_decay)
+        self.update_sq[group or ""] = torch.dot(direction, direction) * rate * rate
+        if isinstance(rate, torch.Tensor):
+            params.sub_(direction.mul_(rate))
+        else:
+            params.sub_(direction, alpha=rate)
+        exp_avg.lerp_(grad, 1 - self.beta2)
+        if param_copy is not None:
+            param_copy.copy_(params)
+
+    def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
+        self.beta1, self.beta2, self.weight_decay = beta1, beta2, weight_decay
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
+
+
+class Adafactor(AdamW):
+    """``torch.optim.Adafactor`` over named parameters (autograd sources only): per matrix a row and a
+    column statistic of the squared gradient (a vector keeps its whole second moment), no first
+    moment, a relative step ``min(lr, 1/sqrt(step)) x max(eps2, RMS(w))`` and decoupled weight decay
+    ``lr x weight_decay``. Checkpoints keep the parameter-shaped names: ``optimizer.m.<name>`` holds
+    the row statistic repeated along each row, ``optimizer.v.<name>`` the column statistic repeated
+    down each column (a vector: its second moment, and m zeros); resume takes one row and one column
+    back, bitwise. The walk hands an updater flat buffers without the matrices' shapes: refused there
+    (apr train validate), and ``update_flat`` says why if it is reached anyway."""
+
+    name = "adafactor"
+
+    def __init__(self, opt: OptimizerConfig, backend: KernelBackend):
+        super().__init__(opt, backend)
+        self.beta2_decay, self.eps1, self.eps2 = opt.adafactor_beta2_decay, opt.adafactor_eps1, opt.adafactor_eps2
+        self.clip_threshold = opt.adafactor_clip_threshold
+        self.update_sq: dict[str, torch.Tensor] = {}  # not derivable from the state: block update norms unknown
+        self._zero: dict[torch.device, torch.Tensor] = {}
+
+    def _torch_optimizer(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
+        return torch.optim.Adafactor(groups, lr=self.lr, beta2_decay=self.beta2_decay, eps=(self.eps1, self.eps2),
+                                     d=self.clip_threshold)
+
+    def update_flat(self, *args, **kwargs) -> None:
+        raise AprError("optimizer.name adafactor keeps row and column statistics of each weight matrix, but the "
+                       "flat-buffer walk hands the updater a group's flat buffer without the matrices' shapes: "
+                       "use training.engine: standard (apr train validate refuses this config)")
+
+    def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
+        self.weight_decay = weight_decay
+        if self.optimizer is not None:
+            self.optimizer.param_groups[0]["weight_decay"] = weight_decay  # ``bind``: the decayed group first
+
+    def _zeros_like(self, p: torch.Tensor) -> torch.Tensor:
+        zero = self._zero.setdefault(p.device, torch.zeros((), dtype=torch.float32, device=p.device))
+        return zero.expand_as(p)
+
+    def moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Parameter-shaped views of ``p``'s statistics (no copy): the row statistic and the column
+        statistic broadcast, or zeros and a vector's second moment; None before its first update."""
+        state = self.optimizer.state.get(p)
+        if not state or "step" not in state:
+            return None
+        if "row_var" in state:
+            return state["row_var"].expand_as(p), state["col_var"].expand_as(p)
+        return self._zeros_like(p), state["variance"]
+
+    def set_moments(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float) -> None:
+        state = {"step": torch.tensor(float(step), dtype=torch.float32)}
+        if p.dim() > 1:
+            state["row_var"] = exp_avg[..., :1].clone()
+            state["col_var"] = exp_avg_sq[..., :1, :].clone()
+        else:
+            state["variance"] = exp_avg_sq
+        self.optimizer.state[p] = state
+
+
 def _decay(params: torch.Tensor, amount: float, decay) -> None:
     if amount != 0.0:
         for s, e in decay.ranges:
             params[s:e].mul_(1 - amount)
 
 
-UPDATERS = {"adamw": AdamW, "sgd": SGD, "swats": SWATS}
+UPDATERS = {"adamw": AdamW, "sgd": SGD, "swats": SWATS, "lion": Lion, "adafactor": Adafactor}
 
 
 def make_updater(opt: OptimizerConfig, backend: KernelBackend, name: str | None = None):

@@ -235,3 +235,212 @@ def test_sgd_writes_nothing_on_a_flagged_step_without_reading_the_flag_on_the_ho
     expect_m = before[1].lerp(g, 1 - OPT.beta1)
     up.update_flat(p, g.clone(), m, torch.zeros(40), lr=0.5, step=3, decay=decay, found_inf=torch.tensor(False))
     torch.testing.assert_close(m, expect_m)
+
+
+# ------------------------------------------------------------------------------------ Lion, Adafactor
+
+LION = OptimizerConfig(name="lion", lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)
+
+
+def test_lion_follows_the_papers_rule():
+    """Three steps of the flat update against the rule written out: c = b1 m + (1 - b1) g;
+    w -= lr (sign(c) + wd w) on the decayed range, lr sign(c) elsewhere; m = b2 m + (1 - b2) g."""
+    from apr.train.updaters import Lion
+
+    gen, _, decay = _flat_problem()
+    w = torch.randn(40, generator=gen)
+    grads = [torch.randn(40, generator=gen) for _ in range(3)]
+    decayed = torch.zeros(40, dtype=torch.bool)
+    for s, e in decay.ranges:
+        decayed[s:e] = True
+    up, p, m = Lion(LION, get_backend("torch", "cpu")), w.clone(), torch.zeros(40)
+    ref_w, ref_m = w.clone(), torch.zeros(40)
+    for step, g in enumerate(grads, start=1):
+        up.update_flat(p, g.clone(), m, torch.zeros(40), lr=0.05, step=step, decay=decay)
+        c = LION.beta1 * ref_m + (1 - LION.beta1) * g
+        ref_w = ref_w - 0.05 * (torch.sign(c) + torch.where(decayed, LION.weight_decay * ref_w, 0.0))
+        ref_m = LION.beta2 * ref_m + (1 - LION.beta2) * g
+    torch.testing.assert_close(p, ref_w, rtol=0, atol=1e-6)
+    torch.testing.assert_close(m, ref_m, rtol=0, atol=1e-7)
+    assert not torch.equal(p, w)
+    # the squared update norm kept for monitoring.block_norms is the last step's ||w_new - w_old||^2
+    before = p.clone()
+    up.update_flat(p, grads[0].clone(), m, torch.zeros(40), lr=0.05, step=4, decay=decay, group="g")
+    torch.testing.assert_close(up.update_sq["g"], ((p - before) ** 2).sum(), rtol=1e-5, atol=0)
+
+
+def test_lion_writes_nothing_on_a_flagged_step():
+    from apr.train.updaters import Lion
+
+    gen, _, decay = _flat_problem()
+    p, m = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
+    before = p.clone(), m.clone()
+    up = Lion(LION, get_backend("torch", "cpu"))
+    up.update_flat(p, torch.full((40,), float("nan")), m, torch.zeros(40), lr=0.5, step=3, decay=decay,
+                   found_inf=torch.tensor(True))
+    assert torch.equal(p, before[0]) and torch.equal(m, before[1])
+
+
+def test_adafactors_first_step_is_the_factored_rule():
+    """One step on a matrix that decays and a vector that does not, against Adafactor written out:
+    row and column means of g^2, their product over the rows' mean, the update g / sqrt(that) scaled
+    to RMS <= d, a relative step max(eps2, RMS(w)) x min(lr, 1); and a checkpoint's views of the
+    statistics give them back exactly."""
+    from apr.train.updaters import Adafactor
+
+    opt = OptimizerConfig(name="adafactor", lr=0.05, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)
+    gw, gb = torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)
+    named = {"w": torch.nn.Parameter(w.clone()), "b": torch.nn.Parameter(b.clone())}
+    up = Adafactor(opt, get_backend("torch", "cpu"))
+    up.bind(named, {"w"}, torch.device("cpu"))
+    named["w"].grad, named["b"].grad = gw.clone(), gb.clone()
+    up.step(opt.lr)
+    eps1 = torch.finfo(torch.float32).eps
+    row, col = (gw * gw).mean(dim=1, keepdim=True), (gw * gw).mean(dim=0, keepdim=True)
+    u = gw / (row @ col / row.mean()).clamp(min=eps1 * eps1).sqrt()
+    alpha = max(1e-3, float(w.pow(2).mean().sqrt())) * 0.05
+    expect_w = w * (1 - 0.05 * 0.1) - alpha / max(1.0, float(u.pow(2).mean().sqrt())) * u
+    ub = gb / (gb * gb).clamp(min=eps1 * eps1).sqrt()
+    expect_b = b - max(1e-3, float(b.pow(2).mean().sqrt())) * 0.05 / max(1.0, float(ub.pow(2).mean().sqrt())) * ub
+    torch.testing.assert_close(named["w"].detach(), expect_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(named["b"].detach(), expect_b, rtol=1e-5, atol=1e-6)
+    m, v = up.moments(named["w"])
+    assert m.shape == v.shape == (4, 3)
+    torch.testing.assert_close(m[:, :1], row) and torch.testing.assert_close(v[:1, :], col)
+    again = Adafactor(opt, get_backend("torch", "cpu"))
+    again.bind({"w": named["w"], "b": named["b"]}, {"w"}, torch.device("cpu"))
+    for p in named.values():
+        again.set_moments(p, *(t.clone() for t in up.moments(p)), step=1)
+        assert all(torch.equal(x, y) for x, y in zip(again.moments(p), up.moments(p), strict=True))
+
+
+def _engine_config(name: str, engine: str):
+    return make_config(optimizer={"name": name, "lr": 1e-2}, training={"engine": engine, "grad_clip": None})
+
+
+@pytest.mark.parametrize(("name", "engine"), [("lion", "interleaved"), ("lion", "standard"),
+                                              ("adafactor", "standard")])
+def test_lion_and_adafactor_resume_bitwise_from_their_checkpointed_state(name, engine):
+    """Six steps straight, or three, the state through checkpoint-shaped tensors and JSON meta into
+    a fresh engine, then three more: the same weights and optimizer state, bit for bit."""
+    import json
+
+    from apr.train.build import build_engine
+    from tests.train.tiny import batches
+
+    config = _engine_config(name, engine)
+    data = batches(config, 6, seed=7)
+    straight = build_engine(plan_of(config))
+    for b in data:
+        straight.train_step([b], lr=1e-2)
+    first = build_engine(plan_of(config))
+    for b in data[:3]:
+        first.train_step([b], lr=1e-2)
+    saved = {k: v.contiguous().clone() for k, v in first.train_state_tensors().items()}
+    meta = json.loads(json.dumps(first.meta_state()))
+    resumed = build_engine(plan_of(config), seed=99)
+    resumed.load_train_state_tensors(saved)
+    resumed.load_meta_state(meta)
+    for b in data[3:]:
+        resumed.train_step([b], lr=1e-2)
+    a, r = straight.train_state_tensors(), resumed.train_state_tensors()
+    assert set(a) == set(r)
+    assert all(torch.equal(a[k], r[k]) for k in a), [k for k in a if not torch.equal(a[k], r[k])][:3]
+    assert any(k.startswith("optimizer.m.") and a[k].abs().sum() > 0 for k in a)  # the state is not empty
+
+
+def test_lion_on_autograd_trains_as_on_the_walk():
+    from apr.train.build import build_engine
+    from tests.train.tiny import batches
+
+    data = batches(_engine_config("lion", "standard"), 5, seed=8)
+    walk = build_engine(plan_of(_engine_config("lion", "interleaved")))
+    auto = build_engine(plan_of(_engine_config("lion", "standard")))
+    for b in data:
+        walk.train_step([b], lr=1e-2)
+        auto.train_step([b], lr=1e-2)
+    a, w = auto.train_state_tensors(), walk.train_state_tensors()
+    weights = [k for k in w if not k.startswith("optimizer.")]
+    # sign(c) flips where c is within rounding of zero: nearly every weight agrees to float32 rounding
+    agree = sum(int(torch.isclose(a[k], w[k], rtol=1e-5, atol=1e-6).sum()) for k in weights)
+    assert agree >= 0.999 * sum(w[k].numel() for k in weights)
+
+
+@pytest.mark.parametrize("name", ["lion", "adafactor"])
+def test_the_plans_optimizer_rows_are_what_the_updater_holds(name):
+    """Autograd: Lion holds one fp32 moment per weight, Adafactor a row statistic per matrix row and
+    a column statistic per column (a vector: its own second moment); the plan's rows say so."""
+    from apr.model.buffers import autograd_buffers
+    from apr.train.build import build_engine
+    from tests.train.tiny import batches
+
+    config = _engine_config(name, "standard")
+    engine = build_engine(plan_of(config))
+    engine.train_step([batches(config, 1)[0]], lr=1e-2)
+    up = engine.updater
+    if name == "lion":  # each group's momentum, flat; the second buffer is one zero per group
+        held_m = sum(m.nbytes for *_, m, _v in up._groups)
+        held_v = sum(v.nbytes for *_, v in up._groups)
+        assert held_v == 4 * len(up._groups)
+        held_v = 0
+    else:
+        states = list(up.optimizer.state.values())
+        held_m = sum(s["row_var"].nbytes for s in states if "row_var" in s)
+        held_v = sum(s["col_var"].nbytes if "col_var" in s else s["variance"].nbytes for s in states)
+    declared: dict[str, int] = {}
+    for b in autograd_buffers(config):
+        declared[b.component] = declared.get(b.component, 0) + b.nbytes
+    assert (held_m, held_v) == (declared["adamw_m"], declared.get("adamw_v", 0))
+    weights = sum(b.nbytes for b in autograd_buffers(config) if b.component == "weights")
+    assert held_m + held_v <= (weights if name == "lion" else weights / 10)
+
+
+def test_validate_refuses_adafactor_on_the_walk_and_both_under_sharding(tmp_path):
+    from apr.config.loader import load_config
+    from apr.plan.orchestratefacts import orchestrator_findings
+
+    def findings(name, training):
+        path = tmp_path / "cfg.yaml"
+        path.write_text(to_yaml({**make_config().model_dump(mode="json"), "optimizer": {"name": name},
+                                 "training": {**make_config().training.model_dump(mode="json"), **training}}))
+        return [f for f in orchestrator_findings(load_config(path), 10) if f.path == "optimizer.name"]
+
+    assert findings("adafactor", {"engine": "standard"}) == []
+    assert findings("lion", {"engine": "interleaved"}) == []
+    (walk,) = findings("adafactor", {"engine": "interleaved"})
+    assert walk.severity == "error" and "shapes" in walk.message and walk.expected.startswith("training.engine")
+    (sharded,) = findings("adafactor", {"engine": "standard", "sharding": "full", "world_size": 2})
+    assert "rows" in sharded.message and "training.sharding: full" in sharded.message
+    (lion,) = findings("lion", {"sharding": "full", "world_size": 2})
+    assert lion.severity == "error" and "SWATS" not in lion.message
+
+
+@pytest.mark.parametrize(("name", "engine"), [("lion", "interleaved"), ("adafactor", "standard")])
+def test_a_run_resumed_from_a_middle_checkpoint_ends_bitwise_equal(name, engine, tmp_path):
+    """apr train apply with each optimizer: a run resumed from its step-2 checkpoint (weights and the
+    optimizer's state in the safetensors) ends with the same weights and state as the run straight."""
+    import shutil
+
+    from run_helpers import make_dataset, write_config
+    from safetensors.torch import load_file
+
+    from apr.apply import run_apply
+
+    make_dataset(tmp_path, train_rows=48, val_rows=8)
+    sections = {"optimizer": {"name": name, "lr": 1e-2, "beta2": 0.99},
+                "training": {"engine": engine, "max_steps": 4, "save_interval": 2, "eval_interval": 0}}
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    assert run_apply(write_config(tmp_path, **sections), **quiet).final_step == 4
+    other = tmp_path / "other"
+    (other / "run").mkdir(parents=True)
+    for suffix in ("json", "safetensors"):
+        shutil.copy(tmp_path / "run" / f"checkpoint-step-2.{suffix}", other / "run")
+    sections["training"]["output_dir"] = str(other / "run")
+    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
+    assert resumed.start_step == 2 and resumed.final_step == 4
+    final = load_file(str(tmp_path / "run" / "checkpoint-step-4.safetensors"))
+    again = load_file(str(other / "run" / "checkpoint-step-4.safetensors"))
+    assert set(final) == set(again) and any(k.startswith("optimizer.m.") for k in final)
+    assert [k for k in final if not torch.equal(final[k], again[k])] == []
