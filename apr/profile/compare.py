@@ -1,9 +1,11 @@
 """How far the plan's figures are from a measured step: FLOPs per token (``apr.model.spec``), the
 weights, the activations a kept block saves and, on a GPU, the peak (``apr.plan.memory``).
 
-The profiled step runs the model under plain autograd, which is what ``training.engine: standard``
-does, so the plan is asked about the same config with that engine, the measured batch, sequence
-length, precision and device.
+The step profiled from weights runs the model under plain autograd, which is what
+``training.engine: standard`` does, so the plan is asked about the same config with that engine,
+the measured batch, sequence length, precision and device. The step profiled from a config is the
+engine its run would build (apr/profile/engine.py), so the plan is asked about that config under
+its resolved execution policy (``compare_engine``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from apr.config.schema import AprConfig, Architecture, Device, Engine, MixedPrec
 from apr.model.buffers import compute_dtype_name
 from apr.model.spec import DTYPE_BYTES, flops_per_token, param_count
 from apr.plan.memory import COEFFICIENTS, memory_table
+from apr.profile.engine import EngineStepProfile, one_process_rows
 from apr.profile.step import StepProfile
+from apr.steps.execution import step_cost_f
+from apr.steps.resolved import Resolved
 
 
 @dataclass
@@ -78,4 +83,27 @@ def compare(profile: StepProfile, config: AprConfig) -> list[Comparison]:
         planned = sum(r.bytes for r in table if r.component != "cuda_context")  # torch's counters never see it
         rows.append(Comparison("peak_bytes", planned, profile.peak_bytes, "B",
                                "apr.plan.memory.memory_table, engine standard, less cuda_context"))
+    return rows
+
+
+def compare_engine(profile: EngineStepProfile, resolved: Resolved) -> list[Comparison]:
+    """The plan's figures for the engine profiled from a config: hardware FLOPs per token (the
+    model's FLOPs times the execution's cost in forward-equivalents over 3: recompute and a
+    norm-only pre-pass walk are work the plan charges), the weights and, on a GPU, the peak of one
+    unsharded process under the resolved policy."""
+    config, execution = resolved.config, resolved.execution
+    arch = config.model.architecture
+    cost = step_cost_f(config, execution)
+    rows = [
+        Comparison("flops_per_token", flops_per_token(arch, profile.seq_len) * cost / 3.0,
+                   profile.counted_flops / profile.tokens, "FLOP",
+                   f"apr.model.spec.flops_per_token x {cost:g}F / 3 (the execution's hardware FLOPs)"),
+        Comparison("weight_bytes", param_count(arch) * DTYPE_BYTES["float32"], profile.weight_bytes, "B",
+                   "apr.model.spec.param_count * 4 (fp32 master weights)"),
+    ]
+    if profile.peak_bytes is not None:
+        planned = sum(r.bytes for r in one_process_rows(resolved) if r.component != "cuda_context")
+        rows.append(Comparison("peak_bytes", planned, profile.peak_bytes, "B",
+                               "apr.plan.memory.memory_table, the resolved policy on one unsharded process, "
+                               "less cuda_context"))
     return rows

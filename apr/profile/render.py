@@ -16,6 +16,35 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             for r in [header, *rows]]
 
 
+def _engine_lines(report: ProfileReport) -> list[str]:
+    """A config: which engine was built and profiled, and its step's figures."""
+    e, s = report.engine, report.step
+    out = [f"engine: {e.engine} ({e.source_text}), as `apr train plan` resolves {e.config}",
+           f"  execution activations {e.execution['activations']}, gradients {e.execution['gradients']} "
+           f"({e.execution_basis}): {e.execution_text}",
+           f"  step strategy: {e.strategy}; kernels {e.kernels}",
+           f"  planned for {e.world_size} rank{'s' if e.world_size != 1 else ''}, sharding {e.sharding}; "
+           f"profiled: {e.profiled_as}"]
+    if s is None:
+        return out
+    out.append(f"training step: {s.gradient_accumulation} micro-batch{'es' if s.gradient_accumulation != 1 else ''}"
+               f" of {s.batch_size} x seq {s.seq_len} ({s.tokens:,} tokens), {s.precision}, {s.device}, "
+               f"median of {s.steps}")
+    out.append(f"  step {_ms(s.step_s)} ms; {fmt_rate(s.tokens / s.step_s)} tok/s")
+    out.append(f"  counted {format_count(s.counted_flops / s.tokens)} FLOP/token; weights "
+               f"{format_bytes(s.weight_bytes)}; engine buffers {format_bytes(s.buffer_bytes)}"
+               + (f"; peak {format_bytes(s.peak_bytes)}" if s.peak_bytes is not None else ""))
+    return out + _kernel_lines(s)
+
+
+def _kernel_lines(s) -> list[str]:
+    if not s.kernels:
+        return []
+    k = s.kernels
+    return ([f"  GPU kernels {_ms(k['kernel_s'])} ms, utilisation {fmt_percent(k['utilisation'])}"]
+            + [f"    {_ms(t['s'])} ms  {t['calls']:>5}x  {t['name']}" for t in k["top"]])
+
+
 def _step_lines(report: ProfileReport) -> list[str]:
     s = report.step
     out = [f"training step: batch {s.batch_size} x seq {s.seq_len} ({s.tokens:,} tokens), {s.precision}, {s.device}, "
@@ -29,11 +58,7 @@ def _step_lines(report: ProfileReport) -> list[str]:
     flops = format_count(s.counted_flops / s.tokens)
     out.append(f"  counted {flops} FLOP/token; weights {format_bytes(s.weight_bytes)}"
                + (f"; peak {format_bytes(s.peak_bytes)}" if s.peak_bytes is not None else ""))
-    if s.kernels:
-        k = s.kernels
-        out.append(f"  GPU kernels {_ms(k['kernel_s'])} ms, utilisation {fmt_percent(k['utilisation'])}")
-        out += [f"    {_ms(t['s'])} ms  {t['calls']:>5}x  {t['name']}" for t in k["top"]]
-    return out
+    return out + _kernel_lines(s)
 
 
 def _latency_lines(report: ProfileReport) -> list[str]:
@@ -59,8 +84,9 @@ def _compare_lines(report: ProfileReport) -> list[str]:
 def render_text(report: ProfileReport) -> str:
     step = f" step {report.step_number}" if report.step_number is not None else ""
     lines = [f"{report.source} ({report.kind}{step}, {format_count(report.parameters)} parameters)"]
-    for part, present in ((_latency_lines, report.latency), (_step_lines, report.step),
-                          (_compare_lines, report.comparison)):
+    parts = ((_engine_lines, True), (_latency_lines, report.latency)) if report.engine else (
+        (_latency_lines, report.latency), (_step_lines, report.step))  # a config: what was built comes first
+    for part, present in (*parts, (_compare_lines, report.comparison)):
         if present:
             lines += [""] + part(report)
     return "\n".join(lines)

@@ -63,3 +63,44 @@ def test_not_a_checkpoint_exits_1_and_writes_nothing(tmp_path, monkeypatch):
     r = invoke(bogus, "--no-latency")
     assert r.exit_code == 1 and "Traceback" not in r.output and r.stderr.startswith("error")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def _config(tmp_path, engine: str):
+    import yaml
+
+    path = tmp_path / f"{engine}.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"architecture": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                   "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 53,
+                                   "max_position_embeddings": 32}},
+        "data": {"train": "not-built-yet/", "batch_size": 2, "seq_len": 12},
+        "training": {"engine": engine, "mixed_precision": "fp32", "device": "cpu", "kernels": "torch",
+                     "execution": {"activations": "recompute", "gradients": "kept"}}}))
+    return path
+
+
+@pytest.mark.parametrize("engine, words", [("interleaved", "the interleaved block walk"),
+                                           ("standard", "autograd")])
+def test_a_config_profiles_the_engine_its_run_would_build(tmp_path, monkeypatch, engine, words):
+    monkeypatch.chdir(tmp_path)
+    path = _config(tmp_path, engine)
+    r = invoke(path, "--steps", "1", "--repeats", "1", "--new-tokens", "2", "--length", "8")
+    assert r.exit_code == 0, r.output
+    assert f"engine: {engine} ({words})" in r.stdout and "execution activations recompute" in r.stdout
+    assert "training step: 1 micro-batch of 2 x seq 12" in r.stdout and "inference latency" in r.stdout
+    doc = json.loads(invoke(path, "--steps", "1", "--no-latency", "--json").stdout)
+    assert doc["kind"] == "config" and doc["engine"]["gradient_source"] == engine
+    assert doc["step"]["tokens"] == 24 and doc["step"]["tokens_per_s"] > 0 and doc["latency"] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing written, no data read
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--prompt", "hi"), "--prompt with a config needs a tokenizer"),
+    (("--no-latency", "--seq-len", "33"), "longer than the model's context of 32"),
+    (("--no-latency", "--batch-size", str(10**8)), "by the plan's memory estimate, more than"),
+    (("--steps", str(10**9)), "--steps must be at most 1,000"),
+])
+def test_bad_options_with_a_config_exit_1_with_the_reason(tmp_path, args, message):
+    r = invoke(_config(tmp_path, "interleaved"), *args)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert message in r.stderr
