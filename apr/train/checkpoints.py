@@ -1,7 +1,7 @@
 """The run's checkpoints: save (a file, or a part per rank on shards), record what the background
 writer finished, load (every rank verifying its share), resume (the config comparison, the data
-cursor at another world size) and adopt a checkpoint's state. The metadata is the run's
-``StateRegistry`` (apr/train/stateful.py); the tensors are the engine's."""
+cursor at another world size; the state put back by the restore service, apr/train/restore.py).
+The metadata is the run's ``StateRegistry`` (apr/train/stateful.py); the tensors are the engine's."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from apr.checkpoint.compat import compare_configs
 from apr.checkpoint.manager import CheckpointError, CheckpointManager, TrainState, VerifyShare, read_info
 from apr.checkpoint.rng import capture_rng, restore_rng
 from apr.errors import AprError, Finding
-from apr.steps import stacking
 from apr.train import layout
+from apr.train.restore import Saved, restore
 from apr.train.stateful import StateRegistry
 
 # What an elastic resume may change with the number of ranks (docs/distributed.md, "Resuming on
@@ -99,8 +99,7 @@ class Checkpoints:
                                [f for f in diff.findings(str(run.config_path)) if f.severity == "error"]) from None
             raise
         self._check_config(state.info.config, state.meta)
-        self.adopt(state, force=run.options.force)
-        run.start_step = int(state.step)
+        run.start_step = restore(run, Saved(state, json_path), force=run.options.force)
         run.run_id = state.meta.get("run_id")
         self.last = json_path
         run.resumed_from = json_path
@@ -130,16 +129,6 @@ class Checkpoints:
         for change in layout:
             if change.path in ("training.sharding", "training.nodes"):  # the ranks' change is echoed by the layout
                 run.echo(f"resume: layout {change.line()}")
-
-    def adopt(self, state: TrainState, force: bool = False) -> None:
-        """Take a checkpoint's weights and every registered part's state (a resume, or a rollback to
-        an earlier checkpoint of this run)."""
-        run = self.run
-        if stacking.stage_at(run.config, int(state.step)) != run.stack_stage:  # another stacking stage's depth
-            run.rebuild_engine(int(state.step))
-        run.engine.load_train_state_tensors(state.tensors)
-        run.force_cursor = force
-        run.registry.load_state_dict(state.meta)
 
     def _refuse_past_the_end(self, json_path: Path) -> None:
         run = self.run

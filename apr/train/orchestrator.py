@@ -30,7 +30,13 @@ from apr.fmt import fmt_loss
 from apr.steps import orchestration
 from apr.steps.orchestration import UCB1, Strategy
 from apr.train.outcome import NonFiniteError
+from apr.train.restore import Saved, Snapshot, restore
 from apr.train.updaters import make_updater
+
+# The stateful parts a restore of the orchestrator's own keeps as they are: its bandit, decisions and
+# strategy outlive a branch's restore; a safety rollback also keeps the data cursor past the bad window.
+OWN = ("orchestrator",)
+SAFETY = (*OWN, "data")
 
 
 def apply_strategy(engine, config, strategy: Strategy) -> None:
@@ -62,34 +68,6 @@ def extrapolate(history: list[tuple[int, dict[str, torch.Tensor]]], step: int) -
         slope = torch.tensordot(t, ys - ys.mean(0), dims=1) / (t * t).sum()
         out[name] = (ys.mean(0) + slope * target).to(last.dtype)
     return out
-
-
-class Snapshot:
-    """The run's exact state in memory: the engine's tensors (cloned) and every registered stateful
-    part's metadata but the orchestrator's own (deep-copied)."""
-
-    def __init__(self, run):
-        run.engine.check_finite()
-        self.step = run.step
-        # under training.sharding each rank copies its own rows (nothing gathered) and restores them:
-        # every rank holds the same decision point, so the shards put back make the same whole state
-        self.local = bool(run.engine.sharded)
-        state = run.engine.local_state_tensors() if self.local else run.engine.train_state_tensors(everywhere=True)
-        self.tensors = {k: v.detach().clone() for k, v in state.items()}
-        meta = run.registry.state_dict()
-        meta.pop("orchestrator", None)
-        self.meta = copy.deepcopy(meta)
-
-    def restore(self, run, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Put the state back (``tensors``: these in place of the snapshot's own, a nowcast's)."""
-        load = run.engine.load_local_state_tensors if self.local else run.engine.load_train_state_tensors
-        load(self.tensors if tensors is None else tensors)
-        run.registry.load_state_dict(copy.deepcopy(self.meta))
-        run.move_to(self.step)
-
-    def weights(self, run) -> dict[str, torch.Tensor]:
-        names = {n for n in self.tensors if not n.startswith("optimizer.")}
-        return {n: self.tensors[n] for n in names}
 
 
 class Orchestrator:
@@ -168,12 +146,12 @@ class Orchestrator:
                      f"step {run.total_steps})")
         k = orchestration.branch_count(self.config)
         chosen = self.bandit.choose(k)
-        start = Snapshot(run)
+        start = Snapshot.take(run)
         start_val = self._score(run)
         branches, best, best_state = [], None, None
         for i, name in enumerate(chosen):
             if i:
-                start.restore(run)
+                restore(run, start, keep=OWN)
             val, losses, failed = self._train_branch(run, name, step, horizon)
             reward = (start_val - val) / horizon if val is not None and math.isfinite(val) else -math.inf
             self.bandit.update(name, reward if math.isfinite(reward) else -1e9)
@@ -181,23 +159,23 @@ class Orchestrator:
                              "failed": failed})
             if best is None or reward > branches[best]["reward"]:
                 best = i
-                best_state = None if i == len(chosen) - 1 else Snapshot(run)
+                best_state = None if i == len(chosen) - 1 else Snapshot.take(run)
         nowcast, failed = None, branches[best]["failed"]
         if failed:  # every branch went non-finite: the run goes on from the decision point, as it was
-            start.restore(run)
+            restore(run, start, keep=OWN)
             best_state = None
         elif self.orch.nowcasting.enabled:
             nowcast = self._nowcast(run, start, step, branches[best]["val_loss"], best_state, recorder)
         winner = self.current if failed else branches[best]["strategy"]
         if nowcast is None and best_state is not None:
-            best_state.restore(run)  # the last branch trained was not the winner: take the winner's bits
+            restore(run, best_state, keep=OWN)  # the last branch trained was not the winner: take the winner's bits
         run.move_to(step if failed else step + horizon)
         self.next_decision = step + self.orch.decision_interval
         self.decisions += 1
         previous, self.current = self.current, winner
         apply_strategy(run.engine, run.config, self.strategy())
         self.reference_loss = loss if failed else branches[best]["train_losses"][-1]
-        self.good = Snapshot(run) if self.orch.max_loss_increase is not None else None
+        self.good = Snapshot.take(run) if self.orch.max_loss_increase is not None else None
         self.good_step = run.step if self.good is not None else None
         entry = {"step": step, "decision": self.decisions, "start_val_loss": start_val, "horizon": horizon,
                  "branches": branches, "winner": winner, "previous": previous, "nowcast": nowcast,
@@ -246,20 +224,20 @@ class Orchestrator:
         the step) ``ahead`` steps past this point; kept only when its validation loss beats the best
         branch's. Returns its record when kept."""
         cfg = self.orch.nowcasting
-        self.nowcast_history = [*self.nowcast_history, (step, start.weights(run))][-cfg.history:]
+        self.nowcast_history = [*self.nowcast_history, (step, start.weights())][-cfg.history:]
         if len(self.nowcast_history) < 2 or best_val is None:
             return None
-        winner_state = best_state or Snapshot(run)
+        winner_state = best_state or Snapshot.take(run)
         ahead = cfg.ahead or self.orch.decision_interval
         jumped = extrapolate(self.nowcast_history, step + ahead)
-        winner_state.restore(run, {**winner_state.tensors, **jumped})  # on shards: each rank its own rows
+        restore(run, winner_state.with_tensors({**winner_state.tensors, **jumped}), keep=OWN)  # shards: own rows
         val = self._score(run)
         record = {"ahead": ahead, "history": [int(s) for s, _ in self.nowcast_history], "val_loss": val,
                   "best_branch_val_loss": best_val, "kept": val is not None and val < best_val}
         self._event(recorder, "nowcast", step, f"nowcast {ahead} steps ahead: val loss {fmt_loss(val)} against "
                     f"{fmt_loss(best_val)} ({'kept' if record['kept'] else 'discarded'})", record)
         if not record["kept"]:
-            winner_state.restore(run)
+            restore(run, winner_state, keep=OWN)
             return None
         return record
 
@@ -281,25 +259,20 @@ class Orchestrator:
                      "is left: no safety rollback until the next decision")
             self.good_step = None
             return None
-        kept, cursor = self.state_dict(), run.loader.state_dict()
-        state, json_path = run.load_checkpoint(targets[0].json_path)
-        run.adopt(state)
-        self.load_state_dict(kept)  # the bandit, the decisions, the strategy: the run's, not the checkpoint's
-        run.loader.load_state_dict(cursor)
-        run.move_to(int(state.step))
-        run.echo(f"orchestrator: the last decision's state is {json_path.name} (resumed process)")
-        return Snapshot(run)
+        saved = Saved(*run.load_checkpoint(targets[0].json_path))
+        restore(run, saved, keep=SAFETY)  # the bandit, the decisions, the strategy: the run's, not the checkpoint's
+        run.echo(f"orchestrator: the last decision's state is {saved.path.name} (resumed process)")
+        return Snapshot.take(run)
 
     def _safety_rollback(self, run, loss: float, limit: float, recorder) -> bool:
-        step, cursor = run.step, run.loader.state_dict()
+        step = run.step
         good = self._good_state(run, recorder)
         if good is None:
             return False
         self.good, self.good_step = good, good.step
         accum = run.config.training.gradient_accumulation
         window = [run.loader.absolute - (step - good.step) * accum, (step - good.step) * accum]
-        good.restore(run)
-        run.loader.load_state_dict(cursor)  # the bad window's data is not replayed
+        restore(run, good, keep=SAFETY)  # the bad window's data is not replayed
         self.rollbacks += 1
         previous, self.current = self.current, self.orch.safety_strategy
         apply_strategy(run.engine, run.config, self.strategy())
@@ -329,7 +302,7 @@ class Orchestrator:
 
     def load_state_dict(self, meta: dict) -> None:
         state = meta.get("orchestrator")
-        if not state:  # a branch's restore (the snapshot leaves this part out): nothing of ours changes
+        if not state:  # a checkpoint of a run without orchestration: nothing of ours changes
             return
         # a resume or training.rollback's restore: the in-memory states are of steps that are no more
         self.good, self.nowcast_history = None, []

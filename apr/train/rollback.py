@@ -7,8 +7,9 @@ in a row trigger a rollback over the window from the first of them to the trigge
 ``RollbackState`` is what a rollback leaves behind for the rest of the run, and it travels in every
 checkpoint's meta (``rollback``) so a run killed at any point of a rollback resumes into the same
 decision: the data window still to skip (as global micro-batch numbers of the data cursor), the
-lowered learning rate's last step, and how many rollbacks the run has made. The run loop
-(apr/train/run.py ``_roll_back``) restores the newest checkpoint older than the window, rewrites
+lowered learning rate's last step, and how many rollbacks the run has made. ``Survival._roll_back``
+(apr/train/survive.py) restores the newest checkpoint older than the window (the restore service,
+apr/train/restore.py, keeping this state as it is), rewrites
 it at once with this state (so a kill from then on resumes past the window), records the event
 with the exact rows skipped, and trains on: the steps between the checkpoint and the window are
 replayed on the same rows, the window's rows are skipped, and the steps keep their numbers (the

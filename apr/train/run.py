@@ -185,9 +185,6 @@ class Run:
     def load_checkpoint(self, which: str | Path) -> tuple[TrainState, Path]:
         return self.checkpoints.load(which)
 
-    def adopt(self, state: TrainState, force: bool = False) -> None:
-        self.checkpoints.adopt(state, force)
-
     def save(self, step: int, is_best: bool, recorder: Recorder) -> Path:
         return self.checkpoints.save(step, is_best, recorder)
 

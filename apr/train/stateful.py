@@ -6,7 +6,7 @@ not metadata: the checkpoint manager writes them beside it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 
@@ -39,8 +39,11 @@ class StateRegistry:
             meta.update(state)
         return meta
 
-    def load_state_dict(self, meta: dict) -> None:
-        """Every part reads its keys, in registration order."""
+    def load_state_dict(self, meta: dict, skip: Collection[str] = ()) -> None:
+        """Every part reads its keys, in registration order; the parts named in ``skip`` stay as they are."""
+        unknown = set(skip) - {p.name for p in self.parts}
+        if unknown:
+            raise ValueError(f"no stateful part named {sorted(unknown)} to keep")
         for part in self.parts:
-            if part.load is not None:
+            if part.load is not None and part.name not in skip:
                 part.load(meta)

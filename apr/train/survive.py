@@ -16,6 +16,7 @@ import torch
 
 from apr.checkpoint.manager import scan
 from apr.train.badsteps import BadStepTest
+from apr.train.restore import Saved, restore
 from apr.train.rollback import RollbackState, SpikeWatch, ledger_rows
 from apr.train.stop import Stop
 
@@ -138,10 +139,10 @@ class Survival:
         window = self._window(run, start, step)
         kept = rb.state_dict()  # the run's rollback history outlives the restore
         run.echo(f"{run.step_label(step)}  rollback: {what}; restoring {targets[0].json_path.name}")
-        state, json_path = run.load_checkpoint(targets[0].json_path)
-        run.adopt(state)
-        if run.dp is not None:  # every rank has read the checkpoint before rank 0 writes its step again
-            run.dp.barrier()  # below (deleting its files: on NFS another host's open file then goes stale)
+        saved = Saved(*run.load_checkpoint(targets[0].json_path))
+        # every rank has read the checkpoint before rank 0 writes its step again below (deleting its
+        # files: on NFS another host's open file then goes stale): ``restore`` waits for the ranks
+        restored, json_path = restore(run, saved), saved.path
         rb.load_state_dict(kept)
         rb.rollbacks += 1
         first, count = window["micro_batches"]
@@ -149,7 +150,6 @@ class Survival:
         if cfg.lr_steps and cfg.lr_factor != 1.0:
             rb.lr_factor, rb.lr_until = cfg.lr_factor, start + cfg.lr_steps - 1
         self.save_deferred = False
-        restored = int(state.step)
         lowered = (f"; lr x {rb.lr_factor:g} for steps {start}-{rb.lr_until}" if rb.lr_until >= start else "")
         message = (f"rollback {rb.rollbacks}/{cfg.max_rollbacks}: {what}; restored step {restored} "
                    f"({json_path.name}), skipping the data of steps {start}-{step} ({len(window['rows'])} rows)"
@@ -159,7 +159,6 @@ class Survival:
             "ema": ema, "limit": limit, "attempt": rb.rollbacks, "lr_factor": rb.lr_factor,
             "lr_until": rb.lr_until if rb.lr_until >= start else None, **window}}
         rb.events.append(event)
-        run.move_to(restored)
         # The decision first (a kill from here on resumes past the window, and the resumed run
         # records the event if this one could not: ``restore_records``), then the records.
         run.save(restored, False, recorder)

@@ -1,9 +1,9 @@
 """The run's checkpoints (apr/train/checkpoints.py): a save holds the engine's weights and AdamW
 moments and every registered part of the run's state; a resume restores all of it and continues
-bitwise as if never stopped; adopt (a resume, or a rollback) also rebuilds the engine at another
-stacking stage's depth; resume refuses a checkpoint past the run's end, another model, and a breaking
-change, naming the overrides the checkpoint's run was started with; a failed background write is a
-warning once the run's end is decided."""
+bitwise as if never stopped (the restore itself: tests/train/test_restore.py); resume refuses a
+checkpoint past the run's end, another model, and a breaking change, naming the overrides the
+checkpoint's run was started with; a failed background write is a warning once the run's end is
+decided."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from apr.errors import AprError
 from apr.plan.build import resolve_config
 from apr.track.names import new_run_id
 from apr.train.run import ApplyOptions, prepare_run
-from apr.train.stacking import grow
 from tests.train.run_helpers import config_doc, make_dataset
 
 
@@ -179,47 +178,6 @@ def test_a_resume_restores_everything_and_continues_bitwise(prepared, root):
     resumed.step = resumed.start_step
     assert _train(resumed, 2) == after
     _assert_equal(_tensors(resumed), _tensors(first))
-
-
-def test_adopt_rolls_the_run_back_to_an_earlier_checkpoint(prepared):
-    run = prepared()
-    _train(run, 2)
-    run.validation.best = 3.0
-    saved, cursor = _tensors(run), run.loader.state_dict()
-    run.checkpoints.save(2, False, Rec())
-    run.checkpoints.record(Rec(), wait=True)
-    _train(run, 3)
-    run.validation.best = 2.0
-    assert not _tensors(run)["model.embed_tokens.weight"].equal(saved["model.embed_tokens.weight"])
-    state, _ = run.checkpoints.load("latest")
-    run.checkpoints.adopt(state)
-    _assert_equal(_tensors(run), saved)
-    assert run.loader.state_dict() == cursor and run.engine.optimizer_steps == 2
-    assert run.validation.best == 3.0
-
-
-def test_adopt_rebuilds_the_engine_at_the_checkpoints_stacking_stage(root, prepared):
-    stacking = {"stages": [{"blocks": 2, "steps": 4}, {"blocks": 4}], "init": "copy_top"}
-    run = prepared(model={"architecture": {"num_hidden_layers": 4}, "stacking": stacking})
-    rec = Rec()
-    _train(run, 4)
-    run.checkpoints.save(4, False, rec)
-    run.step = 5
-    grow(run, 5, rec)  # step 5 starts stage 1: 4 blocks
-    _train(run, 1)
-    grown = _tensors(run)
-    run.checkpoints.save(6, False, rec)
-    run.checkpoints.record(rec, wait=True)
-    assert rec.events == [("stack", 5)]
-
-    back, _ = run.checkpoints.load(root / "run" / "checkpoint-step-4.json")
-    run.checkpoints.adopt(back)  # a rollback to before the growth: 2 blocks again
-    assert len(run.engine.model.model.layers) == 2 and run.stack_stage == 0
-    assert not any(".layers.2." in name for name in _tensors(run))
-    again, _ = run.checkpoints.load(root / "run" / "checkpoint-step-6.json")
-    run.checkpoints.adopt(again)
-    assert len(run.engine.model.model.layers) == 4 and run.stack_stage == 1
-    _assert_equal(_tensors(run), grown)
 
 
 def _saved_at(prepared, step: int, **kw):
