@@ -28,7 +28,8 @@ LAYERS: list[set[str]] = [
     # plan-then-apply, the plan's probe (the real engine), sweeps (plan, then apply processes), apr
     # profile, the plan's trace (its engine on fake tensors): above both plan and train
     {"apply", "probe", "sweep", "profile", "trace"},
-    {"lrfind", "fork"},  # the LR range test: runs apply on a throwaway copy; fork: apply from a checkpoint
+    # the LR range test: runs apply on a throwaway copy; fork: apply from a checkpoint; api: Trainer / load_model
+    {"lrfind", "fork", "api"},
     {"cli"},
     {"__main__"},
 ]
