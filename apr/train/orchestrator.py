@@ -243,10 +243,10 @@ class Orchestrator:
 
     # ------------------------------------------------------------------------------ safety
 
-    def _good_state(self, run, recorder) -> Snapshot | None:
+    def _good_state(self, run, recorder) -> Snapshot | Saved | None:
         """The state to roll back to: the last decision point's in memory, or, in a resumed process,
-        the newest checkpoint at or before that point's step read back (the orchestrator's own state
-        kept as it is); None when retention removed every such checkpoint (said once)."""
+        the newest checkpoint at or before that point's step, read; None when retention removed every
+        such checkpoint (said once)."""
         if self.good is not None:
             return self.good
         if run.is_main:
@@ -260,19 +260,19 @@ class Orchestrator:
             self.good_step = None
             return None
         saved = Saved(*run.load_checkpoint(targets[0].json_path))
-        restore(run, saved, keep=SAFETY)  # the bandit, the decisions, the strategy: the run's, not the checkpoint's
         run.echo(f"orchestrator: the last decision's state is {saved.path.name} (resumed process)")
-        return Snapshot.take(run)
+        return saved
 
     def _safety_rollback(self, run, loss: float, limit: float, recorder) -> bool:
         step = run.step
         good = self._good_state(run, recorder)
         if good is None:
             return False
-        self.good, self.good_step = good, good.step
         accum = run.config.training.gradient_accumulation
         window = [run.loader.absolute - (step - good.step) * accum, (step - good.step) * accum]
-        restore(run, good, keep=SAFETY)  # the bad window's data is not replayed
+        # the bad window's data is not replayed; the bandit, the decisions: the run's, not the state's
+        restore(run, good, keep=SAFETY)
+        self.good, self.good_step = good if isinstance(good, Snapshot) else Snapshot.take(run), good.step
         self.rollbacks += 1
         previous, self.current = self.current, self.orch.safety_strategy
         apply_strategy(run.engine, run.config, self.strategy())
