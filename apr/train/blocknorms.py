@@ -82,6 +82,12 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
     up = engine.updater
     kw = {"lr": lr, "beta1": up.beta1, "beta2": up.beta2, "eps": up.eps, "step": engine.optimizer_steps}
     idle = set(engine.frozen) | set(getattr(engine, "idle_groups", ()))  # groups the step did not update
+    own = getattr(up, "update_sq", None)  # Lion keeps its own; Adafactor's is unknown (NaN: not logged)
+    if own is not None:
+        zero = torch.zeros((), dtype=torch.float32, device=engine.device)
+        names = [g.name if hasattr(g, "name") else g[0] for g in engine.groups]  # the walk's or autograd's
+        return {n: zero if n in idle else own.get(n, torch.full((), math.nan, device=engine.device))
+                for n in names}
     if up.optimizer is not None:  # the autograd sources (and the sharded walk's moments): torch's AdamW
         decay = up.weight_decay_of()
         out = {}
