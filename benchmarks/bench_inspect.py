@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from apr.inspect.source import open_weights
+from apr.checkpoint.sources import open_source
 from apr.inspect.stats import weight_stats
 
 H, I, V = 4096, 11008, 32000
@@ -109,7 +109,7 @@ def main() -> None:
     t0 = time.perf_counter()
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    layers, tensors = weight_stats(open_weights(path), bins=40)
+    layers, tensors = weight_stats(open_source(path), bins=40)
     seconds = time.perf_counter() - t0
     done.set()
     thread.join()

@@ -3,6 +3,8 @@ LLaMA folder (config.json + model.safetensors, or a sharded model.safetensors.in
 
 Two halves (docs/design.md, "Checkpoints"):
 
+The source is read by apr/checkpoint/sources.py, the reader every command shares.
+
 * ``inspect_source`` reads only JSON and safetensors headers (no torch, no weights): the source's
   kind, its tensors' names, shapes and dtypes, total bytes, the tokenizer beside it, and one
   finding per problem (a pickle file, another architecture's tensor names, a shape or architecture
@@ -22,9 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from apr.checkpoint.files import ST_DTYPE_CODES, read_safetensors_header, sha256_file
-from apr.checkpoint.manager import CheckpointError, _architecture, checkpoint_shapes, read_checkpoint, read_info, scan
-from apr.checkpoint.names import is_optimizer_state
+from apr.checkpoint.files import sha256_file
+from apr.checkpoint.manager import read_info
+from apr.checkpoint.sources import SourceError, WeightSource, open_source
 from apr.config.hf_folder import (  # noqa: F401  (re-exported: the weights side reads the same tables)
     ARCH_TO_HF,
     FAMILIES,
@@ -37,10 +39,9 @@ from apr.config.hf_folder import (  # noqa: F401  (re-exported: the weights side
     unsupported_math,
     unsupported_message,
 )
-from apr.config.schema import Architecture, LoraConfig, RopeScaling
+from apr.config.schema import LoraConfig, RopeScaling
 from apr.errors import AprError, Finding
 from apr.model.spec import param_specs
-from apr.readers import InputError, check_regular, load_json
 
 KEY = "model.init_from"
 
@@ -51,10 +52,7 @@ _NOT_COMPARED = {"initializer_range", "max_position_embeddings"}
 # Architecture attribute -> the config key a user edits (kv_heads is a property).
 _CONFIG_KEY = {"kv_heads": "num_key_value_heads", "head_dim": "hidden_size"}
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 LOADABLE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # buffers older transformers saved; recomputed by apr
 
 
 @dataclass(frozen=True)
@@ -90,7 +88,7 @@ class InitSource:
         dtypes: dict[str, int] = {}
         for t in self.tensors.values():
             dtypes[LOADABLE_DTYPES.get(t.dtype, t.dtype)] = dtypes.get(LOADABLE_DTYPES.get(t.dtype, t.dtype), 0) + 1
-        numel = sum(_numel(t.shape) for t in self.tensors.values())
+        numel = sum(math.prod(t.shape) for t in self.tensors.values())
         return {"path": str(self.path), "kind": self.kind, "tensors": len(self.tensors), "params": numel,
                 "dtypes": dtypes, "bytes": self.total_bytes,
                 # the float32 host copy built while loading (the device buffers are the run's own)
@@ -98,13 +96,6 @@ class InitSource:
                 "files": sorted({str(t.file) for t in self.tensors.values()}),
                 "tokenizer": str(self.tokenizer) if self.tokenizer else None,
                 "errors": sum(f.severity == "error" for f in self.findings)}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _finding(code: str, message: str, file: Path | str | None, path: str = KEY, expected: str | None = None,
@@ -117,100 +108,58 @@ def _finding(code: str, message: str, file: Path | str | None, path: str = KEY, 
 
 
 def inspect_source(path_text: str, arch, depth: int = 0) -> InitSource:
-    """Check ``model.init_from`` against ``arch`` (the config's Architecture) from headers alone."""
+    """Check ``model.init_from`` against ``arch`` (the config's Architecture) from headers alone
+    (apr.checkpoint.sources reads the source; a problem it finds is a finding here)."""
     path = resolve(path_text)
     src = InitSource(path=path, kind="unknown")
-    if path.suffix in PICKLE_SUFFIXES:
-        src.findings.append(_pickle_finding(path))
+    try:
+        weights = open_source(path, verify=False)
+    except SourceError as err:
+        src.findings += [_as_init_from(f) for f in err.findings]
         return src
-    if not path.exists():
-        src.findings.append(_finding("missing", f"{path_text} does not exist", path,
-                                     expected="a Hugging Face LLaMA folder or an apr checkpoint", got="no such path"))
+    if weights.kind == "safetensors":
+        src.findings.append(_finding("unknown_source", f"{path_text} is a .safetensors file without a checkpoint "
+                                     "JSON or a config.json: nothing says which model it is", path,
+                                     expected="a Hugging Face folder or an apr checkpoint", got=path.name))
         return src
-    if path.is_dir() and (path / "config.json").is_file():
+    if weights.kind == "hf":
         src.kind = "hf"
-        _inspect_hf(src, arch)
-    elif path.is_file() and path.suffix in (".json", ".safetensors"):
-        src.kind = "apr"
-        _inspect_apr(src, path.with_suffix(".json"), arch, depth)
-    elif path.is_dir():
-
-        entries = [e for e in scan(path) if e.complete]
-        if entries:
-            src.kind = "apr"
-            _inspect_apr(src, entries[0].json_path, arch, depth)
-        else:
-            pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-            src.findings.append(_pickle_finding(pickles[0]) if pickles else _finding(
-                "unknown_source", f"{path} holds neither a Hugging Face model (config.json) nor apr checkpoints",
-                path, expected="config.json + model.safetensors, or checkpoint-step-N.json",
-                got=", ".join(sorted(p.name for p in path.iterdir())[:6]) or "an empty folder"))
+        if not _inspect_hf(src, weights, arch):
+            return src
     else:
-        src.findings.append(_finding("unknown_source", f"{path_text} is not a folder, a checkpoint .json or "
-                                     ".safetensors file", path, expected="a folder or checkpoint", got=path.name))
+        src.kind = "apr"
+        _inspect_apr(src, weights, arch, depth)
+        if src.kind == "apr-lora":  # its trunk's tensors are its base's, read and checked there
+            return src
+    src.tensors = {n: SourceTensor(n, weights.shape(n), weights.dtype(n), weights.file_of(n), weights.nbytes(n))
+                   for n in weights.names}
     # tensor names and shapes are checked unless config.json already says it is another model family
-    if src.kind != "apr-lora" and src.tensors and not any(f.code == "init_from.architecture" for f in src.findings):
+    if src.tensors and not any(f.code == "init_from.architecture" for f in src.findings):
         _check_tensors(src, arch)
     return src
 
 
-def _pickle_finding(file: Path) -> Finding:
-    return _finding("pickle", f"{file} is a PyTorch pickle file; apr never unpickles weights (loading a "
-                    "pickle can run code). Save the model as safetensors (transformers: "
-                    "save_pretrained(folder, safe_serialization=True)) and point model.init_from at that folder",
-                    file, expected="model.safetensors or model.safetensors.index.json", got=file.name)
+def _as_init_from(f: Finding) -> Finding:
+    """A weight source's finding as one of ``model.init_from``'s (``source.x`` -> ``init_from.x``)."""
+    code = f"init_from.{f.code.split('.', 1)[1]}" if f.code.startswith("source.") else f.code
+    return replace(f, code=code, path=f.path if f.path and f.code != "source.architecture" else KEY)
 
 
-def _inspect_hf(src: InitSource, arch) -> None:
-
-    folder = src.path
-    cfg_path = folder / "config.json"
+def _inspect_hf(src: InitSource, weights: WeightSource, arch) -> bool:
+    """config.json against the config; False when it is missing or unreadable (nothing to check)."""
+    if weights.config_path is None:
+        src.findings.append(_finding("no_config", f"{src.path} has weights but no config.json", src.path,
+                                     expected="config.json beside the weights", got="no config.json"))
+        return False
     try:
-        hf = load_json(cfg_path, "manifest", "Hugging Face config")
-    except InputError as err:
-        src.findings.extend(err.findings)
-        return
-    if not isinstance(hf, dict):
-        src.findings.append(_finding("bad_config", f"{cfg_path} is not a JSON object", cfg_path))
-        return
-    _check_hf_config(src, cfg_path, hf, arch)
-    if (folder / "tokenizer.json").is_file():
-        src.tokenizer = folder / "tokenizer.json"
-    index = folder / "model.safetensors.index.json"
-    single = folder / "model.safetensors"
-    if single.is_file():
-        _read_headers(src, [single])
-    elif index.is_file():
-        try:
-            doc = load_json(index, "manifest", "safetensors index")
-        except InputError as err:
-            src.findings.extend(err.findings)
-            return
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            src.findings.append(_finding("bad_index", f"{index} has no weight_map of tensor -> file", index,
-                                         expected='{"weight_map": {"name": "file.safetensors"}}'))
-            return
-        shards = sorted(set(weight_map.values()))
-        for name in shards:
-            if Path(name).name != name or name.startswith("."):
-                src.findings.append(_finding("bad_index", f"{index} names a shard outside its folder: {name!r}",
-                                             index, expected="a file name in the same folder", got=name))
-                return
-            if Path(name).suffix in PICKLE_SUFFIXES:
-                src.findings.append(_pickle_finding(folder / name))
-                return
-        _read_headers(src, [folder / n for n in shards])
-        for name, shard in weight_map.items():
-            t = src.tensors.get(name)
-            if t is not None and t.file.name != shard:
-                src.findings.append(_finding("bad_index", f"{index} puts {name} in {shard}, but it is in "
-                                             f"{t.file.name}", index, expected=shard, got=t.file.name))
-    else:
-        pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        src.findings.append(_pickle_finding(pickles[0]) if pickles else _finding(
-            "no_weights", f"{folder} has config.json but no model.safetensors or model.safetensors.index.json",
-            folder, expected="model.safetensors", got=", ".join(sorted(p.name for p in folder.iterdir())[:6])))
+        hf = weights.hf_config()
+    except SourceError as err:
+        src.findings += [_as_init_from(f) for f in err.findings]
+        return False
+    _check_hf_config(src, weights.config_path, hf, arch)
+    if (src.path / "tokenizer.json").is_file():
+        src.tokenizer = src.path / "tokenizer.json"
+    return True
 
 
 def _check_hf_config(src: InitSource, cfg_path: Path, hf: dict, arch) -> None:
@@ -282,79 +231,28 @@ def stage_base(info) -> str | None:
     return str(Path(info.cwd) / path if not path.is_absolute() and info.cwd else path)
 
 
-def _inspect_apr(src: InitSource, json_path: Path, arch, depth: int = 0) -> None:
-
+def _inspect_apr(src: InitSource, weights: WeightSource, arch, depth: int = 0) -> None:
+    info = weights.info
     try:
-        info = read_info(json_path)
-        own = _architecture(info.config)
-    except CheckpointError as err:
-        src.findings.extend(err.findings)
+        own = weights.architecture()
+    except SourceError as err:
+        src.findings += [_as_init_from(f) for f in err.findings]
         return
-    except Exception as err:  # pydantic ValidationError: a stored config that does not validate
-        src.findings.append(_finding("bad_checkpoint", f"{json_path.name}: its config has no valid "
-                                     f"model.architecture ({err})", json_path))
-        return
-    src.checkpoint_json = json_path
-    _compare_arch(src, json_path, {attr: getattr(own, attr) for attr, _ in ARCH_TO_HF} |
+    src.checkpoint_json = info.json_path
+    _compare_arch(src, info.json_path, {attr: getattr(own, attr) for attr, _ in ARCH_TO_HF} |
                   {a: getattr(own, a) for a in ("rope_theta", "family", "rope_scaling", "sliding_window")}, arch)
     if ((info.config.get("model") or {}).get("lora")) is not None:
         # a LoRA stage: the next stage's frozen trunk is its base with its adapters merged in
         src.kind = "apr-lora"
         base_text = stage_base(info)
         if base_text is None or depth >= MAX_STAGES:
-            src.findings.append(_finding("bad_checkpoint", f"{json_path.name} is a LoRA checkpoint without a usable "
-                                         f"base (model.init_from {base_text!r})", json_path))
+            src.findings.append(_finding("bad_checkpoint", f"{info.json_path.name} is a LoRA checkpoint without a "
+                                         f"usable base (model.init_from {base_text!r})", info.json_path))
             return
         base = inspect_source(base_text, arch, depth + 1)
         src.findings += base.findings
         src.tensors.update(base.tensors)
         src.tokenizer = base.tokenizer
-        return
-    if info.parts:  # a sharded run's checkpoint: the whole tensors' shapes from its parts' headers
-
-        try:
-            shapes, dtypes = checkpoint_shapes(info)
-        except CheckpointError as err:
-            src.findings.extend(err.findings)
-            return
-        for name, shape in shapes.items():
-            if not is_optimizer_state(name):
-                code = ST_DTYPE_CODES.get(dtypes[name], dtypes[name])
-                src.tensors[name] = SourceTensor(name, shape, code, info.parts[0],
-                                                 math.prod(shape) * _DTYPE_BYTES.get(code, 4))
-    elif info.weights_path.is_file():
-        _read_headers(src, [info.weights_path], skip_optimizer=True)
-    else:
-        src.findings.append(_finding("no_weights", f"{info.weights_path.name} (named by {json_path.name}) does "
-                                     "not exist", info.weights_path))
-
-
-def _read_headers(src: InitSource, paths: list[Path], skip_optimizer: bool = False) -> None:
-
-    for path in paths:
-        try:
-            check_regular(path, "safetensors weights")
-            header = read_safetensors_header(path)
-        except InputError as err:
-            src.findings.extend(err.findings)
-            continue
-        except (OSError, ValueError) as err:
-            src.findings.append(_finding("bad_weights", f"{path} is not a readable safetensors file: {err}", path))
-            continue
-        for name, entry in header.items():
-            if name == "__metadata__" or (skip_optimizer and is_optimizer_state(name)):
-                continue
-            try:
-                shape = tuple(int(d) for d in entry["shape"])
-                dtype = str(entry["dtype"])
-                start, end = (int(o) for o in entry["data_offsets"])
-            except (TypeError, KeyError, ValueError):
-                src.findings.append(_finding("bad_weights", f"{path}: malformed header entry {name!r}", path))
-                continue
-            if name in src.tensors:
-                src.findings.append(_finding("bad_weights", f"tensor {name} is in both {src.tensors[name].file.name}"
-                                             f" and {path.name}", path))
-            src.tensors[name] = SourceTensor(name, shape, dtype, path, end - start)
 
 
 def expected_shapes(arch) -> dict[str, tuple[int, ...]]:
@@ -365,8 +263,8 @@ def expected_shapes(arch) -> dict[str, tuple[int, ...]]:
 def _check_tensors(src: InitSource, arch) -> None:
     """One finding per foreign tensor name (first 5), per wrong shape or dtype; one for missing ones."""
     want = expected_shapes(arch)
-    extra = [t for n, t in src.tensors.items() if n not in want and not n.endswith(_IGNORED_SUFFIXES)
-             and not (n == "lm_head.weight" and arch.tie_word_embeddings)]
+    extra = [t for n, t in src.tensors.items()
+             if n not in want and not (n == "lm_head.weight" and arch.tie_word_embeddings)]
     for t in extra[:5]:
         llama_like = t.name.startswith(("model.layers.", "model.embed_tokens", "model.norm", "lm_head"))
         why = "not a tensor of the config's model" if llama_like else \
@@ -396,9 +294,6 @@ def _check_tensors(src: InitSource, arch) -> None:
         if t.dtype not in LOADABLE_DTYPES:
             src.findings.append(_finding("dtype", f"{t.file}: tensor {name} is {t.dtype}", t.file,
                                          expected="F32, BF16 or F16", got=t.dtype))
-        elif t.nbytes != _numel(t.shape) * _DTYPE_BYTES[t.dtype]:
-            src.findings.append(_finding("bad_weights", f"{t.file}: tensor {name}'s offsets span {t.nbytes} bytes,"
-                                         " its shape and dtype need another size", t.file))
     if bad > 10:
         src.findings.append(_finding("shape", f"... and {bad - 10} more tensors of the wrong shape", src.path))
 
@@ -424,29 +319,16 @@ def load_source_weights(path_text: str, arch) -> dict:
     An apr checkpoint's size and SHA-256 are verified; its optimizer state is not loaded (a run
     started from weights begins its own AdamW moments)."""
     import torch
-    from safetensors import safe_open
 
     src = check_source(path_text, arch)
-    want = expected_shapes(arch)
     if src.kind == "apr-lora":
         return _merged_stage(src, arch)
-    if src.kind == "apr":
-
-        state = read_checkpoint(src.checkpoint_json, weights_only=True)
-        return {n: state.tensors[n].to(torch.float32) for n in want}
-    out: dict = {}
-    by_file: dict[Path, list[str]] = {}
-    for n in want:
-        by_file.setdefault(src.tensors[n].file, []).append(n)
-    for file, names in by_file.items():
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for n in names:
-                    out[n] = f.get_tensor(n).to(torch.float32)
-        except Exception as err:  # safetensors raises its own SafetensorError
-            raise InitFromError(f"{file} cannot be read: {err}",
-                                [_finding("bad_weights", f"{file} cannot be read: {err}", file)]) from None
-    return out
+    try:  # the checkpoint the check read (a run folder's newest), now verified
+        weights = open_source(src.checkpoint_json if src.kind == "apr" else src.path)
+        return weights.read(list(expected_shapes(arch)), dtype=torch.float32)
+    except SourceError as err:
+        raise InitFromError(f"model.init_from {path_text}: {err.message}", [_as_init_from(f)
+                                                                           for f in err.findings]) from None
 
 
 def load_into(model, path_text: str) -> None:
@@ -487,7 +369,7 @@ def _merged_stage(src: InitSource, arch) -> dict:
                    f"{base_text} now has {actual}")
         raise InitFromError(message, [_finding("base_changed", message, base_text, expected=str(recorded),
                                                got=actual)])
-    adapters = read_checkpoint(src.checkpoint_json, weights_only=True).tensors
+    adapters = open_source(src.checkpoint_json).read()
     lora = LoraConfig.model_validate(info.config["model"]["lora"])
     return merge(load_source_weights(base_text, arch), adapters, arch, lora)
 
@@ -496,38 +378,12 @@ def source_architecture(path_text: str):
     """The Architecture a weights source holds (a Hugging Face folder's config.json, or an apr
     checkpoint's stored config at its step's depth), read without loading weights: the teacher of
     a distillation. Raises InitFromError (key ``training.distill.teacher``) when it has none."""
-
-    path = resolve(path_text)
     key = "training.distill.teacher"
     try:
-        if path.is_dir() and (path / "config.json").is_file():
-            hf = load_json(path / "config.json", "manifest", "Hugging Face config")
-            problem = family_problem(hf) if isinstance(hf, dict) else ("not a JSON object", "a config.json")
-            if problem is not None:
-                raise ValueError(f"{path / 'config.json'}: {problem[0]} is not a family apr imports (expected "
-                                 f"{problem[1]})")
-            for key, value, want in unsupported_math(hf)[:1]:
-                raise ValueError(unsupported_message(path / "config.json", key, value, want))
-            fields = architecture_fields(hf)
-            fields.setdefault("max_position_embeddings", 2048)
-            return Architecture.model_validate(fields)
-
-        if path.is_dir():
-            entries = [e for e in scan(path) if e.complete]
-            if not entries:
-                raise ValueError(f"{path} holds neither a Hugging Face model (config.json) nor apr checkpoints")
-            json_path = entries[0].json_path
-        elif path.suffix in (".json", ".safetensors"):
-            json_path = path.with_suffix(".json")
-        else:
-            raise ValueError(f"{path_text} is not a folder, a checkpoint .json or .safetensors file")
-        info = read_info(json_path)
-        return _architecture(info.config, info.step)
-    except InputError as err:
-        raise InitFromError(f"{key} {path_text}: {err}", [replace_path(f, key) for f in err.findings]) from None
-    except (ValueError, OSError, KeyError, TypeError) as err:
-        message = f"{key} {path_text}: {err}"
-        raise InitFromError(message, [_finding("teacher", message, path, path=key)]) from None
+        return open_source(resolve(path_text), verify=False).architecture()
+    except SourceError as err:
+        raise InitFromError(f"{key} {path_text}: {err.message}",
+                            [replace_path(f, key) for f in err.findings]) from None
 
 
 def replace_path(f: Finding, key: str) -> Finding:

@@ -81,24 +81,39 @@ class LazyTensors(Mapping):
     """A checkpoint's tensors read when asked, from its weights file or its parts (each file holds
     consecutive rows of every tensor): ``lazy[name]`` is the whole tensor, ``rows(name, start,
     stop)`` reads only the files, and the rows of them, that overlap those rows. A sharded resume
-    reads each rank's rows this way (apr/train/sharded.py), so no process holds the whole model."""
+    reads each rank's rows this way (apr/train/sharded.py), so no process holds the whole model.
+    Names, shapes and dtypes come from the files' headers (torch-free: a plan reads them); the files
+    are mapped with safetensors on the first read. Raises ValueError when the files' headers do not
+    make one set of tensors."""
 
     def __init__(self, paths: list[Path], keep=lambda name: True):
-        from safetensors import safe_open
+        self._paths = list(paths)
+        # bounded and checked before the library maps the file (files.read_safetensors_header)
+        headers = [files.read_safetensors_header(p) for p in self._paths]
+        if len(headers) == 1:  # one file: its tensors as they are (a 0-d one included)
+            shapes = {n: e["shape"] for n, e in headers[0].items() if n != "__metadata__"}
+            dtypes = {n: e["dtype"] for n, e in headers[0].items() if n != "__metadata__"}
+        else:
+            shapes, dtypes, problems = merged_shapes(headers, [p.name for p in self._paths])
+            if problems:
+                raise ValueError("; ".join(problems[:4]))
+        self._names = [n for n in shapes if keep(n)]
+        self._counts = {n: [int(h[n]["shape"][0]) if h[n]["shape"] else 1 for h in headers] for n in self._names}
+        self.shapes: dict[str, tuple] = {n: tuple(int(d) for d in shapes[n]) for n in self._names}
+        self.dtypes: dict[str, str] = {n: str(dtypes[n]) for n in self._names}
+        self._opened: list | None = None
 
-        for p in paths:  # bounded and checked before the library maps the file (files.read_safetensors_header)
-            files.read_safetensors_header(p)
-        self._handles = [safe_open(str(p), framework="pt") for p in paths]
-        self._names = [n for n in self._handles[0].keys() if keep(n)]
-        self._counts: dict[str, list[int]] = {}
-        self.shapes: dict[str, tuple] = {}
-        self.dtypes: dict[str, str] = {}
-        for name in self._names:
-            slices = [h.get_slice(name) for h in self._handles]
-            shapes = [tuple(sl.get_shape()) for sl in slices]
-            self._counts[name] = [sh[0] for sh in shapes]
-            self.shapes[name] = (sum(self._counts[name]), *shapes[0][1:])
-            self.dtypes[name] = slices[0].get_dtype()
+    @property
+    def paths(self) -> list[Path]:
+        return list(self._paths)
+
+    @property
+    def _handles(self) -> list:
+        if self._opened is None:
+            from safetensors import safe_open
+
+            self._opened = [safe_open(str(p), framework="pt") for p in self._paths]
+        return self._opened
 
     def __getitem__(self, name: str):
         import torch

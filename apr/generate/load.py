@@ -1,5 +1,5 @@
-"""Load a model and its tokenizer for inference from a checkpoint, a run directory (its latest
-good checkpoint) or a Hugging Face folder written by ``apr export``.
+"""Load a model and its tokenizer for inference from any weight source apr reads
+(apr/checkpoint/sources.py: a checkpoint, a run directory, a Hugging Face folder, single or sharded).
 
 The weights come back as a float32 ``LlamaForCausalLM`` in eval mode; nothing is unpickled.
 """
@@ -16,10 +16,7 @@ from apr.checkpoint.export import (
     EOS_NAMES,  # end-of-text names, most specific first
     merged_weights,
 )
-from apr.checkpoint.files import read_safetensors_header
-from apr.checkpoint.hf_import import architecture_fields, family_problem, unsupported_math, unsupported_message
-from apr.checkpoint.manager import load_latest, read_checkpoint
-from apr.config.schema import AprConfig, Architecture
+from apr.checkpoint.sources import WeightSource, open_source
 from apr.data.tokenizer import load_tokenizer
 from apr.errors import AprError, Finding
 from apr.readers import check_regular, load_json
@@ -57,25 +54,18 @@ class Loaded:
         return self.model.model.embed_tokens.weight.device
 
 
-def _is_hf_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").is_file() and (path / "model.safetensors").is_file()
-
-
 def load_for_inference(source: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
                        device: str = "cpu", need_tokenizer: bool = True) -> Loaded:
-    """Load ``source``: a checkpoint (.json or .safetensors), a run directory, or a Hugging Face
-    folder. ``tokenizer`` overrides the tokenizer the source names. Without ``need_tokenizer`` a
-    missing tokenizer leaves ``Loaded.tokenizer`` None instead of failing (loss needs only ids)."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise LoadError(f"{path}: no such checkpoint, run directory or Hugging Face folder", [Finding(
-            "error", "generate.not_found", "path does not exist", file=str(path),
-            expected="checkpoint-*.json / .safetensors, a run directory, or an exported HF folder",
-            got="nothing")])
+    """Load ``source``, any weight source apr reads (apr.checkpoint.sources: a checkpoint, a run
+    directory, a Hugging Face folder, single or sharded). ``tokenizer`` overrides the tokenizer the
+    source names. Without ``need_tokenizer`` a missing tokenizer leaves ``Loaded.tokenizer`` None
+    instead of failing (loss needs only ids)."""
+    warnings: list[str] = []
+    src = open_source(source, warn=warnings.append)
     torch_device = _device(device)
-    if _is_hf_dir(path):
-        return _load_hf(path, tokenizer, torch_device, need_tokenizer)
-    return _load_apr(path, tokenizer, torch_device, need_tokenizer)
+    if src.info is None:
+        return _load_hf(src, tokenizer, torch_device, need_tokenizer)
+    return _load_apr(src, tokenizer, torch_device, need_tokenizer, warnings)
 
 
 def _device(device: str):
@@ -109,26 +99,12 @@ def _build(arch, tensors: dict, device, where: Path):
     return model.eval()
 
 
-def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
-
-    warnings: list[str] = []
-    if path.is_dir():
-        state = load_latest(path, warn=warnings.append, weights_only=True)
-        kind = "run"
-    else:
-        state = read_checkpoint(path, weights_only=True)
-        kind = "checkpoint"
-    info = state.info
-    try:
-        config = AprConfig.model_validate(info.config)
-    except Exception as err:  # pydantic ValidationError: a stored config from another apr version
-        raise LoadError(f"{info.json_path}: its stored config does not validate: {err}", [Finding(
-            "error", "generate.config", "stored config does not validate", file=str(info.json_path))]) from None
-    config = stacking.config_at(config, info.step)  # progressive stacking: the depth at that step
-    tensors = state.tensors
+def _load_apr(src: WeightSource, tokenizer, device, need_tokenizer: bool, warnings: list[str]) -> Loaded:
+    info, kind, path = src.info, src.kind, src.path
+    config = src.apr_config()  # progressive stacking: the depth at that step
+    tensors = src.read()
     if config.model.lora is not None:  # a LoRA run: its adapters merged into its base
-
-        tensors = merged_weights({k: v for k, v in tensors.items() if not k.startswith("optimizer.")}, info, config)
+        tensors = merged_weights(tensors, info, config)
     elif stacking.trunk_storage(config):  # a stacking trunk: dequantized, its adapters folded in
         from apr.model.trunk import merged_weights as trunk_merged  # lazy: torchao for NF4 trunks
 
@@ -139,7 +115,7 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
     except LoadError:
         if need_tokenizer or tokenizer is not None:  # a --tokenizer given and unusable is never ignored
             raise
-        return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind=kind, step=state.step,
+        return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind=kind, step=src.step,
                       eos_id=None, config=config, warnings=warnings)
     tok = _open_tokenizer(tok_path, config.model.architecture.vocab_size)
     if tokenizer is not None:
@@ -148,7 +124,7 @@ def _load_apr(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loa
         except LoadError:
             own = None  # the run's own tokenizer is gone: nothing to compare with
         warnings += other_tokenizer_warning(tok_path, own, f"data.tokenizer of {info.json_path.name}")
-    return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind=kind, step=state.step,
+    return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind=kind, step=src.step,
                   eos_id=_eos_id(tok), config=config, warnings=warnings)
 
 
@@ -206,23 +182,11 @@ def _checkpoint_tokenizer(given, config, info) -> Path:
                         file=str(info.json_path), expected="an existing tokenizer.json", got=str(named))])
 
 
-def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
-    from safetensors.torch import load_file
-
-    cfg_path = path / "config.json"
-    doc = load_json(cfg_path, "checkpoint", "Hugging Face config.json", error=LoadError)
-    if not isinstance(doc, dict):
-        raise LoadError(f"{cfg_path}: not a JSON object", [Finding(
-            "error", "generate.hf_config", "not a JSON object", file=str(cfg_path), expected="an object",
-            got=type(doc).__name__)])
-    arch = hf_architecture(doc, cfg_path)
-    try:
-        read_safetensors_header(path / "model.safetensors")  # bounded and checked before the library maps it
-        tensors = load_file(str(path / "model.safetensors"))
-    except Exception as err:  # SafetensorError, or the header check's ValueError
-        raise LoadError(f"{path / 'model.safetensors'} cannot be read: {err}", [Finding(
-            "error", "generate.weights", str(err), file=str(path / "model.safetensors"))]) from None
-    model = _build(arch, tensors, device, path / "model.safetensors")
+def _load_hf(src: WeightSource, tokenizer, device, need_tokenizer: bool = True) -> Loaded:
+    path = src.path
+    arch = src.architecture()  # a bare .safetensors file is refused here: nothing says which model it is
+    doc = src.hf_config()
+    model = _build(arch, src.read(), device, src.files[0] if len(src.files) == 1 else path)
     tok_path = Path(tokenizer).expanduser() if tokenizer is not None else path / "tokenizer.json"
     if not tok_path.is_file() and not need_tokenizer and tokenizer is None:
         return Loaded(model=model, tokenizer=None, tokenizer_path=None, source=path, kind="hf", step=None,
@@ -249,26 +213,6 @@ def _load_hf(path: Path, tokenizer, device, need_tokenizer: bool = True) -> Load
         eos = eos[0] if eos else None
     return Loaded(model=model, tokenizer=tok, tokenizer_path=tok_path, source=path, kind="hf", step=None,
                   eos_id=eos if isinstance(eos, int) else _eos_id(tok), warnings=warnings)
-
-
-def hf_architecture(doc: dict, where: Path):
-    """The Architecture a Hugging Face config.json of a family apr runs describes (either RoPE form)."""
-
-    problem = family_problem(doc) if doc.get("model_type") is not None else None
-    if problem is not None:
-        raise LoadError(f"{where}: {problem[0]} is not a family apr runs", [Finding(
-            "error", "generate.hf_config", "unsupported model type", path="model_type", file=str(where),
-            expected=problem[1], got=problem[0])])
-
-    for key, value, want in unsupported_math(doc)[:1]:
-        raise LoadError(unsupported_message(where, key, value, want), [Finding(
-            "error", "generate.hf_config", f"{key} is not implemented by apr", path=key, file=str(where),
-            expected=want, got=repr(value))])
-    try:
-        return Architecture.model_validate(architecture_fields(doc))
-    except Exception as err:  # pydantic ValidationError
-        raise LoadError(f"{where}: not a Llama config apr can run: {err}", [Finding(
-            "error", "generate.hf_config", str(err).splitlines()[0], file=str(where))]) from None
 
 
 def _open_tokenizer(path: Path, vocab_size: int):

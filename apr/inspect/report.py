@@ -7,12 +7,12 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from apr.checkpoint.sources import WeightSource, open_source
 from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file, probe_writable, write_output
 from apr.generate.load import load_for_inference
 from apr.inspect import draw
 from apr.inspect.attention import AttentionMap, attention_maps
-from apr.inspect.source import WeightSource, open_weights
 from apr.inspect.stats import LayerStats, TensorStats, weight_stats
 from apr.inspect.updates import Updates, compare_weights
 
@@ -111,7 +111,7 @@ def inspect(source: str | Path, other: str | Path | None, options: InspectOption
         if warn is not None:
             warn(message)
 
-    opened = [open_weights(source, _warn)] + ([open_weights(other, _warn)] if other is not None else [])
+    opened = [open_source(s, warn=_warn, show_damaged=True) for s in (source, *([other] if other is not None else []))]
     if not any(options.select(n) for n in opened[0].names):
         raise InspectOptionError(f"no tensor of {opened[0].path} matches --tensor {' '.join(options.tensors)}", [
             Finding("error", "inspect.no_tensor", "no tensor matches", path="--tensor",

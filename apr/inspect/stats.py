@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from apr.inspect.source import WeightSource
+from apr.checkpoint.sources import WeightSource
 
 CHUNK_ELEMENTS = 1 << 22  # 4M elements (16 MiB as float32): the most one read holds
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from apr.inspect.source import WeightSource
+from apr.checkpoint.sources import WeightSource
 from apr.inspect.stats import chunks, layer_of, layer_order
 
 

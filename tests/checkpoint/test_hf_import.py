@@ -250,7 +250,8 @@ def test_hf_keys_that_change_the_math_are_refused_by_every_reader(tmp_path, edit
     logits than transformers) is refused at plan (init_from), by generate and as a distillation teacher,
     each naming the key and its value."""
     from apr.checkpoint.hf_import import source_architecture
-    from apr.generate.load import LoadError, hf_architecture
+    from apr.checkpoint.sources import SourceError
+    from apr.generate.load import load_for_inference
 
     folder = tmp_path / "hf"
     hf_llama(folder)
@@ -263,8 +264,8 @@ def test_hf_keys_that_change_the_math_are_refused_by_every_reader(tmp_path, edit
     found = [f for f in src.findings if f.code == "init_from.architecture" and key in f.got]
     assert found, [f.message for f in src.findings]
     assert repr(doc[key.split(".")[0]]) in found[0].message or key in found[0].message
-    with pytest.raises(LoadError, match=key.replace(".", r"\.")):
-        hf_architecture(doc, cfg_path)
+    with pytest.raises(SourceError, match=key.replace(".", r"\.")):
+        load_for_inference(folder, need_tokenizer=False)
     with pytest.raises(InitFromError, match=key.replace(".", r"\.")):
         source_architecture(str(folder))
 

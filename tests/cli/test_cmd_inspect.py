@@ -44,7 +44,7 @@ def test_two_checkpoints_attention_and_pictures(untrained_lm, tmp_path, monkeypa
 def test_bad_input_exits_1_with_the_reason(untrained_lm, tmp_path):
     a_file = tmp_path / "f"
     a_file.write_text("x")
-    for args, message in [((tmp_path / "nope",), "not a checkpoint (no such file or folder)"),
+    for args, message in [((tmp_path / "nope",), "no such file or folder"),
                           ((untrained_lm.checkpoint, "--tensor", "nothing*"), "no tensor of"),
                           ((untrained_lm.checkpoint, "--prompt", "x " * 300), "the model's context"),
                           ((untrained_lm.checkpoint, "--out", a_file), "is a file; expected a folder"),

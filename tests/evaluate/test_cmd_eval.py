@@ -97,3 +97,16 @@ def test_another_tokenizer_than_the_runs_own_is_warned_about(tiny_lm, tmp_path):
     assert "is not the tokenizer the model was trained with" in r.stderr
     assert hashlib.sha256(other.read_bytes()).hexdigest() in r.stderr
     assert hashlib.sha256(tiny_lm.tokenizer.read_bytes()).hexdigest() in r.stderr
+
+
+def test_a_sharded_hf_folder_scores_what_the_checkpoint_does(tiny_lm, tmp_path):
+    """`apr eval` reads the Hugging Face export re-sharded into 2 files and an index, as every command does."""
+    from tests.generate.tiny_lm import shard_hf
+
+    folder = shard_hf(tiny_lm.hf_dir, tmp_path / "sharded")
+    args = ("--task", "stdlib-nextline", "--limit", "6", "--json")
+    sharded, ckpt = invoke(folder, *args), invoke(tiny_lm.checkpoint, *args)
+    assert sharded.exit_code == 0 and ckpt.exit_code == 0, sharded.output + ckpt.output
+    a, b = json.loads(sharded.stdout), json.loads(ckpt.stdout)
+    assert a["kind"] == "hf" and a["tasks"][0]["examples"] == 6
+    assert a["tasks"][0]["acc"] == b["tasks"][0]["acc"] and a["tasks"][0]["acc_norm"] == b["tasks"][0]["acc_norm"]

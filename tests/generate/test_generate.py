@@ -10,6 +10,7 @@ from apr.errors import AprError
 from apr.generate.generate import GenerateOptions, encode_prompts, generate
 from apr.generate.load import load_for_inference
 from apr.generate.sampling import Sampling
+from tests.generate.tiny_lm import shard_hf
 
 GREEDY = Sampling(temperature=0)
 
@@ -46,6 +47,29 @@ def test_loading_the_hf_export_and_the_run_dir_gives_the_same_text(tiny_lm, load
     for source in (tiny_lm.hf_dir, tiny_lm.run_dir):
         other = load_for_inference(source)
         assert [g.token_ids for g in generate(other, prompts(tiny_lm), opts).generations] == want
+
+
+def test_a_sharded_hf_folder_generates_what_transformers_and_the_checkpoint_do(tiny_lm, loaded, tmp_path,
+                                                                               monkeypatch):
+    """The export re-sharded into 2 files and an index (what save_pretrained writes for a large
+    model): transformers loads it, and apr generates the same tokens from it as from the checkpoint."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    folder = shard_hf(tiny_lm.hf_dir, tmp_path / "sharded")
+    assert not (folder / "model.safetensors").exists() and len(list(folder.glob("model-*.safetensors"))) == 2
+    sharded = load_for_inference(folder)
+    assert sharded.kind == "hf" and sharded.eos_id == loaded.eos_id
+    hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    opts = GenerateOptions(max_new_tokens=16, sampling=GREEDY)
+    ours = [g.token_ids for g in generate(sharded, prompts(tiny_lm), opts).generations]
+    assert ours == [g.token_ids for g in generate(loaded, prompts(tiny_lm), opts).generations]
+    for text, got in zip(prompts(tiny_lm), ours, strict=True):
+        ids = sharded.tokenizer.encode(text).ids
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_new_tokens=16, do_sample=False)
+        assert got == out[0, len(ids):].tolist(), text
 
 
 def test_kv_cache_equals_recomputing_every_position(tiny_lm, loaded):

@@ -116,3 +116,26 @@ def session_tiny_lm(tmp_path_factory) -> TinyLM:
     if "lm" not in _BUILT:
         _BUILT["lm"] = build(tmp_path_factory.mktemp("tiny_lm"))
     return _BUILT["lm"]
+
+
+def shard_hf(folder: Path, out: Path, shards: int = 2) -> Path:
+    """A copy of ``folder`` (an `apr export` Hugging Face folder) with its weights split over
+    ``shards`` files named by a ``model.safetensors.index.json``, as save_pretrained writes a model
+    larger than its max_shard_size."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    names, weight_map = sorted(tensors), {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in names[i::shards]}, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names[i::shards], file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return out

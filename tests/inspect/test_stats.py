@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from apr.checkpoint.sources import open_source  # noqa: E402
 from apr.inspect import stats as stats_mod  # noqa: E402
-from apr.inspect.source import open_weights  # noqa: E402
 from apr.inspect.stats import layer_of, weight_stats  # noqa: E402
 from tests.inspect.conftest import write  # noqa: E402
 
@@ -23,7 +23,7 @@ def test_layer_of_names(name, layer):
 
 def test_statistics_match_torch_and_layers_come_in_model_order(weights_file):
     path, tensors = weights_file
-    layers, per_tensor = weight_stats(open_weights(path), bins=10)
+    layers, per_tensor = weight_stats(open_source(path), bins=10)
     assert [r.layer for r in layers] == ["embed_tokens", "layers.0", "layers.1", "norm"]
     emb = next(t for t in per_tensor if t.name == "model.embed_tokens.weight")
     x = tensors["model.embed_tokens.weight"].double()
@@ -38,9 +38,9 @@ def test_statistics_match_torch_and_layers_come_in_model_order(weights_file):
 
 def test_reads_are_bounded_by_the_chunk_and_change_nothing(weights_file, monkeypatch):
     path, _ = weights_file
-    whole = weight_stats(open_weights(path), bins=8)
+    whole = weight_stats(open_source(path), bins=8)
     monkeypatch.setattr(stats_mod, "CHUNK_ELEMENTS", 64)  # the embedding (400 elements) in 8-row slices
-    source = open_weights(path)
+    source = open_source(path)
     sizes = []
     rows = source.rows
 
@@ -59,6 +59,6 @@ def test_reads_are_bounded_by_the_chunk_and_change_nothing(weights_file, monkeyp
 
 def test_nonfinite_values_are_counted_not_averaged(tmp_path):
     x = torch.tensor([[1.0, float("nan")], [float("inf"), 3.0]])
-    layers, tensors = weight_stats(open_weights(write(tmp_path / "bad.safetensors", {"model.layers.0.w": x})))
+    layers, tensors = weight_stats(open_source(write(tmp_path / "bad.safetensors", {"model.layers.0.w": x})))
     s = tensors[0].stats
     assert s["nonfinite"] == 2 and s["mean"] == 2.0 and s["numel"] == 4 and sum(layers[0].counts) == 2

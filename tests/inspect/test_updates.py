@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from apr.inspect.source import open_weights  # noqa: E402
+from apr.checkpoint.sources import open_source  # noqa: E402
 from apr.inspect.updates import compare_weights  # noqa: E402
 from tests.inspect.conftest import write  # noqa: E402
 
@@ -19,7 +19,7 @@ def test_relative_update_per_layer_and_added_blocks(weights_file, tmp_path):
     after["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"] + delta
     after["model.layers.2.mlp.up_proj.weight"] = torch.zeros(16, 8)  # a block the second stage added
     after["model.norm.weight"] = torch.ones(4)  # another shape: listed, not compared
-    u = compare_weights(open_weights(path), open_weights(write(tmp_path / "after.safetensors", after)))
+    u = compare_weights(open_source(path), open_source(write(tmp_path / "after.safetensors", after)))
     by_layer = {r.layer: r.stats for r in u.layers}
     assert by_layer["layers.0"]["relative_update"] == 0 and by_layer["layers.0"]["cosine"] == pytest.approx(1)
     before_l1 = tensors["model.layers.1.mlp.up_proj.weight"].double()
