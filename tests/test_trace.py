@@ -41,8 +41,8 @@ def _trace(training: dict, world_size: int | None = None, nodes: int = 1, model:
     return run_trace(resolved, plan_rows=memory_table(resolved.config, execution=resolved.execution))
 
 
-def _check(report: dict) -> None:
-    assert 0.95 <= report["plan_peak_bytes"] / report["peak_bytes"] <= 1.05, report
+def _check(report: dict, peak: tuple[float, float] = (0.95, 1.05)) -> None:
+    assert peak[0] <= report["plan_peak_bytes"] / report["peak_bytes"] <= peak[1], report
     for row in report["rows"]:
         if row["plan_bytes"] and row["traced_bytes"]:
             assert 0.9 <= row["plan_bytes"] / row["traced_bytes"] <= 1.1, row
@@ -53,8 +53,11 @@ def _check(report: dict) -> None:
     {"execution": {"activations": "recompute"}},
     {"execution": {"activations": "selective"}},
     {"engine": "standard"},
+    {"engine": "standard", "execution": {"activations": "selective"}},
+    {"engine": "standard", "execution": {"activations": "keep_first:2"}},
     {"execution": {"activations": "keep_first:2"}, "mixed_precision": "fp32"},
-], ids=["interleaved-keep", "interleaved-recompute", "interleaved-selective", "standard", "keep-first-2-fp32"])
+], ids=["interleaved-keep", "interleaved-recompute", "interleaved-selective", "standard", "standard-selective",
+        "standard-keep-first-2", "keep-first-2-fp32"])
 def test_one_process_trace_matches_the_plan(training):
     report = _trace(training)
     _check(report)
@@ -68,6 +71,18 @@ def test_fsdp2_full_on_eight_fake_ranks_matches_the_plan(training):
     report = _trace({"sharding": "full", "world_size": 8, **training}, world_size=8)
     _check(report)
     assert report["world_size"] == 8 and report["sharding"] == "full"
+
+
+@pytest.mark.parametrize(("engine", "world_size"), [("standard", None), ("standard", 8), ("interleaved", 8)],
+                         ids=["autograd", "autograd-fsdp2-full", "walk-fsdp2-full"])
+def test_recompute_trace_matches_the_plans_rows(engine, world_size):
+    # Every row within 10%. The peak is over, never under: the table adds the gradients row, but on
+    # autograd and under FSDP2 (one micro-batch) the peak is at the forward's end, before any gradient
+    # exists, and only a kept graph larger than the gradients offsets them (measured 1.20 on one
+    # process, 1.25-1.26 on 8 fake ranks)
+    sharding = {"sharding": "full", "world_size": world_size} if world_size else {}
+    report = _trace({"engine": engine, "execution": {"activations": "recompute"}, **sharding}, world_size=world_size)
+    _check(report, peak=(1.0, 1.3))
 
 
 def test_hybrid_sharding_two_nodes_of_four_matches_the_plan():

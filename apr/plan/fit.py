@@ -32,7 +32,7 @@ from apr.fmt import format_bytes
 from apr.fsutil import check_output_file, output_write_error, write_output
 from apr.plan import compilefacts
 from apr.plan.facts import calibration_facts
-from apr.plan.memory import memory_table
+from apr.plan.memory import memory_table, step_cost_f
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
 
@@ -238,11 +238,10 @@ def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
                 cfg = _layout_config(config, batch_size=batch, accumulation=per_rank // batch, sharding=sharding,
                                      world_size=world, nodes=nodes, compile=compile)
                 options = []
-                autograd = policy.gradient_source(cfg) == "standard"  # it keeps every graph whatever the policy says
-                for e in [policy.from_config(cfg)] if autograd else policy.candidates(cfg):
+                for e in policy.candidates(cfg):  # every source honours the policy
                     searched += 1
                     peak = sum(r.bytes for r in memory_table(cfg, execution=e)) + extra
-                    options.append((e, peak, policy.step_cost_f(cfg, e)))
+                    options.append((e, peak, step_cost_f(cfg, e)))
                 layouts.append((cfg, options))
 
     # each layout's fastest fitting policy (the plan's own rule: fewest forward-equivalents, then memory),
@@ -318,8 +317,8 @@ def changed_keys(plan, chosen: Candidate, compiles: list[bool]) -> dict:
     out = {}
     autograd = policy.gradient_source(config) == "standard"
     for key, value in chosen.keys.items():
-        if autograd and key in ("training.execution.activations", "training.execution.gradients"):
-            continue  # the standard engine runs no execution policy
+        if autograd and key == "training.execution.gradients":
+            continue  # autograd keeps every gradient whatever the policy says
         if key == "training.execution.compile" and len(compiles) == 1:
             continue  # not searched: left as stated
         if key == "training.sharding" and plan.world_size == 1:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from apr.config.schema import AprConfig
-from apr.model.buffers import buffer_plan, compute_dtype_name, optimizer_state_details, sharded, uses_compute_copy
+from apr.model.buffers import buffer_plan, compute_dtype_name, sharded, uses_compute_copy
 from apr.model.spec import DTYPE_BYTES, block_numel
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
@@ -136,17 +136,21 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
     # with the interleaved engine's compute copy only the weights' compute-dtype gradients remain
     copies = c.block_weight_cast_copies - (1 if _reads_compute_copy(config, execution) else 0)
     weight_casts = copies * block_numel(arch) if str(tr.mixed_precision) != "fp32" else 0
-    recomputed = execution.recomputed_blocks if policy.gradient_source(config) == "interleaved" else 0
+    # FSDP2 holds the head's float32 gradient with the root unit until its reduce-scatter, after the
+    # embedding's backward: through every block's (traced on 8 fake ranks, 2026-11-28)
+    root_grad = (arch.vocab_size * arch.hidden_size * DTYPE_BYTES["float32"]
+                 if sharded(config) and config.model.lora is None else 0)
+    recomputed = execution.recomputed_blocks  # every source honours the policy (Engine.hidden_states)
     if recomputed and execution.rest == "recompute":
-        return int((b * s * per_token + scores + weight_casts) * elt)
+        return int((b * s * per_token + scores + weight_casts) * elt) + root_grad
     if recomputed:  # selective: the matmul and attention outputs are kept, the rest recomputed
         kept = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
                 + c.selective_intermediate_widths * arch.intermediate_size)
-        return int((b * s * (per_token - kept) + scores + weight_casts) * elt)
+        return int((b * s * (per_token - kept) + scores + weight_casts) * elt) + root_grad
     one_graph = policy.gradient_source(config) == "standard" or sharded(config)
     grads = (c.autograd_backward_intermediate_widths if one_graph
              else c.keep_backward_intermediate_widths) * arch.intermediate_size
-    return int((b * s * grads + weight_casts) * elt)
+    return int((b * s * grads + weight_casts) * elt) + root_grad
 
 
 def kept_activation_bytes(config: AprConfig, execution: Execution,
@@ -165,10 +169,6 @@ def kept_activation_bytes(config: AprConfig, execution: Execution,
     # autocast saves its compute-dtype copy of a kept block's weights for the backward, unless the
     # blocks read the interleaved engine's compute copy
     casts = block_numel(arch) * elt if cdt != "float32" and not _reads_compute_copy(config, execution) else 0
-    if policy.gradient_source(config) != "interleaved":
-        # the standard engine is one autograd graph: every block's activations live from the forward
-        # to the backward
-        return int(arch.num_hidden_layers * (b * s * keep + casts))
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * arch.intermediate_size)
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
@@ -198,8 +198,7 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
         entry = sums.setdefault(buf.component, [0, 0])
         entry[0] += buf.nbytes
         entry[1] += 1
-    words = {**DESCRIPTIONS, **optimizer_state_details(config)}  # Lion's, Adafactor's state rows
-    rows = {name: MemoryRow(name, total, "buffer_plan", n, words.get(name, "from the buffer plan"))
+    rows = {name: MemoryRow(name, total, "buffer_plan", n, DESCRIPTIONS.get(name, "from the buffer plan"))
             for name, (total, n) in sums.items()}
     kept = kept_activation_bytes(config, execution, coefficients)
     if _grads_replace_graph(config):
@@ -288,6 +287,14 @@ def coefficients_dict(coefficients: MemoryCoefficients = COEFFICIENTS, device: s
 # ------------------------------------------------------------------------------ execution choice
 
 
+def step_cost_f(config: AprConfig, execution: Execution) -> float:
+    """``steps.execution.step_cost_f``, with autograd's recompute counted: every source honours the
+    activation policy, so a recomputed block costs its forward again on autograd too (without it the
+    plan would rank recompute as free there and pick it as the leanest at the same cost)."""
+    extra = execution.recompute_f() if policy.gradient_source(config) == "standard" else 0.0
+    return policy.step_cost_f(config, execution) + extra
+
+
 def _lean_candidates(config: AprConfig) -> list[Execution]:
     """The leanest policies the config allows: the most blocks recomputed in full, each gradient choice."""
     all_ = policy.candidates(config)
@@ -320,8 +327,8 @@ class ExecutionChoice:
                        policy_cost=policy.fmt_f(self.cost_f))
             if fit is not None:
                 out["fastest_fitting"] = {"activations": fit.activations, "gradients": fit.gradients,
-                                          "cost_f": policy.step_cost_f(config, fit),
-                                          "cost": policy.fmt_f(policy.step_cost_f(config, fit)),
+                                          "cost_f": step_cost_f(config, fit),
+                                          "cost": policy.fmt_f(step_cost_f(config, fit)),
                                           "total_bytes": total_bytes(config, execution=fit)}
         return out
 
@@ -335,7 +342,7 @@ def choose_execution(config: AprConfig, budget_bytes: int | None = None, budget_
     auto = ex.activations == "auto" or str(ex.gradients) == "auto"
 
     def key(e: Execution) -> tuple:
-        return (policy.step_cost_f(config, e), total_bytes(config, coefficients, e))
+        return (step_cost_f(config, e), total_bytes(config, coefficients, e))
 
     ranked = sorted(((key(e), e) for e in policy.candidates(config)), key=lambda t: t[0])
     fits = [e for (_, b), e in ranked if budget_bytes is None or b <= budget_bytes]
@@ -368,7 +375,7 @@ def alternatives(config: AprConfig, chosen: Execution, budget_bytes: int | None,
         seen.add(label)
         total = total_bytes(config, coefficients, e)
         rows.append({"activations": e.activations, "gradients": e.gradients,
-                     "cost_f": policy.step_cost_f(config, e), "total_bytes": total,
+                     "cost_f": step_cost_f(config, e), "total_bytes": total,
                      "fits": None if budget_bytes is None else total <= budget_bytes,
                      "chosen": label == (chosen.activations, chosen.gradients)})
     return sorted(rows, key=lambda r: (r["cost_f"], r["total_bytes"]))
