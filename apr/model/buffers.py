@@ -29,6 +29,7 @@ from apr.model.spec import (
     embed_param_specs,
     group_sizes,
     head_param_specs,
+    optimizer_groups,
     param_count,
     stored_weight_bytes,
 )
@@ -146,10 +147,48 @@ def _params_and_moments(config: AprConfig, groups: list[tuple[str, int]], execut
         cdt = compute_dtype_name(config.training.mixed_precision)
         bufs += [Buffer(f"{name}.compute", "compute_weights", (numel,), cdt) for name, numel in groups
                  if name.startswith("block.")]
-    for name, numel in groups:
-        bufs.append(Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32"))
-        bufs.append(Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32"))
-    return bufs
+    return bufs + _moment_buffers(config, groups)
+
+
+def _moment_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[Buffer]:
+    """The updater's state per group, in the rows ``adamw_m`` / ``adamw_v`` (the checkpoint's
+    ``optimizer.m.`` / ``optimizer.v.``): two fp32 moments (adamw, sgd, swats); Lion one, except on
+    the walk, which allocates both by name (the second stays zero); Adafactor (autograd only) a
+    statistic per row and one per column of each matrix, and a vector's whole second moment."""
+    name_of = str(config.optimizer.name)
+    walk = gradient_source(config) == "interleaved"
+    if name_of == "adafactor" and not walk:
+        rows, cols = _factored_numel(config)
+        return [b for name, _ in groups for b in (Buffer(f"{name}.adafactor_row", "adamw_m", (rows[name],), "float32"),
+                                                  Buffer(f"{name}.adafactor_col", "adamw_v", (cols[name],), "float32"))]
+    out = [Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32") for name, numel in groups]
+    if name_of != "lion" or walk:
+        out += [Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32") for name, numel in groups]
+    return out
+
+
+def _factored_numel(config: AprConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """Per group, Adafactor's row-statistic and column-statistic elements (torch.optim.Adafactor: a
+    matrix ``[..., R, C]`` keeps ``[..., R, 1]`` and ``[..., 1, C]``; a vector its own size, counted
+    with the columns)."""
+    rows: dict[str, int] = {}
+    cols: dict[str, int] = {}
+    for name, specs in optimizer_groups(config):
+        rows[name] = sum(math.prod(p.shape[:-1]) for p in specs if len(p.shape) > 1)
+        cols[name] = sum(math.prod(p.shape[:-2]) * p.shape[-1] if len(p.shape) > 1 else p.numel for p in specs)
+    return rows, cols
+
+
+def optimizer_state_details(config: AprConfig) -> dict[str, str]:
+    """The memory table's words for the optimizer-state rows where they are not AdamW's moments."""
+    name_of = str(config.optimizer.name)
+    if name_of == "lion":
+        return {"adamw_m": "Lion momentum (fp32)",
+                "adamw_v": "unused by Lion: the flat-buffer walk allocates a second moment by name (zeros)"}
+    if name_of == "adafactor":
+        return {"adamw_m": "Adafactor row statistics (fp32, one per matrix row)",
+                "adamw_v": "Adafactor column statistics and vectors' second moments (fp32)"}
+    return {}
 
 
 def walk_buffers(config: AprConfig, execution: Execution | None = None) -> list[Buffer]:

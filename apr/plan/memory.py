@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from apr.config.schema import AprConfig
-from apr.model.buffers import buffer_plan, compute_dtype_name, sharded, uses_compute_copy
+from apr.model.buffers import buffer_plan, compute_dtype_name, optimizer_state_details, sharded, uses_compute_copy
 from apr.model.spec import DTYPE_BYTES, block_numel
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
@@ -198,7 +198,8 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
         entry = sums.setdefault(buf.component, [0, 0])
         entry[0] += buf.nbytes
         entry[1] += 1
-    rows = {name: MemoryRow(name, total, "buffer_plan", n, DESCRIPTIONS.get(name, "from the buffer plan"))
+    words = {**DESCRIPTIONS, **optimizer_state_details(config)}  # Lion's, Adafactor's state rows
+    rows = {name: MemoryRow(name, total, "buffer_plan", n, words.get(name, "from the buffer plan"))
             for name, (total, n) in sums.items()}
     kept = kept_activation_bytes(config, execution, coefficients)
     if _grads_replace_graph(config):
