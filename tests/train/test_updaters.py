@@ -444,3 +444,31 @@ def test_a_run_resumed_from_a_middle_checkpoint_ends_bitwise_equal(name, engine,
     again = load_file(str(other / "run" / "checkpoint-step-4.safetensors"))
     assert set(final) == set(again) and any(k.startswith("optimizer.m.") for k in final)
     assert [k for k in final if not torch.equal(final[k], again[k])] == []
+
+
+@pytest.mark.parametrize(("name", "engine"), [("lion", "interleaved"), ("lion", "standard"),
+                                              ("adafactor", "standard")])
+def test_block_norms_record_lions_update_and_leave_adafactors_out(name, engine):
+    """monitoring.block_norms: Lion's per-block update norm is ||w_new - w_old|| of the step (it
+    cannot be derived from the state after the step as AdamW's is); Adafactor's is not recorded
+    (None), its gradient norms are."""
+    from apr.train.blocknorms import block_metrics
+    from apr.train.build import build_engine
+    from tests.train.tiny import batches
+
+    config = _engine_config(name, engine)
+    eng = build_engine(plan_of(config))
+    data = batches(config, 2, seed=9)
+    eng.train_step([data[0]], lr=1e-2)
+    before = {k: v.clone() for k, v in eng.train_state_tensors().items()}
+    eng.train_step([data[1]], lr=1e-2)
+    after = eng.train_state_tensors()
+    metrics = block_metrics(eng, 1e-2)
+    assert all(g is not None and g > 0 for g in metrics["block_grad_norm"])
+    if name == "adafactor":
+        assert metrics["block_update_norm"] == [None] * 3
+        return
+    for i, recorded in enumerate(metrics["block_update_norm"]):
+        moved = [k for k in after if k.startswith(f"model.layers.{i}.")]
+        expect = sum(float(((after[k] - before[k]) ** 2).sum()) for k in moved) ** 0.5
+        assert recorded == pytest.approx(expect, rel=1e-4)
