@@ -37,8 +37,11 @@ from apr.monitor.view import (
     HistView,
     SparkView,
     block_view,
+    chart_marks,
     eval_bars_view,
     fit_caption,
+    forecast_text,
+    forecast_view,
     gpu_lines,
     grad_view,
     header_view,
@@ -55,6 +58,8 @@ STYLES = {
     "axis": "dim",
     "train": "bold cyan",
     "val": "bold yellow",
+    "steer": "bold magenta",
+    "fork": "bold green",
     "label": "dim",
     "status.waiting": "bold",
     "status.starting": "bold cyan",
@@ -150,20 +155,21 @@ class HeaderBar(Panel):
 
 
 class LossChart(Panel):
-    """Train loss (EMA-smoothed braille line) and val loss (• markers) over steps."""
+    """Train loss (EMA-smoothed braille line) and val loss (• markers) over steps, with a dotted
+    rule at each steer (S) and fork point (F)."""
 
     DEFAULT_CSS = "LossChart { height: 1fr; }"
 
     def build(self, width: int, height: int) -> Text:
         if self.value is None:
             return Text("no loss recorded yet", style="dim")
-        train, val, window, log_y = self.value  # type: ignore[misc]
+        train, val, window, log_y, marks = self.value  # type: ignore[misc]
         series = []
         if train:
             series.append(Series(ema(train, window), "train"))
         if val:
             series.append(Series(val, "val", marker="•"))
-        rows, _ = line_chart(series, width, height, log_y)
+        rows, _ = line_chart(series, width, height, log_y, marks)
         if not rows:
             return Text("no loss recorded yet", style="dim")
         text = Text()
@@ -573,10 +579,10 @@ class MonitorApp(App[None]):
             return
         train, val = state["loss_history"], state["val_loss_history"]
         log_used = self.log_scale and all(v > 0 for _, v in (*train, *val))
-        chart.border_subtitle = (
-            "log" if log_used else ("linear (log needs loss > 0)" if self.log_scale else "linear")
-        )
-        chart.set_value((train, val, window, log_used))
+        scale = "log" if log_used else ("linear (log needs loss > 0)" if self.log_scale else "linear")
+        ahead = forecast_view(state)
+        chart.border_subtitle = scale if ahead is None else f"{forecast_text(ahead)} · {scale}"
+        chart.set_value((train, val, window, log_used, chart_marks(state)))
 
     def _ema_window(self, state: dict | None) -> int:
         state = state or {}

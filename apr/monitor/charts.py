@@ -92,19 +92,30 @@ def _line(x0: int, y0: int, x1: int, y1: int):
             y0 += sy
 
 
+@dataclass(frozen=True)
+class Mark:
+    """A vertical marker at step ``x`` (a steer, a fork point): ``label`` in the plot's top row and a
+    dotted rule below it through the cells no curve uses."""
+
+    x: float
+    label: str
+    style: str | None = None
+
+
 def line_chart(
-    series: Sequence[Series], width: int, height: int, log_y: bool = False
+    series: Sequence[Series], width: int, height: int, log_y: bool = False, marks: Sequence[Mark] = ()
 ) -> tuple[list[list[Run]], bool]:
     """Rows of a chart ``width`` x ``height`` cells: a y-axis gutter with 3 labels, the plot, and
     a bottom axis row with the first and last x. Returns (rows, log_used): log scale is used only
-    when asked and every y is positive. With no points, returns an empty list."""
+    when asked and every y is positive. With no points, returns an empty list. ``marks`` widen the
+    x range to hold them."""
     pts = [p for s in series for p in s.points]
     if not pts or width < 12 or height < 3:
         return [], False
     log_used = log_y and all(y > 0 for _, y in pts)
     tf = math.log10 if log_used else (lambda v: v)
     ys = [tf(y) for _, y in pts]
-    xs = [x for x, _ in pts]
+    xs = [x for x, _ in pts] + [m.x for m in marks]
     y_lo, y_hi = min(ys), max(ys)
     if y_hi - y_lo < 1e-12:
         pad = abs(y_hi) * 0.05 or 1.0
@@ -149,6 +160,13 @@ def line_chart(
                 row, col = dy // 4, dx // 2
                 bits[row][col] |= _DOT_BITS[dx % 2][dy % 4]
                 bit_style[row][col] = s.style
+    for m in marks:
+        col = to_dot(m.x, untf(y_hi))[0] // 2
+        for r in range(plot_h):
+            if r == 0:
+                markers[(r, col)] = (m.label[:1], m.style)
+            elif (r, col) not in markers and not bits[r][col]:
+                markers[(r, col)] = ("┊", m.style)
 
     rows: list[list[Run]] = []
     for r in range(plot_h):

@@ -5,11 +5,13 @@ Every object has the same shape (``format_version`` "1")::
     {"format_version": "1", "run_dir": "...", "status": "running" | "stale" | ... | null,
      "stale": false, "heartbeat_age_s": 1.2, "stale_after_s": 30.0,
      "problem": null | {"kind": "missing" | "unreadable" | "malformed" | "unsupported", "message": "..."},
-     "missing_fields": [], "state": {... training_state.json as written ...} | null}
+     "missing_fields": [], "state": {... training_state.json as written ...} | null,
+     "forecast": null | {"step", "loss", "low", "high", "floor", "scale", "alpha", "points", "last_step"}}
 
 ``status`` is the recorded status, "dead" when an active run of this host has lost its trainer
 process, or "stale" when an active run's heartbeat is older than ``stale_after_s``; it is null
-exactly when ``state`` is null (then ``problem`` says why).
+exactly when ``state`` is null (then ``problem`` says why). ``forecast`` is the final validation loss
+forecast from the state's validations (apr/monitor/view.py ``forecast_view``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from apr.monitor.state import (
     read_once,
     stale_threshold,
 )
+from apr.monitor.view import forecast_view
 
 FORMAT_VERSION = "1"
 
@@ -57,6 +60,7 @@ def monitor_record(
         "problem": None if reading.ok else {"kind": reading.kind, "message": reading.problem},
         "missing_fields": list(reading.missing_fields),
         "state": raw,
+        "forecast": forecast_view(state),
     }
 
 

@@ -7,6 +7,7 @@ only when that value changed, which is what keeps the dashboard cheap over a slo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from apr.fmt import (
     DASH,
@@ -18,6 +19,7 @@ from apr.fmt import (
     fmt_percent,
     fmt_sci,
 )
+from apr.monitor.charts import Mark
 from apr.monitor.state import Reading, heartbeat_age, num
 from apr.severity import SEVERITIES, count_by_severity, severity_of
 
@@ -114,6 +116,48 @@ def stats_lines(state: dict | None, show_eta: bool = True) -> tuple[tuple[str, s
         rows.append(("eval", "  ".join(f"{name} {fmt_percent(s.get('acc'))}" for name, s in state["evals"].items())))
     rows.append(("ckpt", checkpoint_text(state)))
     return tuple(rows)
+
+
+# A loss-chart mark per event kind: the letter in the plot's top row and its style (apr train steer, fork)
+MARKED_EVENTS = {"steer": ("S", "steer"), "fork": ("F", "fork")}
+
+
+def chart_marks(state: dict | None) -> tuple[Mark, ...]:
+    """The loss chart's vertical marks: each steer (``S``, at the step it was applied) and a fork's
+    start (``F``, at the parent's step it started from), from the state's events."""
+    out = []
+    for event in (state or {}).get("events") or []:
+        mark = MARKED_EVENTS.get(event.get("kind"))
+        if mark is not None and event.get("step") is not None:
+            out.append(Mark(float(event["step"]), *mark))
+    return tuple(out)
+
+
+def forecast_view(state: dict | None) -> dict | None:
+    """The final validation loss forecast (apr/track/forecast.py) from the state's validation
+    history: ``{"step", "loss", "low", "high", ...}``, or None before 4 validations, for a curve no
+    law fits, or once the run is at its last step."""
+    if state is None:
+        return None
+    total, step, history = num(state.get("total_steps")), num(state.get("step")), state.get("val_loss_history")
+    if not total or not history or len(history) < 4 or (step is not None and step >= total):
+        return None
+    return _forecast(tuple(history), int(total))
+
+
+@lru_cache(maxsize=16)
+def _forecast(history: tuple[tuple[int, float], ...], total_steps: int) -> dict | None:
+    """Fitted once per validation history (each refresh asks again)."""
+    from apr.track.forecast import forecast
+
+    predicted = forecast(list(history), total_steps)
+    return None if predicted is None else predicted.to_dict()
+
+
+def forecast_text(ahead: dict) -> str:
+    """'val forecast 2.190 ±0.040': the val loss forecast for the run's last step and its band's half
+    width (the band is symmetric); the loss chart's border shows it."""
+    return f"val forecast {ahead['loss']:.3f} ±{(ahead['high'] - ahead['low']) / 2:.3f}"
 
 
 def cost_text(cost: dict) -> str:
@@ -351,7 +395,7 @@ def alert_lines(alerts: list[dict]) -> list[tuple[str, str]]:
 
 # Events that report the run's course rather than a problem (data stages, stacking, distillation,
 # orchestration's decisions: apr/train/orchestrator.py).
-INFO_EVENTS = ("stage", "stack", "distill", "strategy", "decision", "branch", "switch", "nowcast")
+INFO_EVENTS = ("stage", "stack", "distill", "strategy", "decision", "branch", "switch", "nowcast", "steer", "fork")
 
 
 def current_strategy(events: list[dict]) -> str | None:

@@ -14,7 +14,6 @@ from pathlib import Path
 from apr.errors import AprError, Finding
 from apr.severity import count_by_severity
 from apr.track import store
-from apr.track.forecast import forecast
 from apr.track.liveness import trainer_alive
 from apr.track.names import global_db_path, validate_experiment, validate_run_id
 from apr.track.state import ACTIVE_STATUSES, STATUSES, is_stale
@@ -286,7 +285,9 @@ def show_run(
             "events": store.events(conn, full_id),
             "parent": parent,  # ``apr train fork``: the run and step this run started from, else None
         }
-        # the final validation loss forecast from the curve so far (apr/track/forecast.py)
+        # the final validation loss forecast from the curve so far (numpy: not for `apr runs ls`)
+        from apr.track.forecast import forecast
+
         predicted = forecast(store.metric_series(conn, full_id, "val_loss"), int(row.get("total_steps") or 0))
         detail["forecast"] = None if predicted is None else predicted.to_dict()
     except (sqlite3.Error, DamagedStore) as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -122,11 +123,11 @@ def test_keys_pause_scale_help_and_quit(tmp_path):
 
     async def body(pilot):
         chart = app.query_one("#loss")
-        assert chart.border_subtitle == "linear"
+        assert chart.border_subtitle.endswith(" · linear")  # after the val forecast (12 validations)
         await pilot.press("l")
-        assert chart.border_subtitle == "log" and app.log_scale
+        assert chart.border_subtitle.endswith(" · log") and app.log_scale
         await pilot.press("l")
-        assert chart.border_subtitle == "linear"
+        assert chart.border_subtitle.endswith(" · linear")
 
         await pilot.press("p")
         assert app.paused and "[paused] ● RUNNING" in text(app, "#header")
@@ -369,3 +370,32 @@ def test_a_run_whose_trainer_was_killed_shows_dead_with_the_reason(tmp_path):
         assert "is gone without recording an end" in text(app, "#messages")
 
     drive(app, body, size=(120, 40))
+
+
+def test_steers_and_a_fork_point_are_marked_on_the_loss_chart_and_the_forecast_shown(tmp_path):
+    run = tmp_path / "run"
+    path = copy_fixture("mid_run", run)
+    state = json.loads(path.read_text())
+    state["events"] = [
+        {"time": state["heartbeat"], "step": 4000, "kind": "fork", "message": "forked from run p at step 4000",
+         "detail": {"parent": {"run_id": "p", "step": 4000}}},
+        {"time": state["heartbeat"], "step": 9000, "kind": "steer", "message": "steer: lr_factor=0.5",
+         "detail": {"lr_factor": 0.5}},
+    ]
+    path.write_text(json.dumps(state))
+    app = MonitorApp(run, settings=MonitorSettings(), clock=fixed_clock)
+
+    async def body(pilot):
+        top = text(app, "#loss").splitlines()[0]
+        assert top.count("S") == 1 and top.count("F") == 1 and top.index("F") < top.index("S")
+        assert "┊" in text(app, "#loss")
+        assert re.fullmatch(r"val forecast \d\.\d{3} ±\d\.\d{3} · linear", app.query_one("#loss").border_subtitle)
+        assert "step 9,000 steer: lr_factor=0.5" in text(app, "#messages")
+
+    drive(app, body, (120, 40))
+    plain = fixture_app("mid_run")
+
+    async def unmarked(pilot):
+        assert "┊" not in text(plain, "#loss")
+
+    drive(plain, unmarked, (120, 40))

@@ -134,3 +134,25 @@ def test_axis_labels(value, text):
 
 def test_step_labels():
     assert step_label(12_847) == "12.8K" and step_label(7) == "7" and step_label(2_500_000) == "2.5M"
+
+
+def test_a_mark_draws_its_letter_on_top_and_a_dotted_rule_where_no_curve_is():
+    from apr.monitor.charts import Mark
+
+    rows, _ = line_chart([Series([(0, 5.0), (100, 1.0)], "train")], 30, 6, marks=[Mark(50, "S", "steer")])
+    lines = _text(rows)
+    col = lines[0].index("S")
+    assert [ln[col] for ln in lines[1:-1]].count("┊") >= 3  # the rule, except where the curve crosses it
+    assert all("S" not in ln for ln in lines[1:])
+    assert any(s == "steer" for t, s in rows[0] if t == "S")
+    left = lines[0].index("┤") + 1  # the plot's first column
+    assert abs((col - left) - (len(lines[0]) - left) / 2) <= 1  # step 50 of 0..100: the middle
+
+
+def test_a_mark_outside_the_curve_widens_the_x_range():
+    from apr.monitor.charts import Mark
+
+    rows, _ = line_chart([Series([(51, 5.0), (100, 1.0)], "train")], 30, 6, marks=[Mark(50, "F", "fork")])
+    lines = _text(rows)
+    assert lines[-1].split("└")[1].startswith("50")  # the axis starts at the fork step
+    assert lines[0][lines[0].index("┤") + 1] == "F"  # at the plot's left edge

@@ -16,7 +16,7 @@ from apr.monitor.jsonmon import FORMAT_VERSION, follow, snapshot
 from .conftest import FIXTURE_NOW, FIXTURES, copy_fixture, make_registry
 
 RECORD_KEYS = {"format_version", "run_dir", "status", "stale", "heartbeat_age_s", "stale_after_s", "problem",
-               "missing_fields", "state"}
+               "missing_fields", "state", "forecast"}
 runner = CliRunner()
 
 
@@ -32,6 +32,16 @@ def test_snapshot_of_each_recorded_state(name, status):
     on_disk = json.loads((FIXTURES / name / "training_state.json").read_text())
     assert doc["state"] == on_disk  # the file as written, not the monitor's normalised copy
     assert doc["heartbeat_age_s"] == pytest.approx(FIXTURE_NOW - on_disk["heartbeat"])
+
+
+def test_the_forecast_needs_four_validations_and_a_run_not_yet_at_its_end():
+    mid = snapshot(FIXTURES / "mid_run", now=FIXTURE_NOW, include_history=False)
+    state = json.loads((FIXTURES / "mid_run" / "training_state.json").read_text())
+    f = mid["forecast"]
+    assert f["step"] == state["total_steps"] and f["points"] == len(state["val_loss_history"])
+    assert f["low"] < f["loss"] < f["high"] and f["loss"] < state["val_loss"]  # the val curve still falls
+    assert snapshot(FIXTURES / "failed", now=FIXTURE_NOW)["forecast"] is None  # 3 validations
+    assert snapshot(FIXTURES / "finished", now=FIXTURE_NOW)["forecast"] is None  # at its last step
 
 
 def test_snapshot_without_histories_and_of_a_missing_state(run_dir):

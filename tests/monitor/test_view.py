@@ -80,3 +80,32 @@ def test_a_spark_caption_keeps_max_whole_in_a_narrow_panel():
         assert len(two) == 2 and all(len(line) <= 20 for line in two)
         assert " ".join(two).split() == view.caption.split()
     assert fit_caption("now 1  max 2", 80) == "now 1  max 2"
+
+
+def test_the_forecast_final_val_loss_with_its_band_from_the_validation_history():
+    from apr.monitor.state import normalize
+    from apr.monitor.view import forecast_text, forecast_view
+
+    history = [[s, 2.0 + 6.0 * s ** -0.5] for s in (100, 200, 300, 400, 500)]
+    base = {"status": "running", "step": 500, "total_steps": 2000, "heartbeat": 1.0}
+    state, _ = normalize({**base, "val_loss_history": history})
+    ahead = forecast_view(state)
+    assert ahead["step"] == 2000 and abs(ahead["loss"] - (2.0 + 6.0 * 2000 ** -0.5)) < 1e-3
+    half = (ahead["high"] - ahead["low"]) / 2
+    assert forecast_text(ahead) == f"val forecast {ahead['loss']:.3f} ±{half:.3f}"
+    state, _ = normalize({**base, "val_loss_history": history[:3]})
+    assert forecast_view(state) is None  # 3 validations: too few for a forecast
+    state, _ = normalize({**base, "step": 2000, "val_loss_history": history})
+    assert forecast_view(state) is None  # at its last step: nothing left to forecast
+
+
+def test_steer_and_fork_events_become_chart_marks_other_events_do_not():
+    from apr.monitor.state import normalize
+    from apr.monitor.view import chart_marks
+
+    events = [{"time": 1.0, "step": 10, "kind": "fork", "message": "m"},
+              {"time": 2.0, "step": 30, "kind": "steer", "message": "m"},
+              {"time": 3.0, "step": 40, "kind": "steer_rejected", "message": "m"},
+              {"time": 4.0, "step": 50, "kind": "rollback", "message": "m"}]
+    state, _ = normalize({"status": "running", "step": 60, "heartbeat": 1.0, "events": events})
+    assert [(m.x, m.label, m.style) for m in chart_marks(state)] == [(10.0, "F", "fork"), (30.0, "S", "steer")]
