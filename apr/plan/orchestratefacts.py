@@ -62,6 +62,10 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
                 "flat-buffer walk (training.engine: interleaved) hands the updater each group's flat buffer, "
                 "without the matrices' shapes", "training.engine: standard, or another optimizer",
                 f"adafactor with training.engine: {tr.engine}")
+    for key in sorted(k for k in config.optimizer.model_fields_set if k.startswith("adafactor_")):
+        if optimizer != "adafactor":  # accepted, then ignored, would be silent
+            finding(("optimizer", key), f"optimizer.{key} applies to adafactor only; the run's optimizer is "
+                    f"{optimizer}", "optimizer.name: adafactor, or no adafactor_ keys", f"{key} with {optimizer}")
     if not orch.enabled:
         return out
     if str(config.optimizer.name) != "adamw":

@@ -472,3 +472,18 @@ def test_block_norms_record_lions_update_and_leave_adafactors_out(name, engine):
         moved = [k for k in after if k.startswith(f"model.layers.{i}.")]
         expect = sum(float(((after[k] - before[k]) ** 2).sum()) for k in moved) ** 0.5
         assert recorded == pytest.approx(expect, rel=1e-4)
+
+
+def test_validate_refuses_adafactor_keys_for_another_optimizer(tmp_path):
+    from apr.config.loader import load_config
+    from apr.plan.orchestratefacts import orchestrator_findings
+
+    path = tmp_path / "cfg.yaml"
+    doc = {**make_config().model_dump(mode="json", exclude_unset=True),
+           "optimizer": {"name": "lion", "adafactor_eps2": 1e-2}}
+    path.write_text(to_yaml(doc))
+    (refusal,) = [f for f in orchestrator_findings(load_config(path), 10) if f.path.startswith("optimizer.")]
+    assert refusal.severity == "error" and refusal.path == "optimizer.adafactor_eps2" and "lion" in refusal.message
+    path.write_text(to_yaml({**doc, "optimizer": {"name": "adafactor", "adafactor_eps2": 1e-2},
+                             "training": {**doc["training"], "engine": "standard"}}))
+    assert [f for f in orchestrator_findings(load_config(path), 10) if f.path.startswith("optimizer.")] == []
