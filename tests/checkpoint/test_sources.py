@@ -180,3 +180,27 @@ def test_a_damaged_checkpoint_is_refused_unless_shown_with_a_warning(untrained_l
         open_source(run, warn=said.append)
     assert "SHA-256" in err.value.findings[0].message and "SHA-256" in said[-1] and len(said) == 2
     assert open_source(named, verify=False).step == untrained_lm.steps  # headers only: what a plan reads
+
+
+def test_every_command_page_names_the_same_sources_and_the_refusals_are_documented():
+    """One list of sources in every command's page, and one table row per refusal the reader raises."""
+    import re
+    from pathlib import Path
+
+    import apr.checkpoint.sources as sources_module
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    listed = ("an apr checkpoint (`checkpoint-step-N.json`, its `.safetensors` or a part file), a run directory "
+              "(its newest usable checkpoint) or a Hugging Face folder (`model.safetensors`, or the shards of a "
+              "`model.safetensors.index.json`)")
+    for page in ("generate.md", "eval.md", "inspect.md", "profile.md"):
+        assert listed in " ".join((docs / page).read_text().split()), page
+    assert "checkpoints.md#weight-sources-what-every-command-reads" in (docs / "finetuning.md").read_text()
+    text = (docs / "checkpoints.md").read_text()
+    section = text[text.index("## Weight sources"):text.index("## Changing the config on resume")]
+    code = Path(sources_module.__file__).read_text()
+    raised = set(re.findall(r'_refuse\([^,]+, "(\w+)"', code)) | set(re.findall(r'"source\.(\w+)"', code))
+    documented = set(re.findall(r"`source\.(\w+)`", section))
+    assert raised == documented
+    kinds = set(re.findall(r"^\| [^|]+ \| `(\w+)` \|", section, re.M))
+    assert kinds == {"checkpoint", "run", "hf", "safetensors"}
