@@ -1176,6 +1176,9 @@ class MonitoringConfig(_Section):
     block_norms: Bool = Field(True, description="Record each block's gradient and update norm (and the "
                               "embedding's and head's) at every log step: block_grad_norm, block_update_norm, ... "
                               "in the stores, training_state.json, alert conditions and the monitor (docs/monitor.md).")
+    csv_log: Bool = Field(False, description="Write <output_dir>/metrics.csv as the run goes: one row per logged "
+                          "or validated step (step, loss, val_loss, lr, grad_norm, tokens_per_s, tokens_seen, epoch); "
+                          "a resume continues it without repeating a step (docs/runs.md).")
     drift_after_steps: NonNegCount = Field(
         20, description="Compare the run with its plan after this many steps (step time, tokens/s, peak memory on "
         "a GPU): drift_* in training_state.json, the stores and alert conditions (docs/monitor.md); 0 disables.")

@@ -14,6 +14,7 @@ from apr.fsutil import atomic_write_json, atomic_write_text
 from apr.model.spec import param_count
 from apr.track.protocol import NullRecorder
 from apr.track.recorder import RunRecorder
+from apr.train.csvlog import CsvLog, refuse_foreign_csv
 from apr.train.outdir import RESOLVED_CONFIG, RESOLVED_CONFIG_HEADER
 from apr.train.stop import Stop
 
@@ -185,6 +186,8 @@ def open_recorder(run):
     if not run.is_main:
         return NullRecorder(run.run_id)
     run.run_dir.mkdir(parents=True, exist_ok=True)
+    if run.config.monitoring.csv_log:  # a metrics.csv of the user's: refused before anything is written
+        refuse_foreign_csv(run.run_dir)
     buf = io.StringIO()
     yaml = YAML()
     yaml.default_flow_style = False
@@ -193,10 +196,11 @@ def open_recorder(run):
                       f"{RESOLVED_CONFIG_HEADER} (from {run.config_path}); hash {run.config_hash}\n" + buf.getvalue())
     if run.plan_doc is not None:
         atomic_write_json(run.run_dir / "plan.json", run.plan_doc)
-    return RunRecorder(run.run_dir, run.config, config_hash=run.config_hash, total_steps=run.total_steps,
-                       tokens_per_step=run.tokens_per_step, run_id=run.run_id, apr_home=run.options.apr_home,
-                       config_path=str(run.config_path), model_params=param_count(run.config.model.architecture),
-                       plan=run.plan_doc)
+    recorder = RunRecorder(run.run_dir, run.config, config_hash=run.config_hash, total_steps=run.total_steps,
+                           tokens_per_step=run.tokens_per_step, run_id=run.run_id, apr_home=run.options.apr_home,
+                           config_path=str(run.config_path), model_params=param_count(run.config.model.architecture),
+                           plan=run.plan_doc)
+    return CsvLog(recorder, run.run_dir) if run.config.monitoring.csv_log else recorder  # metrics.csv
 
 
 def validated_initially(run, recorder) -> None:
