@@ -8,6 +8,8 @@ head weight's gradient. The full ``[batch, seq, vocab]`` logits are never built.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from apr.kernels import get_backend
@@ -20,6 +22,33 @@ def _compute_dtype(device: torch.device, compute_dtype: torch.dtype | None) -> t
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return torch.float32
+
+
+# ``capture_row_losses``: where each training loss call adds its rows' summed cross-entropy (None: off)
+_row_sink: list[torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def capture_row_losses():
+    """Inside, every training loss over the head (``linear_cross_entropy_fwd_bwd``, and the
+    differentiable ``linear_cross_entropy``, which calls it) appends to the yielded list one float32
+    tensor ``[batch]`` on the device: each row's cross-entropy summed over its positions, with the
+    same formula as the torch backend's, taken from the chunk's logits before the backend overwrites
+    them with their gradient; the loss and the gradients are untouched. For ``apr runs blame``
+    (apr/train/blame.py), at logged steps only: it costs one logsumexp over each chunk's logits."""
+    global _row_sink
+    outer, _row_sink = _row_sink, []
+    try:
+        yield _row_sink
+    finally:
+        _row_sink = outer
+
+
+def _position_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Each position's cross-entropy (0 where ignored), float32, without touching ``logits``."""
+    valid = targets != ignore_index
+    picked = logits.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
+    return torch.where(valid, torch.logsumexp(logits, dim=-1) - picked, 0.0)
 
 
 def _chunks(seq_len: int, chunk_size: int):
@@ -50,11 +79,14 @@ def linear_cross_entropy_fwd_bwd(
     w = weight.detach().to(cdt)
     grad_hidden = torch.empty_like(hidden)
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    rows = None if _row_sink is None else torch.zeros(b, dtype=torch.float32, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         for start, end in _chunks(s, chunk_size):
             h_chunk = hidden[:, start:end].reshape(-1, h).to(cdt)
             logits = (h_chunk @ w.t()).float()
             t_chunk = targets[:, start:end].reshape(-1)
+            if rows is not None:  # before the backend turns the logits into their gradient
+                rows += _position_losses(logits, t_chunk).view(b, end - start).sum(dim=1)
             loss_sum += backend.cross_entropy_fwd_bwd(logits, t_chunk, grad_scale=grad_scale)
             d_logits = logits.to(cdt)
             grad_hidden[:, start:end] = (d_logits @ w).view(b, end - start, h).to(hidden.dtype)
@@ -63,6 +95,8 @@ def linear_cross_entropy_fwd_bwd(
                     grad_weight.addmm_(d_logits.t(), h_chunk)
                 else:
                     grad_weight.add_(d_logits.t() @ h_chunk)
+    if rows is not None and _row_sink is not None:
+        _row_sink.append(rows)
     return loss_sum, grad_hidden
 
 

@@ -167,12 +167,16 @@ class _Sink:
         self.retry_at = 0.0
 
     def add(self, metrics: list, status: list, alerts: list, artifacts: list, events: list = (),
-            rewind: int | None = None) -> None:
+            rewind: int | None = None, row_losses: list = ()) -> None:
         p = self.pending
         if rewind is not None:  # rows of the abandoned steps still pending are dropped with the stored ones
             p.metrics = [m for m in p.metrics if m[1] <= rewind]
+            p.row_losses = [r for r in p.row_losses if r[1] <= rewind]
             p.rewind = rewind if p.rewind is None else min(p.rewind, rewind)
         p.metrics.extend(metrics)
+        p.row_losses.extend(row_losses)
+        if len(p.row_losses) > MAX_PENDING_ROWS:  # a store that keeps failing: the oldest steps' rows go
+            del p.row_losses[: len(p.row_losses) - MAX_PENDING_ROWS]
         p.events.extend(events)
         p.status.extend(status)
         p.alerts.extend(alerts)
@@ -301,6 +305,7 @@ class RunRecorder:
         self._out_status: list[tuple] = [(self.run_id, "starting", None, now)]
         self._out_alerts: list[tuple] = []
         self._out_events: list[tuple] = []
+        self._out_row_losses: list[tuple] = []  # apr runs blame: written to the local store only
         self._rewind: int | None = None  # a rollback's step, applied to the stores before newer rows
         self._out_artifacts: list[tuple] = []  # (path, kind, step, time) hashed by the worker
 
@@ -559,6 +564,15 @@ class RunRecorder:
             self._update_clock(now)
         self._request(state=True, db=True)
 
+    def log_row_losses(self, step: int, rows: list[dict]) -> None:
+        """Each training row's loss at a logged step (apr/train/blame.py), for ``apr runs blame``: the
+        local store's ``row_losses`` table only (the registry stays small); nothing in the state file."""
+        with self._lock:
+            self._out_row_losses.extend(
+                (self.run_id, int(step), r.get("micro_batch"), r.get("index"), r.get("source"), r.get("shard"),
+                 r.get("row"), _num(r.get("loss"))) for r in rows)
+        self._request(db=True)
+
     def log_mixture(self, step: int, mixture: dict) -> None:
         """A data mixture's progress (apr/data/mixloader.py ``figures``): the state's ``mixture``
         (stage, and per source tokens, rows, epochs and the last val loss) and metric rows
@@ -590,6 +604,7 @@ class RunRecorder:
             self.state.drop_events_after(step)
             self._out_metrics = [m for m in self._out_metrics if m[1] <= step]
             self._out_events = [e for e in self._out_events if not (e[3] == "bad_step" and e[1] > step)]
+            self._out_row_losses = [r for r in self._out_row_losses if r[1] <= step]
             self._rewind = step if self._rewind is None else min(self._rewind, step)
             self.state["step"] = step
             self.state["tokens_seen"] = step * self.tokens_per_step
@@ -776,6 +791,7 @@ class RunRecorder:
                 status, self._out_status = self._out_status, []
                 alerts, self._out_alerts = self._out_alerts, []
                 events, self._out_events = self._out_events, []
+                row_losses, self._out_row_losses = self._out_row_losses, []
                 rewind, self._rewind = self._rewind, None
                 artifact_reqs, self._out_artifacts = self._out_artifacts, []
                 run = self._run_row()
@@ -786,7 +802,8 @@ class RunRecorder:
                 artifacts.extend(_checkpoint_artifacts(self.run_id, path, kind, step, t))
             register = {"params": self._params(), "resume_step": self._resume_step}
             for sink in self._sinks:
-                sink.add(metrics, status, alerts, artifacts, events, rewind)
+                sink.add(metrics, status, alerts, artifacts, events, rewind,
+                         row_losses if sink.label == "local" else ())
                 warning = sink.sync(run, register, force, now)
                 if warning:
                     self._warn(warning)

@@ -21,7 +21,7 @@ from apr.errors import AprError, Finding
 from apr.readers import InputError, check_regular
 from apr.severity import severity_of
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 HISTOGRAMS_EVENT = "histograms"  # the events kind of per-layer histograms (recorder.log_histograms)
 BUSY_TIMEOUT_S = 5.0
 
@@ -128,8 +128,19 @@ def _migration_4(db) -> None:
     db.conn.execute("ALTER TABLE alerts ADD COLUMN severity TEXT")
 
 
+def _migration_5(db) -> None:
+    """Each training row's loss at each logged step (``apr runs blame``; the local store only)."""
+    db["row_losses"].create(
+        {"run_id": str, "step": int, "micro_batch": int, "data_index": int, "source": str, "shard": str, "row": int,
+         "loss": float},
+        not_null=["run_id", "step"],
+        foreign_keys=[("run_id", "runs", "id")],
+    )
+    db["row_losses"].create_index(["run_id", "step"], index_name="row_losses_run_step")
+
+
 # version -> function bringing a store from version-1 to version. Never edit a shipped migration.
-MIGRATIONS = {1: _migration_1, 2: _migration_2, 3: _migration_3, 4: _migration_4}
+MIGRATIONS = {1: _migration_1, 2: _migration_2, 3: _migration_3, 4: _migration_4, 5: _migration_5}
 
 
 def _read_version(conn: sqlite3.Connection) -> int:
@@ -219,9 +230,11 @@ def untyped(value: Any, kind: str) -> Any:
 
 
 def _drop_bad_steps_after(conn: sqlite3.Connection, run_id: str, step: int) -> None:
-    """The steps after ``step`` are trained again: their bad_step events and histograms go (rollbacks stay)."""
+    """The steps after ``step`` are trained again: their bad_step events, histograms and row losses go
+    (rollbacks stay)."""
     conn.execute("DELETE FROM events WHERE run_id = ? AND kind IN ('bad_step', ?) AND step > ?",
                  (run_id, HISTOGRAMS_EVENT, step))
+    conn.execute("DELETE FROM row_losses WHERE run_id = ? AND step > ?", (run_id, step))
 
 
 @dataclass
@@ -235,6 +248,8 @@ class Batch:
     artifacts: list[dict] = field(default_factory=list)
     alerts: list[tuple] = field(default_factory=list)  # (run_id, step, time, condition, action, message, severity)
     events: list[tuple] = field(default_factory=list)  # (run_id, step, time, kind, message, detail JSON)
+    # (run_id, step, micro_batch, data_index, source, shard, row, loss): apr runs blame
+    row_losses: list[tuple] = field(default_factory=list)
     rewind: int | None = None  # a rollback: drop this run's metric rows after this step, before the new ones
 
 
@@ -312,6 +327,12 @@ class StoreWriter:
                 conn.executemany(
                     "INSERT INTO events (run_id, step, time, kind, message, detail) VALUES (?, ?, ?, ?, ?, ?)",
                     batch.events,
+                )
+            if batch.row_losses:
+                conn.executemany(
+                    "INSERT INTO row_losses (run_id, step, micro_batch, data_index, source, shard, row, loss) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    batch.row_losses,
                 )
             for artifact in batch.artifacts:
                 db["artifacts"].upsert(artifact, pk=("run_id", "path"))
@@ -485,6 +506,29 @@ def events(conn: sqlite3.Connection, run_id: str) -> list[dict]:
         (run_id, HISTOGRAMS_EVENT),
     )
     return [{**dict(r), "detail": json.loads(r["detail"]) if r["detail"] else None} for r in rows]
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() is not None
+
+
+def row_losses(conn: sqlite3.Connection, run_id: str, step: int) -> list[dict]:
+    """The recorded rows of one step, highest loss first: ``{"micro_batch", "data_index", "source",
+    "shard", "row", "loss"}``; [] from a store older than row losses."""
+    if not _has_table(conn, "row_losses"):
+        return []
+    rows = conn.execute(
+        "SELECT micro_batch, data_index, source, shard, row, loss FROM row_losses WHERE run_id = ? AND step = ? "
+        "ORDER BY loss IS NULL, loss DESC, micro_batch, data_index", (run_id, int(step)))
+    return [dict(r) for r in rows]
+
+
+def row_loss_steps(conn: sqlite3.Connection, run_id: str) -> list[int]:
+    """The steps of a run that have row losses, in order."""
+    if not _has_table(conn, "row_losses"):
+        return []
+    return [r[0] for r in conn.execute("SELECT DISTINCT step FROM row_losses WHERE run_id = ? ORDER BY step",
+                                       (run_id,))]
 
 
 def fork_parents(conn: sqlite3.Connection) -> dict[str, dict]:

@@ -32,6 +32,7 @@ from apr.threads import apply_thread_policy
 from apr.track.protocol import Recorder
 from apr.train import build as engine_build  # build_engine looked up at call time (tests spy on it)
 from apr.train import events, layout
+from apr.train.blame import row_blame
 from apr.train.blocknorms import block_metrics
 from apr.train.cadence import Cadence
 from apr.train.calibrate import record_run
@@ -120,6 +121,7 @@ class Run:
         self.validation = Validation(self.config, side.loader_options, self.dp, self.device, self.echo,
                                      self.step_label, total_steps=self.total_steps)
         self.cadence = Cadence.from_plan(self.plan, validates=self.validation.configured)
+        self.blame = row_blame(self)  # apr runs blame: each row's loss at the logged steps
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
                                echo=self.echo, label=self.step_label,
                                shown=tuple(self.config.monitoring.terminal.metrics))
@@ -321,7 +323,9 @@ class Run:
         if self.mixture and self.loader.stage != stage:
             events.stage_started(self, step, recorder)
         self.engine.current_step = step  # losses (distillation's phase and block) follow the run's step
-        report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
+        with self.blame.capture(step):
+            report = StepReport(step, lr, self.engine.train_step(micro, lr), is_last=step == self.total_steps)
+        self.blame.record(step, recorder)
         # a signal that arrived by now stops the run after this step: agreed once, before anything
         # this step does depends on it (under DDP a signal on one rank would otherwise make that rank
         # alone log, read or save: collectives the others never join)

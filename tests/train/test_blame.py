@@ -1,0 +1,65 @@
+"""Each row's loss at the logged steps (apr/train/blame.py): recorded in the local store's
+``row_losses`` for every logged step, one entry per row of the step (every micro-batch), located in
+the data; the rows' mean is the step's logged loss, on the plain walk, the clipped one (a norm
+pre-pass walks the head twice) and with gradient accumulation."""
+
+from __future__ import annotations
+
+import pytest
+
+from apr.config import config_hash
+from apr.config.schema import AprConfig
+from apr.plan.build import resolve_config
+from apr.track import store
+from apr.train.run import ApplyOptions, prepare_run
+from tests.train.run_helpers import config_doc, make_dataset
+
+
+def _train(root, **training):
+    doc = config_doc(root, training={"max_steps": 6, "save_interval": 6, "eval_interval": 0, "log_interval": 2,
+                                     **training})
+    cfg = AprConfig.model_validate(doc)
+    opts = ApplyOptions(echo=lambda line: None, handle_signals=False, apr_home=root / "home")
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+                      options=opts)
+    result = run.execute()
+    assert result.status == "finished", result.reason
+    conn = store.connect_readonly(run.run_dir / ".apr" / "experiments.db")
+    return conn, result.run_id
+
+
+@pytest.fixture
+def root(tmp_path):
+    make_dataset(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("training", [{}, {"grad_clip": 0.5}, {"gradient_accumulation": 2}],
+                         ids=["plain", "clipped", "accumulated"])
+def test_each_logged_step_records_every_row_and_their_mean_is_the_steps_loss(root, training):
+    conn, run_id = _train(root, **training)
+    accum = training.get("gradient_accumulation", 1)
+    assert store.row_loss_steps(conn, run_id) == [2, 4, 6]  # the log steps only
+    losses = dict(store.metric_series(conn, run_id, "loss"))
+    for step in (2, 4, 6):
+        rows = store.row_losses(conn, run_id, step)
+        assert len(rows) == 4 * accum  # batch_size 4, every micro-batch of the step
+        assert [r["loss"] for r in rows] == sorted((r["loss"] for r in rows), reverse=True)
+        assert sum(r["loss"] for r in rows) / len(rows) == pytest.approx(losses[step], rel=1e-5)
+        assert {r["micro_batch"] for r in rows} == set(range((step - 1) * accum, step * accum))
+        assert all(r["shard"].startswith("shard-0000") and r["shard"].endswith(".parquet") for r in rows)
+        assert all(r["source"] == str(root / "data" / "train") for r in rows)
+        assert len({r["data_index"] for r in rows}) == len(rows)
+    # a row's shard and row locate its data index: two shards of 48 rows each
+    for r in store.row_losses(conn, run_id, 2):
+        assert r["data_index"] == r["row"] + (48 if r["shard"] == "shard-00001.parquet" else 0)
+    conn.close()
+
+
+def test_the_global_registry_gets_no_row_losses(root):
+    conn, run_id = _train(root)
+    conn.close()
+    registry = store.connect_readonly(root / "home" / "experiments.db")
+    assert store.row_loss_steps(registry, run_id) == []
+    assert store.metric_series(registry, run_id, "loss")  # the run itself is there
+    registry.close()
