@@ -1,5 +1,6 @@
 """A checkpoint's metadata is the union of the registered parts: each writes its keys and reads them
-back, in registration order; two parts may not write one key."""
+back, in registration order (a restore may keep named parts as they are); two parts may not write
+one key."""
 
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def test_a_part_name_or_key_used_twice_is_refused():
     reg.register("b", lambda: {"x": 2})
     with pytest.raises(ValueError, match="'b' writes keys another part wrote: \\['x'\\]"):
         reg.state_dict()
+
+
+def test_a_load_may_keep_named_parts_as_they_are_and_refuses_a_name_no_part_has():
+    seen: list[str] = []
+    reg = StateRegistry()
+    reg.register("data", lambda: {"cursor": 5}, lambda meta: seen.append(f"cursor={meta['cursor']}"))
+    reg.register("mine", lambda: {"mine": 1}, lambda meta: seen.append(f"mine={meta['mine']}"))
+    reg.load_state_dict(reg.state_dict(), skip=("data",))
+    assert seen == ["mine=1"]
+    with pytest.raises(ValueError, match="no stateful part named \\['cursr'\\]"):
+        reg.load_state_dict(reg.state_dict(), skip=("cursr", "mine"))
+    assert seen == ["mine=1"]  # refused before any part is read
