@@ -35,7 +35,10 @@ from apr.steps import stacking
 
 
 class Source(Protocol):
-    step: int
+    """A saved state: its step (the last finished one), its tensors, its parts' metadata."""
+
+    @property
+    def step(self) -> int: ...
 
     def load_tensors(self, engine) -> None: ...
     def meta(self) -> dict: ...
