@@ -23,9 +23,9 @@ from apr.kernels.linear_ce import capture_row_losses
 class RowBlame:
     """Captures and records the per-row losses of the logged steps of one run."""
 
-    def __init__(self, cadence, loader, *, seq_len: int, accumulation: int, source: str | None, dp=None):
+    def __init__(self, cadence, loader, *, seq_len: int, accumulation: int, mixture: bool, dp=None):
         self.cadence, self.loader, self.dp = cadence, loader, dp
-        self.seq_len, self.accumulation, self.source = seq_len, accumulation, source
+        self.seq_len, self.accumulation, self.mixture = seq_len, accumulation, mixture
         self._captured: list[torch.Tensor] | None = None
 
     def capture(self, step: int):
@@ -74,8 +74,8 @@ class RowBlame:
             indices = self.loader.rows_at(first + k)
             for index, loss in zip(indices, micro, strict=False):
                 shard, row = self.loader.locate(index)
-                source = self.source
-                if source is None:  # a mixture's shard is "<source>/<shard file>"
+                source = None  # one source: data.train, in the run's params (the table stays compact)
+                if self.mixture:  # a mixture's shard is "<source>/<shard file>"
                     source, _, shard = shard.partition("/")
                 out.append({"micro_batch": first + k, "index": index, "source": source, "shard": shard,
                             "row": row, "loss": loss / self.seq_len})
@@ -87,4 +87,4 @@ def row_blame(run) -> RowBlame:
     config = run.config
     return RowBlame(run.cadence, run.loader, seq_len=config.data.seq_len,
                     accumulation=config.training.gradient_accumulation,
-                    source=None if run.mixture else config.data.train, dp=run.dp)
+                    mixture=bool(run.mixture), dp=run.dp)

@@ -48,7 +48,7 @@ def test_each_logged_step_records_every_row_and_their_mean_is_the_steps_loss(roo
         assert sum(r["loss"] for r in rows) / len(rows) == pytest.approx(losses[step], rel=1e-5)
         assert {r["micro_batch"] for r in rows} == set(range((step - 1) * accum, step * accum))
         assert all(r["shard"].startswith("shard-0000") and r["shard"].endswith(".parquet") for r in rows)
-        assert all(r["source"] == str(root / "data" / "train") for r in rows)
+        assert all(r["source"] is None for r in rows)  # one source: data.train (a mixture names its source)
         assert len({r["data_index"] for r in rows}) == len(rows)
     # a row's shard and row locate its data index: two shards of 48 rows each
     for r in store.row_losses(conn, run_id, 2):
@@ -63,3 +63,24 @@ def test_the_global_registry_gets_no_row_losses(root):
     assert store.row_loss_steps(registry, run_id) == []
     assert store.metric_series(registry, run_id, "loss")  # the run itself is there
     registry.close()
+
+
+def test_a_mixtures_rows_name_their_source(tmp_path):
+    from tests.train.run_helpers import BASE, merge
+    from tests.train.test_mixture_run import corpus
+
+    corpus(tmp_path)
+    sources = [{"name": n, "path": str(tmp_path / f"data/{n}/train"), "weight": w}
+               for n, w in (("web", 0.5), ("code", 0.3), ("books", 0.2))]
+    doc = merge(BASE, {"data": {"train": sources, "val": None},
+                       "training": {"max_steps": 4, "eval_interval": 0, "save_interval": 4, "log_interval": 2,
+                                    "output_dir": str(tmp_path / "run"), "epochs": 1}})
+    cfg = AprConfig.model_validate(doc)
+    run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                      options=ApplyOptions(echo=lambda line: None, handle_signals=False, apr_home=tmp_path / "h"))
+    assert run.execute().status == "finished"
+    conn = store.connect_readonly(run.run_dir / ".apr" / "experiments.db")
+    rows = store.row_losses(conn, run.run_id, 4)
+    conn.close()
+    assert len(rows) == 4 and {r["source"] for r in rows} <= {"web", "code", "books"}
+    assert all(r["shard"].endswith(".parquet") and "/" not in r["shard"] for r in rows)
