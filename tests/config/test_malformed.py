@@ -72,7 +72,7 @@ MUTATIONS = [
     ("seq-missing", "data.seq_len", DELETE, "data.seq_len"),
     ("shuffle-str", "data.shuffle", "sometimes", "data.shuffle"),
     ("data-typo", "data.batchsize", 4, "data.batchsize"),
-    ("opt-name", "optimizer.name", "lion", "optimizer.name"),
+    ("opt-name", "optimizer.name", "adagrad", "optimizer.name"),
     ("lr-neg", "optimizer.lr", -1.0, "optimizer.lr"),
     ("lr-str", "optimizer.lr", "fast", "optimizer.lr"),
     ("beta1-one", "optimizer.beta1", 1.0, "optimizer.beta1"),
