@@ -92,6 +92,17 @@ def test_plan_prints_valid_invalid_and_the_total(root):
     assert "2 valid, 1 invalid" in text and "tokens 384" in text  # 2 x 3 steps x 4 rows x 16 tokens
 
 
+def test_plan_prints_each_trials_tokens_with_thousands_separators_and_json_keeps_numbers(root):
+    sweep = _sweep(root, "config: cfg.yaml\nmethod: grid\nparameters:\n  training.max_steps: {values: [20, 40]}\n")
+    doc = json.loads(runner.invoke(app, ["sweep", "plan", str(sweep), "--json"]).output)
+    tokens = {t["settings"]["training.max_steps"]: t["tokens"] for t in doc["trials"]}
+    assert tokens == {20: 20 * 4 * 16, 40: 40 * 4 * 16}  # steps x rows x tokens, as numbers
+    text = runner.invoke(app, ["sweep", "plan", str(sweep)]).output
+    rows = [line.split() for line in text.splitlines() if line.split()[1:2] == ["valid"]]
+    assert sorted((int(row[2]), row[3]) for row in rows) == [(20, "1,280"), (40, "2,560")], text
+    assert "tokens 3,840" in text
+
+
 TWELVE = """
 config: cfg.yaml
 method: grid
