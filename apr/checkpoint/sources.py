@@ -32,7 +32,7 @@ from apr.checkpoint.files import ST_ITEM_BYTES
 from apr.checkpoint.manager import CheckpointError, CheckpointInfo
 from apr.checkpoint.names import is_optimizer_state
 from apr.checkpoint.parts import LazyTensors
-from apr.config.hf_folder import architecture_fields, family_problem, unsupported_math, unsupported_message
+from apr.config.hf_folder import family_problem, filled_fields, unsupported_math, unsupported_message
 from apr.config.schema import AprConfig, Architecture
 from apr.errors import AprError, Finding
 from apr.readers import InputError, load_json
@@ -188,10 +188,8 @@ def hf_architecture(doc: dict, where: Path) -> Architecture:
         raise SourceError(unsupported_message(where, key, value, want), [Finding(
             "error", "source.architecture", f"{key} is not implemented by apr", path=key, file=str(where),
             expected=want, got=f"{key}: {value!r}")])
-    fields = architecture_fields(doc)
-    fields.setdefault("max_position_embeddings", doc.get("max_sequence_length") or 2048)
     try:
-        return Architecture.model_validate(fields)
+        return Architecture.model_validate(filled_fields(doc))
     except Exception as err:  # pydantic ValidationError
         first = str(err).splitlines()[0]
         raise SourceError(f"{where}: not a model config apr can run: {err}", [Finding(

@@ -207,9 +207,16 @@ def _folder_architecture(cfg_path: Path, mtime_ns: int, size: int) -> tuple[Path
         return cfg_path, None, (f"{cfg_path}: {problem[0]} is not a family apr imports (expected {problem[1]})")
     for key, value, want in unsupported_math(hf)[:1]:
         return cfg_path, None, unsupported_message(cfg_path, key, value, want)
+    return cfg_path, filled_fields(hf), None
+
+
+def filled_fields(hf: Mapping) -> dict:
+    """``architecture_fields`` with what a config.json may leave out filled in as transformers does:
+    key/value heads (as many as the heads) and the context (early LLaMA conversions:
+    max_sequence_length, else 2048). The model a weight source's config.json describes."""
     fields = architecture_fields(hf)
     if "num_key_value_heads" not in fields and "num_attention_heads" in fields:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
-    if "max_position_embeddings" not in fields:  # early LLaMA conversions: max_sequence_length, else 2048
+    if "max_position_embeddings" not in fields:
         fields["max_position_embeddings"] = hf.get("max_sequence_length") or 2048
-    return cfg_path, fields, None
+    return fields
