@@ -276,3 +276,17 @@ def test_a_plain_rope_config_written_by_transformers_passes(tmp_path):
     hf_llama(tmp_path / "hf")
     src = inspect_source(str(tmp_path / "hf"), config_for(tmp_path / "hf").model.architecture)
     assert not src.findings, [f.message for f in src.findings]
+
+
+def test_a_sharded_folder_missing_a_shard_is_refused_at_the_key_naming_the_index(tmp_path):
+    hf_llama(tmp_path / "hf", shard="20KB")
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    src = inspect_source(str(tmp_path / "hf"), config_for(tmp_path / "hf").model.architecture)
+    assert [f.code for f in src.findings] == ["init_from.missing_shard"]
+    f = src.findings[0]
+    assert f.path == "model.init_from" and f.file.endswith("model.safetensors.index.json")
+    assert shards[-1].name in f.message
+    with pytest.raises(InitFromError, match=shards[-1].name):
+        load_source_weights(str(tmp_path / "hf"), make_config().model.architecture)
