@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_flatten
 
 from apr import STARTED_AT, __version__
 from apr.errors import AprError, Finding
-from apr.model.buffers import buffer_plan
-from apr.plan.memory import memory_table
+from apr.memory.buffers import buffer_plan
+from apr.memory.table import memory_table
 from apr.steps.execution import Execution
 from apr.steps.resolved import resolve
 from apr.threads import apply_thread_policy

@@ -36,7 +36,8 @@ WORKER = r"""
 import json, sys, time
 import yaml
 from apr.config.schema import AprConfig
-from apr.plan.memory import choose_execution, memory_table
+from apr.memory.table import memory_table
+from apr.plan.memory import choose_execution
 from apr.trace import run_trace
 from apr.steps.resolved import resolve
 from apr.plan.examples import deep_merge

@@ -1,5 +1,5 @@
 """Measured GPU memory of real training steps next to the plan's memory model, for calibrating the
-coefficients in apr/plan/memory.py (docs/design.md, "The buffer plan").
+coefficients in apr/memory/activations.py (docs/design.md, "The buffer plan").
 
 For each (config, batch, seq) case it builds the engine on CUDA the way `apr train apply` does
 (apr.train.engine.build_engine), runs --warmup + --steps training steps on random token ids, and
@@ -85,7 +85,8 @@ def cupy_pool_bytes() -> int:
 def measure(path: str, batch: int | None, seq: int | None, steps: int, warmup: int, kernels: str | None) -> dict:
     import torch
 
-    from apr.plan.memory import COEFFICIENTS, memory_table
+    from apr.memory.activations import COEFFICIENTS
+    from apr.memory.table import memory_table
     from apr.train.build import build_engine
 
     config = case_config(path, batch, seq, kernels)

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"steps", "steer"},  # torch-free step algebra, step strategy, LR schedules; steer requests (apr train steer)
     {"data", "kernels", "track"},
     {"model"},
+    {"memory"},  # the memory model (torch-free): declared buffers, modelled activations, the plan's table
     {"checkpoint"},
     {"generate"},  # loading a model for inference, KV-cache decoding, sampling
     {"evaluate", "inspect"},  # loss over shards, multiple-choice scoring; weight/update/attention views
@@ -35,6 +36,11 @@ LAYERS: list[set[str]] = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A moved module whose old path re-exports the new one until its last importers switch: (old module,
+# what it may import). apr/model/buffers.py -> apr/memory/buffers.py (issue 46): apr/train/engine.py,
+# autograd.py and walk.py still import it.
+REEXPORTS = {("apr.model.buffers", "apr.memory.buffers")}
 
 
 def unit_of(module: str) -> str:
@@ -71,8 +77,9 @@ def imports_of(path: Path, package_root: Path) -> list[tuple[str, int]]:
     return [(t, line) for t, line in found if t == "apr" or t.startswith("apr.")]
 
 
-def layer_violations(package_root: Path, layers: list[set[str]]) -> list[str]:
-    """One line per import that breaks the rule; an unlisted package is a violation too."""
+def layer_violations(package_root: Path, layers: list[set[str]], reexports: set = frozenset()) -> list[str]:
+    """One line per import that breaks the rule (but a ``reexports`` pair); an unlisted package is a
+    violation too."""
     rank = {unit: i for i, layer in enumerate(layers) for unit in layer}
     problems, unplaced = [], set()
     for path in sorted(package_root.rglob("*.py")):
@@ -85,7 +92,7 @@ def layer_violations(package_root: Path, layers: list[set[str]]) -> list[str]:
             continue
         for target, line in imports_of(path, package_root):
             dst = unit_of(target)
-            if dst == src or dst not in rank:
+            if dst == src or dst not in rank or (module_name(path, package_root), target) in reexports:
                 continue
             if rank[dst] > rank[src]:
                 problems.append(f"{path}:{line}: {src} imports {target}, a higher layer")
@@ -95,7 +102,7 @@ def layer_violations(package_root: Path, layers: list[set[str]]) -> list[str]:
 
 
 def test_apr_follows_the_layers():
-    assert layer_violations(ROOT / "apr", LAYERS) == []
+    assert layer_violations(ROOT / "apr", LAYERS, REEXPORTS) == []
 
 
 def test_every_layer_is_a_real_package():

@@ -1,6 +1,6 @@
 """The model's shapes and what follows from them, without torch: parameter names and counts,
 optimizer groups and their shards, FLOPs per token. One source of truth for `apr train plan` and
-`apr train apply`; the buffers the trainer allocates from these shapes are `apr/model/buffers.py`.
+`apr train apply`; the buffers the trainer allocates from these shapes are `apr/memory/buffers.py`.
 """
 
 from __future__ import annotations

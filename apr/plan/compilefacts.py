@@ -9,9 +9,9 @@ from __future__ import annotations
 from apr import hardware
 from apr.config.schema import AprConfig
 from apr.fmt import fmt_giga, fmt_percent, fmt_seconds
+from apr.memory.table import memory_table
 from apr.plan import gpus
 from apr.plan.gpus import Target
-from apr.plan.memory import memory_table
 from apr.steps import execution as policy
 from apr.steps.execution import CompileDecision, Execution
 from apr.track.names import compile_cache_dir, compile_cache_warm

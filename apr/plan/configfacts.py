@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 
 from apr.config.schema import AprConfig
+from apr.memory.activations import COEFFICIENTS
+from apr.memory.table import MAX_LAYERS_SEARCHED, MemoryRow, max_layers, max_micro_batch, memory_table
 from apr.model.spec import (
     block_numel,
     flops_per_token,
@@ -21,16 +23,7 @@ from apr.model.spec import (
     trainable_param_count,
 )
 from apr.plan.gpus import Target, mfu_basis
-from apr.plan.memory import (
-    COEFFICIENTS,
-    MAX_LAYERS_SEARCHED,
-    ExecutionChoice,
-    MemoryRow,
-    choose_execution,
-    max_layers,
-    max_micro_batch,
-    memory_table,
-)
+from apr.plan.memory import ExecutionChoice, choose_execution
 from apr.steps.algebra import sequences_per_step
 from apr.steps.strategy import step_strategy
 

@@ -18,9 +18,9 @@ from apr.checkpoint import names
 from apr.checkpoint.hf_import import inspect_source, resolve, source_architecture
 from apr.config import LoadedConfig
 from apr.errors import AprError, Finding
+from apr.memory.table import MemoryRow, distill_rows
 from apr.model.spec import flops_per_token, kv_cache_bytes_per_token, param_count, student_init_problems
 from apr.plan.facts import time_estimate
-from apr.plan.memory import MemoryRow
 from apr.steps import distill as schedule
 
 
@@ -177,14 +177,7 @@ def distill_facts(loaded: LoadedConfig, facts: dict, total_steps: int | None, ta
         phases.append({"phase": phase, "steps": steps, "tokens": tokens, "flops_per_token": flops[phase],
                        "total_flops": tokens * flops[phase],
                        "estimated_seconds": est["estimated_seconds"] if est else (0.0 if not tokens else None)})
-    b, s = c.data.batch_size, c.data.seq_len
-    rows = [MemoryRow("teacher_weights", 4 * n_teacher, "exact", 0,
-                      "the frozen teacher in float32 (no gradient, no moments)"),
-            *([MemoryRow("distill_projections", 16 * n_proj, "exact", 0, "a narrower student's two projections "
-                         "to and from the teacher's hidden size: float32 weights, gradients, AdamW moments")]
-              if n_proj else []),
-            MemoryRow("kd_logits", 4 * 4 * b * s * student.vocab_size, "modelled", 0,
-                      "phase 2: student and teacher logits and their softmaxes for one micro-batch")]
+    rows = distill_rows(c, n_teacher, n_proj)
     out = {"teacher": {"path": d.teacher, "layers": teacher.num_hidden_layers, "hidden_size": teacher.hidden_size,
                        "vocab_size": teacher.vocab_size, "params": n_teacher},
            "projection_params": n_proj,

@@ -4,7 +4,7 @@ Torch-free. The search keeps the global batch (sequences per optimizer step: dat
 training.gradient_accumulation x training.world_size of the config) and every key but the layout:
 micro-batch x gradient accumulation x activation policy (apr/steps/execution.py ``candidates``) x
 sharding (on several ranks) x compile. Each candidate's memory is the plan's own table
-(apr/plan/memory.py ``memory_table``); it fits when its peak is within the target's memory less the
+(apr/memory/table.py ``memory_table``); it fits when its peak is within the target's memory less the
 headroom contract C-MEM-002 asks for. Its time per token is the execution's forward-equivalents at
 the device's assumed rate (the plan's time model), replaced by probe or run calibrations of that
 shape where the store has them, and scaled by what those measured where it does not; compiling
@@ -30,9 +30,10 @@ from apr.config.schema import AprConfig, Sharding
 from apr.errors import AprError, ConfigError, Finding
 from apr.fmt import format_bytes
 from apr.fsutil import check_output_file, output_write_error, write_output
+from apr.memory.table import memory_table
 from apr.plan import compilefacts
 from apr.plan.facts import calibration_facts
-from apr.plan.memory import memory_table, step_cost_f
+from apr.plan.memory import step_cost_f
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 from apr.config import LoadedConfig
 from apr.errors import Finding
 from apr.fmt import format_bytes
-from apr.plan.memory import MemoryRow
+from apr.memory.table import MemoryRow, orchestrator_rows, state_bytes
 from apr.steps import orchestration
 from apr.steps.execution import gradient_source
-
-# The engine's state a branch copies: the float32 weights and the optimizer's two moments.
-_STATE_COMPONENTS = ("weights", "adamw_m", "adamw_v")
 
 
 def _flat_walk_problem(config) -> str | None:
@@ -129,7 +126,7 @@ def orchestrator_facts(config, total_steps: int | None, memory: dict | None) -> 
         return None
     facts = orchestration.overhead(config, total_steps)
     by = (memory or {}).get("by_component") or {}
-    state = sum(int(by.get(c) or 0) for c in _STATE_COMPONENTS)
+    state = state_bytes(by)
     weights = int(by.get("weights") or 0)
     copies = (2 if facts["branches"] > 1 else 1) if orch.max_loss_increase is not None or facts["branches"] > 1 else 0
     facts["state_copies"] = copies
@@ -141,17 +138,8 @@ def orchestrator_facts(config, total_steps: int | None, memory: dict | None) -> 
 
 
 def orchestrator_memory_rows(facts: dict, memory: dict | None) -> list[MemoryRow]:
-    """The plan's memory rows for the orchestrator's copies (exact: the sizes of the engine's own)."""
-    by = (memory or {}).get("by_component") or {}
-    state = sum(int(by.get(c) or 0) for c in _STATE_COMPONENTS)
-    rows = []
-    if facts["state_copies"] and state:
-        rows.append(MemoryRow("branch_states", facts["state_copies"] * state, "exact", 0,
-                              "orchestrator: the decision point's state and the best branch's (weights + moments)"))
-    if facts["nowcast_copies"] and by.get("weights"):
-        rows.append(MemoryRow("nowcast_weights", facts["nowcast_copies"] * int(by["weights"]), "exact", 0,
-                              "orchestrator: the weights at the last decision points (nowcasting.history)"))
-    return rows
+    """The plan's memory rows for the orchestrator's copies (apr.memory.table)."""
+    return orchestrator_rows(facts["state_copies"], facts["nowcast_copies"], (memory or {}).get("by_component") or {})
 
 
 def orchestrator_memory_findings(loaded: LoadedConfig, facts: dict | None, memory: dict | None) -> list[Finding]:

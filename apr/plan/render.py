@@ -330,9 +330,9 @@ def _memory_lines(plan, colour: bool) -> list[str]:
     out += _sharding_lines(plan.facts.get("sharding"))
     coefficients = mem.get("coefficients") or {}
     if not coefficients.get("calibrated"):
-        out.append(_c("  modelled rows use uncalibrated coefficients (apr/plan/memory.py)", "dim", colour))
+        out.append(_c("  modelled rows use uncalibrated coefficients (apr/memory/activations.py)", "dim", colour))
     else:
-        out.append(_c(f"  modelled rows: {coefficients.get('source')} (apr/plan/memory.py)", "dim", colour))
+        out.append(_c(f"  modelled rows: {coefficients.get('source')} (apr/memory/activations.py)", "dim", colour))
     return out
 
 

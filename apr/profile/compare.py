@@ -1,5 +1,5 @@
 """How far the plan's figures are from a measured step: FLOPs per token (``apr.model.spec``), the
-weights, the activations a kept block saves and, on a GPU, the peak (``apr.plan.memory``).
+weights, the activations a kept block saves and, on a GPU, the peak (``apr.memory``).
 
 The step profiled from weights runs the model under plain autograd, which is what
 ``training.engine: standard`` does, so the plan is asked about the same config with that engine,
@@ -14,9 +14,10 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from apr.config.schema import AprConfig, Architecture, Device, Engine, MixedPrecision
-from apr.model.buffers import compute_dtype_name
+from apr.memory.activations import COEFFICIENTS
+from apr.memory.buffers import compute_dtype_name
+from apr.memory.table import memory_table
 from apr.model.spec import DTYPE_BYTES, flops_per_token, param_count
-from apr.plan.memory import COEFFICIENTS, memory_table
 from apr.profile.engine import EngineStepProfile, one_process_rows
 from apr.profile.step import StepProfile
 from apr.steps.execution import step_cost_f
@@ -58,7 +59,7 @@ def plan_config(config: AprConfig | None, arch: Architecture, profile: StepProfi
 
 
 def _kept_block_bytes(config: AprConfig) -> int:
-    """What the plan charges for one block whose autograd graph is kept (apr.plan.memory's
+    """What the plan charges for one block whose autograd graph is kept (apr.memory.activations'
     keep_* widths, per token, in the compute dtype)."""
     arch, c = config.model.architecture, COEFFICIENTS
     elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
@@ -76,13 +77,13 @@ def compare(profile: StepProfile, config: AprConfig) -> list[Comparison]:
         Comparison("weight_bytes", param_count(arch) * DTYPE_BYTES["float32"], profile.weight_bytes, "B",
                    "apr.model.spec.param_count * 4 (fp32 master weights)"),
         Comparison("block_saved_bytes", _kept_block_bytes(config), statistics.median(blocks) if blocks else None, "B",
-                   "apr.plan.memory keep_* widths: one kept block's autograd activations"),
+                   "apr.memory.activations keep_* widths: one kept block's autograd activations"),
     ]
     if profile.peak_bytes is not None:
         table = memory_table(config)
         planned = sum(r.bytes for r in table if r.component != "cuda_context")  # torch's counters never see it
         rows.append(Comparison("peak_bytes", planned, profile.peak_bytes, "B",
-                               "apr.plan.memory.memory_table, engine standard, less cuda_context"))
+                               "apr.memory.table.memory_table, engine standard, less cuda_context"))
     return rows
 
 
@@ -104,6 +105,6 @@ def compare_engine(profile: EngineStepProfile, resolved: Resolved) -> list[Compa
     if profile.peak_bytes is not None:
         planned = sum(r.bytes for r in one_process_rows(resolved) if r.component != "cuda_context")
         rows.append(Comparison("peak_bytes", planned, profile.peak_bytes, "B",
-                               "apr.plan.memory.memory_table, the resolved policy on one unsharded process, "
+                               "apr.memory.table.memory_table, the resolved policy on one unsharded process, "
                                "less cuda_context"))
     return rows

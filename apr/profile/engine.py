@@ -25,8 +25,9 @@ import torch
 
 from apr.config.loader import load_config
 from apr.errors import AprError, Finding
+from apr.memory.table import memory_table
 from apr.plan.build import resolve_config
-from apr.plan.memory import choose_execution, memory_table
+from apr.plan.memory import choose_execution
 from apr.profile.clock import Clock
 from apr.profile.step import count_flops, kernel_time
 from apr.steps.execution import describe

@@ -14,7 +14,7 @@ import torch
 from apr.data.tokenizer import load_tokenizer
 from apr.errors import AprError, Finding
 from apr.generate.load import load_for_inference
-from apr.plan.memory import memory_table
+from apr.memory.table import memory_table
 from apr.profile import engine as engine_profile
 from apr.profile.compare import Comparison, compare, compare_engine, plan_config
 from apr.profile.engine import EngineInfo, EngineStepProfile
@@ -126,7 +126,7 @@ def _memory_budget(device) -> tuple[int, str] | None:
 
 def step_bytes(loaded, batch: int, seq: int, precision: str) -> int:
     """The plan's peak for the profiled step (engine standard, this batch, length, precision and
-    device): ``apr.plan.memory.memory_table``, as `--compare` shows it."""
+    device): ``apr.memory.table.memory_table``, as `--compare` shows it."""
     shape = SimpleNamespace(device=str(loaded.device), batch_size=batch, seq_len=seq, precision=precision)
     return sum(r.bytes for r in memory_table(plan_config(loaded.config, loaded.arch, shape)))
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from apr.model.buffers import compute_dtype_name
+from apr.memory.buffers import compute_dtype_name
 from apr.model.spec import DTYPE_BYTES
 
 

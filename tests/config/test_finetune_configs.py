@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from apr.config import load_config
-from apr.model.buffers import buffer_plan
+from apr.memory.buffers import buffer_plan
 from apr.model.spec import param_count, trainable_param_count
 from apr.plan.validate import config_findings
 

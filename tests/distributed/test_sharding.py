@@ -15,7 +15,7 @@ import torch
 
 from apr.checkpoint.manager import read_checkpoint
 from apr.config.schema import AprConfig
-from apr.model.buffers import buffer_plan
+from apr.memory.buffers import buffer_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from apr.plan.memory import choose_execution, total_bytes
+from apr.memory.table import total_bytes
+from apr.plan.memory import choose_execution
 from apr.steps.execution import parse
 from tests.train.tiny import make_config
 

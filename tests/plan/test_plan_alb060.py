@@ -95,8 +95,8 @@ def test_nested_shards_are_counted_like_the_loader(tmp_path):
 
 
 def test_largest_micro_batch_is_the_boundary(tmp_path):
+    from apr.memory.table import total_bytes, with_batch_size
     from apr.plan.examples import materialize
-    from apr.plan.memory import total_bytes, with_batch_size
     from apr.steps.execution import parse
 
     cfg, _ = materialize({}, tmp_path)

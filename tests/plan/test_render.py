@@ -6,10 +6,10 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from apr.cli.main import app
+from apr.memory.activations import COEFFICIENTS
 from apr.plan import gpus
 from apr.plan.build import build_plan
 from apr.plan.examples import materialize
-from apr.plan.memory import COEFFICIENTS
 from apr.plan.render import render_text
 
 runner = CliRunner()

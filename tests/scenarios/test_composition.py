@@ -84,7 +84,7 @@ def test_lora_with_in_training_samples_and_tasks_on_shards_equals_one_process(ro
 
 def _frozen_rows_are_planned(shards: Path, run: Path) -> None:
     from apr.config.schema import AprConfig
-    from apr.model.buffers import buffer_plan
+    from apr.memory.buffers import buffer_plan
 
     doc = json.loads((run.parent / f"{run.name}.json").read_text())
     config = AprConfig.model_validate({**doc, "training": {**doc["training"], "world_size": 2}})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from apr.model.buffers import buffer_plan
+from apr.memory.buffers import buffer_plan
 from apr.steps.execution import from_config
 from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine

@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from apr.config.schema import AprConfig
-from apr.model.buffers import buffer_plan
+from apr.memory.buffers import buffer_plan
 from apr.steps.strategy import step_strategy
 
 BASE = {

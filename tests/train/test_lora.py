@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from apr.config import config_hash
 from apr.config.schema import AprConfig
 from apr.errors import AprError
-from apr.model import buffers, spec
+from apr.memory import buffers
+from apr.model import spec
 from apr.plan.build import resolve_config
 from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine

@@ -372,7 +372,7 @@ def test_lion_on_autograd_trains_as_on_the_walk():
 def test_the_plans_optimizer_rows_are_what_the_updater_holds(name):
     """Autograd: Lion holds one fp32 moment per weight, Adafactor a row statistic per matrix row and
     a column statistic per column (a vector: its own second moment); the plan's rows say so."""
-    from apr.model.buffers import autograd_buffers
+    from apr.memory.buffers import autograd_buffers
     from apr.train.build import build_engine
     from tests.train.tiny import batches
 
