@@ -288,7 +288,7 @@ def _tag_state(counter, engine, planned: dict[str, str]) -> None:
     their gradients, torch AdamW's state."""
     import torch
 
-    for name, tensor in (getattr(engine, "buffers", None) or {}).items():
+    for name, tensor in (getattr(engine.gradients, "buffers", None) or {}).items():
         counter.tag(tensor, _row_of(planned.get(name, "")))
     for _, p in engine.model.named_parameters():
         entry = [counter.info.get(st) for st in _storages(p)]
@@ -322,7 +322,8 @@ def _regions(counter, engine) -> contextlib.ExitStack:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from apr.model import llama
-    from apr.train import engine as engine_module
+    from apr.train import autograd as autograd_module
+    from apr.train import walk as walk_module
     from apr.train import finish
 
     stack = contextlib.ExitStack()
@@ -333,11 +334,12 @@ def _regions(counter, engine) -> contextlib.ExitStack:
                 return fn(*args, **kwargs)
         return wrapped
 
-    stack.enter_context(_patched(engine_module, "linear_cross_entropy_fwd_bwd",
-                                 region(engine_module.linear_cross_entropy_fwd_bwd, "logits_chunk")))
+    stack.enter_context(_patched(walk_module, "linear_cross_entropy_fwd_bwd",
+                                 region(walk_module.linear_cross_entropy_fwd_bwd, "logits_chunk")))
     stack.enter_context(_patched(llama, "linear_cross_entropy", region(llama.linear_cross_entropy, "logits_chunk")))
-    if hasattr(engine, "_walk_head"):  # the walk's final norm, LM head and loss, chunk by chunk
-        stack.enter_context(_patched(engine, "_walk_head", region(engine._walk_head, "logits_chunk")))
+    walk = engine.gradients
+    if hasattr(walk, "_walk_head"):  # the walk's final norm, LM head and loss, chunk by chunk
+        stack.enter_context(_patched(walk, "_walk_head", region(walk._walk_head, "logits_chunk")))
     stack.enter_context(_patched(type(engine.model), "loss", region(type(engine.model).loss, "logits_chunk")))
     if hasattr(engine, "updater"):
         for name in ("step", "update_flat"):
@@ -351,8 +353,7 @@ def _regions(counter, engine) -> contextlib.ExitStack:
         for name, row in (("foreach_all_gather", "weights"), ("foreach_all_gather_copy_out", "weights"),
                           ("foreach_reduce", "gradients")):
             stack.enter_context(_patched(group, name, region(getattr(group, name), row)))
-    if hasattr(engine_module, "finish_step"):
-        stack.enter_context(_patched(engine_module, "finish_step", region(engine_module.finish_step, "temporaries")))
+    stack.enter_context(_patched(autograd_module, "finish_step", region(autograd_module.finish_step, "temporaries")))
     handle = register_optimizer_step_pre_hook(lambda *a: setattr(counter, "region", "temporaries"))
     stack.callback(handle.remove)
     return stack
@@ -372,7 +373,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
         UnsupportedOperatorException,
     )
 
-    from apr.memory.buffers import buffer_plan
+    from apr.model.buffers import buffer_plan
     from apr.train import build as engine_build
 
     config, execution = resolved.config, resolved.execution
@@ -458,7 +459,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     if any(r.component == "block_activations" for r in plan_rows):
         # the activations row's own peak is its block phase whole; the table's block row is only the
         # excess over the loss phase (which is what the step's peak sums)
-        from apr.memory.activations import block_activation_bytes, kept_activation_bytes
+        from apr.plan.memory import block_activation_bytes, kept_activation_bytes
 
         own["activations"] = (sum(r.bytes for r in plan_rows if r.component == "activation_checkpoints")
                               + kept_activation_bytes(config, execution)

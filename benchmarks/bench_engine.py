@@ -3,14 +3,14 @@
 One model config, one run, the same random token batches and the same initial weights for every
 approach:
 
-  auto                     apr InterleavedEngine, ``training.execution`` auto resolved by the plan's
+  auto                     apr's block walk (apr/train/walk.py), ``training.execution`` auto resolved by the plan's
                            chooser (apr/plan/memory.py) against a roomy budget (--budget-gib):
                            every graph and every gradient kept, exact global clipping (3F)
   lean/selective+adagc     one gradient workspace, selective recompute, clip_mode adagc
   lean/selective+per_block one gradient workspace, selective recompute, clip_mode per_block
   lean/recompute+per_block one gradient workspace, full recompute, clip_mode per_block
   lean/recompute+global    one workspace, full recompute, exact global clipping (norm-only pre-pass)
-  standard                 apr StandardEngine (full backward, clipping, torch.optim.AdamW)
+  standard                 apr on autograd (full backward, clipping, torch.optim.AdamW)
   baseline                 the plain loop written here: apr's model object used directly, full
                            [batch, seq, vocab] logits + F.cross_entropy, loss.backward(),
                            clip_grad_norm_, torch.optim.AdamW (fused when available, else foreach)

@@ -7,7 +7,7 @@ peer's layout), CPU time per step, round-robin (one step of each approach per ro
 
   baseline        bench_engine's plain loop: apr's model, full logits + F.cross_entropy,
                   clip_grad_norm_, torch AdamW (fused)
-  apr auto        apr's InterleavedEngine, execution auto against a roomy budget (bench_engine);
+  apr auto        apr's block walk, execution auto against a roomy budget (bench_engine);
                   `apr+compile` with training.execution.compile: true
   litgpt          litgpt's GPT (LLaMA config) and the step of `litgpt pretrain`'s fit loop:
                   model(ids), litgpt.utils.chunked_cross_entropy, clip_grad_norm_, optimizer step

@@ -15,7 +15,7 @@ reports tokens/s (batch x seq / median step wall time) and its CPU time per step
   transformers      a plain transformers loop as a user writes it, torch's defaults: LlamaForCausalLM of
                     the same shape, full logits + F.cross_entropy, clip_grad_norm_, fused AdamW
 
-apr runs its InterleavedEngine with execution auto (bench_engine.py's "auto"), fp32. Same random
+apr runs its block walk with execution auto (bench_engine.py's "auto"), fp32. Same random
 batches and seed in every process. The load average is printed with every process (`uptime`'s
 first figure): compare rows only within one run. --hog N starts N busy-looping processes for the
 whole run (the oversubscribed case).

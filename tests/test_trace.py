@@ -9,8 +9,8 @@ import json
 import pytest
 
 from apr.config.schema import AprConfig
-from apr.memory.table import memory_table
 from apr.plan.examples import deep_merge, materialize
+from apr.plan.memory import memory_table
 from apr.steps.resolved import resolve
 from tests.plan.plan_helpers import apr_cli
 
@@ -109,12 +109,12 @@ def test_an_operation_fake_tensors_cannot_run_is_named(monkeypatch):
 
     from apr.errors import AprError
     from apr.trace import run_trace
-    from apr.train import engine
+    from apr.train import walk
 
     def step(self, batches, lr):
         return torch.nonzero(batches[0])  # a data-dependent shape: no fake tensor can hold it
 
-    monkeypatch.setattr(engine.InterleavedEngine, "train_step", step)
+    monkeypatch.setattr(walk.Walk, "train_step", step)
     config = _config({})
     resolved = resolve(config)
     with pytest.raises(AprError) as err:

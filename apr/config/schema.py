@@ -920,6 +920,11 @@ class Sharding(StrEnum):
     hybrid = "hybrid"
 
 
+class Reduction(StrEnum):
+    fast = "fast"
+    canonical = "canonical"
+
+
 class Engine(StrEnum):
     interleaved = "interleaved"
     standard = "standard"
@@ -995,6 +1000,13 @@ class TrainingConfig(_Section):
         "shard_grad_op (gradients and AdamW moments sharded, ZeRO-2) or full (weights too, gathered per block "
         "for its forward and backward, ZeRO-3) or hybrid (full sharding within a node, replicas across nodes), "
         "on torch FSDP2, per decoder block, for either engine.")
+    reduction: Reduction = Field(
+        Reduction.fast, description="How a step's micro-batch gradients are summed. fast: accumulated in order on each "
+        "rank, then all-reduced (the order depends on the number of ranks: a resume on another world size ends "
+        "within float rounding, not bitwise). canonical: each micro-batch's gradient kept apart and summed in one "
+        "fixed tree over the global micro-batch index, so 1, 2 or 4 ranks, or one process with accumulation, "
+        "give the same bits (costs world_size x gradient_accumulation gradients of memory per rank and an "
+        "all-gather of them per step). Autograd (training.engine: standard) without training.sharding.")
     nodes: PositiveCount = Field(
         1, le=MAX_INDEX, description="Nodes the ranks run on (the plan's per-rank memory under sharding: hybrid "
         "shards over world_size / nodes ranks). At run time torchrun's LOCAL_WORLD_SIZE decides.")

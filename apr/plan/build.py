@@ -24,7 +24,6 @@ from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.data.mixconfig import decay_start_step
 from apr.errors import AprError, Finding
 from apr.launch import env_world_size
-from apr.memory.table import MemoryRow, add_rows, coefficients_dict
 from apr.plan import gpus
 from apr.plan.clipadvice import exact_clip_findings
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
@@ -36,6 +35,7 @@ from apr.plan.explain import layers_dict
 from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
+from apr.plan.memory import MemoryRow, coefficients_dict
 from apr.plan.mixfacts import (
     merged_train_facts,
     mixture_config_findings,
@@ -50,6 +50,7 @@ from apr.plan.orchestratefacts import (
     orchestrator_memory_findings,
     orchestrator_memory_rows,
 )
+from apr.plan.reductionfacts import reduction_findings
 from apr.plan.storage import storage_facts
 from apr.plan.threadadvice import oversubscription_findings
 from apr.plan.tokfacts import tokenizer_facts
@@ -436,7 +437,11 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     if distilled is not None:  # the teacher and phase 2's logits are on the device too
         sheet.facts["distill"] = distilled
         sheet.memory = [*sheet.memory, *rows]
-        add_rows(sheet.facts["memory"], rows)
+        memory = sheet.facts["memory"]
+        memory["total_bytes"] += sum(r.bytes for r in rows)
+        memory["by_component"].update({r.component: r.bytes for r in rows})
+        if memory.get("vram_bytes"):
+            memory["usage_fraction"] = memory["total_bytes"] / memory["vram_bytes"]
         if sheet.time_estimate is not None and distilled["estimated_seconds"] is not None:
             sheet.time_estimate["distill_seconds"] = distilled["estimated_seconds"]
             sheet.time_estimate["estimated_seconds"] = distilled["estimated_seconds"] + (
@@ -454,7 +459,10 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
         sheet.memory = [*sheet.memory, *rows]
         memory = sheet.facts.get("memory")
         if memory and rows:
-            add_rows(memory, rows)
+            memory["total_bytes"] += sum(r.bytes for r in rows)
+            memory["by_component"].update({r.component: r.bytes for r in rows})
+            if memory.get("vram_bytes"):
+                memory["usage_fraction"] = memory["total_bytes"] / memory["vram_bytes"]
         mixture_findings += orchestrator_memory_findings(loaded, orchestrated, memory)
         if sheet.time_estimate is not None and sheet.time_estimate.get("estimated_seconds") is not None:
             evaluation_s = (sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)
@@ -463,6 +471,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
             sheet.time_estimate["estimated_seconds"] += extra
             sheet.facts.setdefault("time", {})["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
     mixture_findings += orchestrator_findings(loaded, total_steps)
+    mixture_findings += reduction_findings(loaded, world_size)
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),

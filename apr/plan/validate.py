@@ -21,6 +21,7 @@ from apr.plan.configfacts import base_facts, config_facts
 from apr.plan.contracts import SEVERITY_ORDER, evaluate_contracts, load_contracts
 from apr.plan.gpus import resolve_target
 from apr.plan.orchestratefacts import orchestrator_findings
+from apr.plan.reductionfacts import reduction_findings
 from apr.steps import stacking
 from apr.steps.execution import compile_problem
 from apr.track.alerts import alert_findings
@@ -479,4 +480,5 @@ _CHECKS: tuple = (
     (sharding_findings, (("training",), ("model",), ("evaluation",))),
     (lambda loaded: orchestrator_findings(loaded, loaded.config.training.max_steps),
      (("training",), ("optimizer",), ("model", "stacking"), ("data",))),
+    (reduction_findings, (("training",), ("model",))),
 )

@@ -247,6 +247,17 @@ FEATURES: list[Feature] = [
         "full": not_tested("drift as DDP; histograms off with a warning (a rank holds shards)"),
         "hybrid": not_tested("as `full`"),
     }),
+    Feature("canonical reduction (training.reduction, autograd)", {
+        "one": tested("tests/train/test_reduction.py::"
+                      "test_one_process_sums_its_micro_batches_in_the_tree_to_fasts_gradient_within_rounding",
+                      note="the tree's gradient within 1e-5 of fast's"),
+        "ddp": tested("tests/distributed/test_canonical.py::"
+                      "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[ddp-standard-global]",
+                      note="2 ranks x 2, 1 process x 4 and 2 -> 1 resumed: bitwise"),
+        "full": refused("FSDP2 reduce-scatters each micro-batch over the ranks; canonical needs every "
+                        "micro-batch's whole gradient on every rank"),
+        "hybrid": refused("as `full`"),
+    }),
 ]
 
 

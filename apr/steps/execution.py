@@ -159,8 +159,11 @@ def prepass_reasons(config) -> list[str]:
 
 
 def step_cost_f(config, execution: Execution) -> float:
+    """Forward-equivalents of one micro-batch's step. Autograd honours the policy too: its
+    ``recompute``/``selective`` blocks run again under ``torch.utils.checkpoint`` in its one backward
+    (no norm-only pre-pass: every gradient is kept until the step's end)."""
     if gradient_source(config) == "standard":
-        return 3.0
+        return 3.0 + execution.recompute_f()
     return execution.cost_f(needs_prepass(config, execution))
 
 
@@ -195,9 +198,11 @@ def from_config(config) -> Execution:
 def describe(config, execution: Execution) -> str:
     """One line: cost and what is kept, e.g. "3F: nothing recomputed, gradients kept"."""
     cost = step_cost_f(config, execution)
-    if gradient_source(config) == "standard":
-        return f"{fmt_f(cost)}: standard engine (full autograd backward, every gradient kept)"
     n = execution.recomputed_blocks
+    if gradient_source(config) == "standard":
+        how = "selectively recomputed" if execution.rest == "selective" else "recomputed"
+        again = "" if n == 0 else f", {n} of {execution.layers} blocks {how}"
+        return f"{fmt_f(cost)}: standard engine (full autograd backward, every gradient kept{again})"
     if n == 0:
         what = "nothing recomputed"
     elif execution.rest == "selective":

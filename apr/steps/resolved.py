@@ -58,6 +58,12 @@ class Resolved:
     def sharded(self) -> bool:
         return self.sharding != "none"
 
+    @property
+    def reduction(self) -> str:
+        """``training.reduction``: ``fast`` (micro-batches accumulated, ranks all-reduced) or
+        ``canonical`` (one fixed tree over the global micro-batches: apr/train/reduction.py)."""
+        return str(self.config.training.reduction)
+
     def execution_at(self, layers: int) -> Execution:
         """The same policy at another depth (progressive stacking's earlier stages)."""
         if layers == self.execution.layers:

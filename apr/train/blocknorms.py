@@ -85,13 +85,14 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
     own = getattr(up, "update_sq", None)  # Lion keeps its own; Adafactor's is unknown (NaN: not logged)
     if own is not None:
         zero = torch.zeros((), dtype=torch.float32, device=engine.device)
-        names = [g.name if hasattr(g, "name") else g[0] for g in engine.groups]  # the walk's or autograd's
+        groups = engine.gradients.groups  # the walk's FlatGroups or autograd's (name, params)
+        names = [g.name if hasattr(g, "name") else g[0] for g in groups]
         return {n: zero if n in idle else own.get(n, torch.full((), math.nan, device=engine.device))
                 for n in names}
     if up.optimizer is not None:  # the autograd sources (and the sharded walk's moments): torch's AdamW
         decay = up.weight_decay_of()
         out = {}
-        for name, params in engine.groups:
+        for name, params in engine.gradients.groups:
             total = torch.zeros((), dtype=torch.float32, device=engine.device)
             if name in idle:  # progressive stacking's frozen blocks, distillation's other blocks: no update
                 out[name] = total
@@ -111,7 +112,7 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
     return {g.name: (torch.zeros((), dtype=torch.float32, device=engine.device) if g.name in idle else
                      adamw_update_sq_norm(g.flat_params, g.exp_avg, g.exp_avg_sq, weight_decay=up.weight_decay,
                                           decay_ranges=g.decay.ranges, **kw))
-            for g in engine.groups}
+            for g in engine.gradients.groups}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,11 @@
 1. the model: random init from the seed, or ``model.init_from``'s weights;
 2. model transforms: LoRA adapters over a frozen base (``model.lora``), a distillation student
    initialised from its teacher;
-3. the gradient source the plan chose, under FSDP2 hooks when ``training.sharding`` shards the
-   state (``sharded.py``, ``sharded_walk.py``), else the flat-buffer walk (``InterleavedEngine``,
-   buffers allocated from the plan's buffer list) or plain autograd (``StandardEngine``); the loss
-   is the causal-LM loss or the distillation loss (``distill.py``);
+3. the one ``Engine`` (``engine.py``) with the loss part (the causal-LM loss or the distillation
+   loss, ``distill.py``), its layout (FSDP2 shards when ``training.sharding`` shards the state,
+   ``sharded.Shards``; else replicated, ``autograd.Replicated``; the flat-buffer walk keeps its own
+   buffers, allocated from the plan's buffer list) and the gradient source the plan chose (the walk,
+   ``walk.Walk`` or on shards ``sharded_walk.ShardedWalk``; autograd, ``autograd.Autograd``);
 4. recompute and compile: the execution policy's per-block modes, ``compile_blocks``.
 
 The engine receives the resolved plan (apr/steps/resolved.py: execution, gradient source, sharding,
@@ -30,11 +31,13 @@ from apr.model.trunk import apply_trunk
 from apr.steps import stacking
 from apr.steps.execution import Execution
 from apr.steps.resolved import Resolved
+from apr.train.autograd import Autograd, Replicated
 from apr.train.compile import compile_blocks
 from apr.train.dist import DataParallel
 from apr.train.distill import distill_loss
-from apr.train.engine import Engine, InterleavedEngine, StandardEngine, resolve_device
+from apr.train.engine import Engine, resolve_device
 from apr.train.precision import torch_dtype
+from apr.train.walk import Walk
 
 
 def allocate_buffers(config: AprConfig, device: torch.device,
@@ -43,7 +46,7 @@ def allocate_buffers(config: AprConfig, device: torch.device,
     wanted = {"weights", "compute_weights", "adapters", "adamw_m", "adamw_v", "gradients"}  # frozen: the model's
     return {
         b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
-        for b in InterleavedEngine.declares(config, execution) if b.component in wanted
+        for b in Walk.declares(config, execution) if b.component in wanted
     }
 
 
@@ -59,28 +62,28 @@ def build_model_for(config: AprConfig, seed: int) -> LlamaForCausalLM:
     return model
 
 
-def _gradient_source(plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
-                     dp: DataParallel | None) -> Engine:
-    """The engine for the plan's (loss, layout, gradient source): the flat-buffer walk or autograd,
-    either under FSDP2 hooks when ``training.sharding`` shards the state over the ranks."""
-    config, execution = plan.config, plan.execution
-    sharded = dp is not None and plan.sharded  # FSDP2 needs the process group torchrun started
-    loss = None
+def _compose(plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend,
+             dp: DataParallel | None) -> Engine:
+    """The engine with the plan's loss part, layout and gradient source (the flat-buffer walk or
+    autograd, either on FSDP2 shards when ``training.sharding`` shards the state over the ranks)."""
+    config = plan.config
+    loss = distill_loss(config, model, device) if str(config.training.mode) == "distill" else None
+    engine = Engine(plan, model, device, backend, loss, dp)  # the student on autograd, the teacher whole beside it
     autograd = plan.gradient_source == "standard"
-    if str(config.training.mode) == "distill":  # the student on autograd, the teacher whole beside it
-        loss = distill_loss(config, model, device)
-    if sharded:
-        from apr.train.sharded import ShardedEngine  # lazy: FSDP2 and DTensor are ~1 s of import, sharded runs only
-        from apr.train.sharded_walk import ShardedInterleavedEngine  # lazy: as above
+    if engine.sharded:  # FSDP2 needs the process group torchrun started
+        from apr.train.sharded import Shards  # lazy: FSDP2 and DTensor are ~1 s of import, sharded runs only
+        from apr.train.sharded_walk import ShardedWalk  # lazy: as above
 
-        if autograd:  # autograd under FSDP2 hooks
-            return ShardedEngine(plan, model, device, backend, loss)
-        return ShardedInterleavedEngine(plan, model, device, backend)  # the walk under FSDP2 hooks
-    if autograd:
-        return StandardEngine(plan, model.to(device), device, backend, loss)
-    if config.model.lora is not None:  # the frozen base on the device as it is; adapters into flat buffers
-        model = model.to(device)
-    return InterleavedEngine(plan, model, device, backend, allocate_buffers(config, device, execution))
+        engine.layout = Shards(engine)
+        engine.gradients = Autograd(engine) if autograd else ShardedWalk(engine)
+    elif autograd:
+        engine.layout = Replicated(engine)
+        engine.gradients = Autograd(engine)
+    else:  # the walk's state is its flat buffers: no layout object
+        if config.model.lora is not None:  # the frozen base on the device as it is; adapters into flat buffers
+            model.to(device)
+        engine.gradients = Walk(engine, allocate_buffers(config, device, plan.execution))
+    return engine
 
 
 def build_engine(plan: Resolved, device: torch.device | str | None = None, *, seed: int | None = None,
@@ -97,8 +100,7 @@ def build_engine(plan: Resolved, device: torch.device | str | None = None, *, se
     device = resolve_device(tr.device if device is None else device) if not isinstance(device, torch.device) else device
     backend = backend or get_backend(str(tr.kernels), device)
     model = build_model_for(config, tr.seed if seed is None else seed)
-    engine = _gradient_source(plan, model, device, backend, dp)
-    engine.dp = dp
+    engine = _compose(plan, model, device, backend, dp)
     if engine.execution.compile:
         compile_blocks(engine.model, device, (config.data.batch_size, config.data.seq_len), engine.cdt,
                        engine.autocast(), sharded=engine.sharded)

@@ -37,7 +37,7 @@ DOUBLE_AFTER = 128  # records before the interval doubles
 def group_tensors(engine) -> list[tuple[str, list[torch.Tensor]]]:
     """Each optimizer group's name and its weight tensors (flat buffer or parameters)."""
     out = []
-    for group in engine.groups:
+    for group in engine.gradients.groups:
         if isinstance(group, tuple):  # the autograd sources: (name, parameters)
             out.append((group[0], [p.detach() for p in group[1]]))
         else:  # a FlatGroup of the interleaved walk
@@ -46,7 +46,7 @@ def group_tensors(engine) -> list[tuple[str, list[torch.Tensor]]]:
 
 
 def _group_params(engine, name: str) -> list[torch.nn.Parameter]:
-    for group in engine.groups:
+    for group in engine.gradients.groups:
         if isinstance(group, tuple) and group[0] == name:
             return list(group[1])
         if not isinstance(group, tuple) and group.name == name:

@@ -1,4 +1,5 @@
-"""Sharded data parallelism on torch FSDP2 (``training.sharding``), for the standard engine.
+"""Sharded data parallelism on torch FSDP2 (``training.sharding``): the engine's sharded layout,
+under either gradient source (autograd, apr/train/autograd.py; the walk's hooks, apr/train/sharded_walk.py).
 
 ``fully_shard`` is applied to every decoder block and to a root module holding the rest (the
 embedding, the final norm and the head), so a block's weights are all-gathered for its forward
@@ -33,17 +34,15 @@ from apr.checkpoint.files import ST_DTYPE_NAMES
 from apr.checkpoint.parts import LazyTensors
 from apr.errors import AprError
 from apr.launch import env_ranks_per_node
-from apr.model.buffers import fsdp2_buffers
 from apr.model.llama import LlamaForCausalLM
-from apr.steps.resolved import Resolved
-from apr.train.engine import StandardEngine, group_specs
-from apr.train.losses import CausalLM
+from apr.train.autograd import Params
+from apr.train.engine import group_specs
 
 
 class _LossModule(nn.Module):
     """The model with its loss in one forward: FSDP2 gathers a module's parameters for its forward."""
 
-    def __init__(self, lm: LlamaForCausalLM, engine: ShardedEngine):
+    def __init__(self, lm: LlamaForCausalLM, engine):
         super().__init__()
         self.lm = lm
         self._engine = [engine]  # not a submodule
@@ -59,14 +58,14 @@ class _LossModule(nn.Module):
                             norm_context=e.autocast(), total=True)
 
 
-def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device: torch.device) -> _LossModule:
+def _shard(model: LlamaForCausalLM, engine, strategy: str, device: torch.device) -> tuple[_LossModule, object]:
+    """``fully_shard`` every block and the root; returns the root and the shard process group."""
     world = dist.get_world_size()
     if strategy == "hybrid":  # shard within a node, replicate across nodes (HSDP)
         group = shard_group_size(world)
         mesh = init_device_mesh(device.type, (world // group, group), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
-    engine.shard_group = mesh.get_group("shard")
     reshard = strategy in ("full", "hybrid")
     layers = list(model.model.layers)
     for layer in layers:
@@ -75,7 +74,7 @@ def _shard(model: LlamaForCausalLM, engine: ShardedEngine, strategy: str, device
         layer.set_modules_to_forward_prefetch([following])
     root = _LossModule(model, engine)
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard)
-    return root
+    return root, mesh.get_group("shard")
 
 
 def shard_group_size(world: int) -> int:
@@ -88,21 +87,18 @@ def shard_group_size(world: int) -> int:
     return group
 
 
-class ShardedEngine(StandardEngine):
-    """The autograd source on FSDP2 shards, with any loss part (see the module docstring)."""
+class Shards:
+    """The FSDP2 layout (see the module docstring): each rank holds its rows of every tensor."""
 
-    sharded = True
-    declares = staticmethod(fsdp2_buffers)  # one rank's shards, either source
-
-    def __init__(self, plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend,
-                 loss: CausalLM | None = None):
-        model = model.to(device)
-        self.root = _shard(model, self, plan.sharding, device)
-        super().__init__(plan, model, device, backend, loss)
+    def __init__(self, engine):
+        self.e = engine
+        model = engine.model.to(engine.device)
+        self.root, self.shard_group = _shard(model, engine, engine.plan.sharding, engine.device)
+        self.params = Params(engine)
 
     # ------------------------------------------------------------------------------ steps
 
-    def _all_sq(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def all_sq(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Squared norms over the whole tensors from their local shards' (one all-reduce over the shard
         group; hybrid replicas hold equal shards)."""
         sq = torch.stack(parts)
@@ -110,24 +106,20 @@ class ShardedEngine(StandardEngine):
         return sq
 
     @staticmethod
-    def _local_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    def local_sq(grads: list[torch.Tensor]) -> torch.Tensor:
         return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device))
 
     def tensor_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """Each tensor's norm all-reduced from its shards' (AdaGC on shards)."""
-        return self._all_sq([g.float().pow(2).sum() for g in grads]).sqrt()
-
-    def _adagc_sharded(self, name: str, grads: list[torch.Tensor], unscale: float = 1.0,
-                       found_inf: torch.Tensor | None = None) -> None:
-        self._adagc_clip(name, grads, unscale, found_inf, norms=self.tensor_norms(grads))
+        return self.all_sq([g.float().pow(2).sum() for g in grads]).sqrt()
 
     @contextmanager
     def whole_weights(self):
         """Every FSDP2 unit's weights gathered on every rank (in-training evaluation and samples read
         the model outside the units' forwards: KV-cache decoding walks the layers' parts); resharded
         after. Costs the whole model's weights, not its optimizer state, for the duration."""
-        units = [*self.model.model.layers, self.root]
-        reshard = str(self.config.training.sharding) in ("full", "hybrid")
+        units = [*self.e.model.model.layers, self.root]
+        reshard = str(self.e.config.training.sharding) in ("full", "hybrid")
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)  # a forward inside keeps them gathered
             unit.unshard()
@@ -138,29 +130,24 @@ class ShardedEngine(StandardEngine):
                 unit.reshard()
                 unit.set_reshard_after_forward(reshard, recurse=False)
 
-    @torch.no_grad()
-    def eval_loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        ids, targets = self.split(batch)
-        return self.root(ids, targets, total=True), targets.numel()
-
-    def _micro_loss(self, ids: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+    def micro_loss(self, ids: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
         self.root.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro-batch
         return self.root(ids, targets)
 
-    def _reduced_grads(self) -> dict[str, list[torch.Tensor]]:
+    def reduced_grads(self) -> dict[str, list[torch.Tensor]]:
         """This rank's shards of each live group's reduce-scattered gradients, unscaled."""
-        local = {name: [p.grad.to_local() for p in group] for name, group in self.groups
+        local = {name: [p.grad.to_local() for p in group] for name, group in self.params.groups
                  if all(p.grad is not None for p in group)}
-        if self.scaler.scale != 1.0:
-            torch._foreach_mul_([g for gs in local.values() for g in gs], 1.0 / self.scaler.scale)
+        if self.e.scaler.scale != 1.0:
+            torch._foreach_mul_([g for gs in local.values() for g in gs], 1.0 / self.e.scaler.scale)
         return local
 
-    def _group_sq(self, local: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def group_sq(self, local: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Every group's squared norm, all-reduced from the shards' in one collective (zero without
         gradients: every rank agrees which groups are live)."""
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        sq_all = self._all_sq([self._local_sq(local[name]) if name in local else zero for name, _ in self.groups])
-        return dict(zip([name for name, _ in self.groups], sq_all.unbind(), strict=True))
+        zero = torch.zeros((), dtype=torch.float32, device=self.e.device)
+        sq_all = self.all_sq([self.local_sq(local[name]) if name in local else zero for name, _ in self.params.groups])
+        return dict(zip([name for name, _ in self.params.groups], sq_all.unbind(), strict=True))
 
     # ------------------------------------------------------------------------------ state
 
@@ -176,8 +163,8 @@ class ShardedEngine(StandardEngine):
             if keep:
                 out[name] = full.cpu()
 
-        for name, p in self.named.items():
-            m, v = self.updater.moments(p) or (None, None)
+        for name, p in self.params.named.items():
+            m, v = self.e.updater.moments(p) or (None, None)
             gather(name, p.detach(), p)
             gather(names.OPT_M + name, m, p)
             gather(names.OPT_V + name, v, p)
@@ -187,9 +174,9 @@ class ShardedEngine(StandardEngine):
         """This rank's rows of every weight and AdamW moment, under the checkpoint names (its part of
         a sharded checkpoint: apr/checkpoint/parts.py); views of the shards, nothing gathered."""
         out: dict[str, torch.Tensor] = {}
-        for name, p in self.named.items():
+        for name, p in self.params.named.items():
             local = p.detach().to_local()
-            moments = self.updater.moments(p)
+            moments = self.e.updater.moments(p)
             out[name] = local
             for k, prefix in enumerate((names.OPT_M, names.OPT_V)):
                 out[prefix + name] = moments[k].to_local() if moments else torch.zeros_like(local)
@@ -199,12 +186,12 @@ class ShardedEngine(StandardEngine):
     def load_local_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Put back this rank's rows as ``local_state_tensors`` gave them (the orchestrator's branch
         snapshots, taken and restored by every rank at the same step: nothing gathered)."""
-        for name, p in self.named.items():
+        for name, p in self.params.named.items():
             p.to_local().copy_(tensors[name])
-            moments = self.updater.moments(p)
+            moments = self.e.updater.moments(p)
             if moments is None:
                 moments = (torch.zeros_like(p), torch.zeros_like(p))
-                self.updater.set_moments(p, *moments, self.optimizer_steps)
+                self.e.updater.set_moments(p, *moments, self.e.optimizer_steps)
             for k, prefix in enumerate((names.OPT_M, names.OPT_V)):
                 moments[k].to_local().copy_(tensors[prefix + name])
 
@@ -213,34 +200,34 @@ class ShardedEngine(StandardEngine):
         """Re-shard a checkpoint's tensors: from a ``parts.LazyTensors`` each rank reads only its own
         rows of every tensor (nothing whole in memory); from a dict of whole tensors, each is split."""
         if isinstance(tensors, LazyTensors):
-            want = names.state_shapes((s.name, s.shape) for _, specs in group_specs(self.config) for s in specs)
+            want = names.state_shapes((s.name, s.shape) for _, specs in group_specs(self.e.config) for s in specs)
             problems = names.tensor_mismatches(tensors.shapes, {n: ST_DTYPE_NAMES.get(d, d)
                                                                 for n, d in tensors.dtypes.items()}, want)
             if problems:
                 raise AprError("checkpoint tensors do not match the model: " + "; ".join(problems[:5]))
-            for name, p in self.named.items():
+            for name, p in self.params.named.items():
                 local = p.to_local()
-                start = self._row_start(p)
+                start = self.row_start(p)
 
                 def mine(key: str, local=local, start=start) -> torch.Tensor:
-                    return tensors.rows(key, start, start + local.shape[0]).to(self.device, torch.float32)
+                    return tensors.rows(key, start, start + local.shape[0]).to(self.e.device, torch.float32)
 
                 local.copy_(mine(name))
                 m, v = torch.zeros_like(p), torch.zeros_like(p)
                 m.to_local().copy_(mine(names.OPT_M + name))
                 v.to_local().copy_(mine(names.OPT_V + name))
-                self.updater.set_moments(p, m, v, self.optimizer_steps)
+                self.e.updater.set_moments(p, m, v, self.e.optimizer_steps)
             return
-        self._check_state_names(tensors)
-        for name, p in self.named.items():
+        self.e._check_state_names(tensors)
+        for name, p in self.params.named.items():
             def shard(t: torch.Tensor, p=p):
-                return distribute_tensor(t.to(self.device, torch.float32), p.device_mesh, p.placements)
+                return distribute_tensor(t.to(self.e.device, torch.float32), p.device_mesh, p.placements)
 
             p.to_local().copy_(shard(tensors[name]).to_local())
-            self.updater.set_moments(p, shard(tensors[names.OPT_M + name]).clone(),
-                                     shard(tensors[names.OPT_V + name]).clone(), self.optimizer_steps)
+            self.e.updater.set_moments(p, shard(tensors[names.OPT_M + name]).clone(),
+                                     shard(tensors[names.OPT_V + name]).clone(), self.e.optimizer_steps)
 
-    def _row_start(self, p) -> int:
+    def row_start(self, p) -> int:
         """The first row of ``p`` this rank holds: FSDP2 splits the first dimension into chunks of
         ceil(rows / ranks) in the order of the mesh's shard dimension."""
         rows, ranks = p.shape[0], self.shard_group.size()

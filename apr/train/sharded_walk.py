@@ -1,4 +1,4 @@
-"""The interleaved engine on FSDP2 shards (``training.engine: interleaved`` with ``training.sharding``).
+"""The walk's gradient source on FSDP2 shards (``training.engine: interleaved`` with ``training.sharding``).
 
 The model is sharded as for the standard engine (apr/train/sharded.py: ``fully_shard`` per decoder
 block and at the root), and keeps the interleaved engine's promises
@@ -30,64 +30,41 @@ rank decides clipping and non-finite skips alike).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from apr.kernels import KernelBackend
 from apr.kernels.interface import DecayRanges
 from apr.model import spec
-from apr.model.llama import LlamaForCausalLM
-from apr.steps.resolved import Resolved
-from apr.train.engine import StepResult, _sac_policy
 from apr.train.nonfinite import GRADIENTS, LOSS
-from apr.train.sharded import ShardedEngine
+from apr.train.outcome import StepResult
 
 
-class ShardedInterleavedEngine(ShardedEngine):
-    source = "interleaved"
+class ShardedWalk:
+    """The walk's per-group updates on FSDP2 shards, from the gradient hooks (see the module docstring)."""
 
-    def __init__(self, plan: Resolved, model: LlamaForCausalLM, device: torch.device, backend: KernelBackend):
-        super().__init__(plan, model, device, backend)
-        config = plan.config
+    name = "interleaved"
+
+    def __init__(self, engine):
+        self.e = engine
+        self.params = engine.layout.params  # the sharded layout's parameters (apr/train/sharded.py)
+        config = engine.config
         self._lr = 0.0
-        self.group_params = dict(self.groups)
+        self.group_params = dict(self.params.groups)
         decays = {s.name: s.decay for _, specs in spec.optimizer_groups(config) for s in specs}
         self._decay: dict[int, DecayRanges] = {}
         self._group_of: dict[int, str] = {}
         self._arrived = dict.fromkeys(self.group_params, 0)
         # (name) -> None, run once a group's reduce-scattered gradient is complete; None: accumulate
         self._on_group: Callable[[str], None] | None = None
-        for name, group in self.groups:
+        for name, group in self.params.groups:
             for p in group:
                 self._group_of[id(p)] = name
                 p.register_post_accumulate_grad_hook(self._arrived_grad)
-        for pname, p in self.named.items():
+        for pname, p in self.params.named.items():
             local = p.to_local()
             self._decay[id(p)] = DecayRanges.from_segments([(local.numel(), decays[pname])])
-            self.updater.set_moments(p, torch.zeros_like(p), torch.zeros_like(p), 0)
-
-    # ------------------------------------------------------------------------------ forward
-
-    def hidden_states(self, lm: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding and the blocks, each block as the execution policy says (in a backward-less
-        forward, evaluation, every block runs plainly)."""
-        cos, sin = lm.rope(ids.shape[1], ids.device)
-        x = lm.model.embed_tokens(ids).to(self.cdt)
-        grad = torch.is_grad_enabled()
-        for i, layer in enumerate(lm.model.layers):
-            mode = self.execution.block_mode(i) if grad else "keep"
-            if mode == "keep":
-                x = layer(x, cos, sin)
-            elif mode == "selective":
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False,
-                               context_fn=partial(create_selective_checkpoint_contexts, _sac_policy))
-            else:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            x = x.to(self.cdt)
-        return x
+            self.e.updater.set_moments(p, torch.zeros_like(p), torch.zeros_like(p), 0)
 
     # ------------------------------------------------------------------------------ hooks
 
@@ -99,7 +76,7 @@ class ShardedInterleavedEngine(ShardedEngine):
         if self._arrived[name] == len(self.group_params[name]):
             self._arrived[name] = 0
             if self._on_group is not None:
-                self._probe(name)
+                self.e._probe(name)
                 self._on_group(name)
 
     def _grads(self, name: str) -> list[torch.Tensor]:
@@ -114,27 +91,28 @@ class ShardedInterleavedEngine(ShardedEngine):
     @torch.no_grad()
     def _apply(self, name: str, coef) -> None:
         """AdamW on this rank's shard of every tensor of the group (then the gradient shard is dropped)."""
-        found_inf = self._flags.bad
-        if name in self.frozen:  # progressive stacking's frozen blocks: no update at all
+        found_inf = self.e._flags.bad
+        if name in self.e.frozen:  # progressive stacking's frozen blocks: no update at all
             self._drop(name)
             return
         grads = self._grads(name)
-        if self.strategy.clip == "adagc":
-            self._adagc_sharded(name, grads, 1.0 / self.scaler.scale, found_inf)
-        scale = coef if self.scaler.scale == 1.0 else coef * (1.0 / self.scaler.scale)
+        if self.e.strategy.clip == "adagc":
+            self.e._adagc_clip(name, grads, 1.0 / self.e.scaler.scale, found_inf,
+                               norms=self.e.layout.tensor_norms(grads))
+        scale = coef if self.e.scaler.scale == 1.0 else coef * (1.0 / self.e.scaler.scale)
         for p, g in zip(self.group_params[name], grads, strict=True):
             local = p.to_local()
             if local.numel() == 0:  # a rank past the tensor's last row holds nothing of it
                 continue
-            m, v = self.updater.moments(p)
-            self.updater.update_flat(local.view(-1), g.reshape(-1), m.to_local().view(-1), v.to_local().view(-1),
-                                     lr=self._lr, step=self.optimizer_steps + 1, decay=self._decay[id(p)],
+            m, v = self.e.updater.moments(p)
+            self.e.updater.update_flat(local.view(-1), g.reshape(-1), m.to_local().view(-1), v.to_local().view(-1),
+                                     lr=self._lr, step=self.e.optimizer_steps + 1, decay=self._decay[id(p)],
                                      grad_scale=scale, found_inf=found_inf)
-        self._flags.stepped()
+        self.e._flags.stepped()
         self._drop(name)
 
     def _group_sq(self, name: str) -> torch.Tensor:
-        return self._all_sq([self._local_sq(self._grads(name))])[0]
+        return self.e.layout.all_sq([self.e.layout.local_sq(self._grads(name))])[0]
 
     def _backward(self, loss: torch.Tensor, mult: float, on_group, retain: bool = False) -> None:
         self._on_group = on_group
@@ -145,45 +123,45 @@ class ShardedInterleavedEngine(ShardedEngine):
 
     def _loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The micro-batch's mean loss; its non-finiteness flagged alike on every rank."""
-        loss = self.root(ids, targets)
+        loss = self.e.layout.root(ids, targets)
         total = loss.detach().clone()
         dist.all_reduce(total)  # over every rank: hybrid replicas read other rows
-        if self.scaler.enabled:  # fp16: the loss-scale logic reads the host
-            self._check_loss(total)
+        if self.e.scaler.enabled:  # fp16: the loss-scale logic reads the host
+            self.e._check_loss(total)
         else:
-            self._flags.flag(~torch.isfinite(total), LOSS, self.calls)
+            self.e._flags.flag(~torch.isfinite(total), LOSS, self.e.calls)
         return loss
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         self._lr = lr
-        self.calls += 1
-        self._skip = False
-        self._flags.start_step()
-        for p in self.named.values():
+        self.e.calls += 1
+        self.e._skip = False
+        self.e._flags.start_step()
+        for p in self.params.named.values():
             p.grad = None
-        if self.strategy.keeps_all_grads:
+        if self.e.strategy.keeps_all_grads:
             return self._step_kept(micro_batches)
-        ids, targets = self.split(micro_batches[0])
+        ids, targets = self.e.split(micro_batches[0])
         loss = self._loss(ids, targets)
-        if self.strategy.norm_prepass:
+        if self.e.strategy.norm_prepass:
             return self._step_prepass(loss)
         return self._step_single(loss)
 
     def _step_kept(self, micro_batches: list[torch.Tensor]) -> StepResult:
         """Gradient shards accumulate over the micro-batches (reduce-scattered after each); then the
         exact global norm, then every group's AdamW."""
-        accum, scale = len(micro_batches), self.scaler.scale
-        loss_total = torch.zeros((), device=self.device)
+        accum, scale = len(micro_batches), self.e.scaler.scale
+        loss_total = torch.zeros((), device=self.e.device)
         for batch in micro_batches:
-            ids, targets = self.split(batch)
+            ids, targets = self.e.split(batch)
             loss = self._loss(ids, targets)
             self._backward(loss, scale / accum, None)
             loss_total += loss.detach() / accum
-        for name in self.group_names:
-            self._probe(name)
-        sq_all = self._all_sq([self._local_sq(self._grads(name)) for name in self.group_names])
-        return self._step_known(loss_total, dict(zip(self.group_names, sq_all.unbind(), strict=True)),
-                                lambda coefs: [self._apply(name, coefs[name]) for name in self.group_names])
+        for name in self.e.group_names:
+            self.e._probe(name)
+        sq_all = self.e.layout.all_sq([self.e.layout.local_sq(self._grads(name)) for name in self.e.group_names])
+        return self._step_known(loss_total, dict(zip(self.e.group_names, sq_all.unbind(), strict=True)),
+                                lambda coefs: [self._apply(name, coefs[name]) for name in self.e.group_names])
 
     def _step_prepass(self, loss: torch.Tensor) -> StepResult:
         """A norm-only backward (the graph retained; each group's gradient shard reduced to its squared
@@ -191,13 +169,13 @@ class ShardedInterleavedEngine(ShardedEngine):
         sq: dict[str, torch.Tensor] = {}
 
         def record(name: str) -> None:
-            sq[name] = self._local_sq(self._grads(name))
+            sq[name] = self.e.layout.local_sq(self._grads(name))
             self._drop(name)
 
-        scale = self.scaler.scale
+        scale = self.e.scaler.scale
         self._backward(loss, scale, record, retain=True)
-        sq_all = self._all_sq([sq[name] for name in self.group_names])
-        sq = dict(zip(self.group_names, sq_all.unbind(), strict=True))
+        sq_all = self.e.layout.all_sq([sq[name] for name in self.e.group_names])
+        sq = dict(zip(self.e.group_names, sq_all.unbind(), strict=True))
 
         def step(coefs: dict) -> None:
             self._backward(loss, scale, lambda name: self._apply(name, coefs[name]))
@@ -207,39 +185,53 @@ class ShardedInterleavedEngine(ShardedEngine):
     def _step_known(self, loss: torch.Tensor, sq: dict[str, torch.Tensor], apply) -> StepResult:
         """With every group's squared norm known before any update: the non-finite / overflow check,
         the bad-step test, clipping coefficients, then ``apply(coefs)``."""
-        self._keep_sq(sq, self.scaler.scale)
-        norm, overflow = self._known_norm(sq)
-        flagged = not overflow and self._gate(loss, norm)
+        self.e._keep_sq(sq, self.e.scaler.scale)
+        norm, overflow = self.e._known_norm(sq)
+        flagged = not overflow and self.e._gate(loss, norm)
         if not overflow and not flagged:
-            apply(self._coefs(sq, norm))
-            self._stepped()
-        for p in self.named.values():
+            apply(self.e._coefs(sq, norm))
+            self.e._stepped()
+        for p in self.params.named.values():
             p.grad = None
         return StepResult(loss, norm, skipped=overflow, flagged=flagged)
 
     def _step_single(self, loss: torch.Tensor) -> StepResult:
         """No clipping, per-block or AdaGC clipping: each group steps in its hook."""
         sq: dict[str, torch.Tensor] = {}
-        per_block = self.strategy.clip == "per_block"
-        if self.step_gate is not None:
-            self._gate(loss.detach(), None)  # the loss test, before the first update
+        per_block = self.e.strategy.clip == "per_block"
+        if self.e.step_gate is not None:
+            self.e._gate(loss.detach(), None)  # the loss test, before the first update
 
         def step(name: str) -> None:
             s = sq[name] = self._group_sq(name)
-            if self._skip:
+            if self.e._skip:
                 self._drop(name)
                 return
-            self._flags.flag(~torch.isfinite(s), GRADIENTS, self.calls)
-            self._apply(name, self._clip_coef(s.sqrt()) if per_block else 1.0)
+            self.e._flags.flag(~torch.isfinite(s), GRADIENTS, self.e.calls)
+            self._apply(name, self.e._clip_coef(s.sqrt()) if per_block else 1.0)
 
         self._backward(loss, 1.0, step)
-        self._keep_sq(sq)
-        norm = torch.stack([sq[name] for name in self.group_names]).sum().sqrt()
-        if self._skip:
+        self.e._keep_sq(sq)
+        norm = torch.stack([sq[name] for name in self.e.group_names]).sum().sqrt()
+        if self.e._skip:
             return StepResult(loss.detach(), norm, flagged=True)
-        self._stepped()
+        self.e._stepped()
         return StepResult(loss.detach(), norm)
 
-    def _stepped(self) -> None:
-        self.optimizer_steps += 1
-        self.scaler.update(found_inf=False)
+    # ------------------------------------------------------------ what every source answers
+
+    @property
+    def groups(self) -> list[tuple[str, list[torch.Tensor]]]:
+        return self.params.groups
+
+    def freeze(self, frozen: set[str]) -> None:
+        self.params.freeze(frozen)
+
+    def meta_state(self) -> dict:
+        return self.params.meta_state()
+
+    def load_meta_state(self, meta: dict) -> None:
+        self.params.load_meta_state(meta)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        return self.params.buffer_bytes()

@@ -241,7 +241,9 @@ parameters:
     assert log.count("resumed from") == 1 and log.count(": finished") == 1
     # Hyperband's verdict, from the two runs' val losses at its rung (evaluation 2, step 4)
     pruned = json.loads((root / "machine-b" / "trials" / "0002" / "training_state.json").read_text())
-    at_rung = dict(state["val_loss_history"])[4], dict(pruned["val_loss_history"])[4]
+    rung = dict(state["val_loss_history"]), dict(pruned["val_loss_history"])
+    assert 4 in rung[0] and 4 in rung[1], (sorted(rung[0]), sorted(rung[1]), log[:3000])
+    at_rung = rung[0][4], rung[1][4]
     assert at_rung[1] > at_rung[0]
     assert bad["state"] == "pruned" and bad["last_evaluation"] == 2
     assert bad["reason"] == f"pruned at evaluation 2 (step 4): val_loss {at_rung[1]:.4f}"

@@ -39,7 +39,7 @@ def main() -> int:
     assert set(a) == set(b), set(a) ^ set(b)
     rel = max(((a[k].float().cpu() - b[k].float().cpu()).norm() / b[k].float().cpu().norm().clamp_min(1e-30)).item()
               for k in b)
-    print(json.dumps({"rel": rel, "sharded": type(eng).__name__, "plain": type(ref).__name__,
+    print(json.dumps({"rel": rel, "sharded": type(eng.layout).__name__, "plain": type(ref.layout).__name__,
                       "backend": eng.backend.name}))
     dist.destroy_process_group()
     return 0

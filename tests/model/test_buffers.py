@@ -1,4 +1,4 @@
-"""apr/memory/buffers.py: each part of the composed engine declares its buffers, and the plan sums
+"""apr/model/buffers.py: each part of the composed engine declares its buffers, and the plan sums
 what the engine ``build_engine`` composes declares (docs/design.md, "The buffer plan")."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apr.memory.buffers import (
+from apr.model.buffers import (
     autograd_buffers,
     buffer_plan,
     frozen_buffers,
@@ -31,17 +31,14 @@ LORA = {"rank": 2, "alpha": 4.0, "targets": "all"}
 def test_the_engine_build_composes_declares_what_the_plan_sums(sections):
     config = make_config(**sections)
     engine = build_engine(plan_of(config), "cpu")
-    assert type(engine).declares is source_buffers(config)
-    assert buffer_plan(config) == frozen_buffers(config) + type(engine).declares(config) + step_buffers(config)
+    assert engine.declares is source_buffers(config)
+    assert buffer_plan(config) == frozen_buffers(config) + engine.declares(config) + step_buffers(config)
 
 
 def test_the_sharded_sources_declare_one_ranks_shards():
-    from apr.train.sharded import ShardedEngine
-    from apr.train.sharded_walk import ShardedInterleavedEngine
-
     for engine in ("standard", "interleaved"):
         config = make_config(training={"engine": engine, "sharding": "full", "world_size": 2})
-        assert source_buffers(config) is fsdp2_buffers is ShardedEngine.declares is ShardedInterleavedEngine.declares
+        assert source_buffers(config) is fsdp2_buffers
         whole = {b.name: b.numel for b in source_buffers(make_config(training={"engine": engine}))(config.model_copy(
             update={"training": config.training.model_copy(update={"sharding": "none", "world_size": 1})}))}
         shards = {b.name: b.numel for b in fsdp2_buffers(config)}
@@ -55,7 +52,7 @@ def test_autograd_declares_the_parameters_moments_and_gradients_torch_allocates(
     engine = build_engine(plan_of(config), "cpu")
     batch = torch.randint(0, config.model.architecture.vocab_size, (config.data.batch_size, config.data.seq_len + 1))
     engine.train_step([batch], lr=1e-3)
-    for p in engine.named.values():  # train_step leaves the gradients in place until the next step
+    for p in engine.gradients.named.values():  # train_step leaves the gradients in place until the next step
         assert p.grad is not None
     held = engine.buffer_bytes()
     declared: dict[str, int] = {}

@@ -50,7 +50,8 @@ def test_the_cost_and_the_step_strategy_agree_on_the_pre_pass(engine, accum, gra
                                    "clip_mode": clip or "global", "grad_clip": 0.3 if clip else None})
     ex = parse("recompute", gradients, 3)
     st = step_strategy(config, ex)
-    expected = 3.0 if engine == "standard" else 4.0 + (3.0 if st.norm_prepass else 0.0)
+    # every block recomputed: one forward more on either source; autograd never walks a pre-pass
+    expected = 4.0 if engine == "standard" else 4.0 + (3.0 if st.norm_prepass else 0.0)
     assert step_cost_f(config, ex) == pytest.approx(expected)
     assert st.keeps_all_grads == (engine == "standard" or accum > 1 or gradients == "kept")
 
@@ -103,3 +104,15 @@ def test_a_stated_compile_setting_is_kept_and_auto_runs_eager_without_a_plan():
     assert not decide_compile(make_config(training={"execution": {"compile": False}}), device="cpu",
                               total_steps=10**6, step_seconds=3.0).compile
     assert from_config(_auto()).compile is False
+
+
+@pytest.mark.parametrize(("activations", "extra"), [("keep", 0.0), ("keep_first:1", 2 / 3), ("recompute", 1.0)])
+def test_autograd_is_charged_the_recompute_its_policy_runs(activations, extra):
+    """Autograd honours the activation policy (torch.utils.checkpoint per block), so the plan's FLOPs
+    and time charge the blocks it runs twice, and the policy line says which."""
+    config = make_config(training={"engine": "standard"})
+    ex = parse(activations, "kept", 3)
+    assert step_cost_f(config, ex) == pytest.approx(3.0 + extra)
+    line = describe(config, ex)
+    assert line.startswith("standard engine") is False and "standard engine (full autograd backward" in line
+    assert ("blocks recomputed" in line) == (extra > 0)

@@ -82,16 +82,16 @@ def main() -> int:
     shards_log = os.environ.get("APR_TEST_SHARDS")
     live = {"max": 0}
     if shards_log:  # the most gradient-shard elements the interleaved walk holds at once
-        from apr.train.sharded_walk import ShardedInterleavedEngine
+        from apr.train.sharded_walk import ShardedWalk
 
-        arrived = ShardedInterleavedEngine._arrived_grad
+        arrived = ShardedWalk._arrived_grad
 
         def measured(self, p):
             arrived(self, p)  # the engine's hook first: a complete group is stepped and dropped
-            held = sum(q.grad.to_local().numel() for q in self.named.values() if q.grad is not None)
+            held = sum(q.grad.to_local().numel() for q in self.params.named.values() if q.grad is not None)
             live["max"] = max(live["max"], held)
 
-        ShardedInterleavedEngine._arrived_grad = measured
+        ShardedWalk._arrived_grad = measured
     signal_rank, signal_step, signal_when = (os.environ.get("APR_TEST_SIGNAL") or "-1:0:none").split(":")
     mine = int(signal_rank) == int(os.environ.get("RANK", "0"))
     hooks = [SignalAt(int(signal_step))] if mine and signal_when == "log" else []
@@ -119,14 +119,14 @@ def main() -> int:
 
         loader.next_batch = logged
     result = run.execute()
-    if shards_log and run.is_main and hasattr(run.engine, "root"):  # rank 0's FSDP2 shard sizes, by group
+    if shards_log and run.is_main and run.engine.sharded:  # rank 0's FSDP2 shard sizes, by group
         up = run.engine.updater
         frozen = [p.to_local() for p in run.engine.model.parameters() if not p.requires_grad]
         Path(shards_log).write_text(json.dumps({
             "max_live_grad": live["max"], "frozen_bytes": sum(t.numel() * t.element_size() for t in frozen),
             "groups": {name: {
             "params": sum(p.to_local().numel() for p in group),
-            "adam_m": sum(up.moments(p)[0].to_local().numel() for p in group)} for name, group in run.engine.groups}}))
+            "adam_m": sum(up.moments(p)[0].to_local().numel() for p in group)} for name, group in run.engine.gradients.groups}}))
     return result.exit_code
 
 

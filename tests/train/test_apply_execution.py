@@ -39,7 +39,7 @@ def test_apply_runs_the_policy_the_plan_chose_for_the_budget(tmp_path, monkeypat
     assert result.status == "finished"
     (engine,) = built
     assert engine.execution.activations == "recompute" and engine.execution.gradients == "workspace"
-    assert engine.workspace is not None and engine.block_groups[0].own_grad is None
+    assert engine.gradients.workspace is not None and engine.gradients.block_groups[0].own_grad is None
 
 
 def test_apply_without_a_target_decides_from_the_devices_memory(tmp_path, monkeypatch):

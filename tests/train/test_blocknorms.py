@@ -16,8 +16,8 @@ from tests.train.tiny import batches, make_config
 
 def _group_weights(engine) -> dict[str, list[torch.Tensor]]:
     if engine.kind == "standard":
-        return {name: [p.detach().clone() for p in params] for name, params in engine.groups}
-    return {g.name: [g.flat_params.clone()] for g in engine.groups}
+        return {name: [p.detach().clone() for p in params] for name, params in engine.gradients.groups}
+    return {g.name: [g.flat_params.clone()] for g in engine.gradients.groups}
 
 
 def _real_norms(before: dict, after: dict) -> dict[str, float]:
@@ -55,7 +55,7 @@ def test_grad_norms_are_each_groups_gradient_norm_in_both_engines():
     std = build_engine(plan_of(std_config))
     data = batches(std_config, 1)
     std.train_step(data, lr=1e-2)
-    want = {name: math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params)) for name, params in std.groups}
+    want = {name: math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params)) for name, params in std.gradients.groups}
     inter = build_engine(plan_of(make_config(training={"grad_clip": None})))
     inter.train_step(data, lr=1e-2)
     for engine in (std, inter):

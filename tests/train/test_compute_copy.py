@@ -40,9 +40,9 @@ def _train(config, steps: int = 4, copy: bool = True, monkeypatch=None):
 def test_the_compute_copy_trains_bitwise_like_autocasts_casts(precision, activations, gradients, clip, monkeypatch):
     config = _config(precision, activations, gradients, clip)
     with_copy = _train(config)
-    assert all(g.compute is not None for g in with_copy.block_groups)
+    assert all(g.compute is not None for g in with_copy.gradients.block_groups)
     without = _train(config, copy=False, monkeypatch=monkeypatch)
-    assert all(g.compute is None for g in without.block_groups)
+    assert all(g.compute is None for g in without.gradients.block_groups)
     a, b = with_copy.train_state_tensors(), without.train_state_tensors()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -50,7 +50,7 @@ def test_the_compute_copy_trains_bitwise_like_autocasts_casts(precision, activat
 def test_the_copy_is_the_masters_rounded_after_every_update():
     config = _config("bf16", "recompute", "workspace", "global")
     engine = _train(config, steps=3)
-    for g in engine.block_groups:
+    for g in engine.gradients.block_groups:
         assert g.compute.dtype == torch.bfloat16
         assert torch.equal(g.compute, g.flat_params.to(torch.bfloat16))
 
@@ -115,7 +115,7 @@ def test_the_plan_counts_the_copy_and_the_engine_allocates_exactly_that():
     arch = config.model.architecture
     assert len(rows) == arch.num_hidden_layers and all(r.dtype == "bfloat16" for r in rows)
     engine = build_engine(plan_of(config))
-    assert sum(g.compute.numel() * g.compute.element_size() for g in engine.block_groups) == sum(
+    assert sum(g.compute.numel() * g.compute.element_size() for g in engine.gradients.block_groups) == sum(
         r.nbytes for r in rows)
     for fp32 in (_config("fp32", "recompute", "workspace", "global"),
                  _config("bf16", "recompute", "workspace", "global", engine="standard")):

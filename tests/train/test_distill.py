@@ -451,10 +451,10 @@ def test_a_narrower_student_starts_from_its_teacher_and_trains_its_projections_i
     assert proj[PROJ_DOWN].shape == (16, 32) and proj[PROJ_UP].shape == (32, 16)
     batch = torch.randint(0, 61, (4, 17), generator=torch.Generator().manual_seed(1))
     for step, moved in ((3, {"model.layers.1.", PROJ_DOWN, PROJ_UP}), (5, {"model.", "lm_head"})):
-        before = {k: v.detach().clone() for k, v in engine.named.items()}
+        before = {k: v.detach().clone() for k, v in engine.gradients.named.items()}
         engine.current_step = step  # phase 1 block 1, then phase 2
         assert torch.isfinite(engine.train_step([batch], 1e-2).loss)
-        changed = {k for k, v in engine.named.items() if not v.equal(before[k])}
+        changed = {k for k, v in engine.gradients.named.items() if not v.equal(before[k])}
         assert changed and all(k.startswith(tuple(moved)) for k in changed), (step, changed)
         assert ({PROJ_DOWN, PROJ_UP} <= changed) == (step == 3), (step, changed)
     from apr.evaluate.compare import Thresholds, compare_models

@@ -8,7 +8,9 @@ import torch
 from apr.model.buffers import buffer_plan
 from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
-from apr.train.engine import InterleavedEngine, NonFiniteError, StandardEngine
+from apr.train.autograd import Autograd
+from apr.train.engine import NonFiniteError
+from apr.train.walk import Walk
 from tests.train.tiny import batches, make_config
 
 
@@ -41,7 +43,7 @@ def test_interleaved_equals_standard_over_20_steps(accum, clip_mode, tied):
                               "grad_clip": 0.3 if clip_mode else None})
     inter, norms_i = _run(make_config(**_with(sections, engine="interleaved")), 20)
     std, norms_s = _run(make_config(**_with(sections, engine="standard")), 20)
-    assert isinstance(inter, InterleavedEngine) and isinstance(std, StandardEngine)
+    assert isinstance(inter.gradients, Walk) and isinstance(std.gradients, Autograd)
     if clip_mode == "global":
         assert max(norms_s) > 0.3  # clipping is active
     assert norms_i == pytest.approx(norms_s, rel=1e-6)
@@ -81,7 +83,7 @@ def test_accumulation_equals_one_large_batch():
     r2 = e_large.train_step([torch.cat(data)], lr=1e-3)
     assert r1.loss.item() == pytest.approx(r2.loss.item(), rel=1e-6)
     assert r1.grad_norm.item() == pytest.approx(r2.grad_norm.item(), rel=1e-6)
-    for g, (name, params) in zip(e_small.groups, e_large.groups, strict=True):
+    for g, (name, params) in zip(e_small.gradients.groups, e_large.gradients.groups, strict=True):
         assert g.name == name
         assert _rel(g.own_grad, torch.cat([p.grad.reshape(-1) for p in params])) <= 1e-6, name
 
@@ -102,12 +104,12 @@ def test_peak_live_gradient_bytes_are_one_blocks(clip_mode):
     lean = {"activations": "recompute", "gradients": "workspace"}
     config = make_config(model={"architecture": arch}, training={"clip_mode": clip_mode, "execution": lean})
     engine = build_engine(plan_of(config))
-    block_bytes = engine.block_groups[0].numel * 4
-    assert block_bytes > max(engine.embed.numel, engine.head.numel) * 4
+    block_bytes = engine.gradients.block_groups[0].numel * 4
+    assert block_bytes > max(engine.gradients.embed.numel, engine.gradients.head.numel) * 4
     seen = []
     engine.grad_probe = lambda name: seen.append((name, _live_grad_bytes(engine)))
     engine.train_step(batches(config, 1), lr=1e-3)
-    assert {n for n, _ in seen} == {g.name for g in engine.groups}
+    assert {n for n, _ in seen} == {g.name for g in engine.gradients.groups}
     assert max(b for _, b in seen) == block_bytes
     plan_grad_bytes = sum(b.nbytes for b in buffer_plan(config) if b.component == "gradients")
     assert plan_grad_bytes == block_bytes  # the plan's gradient row is what the engine holds
@@ -123,7 +125,7 @@ def test_peak_live_gradient_bytes_are_one_blocks(clip_mode):
 
 def test_parameters_are_views_of_the_flat_buffers():
     engine = build_engine(plan_of(make_config()))
-    for g in engine.groups:
+    for g in engine.gradients.groups:
         base = g.flat_params.untyped_storage().data_ptr()
         for p in g.params:
             assert p.untyped_storage().data_ptr() == base
@@ -132,7 +134,7 @@ def test_parameters_are_views_of_the_flat_buffers():
     engine.train_step(batches(make_config(), 1), lr=1e-2)
     after = engine.model.model.layers[1].mlp.up_proj.weight
     assert not torch.equal(before, after)
-    assert engine.block_groups[1].exp_avg.abs().sum() > 0
+    assert engine.gradients.block_groups[1].exp_avg.abs().sum() > 0
 
 
 @pytest.mark.parametrize("decay_embeddings", [False, True])
@@ -140,12 +142,12 @@ def test_weight_decay_spares_norms_and_embeddings_unless_asked(decay_embeddings)
     config = make_config(optimizer={"weight_decay": 0.5, "decay_embeddings": decay_embeddings},
                          training={"grad_clip": None})
     engine = build_engine(plan_of(config))
-    for g in engine.groups:  # zero gradients: only the decay moves anything
+    for g in engine.gradients.groups:  # zero gradients: only the decay moves anything
         g.release_grads()
     before = _weights(engine)
-    engine._lr = 0.1
-    for g in engine.groups:
-        engine._apply(g, torch.zeros(g.numel), 1.0)
+    engine.gradients._lr = 0.1
+    for g in engine.gradients.groups:
+        engine.gradients._apply(g, torch.zeros(g.numel), 1.0)
     after = _weights(engine)
     for name in before:
         changed = not torch.equal(before[name], after[name])

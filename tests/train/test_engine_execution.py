@@ -90,7 +90,7 @@ def test_the_buffer_plan_holds_what_each_gradient_policy_allocates():
     assert lean == {"grad_workspace"}
     assert kept == {"embed.grad", "head.grad"} | {f"block.{i}.grad" for i in range(3)}  # no scratch needed
     engine = build_engine(plan_of(_config("keep", "kept", "global")))
-    assert all(g.own_grad is not None for g in engine.groups) and engine.workspace is None
+    assert all(g.own_grad is not None for g in engine.gradients.groups) and engine.gradients.workspace is None
 
 
 # ------------------------------------------------------------------------------------ AdaGC

@@ -17,9 +17,9 @@ from tests.train.tiny import batches, make_config
 def _backward(clip_mode: str, grad_clip: float | None = 0.3):
     engine = build_engine(plan_of(make_config(training={"engine": "standard", "clip_mode": clip_mode,
                                                 "grad_clip": grad_clip})))
-    loss = engine._backward(batches(engine.config, 1))
-    local = engine._reduced_grads()
-    return engine, loss, local, engine._group_sq(local)
+    loss = engine.gradients._backward(batches(engine.config, 1))
+    local = engine.layout.reduced_grads()
+    return engine, loss, local, engine.layout.group_sq(local)
 
 
 def test_global_clipping_scales_every_gradient_as_clip_grad_norm_does():
@@ -51,7 +51,7 @@ def test_a_non_finite_gradient_stops_before_any_update():
     before = {k: v.clone() for k, v in engine.train_state_tensors().items()}
     next(iter(local.values()))[0].view(-1)[0] = float("inf")
     with pytest.raises(NonFiniteError) as err:
-        finish_step(engine, loss, local, engine._group_sq(local), 1e-2)
+        finish_step(engine, loss, local, engine.layout.group_sq(local), 1e-2)
     assert err.value.state_is_last_good and engine.optimizer_steps == 0
     assert all(torch.equal(v, before[k]) for k, v in engine.train_state_tensors().items())
 

@@ -21,4 +21,4 @@ def test_the_loss_part_the_models_forward_and_evaluation_agree():
     total, count = engine.eval_loss_sum(batch)
     assert count == targets.numel() and torch.allclose(total / count, part.detach(), rtol=1e-6, atol=0)
     part.backward()  # differentiable: every weight gets a gradient
-    assert all(p.grad is not None for p in engine.named.values())
+    assert all(p.grad is not None for p in engine.gradients.named.values())

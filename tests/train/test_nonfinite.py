@@ -9,7 +9,7 @@ import torch
 from apr.plan.build import resolve_config
 from apr.steps.resolved import resolve as plan_of
 from apr.train import build as build_mod
-from apr.train import engine as engine_mod
+from apr.train import walk as walk_mod
 from apr.train.build import build_engine
 from apr.train.engine import NonFiniteError
 from tests.train.tiny import batches, make_config
@@ -71,7 +71,7 @@ def test_fp16_keeps_its_one_loss_scale_read_per_step(monkeypatch):
 
 def _poison_loss_at(monkeypatch, calls: set[int]):
     """Make the head's loss sum NaN on the given ``train_step`` calls (gradients stay finite)."""
-    real = engine_mod.linear_cross_entropy_fwd_bwd
+    real = walk_mod.linear_cross_entropy_fwd_bwd
     seen: dict = {"engine": None}
 
     def fwd_bwd(*args, **kwargs):
@@ -79,7 +79,7 @@ def _poison_loss_at(monkeypatch, calls: set[int]):
         poisoned = seen["engine"] is not None and seen["engine"].calls in calls
         return (loss * float("nan") if poisoned else loss), grad
 
-    monkeypatch.setattr(engine_mod, "linear_cross_entropy_fwd_bwd", fwd_bwd)
+    monkeypatch.setattr(walk_mod, "linear_cross_entropy_fwd_bwd", fwd_bwd)
     return seen
 
 
@@ -126,7 +126,7 @@ def test_a_bad_gradient_in_the_one_walk_says_whether_a_group_was_already_updated
 
     def poison(name: str) -> None:
         if name == group:
-            target = engine.head if group == "head" else engine.block_groups[0]
+            target = engine.gradients.head if group == "head" else engine.gradients.block_groups[0]
             target.params[0].grad[0] = float("nan")
 
     engine.grad_probe = poison

@@ -1,0 +1,69 @@
+"""``training.reduction: canonical`` checks and costs (docs/design.md, "Canonical reduction"). Torch-free:
+`apr train validate` runs the checks.
+
+Canonical reduction keeps every micro-batch's gradient apart and sums them in one fixed tree over the
+global micro-batch index (apr/train/reduction.py). It is refused where a part of the run sums over the
+ranks or the micro-batches in an order of its own, with the layouts that work.
+"""
+
+from __future__ import annotations
+
+from apr.config import LoadedConfig
+from apr.errors import Finding
+from apr.fmt import format_bytes
+from apr.model.spec import trainable_param_count
+from apr.steps.execution import gradient_source
+
+WORKS = "training.engine: standard with training.sharding: none, on any number of ranks"
+
+
+def reduction_problems(config) -> list[str]:
+    """Why this run cannot make its gradient sum independent of the world size (empty: it can)."""
+    tr = config.training
+    out = []
+    if gradient_source(config) == "interleaved":
+        out.append("the flat-buffer walk (training.engine: interleaved) adds every micro-batch into one gradient "
+                   "buffer as it walks and updates each group inside the backward, before the other micro-batches' "
+                   "gradients exist")
+    if str(tr.sharding) != "none":
+        out.append(f"training.sharding: {tr.sharding} reduce-scatters each micro-batch's gradient over the ranks "
+                   "in an order fixed by their number; canonical needs every micro-batch's whole gradient on every "
+                   "rank, which sharding exists to avoid")
+    if tr.orchestrator.enabled:
+        out.append("training.orchestrator averages its rewards over the ranks in rank order")
+    if str(tr.mode) == "distill":
+        out.append("training.mode: distill all-reduces its loss terms over the ranks in rank order")
+    return out
+
+
+def reduction_findings(loaded: LoadedConfig, world_size: int | None = None) -> list[Finding]:
+    """canonical where it cannot hold: an error at ``training.reduction`` naming the layouts that work;
+    where it holds, an info line with its cost at ``world_size`` (default the config's)."""
+    config = loaded.config
+    if str(config.training.reduction) != "canonical":
+        return []
+    problems = reduction_problems(config)
+    file, line, column = loaded.source.where(("training", "reduction"))
+    if not problems:
+        world = int(config.training.world_size if world_size is None else world_size)
+        cost = reduction_cost(config, 4 * trainable_param_count(config), world)
+        return [Finding("info", "config.reduction", cost["line"], path="training.reduction", file=file, line=line,
+                        column=column)]
+    return [Finding("error", "config.reduction", "training.reduction: canonical cannot make this run's gradient sum "
+                    "independent of the world size: " + "; ".join(problems), path="training.reduction", file=file,
+                    line=line, column=column, expected=f"fast, or canonical with {WORKS}",
+                    got="canonical with " + ", ".join(p.split(" ", 1)[0] if p.startswith("training") else
+                                                      "training.engine: interleaved" for p in problems))]
+
+
+def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
+    """What canonical costs beside fast, per rank and step: the micro-batches' gradient leaves (the local
+    ones, then all of them gathered) and the all-gather's traffic."""
+    accum = int(config.training.gradient_accumulation)
+    leaves = accum * world_size
+    extra = (accum + leaves) * param_bytes  # fast holds the one .grad both modes have
+    sent = (leaves - accum) * param_bytes if world_size > 1 else 0
+    return {"reduction": "canonical", "leaves": leaves, "extra_bytes": extra, "gathered_bytes": sent,
+            "line": f"canonical reduction: {leaves} micro-batch gradients summed in one fixed tree "
+                    f"(+{format_bytes(extra)} per rank; an all-gather of {format_bytes(sent)} a step where fast "
+                    f"all-reduces one gradient): bitwise the same on any world size with the same global batch"}

@@ -1,0 +1,45 @@
+"""training.reduction: canonical (apr/plan/reductionfacts.py): refused at its key, with the layouts that work,
+where a part of the run sums in an order of its own; where it holds, validate and the plan say its cost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from apr.cli.main import app
+from apr.config import load_config
+from apr.plan.reductionfacts import reduction_findings
+
+runner = CliRunner()
+
+BASE = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 2\n    num_attention_heads: 4\n"
+        "    num_key_value_heads: 2\n    intermediate_size: 128\n    vocab_size: 256\n"
+        "    max_position_embeddings: 64\n"
+        "data:\n  train: t/\n  val: v/\n  batch_size: 2\n  seq_len: 32\n"
+        "training:\n  max_steps: 1000\n  eval_interval: 100\n  reduction: canonical\n")
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ("  engine: interleaved\n", "flat-buffer walk"),
+    ("  engine: standard\n  sharding: full\n  world_size: 2\n", "training.sharding: full"),
+    ("  engine: standard\n  orchestrator: {enabled: true}\n", "training.orchestrator"),
+])
+def test_canonical_where_it_cannot_hold_is_refused_at_its_key_with_the_layouts_that_work(tmp_path, extra, named):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + extra)
+    r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    assert r.exit_code == 1 and "Traceback" not in r.stdout
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.reduction"]
+    assert len(found) == 1 and found[0]["path"] == "training.reduction" and found[0]["line"] == 18
+    assert named in found[0]["message"] and "training.engine: standard" in found[0]["expected"]
+
+
+def test_canonical_on_autograd_says_what_it_costs(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + "  engine: standard\n  gradient_accumulation: 2\n  world_size: 4\n")
+    found = reduction_findings(load_config(cfg))
+    assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
+    assert "8 micro-batch gradients summed in one fixed tree" in found[0].message
+    assert reduction_findings(load_config(cfg), world_size=1)[0].message.startswith("canonical reduction: 2 ")
