@@ -373,7 +373,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
         UnsupportedOperatorException,
     )
 
-    from apr.model.buffers import buffer_plan
+    from apr.memory.buffers import buffer_plan
     from apr.train import build as engine_build
 
     config, execution = resolved.config, resolved.execution
@@ -459,7 +459,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     if any(r.component == "block_activations" for r in plan_rows):
         # the activations row's own peak is its block phase whole; the table's block row is only the
         # excess over the loss phase (which is what the step's peak sums)
-        from apr.plan.memory import block_activation_bytes, kept_activation_bytes
+        from apr.memory.activations import block_activation_bytes, kept_activation_bytes
 
         own["activations"] = (sum(r.bytes for r in plan_rows if r.component == "activation_checkpoints")
                               + kept_activation_bytes(config, execution)

@@ -163,7 +163,8 @@ VALIDATE_APR_MODULES = {
     "apr", "apr.cel", "apr.cli", "apr.cli.cmd_runs", "apr.cli.cmd_train_validate", "apr.cli.entry",
     "apr.cli.ghactions", "apr.cli.render", "apr.cli.table", "apr.config", "apr.config.layers",
     "apr.config.loader", "apr.config.numbers", "apr.config.paths", "apr.config.schema", "apr.config.yamlfile",
-    "apr.errors", "apr.fmt", "apr.model.buffers", "apr.severity",
+    "apr.errors", "apr.fmt", "apr.severity",
+    "apr.memory", "apr.memory.activations", "apr.memory.buffers", "apr.memory.table",  # the memory model
     "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
     "apr.config.hf_folder",  # model.init_from's architecture from a Hugging Face folder (stdlib only)

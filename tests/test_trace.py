@@ -9,8 +9,8 @@ import json
 import pytest
 
 from apr.config.schema import AprConfig
+from apr.memory.table import memory_table
 from apr.plan.examples import deep_merge, materialize
-from apr.plan.memory import memory_table
 from apr.steps.resolved import resolve
 from tests.plan.plan_helpers import apr_cli
 

@@ -24,6 +24,7 @@ from apr.config import AprConfig, LoadedConfig, config_hash, load_config
 from apr.data.mixconfig import decay_start_step
 from apr.errors import AprError, Finding
 from apr.launch import env_world_size
+from apr.memory.table import MemoryRow, add_rows, coefficients_dict
 from apr.plan import gpus
 from apr.plan.clipadvice import exact_clip_findings
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
@@ -35,7 +36,6 @@ from apr.plan.explain import layers_dict
 from apr.plan.facts import all_facts
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
-from apr.plan.memory import MemoryRow, coefficients_dict
 from apr.plan.mixfacts import (
     merged_train_facts,
     mixture_config_findings,
@@ -437,11 +437,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
     if distilled is not None:  # the teacher and phase 2's logits are on the device too
         sheet.facts["distill"] = distilled
         sheet.memory = [*sheet.memory, *rows]
-        memory = sheet.facts["memory"]
-        memory["total_bytes"] += sum(r.bytes for r in rows)
-        memory["by_component"].update({r.component: r.bytes for r in rows})
-        if memory.get("vram_bytes"):
-            memory["usage_fraction"] = memory["total_bytes"] / memory["vram_bytes"]
+        add_rows(sheet.facts["memory"], rows)
         if sheet.time_estimate is not None and distilled["estimated_seconds"] is not None:
             sheet.time_estimate["distill_seconds"] = distilled["estimated_seconds"]
             sheet.time_estimate["estimated_seconds"] = distilled["estimated_seconds"] + (
@@ -459,10 +455,7 @@ def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | N
         sheet.memory = [*sheet.memory, *rows]
         memory = sheet.facts.get("memory")
         if memory and rows:
-            memory["total_bytes"] += sum(r.bytes for r in rows)
-            memory["by_component"].update({r.component: r.bytes for r in rows})
-            if memory.get("vram_bytes"):
-                memory["usage_fraction"] = memory["total_bytes"] / memory["vram_bytes"]
+            add_rows(memory, rows)
         mixture_findings += orchestrator_memory_findings(loaded, orchestrated, memory)
         if sheet.time_estimate is not None and sheet.time_estimate.get("estimated_seconds") is not None:
             evaluation_s = (sheet.time_estimate.get("evaluation") or {}).get("estimated_seconds", 0.0)

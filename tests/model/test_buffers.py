@@ -1,4 +1,4 @@
-"""apr/model/buffers.py: each part of the composed engine declares its buffers, and the plan sums
+"""apr/memory/buffers.py: each part of the composed engine declares its buffers, and the plan sums
 what the engine ``build_engine`` composes declares (docs/design.md, "The buffer plan")."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apr.model.buffers import (
+from apr.memory.buffers import (
     autograd_buffers,
     buffer_plan,
     frozen_buffers,

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from apr.cli.main import app
-from apr.plan.memory import memory_table
+from apr.memory.table import memory_table
 from apr.probe import run_probe
 from apr.steps.execution import from_config
 from apr.train.walk import Walk
