@@ -120,7 +120,10 @@ class LazyTensors(Mapping):
 
         if name not in self._counts:
             raise KeyError(name)
-        return torch.cat([h.get_tensor(name) for h in self._handles], dim=0)
+        pieces = [h.get_tensor(name) for h in self._handles]
+        if len(pieces) == 1 or pieces[0].dim() == 0:  # one file, or a scalar (every part holds it whole)
+            return pieces[0]
+        return torch.cat(pieces, dim=0)
 
     def __iter__(self):
         return iter(self._names)
