@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apr.model.buffers import buffer_plan
+from apr.memory.buffers import buffer_plan
 from apr.steps.resolved import resolve as plan_of
-from apr.train.build import build_engine
 from apr.train.autograd import Autograd
+from apr.train.build import build_engine
 from apr.train.engine import NonFiniteError
 from apr.train.walk import Walk
 from tests.train.tiny import batches, make_config
