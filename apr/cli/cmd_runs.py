@@ -275,6 +275,37 @@ def run_ledger(run_id: str, global_: bool = False, fmt: str = "table", output: P
     return 0
 
 
+def blame_text(result: dict) -> str:
+    """The ranked rows of a step: loss, source, shard, row and the start of the decoded text."""
+    head = (f"run {safe_text(result['run_id'])} step {fmt_value(result['step'])}: {len(result['rows'])} of "
+            f"{fmt_value(result['row_count'])} rows by loss (mean {fmt_loss(result['mean_loss'])})")
+    rows = [[fmt_value(r["rank"]), fmt_loss(r["loss"]), safe_text(r["source"] or "-"), safe_text(r["shard"] or "-"),
+             fmt_value(r["row"]), fmt_value(r["micro_batch"]),
+             "-" if r["text"] is None else safe_text(" ".join(r["text"].split()))[:60]] for r in result["rows"]]
+    return head + "\n" + text_table(["RANK", "LOSS", "SOURCE", "SHARD", "ROW", "MICRO-BATCH", "TEXT"], rows)
+
+
+def run_blame(run_id: str, step: int, top: int | None = 10, global_: bool = False, json_out: bool = False,
+              decode: bool = True) -> int:
+    """Print the rows of a logged step ranked by loss (apr/track/blame.py)."""
+    from apr.track.blame import blame
+
+    warnings: list[str] = []
+    try:
+        result = blame(run_id, step, top=top, decode=decode, global_=global_, warnings=warnings)
+    except AprError as err:
+        return error_exit(err)
+    for w in warnings:
+        print(f"warning: {safe_text(w)}", file=sys.stderr)
+    if json_out:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        return 0
+    print(blame_text(result))
+    for note in result["notes"]:
+        print(f"note: {safe_text(note)}", file=sys.stderr)
+    return 0
+
+
 def fast_path(argv: list[str]) -> int | None:
     """Answer `apr runs ls [--global] [--json]` without typer (listing is what agents poll).
     Returns None for anything else, which then goes through typer as usual."""
@@ -314,6 +345,20 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Params, final metrics, checkpoints, status history, alerts and events of one run."""
         raise typer.Exit(run_show(run_id, global_, json_out))
+
+    @app.command("blame")
+    def blame_cmd(
+        run_id: str = typer.Argument(..., help="Run id (a unique prefix is enough).", show_default=False),
+        step: int = typer.Option(..., "--step", min=0, help="A logged step (the rows' losses are recorded at "
+                                                            "each logged step).", show_default=False),
+        top: int = typer.Option(10, "--top", min=1, help="How many rows, highest loss first."),
+        all_rows: bool = typer.Option(False, "--all", help="Every row of the step (instead of --top)."),
+        global_: bool = typer.Option(False, "--global", help="Look only in the global registry."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON (schema in docs/runs.md)."),
+        no_text: bool = typer.Option(False, "--no-text", help="Do not decode the rows' text."),
+    ) -> None:
+        """The rows of a logged step ranked by loss: source, shard, row, loss and the decoded text."""
+        raise typer.Exit(run_blame(run_id, step, None if all_rows else top, global_, json_out, not no_text))
 
     @app.command("ledger")
     def ledger_cmd(

@@ -517,6 +517,10 @@ def _storage_lines(plan, colour: bool) -> list[str]:
                    f"{' + checkpoint-best' if st['best'] else ''}); {format_bytes(st['kept_bytes'])} kept at the end")
         out.append(f"  writes ~{fmt_estimate(st['write_seconds'])} at {format_bytes(st['write_bytes_per_s'])}/s, "
                    f"{st['write_speed_basis']}")
+        if st.get("row_losses"):
+            rl = st["row_losses"]
+            out.append(f"  row losses (apr runs blame): {rl['rows_per_logged_step']:,} rows at each of "
+                       f"{rl['logged_steps']:,} logged steps, ~{format_bytes(rl['bytes'])} in the run's local store")
         if "blocking_seconds" in st:
             how = ("in the background (training.checkpoint_async), one in flight: training waits when a write "
                    "outlasts the steps to the next save" if st["background"] else

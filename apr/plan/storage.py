@@ -25,6 +25,19 @@ SIDECAR_BYTES = 64 * 1024
 # Assumed sustained write speed: a SATA SSD's (NVMe is several times faster, a network disk slower).
 WRITE_BYTES_PER_S = 500e6
 WRITE_SHARE_WARN = 0.05  # contract C-DISK-002: checkpoint writes above this share of the run's time
+# One row_losses record (apr runs blame) in SQLite with its index: 113.5 bytes measured for 256,000 rows
+# (shard names of 19 characters, a single source), docs/performance.md "Blame: per-row losses".
+ROW_LOSS_BYTES = 115
+
+
+def row_loss_facts(config: AprConfig, total_steps: int, world_size: int = 1) -> dict:
+    """What ``apr runs blame``'s records cost the run's local store: every training row of each
+    logged step (the log interval's multiples and the last step)."""
+    tr = config.training
+    rows = config.data.batch_size * tr.gradient_accumulation * max(world_size, 1)
+    logged = total_steps // tr.log_interval + (1 if total_steps % tr.log_interval else 0)
+    return {"rows_per_logged_step": rows, "logged_steps": logged, "bytes_per_row": ROW_LOSS_BYTES,
+            "bytes": rows * logged * ROW_LOSS_BYTES}
 
 
 def free_space(path: Path) -> tuple[Path, int] | None:
@@ -104,6 +117,7 @@ def storage_facts(config: AprConfig, total_steps: int | None, estimated_seconds:
     # checkpoint-best is a hard link, a full copy once its step is pruned: counted as one more.
     peak_pairs = min(written["max"], tr.keep_last + 1) + (1 if validates else 0)
     kept_pairs = min(written["max"], tr.keep_last) + (1 if validates else 0)
+    out["row_losses"] = row_loss_facts(config, total_steps, world_size)
     out.update({"written": written, "peak_checkpoints": peak_pairs, "peak_bytes": peak_pairs * each,
                 "kept_checkpoints": kept_pairs, "kept_bytes": kept_pairs * each,
                 "total_written_bytes": written["max"] * each,

@@ -151,3 +151,15 @@ def test_a_sharded_run_writes_its_parts_synchronously_in_parallel():
     assert eight["checkpoint_bytes"] == one["checkpoint_bytes"]  # the same bytes on disk, in 8 files
     assert eight["seconds_per_checkpoint"] == one["seconds_per_checkpoint"] / 8
     assert eight["blocking_seconds"] == eight["written"]["max"] * eight["seconds_per_checkpoint"]
+
+
+def test_the_row_losses_blame_records_are_every_row_of_every_logged_step():
+    doc = {"model": {"architecture": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                      "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 64}},
+           "data": {"train": "x/", "batch_size": 2, "seq_len": 32}, "optimizer": {"lr": 1e-3},
+           "training": {"max_steps": 105, "log_interval": 10, "gradient_accumulation": 3, "output_dir": "o/"}}
+    config = AprConfig.model_validate(doc)
+    rl = storage.storage_facts(config, 105, None, world_size=4)["row_losses"]
+    assert (rl["rows_per_logged_step"], rl["logged_steps"]) == (2 * 3 * 4, 11)  # steps 10..100 and 105
+    assert rl["bytes"] == 24 * 11 * storage.ROW_LOSS_BYTES
+    assert storage.row_loss_facts(config, 100)["logged_steps"] == 10

@@ -50,6 +50,11 @@ def test_each_logged_step_records_every_row_and_their_mean_is_the_steps_loss(roo
         assert all(r["shard"].startswith("shard-0000") and r["shard"].endswith(".parquet") for r in rows)
         assert all(r["source"] is None for r in rows)  # one source: data.train (a mixture names its source)
         assert len({r["data_index"] for r in rows}) == len(rows)
+    from apr.plan.storage import row_loss_facts  # what the plan counts is what the run recorded
+
+    planned = row_loss_facts(AprConfig.model_validate(config_doc(root, training={
+        "max_steps": 6, "log_interval": 2, **training})), 6)
+    assert (planned["rows_per_logged_step"], planned["logged_steps"]) == (4 * accum, 3)
     # a row's shard and row locate its data index: two shards of 48 rows each
     for r in store.row_losses(conn, run_id, 2):
         assert r["data_index"] == r["row"] + (48 if r["shard"] == "shard-00001.parquet" else 0)
