@@ -81,8 +81,11 @@ def group_update_sq_norms(engine, lr: float) -> dict[str, torch.Tensor]:
     """Each optimizer group's squared update norm of the engine's last applied step (device tensors)."""
     up = engine.updater
     kw = {"lr": lr, "beta1": up.beta1, "beta2": up.beta2, "eps": up.eps, "step": engine.optimizer_steps}
-    idle = set(engine.frozen) | set(getattr(engine, "idle_groups", ()))  # groups the step did not update
+    # groups the step did not update: frozen ones, and those autograd's step left without a gradient
+    idle = set(engine.frozen) | set(getattr(engine.gradients, "idle_groups", ()))
     own = getattr(up, "update_sq", None)  # Lion keeps its own; Adafactor's is unknown (NaN: not logged)
+    if own is None and up.name != "adamw":  # SGD / SWATS: AdamW's formula does not apply (NaN: not logged)
+        own = {}
     if own is not None:
         zero = torch.zeros((), dtype=torch.float32, device=engine.device)
         groups = engine.gradients.groups  # the walk's FlatGroups or autograd's (name, params)

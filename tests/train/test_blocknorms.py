@@ -137,3 +137,24 @@ def test_a_step_the_bad_step_gate_skips_has_update_norm_zero(engine_kind):
     got = block_metrics(engine, 1e-2)
     assert got["block_update_norm"] == [0.0] * 3 and got["max_block_update_norm"] == 0.0
     assert got["max_block_grad_norm"] > 0  # the skipped step's gradient is still reported
+
+
+@pytest.mark.parametrize("engine_kind", ["interleaved", "standard"])
+@pytest.mark.parametrize("optimizer", ["sgd", "swats"])
+def test_sgd_and_swats_log_gradient_norms_and_leave_update_norms_unknown(engine_kind, optimizer):
+    """AdamW's update formula does not describe SGD's or SWATS's step: their update norms are NaN
+    (not logged), never AdamW's figure, and a log step does not fail on either source."""
+    config = make_config(training={"engine": engine_kind}, optimizer={"name": optimizer})
+    engine = build_engine(plan_of(config))
+    engine.train_step(batches(config, 1), lr=1e-2)
+    updates = blocknorms.group_update_sq_norms(engine, 1e-2)
+    assert set(updates) == set(engine.group_names) and all(math.isnan(v.item()) for v in updates.values())
+
+
+def test_a_group_autograd_left_without_a_gradient_has_update_norm_zero():
+    config = make_config(training={"engine": "standard"})
+    engine = build_engine(plan_of(config))
+    engine.train_step(batches(config, 1), lr=1e-2)
+    engine.gradients.idle_groups = {"block.0"}  # as distillation's phase 1 leaves the blocks it does not train
+    updates = blocknorms.group_update_sq_norms(engine, 1e-2)
+    assert updates["block.0"].item() == 0.0 and updates["block.1"].item() > 0.0
