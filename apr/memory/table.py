@@ -156,11 +156,17 @@ def coefficients_dict(coefficients: MemoryCoefficients = COEFFICIENTS, device: s
 
 
 def lean_candidates(config: AprConfig) -> list[Execution]:
-    """The leanest policies the config allows: the most blocks recomputed in full, each gradient choice."""
+    """The policies that may be the leanest the config allows, each gradient choice: the most blocks
+    recomputed in full, and every graph kept (where gradients replace the graph, on autograd or FSDP2
+    with one micro-batch, a kept graph smaller than them costs nothing at the peak, and keeping every
+    one can be leaner than recomputing them)."""
     all_ = policy.candidates(config)
     most = max(e.recomputed_blocks for e in all_)
     pool = [e for e in all_ if e.recomputed_blocks == most]
-    return [e for e in pool if e.rest == "recompute"] or pool
+    lean = [e for e in pool if e.rest == "recompute"] or pool
+    if grads_replace_graph(config):
+        lean += [e for e in all_ if e.recomputed_blocks == 0 and e not in lean]
+    return lean
 
 
 # ------------------------------------------------------------------------ rows other parts add
