@@ -22,7 +22,7 @@ demo: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -p no:cacheprovider --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check apr tests benchmarks
