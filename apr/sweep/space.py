@@ -1,5 +1,6 @@
 """The sweep's search space, sampler and pruner as Optuna objects (the samplers are Optuna's own:
-GridSampler, RandomSampler, TPESampler; the pruners HyperbandPruner and MedianPruner).
+GridSampler, RandomSampler, TPESampler; the pruners HyperbandPruner and MedianPruner, and apr's
+forecast pruner: a trial whose forecast final loss cannot beat the best finished trial's).
 
 Optuna is imported inside the functions: importing apr.sweep stays cheap for `--help` and for the
 spec checks (tests/test_lazy_imports.py).
@@ -72,11 +73,50 @@ def make_pruner(spec: SweepSpec):
     early = spec.early_terminate
     if early is None:
         return optuna.pruners.NopPruner()
+    if early.type == "forecast":
+        return _forecast_pruner_class()(early.min_iter)
     if early.type == "median":
         # Optuna decides from step n_warmup_steps on: the first decision is at evaluation min_iter
         return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=early.min_iter)
     return optuna.pruners.HyperbandPruner(min_resource=early.min_iter, max_resource=early.max_iter or "auto",
                                           reduction_factor=early.eta)
+
+
+FINAL_EVALUATION = "final_evaluation"  # a trial's user attr: the evaluation of its last step (apr.sweep.trial)
+
+
+def forecast_prunes(values: dict[int, float], final_evaluation: int | None, best: float | None,
+                    min_iter: int = 1) -> bool:
+    """Whether a trial whose metric was ``values`` (evaluation -> value) so far is pruned: from its
+    ``max(min_iter, 4)``-th evaluation on, when even the low end of the band of its forecast final
+    value (apr/track/forecast.py: a saturating power law in the evaluation count, which is the step
+    over the evaluation interval: the same law) is above ``best``, the best finished trial's value."""
+    from apr.track.forecast import MIN_POINTS, forecast  # lazy: numpy
+
+    if best is None or not final_evaluation or len(values) < max(min_iter, MIN_POINTS):
+        return False
+    if max(values) >= final_evaluation:
+        return False  # at its last evaluation: nothing left to save
+    predicted = forecast(list(values.items()), int(final_evaluation))
+    return predicted is not None and predicted.low > best
+
+
+def _forecast_pruner_class():
+    import optuna
+
+    class ForecastPruner(optuna.pruners.BasePruner):
+        """``early_terminate: {type: forecast}``: ``forecast_prunes`` against the best finished trial."""
+
+        def __init__(self, min_iter: int = 1):
+            self.min_iter = min_iter
+
+        def prune(self, study, trial) -> bool:
+            done = [t.value for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+                    if t.value is not None and math.isfinite(t.value)]
+            return forecast_prunes(dict(trial.intermediate_values), trial.user_attrs.get(FINAL_EVALUATION),
+                                   min(done) if done else None, self.min_iter)
+
+    return ForecastPruner
 
 
 def suggest(trial, spec: SweepSpec) -> dict[str, Any]:

@@ -44,7 +44,7 @@ UNSUPPORTED = ("normal", "q_normal", "log_normal", "q_log_normal", "inv_log_unif
                "beta", "q_beta")
 PARAM_KEYS = ("value", "values", "distribution", "min", "max", "q")
 EARLY_KEYS = ("type", "min_iter", "max_iter", "eta", "s", "strict")
-PRUNERS = ("hyperband", "median")
+PRUNERS = ("hyperband", "median", "forecast")
 # DantinoX's flat config names (shared/reference/dantinox-training-and-sweeps.txt) -> apr key paths.
 DANTINOX_NAMES = {
     "lr": "optimizer.lr", "learning_rate": "optimizer.lr", "weight_decay": "optimizer.weight_decay",
@@ -190,6 +190,9 @@ def load_sweep(path: str | Path, config: str | Path | None = None) -> SweepSpec:
                      seed=_seed(c, data), output_dir=_str(c, data, "output_dir"),
                      early_terminate=_early(c, data.get("early_terminate")),
                      description=_str(c, data, "description"))
+    if spec.early_terminate is not None and spec.early_terminate.type == "forecast" and goal != "minimize":
+        c.add(("early_terminate", "type"), "sweep.bad_value", "type: forecast forecasts a falling loss curve: "
+              "it needs metric.goal minimize", "metric.goal: minimize", goal)
     if c.errors:
         n = len(c.errors)
         raise SweepError(f"{path}: {n} error{'s' if n != 1 else ''} in the sweep file",

@@ -23,6 +23,7 @@ from typing import Any
 
 from apr.errors import AprError
 from apr.readers import load_json
+from apr.sweep.space import FINAL_EVALUATION
 
 POLL_S = 0.25
 LOCKED_RETRY_S = 120.0  # an orphaned apply of a killed sweep may still be checkpointing: wait for its lock
@@ -93,6 +94,7 @@ class TrialProcess:
         self.command, self.run_dir, self.log_path = command, run_dir, log_path
         self.metric, self.interval = metric, max(interval, 1)
         self.proc: subprocess.Popen | None = None
+        self._final_told = False
 
     def evaluation_of(self, step: int) -> int:
         """The pruner's resource: W&B's iteration, i.e. the metric's evaluation count (the last step's
@@ -152,6 +154,10 @@ class TrialProcess:
         state = read_run_state(self.run_dir)
         if state is None:
             return None
+        total = state.get("total_steps")
+        if isinstance(total, int) and total > 0 and not self._final_told:  # the forecast pruner's horizon
+            trial.set_user_attr(FINAL_EVALUATION, self.evaluation_of(total))
+            self._final_told = True
         for step, value in metric_history(state, self.metric):
             evaluation = self.evaluation_of(step)
             if evaluation in reported:

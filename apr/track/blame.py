@@ -86,14 +86,20 @@ def decode_rows(detail: dict, rows: list[dict], single_source: bool) -> list[str
         return [f"text not shown: the run's config {config_path} is not there"]
     try:
         from apr.config.loader import load_config  # lazy: pydantic, for decoding only
-        from apr.data.tokenizer import load_tokenizer  # lazy: tokenizers
 
         config = load_config(config_path).config
-        if not config.data.tokenizer:
-            return ["text not shown: the run's config names no data.tokenizer"]
-        tokenizer = load_tokenizer(_found(config.data.tokenizer, run_dir))
     except (AprError, OSError) as e:
         return [f"text not shown: {getattr(e, 'message', e)}"]
+    if not config.data.tokenizer:
+        return ["text not shown: the run's config names no data.tokenizer"]
+    tokenizer_path = _found(config.data.tokenizer, run_dir)
+    try:
+        from tokenizers import Tokenizer  # lazy: tokenizers, for decoding only
+
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    except Exception as e:  # the Rust side raises plain Exception (a missing file, a malformed one)
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        return [f"text not shown: cannot load the tokenizer {tokenizer_path}: {first}"]
     folders = {None: config.data.train} if single_source else {s.name: s.path for s in config.data.sources or []}
     tables: dict[Path, object] = {}
     missing: set[str] = set()

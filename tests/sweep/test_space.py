@@ -103,3 +103,54 @@ parameters:
     assert {d["training.warmup_steps"] for d in draws} <= {2, 4, 6, 8}
     assert all(isinstance(d["training.warmup_steps"], int) for d in draws)
     assert all(d["optimizer.beta2"] == round(d["optimizer.beta2"], 2) for d in draws)  # 0.95, not 0.9500000000000001
+
+
+def _curve(evaluations, floor=2.0, scale=6.0, alpha=0.5):
+    return {e: floor + scale * e ** -alpha for e in evaluations}
+
+
+def test_the_forecast_pruner_stops_a_trial_whose_whole_band_is_above_the_best(tmp_path):
+    text = SPACE + "early_terminate: {{type: forecast, min_iter: 2}}\n"
+    study = optuna.create_study(pruner=make_pruner(_spec(tmp_path, text=text)))
+    assert type(study.pruner).__name__ == "ForecastPruner"
+    assert not _tells(study, values=_curve(range(1, 6)))  # no finished trial yet: nothing to beat
+    study.tell(study.ask(), 2.5)  # a finished trial ended at 2.5
+    # this curve heads for 2 + 6 / sqrt(40) = 2.95 at its last evaluation: worse than 2.5, pruned
+    assert _tells(study, values=_curve(range(1, 6)))
+    assert not _tells(study, values=_curve(range(1, 4)))  # 3 evaluations: too few to forecast
+    study.tell(study.ask(), 1.0)
+    assert _tells(study, values=_curve(range(1, 6)))
+
+
+def test_the_forecast_pruner_keeps_a_trial_that_may_still_win(tmp_path):
+    text = SPACE + "early_terminate: {{type: forecast}}\n"
+    study = optuna.create_study(pruner=make_pruner(_spec(tmp_path, text=text)))
+    study.tell(study.ask(), 3.5)
+    assert not _tells(study, values=_curve(range(1, 6)))  # forecast 2.95 < 3.5: it goes on
+    trial = study.ask()
+    for e, v in _curve(range(1, 6)).items():
+        trial.report(v, e)
+    assert not trial.should_prune()  # without its final evaluation (user attr) there is no horizon
+
+
+def _tells(study, values) -> bool:
+    from apr.sweep.space import FINAL_EVALUATION
+
+    trial = study.ask()
+    trial.set_user_attr(FINAL_EVALUATION, 40)
+    for e, v in values.items():
+        trial.report(v, e)
+    pruned = trial.should_prune()
+    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+    return pruned
+
+
+def test_a_forecast_pruner_needs_a_minimized_metric(tmp_path):
+    import pytest
+
+    from apr.sweep.spec import SweepError
+
+    text = SPACE + "metric: {{name: val_loss, goal: maximize}}\nearly_terminate: {{type: forecast}}\n"
+    with pytest.raises(SweepError) as e:
+        _spec(tmp_path, text=text)
+    assert any("metric.goal minimize" in f.message or "minimize" in str(f.expected) for f in e.value.findings)

@@ -81,3 +81,36 @@ def test_a_stop_signal_is_forwarded_once_and_reported(tmp_path):
                            interval=4)
     outcome = process.run(None, lambda: signal.SIGTERM)
     assert outcome.interrupted == signal.SIGTERM and outcome.exit_code == 143 and outcome.pruned_at is None
+
+
+# A stand-in run whose validation curve heads for 2 + 6 / sqrt(40) = 2.95 at its last evaluation
+POWER_RUN = """
+import json, os, signal, sys, time
+run = sys.argv[1]
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+history = []
+for step in range(4, 164, 4):
+    history.append([step, 2.0 + 6.0 * (step / 4) ** -0.5])
+    with open(run + "/tmp.json", "w") as f:
+        json.dump({"val_loss_history": history, "val_loss": history[-1][1], "total_steps": 160}, f)
+    os.replace(run + "/tmp.json", run + "/training_state.json")
+    time.sleep(0.2)
+"""
+
+
+def test_a_run_whose_forecast_cannot_beat_the_best_is_pruned_with_its_horizon_from_the_state(tmp_path):
+    from apr.sweep.space import FINAL_EVALUATION
+
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("method: grid\nparameters:\n  optimizer.lr: {value: 0.1}\nearly_terminate: {type: forecast}\n")
+    study = optuna.create_study(pruner=make_pruner(load_sweep(sweep)))
+    study.tell(study.ask(), 2.5)  # the best finished trial
+    run = tmp_path / "run"
+    run.mkdir()
+    trial = study.ask()
+    outcome = TrialProcess([sys.executable, "-c", POWER_RUN, str(run)], run, tmp_path / "run.log", "val_loss",
+                           interval=4).run(trial, lambda: None)
+    assert outcome.exit_code == 143 and outcome.pruned_at is not None
+    evaluation, step, _ = outcome.pruned_at
+    assert 4 <= evaluation < 40 and step == 4 * evaluation  # decided once 4 validations pin the curve
+    assert study.trials[-1].user_attrs[FINAL_EVALUATION] == 40  # total_steps 160 / interval 4
