@@ -33,9 +33,10 @@ def capture_row_losses():
     """Inside, every training loss over the head (``linear_cross_entropy_fwd_bwd``, and the
     differentiable ``linear_cross_entropy``, which calls it) appends to the yielded list one float32
     tensor ``[batch]`` on the device: each row's cross-entropy summed over its positions, with the
-    same formula as the torch backend's, taken from the chunk's logits before the backend overwrites
-    them with their gradient; the loss and the gradients are untouched. For ``apr runs blame``
-    (apr/train/blame.py), at logged steps only: it costs one logsumexp over each chunk's logits."""
+    same formula as the torch backend's: handed out by the torch backend, which computes them for the
+    sum anyway, else taken from the chunk's logits before the backend overwrites them with their
+    gradient (one more logsumexp); the loss and the gradients are untouched. For ``apr runs blame``
+    (apr/train/blame.py), at logged steps only."""
     global _row_sink
     outer, _row_sink = _row_sink, []
     try:
@@ -49,6 +50,21 @@ def _position_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: 
     valid = targets != ignore_index
     picked = logits.gather(1, torch.where(valid, targets, 0)[:, None]).squeeze(1)
     return torch.where(valid, torch.logsumexp(logits, dim=-1) - picked, 0.0)
+
+
+def _fwd_bwd_with_positions(backend: KernelBackend, logits: torch.Tensor, targets: torch.Tensor, grad_scale: float,
+                            rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """The backend's fused cross-entropy of a chunk, each row's positions' losses added into ``rows``:
+    handed out by a backend that computes them anyway (``fills_position_losses``: the torch one),
+    else computed from the logits before the backend overwrites them (one more logsumexp)."""
+    if getattr(backend, "fills_position_losses", False):
+        per_position = torch.empty(targets.shape[0], dtype=torch.float32, device=logits.device)
+        loss = backend.cross_entropy_fwd_bwd(logits, targets, grad_scale=grad_scale, position_losses=per_position)
+    else:
+        per_position = _position_losses(logits, targets)
+        loss = backend.cross_entropy_fwd_bwd(logits, targets, grad_scale=grad_scale)
+    rows += per_position.view(batch, -1).sum(dim=1)
+    return loss
 
 
 def _chunks(seq_len: int, chunk_size: int):
@@ -85,9 +101,10 @@ def linear_cross_entropy_fwd_bwd(
             h_chunk = hidden[:, start:end].reshape(-1, h).to(cdt)
             logits = (h_chunk @ w.t()).float()
             t_chunk = targets[:, start:end].reshape(-1)
-            if rows is not None:  # before the backend turns the logits into their gradient
-                rows += _position_losses(logits, t_chunk).view(b, end - start).sum(dim=1)
-            loss_sum += backend.cross_entropy_fwd_bwd(logits, t_chunk, grad_scale=grad_scale)
+            if rows is None:
+                loss_sum += backend.cross_entropy_fwd_bwd(logits, t_chunk, grad_scale=grad_scale)
+            else:
+                loss_sum += _fwd_bwd_with_positions(backend, logits, t_chunk, grad_scale, rows, b)
             d_logits = logits.to(cdt)
             grad_hidden[:, start:end] = (d_logits @ w).view(b, end - start, h).to(hidden.dtype)
             if grad_weight is not None:

@@ -50,14 +50,22 @@ class TorchBackend(KernelBackend):
         x32 = x if x.dtype == torch.float32 else x.float()
         return torch.linalg.vector_norm(x32).square()
 
+    fills_position_losses = True  # cross_entropy_fwd_bwd's position_losses: free (apr runs blame)
+
     def cross_entropy_fwd_bwd(
-        self, logits: torch.Tensor, targets: torch.Tensor, *, grad_scale: float, ignore_index: int = -100
+        self, logits: torch.Tensor, targets: torch.Tensor, *, grad_scale: float, ignore_index: int = -100,
+        position_losses: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``position_losses`` (float32 ``[n]``, optional): filled with each position's loss, the
+        values the sum is taken over (the loss is the same with or without it)."""
         valid = targets != ignore_index
         safe_targets = torch.where(valid, targets, 0)
         lse = torch.logsumexp(logits, dim=-1)
         target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1)
-        loss_sum = torch.where(valid, lse - target_logit, 0.0).sum()
+        per_position = torch.where(valid, lse - target_logit, 0.0)
+        if position_losses is not None:
+            position_losses.copy_(per_position)
+        loss_sum = per_position.sum()
         # d/dlogits of sum(lse - logit[target]) = softmax - onehot, in place over the logits.
         logits.sub_(lse[:, None]).exp_()
         logits.scatter_add_(1, safe_targets[:, None], torch.full_like(lse[:, None], -1.0))

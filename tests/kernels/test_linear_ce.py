@@ -64,3 +64,30 @@ def test_bf16_compute_keeps_float32_logits_and_gradients():
     ref = F.cross_entropy((hidden @ weight.t()).reshape(-1, 29), targets.reshape(-1), reduction="sum")
     assert gw.dtype == torch.float32 and gh.dtype == hidden.dtype
     assert torch.allclose(loss, ref, rtol=2e-2)
+
+
+class _NoPositions(TorchBackend):
+    """A backend that does not hand out position losses (as the CuPy one): captured from the logits."""
+
+    fills_position_losses = False
+
+
+def test_captured_row_losses_are_each_rows_cross_entropy_and_change_nothing_else():
+    from apr.kernels.linear_ce import capture_row_losses
+
+    hidden, weight, targets = _data(seed=4)
+    per_row = F.cross_entropy((hidden @ weight.t()).reshape(-1, 29), targets.reshape(-1),
+                              reduction="none").view(3, 10).sum(dim=1)
+    plain_gw = torch.zeros_like(weight)
+    plain = linear_cross_entropy_fwd_bwd(hidden, weight, targets, chunk_size=3, grad_scale=0.1, backend=B,
+                                         grad_weight=plain_gw)
+    for backend in (B, _NoPositions()):
+        gw = torch.zeros_like(weight)
+        with capture_row_losses() as rows:
+            loss, gh = linear_cross_entropy_fwd_bwd(hidden, weight, targets, chunk_size=3, grad_scale=0.1,
+                                                    backend=backend, grad_weight=gw)
+            linear_cross_entropy_sum(hidden, weight, targets, chunk_size=3, backend=backend)  # evaluation: not captured
+        assert len(rows) == 1 and torch.allclose(rows[0], per_row, rtol=1e-5)
+        assert torch.equal(loss, plain[0]) and torch.equal(gh, plain[1]) and torch.equal(gw, plain_gw)  # bitwise
+    linear_cross_entropy_fwd_bwd(hidden, weight, targets, chunk_size=3, grad_scale=0.1, backend=B)
+    assert rows == [rows[0]]  # outside the context nothing more is captured
