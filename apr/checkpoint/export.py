@@ -323,7 +323,7 @@ def _given_base(base_dir: str | os.PathLike, base: str | None, info: CheckpointI
 
 def _export_peft(state, info: CheckpointInfo, config, out: Path, *, tokenizer=None, base_dir=None,
                  warnings: list[str]) -> ExportResult:
-    from apr.model.lora import peft_config, peft_name
+    from apr.model.lora import base_as_trained, peft_config, peft_name
 
     trunk_lora = stacking.trunk_adapters(config)
     if config.model.lora is None and trunk_lora is None:
@@ -350,7 +350,10 @@ def _export_peft(state, info: CheckpointInfo, config, out: Path, *, tokenizer=No
     else:
         # the base as a Hugging Face folder inside the export: transformers cannot load an apr run folder
         base_ref = Path(os.path.abspath(out)) / PEFT_BASE
-        weights = ours if ours is not None else load_source_weights(base, arch)
+        # the base as the run's frozen model held it (a bf16 or NF4 trunk as it multiplied), so PEFT
+        # over it computes the run's logits; --base may name the original folder instead
+        weights = ours if ours is not None else base_as_trained(load_source_weights(base, arch), arch,
+                                                                config.model.lora)
         if (tokenizer is None and config.data.tokenizer is None and base is not None
                 and (Path(base) / "tokenizer.json").is_file()):
             tokenizer = Path(base) / "tokenizer.json"

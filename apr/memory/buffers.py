@@ -94,12 +94,19 @@ def _shard_ranks(config: AprConfig) -> int:
 
 def frozen_buffers(config: AprConfig) -> list[Buffer]:
     """LoRA's frozen base (the model's own tensors: no gradient, no moments); with a bf16 trunk the
-    blocks' projections are stored in bf16. Under FSDP2 each rank holds its rows of every tensor."""
+    blocks' projections are stored in bf16, with an NF4 one as the bytes of their codes and
+    scalers. Under FSDP2 each rank holds its rows of every tensor."""
     lora = config.model.lora
     if lora is None:
         return _trunk_buffers(config)
     arch = config.model.architecture
     w = _shard_ranks(config)
+    if str(lora.trunk_dtype) == "nf4":  # QLoRA: codes and scalers of each projection (no sharding: validate)
+        block = [p for p in block_param_specs(arch, 0) if p.decay]
+        projections = arch.num_hidden_layers * sum(p.numel for p in block)
+        size = arch.num_hidden_layers * sum(stored_weight_bytes(p.numel, "nf4") for p in block)
+        return [Buffer("frozen_base", "frozen_weights", (param_count(arch) - projections,), "float32"),
+                Buffer("frozen_projections", "frozen_weights", (size,), "uint8")]
     if w == 1:
         projections = arch.num_hidden_layers * sum(p.numel for p in block_param_specs(arch, 0) if p.decay)
         rest = param_count(arch) - projections

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from apr.config.schema import LoraConfig
 from apr.model import spec
+from apr.model.nf4 import dense, to_nf4
 
 
 class LoRALinear(nn.Module):
@@ -53,12 +54,13 @@ def add_adapters(model, lora: LoraConfig, seed: int) -> None:
         p.requires_grad_(False)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     arch = model.arch
-    if str(lora.trunk_dtype) == "bf16":  # the frozen trunk's projections in bf16: half their memory
+    storage = str(lora.trunk_dtype)
+    if storage != "fp32":  # the frozen projections in bf16 (half their memory) or NF4 (QLoRA: about an eighth)
         for i in range(arch.num_hidden_layers):
             for m in PROJECTIONS:
                 parent_name, _, leaf = spec.lora_module_path(i, m).rpartition(".")
                 linear = getattr(model.get_submodule(parent_name), leaf)
-                linear.weight = nn.Parameter(linear.weight.to(torch.bfloat16), requires_grad=False)
+                linear.weight = nn.Parameter(stored(linear.weight, storage), requires_grad=False)
     for i in range(arch.num_hidden_layers):
         for m in lora.modules:
             path = spec.lora_module_path(i, m)
@@ -69,6 +71,23 @@ def add_adapters(model, lora: LoraConfig, seed: int) -> None:
             bound = 1.0 / math.sqrt(layer.lora_A.shape[1])
             layer.lora_A.copy_(torch.empty(layer.lora_A.shape).uniform_(-bound, bound, generator=gen))
             setattr(parent, leaf, layer)
+
+
+def stored(weight: torch.Tensor, storage: str) -> torch.Tensor:
+    """A float32 projection weight in the frozen base's storage: bf16, or an NF4Tensor (torchao).
+    NF4 quantization is a function of the float32 weight, so every start (and a resume) quantizes
+    ``model.init_from``'s weights to the same codes; only a dequantized weight would move some."""
+    if storage == "nf4":
+        return to_nf4(weight)
+    return weight.detach().to(torch.bfloat16) if storage == "bf16" else weight.detach()
+
+
+def as_stored(weight: torch.Tensor, storage: str) -> torch.Tensor:
+    """``weight`` (float32) as the run reads it from its storage, in float32: bf16-rounded, or NF4
+    quantized and dequantized (exactly what torchao's linear multiplies by)."""
+    if storage == "nf4":
+        return dense(stored(weight.float(), "nf4"))
+    return stored(weight, storage).float()
 
 
 def adapter_names(arch, lora: LoraConfig) -> list[str]:
@@ -82,19 +101,29 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def merge(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], arch, lora: LoraConfig
           ) -> dict[str, torch.Tensor]:
     """The base weights with every adapter folded in (``W + scaling * B @ A``, float32): a plain
-    model with no adapters, as ``apr export --format hf`` writes it. With a bf16 trunk the base
-    projections are rounded to bf16 first, as the run saw them."""
-    out = dict(base)
-    if str(lora.trunk_dtype) == "bf16":
-        for i in range(arch.num_hidden_layers):
-            for m in PROJECTIONS:
-                name = f"{spec.lora_module_path(i, m)}.weight"
-                out[name] = base[name].to(torch.bfloat16).float()
+    model with no adapters, as ``apr export --format hf`` writes it. With a bf16 or NF4 trunk the
+    base projections are first what the run multiplied by (bf16-rounded; NF4 dequantized)."""
+    out = base_as_trained(base, arch, lora)
     for i in range(arch.num_hidden_layers):
         for m in lora.modules:
             path = spec.lora_module_path(i, m)
             a, b = adapters[f"{path}.lora_A"].float(), adapters[f"{path}.lora_B"].float()
             out[f"{path}.weight"] = out[f"{path}.weight"].float() + (b @ a) * lora.scaling
+    return out
+
+
+@torch.no_grad()
+def base_as_trained(base: dict[str, torch.Tensor], arch, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """The base weights as the run's frozen model holds them (float32): the projections through
+    their storage (``as_stored``), the rest as given. The base a PEFT export writes beside its
+    adapters, so that PEFT computes the run's logits."""
+    out = dict(base)
+    storage = str(lora.trunk_dtype)
+    if storage != "fp32":
+        for i in range(arch.num_hidden_layers):
+            for m in PROJECTIONS:
+                name = f"{spec.lora_module_path(i, m)}.weight"
+                out[name] = as_stored(base[name], storage)
     return out
 
 

@@ -13,7 +13,6 @@ generation. See docs/design.md, "StackWise progressive stacks".
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -23,40 +22,10 @@ import torch.nn.functional as F
 from apr.config.schema import AprConfig
 from apr.model import spec
 from apr.model.lora import LoRALinear, peft_name
+from apr.model.nf4 import dense, is_nf4, to_nf4
 from apr.steps import stacking
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _nf4():
-    """torchao's NF4 (``to_nf4``, ``NF4Tensor``), imported with its loader's warnings silenced: the
-    wheel's CUDA extensions (MX, CUTLASS) fail to load on a CPU-only torch, which NF4 never uses."""
-    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        from torchao.quantization import to_nf4  # lazy: torchao imports in seconds, NF4 trunks only
-        from torchao.quantization.quantize_.workflows import NF4Tensor
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-    return to_nf4, NF4Tensor
-
-
-def to_nf4(weight: torch.Tensor):
-    """``weight`` (float32) as an NF4Tensor in apr's block sizes (``spec.nf4_scaler_block``)."""
-    quantize, _ = _nf4()
-    return quantize(weight.detach().float().contiguous(), spec.NF4_BLOCK, spec.nf4_scaler_block(weight.numel()))
-
-
-def is_nf4(weight: torch.Tensor) -> bool:
-    return type(weight).__name__ == "NF4Tensor"
-
-
-def dense(weight: torch.Tensor) -> torch.Tensor:
-    """A stored trunk weight as float32 (NF4 dequantized, half precision widened exactly)."""
-    return (weight.get_original_weight() if is_nf4(weight) else weight.detach()).float().contiguous()
 
 
 class FrozenLinear(nn.Module):
