@@ -118,9 +118,10 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
     return int((b * s * grads + weight_casts) * elt) + root_grad
 
 
-def kept_activation_bytes(config: AprConfig, execution: Execution,
-                          c: MemoryCoefficients = COEFFICIENTS) -> int:
-    """The autograd graphs kept from the forward to the backward, whole (modelled)."""
+def kept_block_bytes(config: AprConfig, execution: Execution | None = None,
+                     c: MemoryCoefficients = COEFFICIENTS) -> int:
+    """What autograd saves for one block whose graph is kept (modelled): its activations, per token,
+    and autocast's compute-dtype copy of its weights where no compute copy is read."""
     arch = config.model.architecture
     b, s = config.data.batch_size, config.data.seq_len
     cdt = compute_dtype_name(config.training.mixed_precision)
@@ -133,11 +134,22 @@ def kept_activation_bytes(config: AprConfig, execution: Execution,
             + (c.keep_norm_fp32_widths * arch.hidden_size * DTYPE_BYTES["float32"] if mixed else 0))
     # autocast saves its compute-dtype copy of a kept block's weights for the backward, unless the
     # blocks read the interleaved engine's compute copy
-    casts = block_numel(arch) * elt if cdt != "float32" and not _reads_compute_copy(config, execution) else 0
+    casts = block_numel(arch) * elt if mixed and not _reads_compute_copy(config, execution) else 0
+    return int(b * s * keep + casts)
+
+
+def kept_activation_bytes(config: AprConfig, execution: Execution,
+                          c: MemoryCoefficients = COEFFICIENTS) -> int:
+    """The autograd graphs kept from the forward to the backward, whole (modelled): the kept blocks'
+    and what selective blocks keep of theirs."""
+    arch = config.model.architecture
+    b, s = config.data.batch_size, config.data.seq_len
+    elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
+    kv = arch.kv_heads * arch.head_dim
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * arch.intermediate_size)
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
-    return int(execution.kept_blocks * (b * s * keep + casts) + b * s * selective_blocks * sel * elt)
+    return int(execution.kept_blocks * kept_block_bytes(config, execution, c) + b * s * selective_blocks * sel * elt)
 
 
 def _reads_compute_copy(config: AprConfig, execution: Execution | None) -> bool:

@@ -14,8 +14,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from apr.config.schema import AprConfig, Architecture, Device, Engine, MixedPrecision
-from apr.memory.activations import COEFFICIENTS
-from apr.memory.buffers import compute_dtype_name
+from apr.memory.activations import kept_block_bytes
 from apr.memory.table import memory_table
 from apr.model.spec import DTYPE_BYTES, flops_per_token, param_count
 from apr.profile.engine import EngineStepProfile, one_process_rows
@@ -58,16 +57,6 @@ def plan_config(config: AprConfig | None, arch: Architecture, profile: StepProfi
     return config.model_copy(update={"data": data, "training": training})
 
 
-def _kept_block_bytes(config: AprConfig) -> int:
-    """What the plan charges for one block whose autograd graph is kept (apr.memory.activations'
-    keep_* widths, per token, in the compute dtype)."""
-    arch, c = config.model.architecture, COEFFICIENTS
-    elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
-    per_token = (c.keep_hidden_widths * arch.hidden_size + c.keep_kv_widths * arch.kv_heads * arch.head_dim
-                 + c.keep_intermediate_widths * arch.intermediate_size)
-    return int(config.data.batch_size * config.data.seq_len * per_token * elt)
-
-
 def compare(profile: StepProfile, config: AprConfig) -> list[Comparison]:
     arch = config.model.architecture
     blocks = [r.saved_bytes for r in profile.layers if r.name.startswith("layers.")]
@@ -76,7 +65,7 @@ def compare(profile: StepProfile, config: AprConfig) -> list[Comparison]:
                    "FLOP", "apr.model.spec.flops_per_token: 6N + 12*layers*hidden*seq"),
         Comparison("weight_bytes", param_count(arch) * DTYPE_BYTES["float32"], profile.weight_bytes, "B",
                    "apr.model.spec.param_count * 4 (fp32 master weights)"),
-        Comparison("block_saved_bytes", _kept_block_bytes(config), statistics.median(blocks) if blocks else None, "B",
+        Comparison("block_saved_bytes", kept_block_bytes(config), statistics.median(blocks) if blocks else None, "B",
                    "apr.memory.activations keep_* widths: one kept block's autograd activations"),
     ]
     if profile.peak_bytes is not None:
