@@ -261,8 +261,8 @@ def run_ledger(run_id: str, global_: bool = False, fmt: str = "table", output: P
         text = buf.getvalue()
     else:
         rows = [[safe_text(e["event"]), fmt_value(e["step"]), fmt_value(e["micro_batch"]), safe_text(e["shard"]),
-                 fmt_value(e["row"]), fmt_value(e["index"])] for e in entries]
-        text = (text_table(["EVENT", "STEP", "MICRO-BATCH", "SHARD", "ROW", "INDEX"], rows) + "\n" if rows
+                 fmt_value(e["row"]), fmt_value(e["index"]), fmt_loss(e["loss"])] for e in entries]
+        text = (text_table(["EVENT", "STEP", "MICRO-BATCH", "SHARD", "ROW", "INDEX", "LOSS"], rows) + "\n" if rows
                 else "no rows were skipped in this run\n")
     if output is None:
         sys.stdout.write(text)

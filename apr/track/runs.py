@@ -308,16 +308,39 @@ def _exists(path, store_path: Path) -> bool:
     return p.is_file() or (not p.is_absolute() and (store_path.parent.parent / p.name).is_file())
 
 
-LEDGER_COLUMNS = ("run_id", "event", "step", "time", "micro_batch", "index", "shard", "row")
+LEDGER_COLUMNS = ("run_id", "event", "step", "time", "micro_batch", "index", "shard", "row", "loss")
 
 
 def ledger(detail: dict) -> list[dict]:
     """The bad-batch ledger of a run (``show_run``'s detail): one entry per data row that a skipped
-    bad step or a rollback left out, with the event that did it, oldest first."""
+    bad step or a rollback left out, with the event that did it, oldest first; ``loss``: the row's
+    loss where its step was a logged one and its record is still there (``apr runs blame``), else None."""
     run_id = detail["run"]["run_id"]
     out = []
     for event in detail.get("events") or []:
         for row in (event.get("detail") or {}).get("rows") or []:
             out.append({"run_id": run_id, "event": event["kind"], "step": event["step"], "time": event["time"],
-                        **{k: row.get(k) for k in ("micro_batch", "index", "shard", "row")}})
+                        **{k: row.get(k) for k in ("micro_batch", "index", "shard", "row")}, "loss": None})
+    if out:
+        losses = _recorded_losses(detail, {e["micro_batch"] for e in out if isinstance(e["micro_batch"], int)})
+        for e in out:
+            e["loss"] = losses.get((e["micro_batch"], e["index"]))
     return out
+
+
+def _recorded_losses(detail: dict, micro_batches: set[int]) -> dict[tuple, float]:
+    """``{(micro_batch, data_index): loss}`` of the given micro-batches from the run's own store."""
+    folder = detail["run"].get("output_dir")
+    path = Path(folder) / ".apr" / "experiments.db" if folder else None
+    if path is None or not path.is_file() or not micro_batches:
+        return {}
+    try:
+        conn = store.connect_readonly(path)
+    except AprError:
+        return {}
+    try:
+        return store.row_losses_of(conn, detail["run"]["run_id"], sorted(micro_batches))
+    except sqlite3.Error:
+        return {}
+    finally:
+        conn.close()

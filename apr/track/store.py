@@ -523,6 +523,19 @@ def row_losses(conn: sqlite3.Connection, run_id: str, step: int) -> list[dict]:
     return [dict(r) for r in rows]
 
 
+def row_losses_of(conn: sqlite3.Connection, run_id: str, micro_batches: list[int]) -> dict[tuple, float]:
+    """``{(micro_batch, data_index): loss}`` recorded for these global micro-batches (the ledger's rows)."""
+    if not _has_table(conn, "row_losses"):
+        return {}
+    out: dict[tuple, float] = {}
+    for start in range(0, len(micro_batches), 500):  # SQLite's bound-parameter limit
+        part = micro_batches[start:start + 500]
+        rows = conn.execute(f"SELECT micro_batch, data_index, loss FROM row_losses WHERE run_id = ? AND micro_batch "
+                            f"IN ({','.join('?' * len(part))}) ORDER BY step", (run_id, *part))
+        out.update({(r[0], r[1]): r[2] for r in rows})
+    return out
+
+
 def row_loss_steps(conn: sqlite3.Connection, run_id: str) -> list[int]:
     """The steps of a run that have row losses, in order."""
     if not _has_table(conn, "row_losses"):

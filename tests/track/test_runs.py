@@ -315,3 +315,28 @@ def test_fast_path_answers_ls_and_declines_the_rest(runs_tree, capsys):
     assert fast_path(["runs", "ls", "--status", "failed"]) is None
     assert fast_path(["runs", "show", "x"]) is None
     assert fast_path(["train", "validate", "x.yaml"]) is None
+
+
+def test_the_ledger_gives_each_skipped_rows_recorded_loss(tmp_path, monkeypatch):
+    """A bad step skipped at a logged step: its rows' losses (apr runs blame's records) join the ledger."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    run_id, now = "20261128-000000-1ed9e1", time.time()
+    rows = [{"micro_batch": 20, "index": 7, "shard": "shard-00000.parquet", "row": 7},
+            {"micro_batch": 20, "index": 9, "shard": "shard-00000.parquet", "row": 9}]
+    w = StoreWriter(out / ".apr" / "experiments.db")
+    w.write(Batch(run={"id": run_id, "experiment": "exp", "status": "finished", "started": now, "output_dir": str(out),
+                       "step": 30, "total_steps": 30}, register={"params": {}},
+                  events=[(run_id, 21, now, "bad_step", "skipped", json.dumps({"rows": rows})),
+                          (run_id, 25, now, "bad_step", "skipped",
+                           json.dumps({"rows": [{**rows[0], "micro_batch": 24}]}))],
+                  row_losses=[(run_id, 21, 20, 7, None, "shard-00000.parquet", 7, 9.5),
+                              (run_id, 21, 20, 9, None, "shard-00000.parquet", 9, 2.25),
+                              (run_id, 21, 20, 11, None, "shard-00000.parquet", 11, 2.0)]))
+    w.close()
+    result = runner.invoke(app, ["runs", "ledger", run_id, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    entries = json.loads(result.stdout)
+    assert [(e["step"], e["index"], e["loss"]) for e in entries] == [(21, 7, 9.5), (21, 9, 2.25), (25, 7, None)]
+    table = runner.invoke(app, ["runs", "ledger", run_id]).stdout.splitlines()
+    assert table[0].split()[-1] == "LOSS" and table[1].split()[-1] == "9.5000" and table[3].split()[-1] == "–"
