@@ -35,7 +35,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
+        from apr.generate.load import refuse_masked_lm_source  # lazy: torch, through the export module
 
+        refuse_masked_lm_source(checkpoint, "exported as a Hugging Face causal LM")
         result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite, fmt=fmt.value, base=base)
         for w in result.warnings:
             typer.echo(f"warning: {w}", err=True)

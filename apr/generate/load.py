@@ -68,6 +68,24 @@ def load_for_inference(source: str | os.PathLike, tokenizer: str | os.PathLike |
     return _load_apr(src, tokenizer, torch_device, need_tokenizer, warnings)
 
 
+def refuse_masked_lm(config, where: Path, action: str) -> None:
+    """Raise if ``config`` (an apr checkpoint's) trained the masked-LM objective (``training.mode:
+    mlm``): its attention looks both ways, and ``action`` (generation, a next-token loss, a Hugging
+    Face causal LM) reads the model left to right."""
+    if config is not None and str(config.training.mode) == "mlm":
+        raise LoadError(f"{where} was trained with training.mode: mlm (a masked LM, attending both ways); it cannot "
+                        f"be {action}, which reads the model left to right", [Finding(
+                            "error", "source.mlm", "a masked-LM checkpoint", file=str(where),
+                            expected="a checkpoint of training.mode causal_lm or distill", got="training.mode: mlm")])
+
+
+def refuse_masked_lm_source(source: str | os.PathLike, action: str) -> None:
+    """``refuse_masked_lm`` for any weight source, reading only its config (apr export's check)."""
+    src = open_source(source, verify=False)
+    if src.info is not None:
+        refuse_masked_lm(src.apr_config(), src.path, action)
+
+
 def _device(device: str):
     import torch
 
@@ -102,6 +120,7 @@ def _build(arch, tensors: dict, device, where: Path):
 def _load_apr(src: WeightSource, tokenizer, device, need_tokenizer: bool, warnings: list[str]) -> Loaded:
     info, kind, path = src.info, src.kind, src.path
     config = src.apr_config()  # progressive stacking: the depth at that step
+    refuse_masked_lm(config, path, "loaded for generation or evaluation")
     tensors = src.read()
     if config.model.lora is not None:  # a LoRA run: its adapters merged into its base
         tensors = merged_weights(tensors, info, config)

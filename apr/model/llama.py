@@ -112,7 +112,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped key/value heads and rotary positions."""
+    """Causal self-attention with grouped key/value heads and rotary positions (bidirectional when
+    ``causal`` is False: the masked-LM objective, apr/train/losses.py ``MaskedLM``)."""
 
     def __init__(self, arch: Architecture):
         super().__init__()
@@ -120,6 +121,7 @@ class Attention(nn.Module):
         self.n_kv_heads = arch.kv_heads
         self.head_dim = self.key_dim = arch.head_dim  # key_dim: the cached key's width (apr.generate.decode)
         self.sliding_window = arch.sliding_window  # mistral: keys at most this many positions back, itself included
+        self.causal = True  # False: every position attends to the whole sequence (training.mode: mlm)
         h, bias = arch.hidden_size, spec.qkv_bias(arch)  # qwen2: biases on q, k and v
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
@@ -144,7 +146,7 @@ class Attention(nn.Module):
             mask = (back >= 0) & (back < self.sliding_window)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
 
@@ -161,6 +163,7 @@ class DecoupledAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = arch.num_attention_heads, arch.kv_heads, arch.head_dim
         self.sem_dim, self.geo_dim = arch.decoupled_attention.sem_dim, arch.decoupled_attention.geo_dim
         self.key_dim = self.sem_dim + self.geo_dim
+        self.causal = True  # as Attention's
         h = arch.hidden_size
         self.q_sem_proj = nn.Linear(h, self.n_heads * self.sem_dim, bias=False)
         self.k_sem_proj = nn.Linear(h, self.n_kv_heads * self.sem_dim, bias=False)
@@ -186,7 +189,7 @@ class DecoupledAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim ** -0.5,
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.head_dim ** -0.5,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 

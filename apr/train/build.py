@@ -36,6 +36,7 @@ from apr.train.compile import compile_blocks
 from apr.train.dist import DataParallel
 from apr.train.distill import distill_loss
 from apr.train.engine import Engine, resolve_device
+from apr.train.losses import objective_loss
 from apr.train.precision import torch_dtype
 from apr.train.walk import Walk
 
@@ -67,7 +68,8 @@ def _compose(plan: Resolved, model: LlamaForCausalLM, device: torch.device, back
     """The engine with the plan's loss part, layout and gradient source (the flat-buffer walk or
     autograd, either on FSDP2 shards when ``training.sharding`` shards the state over the ranks)."""
     config = plan.config
-    loss = distill_loss(config, model, device) if str(config.training.mode) == "distill" else None
+    distilled = str(config.training.mode) == "distill"
+    loss = distill_loss(config, model, device) if distilled else objective_loss(config, model)  # None: causal LM
     engine = Engine(plan, model, device, backend, loss, dp)  # the student on autograd, the teacher whole beside it
     autograd = plan.gradient_source == "standard"
     if engine.sharded:  # FSDP2 needs the process group torchrun started

@@ -4,18 +4,24 @@ A loss part maps a micro-batch to the scalar the gradient source differentiates,
 autograd source (one process, DDP or FSDP2 shards: under FSDP2 it runs inside the root module's
 forward, so the embedding and head are gathered while it reads them). ``CausalLM`` is the
 pretraining loss through the model's one loss entry point (``LlamaForCausalLM.loss``); the
-distillation losses live in ``apr/train/distill.py``. The flat-buffer walk fuses the causal-LM
-loss into its head step (``linear_cross_entropy_fwd_bwd``) and takes only ``CausalLM``.
+distillation losses live in ``apr/train/distill.py``; ``MaskedLM`` is the masked-LM objective.
+The flat-buffer walk fuses the causal-LM loss into its head step (``linear_cross_entropy_fwd_bwd``)
+and takes only ``CausalLM``.
 
 The protocol: ``begin_step(step)`` before the step's micro-batches, ``__call__(engine, lm, ids,
 targets)`` per micro-batch, ``lr_factor(loss)`` once the step's update is decided (a loss may
 scale its step's LR, as distillation's autotune does), ``state_dict``/``load_state_dict`` for the
-checkpoint's engine metadata.
+checkpoint's engine metadata. A loss with its own validation loss (``MaskedLM``) has
+``eval_loss_sum(engine, batch)``; the others are scored by ``Engine.eval_loss_sum``.
 """
 
 from __future__ import annotations
 
+import zlib
+
 import torch
+
+IGNORE = -100  # a target position that adds no loss (the kernels' ignore_index)
 
 
 class CausalLM:
@@ -41,3 +47,89 @@ class CausalLM:
 
     def load_state_dict(self, state: dict | None) -> None:
         pass
+
+
+def mask_positions(rows: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tensor:
+    """The masked positions of ``rows`` (token ids ``[batch, seq]``) as a bool tensor on the CPU:
+    each position is masked with probability ``rate``, drawn from a generator seeded by the run's
+    seed, the step (0 at evaluation) and the row's own tokens, so a row's mask depends on neither its
+    micro-batch nor its rank nor the process that resumes it (bitwise resume; data parallelism
+    equals one process with the larger batch)."""
+    cpu = rows.detach().to("cpu", torch.int64).contiguous()
+    out = torch.empty(cpu.shape, dtype=torch.bool)
+    for i, row in enumerate(cpu):
+        digest = zlib.crc32(row.numpy().tobytes())
+        gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4_294_967_311 + digest) % 2**63)
+        out[i] = torch.rand(row.shape[0], generator=gen) < rate
+    return out
+
+
+def masked_batch(ids: torch.Tensor, mask: torch.Tensor, mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's input (each masked position replaced by ``mask_token_id``) and the targets (the
+    original token where masked, ``IGNORE`` elsewhere: those positions add no loss)."""
+    mask = mask.to(ids.device)
+    return torch.where(mask, mask_token_id, ids), torch.where(mask, ids, IGNORE)
+
+
+def bidirectional(model) -> None:
+    """Every block's attention attends to the whole sequence (both ways), as a masked LM's does."""
+    for layer in model.model.layers:
+        layer.self_attn.causal = False
+
+
+class MaskedLM:
+    """The masked-LM objective (``training.mode: mlm``, BERT-style): a ``training.mlm.mask_rate``
+    share of each micro-batch's input positions is replaced by ``mask_token_id`` and the model, its
+    attention made bidirectional, predicts the original tokens there; the loss is the mean
+    cross-entropy over the masked positions only (0 where a micro-batch has none). The input is the
+    micro-batch's ``seq_len`` positions (``ids``; the next-token ``targets`` are not read).
+    Evaluation (``eval_loss_sum``) masks the validation rows the same way at step 0, so every
+    evaluation of a run scores the same positions."""
+
+    kind: str | None = None
+    per_param_steps = False
+
+    def __init__(self, rate: float, mask_token_id: int, seed: int):
+        self.rate, self.mask_token_id, self.seed = rate, mask_token_id, seed
+        self.step = 1
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def _sum(self, engine, lm, ids: torch.Tensor, step: int, total: bool) -> tuple[torch.Tensor, int]:
+        mask = mask_positions(ids, self.rate, self.seed, step)
+        inputs, targets = masked_batch(ids, mask, self.mask_token_id)
+        with engine.autocast():
+            hidden = engine.hidden_states(lm, inputs)
+        loss = lm.loss(hidden, targets, chunk_size=engine.chunk_size, backend=engine.backend,
+                       compute_dtype=engine.cdt, norm_context=engine.autocast(), total=total)
+        return loss, int(mask.sum())
+
+    def __call__(self, engine, lm, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        mean_over_all, masked = self._sum(engine, lm, ids, self.step, total=False)
+        return mean_over_all * (ids.numel() / max(masked, 1))  # the mean over the masked positions
+
+    @torch.no_grad()
+    def eval_loss_sum(self, engine, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Summed cross-entropy over the masked positions of a validation batch, and their number."""
+        ids, _ = engine.split(batch)
+        return self._sum(engine, engine.model, ids, 0, total=True)
+
+    def lr_factor(self, loss: torch.Tensor) -> float:
+        return 1.0
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        pass
+
+
+def objective_loss(config, model) -> MaskedLM | None:
+    """The loss part of ``training.mode`` other than distillation (apr/train/distill.py): None for
+    causal_lm (the engine's own ``CausalLM``); for mlm, ``MaskedLM`` over ``model`` made bidirectional."""
+    tr = config.training
+    if str(tr.mode) != "mlm":
+        return None
+    bidirectional(model)
+    return MaskedLM(tr.mlm.mask_rate, tr.mlm.mask_token_id, tr.seed)

@@ -50,8 +50,9 @@ class Validation:
     def _loss_over(self, engine, loader: ShardLoader) -> float | None:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
+        score = getattr(engine.loss, "eval_loss_sum", None)  # a loss part with its own (MaskedLM), else causal
         for batch in loader.iter_sequential(self.eval_batches):
-            loss_sum, n = engine.eval_loss_sum(batch)
+            loss_sum, n = engine.eval_loss_sum(batch) if score is None else score(engine, batch)
             total += loss_sum.double()
             count += n
         if self.dp is not None:
