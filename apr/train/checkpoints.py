@@ -166,7 +166,7 @@ def run_state(run) -> StateRegistry:
     reg.register("steering", run.steering.state_dict, partial(_load_steering, run))
     orchestrator = run.orchestrator
     if orchestrator is not None:  # the strategy in force, the bandit, the decisions (apr/train/orchestrator.py)
-        reg.register("orchestrator", orchestrator.state_dict, orchestrator.load_state_dict)
+        reg.register("orchestrator", orchestrator.state_dict, lambda meta: orchestrator.load_state_dict(meta, run))
     return reg
 
 

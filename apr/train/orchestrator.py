@@ -22,11 +22,13 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from apr.checkpoint.manager import scan
 from apr.fmt import fmt_loss
+from apr.fsutil import atomic_path
 from apr.steps import orchestration
 from apr.steps.orchestration import UCB1, Strategy
 from apr.train.outcome import NonFiniteError
@@ -63,8 +65,8 @@ def extrapolate(history: list[tuple[int, dict[str, torch.Tensor]]], step: int) -
     t = steps - steps.mean()
     target = float(step) - float(steps.mean())
     out = {}
-    for name, last in history[-1][1].items():
-        ys = torch.stack([w[name].double() for _, w in history])
+    for name, last in history[-1][1].items():  # a point read back from disk (a resume) joins on the newest's device
+        ys = torch.stack([w[name].to(last.device).double() for _, w in history])
         slope = torch.tensordot(t, ys - ys.mean(0), dims=1) / (t * t).sum()
         out[name] = (ys.mean(0) + slope * target).to(last.dtype)
     return out
@@ -84,9 +86,15 @@ class Orchestrator:
         # that state's step, checkpointed: a resumed process (no ``good`` in memory) rolls back to the
         # newest checkpoint at or before it (docs/design.md, "Orchestrated training", safety)
         self.good_step: int | None = None
+        # the weights at the last decision points; each point also in the run folder (nowcast/), its
+        # step checkpointed, so a resumed process extrapolates over the same points (``_read_history``)
         self.nowcast_history: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.rollbacks = 0
         self.next_decision = self.orch.decision_interval
+        # the loop's last step and its loss, taken before that step's checkpoint (``StepLoss``, a hook):
+        # a process resumed from that checkpoint runs the step's safety test and decision itself
+        self.step_loss: tuple[int, float] | None = None
+        self.loss_hook = StepLoss(self)
 
     def strategy(self, name: str | None = None) -> Strategy:
         return orchestration.resolve(self.config, name or self.current)
@@ -95,12 +103,18 @@ class Orchestrator:
         return lr * self.strategy().lr_factor
 
     def start(self, run, recorder) -> None:
-        """Put the engine on the strategy in force (a fresh run's initial one, a resumed run's)."""
+        """Put the engine on the strategy in force (a fresh run's initial one, a resumed run's); a
+        process resumed from the checkpoint of a step the loop had not yet passed to ``after_step``
+        (the safety test, a decision) does that now, with the step's loss as the checkpoint holds it."""
         apply_strategy(run.engine, run.config, self.strategy())
+        if self.loss_hook not in run.hooks:  # each step's loss, read before the loop checkpoints the step
+            run.hooks.append(self.loss_hook)
         if run.start_step == 0:
             self._event(recorder, "strategy", 0, f"strategy {self.current} (initial)",
                         {"strategy": self.current, "settings": self.strategy().to_dict()})
-        while self._due(run):  # stopped at a decision point
+        if self.step_loss is not None and self.step_loss[0] == run.step and run.step > 0:
+            self._after_loss(run, self.step_loss[1], recorder)
+        while self._due(run):  # stopped at a decision point (its loss not checkpointed: an older checkpoint)
             self._decide(run, self.reference_loss or math.inf, recorder)
 
     # ------------------------------------------------------------------------------ per step
@@ -115,7 +129,12 @@ class Orchestrator:
         return None
 
     def _after_step(self, run, report, recorder) -> bool:
-        loss = self._loss(run, report)
+        held = self.step_loss
+        return self._after_loss(run, held[1] if held is not None and held[0] == run.step else
+                                self._loss(run, report), recorder)
+
+    def _after_loss(self, run, loss: float, recorder) -> bool:
+        self.step_loss = None  # tested: a checkpoint written from here on does not hold it for a resume
         limit = None if self.reference_loss is None or self.orch.max_loss_increase is None else \
             self.orch.max_loss_increase * self.reference_loss
         if limit is not None and (self.good is not None or self.good_step is not None) and not loss <= limit:
@@ -192,6 +211,8 @@ class Orchestrator:
             self._event(recorder, "switch", step, f"strategy {previous} -> {winner}",
                         {"from": previous, "to": winner, "settings": self.strategy().to_dict()})
         run.echo(f"{run.step_label(run.step)}  orchestrator: {winner} ({scores})")
+        if self.good is not None:  # the safety rollback's target on disk: a resumed process rolls back to it
+            run.save(run.step, False, recorder)
         run.steplog.start(run.step)
 
     def _train_branch(self, run, name: str, step: int, horizon: int) -> tuple[float | None, list[float], bool]:
@@ -224,7 +245,9 @@ class Orchestrator:
         the step) ``ahead`` steps past this point; kept only when its validation loss beats the best
         branch's. Returns its record when kept."""
         cfg = self.orch.nowcasting
+        before = [s for s, _ in self.nowcast_history]
         self.nowcast_history = [*self.nowcast_history, (step, start.weights())][-cfg.history:]
+        self._write_point(run, step, start, keep={*before, *(s for s, _ in self.nowcast_history)})
         if len(self.nowcast_history) < 2 or best_val is None:
             return None
         winner_state = best_state or Snapshot.take(run)
@@ -240,6 +263,39 @@ class Orchestrator:
             restore(run, winner_state, keep=OWN)
             return None
         return record
+
+    def _write_point(self, run, step: int, start: Snapshot, keep: set[int]) -> None:
+        """The decision point's weights in ``nowcast/`` (before any checkpoint names the step); the
+        points no checkpoint since the previous decision names are removed."""
+        if start.local or run.is_main:  # a sharded engine: each rank its own rows
+            from safetensors.torch import save_file  # lazy: nowcasting only
+
+            path = _point_path(run, step, start.local)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp:
+                save_file({k: v.detach().cpu().contiguous() for k, v in start.weights().items()}, str(tmp))
+            suffix = path.name[len(f"step-{step}"):]
+            for old in path.parent.glob(f"step-*{suffix}"):
+                head = old.name[:-len(suffix)].removeprefix("step-")
+                if head.isdigit() and int(head) not in keep:
+                    old.unlink(missing_ok=True)
+        if run.dp is not None:  # every rank's point is on disk before a checkpoint names it
+            run.dp.barrier()
+
+    def _read_history(self, run, steps: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """The nowcast points a checkpoint names, read back from ``nowcast/``; [] (said) when one is gone."""
+        if not steps or run is None:
+            return []
+        from safetensors.torch import load_file  # lazy: nowcasting only
+
+        local = bool(run.engine.sharded)
+        paths = [_point_path(run, s, local) for s in steps]
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            run.warn(f"orchestrator: the nowcast points {', '.join(missing)} are gone from {paths[0].parent}: the "
+                     "nowcast history starts again at the next decision")
+            return []
+        return [(s, load_file(str(p))) for s, p in zip(steps, paths, strict=True)]
 
     # ------------------------------------------------------------------------------ safety
 
@@ -298,14 +354,20 @@ class Orchestrator:
                                  "bandit": self.bandit.state_dict(),
                                  "history": copy.deepcopy(self.history), "reference_loss": self.reference_loss,
                                  "rollbacks": self.rollbacks, "next_decision": self.next_decision,
-                                 "good_step": self.good_step}}
+                                 "good_step": self.good_step,
+                                 "step_loss": None if (held := self.step_loss) is None else  # inf, nan: as text
+                                 [held[0], held[1] if math.isfinite(held[1]) else str(held[1])],
+                                 "nowcast_steps": [int(s) for s, _ in self.nowcast_history]}}
 
-    def load_state_dict(self, meta: dict) -> None:
+    def load_state_dict(self, meta: dict, run=None) -> None:
         state = meta.get("orchestrator")
         if not state:  # a checkpoint of a run without orchestration: nothing of ours changes
             return
         # a resume or training.rollback's restore: the in-memory states are of steps that are no more
-        self.good, self.nowcast_history = None, []
+        self.good = None
+        self.nowcast_history = self._read_history(run, [int(s) for s in state.get("nowcast_steps") or ()])
+        held = state.get("step_loss")
+        self.step_loss = None if held is None else (int(held[0]), float(held[1]))
         self.current, self.decisions = state["current"], int(state["decisions"])
         self.bandit.load_state_dict(state["bandit"])
         self.history = copy.deepcopy(state.get("history") or [])
@@ -313,6 +375,23 @@ class Orchestrator:
         self.next_decision = int(state.get("next_decision", self.orch.decision_interval))
         good_step = state.get("good_step")
         self.good_step = None if good_step is None else int(good_step)
+
+
+class StepLoss:
+    """A step hook (apr/train/stop.py): the step's loss, read before the loop checkpoints the step."""
+
+    def __init__(self, orchestrator: Orchestrator):
+        self.orchestrator = orchestrator
+
+    def after_step(self, run, report):
+        self.orchestrator.step_loss = (run.step, Orchestrator._loss(run, report))
+        return None
+
+
+def _point_path(run, step: int, local: bool) -> Path:
+    """A nowcast point's file: ``nowcast/step-N.safetensors``, or a rank's rows of it on shards."""
+    rank = f".rank{run.dp.rank}-of-{run.dp.world_size}" if local and run.dp is not None else ""
+    return Path(run.run_dir) / "nowcast" / f"step-{step}{rank}.safetensors"
 
 
 def _finite(value):

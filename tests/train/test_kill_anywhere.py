@@ -10,7 +10,8 @@ by what the run does (between an orchestrator's branches, just after its decisio
 stacking grow, at a distillation phase's first step), by the file being written (inside the first
 checkpoint's JSON write, a checkpoint's weights renamed into place without their JSON, a trunk or
 teacher cache row or header half written), and seeded ones among all the changes the run makes.
-Two moments of an orchestrated run do not resume bitwise yet (xfail, at the end)."""
+Then what an orchestrated run holds between decisions (a nowcast's history, a safety rollback's
+target, a step checkpointed before its safety test) and the events a resumed run records (each once)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ MODES = {
         "enabled": True, "decision_interval": 4, "eval_horizon": 1, "candidates": ["boom"],
         "strategies": {"boom": {"lr_factor": 30.0, "clip_mode": "off"}}, "max_loss_increase": 1.5}}},
 }
-LAST = {"orchestrated": 10, "stacked": 8, "distilled": 8, "nowcast": 12, "safety": 14}
+# the same, each checkpoint written before the next step: step 8's is complete when its safety test starts
+MODES["safety_sync"] = {"training": {**MODES["safety"]["training"], "checkpoint_async": False}}
+LAST = {"orchestrated": 10, "stacked": 8, "distilled": 8, "nowcast": 12, "safety": 14, "safety_sync": 14}
 
 
 def _env(root: Path, **extra: str) -> dict:
@@ -204,15 +207,12 @@ def test_kill_9_at_seeded_moments_is_continued_and_ends_bitwise(mode, seed, refe
     _assert_bitwise(tmp_path, mode, want)
 
 
-# Known gaps, in apr/train/orchestrator.py: the state an orchestrated run keeps in memory between
-# decisions is not all in its checkpoints, so a process that resumes there decides otherwise.
+# What an orchestrated run keeps between decisions is in its checkpoints (or the run folder), so a
+# process that resumes there decides as the uninterrupted one does.
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the nowcast history (the weights at the last decision points) lives only "
-                   "in memory: a run resumed between two decisions has one point at the next one, does not "
-                   "nowcast where the uninterrupted run kept a nowcast, and ends elsewhere. Needs: the "
-                   "history's weights saved with each checkpoint (or read back from the decision steps' "
-                   "checkpoints) and restored on resume")
 def test_kill_9_between_the_decisions_of_a_nowcasting_run_ends_bitwise(reference, teacher, tmp_path):
+    """The nowcast at step 8 extrapolates over the weights at steps 4 and 8: the resumed process reads
+    step 4's back from the run folder (nowcast/), keeps the nowcast and ends where the run ends."""
     want, *_ = reference("nowcast")
     cfg = _config(tmp_path, "nowcast", teacher)
     # the second decision begins: step 8's checkpoint (written before it) is the newest
@@ -223,17 +223,20 @@ def test_kill_9_between_the_decisions_of_a_nowcasting_run_ends_bitwise(reference
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the safety rollback's target (the state the last decision kept, step 5) "
-                   "is held in memory and never checkpointed: a run resumed after it rolls back to the newest "
-                   "checkpoint before it (step 4) and ends elsewhere. Needs: a checkpoint of the decision's "
-                   "kept state (step kept_until) whenever max_loss_increase is set")
-def test_kill_9_before_a_safety_rollback_ends_bitwise(reference, teacher, tmp_path):
-    want, *_ = reference("safety")
-    cfg = _config(tmp_path, "safety", teacher)
+@pytest.mark.parametrize("mode", ["safety", "safety_sync"])
+def test_kill_9_before_a_safety_rollback_ends_bitwise(mode, reference, teacher, tmp_path):
+    """Killed as the spike at step 8 is to be rolled back: the resumed process rolls back to step 5
+    (the decision's kept state, checkpointed by the decision), from step 6's checkpoint (step 8's in
+    flight) or from step 8's (written before the safety test: the checkpoint holds the step's loss)."""
+    want, *_ = reference(mode)
+    cfg = _config(tmp_path, mode, teacher)
     code, out = _apply(cfg, tmp_path, APR_TEST_KILL_IN="apr.train.orchestrator:Orchestrator._safety_rollback:1:enter")
     assert code == -signal.SIGKILL, out[-2000:]
+    if mode == "safety_sync":
+        assert max(e.step for e in scan(tmp_path / "run") if e.complete) == 8
     _continue(cfg, tmp_path)
-    _assert_bitwise(tmp_path, "safety", want)
+    _assert_bitwise(tmp_path, mode, want)
+    assert [kind for kind, _ in _events(tmp_path)].count("safety_rollback") == 1
 
 
 @pytest.mark.slow

@@ -131,9 +131,10 @@ def test_a_loss_spike_rolls_back_to_the_last_decision_and_switches_to_the_safety
 
 
 def test_a_resumed_process_rolls_back_to_the_checkpoint_of_the_last_decision(root):
-    """Stopped at step 6, after the decision at step 4 (kept until step 5), the resumed process has no
-    decision state in memory: the spike at step 8 restores the newest checkpoint at or before step 5
-    (step 4's), keeps the data cursor past the bad window and switches to the safety strategy."""
+    """Stopped at step 6, after the decision at step 4 (kept until step 5, checkpointed then), the
+    resumed process has no decision state in memory: the spike at step 8 restores step 5's checkpoint
+    (the state the decision kept, as the uninterrupted run does), keeps the data cursor past the bad
+    window and switches to the safety strategy."""
     boom = {"max_steps": 14, "eval_interval": 4, "save_interval": 4, "orchestrator": {
         "enabled": True, "decision_interval": 4, "eval_horizon": 1, "candidates": ["boom"],
         "strategies": {"boom": {"lr_factor": 30.0, "clip_mode": "off"}}, "max_loss_increase": 1.5}}
@@ -141,15 +142,17 @@ def test_a_resumed_process_rolls_back_to_the_checkpoint_of_the_last_decision(roo
     assert stopped.status == "stopped" and stopped.final_step == 6
     saved = json.loads((root / "run" / "checkpoint-step-6.json").read_text())["orchestrator"]
     assert saved["good_step"] == 5 and saved["rollbacks"] == 0
+    kept = json.loads((root / "run" / "checkpoint-step-5.json").read_text())["orchestrator"]
+    assert kept["decisions"] == 1 and kept["good_step"] == 5
     resumed, run, lines = _run(root, resume="latest", training=boom)
     assert resumed.status == "finished" and resumed.final_step == 14
     rollback = next(e for e in run.recorder.recorded_events() if e["kind"] == "safety_rollback")
-    assert rollback["step"] == 8 and rollback["detail"]["restored_step"] == 4
+    assert rollback["step"] == 8 and rollback["detail"]["restored_step"] == 5
     assert rollback["detail"]["to"] == "spike_resistant" and run.orchestrator.rollbacks >= 1
-    assert any("the last decision's state is checkpoint-step-4.json" in line for line in lines)
-    # the cursor went on past steps 5-8's data: the window skipped is recorded, not replayed
+    assert any("the last decision's state is checkpoint-step-5.json" in line for line in lines)
+    # the cursor went on past steps 6-8's data: the window skipped is recorded, not replayed
     first, count = rollback["detail"]["micro_batches"]
-    assert count == 4 and first + count <= run.loader.absolute
+    assert count == 3 and first + count <= run.loader.absolute
 
 
 def test_a_nowcast_that_does_not_improve_validation_is_discarded_and_leaves_no_trace(root, branched):
