@@ -38,9 +38,8 @@ LAYERS: list[set[str]] = [
 ROOT = Path(__file__).resolve().parents[1]
 
 # A moved module whose old path re-exports the new one until its last importers switch: (old module,
-# what it may import). apr/model/buffers.py -> apr/memory/buffers.py (issue 46): apr/train/engine.py,
-# autograd.py and walk.py still import it.
-REEXPORTS = {("apr.model.buffers", "apr.memory.buffers")}
+# what it may import). None now (apr/model/buffers.py -> apr/memory/buffers.py is done).
+REEXPORTS: set[tuple[str, str]] = set()
 
 
 def unit_of(module: str) -> str:

@@ -11,15 +11,7 @@ from apr.config.schema import AprConfig
 from apr.memory.activations import COEFFICIENTS, MemoryCoefficients
 from apr.memory.table import total_bytes
 from apr.steps import execution as policy
-from apr.steps.execution import Execution
-
-
-def step_cost_f(config: AprConfig, execution: Execution) -> float:
-    """``steps.execution.step_cost_f``, with autograd's recompute counted: every source honours the
-    activation policy, so a recomputed block costs its forward again on autograd too (without it the
-    plan would rank recompute as free there and pick it as the leanest at the same cost)."""
-    extra = execution.recompute_f() if policy.gradient_source(config) == "standard" else 0.0
-    return policy.step_cost_f(config, execution) + extra
+from apr.steps.execution import Execution, step_cost_f  # autograd's recompute is charged there (3F + recompute)
 
 
 @dataclass

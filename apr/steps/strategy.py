@@ -1,6 +1,6 @@
 """How an optimizer step is carried out for a config: which gradients are kept, whether the
 interleaved engine needs a norm-only pre-pass, what clipping is in force. Torch-free: the plan shows
-``describe()``; the engine and ``apr.model.buffers.buffer_plan`` act on it.
+``describe()``; the engine and ``apr.memory.buffers.buffer_plan`` act on it.
 
 Costs, for the interleaved engine (forward F, a block's recompute + backward ~ 3F):
 - no clipping, or ``per_block``: one backward walk, each block's AdamW right after its backward;

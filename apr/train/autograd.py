@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from apr.checkpoint import names
-from apr.model import buffers as planned_buffers
+from apr.memory import buffers as planned_buffers
 from apr.model import spec
 from apr.model.trunk import load_trunk_state, trunk_state
 from apr.train.engine import LOSS_GROUP, group_specs

@@ -35,8 +35,8 @@ from apr.checkpoint import names
 from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.kernels import KernelBackend
+from apr.memory.buffers import fsdp2_buffers
 from apr.model import spec
-from apr.model.buffers import fsdp2_buffers
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.resolved import Resolved
 from apr.train.dist import DataParallel
@@ -130,7 +130,7 @@ class Engine:
 
     @property
     def declares(self) -> Callable:
-        """The buffers this engine's source and layout hold (apr/model/buffers.py): what the plan's
+        """The buffers this engine's source and layout hold (apr/memory/buffers.py): what the plan's
         memory table sums for it."""
         return fsdp2_buffers if self.sharded else self.gradients.declares
 

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from apr.checkpoint import names
 from apr.errors import AprError
 from apr.kernels.linear_ce import linear_cross_entropy_fwd_bwd
-from apr.model import buffers as planned_buffers
+from apr.memory import buffers as planned_buffers
 from apr.train.backprop import backward
 from apr.train.engine import group_specs, sac_policy, selectively
 from apr.train.flat import FlatGroup, flatten_group

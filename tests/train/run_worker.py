@@ -126,7 +126,8 @@ def main() -> int:
             "max_live_grad": live["max"], "frozen_bytes": sum(t.numel() * t.element_size() for t in frozen),
             "groups": {name: {
             "params": sum(p.to_local().numel() for p in group),
-            "adam_m": sum(up.moments(p)[0].to_local().numel() for p in group)} for name, group in run.engine.gradients.groups}}))
+            "adam_m": sum(up.moments(p)[0].to_local().numel() for p in group)}
+            for name, group in run.engine.gradients.groups}}))
     return result.exit_code
 
 

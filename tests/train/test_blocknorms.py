@@ -55,7 +55,8 @@ def test_grad_norms_are_each_groups_gradient_norm_in_both_engines():
     std = build_engine(plan_of(std_config))
     data = batches(std_config, 1)
     std.train_step(data, lr=1e-2)
-    want = {name: math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params)) for name, params in std.gradients.groups}
+    want = {name: math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params))
+            for name, params in std.gradients.groups}
     inter = build_engine(plan_of(make_config(training={"grad_clip": None})))
     inter.train_step(data, lr=1e-2)
     for engine in (std, inter):

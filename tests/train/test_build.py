@@ -7,18 +7,19 @@ import pytest
 
 from apr.steps.execution import gradient_source, parse
 from apr.steps.resolved import resolve as plan_of
-from apr.train.build import build_engine
 from apr.train.autograd import Autograd
+from apr.train.build import build_engine
 from apr.train.engine import Engine
-from apr.train.walk import Walk
 from apr.train.losses import CausalLM
+from apr.train.walk import Walk
 from tests.train.tiny import make_config
 
 
 @pytest.mark.parametrize(("engine", "cls"), [("interleaved", Walk), ("standard", Autograd)])
 def test_the_configured_gradient_source_is_built_with_the_causal_lm_loss(engine, cls):
     built = build_engine(plan_of(make_config(training={"engine": engine})))
-    assert type(built) is Engine and type(built.gradients) is cls and isinstance(built.loss, CausalLM) and built.kind == engine
+    assert type(built) is Engine and type(built.gradients) is cls
+    assert isinstance(built.loss, CausalLM) and built.kind == engine
     assert not built.sharded
 
 

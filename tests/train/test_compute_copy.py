@@ -9,7 +9,8 @@ import torch
 from tiny import batches, make_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from apr.model import buffers, spec
+from apr.memory import buffers
+from apr.model import spec
 from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 
