@@ -30,8 +30,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_engine  # noqa: E402  (the shapes, settings and config of the engine benchmark)
 
-from apr.steps.resolved import resolve as plan_of  # noqa: E402
-
 
 def _drop_apr() -> None:
     for name in [m for m in sys.modules if m == "apr" or m.startswith("apr.")]:
@@ -50,12 +48,13 @@ def _build(tree: Path, args, names: list[str]) -> dict:
         except ModuleNotFoundError:  # before the composed engine: the builder lived in engine.py
             build_engine = importlib.import_module("apr.train.engine").build_engine
         choose = importlib.import_module("apr.plan.memory").choose_execution
+        resolve = importlib.import_module("apr.steps.resolved").resolve  # this tree's Resolved class
         engines = {}
         for name in names:
             kind, clip, execution = bench_engine.SETTINGS[name]
             config = bench_engine.make_config(args, engine=kind, clip_mode=clip, execution=execution)
             chosen = choose(config, 64 * 2**30, "bench").execution
-            engines[name] = build_engine(plan_of(config, execution=chosen), torch.device("cpu"))
+            engines[name] = build_engine(resolve(config, execution=chosen), torch.device("cpu"))
         return engines
     finally:
         sys.path.remove(str(tree))
