@@ -18,17 +18,19 @@ A layer of its own above ``apr.train`` (like ``apr.lrfind``): the plan package s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import resource
 import statistics
 import sys
 import time
+import weakref
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from apr import STARTED_AT, __version__
 from apr.errors import AprError, Finding
@@ -47,32 +49,44 @@ TRANSIENT = ("activation_checkpoints", "kept_activations", "block_activations", 
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storage created by the ops run under it (CPU tensors)."""
+    """Live bytes of the tensor storage made by the ops run under it (CPU tensors), each storage
+    counted until it is freed (a weak reference's callback, as torch's MemTracker counts). ``step()``
+    starts a step: ``peak`` is then the step's highest total, ``step_peak`` the highest of what
+    the step itself made (its transient)."""
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = self.peak = self.ops = 0
+        self.sizes = WeakIdKeyDictionary()  # storage -> [nbytes, made during the step]
+        self.refs: list = []
+        self.current = self.peak = self.step_current = self.step_peak = self.before = 0
+        self.in_step = False
 
-    def _sweep(self) -> None:
-        for key, (ref, nbytes) in list(self.live.items()):
-            if ref.expired():
-                del self.live[key]
-                self.current -= nbytes
+    def step(self) -> None:
+        self.in_step, self.before, self.peak = True, self.current, self.current
+        self.step_current = self.step_peak = 0
+
+    def _freed(self, entry: list) -> None:
+        self.current -= entry[0]
+        if entry[1]:
+            self.step_current -= entry[0]
+        entry[0] = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        if self.ops % 8 == 0:
-            self._sweep()
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.current += storage.nbytes()
-                    self.peak = max(self.peak, self.current)
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            if storage in self.sizes or not storage.nbytes():
+                continue
+            entry = [storage.nbytes(), self.in_step]
+            self.sizes[storage] = entry
+            self.refs.append(weakref.ref(storage, lambda _ref, e=entry: self._freed(e)))
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+            if self.in_step:
+                self.step_current += entry[0]
+                self.step_peak = max(self.step_peak, self.step_current)
         return out
 
 
@@ -128,6 +142,40 @@ def run_probe(config, execution_policy: dict, modelled: dict[str, int], steps: i
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = user_cache
 
 
+def _cuda_memory(device: torch.device) -> dict:
+    """The device's memory after one step: the allocator's peaks, and what the device holds beyond
+    the allocator's reserve (the CUDA context, libraries' own workspaces, any other process)."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return {"tensor_peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "reserved_peak_bytes": int(torch.cuda.max_memory_reserved(device)),
+            "device_used_bytes": int(total - free), "outside_allocator_bytes": int(total - free - reserved),
+            "how": "CUDA allocator's peaks during one step (allocated, reserved); the device's memory in use "
+                   "after it (cudaMemGetInfo), less the allocator's reserve, is outside the allocator"}
+
+
+def _memory_step(engine, device, batch, lr: float, live, counted_all: bool) -> tuple[int, str, dict]:
+    """One step measured for memory: (its transient bytes, how, the device memory facts);
+    ``counted_all``: ``live`` has counted every tensor since the engine's build."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        engine.train_step(batch, lr)
+        torch.cuda.synchronize(device)
+        memory = _cuda_memory(device)
+        return (memory["tensor_peak_bytes"] - before,
+                "CUDA allocator peak during one step, minus what was allocated before it", memory)
+    with live:
+        live.step()
+        engine.train_step(batch, lr)
+    memory = {"tensor_peak_bytes": live.peak if counted_all else None,
+              "how": "the peak of live tensor storage during one step, every tensor counted op by op from the "
+                     "engine's build" if counted_all else
+                     "compiled blocks: only the step's own tensors were counted, not the whole peak"}
+    return live.step_peak, "peak of live tensor storage created during one step (tracked op by op)", memory
+
+
 def _run_probe(config, device, execution_policy: dict, modelled: dict[str, int], steps: int,
                world_size: int) -> dict:
     thread_choice = apply_thread_policy(config, world_size)
@@ -136,15 +184,20 @@ def _run_probe(config, device, execution_policy: dict, modelled: dict[str, int],
     execution = Execution.from_dict(execution_policy, arch.num_hidden_layers)
     phase, step = "building the engine", 0
     t_start = time.perf_counter()
+    # on the CPU every tensor is counted from the build on, so that the memory step's peak is the
+    # process's tensors (--trace's peak); blocks are not compiled under a dispatch mode, so compiled
+    # ones are counted in the memory step alone
+    live = _LiveBytes() if device.type == "cpu" else None
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        engine = engine_build.build_engine(resolve(config, execution=execution), device)
-        gen = torch.Generator().manual_seed(0)
-        lr = float(config.optimizer.lr)
-        phase, step = "the warm-up step", 1
-        t_warm = time.perf_counter()
-        engine.train_step(_synthetic(config, gen), lr)
+        with live if live is not None and not execution.compile else contextlib.nullcontext():
+            engine = engine_build.build_engine(resolve(config, execution=execution), device)
+            gen = torch.Generator().manual_seed(0)
+            lr = float(config.optimizer.lr)
+            phase, step = "the warm-up step", 1
+            t_warm = time.perf_counter()
+            engine.train_step(_synthetic(config, gen), lr)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # apply's start-up as this process lived it: imports, plan, engine, and the first step's extra
@@ -155,19 +208,8 @@ def _run_probe(config, device, execution_policy: dict, modelled: dict[str, int],
             component = names.get(name, name)
             buffers[component] = buffers.get(component, 0) + nbytes
         phase, step = "the memory step", 2
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            engine.train_step(_synthetic(config, gen), lr)
-            torch.cuda.synchronize(device)
-            transient = torch.cuda.max_memory_allocated(device) - before
-            how = "CUDA allocator peak during one step, minus what was allocated before it"
-        else:
-            with _LiveBytes() as live:
-                engine.train_step(_synthetic(config, gen), lr)
-            transient = live.peak
-            how = "peak of live tensor storage created during one step (tracked op by op)"
+        transient, how, memory = _memory_step(engine, device, _synthetic(config, gen), lr, live,
+                                              counted_all=not execution.compile)
         times = []
         for k in range(steps):
             phase, step = "a timed step", 3 + k
@@ -209,6 +251,7 @@ def _run_probe(config, device, execution_policy: dict, modelled: dict[str, int],
         "execution": execution.to_dict(), "steps": steps, "step_seconds": step_s, "step_seconds_all": times,
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "rows": rows, "transient_bytes": int(transient),
         "transient_how": how, "modelled_transient_bytes": modelled_transient, "peak_rss_bytes": int(rss),
+        "device_memory": memory,
         "seconds": time.perf_counter() - t_start, "startup_seconds": startup,
         "threads": thread_choice["threads"], "thread_choice": thread_choice, "load": thread_choice["load"],
         **({"compile_seconds": compiled["seconds"], "compile_cache": compiled["cache"], "compile_cache_dir": cache_dir}

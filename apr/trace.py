@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Callable
 
 from apr.errors import AprError, Finding
+from apr.steps.execution import Execution
 
 # (trace row, the plan's memory-table components it is compared with, label)
 ROWS: list[tuple[str, tuple[str, ...], str]] = [
@@ -323,8 +324,8 @@ def _regions(counter, engine) -> contextlib.ExitStack:
 
     from apr.model import llama
     from apr.train import autograd as autograd_module
-    from apr.train import walk as walk_module
     from apr.train import finish
+    from apr.train import walk as walk_module
 
     stack = contextlib.ExitStack()
 
@@ -531,5 +532,54 @@ def report(counter, plan_rows: list, own: dict[str, int], **facts) -> dict:
 
 
 def trace_plan(plan, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """``apr train plan --trace``: trace rank 0 of the plan's resolved run against its memory table."""
-    return run_trace(plan.resolved, timeout_s=timeout_s, plan_rows=plan.memory)
+    """``apr train plan --trace``: trace rank 0 of the plan's resolved run against its memory table;
+    with ``--probe`` (the plan's ``facts.probe``), also the trace beside the probe's measurement."""
+    traced = run_trace(plan.resolved, timeout_s=timeout_s, plan_rows=plan.memory)
+    probe = plan.facts.get("probe")
+    if probe:
+        traced["probe"] = beside_probe(plan, traced, probe, timeout_s=timeout_s)
+    return traced
+
+
+def beside_probe(plan, traced: dict, probe: dict, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """The trace of what the probe built (one unsharded process: the plan's own trace, or on more
+    ranks one more trace) beside the probe's real memory: the tensors both count, then what only a
+    device holds (the allocator's reserve beyond its tensors, the CUDA context and libraries'
+    workspaces), each beside the plan's modelled row; on the CPU, the process's resident set."""
+    from apr.memory.table import memory_table
+    from apr.steps.resolved import resolve
+
+    rows, retraced = plan.memory, int(plan.resolved.world_size) > 1
+    if retraced:  # the probe is one unsharded process (apr/probe.py): trace that too
+        tr = plan.config.training
+        one = plan.config.model_copy(update={"training": tr.model_copy(update={"world_size": 1, "sharding": "none"})})
+        execution = Execution.from_dict(plan.execution["policy"], one.model.architecture.num_hidden_layers)
+        rows = memory_table(one, execution=execution)
+        traced = run_trace(resolve(one, execution=execution), timeout_s=timeout_s, plan_rows=rows)
+    modelled = {r.component: r.bytes for r in rows if r.component in MODELLED}
+    memory = probe.get("device_memory") or {}
+    out = [_beside("tensors", "tensors at the step's peak", traced["plan_peak_bytes"], traced["peak_bytes"],
+                   memory.get("tensor_peak_bytes"))]
+    if probe["device"] == "cuda":
+        reserve = memory["reserved_peak_bytes"] - memory["tensor_peak_bytes"]
+        out += [_beside("allocator_slack", "allocator's reserve beyond its tensors (peak)",
+                        modelled.get("allocator_slack"), None, reserve),
+                _beside("cuda_context", "outside the allocator: CUDA context, libraries",
+                        modelled.get("cuda_context"), None, memory["outside_allocator_bytes"]),
+                _beside("device", "device memory in use at the step's peak",
+                        traced["plan_peak_bytes"] + sum(modelled.values()), None,
+                        memory["reserved_peak_bytes"] + memory["outside_allocator_bytes"])]
+    else:
+        out.append(_beside("process", "process peak RSS (tensors, interpreter, libs)",
+                           None, None, probe["peak_rss_bytes"]))
+    return {"device": probe["device"], "device_name": probe.get("device_name"), "rows": out,
+            "one_process_trace": retraced, "how": memory.get("how")}
+
+
+def _beside(name: str, label: str, plan_bytes, traced_bytes, measured_bytes) -> dict:
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    return {"name": name, "label": label, "plan_bytes": plan_bytes, "traced_bytes": traced_bytes,
+            "measured_bytes": measured_bytes, "plan_ratio": ratio(plan_bytes, measured_bytes),
+            "trace_ratio": ratio(traced_bytes, measured_bytes)}

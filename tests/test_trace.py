@@ -160,6 +160,49 @@ def test_cli_trace_json_of_rank_zero_of_a_sharded_gpu_run(tmp_path):
     assert {"name", "plan_bytes", "traced_bytes"} <= set(rows["activations"])
 
 
+def test_probe_and_trace_set_the_trace_beside_the_measured_memory(tmp_path):
+    from apr.plan.render import trace_lines
+
+    path = _example(tmp_path, training={"sharding": "full", "max_steps": 4})
+    out = _plan(str(path), "--trace", "--probe", "--probe-steps", "1", "--world-size", "2", "--json")
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    beside = doc["trace"]["probe"]
+    assert beside["device"] == "cpu" and beside["one_process_trace"]  # the probe is one unsharded process
+    rows = {r["name"]: r for r in beside["rows"]}
+    # fake tensors hold what the real engine's tensors hold, op for op
+    assert 0.98 <= rows["tensors"]["trace_ratio"] <= 1.02, rows["tensors"]
+    assert rows["tensors"]["measured_bytes"] == doc["facts"]["probe"]["device_memory"]["tensor_peak_bytes"]
+    assert rows["process"]["measured_bytes"] == doc["facts"]["probe"]["peak_rss_bytes"]
+    text = "\n".join(trace_lines(doc["trace"]))
+    assert "Beside the probe (one unsharded process on cpu" in text and "traced again as that process" in text
+
+
+def test_a_gpu_probe_measures_what_only_the_device_holds_beside_the_modelled_rows():
+    from types import SimpleNamespace
+
+    from apr.trace import beside_probe
+
+    config = _config({"device": "cuda"})
+    rows = memory_table(config)
+    modelled = {r.component: r.bytes for r in rows}
+    plan = SimpleNamespace(memory=rows, resolved=resolve(config), config=config, execution=None)
+    traced = {"plan_peak_bytes": 9 * 2**30, "peak_bytes": 10 * 2**30, "world_size": 1}
+    gib = 2**30
+    probe = {"device": "cuda", "device_name": "NVIDIA H200", "peak_rss_bytes": 3 * gib,
+             "device_memory": {"tensor_peak_bytes": 10 * gib, "reserved_peak_bytes": 12 * gib,
+                               "outside_allocator_bytes": gib // 2, "device_used_bytes": 12 * gib + gib // 2,
+                               "how": "CUDA allocator's peaks"}}
+    beside = {r["name"]: r for r in beside_probe(plan, traced, probe)["rows"]}
+    assert beside["tensors"]["trace_ratio"] == 1.0
+    assert beside["allocator_slack"]["measured_bytes"] == 2 * gib  # reserved beyond the tensors
+    assert beside["allocator_slack"]["plan_bytes"] == modelled["allocator_slack"]
+    assert beside["cuda_context"]["measured_bytes"] == gib // 2
+    assert beside["cuda_context"]["plan_bytes"] == modelled["cuda_context"]
+    assert beside["device"]["measured_bytes"] == 12 * gib + gib // 2
+    assert beside["device"]["plan_bytes"] == 9 * gib + modelled["allocator_slack"] + modelled["cuda_context"]
+
+
 def test_a_config_the_plan_refuses_is_not_traced(tmp_path):
     path = _example(tmp_path, training={"max_steps": 10_000})  # more steps than the data holds: an error
     out = apr_cli("train", "plan", str(path), "--trace")

@@ -592,6 +592,26 @@ def trace_lines(t: dict | None, colour: bool = False) -> list[str]:
     if first and first > t["peak_bytes"]:
         out.append(f"  the first step peaked higher: {format_bytes(first)} (lazily created state)")
     out += [f"  {n}" for n in t.get("notes", [])]
+    return out + _trace_probe_lines(t.get("probe"))
+
+
+def _trace_probe_lines(p: dict | None) -> list[str]:
+    """``--trace`` with ``--probe``: the trace of the probe's build beside its real memory."""
+    if not p:
+        return []
+    ranks = "; traced again as that process" if p["one_process_trace"] else ""
+    out = ["", f"  Beside the probe (one unsharded process on {p['device']} \"{p['device_name']}\"{ranks})",
+           f"  {'':<48}{'plan':>11}{'traced':>11}{'measured':>11}{'plan/meas':>10}{'trace/meas':>11}"]
+
+    def cell(value, ratio=False):
+        return "-" if value is None else f"{value:.3f}" if ratio else format_bytes(value)
+
+    for r in p["rows"]:
+        out.append(f"  {r['label'][:47]:<48}{cell(r['plan_bytes']):>11}{cell(r['traced_bytes']):>11}"
+                   f"{cell(r['measured_bytes']):>11}{cell(r['plan_ratio'], True):>10}"
+                   f"{cell(r['trace_ratio'], True):>11}")
+    if p.get("how"):
+        out.append(f"  measured: {p['how']}")
     return out
 
 

@@ -32,6 +32,10 @@ def test_measured_buffers_equal_the_buffer_plan_exactly(execution):
     assert all(r["measured"] == r["modelled"] for r in buffers.values())
     (transient,) = [r for r in result["rows"] if r["component"] == "transient"]
     assert transient["measured"] > 0 and transient["modelled"] == result["modelled_transient_bytes"]
+    # every tensor is counted from the build on: the step's peak is the buffers, the step's own
+    # tensors and little else (rope tables, flags)
+    held = sum(r["measured"] for r in buffers.values()) + transient["measured"]
+    assert 0 <= result["device_memory"]["tensor_peak_bytes"] - held < 0.01 * held
     assert result["tokens_per_s"] > 0 and result["device"] == "cpu" and result["versions"]["torch"]
 
 
