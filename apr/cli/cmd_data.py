@@ -11,7 +11,7 @@ import typer
 from apr.config.numbers import parse_bytes, parse_count
 from apr.data.corpus import builtin_corpus_files
 from apr.data.sources import expand_inputs, iter_documents
-from apr.data.tokenizer import train_tokenizer
+from apr.data.tokenizer import train_char_tokenizer, train_tokenizer
 from apr.errors import AprError, Finding
 from apr.fsutil import check_output_file, check_output_folder
 
@@ -123,8 +123,10 @@ def register(app: typer.Typer) -> None:
     @app.command("train-tokenizer")
     def train_tokenizer_cmd(
         inputs: list[Path] = _INPUTS,
-        vocab_size: str = typer.Option(..., "--vocab-size", show_default=False,
-                                       help="Vocabulary size including special tokens (32768, 32_768, 32K)."),
+        vocab_size: str = typer.Option(None, "--vocab-size", show_default=False,
+                                       help="Vocabulary size including special tokens (32768, 32_768, 32K); "
+                                            "required for bpe; char: at most this many (default: every character)."),
+        kind: str = typer.Option("bpe", "--kind", help="bpe (byte-level BPE) or char (one token per character)."),
         out: Path = typer.Option(..., "--out", metavar="FILE", show_default=False,
                                  help="The tokenizer.json to write."),
         special_tokens: list[str] = typer.Option(
@@ -138,13 +140,26 @@ def register(app: typer.Typer) -> None:
         text_column: str = _TEXT_COLUMN,
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out file."),
     ) -> None:
-        """Train a byte-level BPE tokenizer; the same input gives a byte-identical file. Exit 0 ok, 1 error."""
+        """Train a byte-level BPE or a character tokenizer; the same input gives a byte-identical file. Exit 0 ok,
+        1 error."""
 
         t0 = time.monotonic()
+        if kind not in ("bpe", "char"):
+            raise AprError(f"unknown --kind {kind!r}", [Finding(
+                "error", "data.kind", "unknown tokenizer kind", path="--kind", expected="bpe or char", got=kind)])
+        if kind == "bpe" and vocab_size is None:
+            raise AprError("--kind bpe needs --vocab-size", [Finding(
+                "error", "data.vocab_size", "a byte-level BPE is trained to a vocabulary size", path="--vocab-size",
+                expected="a size such as 32K", got="none")])
         files = _files(inputs, builtin, glob, builtin_max_bytes)
         check_output_file(out, inputs=files, overwrite=overwrite)
-        info = train_tokenizer(iter_documents(files, text_key, text_column), _count(vocab_size, "--vocab-size"),
-                               out, _split_tokens(special_tokens), min_frequency, show_progress=sys.stderr.isatty())
+        documents = iter_documents(files, text_key, text_column)
+        if kind == "char":
+            size = None if vocab_size is None else _count(vocab_size, "--vocab-size")
+            info = train_char_tokenizer(documents, size, out, _split_tokens(special_tokens))
+        else:
+            info = train_tokenizer(documents, _count(vocab_size, "--vocab-size"), out, _split_tokens(special_tokens),
+                                   min_frequency, show_progress=sys.stderr.isatty())
         if info["vocab_size"] < info["requested_vocab_size"]:
             typer.echo(f"warning: the input allows only {info['vocab_size']} tokens, fewer than --vocab-size "
                        f"{info['requested_vocab_size']}; give more text or a smaller size", err=True)

@@ -27,6 +27,7 @@ from apr.cli import (
     cmd_train_lrfind,
     cmd_train_plan,
     cmd_train_steer,
+    cmd_train_text,
     cmd_train_validate,
     cmd_verify,
 )
@@ -105,6 +106,7 @@ cmd_train_apply.register(train_app)
 cmd_train_fork.register(train_app)
 cmd_train_steer.register(train_app)
 cmd_train_lrfind.register(train_app)
+cmd_train_text.register(train_app)
 cmd_data.register(data_app)
 cmd_runs.register(runs_app)
 cmd_experiment.register(experiment_app)

@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizers trained with Hugging Face `tokenizers`, and loading any tokenizer.json."""
+"""Byte-level BPE and character tokenizers made with Hugging Face `tokenizers`, and loading any tokenizer.json."""
 
 from __future__ import annotations
 
@@ -67,6 +67,54 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, out: str | Path,
     return {"path": str(out), "vocab_size": tok.get_vocab_size(with_added_tokens=True),
             "requested_vocab_size": vocab_size, "special_tokens": specials, "documents": stats["documents"],
             "chars": stats["chars"], "sha256": file_sha256(out)}
+
+
+UNK = "<|unk|>"  # a character tokenizer's id for a character its vocabulary lacks
+
+
+def train_char_tokenizer(documents: Iterable[str], vocab_size: int | None, out: str | Path,
+                         special_tokens: list[str] | None = None) -> dict:
+    """Write a character tokenizer (one token per Unicode character, as DantinoX's ``char``) to
+    ``out``: ``<|endoftext|>`` (id 0), ``<|unk|>`` (1), the extra ``special_tokens``, then the
+    characters of ``documents``, most frequent first (ties by code point), at most ``vocab_size``
+    ids in all (None: every character seen); a character left out encodes as ``<|unk|>``. An
+    ordinary tokenizer.json (a WordLevel model over a one-character split), so everything that
+    reads tokenizers reads it; deterministic: the same documents give a byte-identical file."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = [EOT, UNK] + [t for t in dict.fromkeys(special_tokens or []) if t not in (EOT, UNK)]
+    if vocab_size is not None and vocab_size <= len(specials):
+        raise AprError(f"--vocab-size {vocab_size} is too small", [Finding(
+            "error", "data.vocab_size", "a character tokenizer needs its special tokens and at least one character",
+            path="--vocab-size", expected=f"at least {len(specials) + 1}", got=str(vocab_size))])
+    counts: dict[str, int] = {}
+    documents_seen = chars = 0
+    for doc in documents:
+        if doc:
+            documents_seen += 1
+            chars += len(doc)
+            for ch in doc:
+                counts[ch] = counts.get(ch, 0) + 1
+    if chars == 0:
+        raise AprError("the input holds no text to train on", [Finding(
+            "error", "data.empty", "every input document is empty", expected="some text", got="0 characters")])
+    ranked = [ch for ch in sorted(counts, key=lambda c: (-counts[c], ord(c))) if ch not in specials]
+    keep = ranked if vocab_size is None else ranked[:vocab_size - len(specials)]
+    vocab = {tok: i for i, tok in enumerate(specials + keep)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    out = Path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, tok.to_str(pretty=True))
+    except OSError as e:
+        raise AprError(f"cannot write {out}: {e.strerror}", [Finding(
+            "error", "data.output", f"cannot write: {e.strerror}", file=str(out))]) from None
+    return {"path": str(out), "vocab_size": len(vocab), "requested_vocab_size": vocab_size or len(vocab),
+            "special_tokens": specials, "documents": documents_seen, "chars": chars,
+            "unknown_chars": len(ranked) - len(keep), "sha256": file_sha256(out)}
 
 
 def load_tokenizer(path: str | Path):

@@ -99,3 +99,26 @@ def test_vocab_size_beyond_uint32_is_refused(tmp_path):
         train_tokenizer(["some text"], 10**20, tmp_path / "t.json")
     assert info.value.findings[0].expected == "at most 4,294,967,296"
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_character_tokenizer_gives_one_id_per_character_and_decodes_back(tmp_path):
+    from apr.data.tokenizer import UNK, train_char_tokenizer
+
+    docs = ["abba\n\n  cab", "é!"]
+    info = train_char_tokenizer(docs, None, tmp_path / "c.json")
+    again = train_char_tokenizer(docs, None, tmp_path / "d.json")
+    assert info["sha256"] == again["sha256"]  # deterministic
+    tok = load_tokenizer(tmp_path / "c.json")
+    # ids: specials first, then characters by count (a: 3, b: 3, space: 2, newline: 2, ...), ties by code point
+    assert [tok.id_to_token(i) for i in range(6)] == [EOT, UNK, "a", "b", "\n", " "]
+    assert info["vocab_size"] == tok.get_vocab_size() == 2 + len(set("".join(docs)))
+    text = "ab\n\n c é!"
+    enc = tok.encode(text)
+    assert enc.tokens == list(text) and tok.decode(enc.ids) == text
+    assert tok.encode("az").tokens == ["a", UNK]  # a character the file lacks
+    assert find_eot(tok, tmp_path / "c.json") == (EOT, 0)
+    capped = train_char_tokenizer(docs, 4, tmp_path / "e.json")  # the 2 most frequent characters kept
+    assert capped["vocab_size"] == 4 and capped["unknown_chars"] == len(set("".join(docs))) - 2
+    assert load_tokenizer(tmp_path / "e.json").encode("abc").tokens == ["a", "b", UNK]
+    with pytest.raises(AprError, match="too small"):
+        train_char_tokenizer(docs, 2, tmp_path / "f.json")
