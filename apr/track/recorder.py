@@ -237,8 +237,10 @@ class RunRecorder:
         background: bool = True,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         busy_timeout_s: float = BUSY_TIMEOUT_S,
+        events_after: float | None = None,
     ):
         self.output_dir = Path(output_dir).resolve()
+        self._events_after = events_after  # a resume: the newest event its checkpoint had seen (``events_mark``)
         self.config = config
         tracking = config.monitoring.tracking
         self.run_id = validate_run_id(run_id) if run_id else new_run_id()
@@ -348,7 +350,7 @@ class RunRecorder:
                 self._resume_step = int(resume_step)
                 for history in self.state.histories.values():
                     history.truncate_after(self._resume_step)
-                self.state.drop_events_after(self._resume_step)
+                self.state.drop_events_after(self._resume_step, self._events_after)
                 self.state["step"] = self._resume_step
                 self.state["tokens_seen"] = self._resume_step * self.tokens_per_step
                 self._restore_latest_values()
@@ -589,6 +591,13 @@ class RunRecorder:
             self._update_clock(now)
         self._request(state=True, db=True)
 
+    def events_mark(self) -> float | None:
+        """The time of the newest event recorded, 0.0 before the first (a checkpoint's metadata: a
+        resume from it drops the events recorded later, which its steps and decisions record again)."""
+        with self._lock:
+            return max((e["time"] for e in self.state["events"] if isinstance(e.get("time"), (int, float))),
+                       default=0.0)
+
     def recorded_events(self) -> list[dict]:
         """The events this run has recorded so far (the state file's, carried over on a resume)."""
         with self._lock:
@@ -800,7 +809,8 @@ class RunRecorder:
             artifacts = []
             for path, kind, step, t in artifact_reqs:
                 artifacts.extend(_checkpoint_artifacts(self.run_id, path, kind, step, t))
-            register = {"params": self._params(), "resume_step": self._resume_step}
+            register = {"params": self._params(), "resume_step": self._resume_step,
+                        "events_after": self._events_after if self._resume_step is not None else None}
             for sink in self._sinks:
                 sink.add(metrics, status, alerts, artifacts, events, rewind,
                          row_losses if sink.label == "local" else ())

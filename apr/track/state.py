@@ -23,6 +23,7 @@ SCHEMA_VERSION = 1
 HISTORY_POINTS = 512  # per history, the first and the latest points included
 MAX_ALERTS = 50
 MAX_EVENTS = 50  # skipped bad steps and rollbacks kept in the file (the stores keep all)
+KEPT_ON_RESUME = ("steer_rejected",)  # events a resumed process does not record again (its request was moved)
 STATUSES = ("starting", "running", "finished", "failed", "stopped")
 ACTIVE_STATUSES = ("starting", "running")
 STALE_AFTER_S = 120.0  # the floor of the stale threshold; see stale_threshold()
@@ -195,13 +196,16 @@ class RunState:
         events.append(entry)
         del events[:-MAX_EVENTS]
 
-    def drop_events_after(self, step: int) -> None:
+    def drop_events_after(self, step: int, recorded_after: float | None = None) -> None:
         """Steps after ``step`` will be trained again (a resume or a rollback): their ``bad_step``
         and ``steer`` events go (a replayed step that is flagged again records again; a resume replays
         a steer at its step and records it again); rollbacks stay, since
-        the checkpoint the run goes on from holds their decision."""
+        the checkpoint the run goes on from holds their decision. ``recorded_after`` (a resume: the
+        time of the newest event its checkpoint had seen) also drops every event recorded later (the
+        resumed process records them again), but a rejected steer request (not replayed)."""
         self.fields["events"] = [e for e in self.fields["events"]
-                                 if not (e.get("kind") in ("bad_step", "steer") and (e.get("step") or 0) > step)]
+                                 if not (e.get("kind") in ("bad_step", "steer") and (e.get("step") or 0) > step)
+                                 and not _recorded_after(e, recorded_after)]
 
     def carry_over(self, previous: dict, upto_step: int | None) -> None:
         """Adopt a previous state of the same run (resume): its histories up to ``upto_step``,
@@ -229,6 +233,11 @@ class RunState:
         for key in HISTORY_KEYS:
             lines.append(f'"{key}_history": {self.histories[key].to_json()}')
         return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
+
+
+def _recorded_after(event: dict, mark: float | None) -> bool:
+    return (mark is not None and event.get("kind") not in KEPT_ON_RESUME
+            and isinstance(event.get("time"), (int, float)) and event["time"] > mark)
 
 
 _encode = json.JSONEncoder(default=str, allow_nan=False).encode

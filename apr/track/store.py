@@ -304,6 +304,9 @@ class StoreWriter:
                 if resume_step is not None:  # a resumed run replays the steps after its checkpoint
                     conn.execute("DELETE FROM metrics WHERE run_id = ? AND step > ?", (run["id"], resume_step))
                     _drop_bad_steps_after(conn, run["id"], resume_step)
+                    if (after := batch.register.get("events_after")) is not None:  # recorded again (state.py)
+                        conn.execute("DELETE FROM events WHERE run_id = ? AND time > ? AND kind NOT IN "
+                                     "(?, 'steer_rejected')", (run["id"], after, HISTOGRAMS_EVENT))
             else:
                 db["runs"].upsert(run, pk="id")
             if batch.rewind is not None:

@@ -31,6 +31,7 @@ class Checkpoints:
         self.run = run
         self.manager = manager
         self.last: Path | None = None  # the newest checkpoint written or resumed from
+        self.events_mark: float | None = None  # the resumed checkpoint's newest event (apr/track/recorder.py)
 
     # ------------------------------------------------------------------------------ writing
 
@@ -101,6 +102,7 @@ class Checkpoints:
         self._check_config(state.info.config, state.meta)
         run.start_step = restore(run, Saved(state, json_path), force=run.options.force)
         run.run_id = state.meta.get("run_id")
+        self.events_mark = state.meta.get("events_mark")
         self.last = json_path
         run.resumed_from = json_path
         if run.start_step > run.total_steps:
@@ -163,6 +165,9 @@ def run_state(run) -> StateRegistry:
     reg.register("survival", lambda: {"survival": run.survival.state_dict() if run.survival.enabled else None},
                  lambda meta: run.survival.load_state_dict(meta.get("survival")))
     reg.register("tokens", lambda: {"tokens_seen": run.step * run.tokens_per_step})
+    # the newest event recorded: a resume drops the later ones, recorded again (read back by ``resume``)
+    reg.register("events", lambda: {"events_mark": mark() if (mark := getattr(getattr(run, "recorder", None),
+                                                                                "events_mark", None)) else None})
     reg.register("steering", run.steering.state_dict, partial(_load_steering, run))
     orchestrator = run.orchestrator
     if orchestrator is not None:  # the strategy in force, the bandit, the decisions (apr/train/orchestrator.py)

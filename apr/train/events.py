@@ -199,7 +199,8 @@ def open_recorder(run):
     recorder = RunRecorder(run.run_dir, run.config, config_hash=run.config_hash, total_steps=run.total_steps,
                            tokens_per_step=run.tokens_per_step, run_id=run.run_id, apr_home=run.options.apr_home,
                            config_path=str(run.config_path), model_params=param_count(run.config.model.architecture),
-                           plan=run.plan_doc)
+                           plan=run.plan_doc,  # a resume of this run (not a fork): the events its checkpoint saw
+                           events_after=run.checkpoints.events_mark if run.run_id is not None else None)
     return CsvLog(recorder, run.run_dir) if run.config.monitoring.csv_log else recorder  # metrics.csv
 
 

@@ -15,6 +15,7 @@ target, a step checkpointed before its safety test) and the events a resumed run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ import pytest
 from safetensors.torch import load_file
 
 from apr.checkpoint.manager import scan
+from apr.track import store
 from tests.train.run_helpers import config_doc, make_dataset, run_until
 
 WORKER = Path(__file__).resolve().parent / "kill_worker.py"
@@ -240,12 +242,6 @@ def test_kill_9_before_a_safety_rollback_ends_bitwise(mode, reference, teacher, 
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a resume keeps the events recorded after the checkpoint it continues from "
-                   "(only bad_step and steer events are dropped: apr/track/state.py drop_events_after), so the "
-                   "steps trained again record theirs twice: the stacking grow at step 5, the orchestrator's "
-                   "branches and decision at step 4 (made after step 4's checkpoint). Needs: drop every event "
-                   "recorded after the checkpoint resumed from (its metadata could hold the event count at the "
-                   "save), in training_state.json and in both stores' events tables")
 @pytest.mark.parametrize(("mode", "trap"), [
     ("stacked", r"open:/\.checkpoint-step-6\.safetensors\."),  # the grow at step 5 recorded; resumed from step 4
     ("orchestrated", r"open:/\.checkpoint-step-8\.safetensors\."),  # resumed from 4: decided after its checkpoint
@@ -257,3 +253,7 @@ def test_a_resumed_run_records_each_event_once(mode, trap, reference, teacher, t
     assert code == -signal.SIGKILL, out[-2000:]
     _continue(cfg, tmp_path)
     assert _events(tmp_path) == events
+    run_id = json.loads((tmp_path / "run" / "training_state.json").read_text())["run_id"]
+    for db in (tmp_path / "run" / ".apr" / "experiments.db", tmp_path / "home" / "experiments.db"):  # both stores
+        with contextlib.closing(store.connect_readonly(db)) as conn:
+            assert [(e["kind"], e["step"]) for e in store.events(conn, run_id)] == events, db
