@@ -40,10 +40,16 @@ class Validation:
 
     def measure(self, engine) -> float | None:
         """Validation loss over ``training.eval_batches``; None without a val set. Without data.val a
-        mixture's loss is the plain mean of its sources' (the same sources whatever the stage)."""
-        self.by_source = {name: self._loss_over(engine, loader) for name, loader in self.source_vals.items()}
-        if self.val_loader is not None:
-            return self._loss_over(engine, self.val_loader)
+        mixture's loss is the plain mean of its sources' (the same sources whatever the stage). The
+        model is in eval mode meanwhile: no dropout (model.architecture.dropout, LoRA's)."""
+        was_training = engine.model.training
+        engine.model.eval()
+        try:
+            self.by_source = {name: self._loss_over(engine, loader) for name, loader in self.source_vals.items()}
+            if self.val_loader is not None:
+                return self._loss_over(engine, self.val_loader)
+        finally:
+            engine.model.train(was_training)
         known = [v for v in self.by_source.values() if v is not None]
         return sum(known) / len(known) if known else None
 

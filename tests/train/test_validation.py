@@ -26,18 +26,31 @@ from tests.train.run_helpers import BASE, SEQ, VOCAB, config_doc, make_dataset, 
 CPU = torch.device("cpu")
 
 
-class Scripted:
+class _Engine:
+    """What validation reads of an engine besides its loss: the model (put in eval mode while it
+    measures) and the loss part (None: scored by ``eval_loss_sum``)."""
+
+    loss = None
+
+    def __init__(self):
+        self.model = torch.nn.Linear(1, 1)
+        self.modes: list[bool] = []  # the model's training flag at each val batch
+
+
+class Scripted(_Engine):
     """An engine whose every val batch has the loss ``value`` per row (and counts the batches it saw)."""
 
     def __init__(self, value: float = 2.0):
+        super().__init__()
         self.value, self.batches = value, 0
 
     def eval_loss_sum(self, batch):
         self.batches += 1
+        self.modes.append(self.model.training)
         return torch.tensor(self.value * batch.shape[0], dtype=torch.float32), batch.shape[0]
 
 
-class FirstToken:
+class FirstToken(_Engine):
     """An engine whose loss of a row is its first token id: tells the val folders apart."""
 
     def eval_loss_sum(self, batch):
@@ -84,6 +97,14 @@ def test_exactly_eval_batches_batches_are_read(root):
     engine = Scripted(1.5)
     assert val.measure(engine) == pytest.approx(1.5)
     assert engine.batches == 3
+
+
+def test_the_model_is_in_eval_mode_while_validation_measures_and_in_training_mode_after(root):
+    """No dropout (model.architecture.dropout, LoRA's) in the validation loss."""
+    val, _ = _validation(root, training={"eval_batches": 2})
+    engine = Scripted(1.0)
+    val.measure(engine)
+    assert engine.modes == [False, False] and engine.model.training
 
 
 def test_ranks_sums_and_counts_are_combined_before_dividing(root):
