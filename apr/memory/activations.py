@@ -20,6 +20,7 @@ from apr.config.schema import AprConfig
 from apr.memory.buffers import compute_dtype_name, sharded, uses_compute_copy
 from apr.model.spec import DTYPE_BYTES, block_numel
 from apr.steps import execution as policy
+from apr.steps import stacking
 from apr.steps.execution import Execution
 
 _MIB = 2**20
@@ -118,10 +119,45 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
     return int((b * s * grads + weight_casts) * elt) + root_grad
 
 
+def frozen_blocks(config: AprConfig) -> dict[int, tuple[frozenset[str], str, int]]:
+    """Blocks whose base weights get no gradient: block -> (its projections with adapters, the
+    storage of its projections, the adapters' rank). Every block under ``model.lora``; a stacking
+    stage's transformed trunk (``apr.steps.stacking.trunk_storage``)."""
+    lora = config.model.lora
+    if lora is not None:
+        return dict.fromkeys(range(config.model.architecture.num_hidden_layers),
+                             (frozenset(lora.modules), str(lora.trunk_dtype), lora.rank))
+    adapters = stacking.trunk_adapters(config)
+    adapted = (frozenset(adapters.modules), adapters.rank) if adapters is not None else (frozenset(), 0)
+    return {b: (adapted[0], storage, adapted[1]) for b, storage in stacking.trunk_storage(config).items()}
+
+
+def _frozen_saving(config: AprConfig, adapted: frozenset[str], rank: int) -> float:
+    """Bytes per token a frozen block's graph does not save beside a trained one's: the RMSNorms'
+    float32 normalised inputs (no norm weight gradient) and the inputs of projections without an
+    adapter (no weight gradient), less each adapter's rank-wide output. Under autocast each
+    projection saves its own compute-dtype cast of its input (q, k, v, gate and up; o_proj reads the
+    attention output, which attention saves anyway); in float32 q/k/v and gate/up share theirs.
+    Counted with saved_tensors_hooks on the CPU (2026-11-28): h 256, i 768, rank 8, bf16 and fp32."""
+    arch = config.model.architecture
+    h, inter = arch.hidden_size, arch.intermediate_size
+    cdt = compute_dtype_name(config.training.mixed_precision)
+    elt = DTYPE_BYTES[cdt]
+    frozen = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} - adapted
+    saving = 2 * h * DTYPE_BYTES["float32"]
+    if cdt != "float32":
+        saving += elt * h * len(frozen & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+    else:
+        saving += elt * h * (({"q_proj", "k_proj", "v_proj"} <= frozen) + ({"gate_proj", "up_proj"} <= frozen))
+    saving += elt * inter * ("down_proj" in frozen)
+    return saving - elt * rank * len(adapted)
+
+
 def kept_block_bytes(config: AprConfig, execution: Execution | None = None,
-                     c: MemoryCoefficients = COEFFICIENTS) -> int:
+                     c: MemoryCoefficients = COEFFICIENTS, block: int | None = None) -> int:
     """What autograd saves for one block whose graph is kept (modelled): its activations, per token,
-    and autocast's compute-dtype copy of its weights where no compute copy is read."""
+    and autocast's compute-dtype copy of its weights where no compute copy is read (none where the
+    frozen weights are stored in the compute dtype). ``block``: that block (a frozen one saves less)."""
     arch = config.model.architecture
     b, s = config.data.batch_size, config.data.seq_len
     cdt = compute_dtype_name(config.training.mixed_precision)
@@ -135,6 +171,12 @@ def kept_block_bytes(config: AprConfig, execution: Execution | None = None,
     # autocast saves its compute-dtype copy of a kept block's weights for the backward, unless the
     # blocks read the interleaved engine's compute copy
     casts = block_numel(arch) * elt if mixed and not _reads_compute_copy(config, execution) else 0
+    frozen = frozen_blocks(config).get(block) if block is not None else None
+    if frozen is not None:
+        adapted, storage, rank = frozen
+        keep -= _frozen_saving(config, adapted, rank)
+        if storage == {"bfloat16": "bf16", "float16": "fp16"}.get(cdt):  # autocast has nothing to cast
+            casts = 0
     return int(b * s * keep + casts)
 
 
@@ -149,7 +191,8 @@ def kept_activation_bytes(config: AprConfig, execution: Execution,
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * arch.intermediate_size)
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
-    return int(execution.kept_blocks * kept_block_bytes(config, execution, c) + b * s * selective_blocks * sel * elt)
+    kept = sum(kept_block_bytes(config, execution, c, block=i) for i in range(execution.kept_blocks))
+    return int(kept + b * s * selective_blocks * sel * elt)
 
 
 def _reads_compute_copy(config: AprConfig, execution: Execution | None) -> bool:
