@@ -86,7 +86,7 @@ class Orchestrator:
         # that state's step, checkpointed: a resumed process (no ``good`` in memory) rolls back to the
         # newest checkpoint at or before it (docs/design.md, "Orchestrated training", safety)
         self.good_step: int | None = None
-        # the weights at the last decision points; each point also in the run folder (nowcast/), its
+        # the weights at the last decision points; each point also in the run folder (.apr/nowcast/), its
         # step checkpointed, so a resumed process extrapolates over the same points (``_read_history``)
         self.nowcast_history: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.rollbacks = 0
@@ -265,7 +265,7 @@ class Orchestrator:
         return record
 
     def _write_point(self, run, step: int, start: Snapshot, keep: set[int]) -> None:
-        """The decision point's weights in ``nowcast/`` (before any checkpoint names the step); the
+        """The decision point's weights in ``.apr/nowcast/`` (before any checkpoint names the step); the
         points no checkpoint since the previous decision names are removed."""
         if start.local or run.is_main:  # a sharded engine: each rank its own rows
             from safetensors.torch import save_file  # lazy: nowcasting only
@@ -283,7 +283,7 @@ class Orchestrator:
             run.dp.barrier()
 
     def _read_history(self, run, steps: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """The nowcast points a checkpoint names, read back from ``nowcast/``; [] (said) when one is gone."""
+        """The nowcast points a checkpoint names, read back from ``.apr/nowcast/``; [] (said) when one is gone."""
         if not steps or run is None:
             return []
         from safetensors.torch import load_file  # lazy: nowcasting only
@@ -389,9 +389,10 @@ class StepLoss:
 
 
 def _point_path(run, step: int, local: bool) -> Path:
-    """A nowcast point's file: ``nowcast/step-N.safetensors``, or a rank's rows of it on shards."""
+    """A nowcast point's file: ``.apr/nowcast/step-N.safetensors`` in the run folder, or a rank's rows
+    of it on shards."""
     rank = f".rank{run.dp.rank}-of-{run.dp.world_size}" if local and run.dp is not None else ""
-    return Path(run.run_dir) / "nowcast" / f"step-{step}{rank}.safetensors"
+    return Path(run.run_dir) / ".apr" / "nowcast" / f"step-{step}{rank}.safetensors"
 
 
 def _finite(value):

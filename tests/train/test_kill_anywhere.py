@@ -214,7 +214,7 @@ def test_kill_9_at_seeded_moments_is_continued_and_ends_bitwise(mode, seed, refe
 @pytest.mark.slow
 def test_kill_9_between_the_decisions_of_a_nowcasting_run_ends_bitwise(reference, teacher, tmp_path):
     """The nowcast at step 8 extrapolates over the weights at steps 4 and 8: the resumed process reads
-    step 4's back from the run folder (nowcast/), keeps the nowcast and ends where the run ends."""
+    step 4's back from the run folder (.apr/nowcast/), keeps the nowcast and ends where the run ends."""
     want, *_ = reference("nowcast")
     cfg = _config(tmp_path, "nowcast", teacher)
     # the second decision begins: step 8's checkpoint (written before it) is the newest
