@@ -44,11 +44,14 @@ def _forkserver():
     return _context
 
 
-def _child(args: list[str], env: dict, out: str, err: str) -> None:
-    """One process of a launch, in the forked child: the launch's environment and output files, then
-    ``python ARGS`` as the interpreter would run it (atexit handlers included)."""
+def _child(args: list[str], env: dict, out: str, err: str, cwd: str | None = None) -> None:
+    """One process of a launch, in the forked child: the launch's environment, folder and output
+    files, then ``python ARGS`` as the interpreter would run it (``-m MODULE`` too; atexit handlers
+    included)."""
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -60,7 +63,11 @@ def _child(args: list[str], env: dict, out: str, err: str) -> None:
     sys.argv = list(args)
     code = 0
     try:
-        runpy.run_path(args[0], run_name="__main__")
+        if args[0] == "-m":  # python -m MODULE ARGS: argv[0] becomes the module's file, as there
+            sys.argv = list(args[1:])
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(args[0], run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     except BaseException:  # noqa: BLE001  (reported as an interpreter would)
@@ -74,17 +81,28 @@ def _child(args: list[str], env: dict, out: str, err: str) -> None:
     os._exit(code)
 
 
-def start_script(args: list[str], env: dict, out: Path | str, err: Path | str):
-    """``python ARGS`` started in a forked child writing its stdout and stderr to ``out`` and ``err``
-    (a FIFO is fine: the child opens it); the multiprocessing Process."""
-    proc = _forkserver().Process(target=_child, args=(list(args), dict(env), str(out), str(err)), daemon=False)
+def start_script(args: list[str], env: dict, out: Path | str, err: Path | str, cwd: Path | str | None = None):
+    """``python ARGS`` started in a forked child (in folder ``cwd``) writing its stdout and stderr to
+    ``out`` and ``err`` (a FIFO is fine: the child opens it); the multiprocessing Process."""
+    where = None if cwd is None else str(cwd)
+    proc = _forkserver().Process(target=_child, args=(list(args), dict(env), str(out), str(err), where),
+                                 daemon=False)
     proc.start()
     return proc
 
 
-def run_script(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """``python ARGS`` in one forked process: its return code and output."""
-    return run_ranks(args, 1, env, timeout, torchrun=False)
+def run_script(args: list[str], env: dict, timeout: float,
+               cwd: Path | str | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` in one forked process (in folder ``cwd``): its return code and output."""
+    return run_ranks(args, 1, env, timeout, torchrun=False, cwd=cwd)
+
+
+def run_apr(args: list[str], env: dict, cwd: Path | str | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m apr ARGS`` in one forked process, as ``subprocess.run(..., capture_output=True,
+    text=True)`` returns it: for tests that check a command's exit code and output, not the
+    interpreter's start (tests/cli and tests/test_lazy_imports.py start real ones)."""
+    return run_script(["-m", "apr", *args], env, timeout, cwd=cwd)
 
 
 def free_port() -> int:
@@ -94,7 +112,7 @@ def free_port() -> int:
 
 
 def run_ranks(args: list[str], nproc: int, env: dict, timeout: float,
-              torchrun: bool = True) -> subprocess.CompletedProcess:
+              torchrun: bool = True, cwd: Path | str | None = None) -> subprocess.CompletedProcess:
     """``python ARGS`` as ``nproc`` ranks; the result's return code is the first failing rank's (0
     when all succeed), its output every rank's in rank order."""
     port = str(free_port())
@@ -104,7 +122,7 @@ def run_ranks(args: list[str], nproc: int, env: dict, timeout: float,
         for r, (out, err) in enumerate(outs):
             rank_env = {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            procs.append(start_script(args, rank_env if torchrun else env, out, err))
+            procs.append(start_script(args, rank_env if torchrun else env, out, err, cwd))
         deadline, code = time.monotonic() + timeout, 0
         try:
             while any(p.exitcode is None for p in procs):

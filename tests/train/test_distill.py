@@ -20,6 +20,7 @@ from apr.config.schema import AprConfig, AutotuneConfig
 from apr.steps.distill import MappingError, phase_at, spans
 from apr.steps.resolved import resolve as plan_of
 from apr.train.distill import Autotune
+from tests.distributed.ranks import run_apr
 from tests.train.run_helpers import config_doc, make_dataset, run_until
 
 WORKER = Path(__file__).resolve().parent / "run_worker.py"
@@ -214,8 +215,8 @@ def test_kill_9_in_phase_1_resumes_bitwise(distilled, tmp_path):
 
 
 def _plan(root: Path, cfg: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apr", "train", "plan", str(cfg), *args], cwd=root,
-                          env=_env(root), capture_output=True, text=True, timeout=300)
+    """``python -m apr train plan``, forked from the test worker's server (tests/distributed/ranks.py)."""
+    return run_apr(["train", "plan", str(cfg), *args], _env(root), cwd=root)
 
 
 def test_the_plan_counts_the_teacher_and_both_phases(distilled, teacher):

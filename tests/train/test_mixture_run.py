@@ -20,6 +20,7 @@ import yaml
 from apr.data.shards import write_dataset
 from apr.monitor.state import normalize
 from apr.monitor.view import messages
+from tests.distributed.ranks import run_apr
 from tests.train.run_helpers import BASE, SEQ, VOCAB, merge, run_until
 
 ROWS = {"web": 60, "code": 40, "books": 24}
@@ -57,9 +58,9 @@ def mixture_config(root: Path, *, stages=None, training=None, data=None) -> Path
 
 
 def cli(*args, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m apr ARGS`` in ``cwd``, forked from the test worker's server (tests/distributed/ranks.py)."""
     env = {**os.environ, "APR_HOME": str(cwd / "home"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "apr", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_apr(list(args), env, cwd=cwd)
 
 
 def run_worker(cfg: Path, root: Path, log: Path, resume: bool = False, kill_at: str | None = None) -> int:

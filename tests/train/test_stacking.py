@@ -22,6 +22,7 @@ from apr.plan.build import resolve_config
 from apr.steps.stacking import config_at
 from apr.train.run import ApplyOptions, prepare_run
 from apr.train.stacking import frozen_groups, grown_tensors, sources
+from tests.distributed.ranks import run_apr
 from tests.train.run_helpers import VOCAB, config_doc, make_dataset, run_until
 from tests.train.tiny import make_config
 
@@ -146,9 +147,9 @@ def test_freeze_keeps_the_earlier_blocks_as_they_were(tmp_path, engine):
 
 
 def _cli(root: Path, *args) -> subprocess.CompletedProcess:
+    """``python -m apr ARGS`` in ``root``, forked from the test worker's server (tests/distributed/ranks.py)."""
     env = {**os.environ, "APR_HOME": str(root / "home")}
-    return subprocess.run([sys.executable, "-m", "apr", *args], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return run_apr(list(args), env, cwd=root)
 
 
 def test_the_plan_shows_every_stage(tmp_path):
