@@ -89,3 +89,29 @@ def test_a_mixtures_rows_name_their_source(tmp_path):
     conn.close()
     assert len(rows) == 4 and {r["source"] for r in rows} <= {"web", "code", "books"}
     assert all(r["shard"].endswith(".parquet") and "/" not in r["shard"] for r in rows)
+
+
+def test_two_gloo_ranks_record_every_ranks_rows(root):
+    """Under DDP every rank's rows of a logged step are in the record (one all-reduce), each row once."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.train.run_helpers import write_config
+
+    cfg = write_config(root, training={"max_steps": 4, "save_interval": 4, "eval_interval": 0, "log_interval": 2})
+    env = {**os.environ, "APR_HOME": str(root / "home"), "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "60"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "apr", "train", "apply", str(cfg)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    conn = store.connect_readonly(root / "run" / ".apr" / "experiments.db")
+    (run_id,) = [r["id"] for r in store.query_runs(conn)]
+    assert store.row_loss_steps(conn, run_id) == [2, 4]
+    losses = dict(store.metric_series(conn, run_id, "loss"))
+    for step in (2, 4):
+        rows = store.row_losses(conn, run_id, step)
+        assert len(rows) == 2 * 4 and len({r["data_index"] for r in rows}) == 8  # batch 4 on each of 2 ranks
+        assert {r["micro_batch"] for r in rows} == {step - 1}
+        assert sum(r["loss"] for r in rows) / 8 == pytest.approx(losses[step], rel=1e-5)  # the ranks' mean
+    conn.close()
