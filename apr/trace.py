@@ -49,8 +49,9 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
     ("moments", ("adamw_m", "adamw_v"), "AdamW moments"),
     ("activations", ("activation_checkpoints", "kept_activations", "block_activations"),
      "activations (checkpoints, kept graphs, one block)"),
-    ("logits_chunk", ("logits_chunk",), "LM-head loss (logits chunks, head hidden states)"),
+    ("logits_chunk", ("logits_chunk", "kd_logits"), "LM-head loss (logits chunks, head hidden states)"),
     ("inputs", ("inputs",), "token ids"),
+    ("teacher", ("teacher_weights",), "the frozen distillation teacher"),
     ("temporaries", (), "optimizer and clipping temporaries (not in the plan)"),
     ("other", (), "other: rope tables, flags, scaler (not in the plan)"),
 ]
@@ -230,6 +231,23 @@ def _fake_model_builder(device):
     return build
 
 
+def _fake_teacher(device):
+    """``apr.train.distill.load_teacher`` for fake tensors: the teacher's architecture read from its
+    source, the model made on ``device``, frozen, no weights read."""
+    import torch
+
+    from apr.checkpoint.hf_import import source_architecture
+    from apr.model.llama import LlamaForCausalLM
+
+    def load(config, _device):
+        with torch.device(device):
+            teacher = LlamaForCausalLM(source_architecture(config.training.distill.teacher))
+        teacher.requires_grad_(False)
+        return teacher.eval()
+
+    return load
+
+
 def _to_if_moved(original):
     """``nn.Module.to`` that returns the module as it is when nothing moves: a fake parameter cannot
     be swapped for itself (``build_engine`` moves the model to the device it was made on)."""
@@ -305,6 +323,11 @@ def _tag_state(counter, engine, planned: dict[str, str]) -> None:
                     counter.tag(value, "moments" if key in ("exp_avg", "exp_avg_sq") else "other")
 
 
+def _tag_all(counter, module, row: str) -> None:
+    for t in [*module.parameters(), *module.buffers()]:
+        counter.tag(t, row)
+
+
 def _storages(t):
     from torch.distributed._tools.common_utils import get_untyped_storages
 
@@ -342,6 +365,10 @@ def _regions(counter, engine) -> contextlib.ExitStack:
     if hasattr(walk, "_walk_head"):  # the walk's final norm, LM head and loss, chunk by chunk
         stack.enter_context(_patched(walk, "_walk_head", region(walk._walk_head, "logits_chunk")))
     stack.enter_context(_patched(type(engine.model), "loss", region(type(engine.model).loss, "logits_chunk")))
+    if getattr(engine.loss, "kind", None) == "distill":  # phase 2: the student's logits, the teacher's
+        stack.enter_context(_patched(engine.loss, "kd_loss", region(engine.loss.kd_loss, "logits_chunk")))
+        stack.enter_context(_patched(engine, "hidden_states", region(engine.hidden_states, "activations")))
+        _tag_all(counter, engine.loss.teacher, "teacher")
     if hasattr(engine, "updater"):
         for name in ("step", "update_flat"):
             method = getattr(engine.updater, name, None)
@@ -375,7 +402,9 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     )
 
     from apr.memory.buffers import buffer_plan
+    from apr.steps import distill as distill_schedule
     from apr.train import build as engine_build
+    from apr.train import distill as distill_module
 
     config, execution = resolved.config, resolved.execution
     notes = []
@@ -400,6 +429,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(counter)
             stack.enter_context(_patched(engine_build, "build_model_for", _fake_model_builder(device)))
+            stack.enter_context(_patched(distill_module, "load_teacher", _fake_teacher(device)))
             stack.enter_context(_patched(torch.nn.Module, "to", _to_if_moved(torch.nn.Module.to)))
             if sharded:  # the device mesh's rank table is real (fake tensors cannot index it)
                 from apr.train import sharded as sharded_module
@@ -417,8 +447,11 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
             b, s = config.data.batch_size, config.data.seq_len
             vocab = config.model.architecture.vocab_size
             lr = float(config.optimizer.lr)
+            # a distillation student is traced in phase 2 (the whole student, the teacher's logits)
+            first = distill_schedule.phase1_steps(config) if str(config.training.mode) == "distill" else 0
             for step in (1, 2):
                 counter.phase = f"step {step} of 2" + (" (the first: lazy state)" if step == 1 else "")
+                engine.current_step = first + step
                 with counter.in_region("inputs"):
                     batches = [torch.randint(0, vocab, (b, s + 1), device=device)
                                for _ in range(config.training.gradient_accumulation)]
@@ -465,17 +498,28 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
         own["activations"] = (sum(r.bytes for r in plan_rows if r.component == "activation_checkpoints")
                               + kept_activation_bytes(config, execution)
                               + block_activation_bytes(config, execution=execution))
-    if sharded and config.model.lora is None and str(config.training.sharding) != "shard_grad_op":
-        # the weights row's own peak is at the root unit's all-gather, its output beside the gathered
-        # root before the forward has made any activation: a transient the step's peak never sees
-        from apr.model.spec import group_sizes
-
-        sizes = dict(group_sizes(config))
-        own["weights"] = (sum(r.bytes for r in plan_rows if r.component in ("weights", "frozen_weights", "adapters"))
-                          + 4 * (sizes.get("embed", 0) + sizes.get("head", 0)))
+    if sharded and config.model.lora is None:
+        own["weights"] = _sharded_weights_peak(config, plan_rows)
     return report(counter, plan_rows, own, device=device_type, device_why=device_why, world_size=world,
                   nodes=int(resolved.nodes), sharding=str(config.training.sharding), seconds=seconds,
                   rss=rss, first_peak=first_peak, notes=notes, torch_version=torch.__version__)
+
+
+def _sharded_weights_peak(config, plan_rows: list) -> int:
+    """FSDP2: the weights row's own peak. It is at the root unit's all-gather, the flat output beside
+    the gathered root (and under ``shard_grad_op`` the first block gathered beside its own output)
+    before the forward has made any activation: a transient the step's peak never sees. Under
+    ``shard_grad_op`` the whole gathered model, at the step's peak, is the larger on a deep model."""
+    from apr.model.spec import group_sizes
+
+    sizes = dict(group_sizes(config))
+    root = 4 * (sizes.get("embed", 0) + sizes.get("head", 0))
+    weights = sum(r.bytes for r in plan_rows if r.component in ("weights", "frozen_weights", "adapters"))
+    if str(config.training.sharding) != "shard_grad_op":
+        return weights + root
+    block = 4 * max((n for name, n in sizes.items() if name.startswith("block.")), default=0)
+    gathered = 4 * sum(sizes.values()) + block  # the plan's gathered model and a block's all-gather output
+    return max(weights, weights - gathered + 2 * root + 2 * block)
 
 
 def _build(engine_build, resolved, execution, device, dp):

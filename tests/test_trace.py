@@ -110,10 +110,55 @@ def test_a_stacking_stage_matches_the_plan(stacking):
     assert {"weights", "gradients", "moments", "activations"} <= {r["name"] for r in report["rows"]}
 
 
-@pytest.mark.xfail(strict=True, reason="not reconciled: shard_grad_op measured 0.994 on the peak but 0.76 on the "
-                   "weights row (a block's all-gather output and the root's beside the gathered model)")
+def _teacher_folder(folder, layers: int = 8):
+    """A Hugging Face folder of a deeper teacher (zeros: the trace reads only its architecture)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from apr.model.llama import LlamaForCausalLM
+
+    arch = _config({}).model.architecture.model_copy(update={"num_hidden_layers": layers})
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": arch.hidden_size,
+        "num_hidden_layers": layers, "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads, "intermediate_size": arch.intermediate_size,
+        "vocab_size": arch.vocab_size, "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "float32"}))
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(arch).state_dict().items()}
+    save_file({k: torch.zeros(shape) for k, shape in shapes.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.xfail(strict=True, reason="not reconciled: a distillation student in phase 2 measured plan/trace 0.843 on "
+                   "the peak (376 / 446 MiB) and 0.74 on the loss row: kd_loss holds about 8 float32 batch x seq x "
+                   "vocab tensors at its peak (student logits, their float32 copy and log-softmaxes, the teacher's "
+                   "logits and log-softmax, the cross-entropy's), distill_rows' kd_logits counts 4; and the table adds "
+                   "the student's logits_chunk row, which no distillation phase runs (apr/memory/table.py)")
+def test_a_distillation_student_matches_the_plan(tmp_path):
+    from apr.checkpoint.hf_import import source_architecture
+    from apr.memory.table import distill_rows
+    from apr.model.spec import param_count
+    from apr.trace import run_trace
+
+    teacher = str(_teacher_folder(tmp_path / "teacher"))
+    config = _config({"mode": "distill", "distill": {"teacher": teacher, "phase1_steps": 1}})
+    resolved = resolve(config)
+    rows = [*memory_table(resolved.config, execution=resolved.execution),
+            *distill_rows(resolved.config, param_count(source_architecture(teacher)), 0)]
+    report = run_trace(resolved, plan_rows=rows)
+    assert {r["name"]: r["ratio"] for r in report["rows"]}["teacher"] == 1.0  # the frozen teacher, whole
+    _check(report)
+
+
 def test_fsdp2_shard_grad_op_matches_the_plan():
-    _check(_trace({"sharding": "shard_grad_op", "world_size": 8}, world_size=8))
+    # the plan holds a block's all-gather output beside the gathered model (1.012 on the peak; the
+    # weights row was 0.76 of its own peak, the root's and the first block's all-gathers, before)
+    report = _trace({"sharding": "shard_grad_op", "world_size": 8}, world_size=8)
+    _check(report)
+    weights = next(r for r in report["rows"] if r["name"] == "weights")
+    assert weights["at_peak_bytes"] <= weights["traced_bytes"]  # its own peak is not the step's
 
 
 def test_an_operation_fake_tensors_cannot_run_is_named(monkeypatch):

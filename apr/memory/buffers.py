@@ -293,6 +293,8 @@ def fsdp2_buffers(config: AprConfig, execution: Execution | None = None) -> list
         sizes = dict(groups)
         block = max((n for name, n in groups if name.startswith("block.")), default=0)
         gathered = sizes.get("embed", 0) + sizes.get("head", 0) + 2 * block
+    elif config.model.lora is None:  # shard_grad_op: the whole model beside a block's all-gather output (traced)
+        gathered += max((n for name, n in groups if name.startswith("block.")), default=0)
     bufs.append(Buffer("gathered_weights", "weights", (gathered,), "float32"))
     unsharded_grad = largest
     if config.model.lora is None:  # the root unit's (embedding, final norm, head) before its reduce-scatter
