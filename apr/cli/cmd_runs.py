@@ -168,6 +168,7 @@ def show_text(detail: dict) -> str:
         f"started    {fmt_timestamp(r['started_at'])}   duration {fmt_clock(r['duration_s'])}",
         f"host       {t(r['host'])} (pid {fmt_value(r['pid'])})",
         *([f"parent     {parent_cell(detail['parent'])} (apr train fork)"] if detail.get("parent") else []),
+        *([f"forks      {', '.join(parent_cell(f) for f in detail['forks'])}"] if detail.get("forks") else []),
         *cost_lines(detail),
         f"output     {t(r['output_dir'])}",
         f"config     {t(r['config_path'] or '-')}  hash {t(str(r['config_hash'] or '-')[:12])}",

@@ -296,7 +296,30 @@ def show_run(
                                 expected="an apr experiment store")]) from None
     finally:
         conn.close()
+    registry = global_db_path(apr_home)
+    detail["forks"] = _forks_of(full_id, [path, registry] if registry.is_file() else [path])
     return detail
+
+
+def _forks_of(run_id: str, paths: list[Path]) -> list[dict]:
+    """``[{"run_id", "step"}]``: the runs ``apr train fork`` started from ``run_id``, by their fork step,
+    from the given stores (a fork's own folder's store and the registry record it; the parent's
+    folder does not)."""
+    found: dict[str, dict] = {}
+    for path in dict.fromkeys(paths):
+        try:
+            conn = store.connect_readonly(path)
+        except AprError:
+            continue
+        try:
+            for child, parent in store.fork_parents(conn).items():
+                if parent.get("run_id") == run_id:
+                    found.setdefault(child, {"run_id": child, "step": parent.get("step")})
+        except sqlite3.Error:
+            pass
+        finally:
+            conn.close()
+    return sorted(found.values(), key=lambda f: (f["step"] if isinstance(f["step"], int) else -1, f["run_id"]))
 
 
 def _exists(path, store_path: Path) -> bool:

@@ -203,7 +203,7 @@ def test_show_run_by_prefix_has_params_metrics_and_history(runs_tree):
     assert detail["final_metrics"]["loss"] == {"step": 5, "value": 0.8, "time": pytest.approx(time.time(), abs=120)}
     assert [s["status"] for s in detail["status_history"]] == ["starting", "running", "finished"]
     assert set(detail) == {"run", "params", "final_metrics", "best_val_loss", "artifacts", "checkpoints",
-                           "status_history", "alerts", "alert_counts", "events", "tags", "parent", "forecast"}
+                           "status_history", "alerts", "alert_counts", "events", "tags", "parent", "forecast", "forks"}
     assert detail["parent"] is None  # not a fork (apr train fork)
     assert detail["forecast"] is None  # fewer validations than a forecast needs
 
@@ -272,6 +272,10 @@ def test_ls_shows_a_forks_parent_run_and_step(runs_tree, recorder_factory, tmp_p
     assert f"parent     {a.run_id}@3 (apr train fork)" in shown.stdout
     assert json.loads(runner.invoke(app, ["runs", "show", fork.run_id, "--json"]).stdout)["run"]["parent"] == {
         "run_id": a.run_id, "step": 3}
+    # the parent's own store does not know its fork: the registry does
+    assert show_run(a.run_id)["forks"] == [{"run_id": fork.run_id, "step": 3}]
+    assert f"forks      {fork.run_id}@3" in runner.invoke(app, ["runs", "show", a.run_id]).stdout
+    assert show_run(b.run_id)["forks"] == []
 
 
 def test_ls_has_no_parent_column_without_forks(runs_tree):
