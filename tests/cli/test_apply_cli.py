@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -107,10 +108,15 @@ def _records_status(root: Path) -> list[str]:
 
 
 def _start_piped(root: Path, cfg: Path) -> subprocess.Popen:
-    """apply with stdout and stderr into one pipe (as `2>&1 | tee log`), in its own process group."""
-    return subprocess.Popen([sys.executable, "-m", "apr", "train", "apply", str(cfg)], cwd=root,
+    """apply with stdout and stderr into one pipe (as `2>&1 | tee log`), in its own process group.
+    The pipe holds one page (Linux's default is 64 KiB, ~600 step lines): a run whose reader stops
+    reading waits in a write a few steps later, instead of training on (CPU the suite pays for) or
+    ending before the test's signal reaches it."""
+    proc = subprocess.Popen([sys.executable, "-m", "apr", "train", "apply", str(cfg)], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
                             start_new_session=True)
+    fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # before the interpreter's first write
+    return proc
 
 
 def _read_until_step(proc: subprocess.Popen, step: int) -> None:
