@@ -205,6 +205,24 @@ def test_a_nowcast_that_improves_validation_is_kept_and_the_run_trains_on_from_i
     assert not all(torch.equal(a[k], b[k]) for k in seen["line"])
 
 
+def test_a_resumed_nowcasting_run_whose_decision_point_is_gone_says_so_and_starts_its_history_again(root):
+    """Stopped at step 8, before the second decision: its checkpoint names the nowcast point of step 4,
+    whose weights are in the run folder (a resumed process fits its line through them). With that
+    file gone, the resume warns and the second decision has one point: no nowcast."""
+    settings = _orchestrated(nowcasting={"enabled": True, "history": 2, "ahead": 6})
+    stopped, _, _ = _run(root, echo=signal_at("step  8/12  loss"), training=settings)
+    assert stopped.status == "stopped" and stopped.final_step == 8
+    saved = json.loads((root / "run" / "checkpoint-step-8.json").read_text())["orchestrator"]
+    point = root / "run" / ".apr" / "nowcast" / "step-4.safetensors"
+    assert saved["nowcast_steps"] == [4] and point.is_file()
+    point.unlink()
+    resumed, run, lines = _run(root, resume="latest", training=settings)
+    assert resumed.status == "finished" and resumed.final_step == 12
+    assert any("the nowcast points step-4.safetensors are gone" in line for line in lines)
+    assert [e["kind"] for e in run.recorder.recorded_events()].count("decision") == 2
+    assert not [e for e in run.recorder.recorded_events() if e["kind"] == "nowcast"]
+
+
 def test_nowcasting_extrapolates_each_tensor_along_its_least_squares_line():
     from apr.train.orchestrator import extrapolate
 
