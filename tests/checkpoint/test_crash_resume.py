@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset, run_until  # noqa: E402
 
 from apr.checkpoint.manager import read_checkpoint, scan  # noqa: E402
+from tests.distributed.ranks import run_apr, run_script  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
 FORK_WORKER = Path(__file__).resolve().parent / "fork_worker.py"
@@ -170,8 +171,8 @@ def test_twenty_random_sigkills_never_leave_a_corrupt_checkpoint(tmp_path):
 
 
 def _apr(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apr", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**_env(), "NO_COLOR": "1"})
+    """``python -m apr ARGS``, forked from the test worker's server (tests/distributed/ranks.py)."""
+    return run_apr(list(args), {**_env(), "NO_COLOR": "1"}, cwd=cwd)
 
 
 # apply, SIGKILLed inside the first checkpoint JSON's write: half of it in the temp file, the weights renamed
@@ -188,7 +189,7 @@ app()
 """
 
 
-@pytest.mark.slow  # three applies in subprocesses
+@pytest.mark.slow  # three applies in processes of their own
 def test_a_run_killed_while_writing_its_first_checkpoints_json_is_started_afresh_never_a_dead_end(tmp_path):
     """The weights are renamed into place before the JSON: a kill between the two leaves weights without
     JSON, which is no checkpoint. --resume latest says so and names the way on; a fresh apply replaces it."""
@@ -196,8 +197,9 @@ def test_a_run_killed_while_writing_its_first_checkpoints_json_is_started_afresh
 
     make_dataset(tmp_path)
     cfg = write_config(tmp_path, training={"max_steps": 4, "save_interval": 4, "eval_interval": 100})
-    killed = subprocess.run([sys.executable, "-c", KILL_IN_FIRST_JSON, str(cfg)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=300, env={**_env(), "NO_COLOR": "1"})
+    script = tmp_path / "kill_in_first_json.py"
+    script.write_text(KILL_IN_FIRST_JSON)
+    killed = run_script([str(script), str(cfg)], {**_env(), "NO_COLOR": "1"}, timeout=300, cwd=tmp_path)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("*checkpoint*")) == [".checkpoint-step-4.json.x1y2.tmp",
