@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Callable
 
 from apr.errors import AprError, Finding
+from apr.steps import distill as distill_schedule
 from apr.steps.execution import Execution
 
 # (trace row, the plan's memory-table components it is compared with, label)
@@ -92,6 +93,7 @@ def _counter_class():
             self.region = "other"
             self.phase = "building the engine"
             self.ops = 0
+            self.vocab = -1  # the vocabulary: a tensor this wide is logits, wherever it is made
             self.reset_peaks()
             self._orig_resize = torch.UntypedStorage.resize_
 
@@ -173,9 +175,12 @@ def _counter_class():
             out = func(*args, **(kwargs or {}))
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+                    row = self.region
+                    if row == "activations" and t.dim() >= 2 and t.shape[-1] == self.vocab:
+                        row = "logits_chunk"  # a loss's logits gradient, made in the backward outside the loss
                     for st in get_untyped_storages(t):
                         if st not in self.info:
-                            self.track(st, self.region)
+                            self.track(st, row)
             return out
 
     return RowCounter
@@ -402,7 +407,6 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
     )
 
     from apr.memory.buffers import buffer_plan
-    from apr.steps import distill as distill_schedule
     from apr.train import build as engine_build
     from apr.train import distill as distill_module
 
@@ -445,7 +449,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
                 _grad_hooks(counter, engine)
             stack.enter_context(_regions(counter, engine))
             b, s = config.data.batch_size, config.data.seq_len
-            vocab = config.model.architecture.vocab_size
+            vocab = counter.vocab = config.model.architecture.vocab_size
             lr = float(config.optimizer.lr)
             # a distillation student is traced in phase 2 (the whole student, the teacher's logits)
             first = distill_schedule.phase1_steps(config) if str(config.training.mode) == "distill" else 0

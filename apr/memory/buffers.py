@@ -336,6 +336,8 @@ def step_buffers(config: AprConfig) -> list[Buffer]:
     arch = config.model.architecture
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
     cdt = compute_dtype_name(config.training.mixed_precision)
+    if str(config.training.mode) == "distill":  # no phase runs the chunked loss: the KD loss's logits
+        return [Buffer("token_ids", "inputs", (b, s + 1), "int64")]  # are distill_rows' (apr/memory/table.py)
     chunk = min(config.training.loss_chunk_size, s)
     bufs = [Buffer("logits_chunk", "logits_chunk", (2, b, chunk, v), "float32")]  # d_logits in place
     if cdt != "float32":

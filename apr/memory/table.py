@@ -17,7 +17,8 @@ from apr.memory.activations import (
     grads_replace_graph,
     kept_activation_bytes,
 )
-from apr.memory.buffers import buffer_plan, optimizer_state_details
+from apr.memory.buffers import buffer_plan, compute_dtype_name, optimizer_state_details
+from apr.model.spec import DTYPE_BYTES
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
 
@@ -175,14 +176,21 @@ def lean_candidates(config: AprConfig) -> list[Execution]:
 def distill_rows(config: AprConfig, teacher_params: int, projection_params: int) -> list[MemoryRow]:
     """Distillation's rows beside the student's table: the frozen teacher, a narrower student's two
     projections (weights, gradients and AdamW moments) and phase 2's logits."""
-    b, s, v = config.data.batch_size, config.data.seq_len, config.model.architecture.vocab_size
+    arch = config.model.architecture
+    b, s, v = config.data.batch_size, config.data.seq_len, arch.vocab_size
+    elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
+    # phase 2's loss at its peak (traced, 2026-11-28): the student's logits in the compute dtype, their
+    # float32 copy, its log-softmax twice (the cross-entropy's, the tempered one), the teacher's logits
+    # and tempered log-softmax, the KL's pointwise terms, one tempered temporary; under mixed
+    # precision autocast's copy of the head weight too
+    kd = b * s * v * (elt + 7 * 4) + (arch.vocab_size * arch.hidden_size * elt if elt != 4 else 0)
     return [MemoryRow("teacher_weights", 4 * teacher_params, "exact", 0,
                       "the frozen teacher in float32 (no gradient, no moments)"),
             *([MemoryRow("distill_projections", 16 * projection_params, "exact", 0, "a narrower student's two "
                          "projections to and from the teacher's hidden size: float32 weights, gradients, AdamW "
                          "moments")] if projection_params else []),
-            MemoryRow("kd_logits", 4 * 4 * b * s * v, "modelled", 0,
-                      "phase 2: student and teacher logits and their softmaxes for one micro-batch")]
+            MemoryRow("kd_logits", kd, "modelled", 0,
+                      "phase 2: student and teacher logits and their log-softmaxes for one micro-batch")]
 
 
 # The engine's state a copy holds (an orchestrator branch, a rollback snapshot): the float32 weights
