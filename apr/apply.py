@@ -14,11 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from apr.config import load_config
+from apr.config.auto import FITTED_KEYS
 from apr.config.layers import parse_settings
 from apr.errors import AprError, Finding
 from apr.launch import env_nodes, env_world_size
 from apr.plan.build import build_plan, normalise_overrides
 from apr.plan.elastic import elastic_layout
+from apr.plan.fit import auto_line, fitted_settings, resumed_settings
 from apr.plan.planfile import check_plan_fresh, load_plan_file
 from apr.steps.resolved import laid_out
 from apr.train.outdir import OutputDirLock
@@ -95,25 +97,41 @@ def run_apply(target: Path, *, seed: int | None = None, device: str | None = Non
                                        max_steps=max_steps)
     if plan_doc is not None:  # the plan's own KEY=VALUE settings: what was planned is what runs
         overrides = {**(plan_doc.get("overrides") or {}), **overrides}
+    # the values a saved plan fitted for the config's auto keys, or those a resumed checkpoint ran
+    fitted = fitted_settings(plan_doc) if plan_doc is not None else {}
     # read and check the config before importing torch: a bad one fails at once
-    loaded = load_config(config_path, normalise_overrides(overrides) or None)
+    loaded = load_config(config_path, normalise_overrides({**overrides, **fitted}) or None)
+    if loaded.auto and resume is not None:
+        run_dir = Path(os.path.abspath(os.path.expanduser(loaded.config.training.output_dir)))
+        fitted = {**fitted, **resumed_settings(run_dir, resume, loaded.auto, loaded.config.training.world_size)}
+        loaded = load_config(config_path, normalise_overrides({**overrides, **fitted}) or None)
     world = env_world_size()  # under torchrun: the step algebra divides by the real number of ranks
     # the layout reads checkpoints with the trainer's modules (torch): only for a resume or torchrun,
     # so that a config the plan refuses fails before torch is imported
     layout_settings, elastic = _layout(loaded.config, resume, world) if resume is not None or world > 1 else ({}, None)
     plan = build_plan(config_path, gpu=gpu, vram=vram, world_size=world if world > 1 else None,
                       nodes=env_nodes(world) if world > 1 else None,
-                      overrides={**overrides, **layout_settings} or None, device_budget=_device_budget)
+                      overrides={**overrides, **fitted, **layout_settings} or None, device_budget=_device_budget)
     if plan.errors:
         raise _plan_errors_error(plan, config_path)
     lock = _lock_output(plan.config, config_path)  # a busy folder is refused before torch is imported
     try:
         return _prepare_and_run(plan, plan_doc, config_path, lock, overrides=overrides, resume=resume, force=force,
                                 apr_home=apr_home, echo=echo, progress=progress, handle_signals=handle_signals,
-                                allow_other_run=allow_other_run, elastic=elastic, fork_of=fork_of)
+                                allow_other_run=allow_other_run, elastic=elastic, fork_of=fork_of,
+                                fitted=fitted_lines(plan, fitted, plan_doc is not None))
     finally:
         if lock is not None:
             lock.release()  # (the run released it already when it ran)
+
+
+def fitted_lines(plan, fitted: dict, from_plan_file: bool) -> list[str]:
+    """What apply says of the config's auto keys: fitted now, as the saved plan fitted them, or as the
+    resumed checkpoint ran them (never fitted again)."""
+    where = "as the saved plan fitted it" if from_plan_file else "as the resumed checkpoint ran it (not fitted again)"
+    lines = [f"{key} auto -> {value}: {where}" for key, value in fitted.items() if key in FITTED_KEYS]
+    record = plan.facts.get("fitted")
+    return [*lines, auto_line(record)] if record else lines
 
 
 def _lock_output(config, config_path: Path):
@@ -126,7 +144,7 @@ def _lock_output(config, config_path: Path):
 
 
 def _prepare_and_run(plan, plan_doc, config_path: Path, lock, *, overrides, resume, force, apr_home, echo, progress,
-                     handle_signals, allow_other_run, elastic, fork_of=None):
+                     handle_signals, allow_other_run, elastic, fork_of=None, fitted=()):
     from apr.train.run import ApplyOptions, prepare_run  # imports torch: only once the plan is sound
     if plan_doc is None:
         plan_doc = plan.to_dict()
@@ -145,6 +163,8 @@ def _prepare_and_run(plan, plan_doc, config_path: Path, lock, *, overrides, resu
     if is_main and decided.get("setting") == "auto":  # what the plan decided for this run, and why
         options.echo(f"training.execution.compile auto -> {'compiled' if decided['compile'] else 'eager'} "
                      f"blocks: {decided['reason']}")
+    for line in fitted if is_main else []:
+        options.echo(line)
     for skipped in (plan.facts.get("calibration_skipped") or []) if is_main else []:
         options.echo(f"warning: calibration row skipped: {skipped}")
     run = prepare_run(replace(plan.resolved, elastic=elastic), config_hash=plan.config_hash,

@@ -4,6 +4,8 @@ keeps its global batch, as settings the plan is built with; the run edits nothin
 
 from __future__ import annotations
 
+import shutil
+
 from apr.apply import _layout
 from tests.train.test_layout import _saved
 from tests.train.tiny import make_config
@@ -90,3 +92,43 @@ def test_a_saved_plan_runs_with_the_settings_it_was_planned_with(tmp_path):
 
     ran = yaml.safe_load((result.run_dir / "config.yaml").read_text())
     assert ran["optimizer"]["lr"] == 0.002 and ran["training"]["max_steps"] == 3
+
+
+def test_auto_keys_run_as_the_plan_fitted_them_and_a_resume_never_fits_again(tmp_path, monkeypatch):
+    """A config whose counts say auto: a fresh apply runs the plan's fitted values and says so; a saved
+    plan and a resume run the values fitted before (the fit is not called again)."""
+    import yaml
+
+    from apr.apply import run_apply
+    from apr.plan.build import build_plan
+    from apr.plan.planfile import save_plan
+    from tests.train.run_helpers import make_dataset, write_config
+
+    make_dataset(tmp_path)
+    cfg = write_config(tmp_path, data={"batch_size": "auto", "global_batch_size": 8},
+                       training={"gradient_accumulation": "auto", "max_steps": 3, "warmup_steps": 0, "eval_interval": 0,
+                                 "save_interval": 1})
+    plan = build_plan(cfg)
+    keys = plan.facts["fitted"]["keys"]
+    assert keys["data.batch_size"] * keys["training.gradient_accumulation"] == 8
+    save_plan(plan, tmp_path / "plan.json")
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("fitted again")
+
+    lines: list[str] = []
+    result = run_apply(cfg, max_steps=2, apr_home=tmp_path / "home", echo=lines.append, handle_signals=False)
+    assert result.final_step == 2 and any(line.startswith("data.batch_size auto -> ") for line in lines)
+    ran = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert (ran["data"]["batch_size"], ran["training"]["gradient_accumulation"]) == tuple(keys.values())
+    monkeypatch.setattr("apr.plan.build.fit_auto", no_fit)
+    lines.clear()
+    result = run_apply(cfg, resume="latest", max_steps=3, apr_home=tmp_path / "home", echo=lines.append,
+                       handle_signals=False)
+    assert (result.status, result.final_step) == ("finished", 3)
+    assert f"data.batch_size auto -> {keys['data.batch_size']}: as the resumed checkpoint ran it (not fitted " \
+           "again)" in lines
+    shutil.rmtree(tmp_path / "run")
+    result = run_apply(tmp_path / "plan.json", apr_home=tmp_path / "home", echo=lines.append, handle_signals=False)
+    assert (result.status, result.final_step) == ("finished", 3)
+    assert f"data.batch_size auto -> {keys['data.batch_size']}: as the saved plan fitted it" in lines

@@ -167,6 +167,7 @@ VALIDATE_APR_MODULES = {
     "apr.memory", "apr.memory.activations", "apr.memory.buffers", "apr.memory.table",  # the memory model
     "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
+    "apr.config.auto",  # the auto layout keys taken out before the schema (config-only)
     "apr.config.hf_folder",  # model.init_from's architecture from a Hugging Face folder (stdlib only)
     "apr.quoting",  # what an error may quote of a file (every reader's error rendering)
     "apr.steps", "apr.steps.algebra", "apr.steps.execution", "apr.steps.strategy", "apr.track", "apr.track.alerts",

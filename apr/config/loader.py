@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from apr.config.auto import auto_message, fill_auto, is_auto, take_auto
 from apr.config.layers import COMMAND_LINE, Layers, apply_settings, parse_settings, read_layered
 from apr.config.schema import AprConfig
 from apr.config.yamlfile import (  # noqa: F401  (re-exported: the readers import them from here)
@@ -35,6 +36,7 @@ class LoadedConfig:
     source: SourceMap
     text: str
     layers: Layers = field(default_factory=Layers)
+    auto: tuple[str, ...] = ()  # the layout keys that said auto: stand-ins until the plan fits them
 
     @property
     def config_hash(self) -> str:
@@ -171,6 +173,8 @@ def _finding_from_error(err: dict, source: SourceMap) -> Finding:
                 expected = f"a number {word} {ctx[key]}"
     if expected is None:
         expected = msg[0].lower() + msg[1:] if msg else None
+    if is_auto(err.get("input")) and etype != "extra_forbidden":
+        msg = auto_message(path)
     if file not in (source.file, COMMAND_LINE):  # a base config: say where, never what it holds
         msg, got = _VALUE_TAIL.sub("", msg), "a value in a base config (not shown)"
     elif not shown(err.get("input")):  # too long, or not printable: a validator's ", got ..." goes too
@@ -211,8 +215,9 @@ def load_config(path: str | Path, settings: list[str] | dict | None = None) -> L
     problem found."""
     path = Path(path)
     data, source, text, layers = _read_layered(path, settings)
-    config = validate_data(data, source)
-    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers)
+    data, autos = take_auto(data)
+    config = fill_auto(validate_data(data, source), autos, source)
+    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers, auto=autos)
 
 
 @dataclass
@@ -233,8 +238,9 @@ def load_config_partial(path: str | Path, settings: list[str] | dict | None = No
     raise: there is no config to check)."""
     path = Path(path)
     data, source, text, layers = _read_layered(path, settings)
+    data, autos = take_auto(data)
     try:
-        config = validate_data(data, source)
+        config = fill_auto(validate_data(data, source), autos, source)
     except ConfigError as err:
         if not isinstance(data, dict) or not err.findings or not all(
                 f.code.startswith("schema.") for f in err.findings):
@@ -244,7 +250,7 @@ def load_config_partial(path: str | Path, settings: list[str] | dict | None = No
             return PartialConfig(err, tainted=frozenset(tainted))
         loaded = LoadedConfig(config=salvaged, path=path, raw=data, source=source, text=text, layers=layers)
         return PartialConfig(err, loaded, frozenset(tainted))
-    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers)
+    return LoadedConfig(config=config, path=path, raw=data, source=source, text=text, layers=layers, auto=autos)
 
 
 def _read_layered(path: Path, settings: list[str] | dict | None) -> tuple[Any, SourceMap, str, Layers]:

@@ -74,6 +74,9 @@ def _opt_bytes(v: object) -> int | None:
 
 Count = Annotated[int, BeforeValidator(_count), WithJsonSchema(_COUNT_SCHEMA)]
 PositiveCount = Annotated[int, BeforeValidator(_count), Field(gt=0), WithJsonSchema({**_COUNT_SCHEMA})]
+# a count the plan may fit: the loader takes ``auto`` out before the schema sees it (apr/config/auto.py)
+FittedCount = Annotated[int, BeforeValidator(_count), Field(gt=0), WithJsonSchema(
+    {"anyOf": [{**_COUNT_SCHEMA}, {"const": "auto"}]})]
 NonNegCount = Annotated[int, BeforeValidator(_count), Field(ge=0), WithJsonSchema({**_COUNT_SCHEMA})]
 ByteSize = Annotated[
     int | None,
@@ -563,7 +566,13 @@ class DataConfig(_Section):
         True, description="A mixture source read to its end starts its next epoch (true) or the plan refuses a "
         "run that would exhaust it (false).")
     val: str | None = Field(None, description="Folder (or file) of Parquet shards for validation.")
-    batch_size: PositiveCount = Field(description="Micro-batch: sequences per forward/backward per device.")
+    batch_size: FittedCount = Field(
+        description="Micro-batch: sequences per forward/backward per device; auto: the plan fits it (with "
+        "data.global_batch_size; docs/plan.md, \"auto keys\").")
+    global_batch_size: PositiveCount | None = Field(
+        None, description="Sequences per optimizer step over all ranks (batch_size x gradient_accumulation x "
+        "world_size), kept by the plan's fit; needed when batch_size or gradient_accumulation is auto. Null: "
+        "their product.")
     seq_len: PositiveCount = Field(description="Tokens per training sequence (rows hold seq_len + 1).")
     tokenizer: str | None = Field(None, description="tokenizer.json (Hugging Face tokenizers format).")
     input_column: str = Field("input_ids", description="Parquet column holding list<uint32> token ids.")
@@ -958,7 +967,8 @@ class TrainingConfig(_Section):
     decay_stage: str | None = Field(
         None, description="wsd only: start the decay where this data stage (data.stages[].name) starts, "
         "instead of decay_fraction.")
-    gradient_accumulation: PositiveCount = Field(1, description="Micro-batches per optimizer step.")
+    gradient_accumulation: FittedCount = Field(
+        1, description="Micro-batches per optimizer step; auto: the plan fits it (with data.global_batch_size).")
     grad_clip: Float | None = Field(1.0, gt=0, description="Clip gradients to this norm; null disables.")
     clip_mode: ClipMode = Field(
         ClipMode.global_norm,
@@ -995,11 +1005,11 @@ class TrainingConfig(_Section):
     )
     world_size: PositiveCount = Field(
         1, le=MAX_INDEX, description="Data-parallel processes (torchrun sets this at run time).")
-    sharding: Sharding = Field(
+    sharding: Annotated[Sharding, WithJsonSchema({"enum": [*(s.value for s in Sharding), "auto"]})] = Field(
         Sharding.none, description="Under torchrun: none (every rank holds everything, gradients all-reduced), "
         "shard_grad_op (gradients and AdamW moments sharded, ZeRO-2) or full (weights too, gathered per block "
         "for its forward and backward, ZeRO-3) or hybrid (full sharding within a node, replicas across nodes), "
-        "on torch FSDP2, per decoder block, for either engine.")
+        "on torch FSDP2, per decoder block, for either engine; auto: the plan fits it on several ranks (none on one).")
     reduction: Reduction = Field(
         Reduction.fast, description="How a step's micro-batch gradients are summed. fast: accumulated in order on each "
         "rank, then all-reduced (the order depends on the number of ranks: a resume on another world size ends "

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from apr.plan.driftfacts import drift_check
 from apr.plan.elastic import elastic_layout
 from apr.plan.explain import layers_dict
 from apr.plan.facts import all_facts
+from apr.plan.fit import auto_budget, auto_line, fit_auto
 from apr.plan.gpus import Target, UnknownGpuError, known_names, resolve_target
 from apr.plan.initfacts import init_from_check
 from apr.plan.mixfacts import (
@@ -376,7 +377,45 @@ def resolve_config(config: AprConfig, *, world_size: int | None = None, nodes: i
 def build_plan(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,
                world_size: int | None = None, nodes: int | None = None, overrides: dict | None = None,
                contracts_dir: Path | None = None, device_budget=None) -> Plan:
-    """Plan a run from ``config_path``.
+    """Plan a run from ``config_path`` (``plan_config`` describes the arguments). A config whose layout
+    keys say ``auto`` (apr/config/auto.py) is planned at their stand-ins, fitted (apr/plan/fit.py
+    ``fit_auto``: raises FitError when nothing fits), and planned again at the fitted values, which the
+    plan records in ``facts.fitted`` (an info finding says what was chosen and why): ``Plan.resolved``
+    and a saved plan carry them, so apply runs what was fitted."""
+    args = {"gpu": gpu, "vram": vram, "world_size": world_size, "nodes": nodes, "contracts_dir": contracts_dir,
+            "device_budget": device_budget}
+    plan = plan_config(config_path, overrides=overrides, **args)
+    autos = plan.loaded.auto
+    if not autos:
+        return plan
+    tr = plan.config.training  # the stand-ins keep data.global_batch_size at the ranks planned for
+    ranks = {key: value for key, value, stated in (("training.world_size", plan.world_size, tr.world_size),
+                                                   ("training.nodes", plan.nodes, tr.nodes)) if value != stated}
+    if ranks:
+        plan = plan_config(config_path, overrides={**(overrides or {}), **ranks}, **args)
+    budget = (device_budget(plan.config) if device_budget is not None
+              and (plan.target is None or not plan.target.vram_bytes) else None)
+    keys, record = fit_auto(replace(plan, target=auto_budget(plan.target, budget)), autos)
+    keys = record["keys"] = {**ranks, **keys}
+    fitted = plan_config(config_path, overrides={**(overrides or {}), **keys}, **args)
+    fitted.overrides = user = normalise_overrides(overrides)  # a saved plan's fitted keys are in facts.fitted
+    fitted.facts["fitted"] = record
+
+    def in_file(f: Finding) -> Finding:  # a fitted key is the file's auto, not a command-line setting
+        if f.path not in autos or f.path in user:
+            return f
+        file, line, column = plan.loaded.source.where(tuple(f.path.split(".")))
+        return replace(f, file=file, line=line, column=column)
+
+    found = in_file(Finding("info", "plan.auto_fit", auto_line(record), path=autos[0]))
+    fitted.findings = sorted([*map(in_file, fitted.findings), found], key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
+    return fitted
+
+
+def plan_config(config_path: Path, *, gpu: str | None = None, vram: str | int | None = None,
+                world_size: int | None = None, nodes: int | None = None, overrides: dict | None = None,
+                contracts_dir: Path | None = None, device_budget=None) -> Plan:
+    """Plan a run from ``config_path`` as it stands (``auto`` keys at their stand-ins).
 
     ``gpu``/``vram``: the target for the memory budget and time estimate (default: the config's
     training.gpu / training.vram, else none). ``world_size``: data-parallel processes (default:

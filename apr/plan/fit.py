@@ -25,7 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from apr.checkpoint.manager import read_info, scan
 from apr.config import load_config
+from apr.config.auto import ACCUMULATION, BATCH, SHARDING
 from apr.config.schema import AprConfig, Sharding
 from apr.errors import AprError, ConfigError, Finding
 from apr.fmt import format_bytes
@@ -33,6 +35,7 @@ from apr.fsutil import check_output_file, output_write_error, write_output
 from apr.memory.table import memory_table
 from apr.plan import compilefacts
 from apr.plan.facts import calibration_facts
+from apr.plan.gpus import Target
 from apr.plan.memory import step_cost_f
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
@@ -161,6 +164,16 @@ def _layout_config(config: AprConfig, *, batch_size: int, accumulation: int, sha
                                      "training": training})
 
 
+def _batches(config: AprConfig, per_rank: int, free: tuple[str, ...] | None) -> list[int]:
+    """The micro-batches searched: every divisor of a rank's share, or the one a stated count leaves."""
+    if free is None or (BATCH in free and ACCUMULATION in free):
+        return divisors(per_rank)
+    stated = config.training.gradient_accumulation if BATCH in free else config.data.batch_size
+    if per_rank % stated:
+        return []
+    return [per_rank // stated] if BATCH in free else [stated]
+
+
 def _device_flops(plan, device: str) -> tuple[float | None, str]:
     """FLOP/s one process sustains on the model's matmuls: the target GPU's peak x its assumed MFU, or
     the CPU's assumed rate per thread x the run's threads (apr/plan/compilefacts.py)."""
@@ -186,8 +199,10 @@ def _run_tokens(plan) -> int | None:
     return (plan.time_estimate or {}).get("tokens")
 
 
-def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
-    """Search the layouts of ``plan``'s config at its ranks and target; see the module's docstring."""
+def fit_plan(plan, *, headroom: float = HEADROOM, free: tuple[str, ...] | None = None) -> Fit:
+    """Search the layouts of ``plan``'s config at its ranks and target; see the module's docstring.
+    ``free``: the ``auto`` keys of the config (apr/config/auto.py), the only layout keys searched then
+    (with the plan's own activation and gradient choice, and compile as stated); None: all of them."""
     t0 = time.perf_counter()
     config, target, file = plan.config, plan.target, str(plan.config_path)
     if target is None or not target.vram_bytes:
@@ -200,7 +215,7 @@ def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
     tr = config.training
     notes: list[str] = []
 
-    if world == 1:
+    if world == 1 or (free is not None and SHARDING not in free):
         shardings = [str(tr.sharding)]
     elif str(config.optimizer.name) != "adamw":
         shardings = ["none"]
@@ -213,7 +228,9 @@ def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
     tokens = _run_tokens(plan)
     problem = policy.compile_problem(device)
     stated = policy.compile_stated(config)
-    if problem is not None:
+    if free is not None:
+        compiles = [stated]  # compile: auto is the plan's own decision (apr/plan/compilefacts.py)
+    elif problem is not None:
         compiles = [stated]
         notes.append(f"compile not searched ({problem} here): training.execution.compile stays as stated")
     elif flops is None or not tokens:
@@ -233,7 +250,7 @@ def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
 
     layouts: list[tuple[AprConfig, list[tuple[Execution, int, float]]]] = []
     searched = 0
-    for batch in divisors(per_rank):
+    for batch in _batches(config, per_rank, free):
         for sharding in shardings:
             for compile in compiles:
                 cfg = _layout_config(config, batch_size=batch, accumulation=per_rank // batch, sharding=sharding,
@@ -245,6 +262,12 @@ def fit_plan(plan, *, headroom: float = HEADROOM) -> Fit:
                     options.append((e, peak, step_cost_f(cfg, e)))
                 layouts.append((cfg, options))
 
+    if not layouts:  # a stated count that a rank's share does not divide
+        stated = ACCUMULATION if BATCH in (free or ()) else BATCH
+        value = tr.gradient_accumulation if stated == ACCUMULATION else config.data.batch_size
+        raise _error(f"{stated} {value} does not divide the {per_rank} sequences each of {world} rank(s) takes: "
+                     f"set it to auto too, or plan on fewer ranks", "plan.fit_global_batch", stated,
+                     f"a divisor of {per_rank}", str(value), file)
     # each layout's fastest fitting policy (the plan's own rule: fewest forward-equivalents, then memory),
     # else its leanest
     picks = []
@@ -381,6 +404,70 @@ def _none_fits(config: AprConfig, candidates: list[Candidate], budget: int, targ
                f"change one of: {', '.join(advice)}")
     return _error(message, "plan.fit_none", "data.batch_size", f"at most {format_bytes(budget)}",
                   format_bytes(smallest.peak_bytes), file)
+
+
+# ------------------------------------------------------------------------------------ auto keys
+
+
+def auto_budget(target, device_budget: tuple[int, str] | None):
+    """The fit's target: the plan's, else apply's device memory (``device_budget``: bytes, source)."""
+    if (target is None or not target.vram_bytes) and device_budget is not None:
+        return Target(name=None, gpu=None, vram_bytes=int(device_budget[0]), source=str(device_budget[1]))
+    return target
+
+
+def fit_auto(plan, autos: tuple[str, ...]) -> tuple[dict, dict]:
+    """The values of the config's ``auto`` keys that train fastest within the plan's budget (the search of
+    ``fit_plan`` over those keys only, at the plan's ranks), and the record the plan keeps of them
+    (``facts.fitted``): ``keys`` (each auto key with its value; build_plan adds the ranks when the plan's
+    differ from the config's),
+    the kept global batch, the chosen layout's peak and tokens/s, the budget and why it won."""
+    try:
+        fit = fit_plan(plan, free=autos)
+    except FitError as err:
+        first = err.findings[0] if err.findings else None
+        path = autos[0] if first is not None and first.path in ("--gpu", "--world-size") else None
+        if path is None:
+            raise
+        message = f"{path}: auto: {err.message}"
+        raise FitError(message, [dataclasses.replace(first, message=message, path=path)]) from None
+    keys = {key: fit.chosen.keys[key] for key in autos}
+    record = {"keys": keys, "auto": list(autos), "global_batch_sequences": fit.global_batch,
+              "peak_bytes": fit.chosen.peak_bytes, "tokens_per_s": fit.chosen.tokens_per_s,
+              "budget_bytes": fit.budget_bytes, "target": fit.target, "why": fit.why,
+              "layouts": len(fit.candidates), "seconds": fit.seconds}
+    return keys, record
+
+
+def auto_line(record: dict) -> str:
+    """``data.batch_size auto -> 8, training.gradient_accumulation auto -> 4 (global batch of 32 kept): why``."""
+    chosen = ", ".join(f"{key} auto -> {json.dumps(record['keys'][key])}" for key in record["auto"])
+    return f"{chosen} (global batch of {record['global_batch_sequences']} sequences kept): {record['why']}"
+
+
+def fitted_settings(plan_doc: dict) -> dict:
+    """The values a saved plan fitted for its config's ``auto`` keys, as settings: what apply runs."""
+    return dict(((plan_doc.get("facts") or {}).get("fitted") or {}).get("keys") or {})
+
+
+def resumed_settings(run_dir: Path, resume: str, autos: tuple[str, ...], world_size: int) -> dict:
+    """What the checkpoint a resume continues ran for the config's ``auto`` keys: a resume never fits
+    again. The accumulation only when it ran on ``world_size`` ranks (on another number, the one that
+    keeps the global batch: apr/plan/elastic.py); {} when it cannot be read (the resume reports that)."""
+    try:
+        if resume == "latest":
+            found = [e for e in scan(run_dir) if e.complete]
+            if not found:
+                return {}
+            saved = read_info(found[0].json_path).config
+        else:
+            saved = read_info(resume).config
+        values = {BATCH: int(saved["data"]["batch_size"]), SHARDING: str(saved["training"].get("sharding", "none"))}
+        if int(saved["training"].get("world_size", 1)) == world_size:
+            values[ACCUMULATION] = int(saved["training"].get("gradient_accumulation", 1))
+    except (AprError, OSError, KeyError, TypeError, ValueError):
+        return {}
+    return {key: value for key, value in values.items() if key in autos}
 
 
 # ------------------------------------------------------------------------------------ the fitted file

@@ -22,6 +22,7 @@ from apr.config.loader import config_doc_hash
 from apr.errors import AprError, Finding
 from apr.fsutil import atomic_write_json
 from apr.plan.build import PLAN_FORMAT, PLAN_FORMAT_VERSION, Plan, data_fingerprint, normalise_overrides
+from apr.plan.fit import fitted_settings
 from apr.readers import load_json
 
 _REQUIRED = ("config_path", "config_hash", "data_fingerprint")
@@ -173,7 +174,9 @@ def check_plan_fresh(doc: dict) -> Path:
     ConfigError."""
 
     config_path = Path(doc["config_path"])
-    loaded = load_config(config_path, normalise_overrides(doc.get("overrides")) or None)
+    # the values the plan fitted for the config's auto keys are part of what it planned
+    loaded = load_config(config_path, normalise_overrides({**(doc.get("overrides") or {}), **fitted_settings(doc)})
+                         or None)
     config = loaded.config
     findings: list[Finding] = []
     parts: list[str] = []

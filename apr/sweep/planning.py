@@ -48,6 +48,7 @@ class TrialPlan:
     cost: float | None = None
     eval_interval: int | None = None  # the pruner counts evaluations (apr.sweep.trial)
     log_interval: int | None = None
+    fitted: dict = field(default_factory=dict)  # the base's auto keys as this trial's plan fitted them
 
     @property
     def valid(self) -> bool:
@@ -63,13 +64,15 @@ class TrialPlan:
 
     def to_dict(self) -> dict:
         return {"valid": self.valid, "settings": self.settings, "tokens": self.tokens, "steps": self.steps,
-                "seconds": self.seconds, "calibrated": self.calibrated, "cost": self.cost,
+                "seconds": self.seconds, "calibrated": self.calibrated, "cost": self.cost, "fitted": self.fitted,
                 "errors": [f.to_dict() for f in self.errors], "reason": self.reason() or None}
 
 
 def plan_trial(base: Path, settings: dict, *, gpu: str | None = None, vram: str | None = None,
                world_size: int | None = None) -> TrialPlan:
-    """The trial's plan; a config the schema refuses is a plan with errors, never an exception."""
+    """The trial's plan; a config the schema refuses is a plan with errors, never an exception. Auto
+    keys (apr/config/auto.py) are fitted at the trial's own shape, as `apr train plan` fits them
+    (``fitted``; a layout that does not fit is a plan error), and the trial runs those values."""
     try:
         plan = build_plan(base, gpu=gpu, vram=vram, world_size=world_size, overrides=settings)
     except ConfigError as err:
@@ -82,7 +85,8 @@ def plan_trial(base: Path, settings: dict, *, gpu: str | None = None, vram: str 
     return TrialPlan(settings, errors=plan.errors, warnings=plan.warnings, tokens=steps.get("total_tokens"),
                      steps=steps.get("total_steps"), seconds=estimate.get("estimated_seconds"),
                      calibrated=bool(estimate.get("calibrated")), cost=cost.get("total") if cost else None,
-                     eval_interval=plan.config.training.eval_interval, log_interval=plan.config.training.log_interval)
+                     eval_interval=plan.config.training.eval_interval, log_interval=plan.config.training.log_interval,
+                     fitted=dict((plan.facts.get("fitted") or {}).get("keys") or {}))
 
 
 def check_base(spec: SweepSpec) -> Path:

@@ -81,6 +81,7 @@ class Job:
     resumed: bool
     reported: frozenset = frozenset()  # evaluations already told to Optuna before an interruption
     beat: Heartbeat | None = None
+    fitted: dict = field(default_factory=dict)  # the trial plan's values of the base's auto keys: what apply runs
 
 
 @dataclass
@@ -390,6 +391,10 @@ class Worker:
         trial.set_user_attr("plan", {"tokens": plan.tokens, "steps": plan.steps, "seconds": plan.seconds,
                                      "calibrated": plan.calibrated, "cost": plan.cost})
         resume = job.resumed and has_checkpoint(job.run_dir)
+        job.fitted = plan.fitted
+        if plan.fitted:  # apply runs the plan's fit, never one of its own
+            trial.set_user_attr("fitted", plan.fitted)
+            described += "  fitted: " + " ".join(f"{k}={v!r}" for k, v in plan.fitted.items())
         self.echo(f"{self.tag}trial {number}: {'resuming' if resume else 'training'} {plan.steps} steps  [{described}]")
         started = time.monotonic()
         interval = plan.log_interval if self.spec.metric == "loss" else plan.eval_interval
@@ -401,7 +406,9 @@ class Worker:
         deadline = time.monotonic() + LOCKED_RETRY_S
         while True:
             resume = resume or has_checkpoint(job.run_dir)
-            process = TrialProcess(apply_command(self.base, job.settings, resume=resume, nproc=self.nproc),
+            fitted = {} if resume else job.fitted  # a resume runs what its checkpoint ran (apply reads it)
+            process = TrialProcess(apply_command(self.base, {**job.settings, **fitted}, resume=resume,
+                                                 nproc=self.nproc),
                                    job.run_dir, log, self.spec.metric, interval)
             outcome = process.run(job.trial, lambda: self.report.signal, job.reported)
             if not outcome.locked or time.monotonic() > deadline or self.report.signal is not None:

@@ -210,3 +210,68 @@ def test_a_fitted_file_whose_base_the_loader_would_refuse_is_not_written(config,
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert f"-out {out} not written" in result.output and "config.extends_outside" in result.output
     assert not out.exists() and list(out.parent.iterdir()) == []  # no temporary file left either
+
+
+# ------------------------------------------------------------------------------------ auto keys
+
+
+def _auto_config(config, name: str, text: str):
+    path = config.parent / name
+    path.write_text(f"extends: {config.name}\n{text}")
+    return path
+
+
+def test_auto_counts_are_fitted_at_plan_time_and_the_resolved_plan_runs_them(config, unbounded):
+    from apr.plan.fit import fitted_settings
+    from apr.plan.planfile import check_plan_fresh
+
+    auto = _auto_config(config, "auto.yaml", "data:\n  batch_size: auto\n  global_batch_size: 64\n"
+                                             "training:\n  gradient_accumulation: auto\n")
+    vram = _vram_between(unbounded)
+    plan = build_plan(auto, gpu="t4", vram=vram)
+    record = plan.facts["fitted"]
+    batch, accumulation = record["keys"]["data.batch_size"], record["keys"]["training.gradient_accumulation"]
+    assert set(record["keys"]) == {"data.batch_size", "training.gradient_accumulation"} and batch * accumulation == 64
+    # the budget binds (the unbounded winner, micro-batch 64, is over it) and the fitted layout is within it
+    assert batch < GLOBAL and record["peak_bytes"] <= record["budget_bytes"] == int(vram * (1 - HEADROOM))
+    assert plan.errors == [] and plan.facts["memory"]["total_bytes"] == record["peak_bytes"]
+    # the same choice as --fit over the micro-batches of the config's own layout (compile as stated)
+    stated = fit_plan(build_plan(config, gpu="t4", vram=vram))
+    assert batch == max((c for c in stated.candidates if c.fits and not c.execution.compile),
+                        key=lambda c: (-c.score, c.batch_size)).batch_size
+    # what apply runs: the plan's Resolved carries the fitted counts
+    resolved = plan.resolved.config
+    assert (resolved.data.batch_size, resolved.training.gradient_accumulation) == (batch, accumulation)
+    finding = next(f for f in plan.findings if f.code == "plan.auto_fit")
+    assert (finding.file, finding.line, finding.path) == (str(auto), 3, "data.batch_size")
+    assert f"data.batch_size auto -> {batch}" in finding.message
+    assert "global batch of 64 sequences kept" in finding.message
+    # a saved plan keeps the values: it is fresh, and apply reads them back instead of fitting again
+    doc = json.loads(json.dumps(plan.to_dict()))
+    assert fitted_settings(doc) == record["keys"] and doc["overrides"] == {}
+    assert check_plan_fresh(doc) == auto
+
+
+def test_auto_sharding_is_fitted_on_several_ranks_and_none_on_one(config):
+    from apr.plan.build import plan_config
+
+    auto = _auto_config(config, "auto-sharding.yaml", "training:\n  sharding: auto\n")
+    assert build_plan(auto, gpu="h100").facts["fitted"]["keys"] == {"training.sharding": "none"}
+    stand_in = plan_config(auto, gpu="h100", world_size=4, overrides={"training.world_size": 4})
+    peaks = {c.sharding: c.peak_bytes for c in fit_plan(stand_in, free=("training.sharding",)).candidates}
+    assert peaks["full"] < peaks["none"]
+    vram = int((peaks["full"] + peaks["none"]) / 2 / (1 - HEADROOM))  # none does not fit, full does
+    plan = build_plan(auto, vram=vram, world_size=4)
+    chosen = plan.facts["fitted"]["keys"]
+    assert chosen["training.world_size"] == 4 and chosen["training.sharding"] != "none"
+    assert peaks[chosen["training.sharding"]] <= plan.facts["fitted"]["budget_bytes"]
+    assert plan.resolved.sharding == chosen["training.sharding"]
+
+
+def test_auto_that_nothing_fits_is_refused_by_plan(config):
+    auto = _auto_config(config, "auto-small.yaml", "data:\n  batch_size: auto\n  global_batch_size: 64\n")
+    result = runner.invoke(app, ["train", "plan", str(auto), "--vram", "900MiB"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "no layout of the global batch fits" in " ".join(result.output.split())
+    result = runner.invoke(app, ["train", "plan", str(auto)])  # device cuda, no target: no budget to fit
+    assert result.exit_code == 1 and "data.batch_size: auto: --fit needs a memory budget" in result.output

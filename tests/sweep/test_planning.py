@@ -130,3 +130,23 @@ def test_a_probe_of_the_base_shape_times_its_trials_calibrated_and_the_others_ar
     assert "time unknown: 1 of 2 valid trials have no probe or finished run of their shape" in text
     text = runner.invoke(app, ["sweep", "plan", "sweep.yaml"]).stdout
     assert f"time {fmt_duration(total['seconds'])} (calibrated)" in text
+
+
+def test_auto_keys_are_fitted_per_trial_at_its_own_shape_or_the_trial_is_refused(tmp_path, monkeypatch):
+    from apr.plan.build import build_plan
+
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_root(tmp_path, data={"batch_size": "auto", "global_batch_size": 8},
+                    training={"gradient_accumulation": "auto"})
+    spec = load_sweep(write_sweep(tmp_path, "config: cfg.yaml\nmethod: grid\nparameters:\n"
+                                            "  data.global_batch_size: {values: [4, 8]}\n"))
+    plan = plan_sweep(spec, vram="4GiB")
+    assert [t.valid for t in plan.trials] == [True, True]
+    for t in plan.trials:
+        total = t.settings["data.global_batch_size"]
+        assert t.fitted["data.batch_size"] * t.fitted["training.gradient_accumulation"] == total
+        # the trial's fit is the plan's own for its settings (what apply would fit)
+        assert t.fitted == build_plan(cfg, vram="4GiB", overrides=t.settings).facts["fitted"]["keys"]
+    assert plan.to_dict()["trials"][0]["fitted"] == plan.trials[0].fitted
+    refused = plan_trial(cfg, {"data.global_batch_size": 8}, vram="1KiB")  # nothing fits: the trial's reason
+    assert not refused.valid and "no layout of the global batch fits" in refused.reason()

@@ -141,3 +141,30 @@ def test_the_grace_period_must_outlast_the_heartbeat(sweep):
         _worker(sweep, heartbeat=5, grace=5)
     assert info.value.findings[0].path == "--grace"
     assert not sweep_dir(sweep).exists()  # refused before anything is written
+
+
+def test_a_trial_of_a_base_with_auto_keys_runs_the_values_its_plan_fitted(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny_root(tmp_path, data={"batch_size": "auto", "global_batch_size": 8},
+              training={"gradient_accumulation": "auto"})
+    spec = load_sweep(write_sweep(tmp_path, "config: cfg.yaml\nmethod: grid\nparameters:\n"
+                                            "  optimizer.lr: {values: [0.01]}\n"))
+    commands = []
+
+    class Started(Exception):
+        pass
+
+    def apply_command(base, settings, **kwargs):
+        commands.append(settings)
+        raise Started  # the command apply would run is all this test needs
+
+    monkeypatch.setattr("apr.sweep.runner.apply_command", apply_command)
+    worker, lines = _worker(spec)
+    with pytest.raises(Started):
+        worker.run()
+    (settings,) = commands
+    assert settings["optimizer.lr"] == 0.01
+    assert settings["data.batch_size"] * settings["training.gradient_accumulation"] == 8  # fitted, not auto
+    fitted = worker.study.trials[0].user_attrs["fitted"]
+    assert {k: settings[k] for k in fitted} == fitted
+    assert "fitted: data.batch_size=" in lines[-1]
