@@ -35,8 +35,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
+        from apr.fsutil import check_output_folder
         from apr.generate.load import refuse_masked_lm_source  # lazy: torch, through the export module
 
+        check_output_folder(out, inputs=[checkpoint], option="--out")  # the output first, as export_hf does
         refuse_masked_lm_source(checkpoint, "exported as a Hugging Face causal LM")
         result = export_hf(checkpoint, out, tokenizer=tokenizer, overwrite=overwrite, fmt=fmt.value, base=base)
         for w in result.warnings:

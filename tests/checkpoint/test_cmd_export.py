@@ -32,11 +32,12 @@ def test_export_writes_a_hf_folder(tmp_path, tokenizer_file):  # noqa: F811
 def test_export_errors_and_usage(tmp_path):
     res = runner.invoke(app, ["export", str(tmp_path / "missing.json"), "--out", str(tmp_path / "o")])
     assert res.exit_code == 1
-    assert "checkpoint.missing" in res.output and "Traceback" not in res.output
+    # the one weight-source reader's refusal (docs/checkpoints.md, "Weight sources"), naming the file
+    assert "source.missing" in res.output and "missing.json" in res.output and "Traceback" not in res.output
     res = runner.invoke(app, ["export", str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "o")])
     assert res.exit_code == 2
     res = runner.invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "o")])
-    assert res.exit_code == 1 and "no checkpoint in" in res.output
+    assert res.exit_code == 1 and "source.no_checkpoint" in res.output and "got an empty folder" in res.output
 
 
 def test_export_never_replaces_a_device_or_a_fifo(tmp_path, tokenizer_file):  # noqa: F811
