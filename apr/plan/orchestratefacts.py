@@ -59,7 +59,11 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
                 "flat-buffer walk (training.engine: interleaved) hands the updater each group's flat buffer, "
                 "without the matrices' shapes", "training.engine: standard, or another optimizer",
                 f"adafactor with training.engine: {tr.engine}")
-    for key in sorted(k for k in config.optimizer.model_fields_set if k.startswith("adafactor_")):
+    defaults = type(config.optimizer).model_fields
+    # a key changed from its default (a run's saved config.yaml states every key at its default value)
+    changed = [k for k in sorted(config.optimizer.model_fields_set) if k.startswith("adafactor_")
+               and getattr(config.optimizer, k) != defaults[k].default]
+    for key in changed:
         if optimizer != "adafactor":  # accepted, then ignored, would be silent
             finding(("optimizer", key), f"optimizer.{key} applies to adafactor only; the run's optimizer is "
                     f"{optimizer}", "optimizer.name: adafactor, or no adafactor_ keys", f"{key} with {optimizer}")

@@ -128,3 +128,18 @@ def test_state_copies_that_do_not_fit_the_memory_budget_are_an_error_at_branches
     found = orchestrator_memory_findings(loaded, facts, memory)
     assert [(f.path, f.line) for f in found] == [("training.orchestrator.branches", 18)]
     assert "6.00 GiB" in found[0].message and found[0].got == "11.00 GiB"
+
+
+def test_adafactor_keys_at_their_defaults_are_not_refused_for_another_optimizer(tmp_path):
+    """A run's saved config.yaml states every key, the adafactor ones at their defaults: a fork or a
+    re-plan of it must not be refused for them (only a changed value would be ignored silently)."""
+    from apr.config.schema import OptimizerConfig
+
+    defaults = {k: f.default for k, f in OptimizerConfig.model_fields.items() if k.startswith("adafactor_")}
+    assert defaults
+    cfg = tmp_path / "c.yaml"
+    stated = "".join(f"  {k}: {json.dumps(v)}\n" for k, v in defaults.items())
+    cfg.write_text(BASE + "optimizer:\n  name: adamw\n" + stated)
+    assert orchestrator_findings(load_config(cfg), 1000) == []
+    cfg.write_text(BASE + "optimizer:\n  name: adamw\n  adafactor_clip_threshold: 2.0\n")
+    assert [f.path for f in orchestrator_findings(load_config(cfg), 1000)] == ["optimizer.adafactor_clip_threshold"]
