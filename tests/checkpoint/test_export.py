@@ -246,6 +246,7 @@ def test_an_export_killed_by_a_signal_leaves_no_temp_folder(tmp_path, tokenizer_
     script = f"""
 import os, signal
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (a background job ignores it)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # and under nohup (a CI runner's job) SIGHUP is ignored too
 from apr.checkpoint import export, files
 real = files.write_safetensors
 def interrupted(path, *a, **k):
