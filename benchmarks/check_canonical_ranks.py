@@ -1,0 +1,74 @@
+"""training.reduction: canonical across 1, 2 and 4 gloo ranks, beyond what CI runs (CI's
+tests/distributed/test_canonical.py runs 2 ranks and one process): 4 ranks x accumulation 1 against
+one process x 4, the 4-rank run's step-4 checkpoint resumed on 2 ranks, and the one-process run's
+resumed on 4 ranks, each compared tensor by tensor at step 8 (docs/performance.md, "Canonical
+reduction"). Prints how many of the checkpoint's tensors differ (0: bitwise equal).
+
+    .venv/bin/python benchmarks/check_canonical_ranks.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "train"))
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from run_helpers import config_doc, make_dataset  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.distributed.ranks import run_ranks, run_script  # noqa: E402
+
+WORKER = REPO / "tests" / "train" / "run_worker.py"
+COMMON = {"epochs": 1, "max_steps": 8, "save_interval": 4, "keep_last": 5, "eval_interval": 0,
+          "engine": "standard", "reduction": "canonical", "grad_clip": 0.5, "clip_mode": "global"}
+
+
+def _doc(root: Path, out: str, accum: int) -> dict:
+    return config_doc(root, data={"batch_size": 2}, optimizer={"lr": 1e-2, "min_lr": 1e-3},
+                      training={**COMMON, "gradient_accumulation": accum, "output_dir": out})
+
+
+def _launch(root: Path, doc: dict, name: str, ranks: int, resume: str | None = None) -> None:
+    path = root / name
+    path.write_text(json.dumps(doc))
+    args = [str(WORKER), str(path)] + ([resume] if resume else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "300"}
+    proc = run_ranks(args, ranks, env, timeout=900) if ranks > 1 else run_script(args, env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _differing(root: Path, a: str, b: str, step: int = 8) -> str:
+    x, y = (load_file(str(root / d / f"checkpoint-step-{step}.safetensors")) for d in (a, b))
+    return f"{sum(not torch.equal(x[k], y[k]) for k in x)} of {len(x)} tensors differ"
+
+
+def _resume_copy(root: Path, source: str, target: str, step: int = 4) -> None:
+    (root / target).mkdir()
+    for suffix in ("json", "safetensors"):
+        shutil.copy(root / source / f"checkpoint-step-{step}.{suffix}", root / target)
+
+
+def main() -> None:
+    root = Path(tempfile.mkdtemp())
+    make_dataset(root, train_rows=160)
+    _launch(root, _doc(root, "four/", 1), "four.json", 4)
+    _launch(root, _doc(root, "one/", 4), "one.json", 1)
+    print("4 ranks x 1 against 1 process x 4:", _differing(root, "four", "one"))
+    _resume_copy(root, "four", "r2")
+    _launch(root, _doc(root, "r2/", 1), "r2.json", 2, resume="latest")
+    print("4 ranks, resumed from step 4 on 2 ranks:", _differing(root, "r2", "four"))
+    _resume_copy(root, "one", "r4")
+    _launch(root, _doc(root, "r4/", 4), "r4.json", 4, resume="latest")
+    print("1 process, resumed from step 4 on 4 ranks:", _differing(root, "r4", "one"))
+
+
+if __name__ == "__main__":
+    main()
