@@ -4,13 +4,15 @@ SIGHUP is left alone when it is ignored at start (nohup).
 
 A run whose parent asked to be told of its death (a sweep's trial: Linux ``PR_SET_PDEATHSIG``,
 apr/sweep/trial.py) gets that signal once per thread of the dying parent, as the kernel hands the
-orphan from one exiting thread to the next: those repeats are one stop, not a second signal (which
-would abandon the step, or kill the process while it records the end of the run)."""
+orphan from one exiting thread to the next (its parent process id unchanged until the last one):
+so for such a run that signal (SIGTERM) stops it once, however often it comes, and once received it
+is ignored while the run records its end; a repeat would otherwise abandon the step, or kill the
+process before its ``training_state.json`` holds its last evaluations, which a retry carries on.
+Another signal (SIGINT) still interrupts at once."""
 
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import sys
 import threading
@@ -57,11 +59,11 @@ class StopSignals:
         self._echo = echo
         self._old: dict[int, object] = {}
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self._parent, self._death = 0, 0  # the parent process and its death signal, read on entry
+        self._death = 0  # the parent-death signal (a sweep's trial), read on entry
 
     def __enter__(self) -> StopSignals:
         if self.enabled:
-            self._parent, self._death = os.getppid(), parent_death_signal()
+            self._death = parent_death_signal()
             for sig in SIGNAL_EXIT:
                 if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
                     continue  # started under nohup: a hang-up is not meant for this run
@@ -69,7 +71,7 @@ class StopSignals:
         return self
 
     def _handle(self, signum, _frame) -> None:
-        if signum == self._death and os.getppid() != self._parent:  # the parent died (told once per thread of it)
+        if signum == self._death:  # the worker's stop, or its death told once per thread of it: one stop
             clear_parent_death_signal()
             if self.received in (None, signum):
                 self.received = signum
@@ -82,9 +84,10 @@ class StopSignals:
         """Say, once, from the loop, that a signal is stopping the run."""
         if self.received is not None and not self.announced:
             self.announced = True
-            self._echo(f"{signal.Signals(self.received).name}: finishing this step and writing a checkpoint "
-                       "(send it again to exit at once)")
+            again = "SIGINT exits at once" if self.received == self._death else "send it again to exit at once"
+            self._echo(f"{signal.Signals(self.received).name}: finishing this step and writing a checkpoint ({again})")
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            # a parent-death signal received: its repeats still on their way must not kill the end's records
+            signal.signal(sig, signal.SIG_IGN if sig == self.received == self._death else old)

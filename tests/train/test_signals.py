@@ -30,25 +30,32 @@ def test_a_second_signal_interrupts_at_once():
 
 
 def test_the_parent_death_signal_repeated_by_the_kernel_is_one_stop(monkeypatch):
-    # the worker that started this run died: the kernel sends SIGTERM as it hands the orphan from
-    # one exiting thread of the worker to the next. The run must finish its step and record its end.
+    # a sweep's trial (PR_SET_PDEATHSIG SIGTERM) whose worker died: the kernel sends SIGTERM as it hands
+    # the orphan from one exiting thread of the worker to the next. The run finishes its step, and the
+    # repeats still on their way once the loop is over do not kill it while it records its end.
     monkeypatch.setattr(signals, "parent_death_signal", lambda: signal.SIGTERM)
     cleared = []
     monkeypatch.setattr(signals, "clear_parent_death_signal", lambda: cleared.append(True))
-    parent = os.getppid()
-    with StopSignals(True, lambda line: None) as stop:
-        monkeypatch.setattr(os, "getppid", lambda: parent + 1)  # orphaned: handed to another process
-        for _ in range(3):
+    before = signal.getsignal(signal.SIGTERM)
+    lines = []
+    try:
+        with StopSignals(True, lines.append) as stop:
+            for _ in range(3):
+                _send(signal.SIGTERM)
+            assert stop.received == signal.SIGTERM and cleared  # one stop; no more are sent
+            stop.announce()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        _send(signal.SIGTERM)  # a late repeat: ignored
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert lines == ["SIGTERM: finishing this step and writing a checkpoint (SIGINT exits at once)"]
+    # another signal after it still interrupts at once
+    try:
+        with pytest.raises(Interrupted), StopSignals(True, lambda line: None):
             _send(signal.SIGTERM)
-        assert stop.received == signal.SIGTERM
-        assert cleared  # no more are sent
-        monkeypatch.setattr(os, "getppid", lambda: parent)
-    # a signal from anyone else after the parent's death is still a second signal
-    monkeypatch.setattr(signals, "parent_death_signal", lambda: signal.SIGTERM)
-    with pytest.raises(Interrupted), StopSignals(True, lambda line: None):
-        monkeypatch.setattr(os, "getppid", lambda: parent + 1)
-        _send(signal.SIGTERM)
-        _send(signal.SIGINT)
+            _send(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 CHILD = """
@@ -63,6 +70,9 @@ with StopSignals(True, print) as stop:
     while not Path(sys.argv[1]).exists():  # finishing the step, while the kernel repeats the signal
         time.sleep(0.005)
 print("stopped by", stop.received, flush=True)
+while not Path(sys.argv[1] + ".end").exists():  # recording the end of the run, the loop's handlers gone
+    time.sleep(0.005)
+print("recorded the end", flush=True)
 """
 
 # a sweep worker starting its trial as apr/sweep/trial.py does
@@ -87,7 +97,8 @@ def _wait_for(path: Path, text: str, proc=None) -> str:
 @pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_trial_whose_worker_is_killed_stops_once_though_the_signal_comes_again(tmp_path: Path):
     # The worker is SIGKILLed: its trial gets SIGTERM (PR_SET_PDEATHSIG), then again while it finishes
-    # its step (what the kernel does for each thread of a multi-threaded worker): one graceful stop.
+    # its step and after (what the kernel does for each thread of a multi-threaded worker): one
+    # graceful stop, and the end of the run recorded.
     out, repeated = tmp_path / "child.log", tmp_path / "repeated"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(signals.__file__).parents[2]),
                                                         os.environ.get("PYTHONPATH", "")])}
@@ -101,5 +112,8 @@ def test_a_trial_whose_worker_is_killed_stops_once_though_the_signal_comes_again
     _wait_for(out, "stopping")
     os.kill(child, signal.SIGTERM)
     repeated.touch()
-    text = _wait_for(out, "stopped by")
-    assert text.split("\n")[1:3] == ["stopping", f"stopped by {int(signal.SIGTERM)}"], text
+    _wait_for(out, "stopped by")
+    os.kill(child, signal.SIGTERM)
+    Path(f"{repeated}.end").touch()
+    text = _wait_for(out, "recorded the end")
+    assert text.split("\n")[1:4] == ["stopping", f"stopped by {int(signal.SIGTERM)}", "recorded the end"], text
