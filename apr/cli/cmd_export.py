@@ -8,6 +8,8 @@ from pathlib import Path
 
 import typer
 
+from apr.fsutil import check_output_folder
+
 
 class ExportFormat(StrEnum):
     hf = "hf"
@@ -35,7 +37,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Export weights, config and tokenizer so transformers loads them offline. Exit 0 ok, 1 error."""
         from apr.checkpoint.export import export_hf
-        from apr.fsutil import check_output_folder
         from apr.generate.load import refuse_masked_lm_source  # lazy: torch, through the export module
 
         check_output_folder(out, inputs=[checkpoint], option="--out")  # the output first, as export_hf does
