@@ -217,6 +217,9 @@ class Architecture(_Section):
     sliding_window: PositiveCount | None = Field(
         None, description="mistral: each position attends to the last sliding_window positions (itself "
         "included). Default: full causal attention.")
+    dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout probability on the attention weights and on "
+                           "each block's attention and MLP output before the residual add; training only (off at "
+                           "validation, eval and generate).")
 
     @model_validator(mode="after")
     def _decoupled_fits(self):
@@ -283,6 +286,7 @@ def _lora_targets(value: object) -> object:
 class TrunkDtype(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
+    nf4 = "nf4"
 
 
 class LoraConfig(_Section):
@@ -297,8 +301,11 @@ class LoraConfig(_Section):
         "all, or a list of those names.")
     rslora: Bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski, 2023).")
     trunk_dtype: TrunkDtype = Field(
-        TrunkDtype.fp32, description="Storage of the frozen blocks' projection weights: fp32, or bf16 (half the "
-        "frozen memory; needs mixed_precision bf16; export merges onto the bf16-rounded weights).")
+        TrunkDtype.fp32, description="Storage of the frozen blocks' projection weights: fp32, bf16 (half the "
+        "frozen memory; needs mixed_precision bf16; export merges onto the bf16-rounded weights), or nf4 (QLoRA: "
+        "4-bit NormalFloat with double-quantized scalers through torchao, about 0.52 bytes a weight; any "
+        "mixed_precision; quantized from model.init_from's weights at every start, so a resume needs no stored "
+        "base; export merges onto the dequantized NF4 weights).")
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -651,6 +658,15 @@ class OptimizerConfig(_Section):
 class TrainingMode(StrEnum):
     causal_lm = "causal_lm"
     distill = "distill"
+    mlm = "mlm"
+
+
+class MlmConfig(_Section):
+    """The masked-LM objective (training.mode: mlm; docs/training.md, "Masked-LM objective")."""
+    mask_rate: Float = Field(0.15, gt=0, lt=1, description="Share of input positions replaced by mask_token_id; "
+                             "the loss is the cross-entropy at those positions only.")
+    mask_token_id: NonNegCount = Field(description="Token id that replaces a masked position (below "
+                                       "model.architecture.vocab_size).")
 
 
 class BlockLoss(StrEnum):
@@ -952,9 +968,11 @@ class Device(StrEnum):
 
 
 class TrainingConfig(_Section):
-    mode: TrainingMode = Field(TrainingMode.causal_lm, description="Objective: causal_lm, or distill "
-                               "(blockwise distillation from training.distill.teacher, then KD fine-tuning).")
+    mode: TrainingMode = Field(TrainingMode.causal_lm, description="Objective: causal_lm, distill "
+                               "(blockwise distillation from training.distill.teacher, then KD fine-tuning) or "
+                               "mlm (masked LM with bidirectional attention; training.mlm).")
     distill: DistillConfig | None = Field(None, description="Blockwise distillation (needs mode: distill).")
+    mlm: MlmConfig | None = Field(None, description="The masked-LM objective (needs mode: mlm).")
     epochs: PositiveCount = Field(1, description="Passes over the training data; caps the step count.")
     max_steps: PositiveCount | None = Field(
         None, description="Optimizer steps to run. Default: epochs x steps_per_epoch."

@@ -122,6 +122,7 @@ class Attention(nn.Module):
         self.head_dim = self.key_dim = arch.head_dim  # key_dim: the cached key's width (apr.generate.decode)
         self.sliding_window = arch.sliding_window  # mistral: keys at most this many positions back, itself included
         self.causal = True  # False: every position attends to the whole sequence (training.mode: mlm)
+        self.dropout = arch.dropout  # on the attention weights, in training mode only
         h, bias = arch.hidden_size, spec.qkv_bias(arch)  # qwen2: biases on q, k and v
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv_heads * self.head_dim, bias=bias)
@@ -144,10 +145,13 @@ class Attention(nn.Module):
             pos = torch.arange(s, device=x.device)
             back = pos[:, None] - pos[None, :]  # query position minus key position
             mask = (back >= 0) & (back < self.sliding_window)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self._p(), enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self._p(), enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+    def _p(self) -> float:
+        return self.dropout if self.training else 0.0
 
 
 class DecoupledAttention(nn.Module):
@@ -164,6 +168,7 @@ class DecoupledAttention(nn.Module):
         self.sem_dim, self.geo_dim = arch.decoupled_attention.sem_dim, arch.decoupled_attention.geo_dim
         self.key_dim = self.sem_dim + self.geo_dim
         self.causal = True  # as Attention's
+        self.dropout = arch.dropout  # as Attention's
         h = arch.hidden_size
         self.q_sem_proj = nn.Linear(h, self.n_heads * self.sem_dim, bias=False)
         self.k_sem_proj = nn.Linear(h, self.n_kv_heads * self.sem_dim, bias=False)
@@ -190,6 +195,7 @@ class DecoupledAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.head_dim ** -0.5,
+                                           dropout_p=self.dropout if self.training else 0.0,
                                            enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
 
@@ -209,18 +215,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); with ``arch.dropout``, dropout on the
+    attention weights and on each branch before it joins the residual stream, in training mode only
+    (``model.eval()``: validation, generation, evaluation)."""
 
     def __init__(self, arch: Architecture):
         super().__init__()
+        self.dropout = arch.dropout
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch) if arch.decoupled_attention is None else DecoupledAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not (self.dropout and self.training):
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + F.dropout(self.self_attn(self.input_layernorm(x), cos, sin), self.dropout)
+        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout)
 
 
 class LlamaModel(nn.Module):

@@ -131,6 +131,16 @@ def _distill_findings(loaded: LoadedConfig) -> list[Finding]:
     return distill_config_findings(loaded)
 
 
+def _mlm_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``apr.plan.mlmfacts.mlm_config_findings`` where the config names the masked-LM objective at all."""
+    tr = loaded.config.training
+    if str(tr.mode) != "mlm" and tr.mlm is None:
+        return []
+    from apr.plan.mlmfacts import mlm_config_findings  # lazy: off validate's path unless the objective is mlm
+
+    return mlm_config_findings(loaded)
+
+
 def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     """`training.output_dir` a run must not write into (a filesystem root, the home folder, the data or
     the tokenizer), located at the key's line."""
@@ -432,6 +442,36 @@ def _trunk_findings(config, finding) -> list[Finding]:
     return []
 
 
+def qlora_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``model.lora.trunk_dtype: nf4`` (QLoRA) that cannot run: torchao missing, projections that do
+    not split into NF4's 64-weight blocks, or FSDP2 sharding (an NF4 base is not one float32 group)."""
+    lora = loaded.config.model.lora
+    if lora is None or str(lora.trunk_dtype) != "nf4":
+        return []
+    arch, out = loaded.config.model.architecture, []
+
+    def finding(key: tuple, message: str, expected: str, got: str) -> None:
+        file, line, column = loaded.source.where(key)
+        out.append(Finding("error", "config.lora", message, path=".".join(key), file=file, line=line, column=column,
+                           expected=expected, got=got))
+
+    key = ("model", "lora", "trunk_dtype")
+    if find_spec("torchao") is None:
+        finding(key, "model.lora.trunk_dtype nf4 quantizes the base with torchao, which is not installed",
+                "pip install 'apr[quant]' (torchao)", "no torchao")
+    odd = [m for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+           if math.prod(spec.linear_dims(arch, m)) % spec.NF4_BLOCK]
+    if odd:
+        finding(key, f"NF4 quantizes blocks of {spec.NF4_BLOCK} weights; {', '.join(odd)} of this architecture do "
+                "not split into them", f"projections with a multiple of {spec.NF4_BLOCK} weights, or trunk_dtype "
+                "fp32 / bf16", ", ".join(odd))
+    if str(loaded.config.training.sharding) != "none":
+        finding(("training", "sharding"), "model.lora.trunk_dtype nf4 runs replicated (one process or DDP): FSDP2 "
+                "shards float32 or bf16 tensors by rows, not NF4 codes and their scalers",
+                "sharding: none, or trunk_dtype fp32 / bf16", str(loaded.config.training.sharding))
+    return out
+
+
 def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes: int | None = None) -> list[Finding]:
     """`training.sharding` with a layout that cannot exist (docs/design.md, "The composed engine"):
     hybrid over nodes that do not split the ranks evenly; every feature runs on shards.
@@ -477,7 +517,9 @@ _CHECKS: tuple = (
     (lambda loaded: stacking_findings(loaded, loaded.config.training.max_steps),
      (("model",), ("training", "max_steps"))),
     (_distill_findings, (("training",), ("model",))),
+    (_mlm_findings, (("training",), ("model",), ("evaluation",))),
     (sharding_findings, (("training",), ("model",), ("evaluation",))),
+    (qlora_findings, (("model",), ("training", "sharding"))),
     (lambda loaded: orchestrator_findings(loaded, loaded.config.training.max_steps),
      (("training",), ("optimizer",), ("model", "stacking"), ("data",))),
     (reduction_findings, (("training",), ("model",))),

@@ -258,6 +258,33 @@ FEATURES: list[Feature] = [
                         "micro-batch's whole gradient on every rank"),
         "hybrid": refused("as `full`"),
     }),
+    Feature("model dropout (model.architecture.dropout), both sources", {
+        "one": tested("tests/train/test_walk.py::test_the_walk_with_dropout_trains_as_autograd[recompute]",
+                      "tests/train/test_walk.py::"
+                      "test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal[interleaved]",
+                      note="the walk replays a recomputed block's masks: 1e-6 of autograd; resume bitwise"),
+        "ddp": not_tested("each rank draws its own masks from its own RNG, checkpointed per rank"),
+        "full": not_tested("recomputed blocks run under torch.utils.checkpoint inside FSDP2's units, which "
+                           "restores the RNG state as the walk does"),
+        "hybrid": not_tested("as `full`"),
+    }),
+    Feature("masked-LM objective (training.mode: mlm, autograd)", {
+        "one": tested("tests/train/test_losses.py::"
+                      "test_an_mlm_run_scores_its_masked_validation_loss_and_resumes_bitwise",
+                      note="bitwise resume"),
+        "ddp": not_tested("a row's mask depends on the seed, the step and its tokens only, not on its rank"),
+        "full": refused("not built: the masked validation loss would run outside FSDP2's root forward, which "
+                        "gathers the embedding and head"),
+        "hybrid": refused("as `full`"),
+    }),
+    Feature("LoRA with `trunk_dtype: nf4` (QLoRA over an imported base)", {
+        "one": tested("tests/checkpoint/test_hf_families.py::"
+                      "test_qlora_over_each_family_starts_at_transformers_over_the_nf4_base_in_both_engines",
+                      note="both sources; resume bitwise, merged and PEFT exports"),
+        "ddp": not_tested("the NF4 base is replicated on every rank, as the bf16 trunk"),
+        "full": refused("FSDP2 shards float32/bf16 rows, not NF4 codes (validate: training.sharding)"),
+        "hybrid": refused("as `full`"),
+    }),
 ]
 
 

@@ -59,9 +59,10 @@ class Walk:
         self._inflight: tuple | None = None
         self.grad_scratch = buffers.get("grad_scratch")
         self.tied = model.lm_head is None and self.embed is not None
-        # LoRA dropout: each block's RNG state at its forward, replayed when the block is recomputed
+        # LoRA or model dropout: each block's RNG state at its forward, replayed when the block is recomputed
         lora = config.model.lora
-        self._block_rng: list | None = [None] * len(self.block_groups) if lora and lora.dropout > 0 else None
+        dropout = (lora is not None and lora.dropout > 0) or config.model.architecture.dropout > 0
+        self._block_rng: list | None = [None] * len(self.block_groups) if dropout else None
         self._lr = 0.0
         # The compute copy (docs/design.md, "The engines"): each block's weights in bf16/fp16,
         # written by AdamW's param_copy after every update; the blocks' matmuls read it instead of
@@ -92,7 +93,7 @@ class Walk:
             inputs: list[torch.Tensor | None] = [x]
             for i in range(len(self.e.model.model.layers)):
                 mode = self.e.execution.block_mode(i)
-                if self._block_rng is not None:  # LoRA dropout: a recompute must draw the same masks
+                if self._block_rng is not None:  # dropout: a recompute must draw the same masks
                     self._block_rng[i] = _rng_state(ids.device)
                 if mode == "recompute":
                     with torch.no_grad():

@@ -282,3 +282,123 @@ def test_a_bad_folder_exits_1_naming_the_file_and_what_was_found(tmp_path, case)
     assert r.returncode == 1 and "Traceback" not in r.stderr and not (tmp_path / "out").exists()
     with pytest.raises((InitFromError, ValueError)):
         build_engine(plan_of(config_for(folder, SHAPES)))
+
+
+# --------------------------------------------------------- QLoRA: an NF4 base of any family (item 3)
+
+QLORA = {"rank": 4, "alpha": 8.0, "targets": "all", "trunk_dtype": "nf4"}
+
+
+def through_nf4(hf):
+    """A copy of the transformers model whose block projections are their NF4 quantization,
+    dequantized: what a QLoRA run's frozen base multiplies by."""
+    import copy
+
+    from apr.model.lora import as_stored
+
+    model = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".layers." in name and name.endswith("_proj.weight"):
+                p.copy_(as_stored(p.detach().float(), "nf4"))
+    return model
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "llama3.2", "tinyllama"])
+def test_qlora_over_each_family_starts_at_transformers_over_the_nf4_base_in_both_engines(tmp_path, family):
+    """model.lora.trunk_dtype nf4 over a folder of each family (qwen2 sharded): the projections are
+    stored in NF4 (the plan's frozen bytes are the tensors'), the step-0 logits and loss are
+    transformers' over the dequantized base, and both engines train the adapters alike."""
+    from apr.memory.buffers import frozen_buffers
+
+    hf = hf_model(tmp_path / "hf", family, shard="12KB" if family == "qwen2" else None)
+    quantized = through_nf4(hf)
+    after = {}
+    for kind in ("standard", "interleaved"):
+        doc = {**TINY, "model": {"init_from": str(tmp_path / "hf"), "lora": QLORA},
+               "training": {**TINY["training"], "engine": kind}}
+        config = AprConfig.model_validate(doc)
+        data = batches(config, 1, seed=5)
+        ids, targets = data[0][:, :-1], data[0][:, 1:]
+        theirs = hf_logits(quantized, ids)
+        assert (theirs - hf_logits(hf, ids)).abs().max() > 1e-3  # NF4 moved the weights
+        engine = build_engine(plan_of(config))
+        stored = [m.weight for n, m in engine.model.named_modules() if n.endswith("_proj")]
+        assert len(stored) == 7 * SHAPES["num_hidden_layers"] and all(type(w).__name__ == "NF4Tensor" for w in stored)
+        measured = sum(getattr(w, part).nbytes for w in stored for part in
+                       ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"))
+        planned = {b.name: b for b in frozen_buffers(config)}["frozen_projections"]
+        assert (planned.dtype, planned.shape[0]) == ("uint8", measured)
+        assert measured < sum(w.numel() for w in stored) * 0.6  # about half a byte per weight
+        with torch.no_grad():
+            torch.testing.assert_close(engine.model(ids), theirs, atol=1e-4, rtol=0)
+        want = F.cross_entropy(theirs.reshape(-1, theirs.shape[-1]), targets.reshape(-1)).item()
+        assert float(engine.train_step(data, lr=1e-2).loss) == pytest.approx(want, abs=1e-4)
+        engine.train_step(data, lr=1e-2)
+        after[kind] = {k: v.clone() for k, v in engine.train_state_tensors().items() if "optimizer" not in k}
+    assert after["standard"] and all(".lora_" in k for k in after["standard"])  # adapters only
+    for k in after["standard"]:
+        torch.testing.assert_close(after["interleaved"][k], after["standard"][k], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3.2"])
+def test_a_qlora_run_resumes_bitwise_and_exports_merged_and_peft_with_its_logits(tmp_path, family, monkeypatch):
+    """apr train apply with an NF4 base: a run resumed from its step-2 checkpoint ends bitwise equal
+    to the straight run (the base is quantized again from the folder, to the same codes); export
+    --format hf merges onto the dequantized base (from_pretrained gives the run's logits, in the
+    folder's class) and --format peft writes that base beside the adapters (PEFT gives them too)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from apr.checkpoint.export import export_hf
+    from apr.checkpoint.manager import load_latest
+    from apr.config.loader import config_hash
+    from apr.plan.build import resolve_config
+    from apr.train.run import ApplyOptions, prepare_run
+    from tests.train.run_helpers import VOCAB, config_doc, make_dataset
+
+    peft = pytest.importorskip("peft")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = hf_model(tmp_path / "hf", family, vocab_size=VOCAB)
+    write_tokenizer(tmp_path / "hf" / "tokenizer.json", VOCAB)
+    make_dataset(tmp_path, train_rows=16, val_rows=4)
+
+    def apply(out: str, resume=None) -> None:
+        doc = config_doc(tmp_path, training={"max_steps": 4, "epochs": 1, "eval_interval": 0, "save_interval": 2,
+                                             "output_dir": out})
+        doc["model"] = {"init_from": str(tmp_path / "hf"), "lora": QLORA}
+        cfg = AprConfig.model_validate(doc)
+        run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=tmp_path / "cfg.yaml",
+                          options=ApplyOptions(resume=resume, echo=lambda line: None))
+        assert run.execute().final_step == 4
+
+    apply("qlora/")
+    (tmp_path / "resumed").mkdir()
+    for suffix in ("json", "safetensors"):
+        shutil.copy(tmp_path / "qlora" / f"checkpoint-step-2.{suffix}", tmp_path / "resumed")
+    apply(str(tmp_path / "resumed"), resume="latest")
+    final, again = (load_file(str(tmp_path / d / "checkpoint-step-4.safetensors")) for d in ("qlora", "resumed"))
+    assert set(again) == set(final) and all(again[k].equal(final[k]) for k in final)
+
+    state = load_latest(tmp_path / "qlora")
+    cfg = AprConfig.model_validate(state.info.config)
+    engine = build_engine(plan_of(cfg.model_copy(update={"training": cfg.training.model_copy(
+        update={"engine": "standard"})})))
+    engine.load_train_state_tensors(state.tensors)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = engine.model(ids)
+    export_hf(tmp_path / "qlora", tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    assert type(merged) is type(hf)
+    torch.testing.assert_close(hf_logits(merged, ids), ours, atol=1e-5, rtol=0)
+    result = export_hf(tmp_path / "qlora", tmp_path / "peft", fmt="peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(result.base))
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "peft")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits.float(), ours, atol=1e-5, rtol=0)
+        with model.disable_adapter():  # the adapters trained, over the NF4 base (not the folder's weights)
+            torch.testing.assert_close(model(input_ids=ids).logits.float(), hf_logits(through_nf4(hf), ids),
+                                       atol=1e-5, rtol=0)
+            assert (model(input_ids=ids).logits.float() - ours).abs().max() > 1e-4

@@ -123,3 +123,19 @@ def test_qwen2_biases_start_at_zero_and_a_sliding_window_masks_older_keys():
         a, b = window(ids), full(ids)
     assert torch.equal(a[:, :4], b[:, :4])  # within the window nothing changes
     assert (a[:, 4:] - b[:, 4:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("decoupled", [None, {"sem_dim": 8, "geo_dim": 4}])
+def test_dropout_acts_in_training_mode_only(decoupled):
+    """model.architecture.dropout: in training mode two forwards draw different masks; in eval mode
+    the model is the same function as without dropout, bit for bit."""
+    ids = torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(1))
+    with_dropout = build_model(_arch(dropout=0.3, decoupled_attention=decoupled), seed=5)
+    without = build_model(_arch(decoupled_attention=decoupled), seed=5)
+    assert not torch.equal(with_dropout(ids), with_dropout(ids))
+    torch.manual_seed(7)
+    first = with_dropout(ids)
+    torch.manual_seed(7)
+    assert torch.equal(with_dropout(ids), first)  # the masks come from the global RNG
+    with_dropout.eval()
+    assert torch.equal(with_dropout(ids), without.eval()(ids))

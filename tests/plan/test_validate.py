@@ -161,6 +161,26 @@ def test_a_trunk_that_cannot_be_stored_or_adapted_is_refused_at_its_key(tmp_path
     assert all(f["line"] for f in found)  # every finding points at its line
 
 
+QLORA = ("model:\n  init_from: base/\n  lora: {{rank: 4, trunk_dtype: nf4}}\n  architecture:\n"
+         "    hidden_size: {hidden}\n    num_hidden_layers: 2\n    num_attention_heads: 4\n    num_key_value_heads: 2\n"
+         "    intermediate_size: 128\n    vocab_size: 512\n    max_position_embeddings: 64\n"
+         "data:\n  train: t/\n  batch_size: 2\n  seq_len: 32\ntraining:\n  max_steps: 10\n{training}")
+
+
+@pytest.mark.parametrize("hidden, training, path", [
+    (64, "", None),  # every projection splits into NF4's 64-weight blocks
+    (40, "", "model.lora.trunk_dtype"),  # k_proj's 40 x 20 weights do not
+    (64, "  sharding: full\n  world_size: 2\n", "training.sharding"),  # FSDP2 cannot shard NF4 codes
+])
+def test_a_qlora_base_that_cannot_be_stored_in_nf4_is_refused_at_its_key(tmp_path, hidden, training, path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(QLORA.format(hidden=hidden, training=training))
+    r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.lora"]
+    assert [f["path"] for f in found] == ([path] if path else []), found
+    assert all(f["line"] for f in found) and (r.exit_code == 1) == bool(path)
+
+
 def test_a_frozen_qlora_trunk_validates(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(TRUNK.format(precision="", extra="    earlier: freeze\n    trunk_strategy: qlora\n"
