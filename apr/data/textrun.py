@@ -17,7 +17,7 @@ from apr.data.pretokenize import pretokenize
 from apr.data.sources import iter_documents
 from apr.data.tokenizer import train_char_tokenizer, train_tokenizer
 from apr.errors import AprError, Finding
-from apr.fsutil import atomic_write_text
+from apr.fsutil import atomic_write_text, check_output_folder
 
 # the model a text run trains: about 0.8M parameters plus the embedding, minutes on a CPU
 SMALL_MODEL = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 384}
@@ -39,7 +39,7 @@ def prepare_text_run(text: Path, out: Path, *, kind: str = "char", vocab_size: i
     ``out/run``: ``max_steps`` steps, or one pass over the text) from the text file ``text``;
     AprError when it is too short to fill one training row (pretokenize's, or naming the file when
     every row went to val)."""
-    out = Path(out)
+    out = check_output_folder(out, inputs=[text], option="--out")  # a file, FIFO, device, link, apr's records
     if not Path(text).is_file():
         raise AprError(f"{text} is not a file", [Finding("error", "data.input", "no such text file", file=str(text),
                                                          expected="a text file", got="nothing")])

@@ -148,6 +148,8 @@ def invocations(w: World) -> dict[tuple[str, ...], list]:
         ("sweep", "best", "folder"): [lambda t: ["sweep", "best", sweep, "--dir", t], "--json"],
         ("train", "fork", "out"): [lambda t: ["train", "fork", str(w.run_dir), "--at", "2", "--out", t],
                                    "--gpu=h100"],
+        ("train", "text", "out"): [lambda t: ["train", "text", str(w.text), "--out", t, "--prepare-only"],
+                                   "--overwrite"],
     }
 
 
@@ -199,7 +201,8 @@ def _target(kind: str, w: World, tmp: Path, key: tuple[str, ...]) -> tuple[Path,
         return tmp / "existing.txt", [tmp / "existing.txt"]
     # the file the command reads: the config, or the store for commands that read a store
     reads_store = key[0] in ("runs", "experiment")
-    path = w.store if reads_store else w.text if key[:2] == ("data", "train-tokenizer") else w.config
+    reads_text = key[:2] in (("data", "train-tokenizer"), ("train", "text"))
+    path = w.store if reads_store else w.text if reads_text else w.config
     return path, [path]
 
 
