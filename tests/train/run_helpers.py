@@ -88,24 +88,36 @@ def signal_at(step_text: str, sig: int = signal.SIGINT):
 
 def run_until(cmd: list[str], env: dict, kill_at: str | None = None, timeout: float = 120) -> tuple[int, list[str]]:
     """Run ``cmd`` (stdout discarded), reading its stderr line by line; SIGKILL it as soon as a line
-    starts with ``kill_at``. Returns (exit code, the stderr lines read)."""
+    starts with ``kill_at``: the whole job at once (its own session: torchrun and every rank, as when a
+    machine dies; a launcher killed alone leaves its ranks holding the run folder for a while).
+    Returns (exit code, the stderr lines read)."""
+    import os
     import subprocess
     import sys
 
     if cmd[0] == sys.executable and cmd[1].endswith(".py"):  # a script: forked (tests/distributed/ranks.py)
         return _run_forked_until(cmd[1:], env, kill_at, timeout)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
+
+    def kill_job() -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     seen: list[str] = []
     try:
         for line in proc.stderr:
             seen.append(line)
             if kill_at is not None and line.startswith(kill_at):
-                proc.send_signal(signal.SIGKILL)
+                kill_job()
                 break
         proc.wait(timeout=timeout)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            kill_job()
+            proc.wait()
     return proc.returncode, seen
 
 
