@@ -217,15 +217,3 @@ class Autograd:
             else:
                 loss_total += loss.detach() / accum
         return loss_total
-
-    def freeze(self, frozen: set[str]) -> None:
-        self.params.freeze(frozen)
-
-    def meta_state(self) -> dict:
-        return self.params.meta_state()
-
-    def load_meta_state(self, meta: dict) -> None:
-        self.params.load_meta_state(meta)
-
-    def buffer_bytes(self) -> dict[str, int]:
-        return self.params.buffer_bytes()

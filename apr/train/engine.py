@@ -124,6 +124,12 @@ class Engine:
         self.gradients = None
 
     @property
+    def _state_part(self):
+        """Where the trained state lives: the layout's parameters (autograd, the sharded walk), or the
+        walk's own flat buffers."""
+        return self.gradients if self.layout is None else self.layout.params
+
+    @property
     def source(self) -> str:
         """``interleaved`` (the block walk, flat buffers or FSDP2 hooks) or ``standard`` (autograd)."""
         return self.gradients.name
@@ -297,7 +303,7 @@ class Engine:
         if self.adagc_ema:  # a few floats per tensor; float32 -> JSON float -> float32 is exact
             meta["adagc_ema"] = {name: ema.tolist() for name, ema in self.adagc_ema.items()}
         meta.update(self.updater.state_dict())  # SWATS: each group's phase and estimate
-        meta.update(self.gradients.meta_state())  # distillation's per-parameter step counts
+        meta.update(self._state_part.meta_state())  # distillation's per-parameter step counts
         return meta
 
     def loss_parameters(self) -> dict[str, torch.Tensor]:
@@ -314,7 +320,7 @@ class Engine:
         """Give these optimizer groups (``block.<i>``) no update: their gradients still flow to the
         blocks below, their weights and moments stay as they are (progressive stacking)."""
         self.frozen = set(groups)
-        self.gradients.freeze(self.frozen)
+        self._state_part.freeze(self.frozen)
 
     def load_meta_state(self, meta: dict) -> None:
         saved_base = meta.get("base")
@@ -333,7 +339,7 @@ class Engine:
                 raise AprError("the checkpoint has no AdaGC state (it was saved with another clip_mode)")
             for name, ema in self.adagc_ema.items():
                 ema.copy_(torch.tensor(saved[name], dtype=torch.float32))
-        self.gradients.load_meta_state(meta)
+        self._state_part.load_meta_state(meta)
 
     # ------------------------------------------------------------------ the step and the state
 
@@ -343,7 +349,7 @@ class Engine:
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes the source holds, by buffer name (the walk) or component (autograd)."""
-        return self.gradients.buffer_bytes()
+        return self._state_part.buffer_bytes()
 
     def train_state_tensors(self, everywhere: bool = False) -> dict[str, torch.Tensor]:
         """Weights and AdamW moments under checkpoint names (``everywhere``: on every rank, not only

@@ -223,15 +223,3 @@ class ShardedWalk:
     @property
     def groups(self) -> list[tuple[str, list[torch.Tensor]]]:
         return self.params.groups
-
-    def freeze(self, frozen: set[str]) -> None:
-        self.params.freeze(frozen)
-
-    def meta_state(self) -> dict:
-        return self.params.meta_state()
-
-    def load_meta_state(self, meta: dict) -> None:
-        self.params.load_meta_state(meta)
-
-    def buffer_bytes(self) -> dict[str, int]:
-        return self.params.buffer_bytes()
