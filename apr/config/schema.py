@@ -142,6 +142,28 @@ class DecoupledAttention(_Section):
     geo_dim: PositiveCount = Field(description="Width per head of the geometric (RoPE) query/key part; even.")
 
 
+class MixtureOfExperts(_Section):
+    """Each block's MLP as a router and ``num_experts`` SwiGLU experts, every token through its
+    ``top_k`` experts (Mixtral's sparse MoE block). See docs/moe.md."""
+
+    num_experts: PositiveCount = Field(ge=2, description="Experts per block (at least 2).")
+    top_k: PositiveCount = Field(2, description="Experts each token is routed to; their gate weights are "
+                                 "renormalised to sum to 1. At most num_experts.")
+    expert_intermediate_size: PositiveCount | None = Field(
+        None, description="SwiGLU hidden width of each expert. Default: model.architecture.intermediate_size.")
+    balance_loss_coef: Float = Field(0.01, ge=0, description="Weight of the load-balancing loss (Switch "
+                                     "Transformer's: num_experts x sum over experts of the share of tokens routed "
+                                     "to it times its mean router probability; 1.0 when balanced) added to the "
+                                     "training loss; 0 turns it off (it is still recorded).")
+
+    @model_validator(mode="after")
+    def _k_fits(self):
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe.top_k is {self.top_k}, more than num_experts {self.num_experts}: a token is "
+                             "routed to top_k distinct experts")
+        return self
+
+
 class ModelFamily(StrEnum):
     """The Hugging Face family a model is read from and exported as; all are the same decoder."""
 
@@ -220,6 +242,9 @@ class Architecture(_Section):
     dropout: Float = Field(0.0, ge=0, lt=1, description="Dropout probability on the attention weights and on "
                            "each block's attention and MLP output before the residual add; training only (off at "
                            "validation, eval and generate).")
+    moe: MixtureOfExperts | None = Field(
+        None, description="Mixture of experts in every block's MLP (Mixtral-style routing). Default: the dense "
+        "SwiGLU MLP.")
 
     @model_validator(mode="after")
     def _decoupled_fits(self):
