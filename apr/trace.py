@@ -351,8 +351,6 @@ def _regions(counter, engine) -> contextlib.ExitStack:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from apr.model import llama
-    from apr.train import autograd as autograd_module
-    from apr.train import finish
     from apr.train import walk as walk_module
 
     stack = contextlib.ExitStack()
@@ -379,14 +377,16 @@ def _regions(counter, engine) -> contextlib.ExitStack:
             method = getattr(engine.updater, name, None)
             if callable(method):
                 stack.enter_context(_patched(engine.updater, name, region(method, "temporaries")))
-    stack.enter_context(_patched(finish, "finish_step", region(finish.finish_step, "temporaries")))
+    # the update phase of a step that knows every gradient first (clip and the updater: apr/train/finish.py)
+    src = engine.gradients
+    if hasattr(src, "apply_all"):
+        stack.enter_context(_patched(src, "apply_all", region(src.apply_all, "temporaries")))
     if getattr(engine, "sharded", False):  # FSDP2: what its collectives make is weights or gradients
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
         for name, row in (("foreach_all_gather", "weights"), ("foreach_all_gather_copy_out", "weights"),
                           ("foreach_reduce", "gradients")):
             stack.enter_context(_patched(group, name, region(getattr(group, name), row)))
-    stack.enter_context(_patched(autograd_module, "finish_step", region(autograd_module.finish_step, "temporaries")))
     handle = register_optimizer_step_pre_hook(lambda *a: setattr(counter, "region", "temporaries"))
     stack.callback(handle.remove)
     return stack

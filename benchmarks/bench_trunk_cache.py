@@ -49,7 +49,7 @@ def run(root: Path, args, cache: bool) -> dict:
 
     from apr.config import config_hash
     from apr.config.schema import AprConfig
-    from apr.train.autograd import Autograd
+    from apr.train.engine import Engine
     from apr.train.run import ApplyOptions, prepare_run
 
     steps_per_epoch = args.rows // args.batch
@@ -70,7 +70,7 @@ def run(root: Path, args, cache: bool) -> dict:
     }
     config = AprConfig.model_validate(doc)
     times: list[tuple[int, float]] = []
-    step = Autograd.train_step
+    step = Engine.train_step
 
     def timed(self, micro_batches, lr):
         t = time.perf_counter()
@@ -78,13 +78,13 @@ def run(root: Path, args, cache: bool) -> dict:
         times.append((self.current_step, time.perf_counter() - t))
         return out
 
-    Autograd.train_step = timed
+    Engine.train_step = timed
     try:
         r = prepare_run(resolve_config(config), config_hash=config_hash(config), config_path=root / "cfg.yaml",
                         options=ApplyOptions(echo=lambda line: None, handle_signals=False))
         result = r.execute()
     finally:
-        Autograd.train_step = step
+        Engine.train_step = step
     tokens = args.batch * args.seq
     stage1 = [dt for s, dt in times if s > stage0]
     later = [dt for s, dt in times if s > stage0 + steps_per_epoch]

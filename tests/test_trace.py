@@ -165,12 +165,12 @@ def test_an_operation_fake_tensors_cannot_run_is_named(monkeypatch):
 
     from apr.errors import AprError
     from apr.trace import run_trace
-    from apr.train import walk
+    from apr.train.engine import Engine
 
     def step(self, batches, lr):
         return torch.nonzero(batches[0])  # a data-dependent shape: no fake tensor can hold it
 
-    monkeypatch.setattr(walk.Walk, "train_step", step)
+    monkeypatch.setattr(Engine, "train_step", step)
     config = _config({})
     resolved = resolve(config)
     with pytest.raises(AprError) as err:

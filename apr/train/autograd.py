@@ -17,8 +17,7 @@ from apr.memory import buffers as planned_buffers
 from apr.model import spec
 from apr.model.trunk import load_trunk_state, trunk_state
 from apr.train.engine import LOSS_GROUP, group_specs
-from apr.train.finish import finish_step
-from apr.train.outcome import StepResult
+from apr.train.finish import clip_
 from apr.train.reduction import CanonicalSum
 
 
@@ -164,7 +163,7 @@ class Replicated:
 
 
 class Autograd:
-    """Autograd over the model on the engine's layout, then ``finish.finish_step`` (clip, the
+    """Autograd over the model on the engine's layout, its step ended by ``finish.known`` (clip, the
     updater): one process, DDP and FSDP2 shards alike."""
 
     name = "standard"
@@ -183,21 +182,36 @@ class Autograd:
     def named(self) -> dict[str, torch.Tensor]:
         return self.params.named
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        e, layout = self.e, self.e.layout
-        e._skip = False
-        e.loss.begin_step(e.current_step)
+    # The source's side of ``Engine.train_step`` (apr/train/engine.py), the step ended by apr/train/finish.py.
+    holds_all_grads = True  # a whole backward, then the update
+    reads_host = True  # the textbook loop: the loss and the norm are read every step
+    sq_scale = 1.0  # the norms are of the unscaled, reduced gradients
+
+    def accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Every micro-batch backpropagated, the gradients reduced over the layout's ranks and
+        unscaled; returns the mean loss and every group's squared norm."""
+        layout = self.e.layout
         for p in self.named.values():
             p.grad = None
         loss = self._backward(micro_batches)
         for name, _ in self.groups:
-            e._probe(name)
+            self.e._probe(name)
         if getattr(layout, "canonical", None) is not None:
-            local, loss = layout.canonical_grads()
+            self._local, loss = layout.canonical_grads()
         else:
-            local = layout.reduced_grads()
-        self.idle_groups = {name for name, _ in self.groups} - set(local)
-        return finish_step(e, loss, local, layout.group_sq(local), lr)
+            self._local = layout.reduced_grads()
+        self.idle_groups = {name for name, _ in self.groups} - set(self._local)
+        return loss, layout.group_sq(self._local)
+
+    def apply_all(self, coefs: dict, *, lr: float, loss: torch.Tensor) -> None:
+        """Clip the reduced gradients by ``coefs`` (AdaGC: per tensor), then the updater's step at the
+        LR the loss part asks for."""
+        clip_(self.e, self._local, coefs)
+        self.e.updater.step(lr * self.e.loss.lr_factor(loss))
+
+    def release(self) -> None:
+        """The gradients stay on the parameters until the next step (what torch's loop does)."""
+        self._local = {}
 
     def _backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """Every micro-batch's loss part, backpropagated (scaled by the fp16 loss scale and divided

@@ -2,14 +2,15 @@
 
 ``Engine`` holds what every step shares: the resolved plan's settings, precision and the fp16 loss
 scale, the loss part (apr/train/losses.py, apr/train/distill.py), the updater (apr/train/updaters.py),
-the sticky non-finite flags, AdaGC's state and the one dispatch of the clipping modes. It owns no
-step of its own: a *gradient source* makes each optimizer group's gradient and calls the engine's
-step-end helpers as soon as a group's gradient is complete, and a *layout* says where the state lives:
+the sticky non-finite flags, AdaGC's state and the one dispatch of the clipping modes; and the one
+step, ``train_step``, ended by the one step finisher (apr/train/finish.py). A *gradient source* makes
+each optimizer group's gradient in the shape the step strategy asks (all kept, a norm-only pre-pass
+then a stepping pass, or streamed: each group updated as soon as its gradient is complete), and a
+*layout* says where the state lives:
 
 * sources: the flat-buffer block walk (``apr/train/walk.py``: the backward from the LM head to the
-  embedding one block at a time, each group updated as soon as its gradient is complete) and plain
-  autograd (``apr/train/autograd.py``, every step ended by ``apr/train/finish.py``); on FSDP2 shards
-  the walk's per-group updates run from FSDP2's gradient hooks (``apr/train/sharded_walk.py``);
+  embedding one block at a time), plain autograd (``apr/train/autograd.py``), and on FSDP2 shards the
+  walk's per-group updates from FSDP2's gradient hooks (``apr/train/sharded_walk.py``);
 * layouts: replicated (one process, or DDP's all-reduce: ``autograd.Replicated``; the walk does its
   own overlapped all-reduce) and FSDP2 shards (``apr/train/sharded.py``).
 
@@ -39,9 +40,10 @@ from apr.memory.buffers import fsdp2_buffers
 from apr.model import spec
 from apr.model.llama import LlamaForCausalLM
 from apr.steps.resolved import Resolved
+from apr.train import finish
 from apr.train.dist import DataParallel
 from apr.train.losses import CausalLM
-from apr.train.nonfinite import GRADIENTS, NonFiniteFlags
+from apr.train.nonfinite import NonFiniteFlags
 from apr.train.outcome import NonFiniteError, StepResult
 from apr.train.precision import DynamicLossScaler, autocast, torch_dtype
 from apr.train.updaters import make_updater
@@ -269,21 +271,6 @@ class Engine:
         scale = self.scaler.scale if sq_scale is None else sq_scale
         return {name: self._clip_coef(sq.sqrt() / scale) for name, sq in sq_norms.items()}
 
-    def _known_norm(self, sq_norms: dict[str, torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """Global norm from complete per-group squared norms, checked before any update: on the
-        device (a non-finite norm flags the step), or under fp16 on the host. Returns (norm,
-        overflowed); an fp16 overflow is a skipped step, anything else non-finite stops."""
-        norm = torch.stack([sq_norms[name] for name in self.group_names]).sum().sqrt() / self.scaler.scale
-        if not self.scaler.enabled:
-            self._flags.flag(~torch.isfinite(norm), GRADIENTS, self.calls)
-            return norm, False
-        if bool(torch.isfinite(norm).item()):
-            return norm, False
-        if self.scaler.enabled:
-            self.scaler.update(found_inf=True)
-            return norm, True
-        raise NonFiniteError("gradients", state_is_last_good=True)
-
     def _probe(self, name: str) -> None:
         if self.grad_probe is not None:
             self.grad_probe(name)
@@ -344,8 +331,28 @@ class Engine:
     # ------------------------------------------------------------------ the step and the state
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        """One optimizer step over the step's micro-batches, made by the gradient source."""
-        return self.gradients.train_step(micro_batches, lr)
+        """One optimizer step over the step's micro-batches: the only step of every source and layout
+        (apr/train/finish.py). The gradient source makes the gradients in the shape the step strategy
+        asks: all kept (autograd; the walk when accumulating or asked), a norm-only pre-pass then the
+        stepping pass over the same forward, or one streamed pass updating each group as it completes."""
+        finish.begin(self)
+        src, st = self.gradients, self.strategy
+        if src.holds_all_grads or st.keeps_all_grads:
+            try:
+                loss, sq = src.accumulate(micro_batches)
+                return finish.known(self, loss, sq, partial(src.apply_all, lr=lr, loss=loss),
+                                    sq_scale=src.sq_scale, host=src.reads_host)
+            finally:
+                src.release()
+        if len(micro_batches) > 1:
+            raise AprError("gradient accumulation needs the per-group gradient buffers of the buffer plan")
+        one_pass = src.forward(micro_batches[0])
+        if st.norm_prepass:
+            loss, sq = src.norms(one_pass)
+            return finish.known(self, loss, sq, partial(src.step_pass, one_pass, lr=lr),
+                                sq_scale=src.sq_scale, host=False)
+        loss, sq = src.stream(one_pass, partial(finish.stream_coef, self), lr=lr)
+        return finish.stream_end(self, loss, sq)
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes the source holds, by buffer name (the walk) or component (autograd)."""

@@ -36,8 +36,7 @@ import torch.distributed as dist
 
 from apr.kernels.interface import DecayRanges
 from apr.model import spec
-from apr.train.nonfinite import GRADIENTS, LOSS
-from apr.train.outcome import StepResult
+from apr.train.nonfinite import LOSS
 
 
 class ShardedWalk:
@@ -132,24 +131,19 @@ class ShardedWalk:
             self.e._flags.flag(~torch.isfinite(total), LOSS, self.e.calls)
         return loss
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        self._lr = lr
-        self.e.calls += 1
-        self.e._skip = False
-        self.e._flags.start_step()
-        for p in self.params.named.values():
-            p.grad = None
-        if self.e.strategy.keeps_all_grads:
-            return self._step_kept(micro_batches)
-        ids, targets = self.e.split(micro_batches[0])
-        loss = self._loss(ids, targets)
-        if self.e.strategy.norm_prepass:
-            return self._step_prepass(loss)
-        return self._step_single(loss)
+    # The source's side of ``Engine.train_step`` (apr/train/engine.py), the step ended by apr/train/finish.py.
+    holds_all_grads = False  # only when the strategy keeps them (accumulation, or asked)
+    reads_host = False  # a non-finite norm is a device flag (fp16 aside)
 
-    def _step_kept(self, micro_batches: list[torch.Tensor]) -> StepResult:
-        """Gradient shards accumulate over the micro-batches (reduce-scattered after each); then the
-        exact global norm, then every group's AdamW."""
+    @property
+    def sq_scale(self) -> float:
+        """The group norms are of the loss-scaled gradient shards."""
+        return self.e.scaler.scale
+
+    def accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Gradient shards accumulate over the micro-batches (reduce-scattered after each); returns
+        the mean loss and each group's squared norm over the shard group."""
+        self.release()
         accum, scale = len(micro_batches), self.e.scaler.scale
         loss_total = torch.zeros((), device=self.e.device)
         for batch in micro_batches:
@@ -160,63 +154,59 @@ class ShardedWalk:
         for name in self.e.group_names:
             self.e._probe(name)
         sq_all = self.e.layout.all_sq([self.e.layout.local_sq(self._grads(name)) for name in self.e.group_names])
-        return self._step_known(loss_total, dict(zip(self.e.group_names, sq_all.unbind(), strict=True)),
-                                lambda coefs: [self._apply(name, coefs[name]) for name in self.e.group_names])
+        return loss_total, dict(zip(self.e.group_names, sq_all.unbind(), strict=True))
 
-    def _step_prepass(self, loss: torch.Tensor) -> StepResult:
+    def apply_all(self, coefs: dict, *, lr: float, loss: torch.Tensor) -> None:
+        self._lr = lr
+        for name in self.e.group_names:
+            self._apply(name, coefs[name])
+
+    def release(self) -> None:
+        for p in self.params.named.values():
+            p.grad = None
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's forward: its mean loss, the graph kept for the backward passes."""
+        self.release()
+        ids, targets = self.e.split(batch)
+        return self._loss(ids, targets)
+
+    def norms(self, loss: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A norm-only backward (the graph retained; each group's gradient shard reduced to its squared
-        norm and dropped), then the stepping backward."""
+        norm and dropped); the squared norms all-reduced over the shard group at once."""
         sq: dict[str, torch.Tensor] = {}
 
         def record(name: str) -> None:
             sq[name] = self.e.layout.local_sq(self._grads(name))
             self._drop(name)
 
-        scale = self.e.scaler.scale
-        self._backward(loss, scale, record, retain=True)
+        self._backward(loss, self.e.scaler.scale, record, retain=True)
         sq_all = self.e.layout.all_sq([sq[name] for name in self.e.group_names])
-        sq = dict(zip(self.e.group_names, sq_all.unbind(), strict=True))
+        return loss.detach(), dict(zip(self.e.group_names, sq_all.unbind(), strict=True))
 
-        def step(coefs: dict) -> None:
-            self._backward(loss, scale, lambda name: self._apply(name, coefs[name]))
+    def step_pass(self, loss: torch.Tensor, coefs: dict, *, lr: float) -> None:
+        """The stepping backward, each group's shard updated in its hook."""
+        self._lr = lr
+        self._backward(loss, self.e.scaler.scale, lambda name: self._apply(name, coefs[name]))
 
-        return self._step_known(loss.detach(), sq, step)
-
-    def _step_known(self, loss: torch.Tensor, sq: dict[str, torch.Tensor], apply) -> StepResult:
-        """With every group's squared norm known before any update: the non-finite / overflow check,
-        the bad-step test, clipping coefficients, then ``apply(coefs)``."""
-        self.e._keep_sq(sq, self.e.scaler.scale)
-        norm, overflow = self.e._known_norm(sq)
-        flagged = not overflow and self.e._gate(loss, norm)
-        if not overflow and not flagged:
-            apply(self.e._coefs(sq, norm))
-            self.e._stepped()
-        for p in self.params.named.values():
-            p.grad = None
-        return StepResult(loss, norm, skipped=overflow, flagged=flagged)
-
-    def _step_single(self, loss: torch.Tensor) -> StepResult:
-        """No clipping, per-block or AdaGC clipping: each group steps in its hook."""
+    def stream(self, loss: torch.Tensor, coef_of, *, lr: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One backward, each group's shard updated in its hook (``coef_of``: its clipping coefficient
+        from its squared norm, None to skip it)."""
+        self._lr = lr
         sq: dict[str, torch.Tensor] = {}
-        per_block = self.e.strategy.clip == "per_block"
         if self.e.step_gate is not None:
             self.e._gate(loss.detach(), None)  # the loss test, before the first update
 
         def step(name: str) -> None:
-            s = sq[name] = self._group_sq(name)
-            if self.e._skip:
+            sq[name] = self._group_sq(name)
+            coef = coef_of(sq[name])
+            if coef is None:
                 self._drop(name)
-                return
-            self.e._flags.flag(~torch.isfinite(s), GRADIENTS, self.e.calls)
-            self._apply(name, self.e._clip_coef(s.sqrt()) if per_block else 1.0)
+            else:
+                self._apply(name, coef)
 
         self._backward(loss, 1.0, step)
-        self.e._keep_sq(sq)
-        norm = torch.stack([sq[name] for name in self.e.group_names]).sum().sqrt()
-        if self.e._skip:
-            return StepResult(loss.detach(), norm, flagged=True)
-        self.e._stepped()
-        return StepResult(loss.detach(), norm)
+        return loss.detach(), sq
 
     # ------------------------------------------------------------ what every source answers
 

@@ -21,14 +21,12 @@ import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from apr.checkpoint import names
-from apr.errors import AprError
 from apr.kernels.linear_ce import linear_cross_entropy_fwd_bwd
 from apr.memory import buffers as planned_buffers
 from apr.train.backprop import backward
 from apr.train.engine import group_specs, sac_policy, selectively
 from apr.train.flat import FlatGroup, flatten_group
-from apr.train.nonfinite import GRADIENTS, LOSS
-from apr.train.outcome import StepResult
+from apr.train.nonfinite import LOSS
 
 
 class Walk:
@@ -285,7 +283,7 @@ class Walk:
         embed_grad = self.embed.params[0].grad
         fresh = not (accumulate or self.tied)  # the buffer was just zeroed and holds nothing else
         lookup_grad = embed_grad if fresh else self._scratch(embed_grad.shape)
-        lookup_grad.index_add_(0, ids.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]).float())
+        lookup_grad.index_add_(0, ids.reshape(-1), grad_x.reshape(-1, grad_x.shape[-1]).to(lookup_grad.dtype))
         if not fresh:
             embed_grad.add_(lookup_grad)
         self._done(self.embed, buf, on_done)
@@ -311,25 +309,18 @@ class Walk:
                                  found_inf=found_inf, param_copy=group.compute, group=group.name)
         self.e._flags.stepped()
 
-    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        self._lr = lr
-        self.e.calls += 1
-        self.e._skip = False
-        self.e._flags.start_step()
-        st, accum = self.e.strategy, len(micro_batches)
-        if accum > 1 and not st.keeps_all_grads:
-            raise AprError("gradient accumulation needs the per-group gradient buffers of the buffer plan")
-        if st.keeps_all_grads:
-            return self._step_kept(micro_batches)
-        ids, targets = self.e.split(micro_batches[0])
-        inputs, graphs = self._forward(ids)
-        if st.norm_prepass:
-            return self._step_prepass(ids, targets, inputs, graphs, self.e.scaler.scale)
-        return self._step_single_walk(ids, targets, inputs, graphs)
+    # The source's side of ``Engine.train_step`` (apr/train/engine.py), the step ended by apr/train/finish.py.
+    holds_all_grads = False  # only when the strategy keeps them (accumulation, or asked)
+    reads_host = False  # a non-finite norm is a device flag (fp16 aside)
 
-    def _step_kept(self, micro_batches: list[torch.Tensor]) -> StepResult:
+    @property
+    def sq_scale(self) -> float:
+        """The walk's group norms are of the loss-scaled gradients."""
+        return self.e.scaler.scale
+
+    def accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Kept gradients: every group keeps its gradient across the step's micro-batches (one backward
-        walk each), then the exact global norm is known and all groups step."""
+        walk each), averaged over the ranks; returns the mean loss and each group's squared norm."""
         for g in self.groups:
             g.own_grad.zero_()
         loss = torch.zeros((), device=self.e.device)
@@ -345,66 +336,57 @@ class Walk:
                 handle.wait()
             for g in self.groups:
                 g.own_grad.div_(self.e.dp.world_size)
-        sq = {g.name: self.e.backend.sq_norm(g.own_grad) for g in self.groups}
-        self.e._keep_sq(sq, self.e.scaler.scale)
-        norm, overflow = self.e._known_norm(sq)
-        flagged = not overflow and self.e._gate(loss, norm)
-        if not overflow and not flagged:
-            coefs = self.e._coefs(sq, norm)
-            for g in self.groups:
-                self._apply(g, g.own_grad, coefs[g.name])
-            self.e._stepped()
+        return loss, {g.name: self.e.backend.sq_norm(g.own_grad) for g in self.groups}
+
+    def apply_all(self, coefs: dict, *, lr: float, loss: torch.Tensor) -> None:
+        self._lr = lr
+        for g in self.groups:
+            self._apply(g, g.own_grad, coefs[g.name])
+
+    def release(self) -> None:
         for g in self.groups:
             g.release_grads()
-        return StepResult(loss, norm, skipped=overflow, flagged=flagged)
 
-    def _step_prepass(self, ids, targets, inputs, graphs, grad_mult: float) -> StepResult:
-        """Exact global clipping (or the fp16 overflow check) in O(one block) gradient memory: a
-        norm-only walk, then the stepping walk over the same saved block inputs."""
+    def forward(self, batch: torch.Tensor) -> tuple:
+        """One micro-batch's forward (the block inputs and kept graphs the walks read)."""
+        ids, targets = self.e.split(batch)
+        return (ids, targets, *self._forward(ids))
+
+    def norms(self, one_pass: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The norm-only walk (exact global clipping or the fp16 overflow check in O(one block) of
+        gradient memory): each group's squared norm, its gradient dropped; the forward kept."""
+        ids, targets, inputs, graphs = one_pass
         sq: dict[str, torch.Tensor] = {}
 
         def record(g: FlatGroup, buf: torch.Tensor) -> None:
             sq[g.name] = self.e.backend.sq_norm(buf)
 
-        loss_sum = self._walk(ids, targets, inputs, graphs, grad_mult, record, free_inputs=False)
-        loss = loss_sum / targets.numel()
-        self.e._keep_sq(sq, self.e.scaler.scale)
-        norm, overflow = self.e._known_norm(sq)
-        if overflow:
-            return StepResult(loss, norm, skipped=True)
-        if self.e._gate(loss, norm):
-            return StepResult(loss, norm, flagged=True)
-        coefs = self.e._coefs(sq, norm)
+        loss_sum = self._walk(ids, targets, inputs, graphs, self.e.scaler.scale, record, free_inputs=False)
+        return loss_sum / targets.numel(), sq
 
-        def step(g: FlatGroup, buf: torch.Tensor) -> None:
-            self._apply(g, buf, coefs[g.name])
+    def step_pass(self, one_pass: tuple, coefs: dict, *, lr: float) -> None:
+        """The stepping walk over the same forward, each group updated with its coefficient."""
+        ids, targets, inputs, graphs = one_pass
+        self._lr = lr
+        self._walk(ids, targets, inputs, graphs, self.e.scaler.scale,
+                   lambda g, buf: self._apply(g, buf, coefs[g.name]), free_inputs=True, check_loss=False)
 
-        self._walk(ids, targets, inputs, graphs, grad_mult, step, free_inputs=True, check_loss=False)
-        self.e._stepped()
-        return StepResult(loss, norm)
-
-    def _step_single_walk(self, ids, targets, inputs, graphs) -> StepResult:
-        """No clipping or per-block clipping: each group steps as soon as its gradient is complete."""
+    def stream(self, one_pass: tuple, coef_of, *, lr: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One walk, each group updated as soon as its gradient is complete (``coef_of``: its clipping
+        coefficient from its squared norm, None to skip it)."""
+        ids, targets, inputs, graphs = one_pass
+        self._lr = lr
         sq: dict[str, torch.Tensor] = {}
-        per_block = self.e.strategy.clip == "per_block"
 
         def step(g: FlatGroup, buf: torch.Tensor) -> None:
-            s = sq[g.name] = self.e.backend.sq_norm(buf)
-            if self.e._skip:  # the loss test flagged the step before the first update
-                return
-            coef = self.e._clip_coef(s.sqrt()) if per_block else 1.0
-            # a non-finite gradient reaches no weights; the groups updated before it make the state partial
-            self.e._flags.flag(~torch.isfinite(s), GRADIENTS, self.e.calls)
-            self._apply(g, buf, coef)
+            sq[g.name] = self.e.backend.sq_norm(buf)
+            coef = coef_of(sq[g.name])
+            if coef is not None:
+                self._apply(g, buf, coef)
 
         loss_sum = self._walk(ids, targets, inputs, graphs, 1.0, step, free_inputs=True,
                               gate_loss=self.e.step_gate is not None)
-        self.e._keep_sq(sq)
-        norm = torch.stack([sq[g.name] for g in self.groups]).sum().sqrt()
-        if self.e._skip:
-            return StepResult(loss_sum / targets.numel(), norm, flagged=True)
-        self.e._stepped()
-        return StepResult(loss_sum / targets.numel(), norm)
+        return loss_sum / targets.numel(), sq
 
     # ------------------------------------------------------------------------------------ state
 

@@ -13,7 +13,7 @@ from apr.cli.main import app
 from apr.memory.table import memory_table
 from apr.probe import run_probe
 from apr.steps.execution import from_config
-from apr.train.walk import Walk
+from apr.train.engine import Engine
 from tests.train.run_helpers import make_dataset, write_config
 from tests.train.tiny import make_config
 
@@ -91,7 +91,7 @@ def test_a_probe_that_runs_out_of_memory_names_the_step_and_exits_one(tmp_path, 
     make_dataset(tmp_path)
     cfg = write_config(tmp_path)
     calls = []
-    real = Walk.train_step
+    real = Engine.train_step
 
     def oom_on_second(self, micro, lr):
         calls.append(1)
@@ -99,7 +99,7 @@ def test_a_probe_that_runs_out_of_memory_names_the_step_and_exits_one(tmp_path, 
             raise torch.OutOfMemoryError("injected")
         return real(self, micro, lr)
 
-    monkeypatch.setattr(Walk, "train_step", oom_on_second)
+    monkeypatch.setattr(Engine, "train_step", oom_on_second)
     r = runner.invoke(app, ["train", "plan", str(cfg), "--probe"])
     assert r.exit_code == 1 and "out of memory during the memory step (step 2)" in r.output
     assert "Traceback" not in r.output
