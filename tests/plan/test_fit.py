@@ -167,6 +167,20 @@ def test_the_350m_config_fits_a_4090_keeping_its_global_batch(repo, tmp_path, mo
     assert seconds < 30  # measured 3.3-3.7 s wall (1.2 s of CPU) on the loaded 2-core box; docs/plan.md
 
 
+def test_with_trace_the_chosen_layout_is_the_one_traced(config):
+    """`--fit --trace`: the fake-tensor trace checks the fitted plan (the chosen layout), not the
+    config as written, before the choice is printed."""
+    result = runner.invoke(app, ["train", "plan", str(config), "--gpu", "h100", "--fit", "--trace", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    layout = doc["fit"]["layout"]
+    assert (layout["data.batch_size"], layout["training.gradient_accumulation"]) != (16, 4)  # the fit changed it
+    assert doc["config"]["data"]["batch_size"] == layout["data.batch_size"]
+    assert doc["config"]["training"]["gradient_accumulation"] == layout["training.gradient_accumulation"]
+    trace = doc["trace"]
+    assert 0.9 < trace["peak_bytes"] / trace["plan_peak_bytes"] < 1.1  # the fitted plan's peak, traced
+
+
 def _record_probe(config_path, candidate: Candidate, tokens_per_s: float) -> None:
     """A probe of ``candidate``'s shape on this CPU, as `apr train plan --probe` records one."""
     from apr import __version__
