@@ -8,7 +8,11 @@ machine; per step it reports rank 0's median wall time, and the bytes canonical 
 It also compares the two losses over the global batch (fast's per-rank means averaged over the
 ranks; canonical's is already global): equal within float rounding.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_reduction.py [--ranks 2] [--accum 2] [--steps 8]
+``--sharding full`` (or hybrid, shard_grad_op) times both on FSDP2 shards (canonical: no reduce-scatter,
+an all-to-all of the micro-batches' shard rows and an all-gather of the mean gradient for the norms).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_reduction.py [--ranks 2] [--accum 2] [--steps 8] \
+        [--sharding none]
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def _config(args, reduction: str):
                                    "max_position_embeddings": args.seq}},
         "data": {"train": "unused/", "batch_size": args.batch, "seq_len": args.seq},
         "training": {"engine": "standard", "reduction": reduction, "gradient_accumulation": args.accum,
-                     "world_size": args.ranks, "kernels": "torch", "device": "cpu", "seed": 0},
+                     "world_size": args.ranks, "kernels": "torch", "device": "cpu", "seed": 0,
+                     "sharding": args.sharding, "nodes": 2 if args.sharding == "hybrid" else 1},
     })
 
 
@@ -88,7 +93,10 @@ def main() -> None:
     for flag, default in (("--ranks", 2), ("--accum", 2), ("--steps", 8), ("--warmup", 2), ("--hidden", 256),
                           ("--layers", 4), ("--vocab", 4096), ("--seq", 128), ("--batch", 4), ("--port", 29611)):
         ap.add_argument(flag, type=int, default=default)
+    ap.add_argument("--sharding", default="none", choices=["none", "full", "hybrid", "shard_grad_op"])
     args = ap.parse_args()
+    if args.sharding == "hybrid":
+        os.environ.setdefault("APR_SHARD_GROUP_SIZE", str(max(1, args.ranks // 2)))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args, out)) for r in range(args.ranks)]
@@ -100,12 +108,13 @@ def main() -> None:
     fast, canon = (statistics.median(res["times"][m]) * 1e3 for m in ("fast", "canonical"))
     dloss = max(abs(a - b) for a, b in zip(res["losses"]["fast"], res["losses"]["canonical"], strict=True))
     cost = res["cost"]
+    print(f"training.sharding {args.sharding}")
     print(f"{args.ranks} ranks x accumulation {args.accum}, {res['params'] / 1e6:.2f}M parameters, "
           f"batch {args.batch} x {args.seq}, {args.steps} timed steps (round-robin)")
     print(f"fast       {fast:9.1f} ms/step")
     print(f"canonical  {canon:9.1f} ms/step   canonical/fast {canon / fast:.3f}")
     print(f"canonical holds +{cost['extra_bytes'] / 2**20:.1f} MiB per rank ({cost['leaves']} leaves); "
-          f"all-gathers {cost['gathered_bytes'] / 2**20:.1f} MiB a step; max |dloss| fast vs canonical {dloss:.2e}")
+          f"sends {cost['gathered_bytes'] / 2**20:.1f} MiB a step; max |dloss| fast vs canonical {dloss:.2e}")
 
 
 if __name__ == "__main__":

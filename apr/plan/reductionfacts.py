@@ -14,7 +14,8 @@ from apr.fmt import format_bytes
 from apr.model.spec import trainable_param_count
 from apr.steps.execution import gradient_source
 
-WORKS = "training.engine: standard with training.sharding: none, on any number of ranks"
+WORKS = ("training.engine: standard (autograd) with training.sharding none (one process, DDP), full, hybrid or "
+         "shard_grad_op (FSDP2), on any number of ranks")
 
 
 def reduction_problems(config) -> list[str]:
@@ -22,13 +23,11 @@ def reduction_problems(config) -> list[str]:
     tr = config.training
     out = []
     if gradient_source(config) == "interleaved":
-        out.append("the flat-buffer walk (training.engine: interleaved) adds every micro-batch into one gradient "
-                   "buffer as it walks and updates each group inside the backward, before the other micro-batches' "
-                   "gradients exist")
-    if str(tr.sharding) != "none":
-        out.append(f"training.sharding: {tr.sharding} reduce-scatters each micro-batch's gradient over the ranks "
-                   "in an order fixed by their number; canonical needs every micro-batch's whole gradient on every "
-                   "rank, which sharding exists to avoid")
+        out.append("the flat-buffer walk (training.engine: interleaved) adds each micro-batch's gradient into its "
+                   "group's one flat buffer as the backward reaches the group (a running sum in micro-batch order, "
+                   "then summed over the ranks) and updates groups inside the backward; a fixed tree over the global "
+                   "micro-batches needs every micro-batch's gradient kept apart until the last one exists: N buffers "
+                   "per group where the walk holds one")
     if tr.orchestrator.enabled:
         out.append("training.orchestrator averages its rewards over the ranks in rank order")
     if str(tr.mode) == "distill":
@@ -57,13 +56,26 @@ def reduction_findings(loaded: LoadedConfig, world_size: int | None = None) -> l
 
 
 def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
-    """What canonical costs beside fast, per rank and step: the micro-batches' gradient leaves (the local
-    ones, then all of them gathered) and the all-gather's traffic."""
-    accum = int(config.training.gradient_accumulation)
+    """What canonical costs beside fast, per rank and step. Replicated: the micro-batches' gradient leaves
+    (the local ones, then all of them gathered) and the all-gather's traffic. FSDP2: the local micro-batches'
+    whole gradients, the all-to-all's send and receive buffers (a shard's rows of every global micro-batch,
+    times the replicas under hybrid), and one whole mean gradient gathered for the norms."""
+    tr = config.training
+    accum = int(tr.gradient_accumulation)
     leaves = accum * world_size
-    extra = (accum + leaves) * param_bytes  # fast holds the one .grad both modes have
-    sent = (leaves - accum) * param_bytes if world_size > 1 else 0
+    if str(tr.sharding) == "none" or world_size == 1:
+        extra = (accum + leaves) * param_bytes  # fast holds the one .grad both modes have
+        sent = (leaves - accum) * param_bytes if world_size > 1 else 0
+        how = f"an all-gather of {format_bytes(sent)} a step where fast all-reduces one gradient"
+    else:
+        group = world_size // int(tr.nodes) if str(tr.sharding) == "hybrid" and world_size % int(tr.nodes) == 0 \
+            else world_size
+        moved = accum * (world_size // group) * param_bytes  # the all-to-all's buffer, each way
+        extra = accum * param_bytes + 2 * moved + param_bytes
+        sent = moved * (world_size - 1) // world_size + param_bytes * (group - 1) // group
+        how = (f"an all-to-all and an all-gather sending {format_bytes(sent)} a step where fast reduce-scatters "
+               "one gradient")
     return {"reduction": "canonical", "leaves": leaves, "extra_bytes": extra, "gathered_bytes": sent,
             "line": f"canonical reduction: {leaves} micro-batch gradients summed in one fixed tree "
-                    f"(+{format_bytes(extra)} per rank; an all-gather of {format_bytes(sent)} a step where fast "
-                    f"all-reduces one gradient): bitwise the same on any world size with the same global batch"}
+                    f"(+{format_bytes(extra)} per rank; {how}): bitwise the same on any world size with the same "
+                    "global batch"}

@@ -14,6 +14,13 @@ accumulation, give the same bits. The step's loss is the same tree over the leav
 The cost (shown by the plan): N leaves of the model's gradient on every rank (the local ones, then
 the gathered ones) where ``fast`` holds one, and an all-gather of N gradients where ``fast``
 all-reduces one.
+
+On FSDP2 shards (``ShardedCanonicalSum``, used by apr/train/sharded.py) a rank never needs the other
+shards' rows of the sum: each micro-batch's whole gradient stays on the rank that computed it (FSDP2
+does not reduce-scatter it), laid out as one padded bucket per shard; one all-to-all hands every rank
+its shard's bucket of every global micro-batch, which it sums in the same tree. Addition is
+element-wise, so a shard's rows of the tree's sum are bitwise the rows of the whole sum one process
+takes, whatever the shards' boundaries.
 """
 
 from __future__ import annotations
@@ -49,21 +56,63 @@ class CanonicalSum:
         self.leaves.append(torch.cat([g.reshape(-1).float() for g in grads]))
         self.losses.append(loss.detach().float().reshape(1))
 
-    def _ordered(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's ``local`` leaves in global micro-batch order ``j = k * world + rank``."""
-        if self.dp is None:
-            return local
-        world = self.dp.world_size
-        gathered = []
-        for leaf in local:  # one all-gather per accumulation index: rank r's k-th leaf is j = k * world + r
-            parts = [torch.empty_like(leaf) for _ in range(world)]
-            dist.all_gather(parts, leaf)
-            gathered += parts
-        return gathered
-
     def reduce(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean gradient (flat) and the mean loss over the global batch; clears the step."""
-        leaves, losses = self._ordered(self.leaves), self._ordered(self.losses)
+        leaves, losses = in_global_order(self.dp, self.leaves), in_global_order(self.dp, self.losses)
         self.leaves, self.losses = [], []
         n = len(leaves)
         return tree_sum(leaves) / n, (tree_sum(losses) / n).reshape(())
+
+
+def in_global_order(dp, local: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's ``local`` leaves in global micro-batch order ``j = k * world + rank`` (a collective)."""
+    if dp is None:
+        return local
+    gathered = []
+    for leaf in local:  # one all-gather per accumulation index: rank r's k-th leaf is j = k * world + r
+        parts = [torch.empty_like(leaf) for _ in range(dp.world_size)]
+        dist.all_gather(parts, leaf)
+        gathered += parts
+    return gathered
+
+
+class ShardedCanonicalSum:
+    """The canonical sum on FSDP2 shards: each micro-batch's whole gradient as ``[shards, B]`` (row
+    ``s``: shard ``s``'s rows of every parameter, padded to FSDP2's chunk of ``ceil(rows / shards)``
+    rows), and one all-to-all that gives this rank its shard's row of every global micro-batch's."""
+
+    def __init__(self, dp, shards: int):
+        self.dp, self.shards = dp, shards  # shards: ranks in a shard group (hybrid: a node's; full: all)
+        self.leaves: list[torch.Tensor] = []
+        self.losses: list[torch.Tensor] = []
+
+    def take(self, leaf: torch.Tensor, loss: torch.Tensor) -> None:
+        self.leaves.append(leaf)
+        self.losses.append(loss.detach().float().reshape(1))
+
+    def reduce(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shard's bucket of the mean gradient over the global batch, and the mean loss;
+        clears the step. Rank ``q`` holds shard ``q % shards`` (FSDP2's mesh: replicas outermost)."""
+        world = self.dp.world_size
+        local = torch.stack(self.leaves)  # [accum, shards, B]
+        self.leaves = []
+        accum, _, width = local.shape
+        # what goes to rank q: shard q % shards of every local micro-batch, in accumulation order
+        send = local[:, [q % self.shards for q in range(world)], :].transpose(0, 1).contiguous()
+        del local
+        received = torch.empty_like(send)  # [world, accum, B]: from rank q, its k-th micro-batch (j = k * world + q)
+        dist.all_to_all_single(received, send)
+        del send
+        leaves = list(received.transpose(0, 1).reshape(accum * world, width).unbind(0))  # in j order
+        losses = in_global_order(self.dp, self.losses)
+        self.losses = []
+        n = len(leaves)
+        return tree_sum(leaves) / n, (tree_sum(losses) / n).reshape(())
+
+
+def canonical_sums(dp, local: list[torch.Tensor], count: int) -> torch.Tensor:
+    """The tree sum of ``count`` values spread over the ranks, value ``j`` on rank ``j % world`` as its
+    ``j // world``-th entry of ``local`` (a rank may hold one entry more than it needs: padding, never
+    summed); every rank gets the same bits (a collective). Validation's per-micro-batch loss sums."""
+    ordered = in_global_order(dp, local)  # position i * world + q: rank q's i-th entry, value j = i * world + q
+    return tree_sum(ordered[:count])

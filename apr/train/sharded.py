@@ -16,6 +16,13 @@ of each rank's squared shard norms; clipping scales the local shards. Checkpoint
 parts, each rank its own rows (``local_state_tensors``; apr/checkpoint/parts.py), and read back as
 whole tensors that ``load_train_state_tensors`` re-shards, so a run resumes on any number of
 ranks. See docs/design.md, "Sharding and elastic resume".
+
+Under ``training.reduction: canonical`` no micro-batch is reduce-scattered: FSDP2 leaves each one's
+whole gradient on the rank that computed it; ``keep_micro`` moves it into a bucket per shard
+(apr/train/reduction.py, ``ShardedCanonicalSum``), ``canonical_grads`` sums this rank's shard of every
+global micro-batch in the fixed tree and sets it as the parameters' sharded gradients. The norms
+(clipping, AdaGC, the logged norm) are taken over the whole mean gradient, all-gathered once a step,
+exactly as one process takes them: the same bits on any number of ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from apr.checkpoint import names
 from apr.checkpoint.files import ST_DTYPE_NAMES
@@ -37,6 +44,7 @@ from apr.launch import env_ranks_per_node
 from apr.model.llama import LlamaForCausalLM
 from apr.train.autograd import Params
 from apr.train.engine import group_specs
+from apr.train.reduction import ShardedCanonicalSum
 
 
 class _LossModule(nn.Module):
@@ -95,6 +103,15 @@ class Shards:
         model = engine.model.to(engine.device)
         self.root, self.shard_group = _shard(model, engine, engine.plan.sharding, engine.device)
         self.params = Params(engine)
+        # training.reduction: canonical: every micro-batch's gradient kept whole, summed shard by shard in
+        # the fixed tree over the global micro-batch index (see the module docstring)
+        self.canonical = (ShardedCanonicalSum(engine.dp, self.shard_group.size())
+                          if engine.plan.reduction == "canonical" else None)
+        self._whole_sq: dict[str, torch.Tensor] = {}  # canonical: each live group's squared norm, whole
+        self._whole_norms: dict[int, torch.Tensor] = {}  # canonical, AdaGC: id(group's grads) -> per-tensor norms
+        # canonical: id(p) -> (its offset in a bucket's row, FSDP2's chunk of rows, a row's width)
+        self._place: dict[int, tuple[int, int, int]] = {}
+        self.live_names: list[str] = []
 
     # ------------------------------------------------------------------------------ steps
 
@@ -110,7 +127,10 @@ class Shards:
         return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device))
 
     def tensor_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Each tensor's norm all-reduced from its shards' (AdaGC on shards)."""
+        """Each tensor's norm all-reduced from its shards' (AdaGC on shards); canonical: the norms of
+        the whole tensors ``canonical_grads`` took."""
+        if id(grads) in self._whole_norms:
+            return self._whole_norms[id(grads)]
         return self.all_sq([g.float().pow(2).sum() for g in grads]).sqrt()
 
     @contextmanager
@@ -131,8 +151,101 @@ class Shards:
                 unit.set_reshard_after_forward(reshard, recurse=False)
 
     def micro_loss(self, ids: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
-        self.root.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro-batch
+        # reduce-scatter once, after the last micro-batch; canonical: never (its own sum, keep_micro)
+        self.root.set_requires_gradient_sync(last and self.canonical is None)
         return self.root(ids, targets)
+
+    # ------------------------------------------------------------------------------ canonical reduction
+
+    def _unsharded_grads(self) -> dict[int, torch.Tensor | None]:
+        """Each parameter's (by id) whole gradient of the micro-batch just backpropagated, which FSDP2
+        keeps on its unsharded parameter when it does not reduce-scatter; taken away, so the next
+        micro-batch starts from none. FSDP2's per-parameter records are torch internals: read here only."""
+        out: dict[int, torch.Tensor | None] = {}
+        for unit in [*self.e.model.model.layers, self.root]:
+            state = unit._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # older torch: one group or none
+            groups = groups if groups is not None else [g for g in (state._fsdp_param_group,) if g is not None]
+            for record in (r for g in groups for r in g.fsdp_params):
+                grad = record.unsharded_accumulated_grad  # set only under a reduce dtype of its own
+                unsharded = getattr(record, "_unsharded_param", None)
+                if grad is None and unsharded is not None:
+                    grad = unsharded.grad
+                record.unsharded_accumulated_grad = None
+                if unsharded is not None:
+                    unsharded.grad = None
+                out[id(record.sharded_param)] = grad.to_local() if isinstance(grad, DTensor) else grad
+        return out
+
+    def keep_micro(self, loss: torch.Tensor) -> None:
+        """Canonical: this micro-batch's whole gradient into a bucket of its own, one padded row per
+        shard (``reduction.ShardedCanonicalSum``), for the groups whose every parameter has one."""
+        grads = self._unsharded_grads()
+        live = [(name, group) for name, group in self.params.groups if all(grads.get(id(p)) is not None for p in group)]
+        self.live_names = [name for name, _ in live]  # the same groups every micro-batch and on every rank
+        shards = self.shard_group.size()
+        self._place, width = {}, 0
+        for _, group in live:
+            for p in group:
+                chunk, cols = -(-p.shape[0] // shards), p.numel() // p.shape[0]
+                self._place[id(p)] = (width, chunk, cols)
+                width += chunk * cols
+        bucket = torch.zeros((shards, width), dtype=torch.float32, device=self.e.device)
+        for _, group in live:
+            for p in group:
+                offset, chunk, cols = self._place[id(p)]
+                whole = grads[id(p)].reshape(p.shape[0], cols)
+                full = p.shape[0] // chunk  # shards holding a whole chunk; the next holds the rest
+                dst = bucket[:, offset:offset + chunk * cols].view(shards, chunk, cols)
+                dst[:full].copy_(whole[:full * chunk].view(full, chunk, cols))
+                if full < shards:
+                    dst[full, :p.shape[0] - full * chunk].copy_(whole[full * chunk:])
+        self.canonical.take(bucket, loss)
+
+    def canonical_grads(self) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
+        """Canonical: this rank's shards of the groups' mean gradients over the global batch (set as the
+        parameters' sharded ``.grad``, unscaled) and the mean loss, both summed in the fixed tree; the
+        groups' norms taken over the whole mean gradient (``_whole_norms_of``)."""
+        e = self.e
+        bucket, loss = self.canonical.reduce()  # this rank's shard's row
+        if e.scaler.scale != 1.0:
+            bucket.mul_(1.0 / e.scaler.scale)
+        local: dict[str, list[torch.Tensor]] = {}
+        for name, group in self.params.groups:
+            if name not in self.live_names:
+                continue
+            local[name] = []
+            for p in group:
+                offset, chunk, cols = self._place[id(p)]
+                mine = p.to_local()
+                grad = bucket[offset:offset + chunk * cols].view(chunk, cols)[:mine.shape[0]].view(mine.shape)
+                p.grad = DTensor.from_local(grad.to(mine.dtype), p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+                local[name].append(p.grad.to_local())
+        self._whole_norms_of(bucket, local)
+        return local, loss
+
+    def _whole_norms_of(self, bucket: torch.Tensor, local: dict[str, list[torch.Tensor]]) -> None:
+        """Each live group's squared norm (and, for AdaGC, each tensor's norm) over the whole mean
+        gradient, all-gathered from the shard group's buckets: the sums one process takes, in its order."""
+        shards = self.shard_group.size()
+        rows = [torch.empty_like(bucket) for _ in range(shards)]
+        dist.all_gather(rows, bucket, group=self.shard_group)  # hybrid: every replica holds the same buckets
+        gathered = torch.stack(rows)
+        del rows
+        self._whole_sq, self._whole_norms = {}, {}
+        adagc = self.e.strategy.clip == "adagc"
+        for name, group in self.params.groups:
+            if name not in local:
+                continue
+            whole = []
+            for p in group:
+                offset, chunk, cols = self._place[id(p)]
+                whole.append(gathered[:, offset:offset + chunk * cols].reshape(shards * chunk, cols)[:p.shape[0]]
+                             .reshape(p.shape).to(p.dtype))
+            self._whole_sq[name] = self.e.backend.sq_norm(torch.cat([w.reshape(-1) for w in whole]))
+            if adagc:
+                self._whole_norms[id(local[name])] = torch.stack(torch._foreach_norm(whole)).float()
 
     def reduced_grads(self) -> dict[str, list[torch.Tensor]]:
         """This rank's shards of each live group's reduce-scattered gradients, unscaled."""
@@ -146,6 +259,8 @@ class Shards:
         """Every group's squared norm, all-reduced from the shards' in one collective (zero without
         gradients: every rank agrees which groups are live)."""
         zero = torch.zeros((), dtype=torch.float32, device=self.e.device)
+        if self.canonical is not None:  # taken whole by canonical_grads
+            return {name: self._whole_sq.get(name, zero) for name, _ in self.params.groups}
         sq_all = self.all_sq([self.local_sq(local[name]) if name in local else zero for name, _ in self.params.groups])
         return dict(zip([name for name, _ in self.params.groups], sq_all.unbind(), strict=True))
 

@@ -1,7 +1,12 @@
 """Validation during a run: the loss over ``data.val`` (and a mixture's per-source val folders) at the
 cadence's steps and at step 0, the best and first losses (for "best" checkpoints and early stopping),
 averaged over the data-parallel ranks. A stateful part of the checkpoint (``best_val_loss``,
-``first_val_loss``)."""
+``first_val_loss``).
+
+Under ``training.reduction: canonical`` the loss does not depend on the world size: the rows are the
+first ``training.eval_batches`` micro-batches of ``data.batch_size`` rows on any layout (on one
+process, fast's rows), micro-batch ``j`` scored by rank ``j % world``, and their summed losses and
+token counts added in the fixed tree over ``j`` (apr/train/reduction.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import torch
 
 from apr.data.loader import ShardLoader
 from apr.track.forecast import forecast
+from apr.train.reduction import canonical_sums
 
 
 class Validation:
@@ -20,6 +26,9 @@ class Validation:
         data, tr = config.data, config.training
         self.eval_batches = tr.eval_batches
         self.dp, self.device, self.echo, self.label = dp, device, echo, label
+        self.canonical = str(tr.reduction) == "canonical"
+        if self.canonical:  # every rank reads the same micro-batches in order and scores its share
+            loader_options = {**loader_options, "rank": 0, "world_size": 1}
         self.val_loader: ShardLoader | None = None
         self.source_vals: dict[str, ShardLoader] = {}
         if tr.eval_interval > 0:
@@ -54,6 +63,8 @@ class Validation:
         return sum(known) / len(known) if known else None
 
     def _loss_over(self, engine, loader: ShardLoader) -> float | None:
+        if self.canonical:
+            return self._canonical_loss_over(engine, loader)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         count = 0
         score = getattr(engine.loss, "eval_loss_sum", None)  # a loss part with its own (MaskedLM), else causal
@@ -68,6 +79,30 @@ class Validation:
         if count == 0:
             return None
         return float(total.item() / count)
+
+    def _canonical_loss_over(self, engine, loader: ShardLoader) -> float | None:
+        """The mean loss over the first ``eval_batches`` micro-batches whatever the world size: each
+        micro-batch's summed loss and token count apart, then the fixed tree over the micro-batches."""
+        rank, world = (0, 1) if self.dp is None else (self.dp.rank, self.dp.world_size)
+        score = getattr(engine.loss, "eval_loss_sum", None)
+        first, mine, count = None, [], 0
+        for j, batch in enumerate(loader.iter_sequential(self.eval_batches)):
+            first = batch if first is None else first
+            count += 1
+            if j % world == rank:
+                mine.append(batch)
+        if count == 0:
+            return None
+        local = []
+        for i in range(-(-count // world)):
+            # a rank short of a micro-batch scores the first again, never summed: every rank runs as many
+            # forwards (FSDP2 gathers the weights inside each)
+            batch = mine[i] if i < len(mine) else first
+            loss_sum, n = engine.eval_loss_sum(batch) if score is None else score(engine, batch)
+            local.append(torch.stack([loss_sum.double().reshape(()),
+                                      torch.tensor(float(n), dtype=torch.float64, device=loss_sum.device)]))
+        total = canonical_sums(self.dp, local, count)
+        return float(total[0].item() / total[1].item())
 
     def initial(self, engine, recorder) -> float | None:
         """A fresh run measures the initial weights: a later checkpoint is "best" only if it beats them."""

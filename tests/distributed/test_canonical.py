@@ -1,5 +1,6 @@
-"""training.reduction: canonical (apr/train/reduction.py) across layouts on gloo: 2 ranks with accumulation 2,
-one process with accumulation 4, and a 2-rank run resumed on one process end with the same bits."""
+"""training.reduction: canonical (apr/train/reduction.py) across layouts on gloo: 2 ranks with accumulation 2
+(DDP, or FSDP2 full shards), one process with accumulation 4, and a 2-rank run resumed on one process end
+with the same bits, and measure the same validation losses (apr/train/validation.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
 
+from apr.checkpoint import parts  # noqa: E402
 from tests.distributed.ranks import run_ranks, run_script  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
@@ -30,7 +32,10 @@ def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None) -> Non
 
 
 def _state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(run_dir / f"checkpoint-step-{step}.safetensors"))
+    """The checkpoint's whole tensors: one file, or a sharded run's parts (each rank's rows) joined."""
+    stem = f"checkpoint-step-{step}"
+    found = parts.parts_of(run_dir, stem)
+    return parts.load(found, lambda name: True) if found else load_file(str(run_dir / f"{stem}.safetensors"))
 
 
 def _bitwise(a: dict, b: dict) -> None:
@@ -39,12 +44,19 @@ def _bitwise(a: dict, b: dict) -> None:
     assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:3]}"
 
 
+def _val_losses(run_dir: Path) -> list:
+    return json.loads((run_dir / "training_state.json").read_text())["val_loss_history"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("clip_mode", ["global"], ids=["ddp-standard-global"])  # the layout in the id
-def test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal(tmp_path, clip_mode):
+@pytest.mark.parametrize(("sharding", "clip_mode"), [("none", "global"), ("full", "global"), ("full", "adagc")],
+                         ids=["ddp-standard-global", "full-standard-global", "full-standard-adagc"])
+def test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal(tmp_path, sharding, clip_mode):
     make_dataset(tmp_path, train_rows=160)
-    common = {"epochs": 1, "max_steps": 8, "save_interval": 4, "keep_last": 5, "eval_interval": 0,
-              "engine": "standard", "reduction": "canonical", "grad_clip": 0.5, "clip_mode": clip_mode}
+    # 3 validation micro-batches: on 2 ranks one scores two, the other one (and one it does not count)
+    common = {"epochs": 1, "max_steps": 8, "save_interval": 4, "keep_last": 5, "eval_interval": 4,
+              "eval_batches": 3, "engine": "standard", "reduction": "canonical", "grad_clip": 0.5,
+              "clip_mode": clip_mode, "sharding": sharding}
     opt = {"lr": 1e-2, "min_lr": 1e-3}  # an lr at which fast's rank-dependent rounding shows by step 8
 
     def doc(out: str, accum: int) -> dict:
@@ -54,9 +66,11 @@ def test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal(tmp
     _launch(doc("two/", 2), tmp_path / "two.json", 2)  # global micro-batches j = k * 2 + rank
     _launch(doc("one/", 4), tmp_path / "one.json", 1)  # the same 4 micro-batches a step, j = k
     _bitwise(_state(tmp_path / "one", 8), _state(tmp_path / "two", 8))
+    val_two = _val_losses(tmp_path / "two")
+    assert [step for step, _ in val_two] == [0, 4, 8] and val_two == _val_losses(tmp_path / "one")
     # the 2-rank run killed after its step-4 checkpoint, resumed on one process (elastic: accumulation 4)
     (tmp_path / "resumed").mkdir()
-    for suffix in ("json", "safetensors"):
-        shutil.copy(tmp_path / "two" / f"checkpoint-step-4.{suffix}", tmp_path / "resumed")
+    for path in (tmp_path / "two").glob("checkpoint-step-4.*"):  # the JSON and the weights (or their parts)
+        shutil.copy(path, tmp_path / "resumed")
     _launch(doc("resumed/", 2), tmp_path / "resumed.json", 1, resume="latest")
     _bitwise(_state(tmp_path / "resumed", 8), _state(tmp_path / "two", 8))

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from apr.cli.main import app
 from apr.config import load_config
-from apr.plan.reductionfacts import reduction_findings
+from apr.plan.reductionfacts import reduction_cost, reduction_findings
 
 runner = CliRunner()
 
@@ -23,7 +23,7 @@ BASE = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 2\
 
 @pytest.mark.parametrize(("extra", "named"), [
     ("  engine: interleaved\n", "flat-buffer walk"),
-    ("  engine: standard\n  sharding: full\n  world_size: 2\n", "training.sharding: full"),
+    ("  engine: interleaved\n  sharding: full\n  world_size: 2\n", "flat-buffer walk"),
     ("  engine: standard\n  orchestrator: {enabled: true}\n", "training.orchestrator"),
 ])
 def test_canonical_where_it_cannot_hold_is_refused_at_its_key_with_the_layouts_that_work(tmp_path, extra, named):
@@ -34,6 +34,7 @@ def test_canonical_where_it_cannot_hold_is_refused_at_its_key_with_the_layouts_t
     found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.reduction"]
     assert len(found) == 1 and found[0]["path"] == "training.reduction" and found[0]["line"] == 18
     assert named in found[0]["message"] and "training.engine: standard" in found[0]["expected"]
+    assert "full, hybrid" in found[0]["expected"]  # the FSDP2 layouts that work are named
 
 
 def test_canonical_on_autograd_says_what_it_costs(tmp_path):
@@ -43,3 +44,19 @@ def test_canonical_on_autograd_says_what_it_costs(tmp_path):
     assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
     assert "8 micro-batch gradients summed in one fixed tree" in found[0].message
     assert reduction_findings(load_config(cfg), world_size=1)[0].message.startswith("canonical reduction: 2 ")
+
+
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_canonical_on_fsdp2_is_accepted_and_says_what_its_all_to_all_costs(tmp_path, sharding):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + f"  engine: standard\n  sharding: {sharding}\n  gradient_accumulation: 2\n"
+                   "  world_size: 4\n  nodes: 2\n")
+    loaded = load_config(cfg)
+    found = reduction_findings(loaded)
+    assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
+    assert "an all-to-all and an all-gather sending" in found[0].message
+    cost = reduction_cost(loaded.config, 2**20, 4)
+    # the 2 local micro-batch gradients, the all-to-all's buffers each way (the local gradients times the
+    # replicas: hybrid over 2 nodes sends each shard's rows to both), and the whole mean gradient for the norms
+    replicas = 2 if sharding == "hybrid" else 1
+    assert cost["extra_bytes"] == (2 + 2 * 2 * replicas + 1) * 2**20
