@@ -22,6 +22,11 @@
 // Weight decay applies to the elements in [decay_ranges[2r], decay_ranges[2r+1]) for r < n_ranges
 // (sorted, disjoint, merged on the host; a transformer block has two: attention and MLP matrices).
 //
+// bf16 state (apr_adamw_bf16_sr*, training.state_dtype: bf16): param, exp_avg and exp_avg_sq are
+// bfloat16, the gradient float32 or bfloat16; the same float32 update on their float32 values, each
+// result stored with stochastic rounding (apr_common.cuh), keyed per tensor by the host
+// (apr.kernels.interface.rounding_keys: seed, step, group). Scalar loop only.
+//
 // Vector path: elements [0, 4 * n_vec4) as float4 (16-byte accesses; the host passes n_vec4 = 0
 // unless every buffer is 16-byte aligned and the copy 8-byte aligned); the scalar loop does the
 // tail, so any length works.
@@ -149,3 +154,53 @@ __device__ __forceinline__ void adamw_body(float* __restrict__ param, const floa
 APR_ADAMW_KERNEL(apr_adamw_f32, 0)
 APR_ADAMW_KERNEL(apr_adamw_f32_copy_bf16, 1)
 APR_ADAMW_KERNEL(apr_adamw_f32_copy_f16, 2)
+
+template <int GRAD_BF16>
+__device__ __forceinline__ void adamw_bf16_sr_body(apr_bf16* __restrict__ param, const void* __restrict__ grad,
+                                                   apr_bf16* __restrict__ exp_avg, apr_bf16* __restrict__ exp_avg_sq,
+                                                   const long long* __restrict__ decay_ranges, int n_ranges,
+                                                   const float* __restrict__ grad_scale_ptr,
+                                                   const void* __restrict__ found_inf_ptr, int found_inf_kind,
+                                                   long long n, unsigned int key_param, unsigned int key_m,
+                                                   unsigned int key_v, AdamwScalars s) {
+    if (found_inf_kind == 1 && *reinterpret_cast<const float*>(found_inf_ptr) != 0.0f) return;
+    if (found_inf_kind == 2 && *reinterpret_cast<const unsigned char*>(found_inf_ptr) != 0) return;
+    if (grad_scale_ptr != nullptr) s.scale *= *grad_scale_ptr;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float g = GRAD_BF16 ? apr_load(reinterpret_cast<const apr_bf16*>(grad), i)
+                                  : reinterpret_cast<const float*>(grad)[i];
+        float m = apr_load(exp_avg, i), v = apr_load(exp_avg_sq, i);
+        const bool d = n_ranges > 0 && adamw_in_ranges(i, decay_ranges, n_ranges);
+        const float p = adamw_update(apr_load(param, i), g, m, v, d, s);
+        param[i].bits = apr_f32_to_bf16_bits_sr(p, apr_rounding_noise(i, key_param));
+        exp_avg[i].bits = apr_f32_to_bf16_bits_sr(m, apr_rounding_noise(i, key_m));
+        exp_avg_sq[i].bits = apr_f32_to_bf16_bits_sr(v, apr_rounding_noise(i, key_v));
+    }
+}
+
+#define APR_ADAMW_BF16_KERNEL(NAME, GRAD_BF16)                                                                   \
+    extern "C" __global__ void __launch_bounds__(APR_ADAMW_THREADS)                                              \
+        NAME(apr_bf16* __restrict__ param, const void* __restrict__ grad, apr_bf16* __restrict__ exp_avg,        \
+             apr_bf16* __restrict__ exp_avg_sq, const long long* __restrict__ decay_ranges, int n_ranges,        \
+             const float* __restrict__ grad_scale_ptr, const void* __restrict__ found_inf_ptr,                   \
+             int found_inf_kind, long long n, int key_param, int key_m, int key_v, float decay_keep,             \
+             float beta1, float one_minus_beta1, float beta2, float one_minus_beta2, float eps, float step_size,  \
+             float inv_sqrt_bc2, float grad_scale) {                                                             \
+        AdamwScalars s;                                                                                          \
+        s.decay_keep = decay_keep;                                                                               \
+        s.beta1 = beta1;                                                                                         \
+        s.one_minus_beta1 = one_minus_beta1;                                                                     \
+        s.beta2 = beta2;                                                                                         \
+        s.one_minus_beta2 = one_minus_beta2;                                                                     \
+        s.eps = eps;                                                                                             \
+        s.step_size = step_size;                                                                                 \
+        s.inv_sqrt_bc2 = inv_sqrt_bc2;                                                                           \
+        s.scale = grad_scale;                                                                                    \
+        adamw_bf16_sr_body<GRAD_BF16>(param, grad, exp_avg, exp_avg_sq, decay_ranges, n_ranges, grad_scale_ptr,  \
+                                      found_inf_ptr, found_inf_kind, n, (unsigned int)key_param,                 \
+                                      (unsigned int)key_m, (unsigned int)key_v, s);                              \
+    }
+
+APR_ADAMW_BF16_KERNEL(apr_adamw_bf16_sr, 0)
+APR_ADAMW_BF16_KERNEL(apr_adamw_bf16_sr_grad_bf16, 1)

@@ -26,6 +26,30 @@ __device__ __forceinline__ float apr_bf16_bits_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }
 
+// Stochastic rounding to bfloat16 (training.state_dtype: bf16): 16 bits of noise added to the float32
+// bits, the low 16 dropped, so the expected stored value is the float32 one. The noise of element i
+// is a counter-based hash of (key, i), MurmurHash3's fmix32, so it depends on neither the launch
+// shape nor the thread: apr/kernels/torch_backend.py stochastic_round_bf16 draws the same bits.
+__device__ __forceinline__ unsigned int apr_fmix32(unsigned int h) {
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    h ^= h >> 16;
+    return h;
+}
+
+__device__ __forceinline__ unsigned int apr_rounding_noise(long long i, unsigned int key) {
+    unsigned int h = apr_fmix32((unsigned int)((unsigned long long)i & 0xffffffffull) ^ key);
+    const unsigned int hi = (unsigned int)((unsigned long long)i >> 32);
+    if (hi != 0u) h = apr_fmix32(h + hi);
+    return h >> 16;
+}
+
+__device__ __forceinline__ unsigned short apr_f32_to_bf16_bits_sr(float f, unsigned int noise) {
+    return (unsigned short)((__float_as_uint(f) + noise) >> 16);
+}
+
 #ifdef APR_HOST_EMULATION
 // The CPU emulation in tests/kernels (g++, threads standing in for a block) has no PTX: its prelude
 // defines these two with the host's _Float16, which also rounds to nearest even.

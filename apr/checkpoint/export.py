@@ -229,7 +229,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                            expected="standard (grouped-query) attention", got=str(arch.decoupled_attention))])
     if fmt == "peft":
         return _export_peft(state, info, config, out, tokenizer=tokenizer, base_dir=base, warnings=warnings)
-    weights = {k: v for k, v in state.tensors.items() if not is_optimizer_state(k)}
+    # bf16 state (training.state_dtype) exports as float32, exactly: the folder's config says float32
+    weights = {k: v.float() if str(v.dtype) == "torch.bfloat16" else v for k, v in state.tensors.items()
+               if not is_optimizer_state(k)}
     if config.model.lora is not None:
         weights = merged_weights(weights, info, config)
     elif stacking.trunk_storage(config):  # a stacking trunk: dequantized, its adapters folded in

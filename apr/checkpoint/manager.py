@@ -35,11 +35,11 @@ from apr.checkpoint import files, parts, sidecar
 from apr.checkpoint.background import BackgroundWriter, snapshot
 from apr.checkpoint.files import read_safetensors_header
 from apr.checkpoint.names import (
-    STORED_DTYPE,
     expected_tensors,
     is_optimizer_state,
     loss_state_shapes,
     stage_tensors,
+    stored_dtype,
     tensor_mismatches,
     torch_mismatches,
 )
@@ -48,6 +48,7 @@ from apr.config.schema import Architecture, LoraConfig, StackingConfig
 from apr.errors import AprError, Finding
 from apr.fmt import format_bytes as fmt_bytes
 from apr.fsutil import atomic_write_json, fsync_dir
+from apr.model.spec import DTYPE_BYTES
 from apr.readers import InputError, check_regular, load_json
 from apr.steps import stacking
 
@@ -88,8 +89,9 @@ def weights_file_bytes(config: Any, step: int, loss_tensors: dict | None = None)
     dict) at ``step``: every expected tensor as float32 plus the header; ``loss_tensors``: a loss
     part's own tensors as its JSON lists them (``names.loss_state_shapes``). Torch-free (the plan's
     storage estimate, docs/plan.md)."""
-    code = files.ST_DTYPE_CODES[STORED_DTYPE]
-    entries = [(name, code, shape, 4 * math.prod(shape)) for name, shape in
+    dtype = stored_dtype(config)
+    code, size = files.ST_DTYPE_CODES[dtype], DTYPE_BYTES[dtype]
+    entries = [(name, code, shape, size * math.prod(shape)) for name, shape in
                sorted((_expected(config, step) | loss_state_shapes({"loss_tensors": loss_tensors})).items())]
     return files.safetensors_size(entries, _weights_metadata(step))
 
@@ -429,13 +431,14 @@ def read_checkpoint(path: str | os.PathLike, config: Any = None, verify: bool = 
     except Exception as err:  # pydantic ValidationError, KeyError, TypeError: a JSON we did not write
         raise CheckpointError(f"{info.json_path.name}: its config has no valid model.architecture ({err})",
                               info.json_path, "not_apr") from None
-    problems = tensor_mismatches(shapes, dtypes, own_expected)
+    problems = tensor_mismatches(shapes, dtypes, own_expected, stored_dtype(info.config))
     if problems:
         raise CheckpointError(
             f"{info.weights_path.name} does not hold the model its JSON describes (foreign file): "
             + "; ".join(problems[:4]), info.weights_path, "foreign")
     if config is not None:
-        problems = tensor_mismatches(shapes, dtypes, _expected(config, info.step) | loss_tensors)
+        problems = tensor_mismatches(shapes, dtypes, _expected(config, info.step) | loss_tensors,
+                                     stored_dtype(config))
         if problems:
             raise CheckpointError(
                 f"{info.json_path.name} was saved for a different model than the config describes: "
@@ -694,7 +697,8 @@ class CheckpointManager:
         return _expected(self._config, step)
 
     def _check_state(self, state: TrainState) -> None:
-        problems = torch_mismatches(state.tensors, self._expected_at(state.step) | loss_state_shapes(state.meta))
+        problems = torch_mismatches(state.tensors, self._expected_at(state.step) | loss_state_shapes(state.meta),
+                                    stored_dtype(self._config))
         if problems:
             raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
         clash = RESERVED_KEYS & set(state.meta)
@@ -816,8 +820,8 @@ class CheckpointManager:
         clash = RESERVED_KEYS & set(state.meta)
         if clash:
             raise ValueError(f"TrainState.meta may not use the reserved keys {sorted(clash)}")
-        problems = [p for p in torch_mismatches(state.tensors, self._expected_at(step) | loss_state_shapes(state.meta))
-                    if "shape" not in p]
+        problems = [p for p in torch_mismatches(state.tensors, self._expected_at(step) | loss_state_shapes(state.meta),
+                                                stored_dtype(self._config)) if "shape" not in p]
         if problems:
             raise ValueError("TrainState.tensors do not match the config's model: " + "; ".join(problems[:5]))
         self.output_dir.mkdir(parents=True, exist_ok=True)

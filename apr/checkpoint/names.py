@@ -1,7 +1,8 @@
 """The names of the tensors in a checkpoint, and the one check that a set of tensors is a model's.
 
 A checkpoint holds each parameter under its Hugging Face Llama name and its AdamW moments under
-``optimizer.m.<name>`` and ``optimizer.v.<name>``, all float32. The engines, the checkpoint manager
+``optimizer.m.<name>`` and ``optimizer.v.<name>``, all float32 (all bfloat16 with
+``training.state_dtype: bf16``: the stored state as the run holds it). The engines, the checkpoint manager
 and export spell these names only through this module (see docs/design.md, "Checkpoints").
 """
 
@@ -13,6 +14,7 @@ OPTIMIZER_PREFIX = "optimizer."
 OPT_M = "optimizer.m."  # AdamW first moment of a parameter
 OPT_V = "optimizer.v."  # AdamW second moment
 STORED_DTYPE = "float32"
+STATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # training.state_dtype -> its checkpoints' tensors
 # trained parameters of a loss part, not of the model (a narrower distillation student's projections,
 # apr/train/distill.py): under the optimizer prefix, so every reader of the model's weights (export,
 # weights_only loads, imports) leaves them, as it leaves the moments; the checkpoint's JSON lists
@@ -75,10 +77,21 @@ def stage_tensors(config) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def stored_dtype(config) -> str:
+    """The dtype of every tensor in the checkpoints of ``config`` (an AprConfig, or the dict a
+    checkpoint's JSON stores): ``training.state_dtype``'s, float32 for configs older than the key."""
+    if isinstance(config, Mapping):
+        name = (config.get("training") or {}).get("state_dtype", "fp32")
+    else:
+        name = config.training.state_dtype
+    return STATE_DTYPES.get(str(name), STORED_DTYPE)
+
+
 def tensor_mismatches(shapes: Mapping[str, Iterable[int]], dtypes: Mapping[str, str],
-                      want: Mapping[str, tuple[int, ...]]) -> list[str]:
+                      want: Mapping[str, tuple[int, ...]], stored: str | None = None) -> list[str]:
     """Human-readable differences between the tensors present (name -> shape, name -> dtype name)
-    and those wanted: missing, unexpected, wrong shape, not float32. Empty when they match."""
+    and those wanted: missing, unexpected, wrong shape, not ``stored`` (``stored_dtype``; None: any
+    dtype a checkpoint may hold, float32 or bfloat16). Empty when they match."""
     problems = []
     missing = [n for n in want if n not in shapes]
     extra = sorted(n for n in shapes if n not in want)
@@ -89,12 +102,15 @@ def tensor_mismatches(shapes: Mapping[str, Iterable[int]], dtypes: Mapping[str, 
     for name, shape in want.items():
         if name in shapes and tuple(shapes[name]) != tuple(shape):
             problems.append(f"{name} has shape {list(shapes[name])}, the model needs {list(shape)}")
-        if name in dtypes and dtypes[name] != STORED_DTYPE:
-            problems.append(f"{name} is {dtypes[name]}, checkpoints hold {STORED_DTYPE}")
+        if name in dtypes and dtypes[name] != stored and (stored or dtypes[name] not in STATE_DTYPES.values()):
+            held = stored or " or ".join(STATE_DTYPES.values())
+            problems.append(f"{name} is {dtypes[name]}, checkpoints hold {held}"
+                            + (" (training.state_dtype)" if stored and stored != STORED_DTYPE else ""))
     return problems
 
 
-def torch_mismatches(tensors: Mapping[str, object], want: Mapping[str, tuple[int, ...]]) -> list[str]:
+def torch_mismatches(tensors: Mapping[str, object], want: Mapping[str, tuple[int, ...]],
+                     stored: str | None = None) -> list[str]:
     """:func:`tensor_mismatches` for a dict of torch tensors."""
     return tensor_mismatches({n: tuple(t.shape) for n, t in tensors.items()},
-                             {n: str(t.dtype).removeprefix("torch.") for n, t in tensors.items()}, want)
+                             {n: str(t.dtype).removeprefix("torch.") for n, t in tensors.items()}, want, stored)

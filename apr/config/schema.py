@@ -789,6 +789,11 @@ class MixedPrecision(StrEnum):
     fp16 = "fp16"
 
 
+class StateDtype(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class ClipMode(StrEnum):
     global_norm = "global"
     per_block = "per_block"
@@ -1022,6 +1027,12 @@ class TrainingConfig(_Section):
     adagc: AdaGCConfig = Field(default_factory=AdaGCConfig)
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     mixed_precision: MixedPrecision = Field(MixedPrecision.bf16, description="Compute precision.")
+    state_dtype: StateDtype = Field(
+        StateDtype.fp32, description="Storage of the weights and AdamW moments between steps. fp32: 12 bytes a "
+        "parameter (float32 masters). bf16: 6 bytes, gradients in bf16 too; each update is computed in float32 and "
+        "written back with stochastic rounding (noise from the seed, step, group and element, so a resume is "
+        "bitwise), which keeps updates smaller than a bf16 ulp on average. Needs mixed_precision bf16, AdamW and "
+        "the flat-buffer walk in one process (docs/training.md, \"bf16 state\").")
     output_dir: FolderPath = Field("checkpoints/run", description="Run directory: checkpoints and records.")
     save_interval: PositiveCount = Field(1000, description="Checkpoint every N optimizer steps.")
     keep_last: PositiveCount = Field(1, description="Step checkpoints kept besides the best one.")

@@ -32,7 +32,8 @@ from apr.resources import resource_dir
 KERNEL_FILES = ("adamw", "sq_norm", "cross_entropy")
 # Every kernel each file must define (checked at load, and by the compile tests).
 KERNEL_NAMES = {
-    "adamw": ("apr_adamw_f32", "apr_adamw_f32_copy_bf16", "apr_adamw_f32_copy_f16"),
+    "adamw": ("apr_adamw_f32", "apr_adamw_f32_copy_bf16", "apr_adamw_f32_copy_f16", "apr_adamw_bf16_sr",
+              "apr_adamw_bf16_sr_grad_bf16"),
     "sq_norm": ("apr_sq_norm_partial_f32", "apr_sq_norm_partial_bf16", "apr_sq_norm_partial_f16",
                 "apr_sq_norm_finish"),
     "cross_entropy": ("apr_ce_fwd_bwd_f32",),  # logits are always float32 (apr/kernels/linear_ce.py)
@@ -251,12 +252,18 @@ class CupyBackend(KernelBackend):
         grad_scale: torch.Tensor | float = 1.0,
         found_inf: torch.Tensor | None = None,
         param_copy: torch.Tensor | None = None,
+        rounding: tuple[int, int, int] | None = None,
     ) -> None:
         """See ``KernelBackend.adamw_step``; one kernel launch. ``grad`` is only read.
 
         ``param_copy`` (CuPy-backend extension): a bfloat16 or float16 tensor of ``param``'s size
         that receives the updated weights rounded to its dtype in the same launch (the compute
         copy a bf16 forward reads), and is left unchanged when the step is skipped."""
+        if param.dtype == torch.bfloat16:
+            self._adamw_bf16_state(param, grad, exp_avg, exp_avg_sq, rounding, param_copy, lr=lr, beta1=beta1,
+                                   beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, decay=decay,
+                                   grad_scale=grad_scale, found_inf=found_inf)
+            return
         n = param.numel()
         for label, t in (("param", param), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             self._check_cuda(label, t)
@@ -314,6 +321,58 @@ class CupyBackend(KernelBackend):
         work = n_vec4 + (n - 4 * n_vec4)
         self._launch(device, kernel, self._grid(idx, work, ADAMW_THREADS), ADAMW_THREADS, args)
 
+    def _found_flag(self, found_inf: torch.Tensor | None) -> tuple[int, torch.Tensor | None] | None:
+        """(kind, device flag) for the kernels' found_inf arguments; None: a host flag that is set (skip)."""
+        if found_inf is None:
+            return 0, None
+        if found_inf.device.type != self.device_type:
+            return None if bool(found_inf.item()) else (0, None)
+        if found_inf.dtype in (torch.bool, torch.uint8):
+            return 2, found_inf.detach().reshape(()).contiguous().view(torch.uint8)
+        return 1, found_inf.detach().reshape(()).to(torch.float32).contiguous()
+
+    def _adamw_bf16_state(self, param, grad, exp_avg, exp_avg_sq, rounding, param_copy, *, lr, beta1, beta2, eps,
+                          weight_decay, step, decay, grad_scale, found_inf) -> None:
+        """bf16 weights and moments (``training.state_dtype: bf16``): one launch of
+        ``apr_adamw_bf16_sr`` (float32 gradient) or ``apr_adamw_bf16_sr_grad_bf16``."""
+        n = param.numel()
+        for label, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)):
+            self._check_cuda(label, t)
+            wanted = (torch.bfloat16, torch.float32) if label == "grad" else (torch.bfloat16,)
+            if t.dtype not in wanted or not t.is_contiguous() or t.numel() != n or t.device != param.device:
+                raise AprError(f"cupy adamw_step (bf16 state): {label} must be a contiguous "
+                               f"{'/'.join(str(d).removeprefix('torch.') for d in wanted)} tensor of {n} elements on "
+                               f"{param.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+        if rounding is None or len(rounding) != 3:
+            raise AprError("cupy adamw_step (bf16 state): the three stochastic-rounding keys are needed "
+                           "(apr.kernels.interface.rounding_keys)")
+        if param_copy is not None:
+            raise AprError("cupy adamw_step (bf16 state): the weights are the compute copy; param_copy must be None")
+        if step < 1 or decay.numel != n:
+            raise AprError(f"cupy adamw_step: step {step} (1-based), decay ranges over {decay.numel} of {n} elements")
+        flag = self._found_flag(found_inf)
+        if n == 0 or flag is None:
+            return
+        device = param.device
+        idx = self._ready(device)
+        scale, scale_t = self._device_scalar(grad_scale, device, "grad_scale")
+        use_decay = weight_decay != 0.0 and decay.ranges
+        table = self._decay_table(decay, device, idx) if use_decay else None
+        keys = tuple(np.int32(np.uint32(k & 0xFFFFFFFF).view(np.int32)) for k in rounding)  # the bits, as int
+        args = (
+            param, grad, exp_avg, exp_avg_sq,
+            table if table is not None else _NULL,
+            np.int32(len(decay.ranges) if use_decay else 0),
+            scale_t if scale_t is not None else _NULL,
+            flag[1] if flag[1] is not None else _NULL,
+            np.int32(flag[0]),
+            np.int64(n), *keys,
+            *adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step),
+            np.float32(scale),
+        )
+        kernel = "apr_adamw_bf16_sr_grad_bf16" if grad.dtype == torch.bfloat16 else "apr_adamw_bf16_sr"
+        self._launch(device, kernel, self._grid(idx, n, ADAMW_THREADS), ADAMW_THREADS, args)
+
     def sq_norm(self, x: torch.Tensor) -> torch.Tensor:
         self._check_cuda("x", x)
         kernels = {torch.float32: ("apr_sq_norm_partial_f32", 16), torch.bfloat16: ("apr_sq_norm_partial_bf16", 8),
@@ -338,7 +397,7 @@ class CupyBackend(KernelBackend):
         return out
 
     def _cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, grad_scale, ignore_index: int,
-                       write_grad: bool) -> torch.Tensor:
+                       write_grad: bool, position_losses: torch.Tensor | None = None) -> torch.Tensor:
         self._check_cuda("logits", logits)
         kernels = {torch.float32: ("apr_ce_fwd_bwd_f32", 16)}
         if logits.dim() != 2 or logits.dtype not in kernels or (logits.shape[1] > 1 and logits.stride(1) != 1):
@@ -361,17 +420,27 @@ class CupyBackend(KernelBackend):
         work = vocab // 4 if vec4 else vocab
         threads = CE_MAX_THREADS if work >= 4 * CE_MAX_THREADS else max(32, min(CE_MAX_THREADS,
                                                                                  _cdiv(_cdiv(work, 4), 32) * 32))
-        row_loss = torch.empty(rows, dtype=torch.float32, device=device)
+        row_loss = position_losses  # each position's loss, then their sum
+        if row_loss is None:
+            row_loss = torch.empty(rows, dtype=torch.float32, device=device)
+        elif (row_loss.dtype, row_loss.numel(), row_loss.device) != (torch.float32, rows, device) \
+                or not row_loss.is_contiguous():
+            raise AprError(f"cupy cross-entropy: position_losses must be float32 [{rows}] contiguous on {device}")
         args = (logits, targets, np.int64(vocab), np.int64(row_stride), np.int64(ignore_index), np.float32(scale),
                 scale_t if scale_t is not None else _NULL, row_loss, np.int32(vec4), np.int32(write_grad))
         self._launch(device, kernel, rows, threads, args)
         return row_loss.sum()
 
+    fills_position_losses = True  # the kernel writes each position's loss before summing them (apr runs blame)
+
     def cross_entropy_fwd_bwd(
         self, logits: torch.Tensor, targets: torch.Tensor, *, grad_scale: float | torch.Tensor,
-        ignore_index: int = -100,
+        ignore_index: int = -100, position_losses: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._cross_entropy(logits, targets, grad_scale, ignore_index, write_grad=True)
+        """``position_losses`` (float32 ``[n]``, optional): the kernel's per-position losses are
+        written there, the values the sum is taken over (the loss is the same with or without it)."""
+        return self._cross_entropy(logits, targets, grad_scale, ignore_index, write_grad=True,
+                                   position_losses=position_losses)
 
     def cross_entropy_fwd(
         self, logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100

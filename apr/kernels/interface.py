@@ -1,7 +1,8 @@
 """The fused-op interface every kernel backend implements (docs/design.md, "Kernels").
 
 Conventions shared by all backends:
-- Buffers are flat, contiguous float32 device tensors unless said otherwise.
+- Buffers are flat, contiguous float32 device tensors unless said otherwise (``adamw_step`` also
+  takes bfloat16 state: ``training.state_dtype: bf16``, stochastic rounding).
 - Nothing here synchronises with the host unless a docstring says so: results that are scalars
   (norms, loss sums) come back as 0-dim float32 tensors on the input's device.
 - Scalars that depend on device results (a clipping coefficient, an overflow flag) are passed as
@@ -10,6 +11,7 @@ Conventions shared by all backends:
 
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +50,28 @@ class DecayRanges:
         return sum(e - s for s, e in self.ranges)
 
 
+_MASK32, _MASK64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def rounding_keys(seed: int, step: int, group: str) -> tuple[int, int, int]:
+    """The 32-bit keys (weights, first moment, second moment) of the stochastic rounding of one
+    group's update at one optimizer step (``training.state_dtype: bf16``): a function of the run's
+    seed, the step and the group's name only, so a resumed run draws the same noise as the run
+    straight. Each element's noise is ``fmix32`` of its index in the group's flat buffer and the key
+    (``apr.kernels.torch_backend.stochastic_round_bf16``, ``kernels/adamw.cu``): the same bits on any
+    backend, thread count or launch shape."""
+    base = _splitmix64((seed & _MASK64) ^ _splitmix64((step & _MASK32) | (zlib.crc32(group.encode()) << 32)))
+    weights, first, second = (_splitmix64(base + k) & _MASK32 for k in (1, 2, 3))
+    return weights, first, second
+
+
 class KernelBackend(ABC):
     """Fused ops used by the training engine. ``apr.kernels.torch_backend`` is the reference."""
 
@@ -71,6 +95,7 @@ class KernelBackend(ABC):
         grad_scale: torch.Tensor | float = 1.0,
         found_inf: torch.Tensor | None = None,
         param_copy: torch.Tensor | None = None,
+        rounding: tuple[int, int, int] | None = None,
     ) -> None:
         """One AdamW update of a flat float32 buffer, in place, bit-for-bit the arithmetic of
         ``torch.optim.AdamW`` (decoupled decay ``p *= 1 - lr*wd`` on ``decay``'s ranges only, then
@@ -83,6 +108,14 @@ class KernelBackend(ABC):
         host. ``param_copy`` (a bfloat16/float16 tensor of ``param``'s size): also written with the
         updated parameter rounded to its dtype (the compute copy), unchanged on a skipped step.
         ``grad``'s contents are undefined afterwards (backends may use it as scratch).
+
+        bf16 state (``training.state_dtype: bf16``): ``param``, ``exp_avg`` and ``exp_avg_sq`` are
+        all bfloat16 (``grad`` bfloat16 or float32). The update is the float32 one above on their
+        float32 values; each result is written back with stochastic rounding: 16 bits of noise
+        (``rounding``'s key for that tensor, ``rounding_keys``; the element's index) are added to the
+        float32 bits and the low 16 bits dropped, so the stored value's expectation is the float32
+        one and updates smaller than half a bf16 ulp survive on average. A flagged step leaves the
+        state unchanged (a bf16 value plus noise below one of its ulps truncates to itself).
         """
 
     @abstractmethod

@@ -28,7 +28,13 @@ class TorchBackend(KernelBackend):
         grad_scale: torch.Tensor | float = 1.0,
         found_inf: torch.Tensor | None = None,
         param_copy: torch.Tensor | None = None,
+        rounding: tuple[int, int, int] | None = None,
     ) -> None:
+        if param.dtype == torch.bfloat16:
+            self._adamw_bf16_state(param, grad, exp_avg, exp_avg_sq, rounding, param_copy, lr=lr, beta1=beta1,
+                                   beta2=beta2, eps=eps, weight_decay=weight_decay, step=step, decay=decay,
+                                   grad_scale=grad_scale, found_inf=found_inf)
+            return
         if found_inf is None:
             if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
                 grad.mul_(grad_scale)
@@ -43,6 +49,19 @@ class TorchBackend(KernelBackend):
         else:
             _masked_adamw(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, decay,
                           grad_scale, found_inf)
+        if param_copy is not None:
+            param_copy.copy_(param)
+
+    def _adamw_bf16_state(self, param, grad, exp_avg, exp_avg_sq, rounding, param_copy, **update) -> None:
+        """bf16 weights and moments: the float32 update on their float32 values, each written back with
+        stochastic rounding (``KernelBackend.adamw_step``)."""
+        if rounding is None or exp_avg.dtype != torch.bfloat16 or exp_avg_sq.dtype != torch.bfloat16:
+            raise ValueError("adamw_step on bf16 state needs bf16 weights and moments and the rounding keys, got "
+                             f"{param.dtype}/{exp_avg.dtype}/{exp_avg_sq.dtype}, rounding={rounding}")
+        p32, m32, v32 = param.float(), exp_avg.float(), exp_avg_sq.float()
+        self.adamw_step(p32, grad.float() if grad.dtype != torch.float32 else grad, m32, v32, **update)
+        for exact, stored, key in zip((p32, m32, v32), (param, exp_avg, exp_avg_sq), rounding, strict=True):
+            stored.copy_(stochastic_round_bf16(exact, key))
         if param_copy is not None:
             param_copy.copy_(param)
 
@@ -80,6 +99,32 @@ class TorchBackend(KernelBackend):
         lse = torch.logsumexp(logits, dim=-1)
         target_logit = logits.gather(1, safe_targets[:, None]).squeeze(1)
         return torch.where(valid, lse - target_logit, 0.0).sum()
+
+
+_MASK32 = (1 << 32) - 1
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding uint32 values (products wrap mod 2**64;
+    their low 32 bits are the uint32 product)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def stochastic_round_bf16(x: torch.Tensor, key: int) -> torch.Tensor:
+    """A flat float32 tensor rounded to bfloat16 stochastically: element ``i`` gets the noise
+    ``fmix32(i ^ key) >> 16`` (the high half of index ``i``, when there is one, hashed in again)
+    added to its bits, then its low 16 bits are dropped; ``kernels/adamw.cu`` draws the same bits."""
+    idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device)
+    h = _fmix32((idx & _MASK32) ^ key)
+    if x.numel() > _MASK32 + 1:
+        hi = idx >> 32
+        h = torch.where(hi != 0, _fmix32((h + hi) & _MASK32), h)
+    bits = x.contiguous().view(torch.int32) + (h >> 16).to(torch.int32)
+    return (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def _denom(exp_avg_sq: torch.Tensor, beta2: float, step: int, eps: float) -> torch.Tensor:

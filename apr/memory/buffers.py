@@ -10,8 +10,9 @@ step declares its loss chunk, hidden states and token ids (``step_buffers``). ``
 their sum for the composition a config resolves to: the plan's memory table sums it, the engine
 classes name their declaration (``Engine.declares``), and tests hold the two together.
 
-Weights, optimizer state and gradient buffers are float32 (master weights); activation checkpoints
-are kept in the compute dtype. Activations inside one block and allocator slack are modelled
+Weights, optimizer state and gradient buffers are float32 (master weights), or bfloat16 with
+``training.state_dtype: bf16`` (the walk's weights, moments and gradients: ``state_dtype_name``);
+activation checkpoints are kept in the compute dtype. Activations inside one block and allocator slack are modelled
 separately (apr/memory/activations.py, apr/memory/table.py), calibrated against measured peaks.
 Torch-free: ``apr train validate`` and the plan load it.
 """
@@ -63,6 +64,13 @@ def compute_dtype_name(precision: MixedPrecision | str) -> str:
     return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[str(precision)]
 
 
+def state_dtype_name(config: AprConfig) -> str:
+    """The dtype the walk stores its weights, AdamW moments and gradients in (``training.state_dtype``):
+    "float32", or "bfloat16" (the weights are then the compute copy; a parameter's gradient has its
+    dtype, so the gradient buffers are bf16 too)."""
+    return "bfloat16" if str(config.training.state_dtype) == "bf16" else "float32"
+
+
 def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> bool:
     """Whether the interleaved engine keeps a bf16/fp16 compute copy of each block's weights, written
     by AdamW (``param_copy``) so that no forward re-casts the fp32 masters (docs/design.md,
@@ -71,7 +79,7 @@ def uses_compute_copy(config: AprConfig, execution: Execution | None = None) -> 
     tr = config.training
     compiled = (execution or from_config(config)).compile
     return (gradient_source(config) == "interleaved" and config.model.lora is None and not compiled
-            and compute_dtype_name(tr.mixed_precision) != "float32")
+            and compute_dtype_name(tr.mixed_precision) != "float32" and state_dtype_name(config) == "float32")
 
 
 def sharded(config: AprConfig) -> bool:
@@ -149,7 +157,8 @@ def _trunk_buffers(config: AprConfig) -> list[Buffer]:
 
 
 def _params_and_moments(config: AprConfig, groups: list[tuple[str, int]], execution: Execution | None) -> list[Buffer]:
-    bufs = [Buffer(f"{name}.flat_params", "adapters" if config.model.lora else "weights", (numel,), "float32")
+    sdt = state_dtype_name(config)
+    bufs = [Buffer(f"{name}.flat_params", "adapters" if config.model.lora else "weights", (numel,), sdt)
             for name, numel in groups]
     if uses_compute_copy(config, execution):  # each block's weights in the compute dtype, kept by AdamW
         cdt = compute_dtype_name(config.training.mixed_precision)
@@ -169,9 +178,10 @@ def _moment_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[Bu
         rows, cols = _factored_numel(config)
         return [b for name, _ in groups for b in (Buffer(f"{name}.adafactor_row", "adamw_m", (rows[name],), "float32"),
                                                   Buffer(f"{name}.adafactor_col", "adamw_v", (cols[name],), "float32"))]
-    out = [Buffer(f"{name}.adam_m", "adamw_m", (numel,), "float32") for name, numel in groups]
+    sdt = state_dtype_name(config)
+    out = [Buffer(f"{name}.adam_m", "adamw_m", (numel,), sdt) for name, numel in groups]
     if name_of != "lion" or walk:
-        out += [Buffer(f"{name}.adam_v", "adamw_v", (numel,), "float32") for name, numel in groups]
+        out += [Buffer(f"{name}.adam_v", "adamw_v", (numel,), sdt) for name, numel in groups]
     return out
 
 
@@ -199,6 +209,24 @@ def optimizer_state_details(config: AprConfig) -> dict[str, str]:
     return {}
 
 
+def state_dtype_details(config: AprConfig) -> dict[str, str]:
+    """The memory table's words for the rows bf16 state changes (``training.state_dtype: bf16``)."""
+    if state_dtype_name(config) == "float32":
+        return {}
+    return {"weights": "bf16 weights (2 B/param; also the compute copy), one flat buffer per block; each update "
+                       "computed in fp32, stored with stochastic rounding",
+            "adamw_m": "AdamW first moment (bf16, stochastic rounding)",
+            "adamw_v": "AdamW second moment (bf16, stochastic rounding)",
+            "gradients": "bf16 gradients (a parameter's gradient has its dtype): one workspace (the largest "
+                         "group) or every group's gradient (kept)"}
+
+
+def state_bytes_per_param(config: AprConfig) -> int:
+    """Bytes a trained parameter's weights and optimizer moments take between steps: 12 in fp32, 6 in
+    bf16 (training.state_dtype); the plan's finding shows it."""
+    return 3 * DTYPE_BYTES[state_dtype_name(config)]
+
+
 def walk_buffers(config: AprConfig, execution: Execution | None = None) -> list[Buffer]:
     """The flat-buffer walk (``InterleavedEngine``) in one process or under DDP.
 
@@ -213,17 +241,18 @@ def walk_buffers(config: AprConfig, execution: Execution | None = None) -> list[
     b, s, h, v = config.data.batch_size, config.data.seq_len, arch.hidden_size, arch.vocab_size
     groups = group_sizes(config)
     bufs = _params_and_moments(config, groups, execution)
+    gdt = state_dtype_name(config)  # a parameter's gradient has its dtype
     if step_strategy(config, execution).keeps_all_grads:
-        bufs += [Buffer(f"{name}.grad", "gradients", (numel,), "float32") for name, numel in groups]
+        bufs += [Buffer(f"{name}.grad", "gradients", (numel,), gdt) for name, numel in groups]
         if lora is None and (tr.gradient_accumulation > 1 or arch.tie_word_embeddings):
-            bufs.append(Buffer("grad_scratch", "gradients", (v * h,), "float32"))
+            bufs.append(Buffer("grad_scratch", "gradients", (v * h,), gdt))
     else:
         if arch.tie_word_embeddings and lora is None:
-            bufs.append(Buffer("embed.grad", "gradients", (v * h,), "float32"))
-        bufs.append(Buffer("grad_workspace", "gradients", (max(n for _, n in groups),), "float32"))
+            bufs.append(Buffer("embed.grad", "gradients", (v * h,), gdt))
+        bufs.append(Buffer("grad_workspace", "gradients", (max(n for _, n in groups),), gdt))
         if tr.world_size > 1:
             # data parallel: one group's gradient is all-reduced while the next one's backward fills this
-            bufs.append(Buffer("grad_workspace_1", "gradients", (max(n for _, n in groups),), "float32"))
+            bufs.append(Buffer("grad_workspace_1", "gradients", (max(n for _, n in groups),), gdt))
     cdt = compute_dtype_name(tr.mixed_precision)
     bufs.append(Buffer("block_inputs", "activation_checkpoints", (arch.num_hidden_layers + 1, b, s, h), cdt))
     # the gradient flowing down the residual stream: a block's output grad and its input grad

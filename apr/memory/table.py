@@ -17,7 +17,7 @@ from apr.memory.activations import (
     grads_replace_graph,
     kept_activation_bytes,
 )
-from apr.memory.buffers import buffer_plan, compute_dtype_name, optimizer_state_details
+from apr.memory.buffers import buffer_plan, compute_dtype_name, optimizer_state_details, state_dtype_details
 from apr.model.spec import DTYPE_BYTES
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
@@ -69,7 +69,8 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
         entry = sums.setdefault(buf.component, [0, 0])
         entry[0] += buf.nbytes
         entry[1] += 1
-    words = {**DESCRIPTIONS, **optimizer_state_details(config)}  # Lion's, Adafactor's state rows
+    # Lion's, Adafactor's state rows; bf16 state's
+    words = {**DESCRIPTIONS, **optimizer_state_details(config), **state_dtype_details(config)}
     rows = {name: MemoryRow(name, total, "buffer_plan", n, words.get(name, "from the buffer plan"))
             for name, (total, n) in sums.items()}
     kept = kept_activation_bytes(config, execution, coefficients)

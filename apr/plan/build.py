@@ -52,6 +52,7 @@ from apr.plan.orchestratefacts import (
     orchestrator_memory_rows,
 )
 from apr.plan.reductionfacts import reduction_findings
+from apr.plan.statefacts import state_dtype_findings
 from apr.plan.storage import storage_facts
 from apr.plan.threadadvice import oversubscription_findings
 from apr.plan.tokfacts import tokenizer_facts
@@ -504,6 +505,7 @@ def plan_config(config_path: Path, *, gpu: str | None = None, vram: str | int | 
             sheet.facts.setdefault("time", {})["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
     mixture_findings += orchestrator_findings(loaded, total_steps)
     mixture_findings += reduction_findings(loaded, world_size)
+    mixture_findings += state_dtype_findings(loaded)
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),

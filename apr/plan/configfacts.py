@@ -13,6 +13,7 @@ from importlib.util import find_spec
 
 from apr.config.schema import AprConfig
 from apr.memory.activations import COEFFICIENTS
+from apr.memory.buffers import state_bytes_per_param
 from apr.memory.table import MAX_LAYERS_SEARCHED, MemoryRow, max_layers, max_micro_batch, memory_table
 from apr.model.spec import (
     block_numel,
@@ -130,6 +131,8 @@ def execution_facts(config: AprConfig, execution=None) -> dict:
         "precision": str(tr.mixed_precision), "clip": st.clip, "keeps_all_grads": st.keeps_all_grads,
         "norm_prepass": st.norm_prepass, "backward_walks": st.backward_walks, "loss_scaling": st.loss_scaling,
         "strategy": st.describe(),
+        # training.state_dtype: the weights' and AdamW moments' storage, bytes a parameter between steps
+        "state_dtype": str(tr.state_dtype), "state_bytes_per_param": state_bytes_per_param(config),
     }
 
 

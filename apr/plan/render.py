@@ -257,9 +257,17 @@ def _execution_lines(plan) -> list[str]:
     e = plan.execution
     kernels = e["kernels"] if e["kernels"] == e["kernels_resolved"] else f"{e['kernels']} -> {e['kernels_resolved']}"
     device = e["device"] if e["device"] == e["device_resolved"] else f"{e['device']} -> {e['device_resolved']}"
-    return [f"engine {e['engine']}, precision {e['precision']}, device {device}",
+    return [f"engine {e['engine']}, precision {e['precision']}, device {device}", *_state_lines(e),
             f"kernels {kernels}", *_compile_lines(e),
             e["strategy"], *_policy_lines(e)]
+
+
+def _state_lines(e: dict) -> list[str]:
+    """``training.state_dtype`` when it is not fp32 (older plans have no such fact)."""
+    if e.get("state_dtype", "fp32") == "fp32":
+        return []
+    return [f"state {e['state_dtype']}: weights and AdamW moments {e['state_bytes_per_param']} B/param (fp32: 12), "
+            "each update computed in fp32 and stored with stochastic rounding"]
 
 
 def _compile_lines(e: dict) -> list[str]:

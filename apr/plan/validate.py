@@ -141,6 +141,15 @@ def _mlm_findings(loaded: LoadedConfig) -> list[Finding]:
     return mlm_config_findings(loaded)
 
 
+def _state_dtype_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``apr.plan.statefacts.state_dtype_findings`` where the config stores its state in bf16."""
+    if str(loaded.config.training.state_dtype) == "fp32":
+        return []
+    from apr.plan.statefacts import state_dtype_findings  # lazy: off validate's path unless training.state_dtype
+
+    return state_dtype_findings(loaded)
+
+
 def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     """`training.output_dir` a run must not write into (a filesystem root, the home folder, the data or
     the tokenizer), located at the key's line."""
@@ -523,4 +532,5 @@ _CHECKS: tuple = (
     (lambda loaded: orchestrator_findings(loaded, loaded.config.training.max_steps),
      (("training",), ("optimizer",), ("model", "stacking"), ("data",))),
     (reduction_findings, (("training",), ("model",))),
+    (_state_dtype_findings, (("training",), ("model",), ("optimizer",))),
 )

@@ -285,6 +285,14 @@ FEATURES: list[Feature] = [
         "full": refused("FSDP2 shards float32/bf16 rows, not NF4 codes (validate: training.sharding)"),
         "hybrid": refused("as `full`"),
     }),
+    Feature("bf16 state (training.state_dtype: bf16, stochastic rounding), the flat-buffer walk", {
+        "one": tested("tests/train/test_updaters.py::test_bf16_state_holds_6_bytes_a_parameter_and_resumes_bitwise",
+                      "tests/train/test_updaters.py::test_a_bf16_state_run_checkpoints_bf16_and_resumes_bitwise",
+                      note="6 B/param; resume bitwise; autograd refused (validate: training.state_dtype)"),
+        "ddp": refused("not built: the ranks would all-reduce bf16 gradients (validate: training.state_dtype)"),
+        "full": refused("not built: FSDP2 shards hold float32 state (validate: training.state_dtype)"),
+        "hybrid": refused("as `full`"),
+    }),
 ]
 
 

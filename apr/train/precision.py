@@ -1,7 +1,9 @@
 """Compute precision: fp32, bf16 autocast, fp16 autocast with dynamic loss scaling.
 
-Master weights, gradients and AdamW state are always float32; autocast runs the matmuls in the
-compute dtype and the residual stream (the blocks' inputs and outputs) is kept in it.
+Master weights, gradients and AdamW state are float32, or bf16 with ``training.state_dtype: bf16``
+(mixed_precision bf16 only: the stored weights are then the compute weights; validate refuses the
+rest, apr/plan/statefacts.py); autocast runs the matmuls in the compute dtype and the residual
+stream (the blocks' inputs and outputs) is kept in it.
 """
 
 from __future__ import annotations

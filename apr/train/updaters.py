@@ -9,6 +9,11 @@ finished gradient into new weights, apart from where the gradient came from.
 - ``bind`` then ``step``: ``torch.optim.AdamW`` (fused on CUDA) over named parameters in two
   weight-decay groups, after a whole autograd backward (one process, DDP, FSDP2's DTensors).
 
+With ``training.state_dtype: bf16`` the walk's weights and moments are bfloat16 (6 bytes a
+parameter instead of 12): ``update_flat`` computes each update in float32 and writes the three back
+with stochastic rounding, its noise a hash of (run seed, step, group, element index), so a resumed
+run draws what the run straight drew (apr/kernels/interface.py ``rounding_keys``).
+
 Its moments are ``exp_avg`` / ``exp_avg_sq`` (checkpointed as ``optimizer.m.`` / ``optimizer.v.``):
 in the buffer plan's flat buffers for the walk, in ``torch.optim.AdamW``'s per-parameter state for
 the autograd sources and the sharded walk (``moments`` / ``set_moments``). Another optimizer (SGD,
@@ -25,7 +30,7 @@ import torch
 from apr.config.schema import OptimizerConfig
 from apr.errors import AprError
 from apr.kernels import KernelBackend
-from apr.kernels.interface import DecayRanges
+from apr.kernels.interface import DecayRanges, rounding_keys
 
 
 class AdamW:
@@ -36,6 +41,8 @@ class AdamW:
         self.beta1, self.beta2, self.eps, self.weight_decay = opt.beta1, opt.beta2, opt.eps, opt.weight_decay
         self.backend = backend
         self.optimizer: torch.optim.AdamW | None = None  # after ``bind``
+        # bf16 state's stochastic rounding draws from (seed, step, group): the engine sets the run's seed
+        self.rounding_seed = 0
 
     # ------------------------------------------------------------------ flat tensors, one group at a time
 
@@ -45,10 +52,12 @@ class AdamW:
         """One fused AdamW update of flat float32 tensors in place; ``decay``: the ranges weight decay
         applies to; ``grad_scale`` multiplies the gradient first (clip coefficient, 1/loss scale);
         ``found_inf`` (a device flag) makes it write nothing; ``param_copy`` receives the new weights
-        in the compute dtype."""
+        in the compute dtype. bf16 tensors (``training.state_dtype: bf16``): the update in float32,
+        written back with stochastic rounding keyed by (``rounding_seed``, ``step``, ``group``)."""
+        rounding = rounding_keys(self.rounding_seed, step, group or "") if params.dtype == torch.bfloat16 else None
         self.backend.adamw_step(params, grad, exp_avg, exp_avg_sq, lr=lr, beta1=self.beta1, beta2=self.beta2,
                                 eps=self.eps, weight_decay=self.weight_decay, step=step, decay=decay,
-                                grad_scale=grad_scale, found_inf=found_inf, param_copy=param_copy)
+                                grad_scale=grad_scale, found_inf=found_inf, param_copy=param_copy, rounding=rounding)
 
     # ------------------------------------------------------------------ named parameters, after a backward
 

@@ -74,3 +74,21 @@ def test_a_loss_parts_tensors_listed_in_a_checkpoint_json_are_expected_with_mome
     for bad in ({"model.norm.weight": [16]}, {name: [16, -1]}, {name: "16x32"}, [name]):
         with pytest.raises(ValueError):
             loss_state_shapes({"loss_tensors": bad})
+
+
+def test_a_bf16_state_configs_checkpoints_hold_bf16_and_each_dtype_is_held_to_its_config():
+    from apr.checkpoint.names import stored_dtype
+
+    fp32 = make_config()
+    bf16 = make_config(**{"training.mixed_precision": "bf16", "training.state_dtype": "bf16"})
+    assert (stored_dtype(fp32), stored_dtype(bf16)) == ("float32", "bfloat16")
+    assert stored_dtype({"training": {}}) == "float32"  # a checkpoint saved before the key
+    assert stored_dtype(bf16.model_dump(mode="json")) == "bfloat16"
+    want = expected_tensors(bf16.model.architecture)
+    halves = {n: t.bfloat16() for n, t in make_tensors(bf16).items()}
+    assert torch_mismatches(halves, want, stored_dtype(bf16)) == []
+    (problem, *_) = torch_mismatches(halves, want, stored_dtype(fp32))
+    assert "is bfloat16, checkpoints hold float32" in problem
+    (problem, *_) = torch_mismatches(make_tensors(fp32), want, stored_dtype(bf16))
+    assert "is float32, checkpoints hold bfloat16 (training.state_dtype)" in problem
+    assert torch_mismatches(halves, want) == []  # no config at hand: either dtype apr writes

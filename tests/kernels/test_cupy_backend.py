@@ -968,6 +968,30 @@ def test_emulated_cross_entropy_special_rows_and_float32_only(emu):
             emu.cross_entropy_fwd_bwd(lg.to(dtype), tg, grad_scale=1.0)
 
 
+def test_emulated_cross_entropy_hands_out_each_positions_loss_for_blame(emu):
+    """``position_losses`` (apr runs blame): the kernel's own per-position losses, the loss and the
+    gradient unchanged; through the chunked head, each row's summed loss."""
+    from apr.kernels.linear_ce import capture_row_losses, linear_cross_entropy_fwd_bwd
+
+    logits, targets = _ce_inputs(7, 37, seed=5, device="cpu", scale=8.0)  # rows 1 and 6 ignored
+    plain, given = logits.clone(), logits.clone()
+    positions = torch.full((7,), float("nan"))
+    loss = emu.cross_entropy_fwd_bwd(plain, targets, grad_scale=0.5)
+    assert torch.equal(emu.cross_entropy_fwd_bwd(given, targets, grad_scale=0.5, position_losses=positions), loss)
+    assert torch.equal(plain, given)
+    ref = F.cross_entropy(logits.double(), targets, reduction="none")  # 0 where ignored
+    _assert_close(positions.double(), ref, rtol=2e-6, atol=1e-5, what="position losses")
+    assert positions[1] == 0 and positions[6] == 0
+    with pytest.raises(AprError, match=r"position_losses must be float32 \[7\]"):
+        emu.cross_entropy_fwd_bwd(logits.clone(), targets, grad_scale=1.0, position_losses=torch.empty(6))
+    hidden, weight = torch.randn(2, 5, 8, generator=_gen(1)), torch.randn(37, 8, generator=_gen(2))
+    ids = torch.randint(0, 37, (2, 5), generator=_gen(3))
+    with capture_row_losses() as rows:
+        linear_cross_entropy_fwd_bwd(hidden, weight, ids, chunk_size=2, grad_scale=1.0, backend=emu)
+    per_row = F.cross_entropy((hidden @ weight.t()).reshape(-1, 37).double(), ids.reshape(-1), reduction="none")
+    _assert_close(rows[0].double(), per_row.view(2, 5).sum(dim=1), rtol=1e-5, atol=1e-5, what="row sums")
+
+
 @pytest.mark.parametrize("engine,precision", [("interleaved", "fp32"), ("standard", "fp32"), ("interleaved", "fp16")])
 def test_emulated_kernels_train_the_engine_like_the_reference(emu, engine, precision):
     from apr.train.build import build_engine
@@ -987,3 +1011,64 @@ def test_emulated_kernels_train_the_engine_like_the_reference(emu, engine, preci
     loss_rel, state_rel = (1e-5, 1e-4) if precision == "fp32" else (1e-4, 3e-3)
     assert l_emu == pytest.approx(l_ref, rel=loss_rel)
     assert max(((w_emu[k] - w_ref[k]).norm() / w_ref[k].norm().clamp_min(1e-30)).item() for k in w_ref) <= state_rel
+
+
+# ----------------------------------------------------------------- bf16 state, stochastic rounding
+
+
+def _bf16_state(n: int, seed: int, device) -> list[torch.Tensor]:
+    g = _gen(seed)
+    return [t.bfloat16().to(device) for t in (torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1,
+                                              torch.rand(n, generator=g) * 0.01)]
+
+
+def _bf16_kernel_against_the_reference(backend, device, n: int, grad_dtype: torch.dtype) -> None:
+    """Decay alone (zero gradient and moments) gives a float32 result both compute bitwise, so the
+    stored bits test the noise itself element by element; then a real update: every element within
+    one bf16 step of the reference, nearly all equal (the float32 updates differ by an ulp at most)."""
+    decay = DecayRanges.from_segments([(n // 3, False), (n - n // 3, True)])
+    keys = (0x12345678, 0x9ABCDEF0, 0xFFFFFFFF)
+    param = torch.randn(n, generator=_gen(n)).bfloat16().to(device)
+    zeros = [torch.zeros(n, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    ours, ref = [param.clone(), *(z.clone() for z in zeros)], [param.clone(), *(z.clone() for z in zeros)]
+    backend.adamw_step(ours[0], torch.zeros(n, dtype=grad_dtype, device=device), ours[1], ours[2], step=1,
+                       decay=decay, rounding=keys, lr=0.3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.07)
+    REF.adamw_step(ref[0], torch.zeros(n, dtype=grad_dtype, device=device), ref[1], ref[2], step=1, decay=decay,
+                   rounding=keys, lr=0.3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.07)
+    assert torch.equal(ours[0].view(torch.int16), ref[0].view(torch.int16))
+    assert not torch.equal(ours[0], param)  # the decay moved them
+    ours, ref = _bf16_state(n, seed=n + 1, device=device), _bf16_state(n, seed=n + 1, device=device)
+    for step in (1, 2, 5):
+        grad = torch.randn(n, generator=_gen(step)).to(device=device, dtype=grad_dtype)
+        backend.adamw_step(ours[0], grad.clone(), ours[1], ours[2], step=step, decay=decay, rounding=keys,
+                           grad_scale=0.5, **HP)
+        REF.adamw_step(ref[0], grad.clone(), ref[1], ref[2], step=step, decay=decay, rounding=keys, grad_scale=0.5,
+                       **HP)
+    for a, b, what in zip(ours, ref, ("param", "exp_avg", "exp_avg_sq"), strict=True):
+        steps = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+        assert int(steps.max()) <= 1, what
+        assert float((steps == 0).float().mean()) > 0.99, what
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 5, 4099])
+def test_emulated_bf16_state_kernel_rounds_as_the_reference(emu, n, grad_dtype):
+    _bf16_kernel_against_the_reference(emu, "cpu", n, grad_dtype)
+    flagged = _bf16_state(n, seed=3, device="cpu")
+    before = [t.clone() for t in flagged]
+    emu.adamw_step(flagged[0], torch.randn(n).to(grad_dtype), flagged[1], flagged[2], step=1,
+                   decay=DecayRanges.from_segments([(n, True)]), rounding=(1, 2, 3),
+                   found_inf=torch.ones((), dtype=torch.bool), **HP)
+    assert all(torch.equal(a, b) for a, b in zip(flagged, before, strict=True))
+    with pytest.raises(AprError, match="rounding keys"):
+        emu.adamw_step(*flagged[:1], torch.randn(n), *flagged[1:], step=1, decay=DecayRanges.from_segments([(n, True)]),
+                       **HP)
+    expect = "apr_adamw_bf16_sr_grad_bf16" if grad_dtype == torch.bfloat16 else "apr_adamw_bf16_sr"
+    assert expect in {name for name, _, _ in emu.launches}
+
+
+@gpu
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 4099, (1 << 20) + 3])
+def test_bf16_state_kernel_rounds_as_the_reference(cb, n, grad_dtype):
+    _bf16_kernel_against_the_reference(cb, _dev(), n, grad_dtype)

@@ -152,3 +152,78 @@ def test_a_rows_cross_entropy_does_not_depend_on_the_other_rows():
         part = logits[rows].clone()
         B.cross_entropy_fwd_bwd(part, targets[rows], grad_scale=0.25)
         assert torch.equal(part, whole[rows])
+
+
+# ------------------------------------------------------------------ bf16 state, stochastic rounding
+
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and just above (in magnitude) each float32 value."""
+    down = (x.view(torch.int32) & -65536).view(torch.float32)
+    up = ((x.view(torch.int32) & -65536) + 65536).view(torch.float32)
+    return down, torch.where((x.view(torch.int32) & 65535) == 0, down, up)
+
+
+def test_stochastic_rounding_is_unbiased_keyed_and_exact_on_bf16_values():
+    from apr.kernels.interface import rounding_keys
+    from apr.kernels.torch_backend import stochastic_round_bf16
+
+    x = torch.full((20_000,), 1.0 + 2.0**-9)  # a quarter of the way from 1.0 to the next bf16 (1 + 2**-7)
+    rounded = stochastic_round_bf16(x, rounding_keys(3, 1, "block.0")[0]).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert abs(float(rounded.mean()) - float(x[0])) < 2e-4  # the expectation is the float32 value
+    assert abs(float((rounded > 1).float().mean()) - 0.25) < 0.02
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randn(5000, generator=gen) * 1e-3
+    key = rounding_keys(11, 7, "head")[1]
+    a, b = stochastic_round_bf16(y, key), stochastic_round_bf16(y, key)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # a function of (key, index) only
+    other = stochastic_round_bf16(y, rounding_keys(11, 8, "head")[1])
+    assert not torch.equal(a.view(torch.int16), other.view(torch.int16))
+    down, up = _bf16_neighbours(y)
+    assert bool(((a.float() == down) | (a.float() == up)).all())
+    exact = y.to(torch.bfloat16)
+    assert torch.equal(stochastic_round_bf16(exact.float(), key), exact)  # a bf16 value stays itself
+    assert len(set(rounding_keys(11, 7, "head"))) == 3 and rounding_keys(11, 7, "head") != rounding_keys(11, 7, "embed")
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_state_adamw_is_the_float32_update_stochastically_rounded(grad_dtype):
+    """Each stored value is one of the two bf16 neighbours of the float32 AdamW update of the stored
+    values; a flagged step changes nothing; the same keys give the same bits."""
+    gen = torch.Generator().manual_seed(1)
+    n, kw = 4099, dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3,
+                       decay=DecayRanges.from_segments([(99, False), (4000, True)]))
+    state = [torch.randn(n, generator=gen).bfloat16(), (torch.randn(n, generator=gen) * 0.1).bfloat16(),
+             (torch.rand(n, generator=gen) * 0.01).bfloat16()]
+    grad = torch.randn(n, generator=gen).to(grad_dtype)
+    exact = [t.float() for t in state]
+    B.adamw_step(*exact[:1], grad.float().clone(), *exact[1:], grad_scale=0.5, **kw)
+    keys = (1, 2, 3)
+    ours = [t.clone() for t in state]
+    B.adamw_step(ours[0], grad.clone(), ours[1], ours[2], grad_scale=0.5, rounding=keys, **kw)
+    for got, want in zip(ours, exact, strict=True):
+        assert got.dtype == torch.bfloat16
+        down, up = _bf16_neighbours(want)
+        assert bool(((got.float() == down) | (got.float() == up)).all())
+    again = [t.clone() for t in state]
+    B.adamw_step(again[0], grad.clone(), again[1], again[2], grad_scale=0.5, rounding=keys, **kw)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(ours, again, strict=True))
+    skipped = [t.clone() for t in state]
+    B.adamw_step(skipped[0], torch.full((n,), float("nan")).to(grad_dtype), skipped[1], skipped[2], rounding=keys,
+                 found_inf=torch.tensor(True), **kw)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(skipped, state, strict=True))
+    with pytest.raises(ValueError, match="rounding keys"):
+        B.adamw_step(state[0].clone(), grad.clone(), state[1].clone(), state[2].clone(), **kw)
+
+
+def test_updates_below_half_a_bf16_ulp_survive_on_average():
+    """Round to nearest would leave weights of 1.0 at 1.0 under updates of 1/8 of an ulp; stochastic
+    rounding moves them by that much on average."""
+    n, lr = 20_000, 2.0**-10  # AdamW's first step moves each weight by about lr; a bf16 ulp at 1.0 is 2**-7
+    param = torch.ones(n, dtype=torch.bfloat16)
+    m, v = torch.zeros_like(param), torch.zeros_like(param)
+    B.adamw_step(param, torch.ones(n), m, v, lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1,
+                 decay=DecayRanges.from_segments([(n, False)]), rounding=(5, 6, 7))
+    assert abs(float(param.float().mean()) - (1 - lr)) < 2e-4
+    assert torch.equal(torch.ones(n).add_(-lr).to(torch.bfloat16), torch.ones(n, dtype=torch.bfloat16))
