@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from run_helpers import config_doc, make_dataset  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from apr.checkpoint import parts  # noqa: E402
 from tests.distributed.ranks import run_ranks, run_script  # noqa: E402
 
 WORKER = REPO / "tests" / "train" / "run_worker.py"
@@ -50,15 +51,22 @@ def _launch(root: Path, doc: dict, name: str, ranks: int, resume: str | None = N
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def _state(run_dir: Path, step: int) -> dict:
+    """The checkpoint's whole tensors: one file, or a sharded run's parts joined."""
+    stem = f"checkpoint-step-{step}"
+    found = parts.parts_of(run_dir, stem)
+    return parts.load(found, lambda name: True) if found else load_file(str(run_dir / f"{stem}.safetensors"))
+
+
 def _differing(root: Path, a: str, b: str, step: int = 8) -> str:
-    x, y = (load_file(str(root / d / f"checkpoint-step-{step}.safetensors")) for d in (a, b))
+    x, y = (_state(root / d, step) for d in (a, b))
     return f"{sum(not torch.equal(x[k], y[k]) for k in x)} of {len(x)} tensors differ"
 
 
 def _resume_copy(root: Path, source: str, target: str, step: int = 4) -> None:
     (root / target).mkdir()
-    for suffix in ("json", "safetensors"):
-        shutil.copy(root / source / f"checkpoint-step-{step}.{suffix}", root / target)
+    for path in (root / source).glob(f"checkpoint-step-{step}.*"):  # the JSON and the weights (or their parts)
+        shutil.copy(path, root / target)
 
 
 def _val(root: Path, run: str) -> list:
