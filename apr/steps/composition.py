@@ -253,10 +253,16 @@ FEATURES: list[Feature] = [
                       note="the tree's gradient within 1e-5 of fast's"),
         "ddp": tested("tests/distributed/test_canonical.py::"
                       "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[ddp-standard-global]",
-                      note="2 ranks x 2, 1 process x 4 and 2 -> 1 resumed: bitwise"),
-        "full": refused("FSDP2 reduce-scatters each micro-batch over the ranks; canonical needs every "
-                        "micro-batch's whole gradient on every rank"),
-        "hybrid": refused("as `full`"),
+                      note="2 ranks x 2, 1 process x 4 and 2 -> 1 resumed: bitwise, and the same validation losses"),
+        "full": tested("tests/distributed/test_canonical.py::"
+                       "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[full-standard-global]",
+                       "tests/distributed/test_canonical.py::"
+                       "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[full-standard-adagc]",
+                       note="no reduce-scatter: an all-to-all of each micro-batch's shard rows, the same tree; "
+                            "2 x 2, 1 x 4 and 2 -> 1: bitwise, the same validation losses"),
+        "hybrid": not_tested("4 ranks (2 shard groups of 2), beyond CI: benchmarks/check_canonical_ranks.py "
+                             "--sharding hybrid: 4 x 1 = 1 x 4, 4 -> 2 and 1 -> 4 resumed, bitwise "
+                             "(docs/performance.md)"),
     }),
     Feature("model dropout (model.architecture.dropout), both sources", {
         "one": tested("tests/train/test_walk.py::test_the_walk_with_dropout_trains_as_autograd[recompute]",
