@@ -18,6 +18,7 @@ from pydantic import (
     PlainSerializer,
     PrivateAttr,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 
@@ -142,6 +143,43 @@ class DecoupledAttention(_Section):
     geo_dim: PositiveCount = Field(description="Width per head of the geometric (RoPE) query/key part; even.")
 
 
+class AttentionKind(StrEnum):
+    gqa = "gqa"  # grouped-query attention: per-head keys and values (the default)
+    mla = "mla"  # multi-head latent attention: keys and values from a compressed latent
+
+
+class AttentionConfig(_Section):
+    """Which attention each block uses. ``mla``: DeepSeek-V2's multi-head latent attention, keys and
+    values decompressed per head from a ``kv_lora_rank`` latent plus one shared RoPE key of
+    ``qk_rope_head_dim`` per token, which is all generation caches. See docs/mla.md."""
+
+    kind: AttentionKind = Field(AttentionKind.gqa, description="gqa (grouped-query attention, the default) or mla "
+                                "(multi-head latent attention).")
+    kv_lora_rank: PositiveCount | None = Field(None, description="mla: width of the compressed key/value latent "
+                                               "per token (what the KV cache holds, with the RoPE key).")
+    qk_rope_head_dim: PositiveCount | None = Field(
+        None, description="mla: width of each head's RoPE part of the query and key (the key's is shared by the "
+        "heads); even, at most head_dim. The rest of the head (head_dim - qk_rope_head_dim) is position-free.")
+    q_lora_rank: PositiveCount | None = Field(None, description="mla: compress the queries through a latent of "
+                                              "this width. Default: a full-rank query projection.")
+
+    @model_validator(mode="after")
+    def _keys_of_its_kind(self):
+        latent = {"kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
+                  "q_lora_rank": self.q_lora_rank}
+        if self.kind == AttentionKind.gqa and any(v is not None for v in latent.values()):
+            given = ", ".join(k for k, v in latent.items() if v is not None)
+            raise ValueError(f"{given} are keys of multi-head latent attention: expected kind: mla, got kind: gqa")
+        missing = [k for k in ("kv_lora_rank", "qk_rope_head_dim") if latent[k] is None]
+        if self.kind == AttentionKind.mla and missing:
+            raise ValueError(f"kind: mla needs kv_lora_rank and qk_rope_head_dim: expected both, got no "
+                             f"{' and no '.join(missing)}")
+        if self.qk_rope_head_dim is not None and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even (RoPE rotates pairs): expected an even width, got "
+                             f"{self.qk_rope_head_dim}")
+        return self
+
+
 class MixtureOfExperts(_Section):
     """Each block's MLP as a router and ``num_experts`` SwiGLU experts, every token through its
     ``top_k`` experts (Mixtral's sparse MoE block). See docs/moe.md."""
@@ -245,6 +283,20 @@ class Architecture(_Section):
     moe: MixtureOfExperts | None = Field(
         None, description="Mixture of experts in every block's MLP (Mixtral-style routing). Default: the dense "
         "SwiGLU MLP.")
+    attention: AttentionConfig | None = Field(
+        None, description="The blocks' attention: {kind: mla, kv_lora_rank, qk_rope_head_dim, q_lora_rank} for "
+        "multi-head latent attention (docs/mla.md). Default: grouped-query attention.")
+
+    @field_validator("attention")
+    @classmethod
+    def _latent_fits_the_head(cls, a, info):
+        hidden, heads = info.data.get("hidden_size"), info.data.get("num_attention_heads")
+        if a is None or a.kind != AttentionKind.mla or not hidden or not heads:
+            return a
+        if a.qk_rope_head_dim > hidden // heads:
+            raise ValueError(f"qk_rope_head_dim {a.qk_rope_head_dim} is wider than a head: expected at most head_dim "
+                             f"{hidden // heads} (hidden_size / num_attention_heads), got {a.qk_rope_head_dim}")
+        return a
 
     @model_validator(mode="after")
     def _decoupled_fits(self):
@@ -263,6 +315,12 @@ class Architecture(_Section):
                 raise ValueError(f"decoupled_attention.sem_dim + geo_dim is {d.sem_dim + d.geo_dim}, more than "
                                  f"head_dim {hd}: the bottleneck must be at most a head wide")
         return self
+
+    @property
+    def mla(self) -> AttentionConfig | None:
+        """The latent attention's settings when ``attention.kind`` is mla, else None."""
+        a = self.attention
+        return a if a is not None and a.kind == AttentionKind.mla else None
 
     @property
     def kv_heads(self) -> int:

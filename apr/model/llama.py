@@ -22,21 +22,8 @@ import torch.nn.functional as F
 from apr.config.schema import Architecture
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
 from apr.model import spec
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 whatever the input dtype (as HF Llama does)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+from apr.model.mla import LatentAttention
+from apr.model.norm_rope import RMSNorm, apply_rope  # shared with apr/model/mla.py
 
 
 def rope_frequencies(arch: Architecture, seq_len: int, device) -> tuple[torch.Tensor, float]:
@@ -98,17 +85,6 @@ def rope_cos_sin(arch: Architecture, seq_len: int, device) -> tuple[torch.Tensor
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scale, emb.sin() * scale
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: ``[batch, heads, seq, head_dim]``; cos/sin: ``[seq, head_dim]``."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -223,7 +199,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.dropout = arch.dropout
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch) if arch.decoupled_attention is None else DecoupledAttention(arch)
+        if arch.mla is not None:  # multi-head latent attention
+            self.self_attn = LatentAttention(arch)
+        else:
+            self.self_attn = Attention(arch) if arch.decoupled_attention is None else DecoupledAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 

@@ -31,6 +31,24 @@ def qkv_bias(arch: Architecture) -> bool:
     return arch.family == "qwen2"
 
 
+def mla_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
+    """Block ``i``'s multi-head latent attention (apr/model/mla.py; transformers' DeepseekV3 names):
+    the query projection (or its latent, norm and expansion), the key/value latent with the shared
+    RoPE key, its norm, its per-head expansion (position-free keys and values) and the output."""
+    m, h, nq, hd = arch.mla, arch.hidden_size, arch.num_attention_heads, arch.head_dim
+    p, g = f"model.layers.{i}.self_attn.", f"block.{i}"
+    nope = hd - m.qk_rope_head_dim
+    q = ([ParamSpec(p + "q_proj.weight", (nq * hd, h), g, True)] if m.q_lora_rank is None else
+         [ParamSpec(p + "q_a_proj.weight", (m.q_lora_rank, h), g, True),
+          ParamSpec(p + "q_a_layernorm.weight", (m.q_lora_rank,), g, False),
+          ParamSpec(p + "q_b_proj.weight", (nq * hd, m.q_lora_rank), g, True)])
+    return [*q,
+            ParamSpec(p + "kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, h), g, True),
+            ParamSpec(p + "kv_a_layernorm.weight", (m.kv_lora_rank,), g, False),
+            ParamSpec(p + "kv_b_proj.weight", (nq * (nope + hd), m.kv_lora_rank), g, True),
+            ParamSpec(p + "o_proj.weight", (h, nq * hd), g, True)]
+
+
 def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
     """Parameters of block ``i`` in the order they sit in the block's flat buffer (a bias, not
     decayed, right after its projection's weight)."""
@@ -50,12 +68,14 @@ def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
               ParamSpec(p + "self_attn.k_sem_proj.weight", (nkv * d.sem_dim, h), g, True),
               ParamSpec(p + "self_attn.q_geo_proj.weight", (nq * d.geo_dim, h), g, True),
               ParamSpec(p + "self_attn.k_geo_proj.weight", (nkv * d.geo_dim, h), g, True)]
-    return [
-        ParamSpec(p + "input_layernorm.weight", (h,), g, False),
+    attention = mla_param_specs(arch, i) if arch.mla is not None else [  # latent attention: apr/model/mla.py
         *qk,
         ParamSpec(p + "self_attn.v_proj.weight", (nkv * hd, h), g, True),
         *([ParamSpec(p + "self_attn.v_proj.bias", (nkv * hd,), g, False)] if bias else []),
-        ParamSpec(p + "self_attn.o_proj.weight", (h, nq * hd), g, True),
+        ParamSpec(p + "self_attn.o_proj.weight", (h, nq * hd), g, True)]
+    return [
+        ParamSpec(p + "input_layernorm.weight", (h,), g, False),
+        *attention,
         ParamSpec(p + "post_attention_layernorm.weight", (h,), g, False),
         ParamSpec(p + "mlp.gate_proj.weight", (inter, h), g, True),
         ParamSpec(p + "mlp.up_proj.weight", (inter, h), g, True),
@@ -240,14 +260,19 @@ def flops_per_token(arch: Architecture, seq_len: int) -> int:
 def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:
     """Bytes the key/value cache of generation holds per token of context: keys and values of every
     layer's key/value heads (what grouped-query attention shrinks; decoupled attention narrows the
-    keys to ``sem_dim + geo_dim``)."""
+    keys to ``sem_dim + geo_dim``; latent attention holds each layer's latent and shared RoPE key)."""
+    if arch.mla is not None:
+        return arch.num_hidden_layers * (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * dtype_bytes
     d = arch.decoupled_attention
     key = arch.head_dim if d is None else d.sem_dim + d.geo_dim
     return arch.num_hidden_layers * arch.kv_heads * (key + arch.head_dim) * dtype_bytes
 
 
 def rope_dim(arch: Architecture) -> int:
-    """Width RoPE rotates per head: the head, or decoupled attention's geometric part."""
+    """Width RoPE rotates per head: the head, decoupled attention's geometric part or latent
+    attention's RoPE part."""
+    if arch.mla is not None:
+        return arch.mla.qk_rope_head_dim
     return arch.head_dim if arch.decoupled_attention is None else arch.decoupled_attention.geo_dim
 
 
