@@ -1127,8 +1127,11 @@ class TrainingConfig(_Section):
         "rank, then all-reduced (the order depends on the number of ranks: a resume on another world size ends "
         "within float rounding, not bitwise). canonical: each micro-batch's gradient kept apart and summed in one "
         "fixed tree over the global micro-batch index, so 1, 2 or 4 ranks, or one process with accumulation, "
-        "give the same bits (costs world_size x gradient_accumulation gradients of memory per rank and an "
-        "all-gather of them per step). Autograd (training.engine: standard) without training.sharding.")
+        "give the same bits, and the validation loss too (the first eval_batches micro-batches on any layout, "
+        "summed in the same tree). Costs memory and traffic beside fast, printed by validate and the plan (DDP: "
+        "world_size x gradient_accumulation gradients per rank, all-gathered; FSDP2: each micro-batch's whole "
+        "gradient kept on its rank and its shard rows exchanged in an all-to-all). Autograd (training.engine: "
+        "standard), with or without training.sharding.")
     nodes: PositiveCount = Field(
         1, le=MAX_INDEX, description="Nodes the ranks run on (the plan's per-rank memory under sharding: hybrid "
         "shards over world_size / nodes ranks). At run time torchrun's LOCAL_WORLD_SIZE decides.")
