@@ -513,7 +513,8 @@ def _storage_lines(plan, colour: bool) -> list[str]:
         return []
     tr = plan.config.training
     out = [_section("Storage (checkpoints)", colour),
-           f"  each {format_bytes(st['checkpoint_bytes'])}: {format_bytes(st['weights_bytes'])} of float32 weights "
+           f"  each {format_bytes(st['checkpoint_bytes'])}: {format_bytes(st['weights_bytes'])} of "
+           f"{'bf16' if str(tr.state_dtype) == 'bf16' else 'float32'} weights "
            f"and AdamW moments (exact) + at most {format_bytes(st['sidecar_bytes'])} of JSON"]
     w = st.get("written")
     if w is not None:

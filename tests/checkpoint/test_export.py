@@ -140,6 +140,24 @@ def test_transformers_loads_the_export_with_equal_logits_and_generates(tmp_path,
     assert gen[0, enc["input_ids"].shape[1]].item() == first  # greedy: the reference's next token
 
 
+def test_a_bf16_state_checkpoint_exports_float32_weights_equal_to_its_bf16_values(tmp_path, tokenizer_file):
+    """training.state_dtype: bf16 checkpoints hold bf16 tensors; the export is float32, as its config.json says."""
+    from safetensors.torch import load_file
+
+    config = make_config(**ARCH, **{"data.tokenizer": str(tokenizer_file), "training.mixed_precision": "bf16",
+                                    "training.state_dtype": "bf16"})
+    tensors = {k: v.bfloat16() for k, v in weights(config).items()}
+    ckpt = CheckpointManager(tmp_path / "run", config).save(TrainState(12, tensors, {"epoch": 0}))
+    assert {t.dtype for t in load_file(str(ckpt.with_suffix(".safetensors"))).values()} == {torch.bfloat16}
+    export_hf(ckpt, tmp_path / "hf")
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert {t.dtype for t in exported.values()} == {torch.float32}
+    assert exported.keys() == {k for k in tensors if not k.startswith("optimizer.")}
+    assert all(torch.equal(exported[k], tensors[k].float()) for k in exported)
+    doc = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert doc.get("torch_dtype", doc.get("dtype")) == "float32"
+
+
 def test_config_json_uses_the_installed_transformers_rope_form(tmp_path, tokenizer_file):
     config, _, ckpt = saved_checkpoint(tmp_path, tokenizer_file, tied=False)
     export_hf(ckpt, tmp_path / "hf")
