@@ -33,10 +33,11 @@ def capture_row_losses():
     """Inside, every training loss over the head (``linear_cross_entropy_fwd_bwd``, and the
     differentiable ``linear_cross_entropy``, which calls it) appends to the yielded list one float32
     tensor ``[batch]`` on the device: each row's cross-entropy summed over its positions, with the
-    same formula as the torch backend's: handed out by the torch backend, which computes them for the
-    sum anyway, else taken from the chunk's logits before the backend overwrites them with their
-    gradient (one more logsumexp); the loss and the gradients are untouched. For ``apr runs blame``
-    (apr/train/blame.py), at logged steps only."""
+    same formula as the torch backend's: handed out by the backend, which computes them for the sum
+    anyway (torch and CuPy), else taken from the chunk's logits before the backend overwrites them
+    with their gradient (one more logsumexp); the loss and the gradients are untouched. For ``apr runs
+    blame`` (apr/train/blame.py), which captures every training step (a step may turn out to be the
+    one a run stops at) and records the logged ones."""
     global _row_sink
     outer, _row_sink = _row_sink, []
     try:
@@ -53,18 +54,24 @@ def _position_losses(logits: torch.Tensor, targets: torch.Tensor, ignore_index: 
 
 
 def _fwd_bwd_with_positions(backend: KernelBackend, logits: torch.Tensor, targets: torch.Tensor, grad_scale: float,
-                            rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """The backend's fused cross-entropy of a chunk, each row's positions' losses added into ``rows``:
-    handed out by a backend that computes them anyway (``fills_position_losses``: the torch one),
+                            positions: torch.Tensor) -> torch.Tensor:
+    """The backend's fused cross-entropy of a chunk, each position's loss written to ``positions``:
+    handed out by a backend that computes them anyway (``fills_position_losses``: torch and CuPy),
     else computed from the logits before the backend overwrites them (one more logsumexp)."""
     if getattr(backend, "fills_position_losses", False):
-        per_position = torch.empty(targets.shape[0], dtype=torch.float32, device=logits.device)
-        loss = backend.cross_entropy_fwd_bwd(logits, targets, grad_scale=grad_scale, position_losses=per_position)
-    else:
-        per_position = _position_losses(logits, targets)
-        loss = backend.cross_entropy_fwd_bwd(logits, targets, grad_scale=grad_scale)
-    rows += per_position.view(batch, -1).sum(dim=1)
-    return loss
+        return backend.cross_entropy_fwd_bwd(logits, targets, grad_scale=grad_scale, position_losses=positions)
+    positions.copy_(_position_losses(logits, targets))
+    return backend.cross_entropy_fwd_bwd(logits, targets, grad_scale=grad_scale)
+
+
+def _row_sums(positions: torch.Tensor, batch: int, seq: int, chunk_size: int) -> torch.Tensor:
+    """Each row's summed loss from the positions' losses, laid out chunk after chunk (each chunk
+    ``[batch, chunk length]``): two reductions for the whole call, none per chunk."""
+    whole = seq // chunk_size * chunk_size
+    rows = positions[: batch * whole].view(-1, batch, chunk_size).sum(dim=(0, 2))
+    if whole < seq:
+        rows += positions[batch * whole:].view(batch, seq - whole).sum(dim=1)
+    return rows
 
 
 def _chunks(seq_len: int, chunk_size: int):
@@ -95,16 +102,16 @@ def linear_cross_entropy_fwd_bwd(
     w = weight.detach().to(cdt)
     grad_hidden = torch.empty_like(hidden)
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    rows = None if _row_sink is None else torch.zeros(b, dtype=torch.float32, device=hidden.device)
+    positions = None if _row_sink is None else torch.empty(b * s, dtype=torch.float32, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         for start, end in _chunks(s, chunk_size):
             h_chunk = hidden[:, start:end].reshape(-1, h).to(cdt)
             logits = (h_chunk @ w.t()).float()
             t_chunk = targets[:, start:end].reshape(-1)
-            if rows is None:
+            if positions is None:
                 loss_sum += backend.cross_entropy_fwd_bwd(logits, t_chunk, grad_scale=grad_scale)
             else:
-                loss_sum += _fwd_bwd_with_positions(backend, logits, t_chunk, grad_scale, rows, b)
+                loss_sum += _fwd_bwd_with_positions(backend, logits, t_chunk, grad_scale, positions[b * start:b * end])
             d_logits = logits.to(cdt)
             grad_hidden[:, start:end] = (d_logits @ w).view(b, end - start, h).to(hidden.dtype)
             if grad_weight is not None:
@@ -112,8 +119,8 @@ def linear_cross_entropy_fwd_bwd(
                     grad_weight.addmm_(d_logits.t(), h_chunk)
                 else:
                     grad_weight.add_(d_logits.t() @ h_chunk)
-    if rows is not None and _row_sink is not None:
-        _row_sink.append(rows)
+    if positions is not None and _row_sink is not None:
+        _row_sink.append(_row_sums(positions, b, s, chunk_size))
     return loss_sum, grad_hidden
 
 

@@ -67,7 +67,7 @@ def test_bf16_compute_keeps_float32_logits_and_gradients():
 
 
 class _NoPositions(TorchBackend):
-    """A backend that does not hand out position losses (as the CuPy one): captured from the logits."""
+    """A backend that does not hand out position losses (torch and CuPy do): captured from the logits."""
 
     fills_position_losses = False
 
