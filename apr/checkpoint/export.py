@@ -131,7 +131,14 @@ def hf_config(arch, specials: dict, transformers_major: int | None) -> tuple[dic
         "eos_token_id": tok_id["eos"],
         "pad_token_id": tok_id["pad"],
     }
-    if family == "llama":
+    if arch.mla is not None:  # DeepseekV3: its latent attention over dense llama MLPs in every layer (no MoE)
+        m = arch.mla
+        doc.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", kv_lora_rank=m.kv_lora_rank,
+                   q_lora_rank=m.q_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim, head_dim=m.qk_rope_head_dim,
+                   qk_nope_head_dim=arch.head_dim - m.qk_rope_head_dim, v_head_dim=arch.head_dim,
+                   first_k_dense_replace=arch.num_hidden_layers, rope_interleave=False, attention_bias=False,
+                   pretraining_tp=1)
+    elif family == "llama":
         doc.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     elif family == "mistral":
         doc["sliding_window"] = arch.sliding_window
@@ -227,6 +234,13 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                            "error", "export.decoupled_attention", "no Hugging Face form for decoupled attention",
                            path="model.architecture.decoupled_attention", file=str(info.json_path),
                            expected="standard (grouped-query) attention", got=str(arch.decoupled_attention))])
+    if arch.mla is not None and arch.moe is not None:
+        raise AprError(f"{info.json_path.name} has latent attention, exported as DeepseekV3, whose mixture of experts "
+                       "(shared experts, grouped sigmoid routing) is not apr's Mixtral-style one: use the apr "
+                       "checkpoint with apr generate and apr eval", [Finding(
+                           "error", "export.mla", "no DeepseekV3 form for latent attention with this mixture of "
+                           "experts", path="model.architecture.moe", file=str(info.json_path),
+                           expected="latent attention with dense MLPs", got=str(arch.moe))])
     if fmt == "peft":
         return _export_peft(state, info, config, out, tokenizer=tokenizer, base_dir=base, warnings=warnings)
     # bf16 state (training.state_dtype) exports as float32, exactly: the folder's config says float32

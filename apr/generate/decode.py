@@ -18,29 +18,50 @@ from apr.model.llama import LlamaForCausalLM
 
 class KVCache:
     """Keys and values of every layer, ``[layers, batch, kv_heads, capacity, key_dim | head_dim]``
-    (keys are narrower than values under decoupled attention)."""
+    (keys are narrower than values under decoupled attention). Under multi-head latent attention
+    (apr/model/mla.py) only what the keys and values are expanded from: each layer's latent
+    ``[layers, batch, capacity, kv_lora_rank]`` and shared RoPE key ``[layers, batch, 1, capacity,
+    qk_rope_head_dim]`` (``k`` and ``v`` are then None)."""
 
     def __init__(self, model: LlamaForCausalLM, batch: int, capacity: int):
         attn = model.model.layers[0].self_attn
         w = model.model.embed_tokens.weight
-        shape = (len(model.model.layers), batch, attn.n_kv_heads, capacity)
-        self.k = torch.empty((*shape, attn.key_dim), dtype=w.dtype, device=w.device)
-        self.v = torch.empty((*shape, attn.head_dim), dtype=w.dtype, device=w.device)
+        layers = len(model.model.layers)
+        self.k = self.v = self.latent = self.rope_key = None
+        if hasattr(attn, "kv_lora_rank"):  # latent attention
+            self.latent = torch.empty((layers, batch, capacity, attn.kv_lora_rank), dtype=w.dtype, device=w.device)
+            self.rope_key = torch.empty((layers, batch, 1, capacity, attn.rope_dim), dtype=w.dtype, device=w.device)
+        else:
+            shape = (layers, batch, attn.n_kv_heads, capacity)
+            self.k = torch.empty((*shape, attn.key_dim), dtype=w.dtype, device=w.device)
+            self.v = torch.empty((*shape, attn.head_dim), dtype=w.dtype, device=w.device)
         self.length = 0  # positions filled (padding included)
         self.capacity = capacity
+        self.batch = batch
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.latent, self.rope_key) if t is not None)
 
     @property
     def bytes_per_token(self) -> int:
-        """What the cache holds per position of one row: keys and values of every layer."""
-        rows = self.k.shape[1] * self.capacity
-        return (self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()) // rows
+        """What the cache holds per position of one row: keys and values (or latents and RoPE keys)
+        of every layer."""
+        return self.nbytes // (self.batch * self.capacity)
 
 
 def _attend(layer, x, cos, sin, cache: KVCache, index: int, mask) -> torch.Tensor:
     attn = layer.self_attn
     b, t, _ = x.shape
-    q, k, v = attn.project(x, cos, sin)
     start, end = cache.length, cache.length + t
+    if cache.latent is not None:  # latent attention: cache the latent and RoPE key, attend in latent space
+        latent, k_rope = attn.latent(x, cos, sin)
+        cache.latent[index, :, start:end] = latent
+        cache.rope_key[index, :, :, start:end] = k_rope
+        return attn.attend_latent(x, cos, sin, cache.latent[index, :, :end], cache.rope_key[index, :, :, :end], mask,
+                                  is_causal=start == 0 and t > 1)
+    q, k, v = attn.project(x, cos, sin)
     cache.k[index, :, :, start:end] = k
     cache.v[index, :, :, start:end] = v
     keys, values = cache.k[index, :, :, :end], cache.v[index, :, :, :end]

@@ -45,6 +45,7 @@ from apr.plan.mixfacts import (
     source_contract_results,
     source_dataset_facts,
 )
+from apr.plan.mlafacts import mla_config_findings
 from apr.plan.orchestratefacts import (
     orchestrator_facts,
     orchestrator_findings,
@@ -470,7 +471,7 @@ def plan_config(config_path: Path, *, gpu: str | None = None, vram: str | int | 
     mixture_findings += found
     if data_drift:
         sheet.facts["data_drift"] = data_drift
-    mixture_findings += distill_config_findings(loaded)
+    mixture_findings += distill_config_findings(loaded) + mla_config_findings(loaded)
     distilled, rows, found = distill_facts(loaded, sheet.facts, (sheet.facts.get("steps") or {}).get("total_steps"),
                                            target, world_size)
     mixture_findings += found

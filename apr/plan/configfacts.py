@@ -18,6 +18,7 @@ from apr.memory.table import MAX_LAYERS_SEARCHED, MemoryRow, max_layers, max_mic
 from apr.model.spec import (
     block_numel,
     flops_per_token,
+    kv_cache_bytes_per_token,
     linear_dims,
     non_embedding_param_count,
     param_count,
@@ -63,6 +64,9 @@ def lora_facts(config: AprConfig) -> dict:
 def model_facts(config: AprConfig) -> dict:
     arch = config.model.architecture
     extra = {} if config.model.lora is None else {"lora": lora_facts(config)}
+    if arch.mla is not None:  # multi-head latent attention: the KV cache holds the latent and the RoPE key
+        extra["mla"] = {"kv_lora_rank": arch.mla.kv_lora_rank, "qk_rope_head_dim": arch.mla.qk_rope_head_dim,
+                        "q_lora_rank": arch.mla.q_lora_rank}
     return {
         **extra,
         "trainable_params": trainable_param_count(config),
@@ -72,6 +76,7 @@ def model_facts(config: AprConfig) -> dict:
         "head_dim": arch.head_dim,
         "kv_heads": arch.kv_heads,
         "flops_per_token": flops_per_token(arch, config.data.seq_len),
+        "kv_cache_bytes_per_token": kv_cache_bytes_per_token(arch, 4),  # float32, as apr generate holds it
     }
 
 

@@ -56,7 +56,13 @@ def _model_lines(plan) -> list[str]:
         f"vocab {arch.vocab_size:,}",
         f"{m['params']:,} parameters: {_params_split(plan)}; "
         f"{fmt_giga(m['flops_per_token'])} FLOP/token (6N + attention)",
-    ] + ([] if "lora" not in m else [
+    ] + ([] if "mla" not in m else [
+        f"multi-head latent attention: keys and values from a {m['mla']['kv_lora_rank']}-wide latent per token, "
+        f"RoPE key {m['mla']['qk_rope_head_dim']} shared by the heads"
+        + ("" if m["mla"]["q_lora_rank"] is None else f", queries through a {m['mla']['q_lora_rank']}-wide latent")]
+    ) + ([] if "kv_cache_bytes_per_token" not in m else [
+        f"KV cache {format_bytes(m['kv_cache_bytes_per_token'])}/token at generation (float32, as apr generate "
+        "holds it)"]) + ([] if "lora" not in m else [
         f"LoRA rank {plan.config.model.lora.rank} on {', '.join(m['lora']['modules'])}: "
         f"{m['trainable_params']:,} trainable ({100 * m['trainable_params'] / m['params']:.2f}%), the rest frozen"])
 

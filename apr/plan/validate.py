@@ -141,6 +141,15 @@ def _mlm_findings(loaded: LoadedConfig) -> list[Finding]:
     return mlm_config_findings(loaded)
 
 
+def _mla_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``apr.plan.mlafacts.mla_config_findings`` where the model has latent attention at all."""
+    if loaded.config.model.architecture.mla is None:
+        return []
+    from apr.plan.mlafacts import mla_config_findings  # lazy: off validate's path unless the attention is mla
+
+    return mla_config_findings(loaded)
+
+
 def _state_dtype_findings(loaded: LoadedConfig) -> list[Finding]:
     """``apr.plan.statefacts.state_dtype_findings`` where the config stores its state in bf16."""
     if str(loaded.config.training.state_dtype) == "fp32":
@@ -527,6 +536,7 @@ _CHECKS: tuple = (
      (("model",), ("training", "max_steps"))),
     (_distill_findings, (("training",), ("model",))),
     (_mlm_findings, (("training",), ("model",), ("evaluation",))),
+    (_mla_findings, (("training",), ("model",))),
     (sharding_findings, (("training",), ("model",), ("evaluation",))),
     (qlora_findings, (("model",), ("training", "sharding"))),
     (lambda loaded: orchestrator_findings(loaded, loaded.config.training.max_steps),

@@ -70,7 +70,7 @@ def _one_run(model, ids: torch.Tensor, new_tokens: int, clock: Clock) -> tuple[f
         token = forward_cached(model, token, cache).argmax(-1, keepdim=True)
         clock.sync()
         steps.append(time.perf_counter() - t0)
-    return prefill, steps, cache.k.nbytes + cache.v.nbytes
+    return prefill, steps, cache.nbytes
 
 
 def measure_latency(model, base_ids: list[int], lengths: list[int], *, new_tokens: int = 32, batch_size: int = 1,

@@ -283,6 +283,15 @@ FEATURES: list[Feature] = [
                         "gathers the embedding and head"),
         "hybrid": refused("as `full`"),
     }),
+    Feature("multi-head latent attention (model.architecture.attention: mla), both sources", {
+        "one": tested("tests/train/test_walk.py::test_the_walk_with_dropout_trains_as_autograd[selective-mla]",
+                      "tests/train/test_walk.py::"
+                      "test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal[interleaved-mla]",
+                      note="the walk 1e-6 of autograd; resume bitwise"),
+        "ddp": not_tested("a block's own modules: DDP all-reduces their gradients as any block's"),
+        "full": not_tested("a block's own modules in its FSDP2 unit, sharded by rows as any block's parameters"),
+        "hybrid": not_tested("as `full`"),
+    }),
     Feature("LoRA with `trunk_dtype: nf4` (QLoRA over an imported base)", {
         "one": tested("tests/checkpoint/test_hf_families.py::"
                       "test_qlora_over_each_family_starts_at_transformers_over_the_nf4_base_in_both_engines",

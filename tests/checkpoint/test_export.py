@@ -295,3 +295,41 @@ def test_a_decoupled_attention_checkpoint_is_refused_with_nothing_written(tmp_pa
         export_hf(ckpt, tmp_path / "hf")
     assert err.value.findings[0].path == "model.architecture.decoupled_attention"
     assert not (tmp_path / "hf").exists()
+
+
+MLA = {"kind": "mla", "kv_lora_rank": 12, "qk_rope_head_dim": 4, "q_lora_rank": 6}
+
+
+def test_latent_attention_exports_as_deepseek_v3_with_apr_s_logits(tmp_path, tokenizer_file, monkeypatch):
+    """model.architecture.attention: {kind: mla} exports as DeepseekV3ForCausalLM (dense MLPs in every
+    layer, RoPE halves as apr rotates them): its logits are apr's model's on the same weights; with a
+    mixture of experts (DeepSeek's is not apr's) it is refused, nothing written."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from apr.model.llama import LlamaForCausalLM
+
+    over = {"model.architecture.num_key_value_heads": None, "model.architecture.attention": MLA,
+            "data.tokenizer": str(tokenizer_file)}
+    config = make_config(**{**ARCH, **over})
+    tensors = weights(config)
+    ckpt = CheckpointManager(tmp_path / "run", config).save(TrainState(5, tensors, {"epoch": 0}))
+    export_hf(ckpt, tmp_path / "hf")
+    doc = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (doc["architectures"], doc["kv_lora_rank"], doc["q_lora_rank"], doc["qk_rope_head_dim"],
+            doc["qk_nope_head_dim"], doc["v_head_dim"]) == (["DeepseekV3ForCausalLM"], 12, 6, 4, 4, 8)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = LlamaForCausalLM(config.model.architecture)
+    ours.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("optimizer.")})
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = model(ids).logits, ours(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+    cfg = make_config(**{**ARCH, **over, "model.architecture.moe": {"num_experts": 4, "top_k": 2}})
+    path = CheckpointManager(tmp_path / "moe", cfg).save(TrainState(5, weights(cfg), {"epoch": 0}))
+    with pytest.raises(AprError) as err:
+        export_hf(path, tmp_path / "hf-moe")
+    assert err.value.findings[0].path == "model.architecture.moe" and "DeepseekV3" in str(err.value)
+    assert not (tmp_path / "hf-moe").exists()

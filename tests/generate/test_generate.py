@@ -172,3 +172,44 @@ def test_a_hostile_safetensors_header_in_an_hf_folder_is_refused_before_the_libr
     with pytest.raises(AprError) as err:
         load_for_inference(folder)
     assert "more than 100000 tensors" in str(err.value)
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_the_plans_kv_cache_bytes_per_token_are_what_generate_holds(attention, tmp_path, monkeypatch):
+    """`apr train plan`'s KV cache per token equals the bytes of the cache tensors a generate of n
+    tokens allocated, divided by the positions they hold (rows x (longest prompt + n)); latent
+    attention holds far less than grouped-query attention of the same heads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from apr.generate import generate as generate_module
+    from apr.generate.decode import KVCache
+    from apr.generate.load import Loaded
+    from apr.model.llama import build_model
+    from apr.plan.build import build_plan
+    from tests.train.run_helpers import make_dataset, write_config
+
+    make_dataset(tmp_path, train_rows=8, val_rows=4)
+    arch = {} if attention == "gqa" else {"num_key_value_heads": None, "attention": {
+        "kind": "mla", "kv_lora_rank": 6, "qk_rope_head_dim": 4}}
+    plan = build_plan(write_config(tmp_path, model={"architecture": arch}, training={"max_steps": 4}))
+    assert plan.errors == []
+    per_token = plan.facts["model"]["kv_cache_bytes_per_token"]
+    assert per_token == (2 * 2 * (8 + 8) * 4 if attention == "gqa" else 2 * (6 + 4) * 4)  # layers x ... x float32
+    caches = []
+
+    class Recorded(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    monkeypatch.setattr(generate_module, "KVCache", Recorded)
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", *"abcdefgh"])}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    loaded = Loaded(model=build_model(plan.config.model.architecture, 0).eval(), tokenizer=tok, tokenizer_path=None,
+                    source=tmp_path, kind="run", step=None, eos_id=None)
+    n = 5
+    result = generate(loaded, ["a b c", "d e"], GenerateOptions(max_new_tokens=n, sampling=GREEDY, stop_at_eos=False))
+    assert [len(g.token_ids) for g in result.generations] == [n, n]
+    (cache,) = caches
+    held = sum(t.untyped_storage().nbytes() for t in (cache.k, cache.v, cache.latent, cache.rope_key) if t is not None)
+    assert held / (2 * (3 + n)) == per_token == result.kv_cache_bytes_per_token

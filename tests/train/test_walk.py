@@ -1,5 +1,6 @@
 """The flat-buffer walk with model dropout (``model.architecture.dropout``): a recomputed block
-replays its forward's RNG state, so the walk trains as autograd does and resumes bitwise."""
+replays its forward's RNG state, so the walk trains as autograd does and resumes bitwise; the same
+with multi-head latent attention (``model.architecture.attention: {kind: mla}``) in the blocks."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
+MLA = {"num_key_value_heads": None, "attention": {"kind": "mla", "kv_lora_rank": 6, "qk_rope_head_dim": 4,
+                                                  "q_lora_rank": 8}}
 
-@pytest.mark.parametrize("activations", ["recompute", "selective", "keep"])
-def test_the_walk_with_dropout_trains_as_autograd(activations):
+
+@pytest.mark.parametrize(("activations", "attention"), [
+    pytest.param("recompute", {}, id="recompute"), pytest.param("selective", {}, id="selective"),
+    pytest.param("keep", {}, id="keep"), pytest.param("selective", MLA, id="selective-mla"),
+    pytest.param("keep", MLA, id="keep-mla")])
+def test_the_walk_with_dropout_trains_as_autograd(activations, attention):
     data = batches(make_config(), 3, seed=4)
-    arch = {"architecture": {"dropout": 0.2}}
+    arch = {"architecture": {"dropout": 0.2, **attention}}
     weights, norms = {}, {}
     for name, training in (("walk", {"engine": "interleaved", "execution": {"activations": activations}}),
                            ("autograd", {"engine": "standard"})):
@@ -26,14 +33,16 @@ def test_the_walk_with_dropout_trains_as_autograd(activations):
     for k, v in weights["autograd"].items():
         torch.testing.assert_close(weights["walk"][k], v, atol=1e-7, rtol=1e-6)
     torch.manual_seed(0)  # without dropout the same steps end elsewhere: the masks were drawn
-    plain = build_engine(plan_of(make_config(training={"engine": "standard"})))
+    plain = build_engine(plan_of(make_config(model={"architecture": attention}, training={"engine": "standard"})))
     for b in data:
         plain.train_step([b], lr=1e-2)
     assert any(not torch.equal(v, weights["autograd"][k]) for k, v in plain.train_state_tensors().items())
 
 
-@pytest.mark.parametrize("engine", ["interleaved", "standard"])
-def test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal(engine, tmp_path):
+@pytest.mark.parametrize(("engine", "attention"), [
+    pytest.param("interleaved", {}, id="interleaved"), pytest.param("standard", {}, id="standard"),
+    pytest.param("interleaved", MLA, id="interleaved-mla")])
+def test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal(engine, attention, tmp_path):
     import shutil
 
     from run_helpers import make_dataset, write_config
@@ -42,7 +51,7 @@ def test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal(
     from apr.apply import run_apply
 
     make_dataset(tmp_path, train_rows=48, val_rows=8)
-    sections = {"model": {"architecture": {"dropout": 0.2}},
+    sections = {"model": {"architecture": {"dropout": 0.2, **attention}},
                 "training": {"engine": engine, "execution": {"activations": "recompute"}, "max_steps": 4,
                              "save_interval": 2, "eval_interval": 2}}
     quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
