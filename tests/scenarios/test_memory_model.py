@@ -14,6 +14,8 @@ from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
 LORA = {"rank": 3, "alpha": 6.0, "targets": "all"}
+MLA = {"num_key_value_heads": None, "attention": {"kind": "mla", "kv_lora_rank": 6, "qk_rope_head_dim": 4,
+                                                  "q_lora_rank": 8}}
 
 
 def _planned(config) -> dict[str, int]:
@@ -31,7 +33,8 @@ def _planned(config) -> dict[str, int]:
     {"training": {"engine": "standard"}, "model": {"init_from": None, "lora": LORA}},
     {"training": {"engine": "interleaved", "execution": {"activations": "keep", "gradients": "kept"}}},
     {"training": {"engine": "interleaved"}, "model": {"init_from": None, "lora": LORA}},
-], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora"])
+    {"training": {"engine": "standard"}, "model": {"architecture": MLA}},
+], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora", "autograd-mla"])
 def test_the_plans_rows_are_what_the_engine_holds(sections):
     config = make_config(**sections)
     engine = build_engine(plan_of(config, execution=from_config(config)))
