@@ -181,11 +181,13 @@ def test_the_plans_kv_cache_bytes_per_token_are_what_generate_holds(attention, t
     attention holds far less than grouped-query attention of the same heads."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from apr.fmt import format_bytes
     from apr.generate import generate as generate_module
     from apr.generate.decode import KVCache
     from apr.generate.load import Loaded
     from apr.model.llama import build_model
     from apr.plan.build import build_plan
+    from apr.plan.render import render_text
     from tests.train.run_helpers import make_dataset, write_config
 
     make_dataset(tmp_path, train_rows=8, val_rows=4)
@@ -195,6 +197,9 @@ def test_the_plans_kv_cache_bytes_per_token_are_what_generate_holds(attention, t
     assert plan.errors == []
     per_token = plan.facts["model"]["kv_cache_bytes_per_token"]
     assert per_token == (2 * 2 * (8 + 8) * 4 if attention == "gqa" else 2 * (6 + 4) * 4)  # layers x ... x float32
+    shown = render_text(plan)
+    assert f"KV cache {format_bytes(per_token)}/token at generation" in shown
+    assert ("multi-head latent attention: keys and values from a 6-wide latent" in shown) == (attention == "mla")
     caches = []
 
     class Recorded(KVCache):
