@@ -167,6 +167,7 @@ def _counter_class():
                 return NotImplemented  # let DTensor run its local ops, which come back here
             self.ops += 1
             if self.ops % 256 == 0 and time.monotonic() > self.deadline:
+                self.deadline = float("inf")  # once: what runs while the stack unwinds must not raise again
                 raise TraceTimeout(self.phase)
             if func is torch.ops.aten._local_scalar_dense.default:
                 # a host read (the standard engine's loss check, the fp16 scaler): a finite value
