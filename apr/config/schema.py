@@ -430,6 +430,30 @@ class TrunkStrategy(StrEnum):
     qlora = "qlora"
 
 
+class StageAdapters(_Section):
+    """The trunk adapters of the blocks one stage adds (StackWise's per-stack ``qlora_configs``)."""
+
+    rank: PositiveCount | None = Field(None, description="Their rank. Default: the trunk adapters' rank (after "
+                                       "adapter_pattern).")
+    alpha: Float | None = Field(None, gt=0, description="Their alpha. Default: the trunk adapters' alpha (after "
+                                "adapter_pattern).")
+
+
+class AdapterGrowth(StrEnum):
+    constant = "constant"
+    increasing = "increasing"
+    decreasing = "decreasing"
+
+
+class AdapterPattern(_Section):
+    """How the trunk adapters' rank and alpha change with the stage that added a block (StackWise's
+    qlora_strategy progressive with qlora_rank_pattern / qlora_alpha_pattern)."""
+
+    rank: AdapterGrowth = Field(AdapterGrowth.constant, description="constant, increasing (the blocks stage k "
+                                "added get rank x 2^k: 16, 32, 64...) or decreasing (rank / 2^k, at least 1).")
+    alpha: AdapterGrowth = Field(AdapterGrowth.constant, description="The same choice for alpha.")
+
+
 class StackStage(_Section):
     """One stage of progressive stacking: the model's depth and how long it trains at that depth."""
 
@@ -442,6 +466,10 @@ class StackStage(_Section):
         "later stage freezes them (earlier: freeze): fp32, fp16, bf16, or nf4 (4-bit NormalFloat through torchao). "
         "nvfp4 is refused: no device apr runs on has an NVFP4 trunk path. The stage that adds blocks trains "
         "them in fp32.")
+    adapters: StageAdapters | None = Field(
+        None, description="The rank and alpha of the trunk adapters the blocks this stage adds carry once a later "
+        "stage freezes them (StackWise's per-stack qlora_configs); not on the last stage, whose blocks never join "
+        "the trunk. Needs trunk adapters. Default: the trunk adapters' own (after adapter_pattern).")
 
 
 class ProgressiveLora(_Section):
@@ -494,6 +522,11 @@ class StackingConfig(_Section):
         "carries trunk adapters gets one more adapter of this rank on the same projections (lora_B zero, so the "
         "grow changes nothing); earlier adapters keep training. Needs trunk adapters (trunk_lora, model.lora or "
         "trunk_strategy qlora). Export merges every adapter. Default: one adapter per trunk block.")
+    adapter_pattern: AdapterPattern | None = Field(
+        None, description="Trunk adapters whose rank and alpha grow or shrink with the stage that added each block "
+        "(StackWise's progressive qlora_strategy): the blocks stage k added get rank x 2^k (increasing) or rank / "
+        "2^k (decreasing); stages[].adapters overrides one stage. Needs trunk adapters. Default: every trunk block "
+        "the same adapters.")
     # the key the trunk's adapters were given under (model.lora moves here: ModelConfig)
     _trunk_lora_key: tuple = PrivateAttr(("model", "stacking", "trunk_lora"))
 

@@ -127,9 +127,12 @@ def frozen_blocks(config: AprConfig) -> dict[int, tuple[frozenset[str], str, int
     if lora is not None:
         return dict.fromkeys(range(config.model.architecture.num_hidden_layers),
                              (frozenset(lora.modules), str(lora.trunk_dtype), lora.rank))
-    adapters = stacking.trunk_adapters(config)
-    adapted = (frozenset(adapters.modules), adapters.rank) if adapters is not None else (frozenset(), 0)
-    return {b: (adapted[0], storage, adapted[1]) for b, storage in stacking.trunk_storage(config).items()}
+    out = {}
+    for b, storage in stacking.trunk_storage(config).items():
+        adapters = stacking.block_adapters(config, b)  # each block at the rank of the stage that added it
+        out[b] = (frozenset(adapters.modules), storage, adapters.rank) if adapters is not None else \
+            (frozenset(), storage, 0)
+    return out
 
 
 def _frozen_saving(config: AprConfig, adapted: frozenset[str], rank: int) -> float:

@@ -137,9 +137,10 @@ def progressive_suffix(stage: int) -> str:
 
 
 def trunk_adapter_specs(config: AprConfig, i: int) -> list[ParamSpec]:
-    """Trunk block ``i``'s adapters in flat order: its own (``trunk_adapters``), then per stage that
-    gave it a progressive adapter (``progressive_lora``), ``lora_A_s<k>``/``lora_B_s<k>`` of that rank."""
-    arch, adapters = config.model.architecture, stacking.trunk_adapters(config)
+    """Trunk block ``i``'s adapters in flat order: its own (``block_adapters``: the rank of the stage
+    that added it), then per stage that gave it a progressive adapter (``progressive_lora``),
+    ``lora_A_s<k>``/``lora_B_s<k>`` of that rank."""
+    arch, adapters = config.model.architecture, stacking.block_adapters(config, i)
     specs = lora_block_specs(arch, adapters, i)
     prog = config.model.stacking.progressive_lora
     for k in stacking.progressive_stages(config).get(i, ()):

@@ -87,7 +87,8 @@ def apply_trunk(model, config: AprConfig, seed: int) -> None:
             weight = nn.Parameter(_stored(getattr(parent, leaf).weight, storage), requires_grad=False)
             if m in targeted:
                 extra = [(spec.progressive_suffix(k), prog.rank, prog.scaling) for k in progressive.get(i, ())]
-                layer = ProgressiveLoRALinear(weight, adapters.rank, adapters.scaling, adapters.dropout, extra)
+                own = stacking.block_adapters(config, i)  # the rank and alpha of the stage that added block i
+                layer = ProgressiveLoRALinear(weight, own.rank, own.scaling, own.dropout, extra)
                 bound = 1.0 / math.sqrt(layer.lora_A.shape[1])
                 for sfx in [""] + [e[0] for e in extra]:  # A uniform, B zero: every adapter starts at nothing
                     a = getattr(layer, f"lora_A{sfx}")
@@ -158,7 +159,7 @@ def _adapter_pairs(tensors: dict[str, torch.Tensor], config: AprConfig, i: int, 
                    ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
     """Block ``i``'s adapters on projection ``m``: (A, B, scaling), its own first, then each
     progressive one in stage order."""
-    adapters, prog = stacking.trunk_adapters(config), config.model.stacking.progressive_lora
+    adapters, prog = stacking.block_adapters(config, i), config.model.stacking.progressive_lora
     path = spec.lora_module_path(i, m)
     pairs = [(tensors[f"{path}.lora_A"].float(), tensors[f"{path}.lora_B"].float(), adapters.scaling)]
     for k in stacking.progressive_stages(config).get(i, ()):  # each later grow's adapter
@@ -189,7 +190,8 @@ def peft_adapters(tensors: dict[str, torch.Tensor], config: AprConfig) -> tuple[
     adapter_config.json entries that differ from a plain LoRA run's (see docs/design.md section 31,
     "PEFT export"). A block with progressive adapters gets their concatenation, exactly their sum:
     ``sum_k s_k B_k A_k = s_1 [B_1, (s_2/s_1) B_2, ...] [A_1; A_2; ...]``, a rank ``r_1 + r_2 + ...``
-    adapter with the first adapter's scaling (``rank_pattern`` / ``alpha_pattern``)."""
+    adapter with the first adapter's scaling (``rank_pattern`` / ``alpha_pattern``); so does a block
+    whose own adapters differ from the trunk adapters' (``adapter_pattern``, ``stages[].adapters``)."""
     adapters = stacking.trunk_adapters(config)
     out: dict[str, torch.Tensor] = {}
     rank_pattern, alpha_pattern = {}, {}
@@ -200,8 +202,8 @@ def peft_adapters(tensors: dict[str, torch.Tensor], config: AprConfig) -> tuple[
             first = pairs[0][2]
             out[peft_name(f"{path}.lora_A")] = torch.cat([a for a, _, _ in pairs]).contiguous()
             out[peft_name(f"{path}.lora_B")] = torch.cat([b * (s / first) for _, b, s in pairs], dim=1).contiguous()
-            if len(pairs) > 1:
-                rank = sum(a.shape[0] for a, _, _ in pairs)
+            rank = sum(a.shape[0] for a, _, _ in pairs)
+            if len(pairs) > 1 or rank != adapters.rank or first != adapters.scaling:  # progressive, or a stage's own
                 rank_pattern[path] = rank  # alpha such that alpha / r (or / sqrt(r)) is the first's scaling
                 alpha_pattern[path] = first * (rank ** 0.5 if adapters.rslora else rank)
     doc = {"layers_to_transform": sorted(stacking.trunk_storage(config)), "layers_pattern": "layers",

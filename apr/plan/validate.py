@@ -381,6 +381,41 @@ def stacking_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Fin
     return out
 
 
+def _stage_adapter_findings(config, lora, finding) -> None:
+    """``adapter_pattern`` and ``stages[].adapters`` (docs/training.md, "Progressive stacking"): they
+    need trunk adapters, never name the last stage (its blocks never join the trunk), and give every
+    stage's blocks a rank from 1 to the layer's narrow side."""
+    st, arch = config.model.stacking, config.model.architecture
+    own = {i: ("model", "stacking", "stages", i, "adapters") for i, s in enumerate(st.stages) if s.adapters}
+    keys = ([("model", "stacking", "adapter_pattern")] if st.adapter_pattern is not None else []) + list(own.values())
+    if not keys:
+        return
+    if lora is None:
+        for key in keys:
+            finding(key, f"{'.'.join(str(k) for k in key[2:])} sets the rank and alpha of the trunk's adapters; this "
+                    "trunk has no adapters", "trunk_lora, model.lora or trunk_strategy qlora (with earlier: freeze)",
+                    "no trunk adapters")
+        return
+    last = len(st.stages) - 1
+    if last in own:
+        finding(own[last], f"stage {last} is the last: its blocks never join the trunk, so they never carry "
+                "trunk adapters", "adapters on an earlier stage", f"stages[{last}].adapters")
+    smallest = min((min(spec.linear_dims(arch, m)), m) for m in lora.modules)
+    for i in range(last):
+        rank, _ = stacking.stage_adapters(config, i, floor=False)
+        if rank == lora.rank:  # the trunk adapters' own rank, checked above
+            continue
+        set_here = st.stages[i].adapters is not None and st.stages[i].adapters.rank is not None
+        key = (*own[i], "rank") if set_here else ("model", "stacking", "adapter_pattern", "rank")
+        if rank < 1:
+            finding(key, f"the blocks stage {i} adds would carry adapters of rank {rank} ({lora.rank} halved {i} "
+                    "times)", "a rank of at least 1: a larger trunk rank, fewer stages or another pattern", str(rank))
+        elif rank > smallest[0]:
+            finding(key, f"the blocks stage {i} adds would carry adapters of rank {rank}, larger than the layer: "
+                    f"{smallest[1]} has {smallest[0]} features on its narrow side", f"at most {smallest[0]}",
+                    str(rank))
+
+
 def _trunk_findings(config, finding) -> list[Finding]:
     """A stacking trunk that cannot be stored or adapted as configured (docs/design.md, "StackWise
     progressive stacks"); reported through ``finding`` (so this returns nothing of its own)."""
@@ -428,6 +463,7 @@ def _trunk_findings(config, finding) -> list[Finding]:
             finding(("model", "stacking", "progressive_lora", "rank"), f"rank {prog.rank} is larger than the layer: "
                     f"{smallest[1]} has {smallest[0]} features on its narrow side", f"at most {smallest[0]}",
                     str(prog.rank))
+    _stage_adapter_findings(config, lora, finding)
     if qlora or any(str(s_.precision) == "nf4" for s_ in st.stages[:-1]):
         if find_spec("torchao") is None:
             finding(("model", "stacking", "trunk_strategy" if qlora else "stages"), "an NF4 trunk is quantized by "

@@ -144,6 +144,35 @@ def trunk_adapters(config: AprConfig) -> LoraConfig | None:
     return LoraConfig.model_validate(QLORA_DEFAULT) if str(st.trunk_strategy) == "qlora" else None
 
 
+def stage_adapters(config: AprConfig, stage: int, floor: bool = True) -> tuple[int, float] | None:
+    """The (rank, alpha) of the trunk adapters the blocks ``stage`` added carry: the trunk adapters'
+    own, grown by ``adapter_pattern`` (x 2^stage, or / 2^stage: validate refuses a rank below 1, and
+    ``floor`` keeps the plan's arithmetic at 1 meanwhile), and replaced by ``stages[stage].adapters``
+    where that sets them; None without adapters."""
+    base, st = trunk_adapters(config), config.model.stacking
+    if base is None:
+        return None
+    rank, alpha = base.rank, base.alpha
+    if st.adapter_pattern is not None:
+        grow = {"constant": 1.0, "increasing": 2.0 ** stage, "decreasing": 0.5 ** stage}
+        rank = int(rank * grow[str(st.adapter_pattern.rank)])
+        alpha = alpha * grow[str(st.adapter_pattern.alpha)]
+    own = st.stages[stage].adapters if stage < len(st.stages) else None
+    if own is not None:
+        rank, alpha = own.rank or rank, own.alpha or alpha
+    return (max(rank, 1) if floor else rank), alpha
+
+
+def block_adapters(config: AprConfig, block: int) -> LoraConfig | None:
+    """Trunk block ``block``'s own adapters: ``trunk_adapters`` at the rank and alpha of the stage
+    that added it (``stage_adapters``)."""
+    base, st = trunk_adapters(config), config.model.stacking
+    if base is None or (st.adapter_pattern is None and not any(s.adapters for s in st.stages)):
+        return base
+    rank, alpha = stage_adapters(config, _origins(st, len(st.stages) - 1)[block])
+    return base.model_copy(update={"rank": rank, "alpha": alpha})
+
+
 def progressive_stages(config: AprConfig) -> dict[int, tuple[int, ...]]:
     """Block -> the stages whose grow gave it a progressive adapter (``progressive_lora``), at the
     config's last stage: a block added by stage ``o`` joins the trunk with its adapters at stage

@@ -177,6 +177,13 @@ def test_the_plan_shows_every_stage(tmp_path):
      "model.stacking.earlier"),
     ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 4}], "init": "interpolate", "building_mode": "prepend"},
      "model.stacking.building_mode"),
+    ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 4}], "adapter_pattern": {"rank": "increasing"}},
+     "model.stacking.adapter_pattern"),  # no trunk adapters to pattern
+    ({"stages": [{"blocks": 2, "steps": 5}, {"blocks": 4, "adapters": {"rank": 2}}], "earlier": "freeze",
+      "trunk_lora": {"rank": 4}}, "model.stacking.stages[1].adapters"),  # the last stage never joins the trunk
+    ({"stages": [{"blocks": 2, "steps": 2}, {"blocks": 3, "steps": 2}, {"blocks": 4}], "earlier": "freeze",
+      "trunk_lora": {"rank": 1}, "adapter_pattern": {"rank": "decreasing"}},
+     "model.stacking.adapter_pattern.rank"),  # stage 1's blocks: rank 1 / 2
 ])
 def test_bad_schedules_are_findings_with_their_key(tmp_path, stacking, path):
     make_dataset(tmp_path)
@@ -417,6 +424,42 @@ def test_cached_trunk_activations_give_the_uncached_weights_bitwise_resume_with_
     assert resumed.engine.trunk_cache.folder == cache.folder and resumed.engine.trunk_cache.hits > 0
     got = _weights(root, 9)
     assert all(got[k].equal(want[k]) for k in want)
+
+
+def test_adapter_patterns_give_each_stacks_trunk_adapters_their_own_rank_and_alpha(tmp_path, monkeypatch):
+    """StackWise's progressive and per-stack QLoRA settings: ``adapter_pattern`` doubles the rank per
+    stage, ``stages[1].adapters`` sets its own alpha; each trunk block carries its stage's adapters,
+    the plan counts them, exports fold each with its own scaling, and a resume across the grow is bitwise."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from apr.model import spec
+    from apr.steps.stacking import block_adapters
+
+    make_dataset(tmp_path)
+    pattern = {"stages": [{"blocks": 2, "steps": 3}, {"blocks": 3, "steps": 3, "adapters": {"alpha": 32}},
+                          {"blocks": 4}],
+               "earlier": "freeze", "trunk_lora": {"rank": 4, "targets": "all"},
+               "adapter_pattern": {"rank": "increasing"}}
+    run = _inproc(tmp_path, **pattern)
+    at9 = _weights(tmp_path, 9)
+    a = "model.layers.{}.mlp.down_proj.lora_A"
+    assert [tuple(at9[a.format(b)].shape)[0] for b in (0, 1, 2)] == [4, 4, 8]  # stage 0: 4; stage 1: 4 x 2
+    config = run.config  # the last stage's: what the plan counted for it
+    assert [block_adapters(config, b).scaling for b in (0, 2)] == [16 / 4, 32 / 8]
+    trained = sum(p.numel() for p in run.engine.model.parameters() if p.requires_grad)
+    assert trained == spec.trainable_param_count(config)
+    ids, live, tok, hf = _live_and_exported(run, tmp_path)
+    with torch.no_grad():  # each block's adapters folded in with its own scaling
+        torch.testing.assert_close(hf(ids).logits, live, rtol=1e-4, atol=1e-4)
+    ckpt = tmp_path / "run" / "checkpoint-step-9.json"
+    torch.testing.assert_close(_peft_logits(ckpt, tmp_path / "peft", tok, ids), live, rtol=1e-4, atol=1e-4)
+    doc = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert doc["rank_pattern"]["model.layers.2.mlp.down_proj"] == 8 and doc["r"] == 4
+    assert "model.layers.0.mlp.down_proj" not in doc["rank_pattern"]  # stage 0's blocks: the trunk's own
+    for f in (tmp_path / "run").glob("checkpoint-step-9.*"):
+        f.unlink()
+    _inproc(tmp_path, resume="latest", **pattern)  # from step 6: across the grow that gives block 2 its adapters
+    again = _weights(tmp_path, 9)
+    assert set(again) == set(at9) and all(again[k].equal(v) for k, v in at9.items())
 
 
 def _live_and_exported(run, root: Path):
