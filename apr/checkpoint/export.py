@@ -1,5 +1,5 @@
 """Export a checkpoint as a Hugging Face folder of its family (Llama, Mistral or Qwen2:
-``model.architecture.family``) that `transformers` loads offline.
+``model.architecture.family``; Mixtral for a mixture of experts) that `transformers` loads offline.
 
     config.json               the family's config fields; RoPE (and its scaling) in the installed
                               transformers' form
@@ -31,6 +31,7 @@ from apr.checkpoint.names import is_optimizer_state
 from apr.config.schema import AprConfig
 from apr.errors import AprError, Finding
 from apr.fsutil import check_output_folder, fsync_dir
+from apr.model.spec import expert_intermediate_size
 from apr.readers import read_text
 from apr.steps import stacking
 
@@ -131,7 +132,13 @@ def hf_config(arch, specials: dict, transformers_major: int | None) -> tuple[dic
         "eos_token_id": tok_id["eos"],
         "pad_token_id": tok_id["pad"],
     }
-    if arch.mla is not None:  # DeepseekV3: its latent attention over dense llama MLPs in every layer (no MoE)
+    if arch.moe is not None:  # Mixtral: the mistral block with the sparse MoE MLP (apr/model/moe.py)
+        # HF's balance loss counts each of a token's top_k choices: the same penalty is coef / top_k
+        doc.update(architectures=["MixtralForCausalLM"], model_type="mixtral", sliding_window=arch.sliding_window,
+                   intermediate_size=expert_intermediate_size(arch), num_local_experts=arch.moe.num_experts,
+                   num_experts_per_tok=arch.moe.top_k, router_aux_loss_coef=arch.moe.balance_loss_coef / arch.moe.top_k,
+                   output_router_logits=False, router_jitter_noise=0.0)
+    elif arch.mla is not None:  # DeepseekV3: its latent attention over dense llama MLPs in every layer (no MoE)
         m = arch.mla
         doc.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", kv_lora_rank=m.kv_lora_rank,
                    q_lora_rank=m.q_lora_rank, qk_rope_head_dim=m.qk_rope_head_dim, head_dim=m.qk_rope_head_dim,
@@ -164,6 +171,26 @@ def hf_config(arch, specials: dict, transformers_major: int | None) -> tuple[dic
     except metadata.PackageNotFoundError:
         pass
     return doc, form
+
+
+def mixtral_weights(weights: dict, arch) -> dict:
+    """apr's expert tensors under Mixtral's per-expert names (``block_sparse_moe.experts.<e>.w1/w2/w3``,
+    gate, down and up), the layout transformers 4 reads and 5 converts on load; the rest as it is."""
+    inter, out = expert_intermediate_size(arch), {}
+    for name, t in weights.items():
+        head, sep, tail = name.partition(".mlp.")
+        if not sep:
+            out[name] = t
+        elif tail == "gate.weight":
+            out[f"{head}.block_sparse_moe.gate.weight"] = t
+        elif tail == "experts.gate_up_proj":
+            for e in range(t.shape[0]):
+                out[f"{head}.block_sparse_moe.experts.{e}.w1.weight"] = t[e, :inter].contiguous()
+                out[f"{head}.block_sparse_moe.experts.{e}.w3.weight"] = t[e, inter:].contiguous()
+        else:  # experts.down_proj
+            for e in range(t.shape[0]):
+                out[f"{head}.block_sparse_moe.experts.{e}.w2.weight"] = t[e].contiguous()
+    return out
 
 
 def tokenizer_config(specials: dict, max_len: int) -> dict:
@@ -241,6 +268,14 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                            "error", "export.mla", "no DeepseekV3 form for latent attention with this mixture of "
                            "experts", path="model.architecture.moe", file=str(info.json_path),
                            expected="latent attention with dense MLPs", got=str(arch.moe))])
+    if arch.moe is not None and (fmt == "peft" or str(arch.family) == "qwen2"):
+        raise AprError(f"{info.json_path.name} has a mixture of experts, exported as Mixtral, which has no q/k/v "
+                       "projection biases (family qwen2) and no PEFT form here: use the apr checkpoint with apr "
+                       "generate and apr eval", [Finding(
+                           "error", "export.moe", "no Mixtral form for this mixture of experts",
+                           path="model.architecture.moe", file=str(info.json_path),
+                           expected="family llama or mistral, --format hf",
+                           got=f"family {arch.family}, --format {fmt}")])
     if fmt == "peft":
         return _export_peft(state, info, config, out, tokenizer=tokenizer, base_dir=base, warnings=warnings)
     # bf16 state (training.state_dtype) exports as float32, exactly: the folder's config says float32
@@ -252,6 +287,8 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
         from apr.model.trunk import merged_weights as trunk_merged  # lazy: torchao for NF4 trunks
 
         weights = trunk_merged(weights, config)
+    if arch.moe is not None:
+        weights = mixtral_weights(weights, arch)
 
     if tokenizer is None and config.data.tokenizer is None and config.model.init_from is not None:
         beside = Path(_base_path(config, info)) / "tokenizer.json"  # the base's tokenizer travels with it

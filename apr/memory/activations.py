@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from apr.config.schema import AprConfig
 from apr.memory.buffers import compute_dtype_name, sharded, uses_compute_copy
-from apr.model.spec import DTYPE_BYTES, block_numel
+from apr.model.spec import DTYPE_BYTES, block_numel, mlp_token_width, routed_rows
 from apr.steps import execution as policy
 from apr.steps import stacking
 from apr.steps.execution import Execution
@@ -63,6 +63,14 @@ class MemoryCoefficients:
     selective_hidden_widths: float = 4.0
     selective_kv_widths: float = 2.0
     selective_intermediate_widths: float = 2.0
+    # A mixture of experts (model.architecture.moe; "intermediate" above is then a token's top_k
+    # experts' widths together): per routed copy of a token's row (top_k of them), the hidden widths
+    # its routing adds to a kept graph: the copy regrouped by expert and the expert's output put back
+    # in token order (counted with saved_tensors_hooks on the CPU, 2026-11-28: 2 x top_k x hidden
+    # beyond the dense MLP's, plus the router's few floats per token, not counted); while a block is
+    # recomputed and backpropagated, those and their gradients (modelled: twice).
+    keep_routing_hidden_widths: float = 2.0
+    block_routing_hidden_widths: float = 4.0
     # Measured on an H200 (CUDA 13.0, torch 2.11, CuPy 14.2; 2026-11-26): the device memory in use
     # beyond torch's reserved pool was 766.8 MiB in all seven cases of benchmarks/vram_calibration.py
     # (it was 512 MiB, uncalibrated).
@@ -96,8 +104,9 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
     kv = arch.kv_heads * arch.head_dim
     mixed = str(tr.mixed_precision) != "fp32"
     hidden = c.block_hidden_widths + (c.block_autocast_hidden_widths if mixed else 0)
+    inter, routed = mlp_token_width(arch), c.block_routing_hidden_widths * routed_rows(arch) * arch.hidden_size
     per_token = (hidden * arch.hidden_size + c.block_kv_widths * kv
-                 + c.block_intermediate_widths * arch.intermediate_size)
+                 + c.block_intermediate_widths * inter + routed)
     scores = c.attention_score_copies * b * arch.num_attention_heads * s * s
     # with the interleaved engine's compute copy only the weights' compute-dtype gradients remain
     copies = c.block_weight_cast_copies - (1 if _reads_compute_copy(config, execution) else 0)
@@ -111,11 +120,11 @@ def block_activation_bytes(config: AprConfig, c: MemoryCoefficients = COEFFICIEN
         return int((b * s * per_token + scores + weight_casts) * elt) + root_grad
     if recomputed:  # selective: the matmul and attention outputs are kept, the rest recomputed
         kept = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
-                + c.selective_intermediate_widths * arch.intermediate_size)
+                + c.selective_intermediate_widths * inter)
         return int((b * s * (per_token - kept) + scores + weight_casts) * elt) + root_grad
     one_graph = policy.gradient_source(config) == "standard" or sharded(config)
     grads = (c.autograd_backward_intermediate_widths if one_graph
-             else c.keep_backward_intermediate_widths) * arch.intermediate_size
+             else c.keep_backward_intermediate_widths) * inter
     return int((b * s * grads + weight_casts) * elt) + root_grad
 
 
@@ -168,8 +177,8 @@ def kept_block_bytes(config: AprConfig, execution: Execution | None = None,
     kv = arch.kv_heads * arch.head_dim
     mixed = cdt != "float32"
     hidden = c.keep_hidden_widths + (c.keep_autocast_hidden_widths if mixed else 0)
-    keep = ((hidden * arch.hidden_size + c.keep_kv_widths * kv
-             + c.keep_intermediate_widths * arch.intermediate_size) * elt
+    keep = ((hidden * arch.hidden_size + c.keep_kv_widths * kv + c.keep_intermediate_widths * mlp_token_width(arch)
+             + c.keep_routing_hidden_widths * routed_rows(arch) * arch.hidden_size) * elt
             + (c.keep_norm_fp32_widths * arch.hidden_size * DTYPE_BYTES["float32"] if mixed else 0))
     # autocast saves its compute-dtype copy of a kept block's weights for the backward, unless the
     # blocks read the interleaved engine's compute copy
@@ -192,7 +201,7 @@ def kept_activation_bytes(config: AprConfig, execution: Execution,
     elt = DTYPE_BYTES[compute_dtype_name(config.training.mixed_precision)]
     kv = arch.kv_heads * arch.head_dim
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
-           + c.selective_intermediate_widths * arch.intermediate_size)
+           + c.selective_intermediate_widths * mlp_token_width(arch))
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
     kept = sum(kept_block_bytes(config, execution, c, block=i) for i in range(execution.kept_blocks))
     return int(kept + b * s * selective_blocks * sel * elt)

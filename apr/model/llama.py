@@ -1,7 +1,8 @@
 """The LLaMA-style decoder, top to bottom in the order data flows through it.
 
 RMSNorm -> rotary embeddings (with Llama 3's, linear, dynamic and YaRN scaling) -> attention (GQA,
-SDPA; Qwen2's q/k/v biases, Mistral's sliding window) -> SwiGLU MLP -> decoder block -> model.
+SDPA; Qwen2's q/k/v biases, Mistral's sliding window) -> SwiGLU MLP (or Mixtral's mixture of experts,
+apr/model/moe.py) -> decoder block -> model.
 Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` exactly (Qwen2 and Mistral
 use the same names: ``model.layers.0.self_attn.q_proj.weight``, ...), so ``state_dict()`` is an HF checkpoint without
 renaming. Shapes, counts and init order come from ``apr.model.spec``.
@@ -23,6 +24,7 @@ from apr.config.schema import Architecture
 from apr.kernels.linear_ce import linear_cross_entropy, linear_cross_entropy_sum
 from apr.model import spec
 from apr.model.mla import LatentAttention
+from apr.model.moe import SparseMoE
 from apr.model.norm_rope import RMSNorm, apply_rope  # shared with apr/model/mla.py
 
 
@@ -204,7 +206,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(arch) if arch.decoupled_attention is None else DecoupledAttention(arch)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch) if arch.moe is None else SparseMoE(arch)  # moe: router and experts (apr/model/moe.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not (self.dropout and self.training):

@@ -52,7 +52,7 @@ def mla_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
 def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
     """Parameters of block ``i`` in the order they sit in the block's flat buffer (a bias, not
     decayed, right after its projection's weight)."""
-    h, hd, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    h, hd = arch.hidden_size, arch.head_dim
     nq, nkv = arch.num_attention_heads, arch.kv_heads
     p = f"model.layers.{i}."
     g = f"block.{i}"
@@ -77,10 +77,45 @@ def block_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
         ParamSpec(p + "input_layernorm.weight", (h,), g, False),
         *attention,
         ParamSpec(p + "post_attention_layernorm.weight", (h,), g, False),
-        ParamSpec(p + "mlp.gate_proj.weight", (inter, h), g, True),
-        ParamSpec(p + "mlp.up_proj.weight", (inter, h), g, True),
-        ParamSpec(p + "mlp.down_proj.weight", (h, inter), g, True),
+        *mlp_param_specs(arch, i),
     ]
+
+
+def expert_intermediate_size(arch: Architecture) -> int:
+    """SwiGLU width of one expert (``moe.expert_intermediate_size``, default the dense MLP's)."""
+    return arch.moe.expert_intermediate_size or arch.intermediate_size
+
+
+def mlp_param_specs(arch: Architecture, i: int) -> list[ParamSpec]:
+    """Block ``i``'s MLP: the dense SwiGLU, or under ``moe`` the router and the experts' two 3-D
+    tensors (Mixtral's names in transformers 5; apr/model/moe.py)."""
+    h, p, g = arch.hidden_size, f"model.layers.{i}.mlp.", f"block.{i}"
+    if arch.moe is None:
+        inter = arch.intermediate_size
+        return [ParamSpec(p + "gate_proj.weight", (inter, h), g, True),
+                ParamSpec(p + "up_proj.weight", (inter, h), g, True),
+                ParamSpec(p + "down_proj.weight", (h, inter), g, True)]
+    e, inter = arch.moe.num_experts, expert_intermediate_size(arch)
+    return [ParamSpec(p + "gate.weight", (e, h), g, True),
+            ParamSpec(p + "experts.gate_up_proj", (e, 2 * inter, h), g, True),
+            ParamSpec(p + "experts.down_proj", (e, h, inter), g, True)]
+
+
+def mlp_token_width(arch: Architecture) -> int:
+    """The SwiGLU width one token's MLP activations span: the dense MLP's, or its top_k experts' together."""
+    return arch.intermediate_size if arch.moe is None else arch.moe.top_k * expert_intermediate_size(arch)
+
+
+def routed_rows(arch: Architecture) -> int:
+    """Copies of a token's hidden row a block's MLP routes (its top_k experts' inputs); 0 when dense."""
+    return 0 if arch.moe is None else arch.moe.top_k
+
+
+def inactive_block_numel(arch: Architecture) -> int:
+    """A block's parameters a token does not use: the experts it is not routed to (0 when dense)."""
+    if arch.moe is None:
+        return 0
+    return (arch.moe.num_experts - arch.moe.top_k) * 3 * expert_intermediate_size(arch) * arch.hidden_size
 
 
 def embed_param_specs(arch: Architecture, decay_embeddings: bool = False) -> list[ParamSpec]:
@@ -243,10 +278,16 @@ def param_count(arch: Architecture) -> int:
             + sum(p.numel for p in head_param_specs(arch)))
 
 
+def active_param_count(arch: Architecture) -> int:
+    """Parameters one token uses: all of them, less under ``moe`` the experts it is not routed to."""
+    return param_count(arch) - arch.num_hidden_layers * inactive_block_numel(arch)
+
+
 def non_embedding_param_count(arch: Architecture) -> int:
-    """Parameters that take part in matmuls per token: blocks, final norm and LM head."""
+    """Parameters that take part in matmuls per token: blocks (under ``moe`` the router and the
+    ``top_k`` experts a token is routed to), final norm and LM head."""
     head = arch.vocab_size * arch.hidden_size  # the LM head matmul runs even when tied
-    return arch.num_hidden_layers * block_numel(arch) + arch.hidden_size + head
+    return arch.num_hidden_layers * (block_numel(arch) - inactive_block_numel(arch)) + arch.hidden_size + head
 
 
 def flops_per_token(arch: Architecture, seq_len: int) -> int:

@@ -16,7 +16,9 @@ from apr.memory.activations import COEFFICIENTS
 from apr.memory.buffers import state_bytes_per_param
 from apr.memory.table import MAX_LAYERS_SEARCHED, MemoryRow, max_layers, max_micro_batch, memory_table
 from apr.model.spec import (
+    active_param_count,
     block_numel,
+    expert_intermediate_size,
     flops_per_token,
     kv_cache_bytes_per_token,
     linear_dims,
@@ -64,6 +66,10 @@ def lora_facts(config: AprConfig) -> dict:
 def model_facts(config: AprConfig) -> dict:
     arch = config.model.architecture
     extra = {} if config.model.lora is None else {"lora": lora_facts(config)}
+    if arch.moe is not None:  # the params a token uses; flops_per_token counts only those
+        extra["moe"] = {"num_experts": arch.moe.num_experts, "top_k": arch.moe.top_k,
+                        "expert_intermediate_size": expert_intermediate_size(arch),
+                        "active_params": active_param_count(arch)}
     if arch.mla is not None:  # multi-head latent attention: the KV cache holds the latent and the RoPE key
         extra["mla"] = {"kv_lora_rank": arch.mla.kv_lora_rank, "qk_rope_head_dim": arch.mla.qk_rope_head_dim,
                         "q_lora_rank": arch.mla.q_lora_rank}

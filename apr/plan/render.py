@@ -62,7 +62,10 @@ def _model_lines(plan) -> list[str]:
         + ("" if m["mla"]["q_lora_rank"] is None else f", queries through a {m['mla']['q_lora_rank']}-wide latent")]
     ) + ([] if "kv_cache_bytes_per_token" not in m else [
         f"KV cache {format_bytes(m['kv_cache_bytes_per_token'])}/token at generation (float32, as apr generate "
-        "holds it)"]) + ([] if "lora" not in m else [
+        "holds it)"]) + ([] if "moe" not in m else [
+        f"mixture of experts: {m['moe']['num_experts']} experts of SwiGLU {m['moe']['expert_intermediate_size']:,} "
+        f"per block, top {m['moe']['top_k']}: {m['moe']['active_params']:,} parameters active per token "
+        "(FLOP/token counts these)"]) + ([] if "lora" not in m else [
         f"LoRA rank {plan.config.model.lora.rank} on {', '.join(m['lora']['modules'])}: "
         f"{m['trainable_params']:,} trainable ({100 * m['trainable_params'] / m['params']:.2f}%), the rest frozen"])
 

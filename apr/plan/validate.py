@@ -159,6 +159,15 @@ def _state_dtype_findings(loaded: LoadedConfig) -> list[Finding]:
     return state_dtype_findings(loaded)
 
 
+def _moe_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``apr.plan.moefacts.moe_config_findings`` where the model has a mixture of experts."""
+    if loaded.config.model.architecture.moe is None:
+        return []
+    from apr.plan.moefacts import moe_config_findings  # lazy: off validate's path unless the model has experts
+
+    return moe_config_findings(loaded)
+
+
 def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     """`training.output_dir` a run must not write into (a filesystem root, the home folder, the data or
     the tokenizer), located at the key's line."""
@@ -572,6 +581,7 @@ _CHECKS: tuple = (
      (("model",), ("training", "max_steps"))),
     (_distill_findings, (("training",), ("model",))),
     (_mlm_findings, (("training",), ("model",), ("evaluation",))),
+    (_moe_findings, (("training",), ("model",))),
     (_mla_findings, (("training",), ("model",))),
     (sharding_findings, (("training",), ("model",), ("evaluation",))),
     (qlora_findings, (("model",), ("training", "sharding"))),

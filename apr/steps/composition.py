@@ -292,6 +292,18 @@ FEATURES: list[Feature] = [
         "full": not_tested("a block's own modules in its FSDP2 unit, sharded by rows as any block's parameters"),
         "hybrid": not_tested("as `full`"),
     }),
+    Feature("mixture of experts (model.architecture.moe, autograd)", {
+        "one": tested("tests/train/test_losses.py::"
+                      "test_an_moe_run_records_its_routing_resumes_bitwise_and_its_checkpoint_decodes_with_the_cache",
+                      note="bitwise resume; the flat-buffer walk refused (validate: training.engine)"),
+        "ddp": tested("tests/distributed/test_moe.py::"
+                      "test_experts_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[none]",
+                      note="1 process accumulating the same micro-batches, 1e-6"),
+        "full": tested("tests/distributed/test_moe.py::"
+                       "test_experts_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[full]",
+                       note="each block's experts in its FSDP2 unit; 1e-6"),
+        "hybrid": not_tested("`full` within each node, replicated across nodes as for a dense block"),
+    }),
     Feature("LoRA with `trunk_dtype: nf4` (QLoRA over an imported base)", {
         "one": tested("tests/checkpoint/test_hf_families.py::"
                       "test_qlora_over_each_family_starts_at_transformers_over_the_nf4_base_in_both_engines",

@@ -35,7 +35,7 @@ from apr.track.names import (
     validate_experiment,
     validate_run_id,
 )
-from apr.track.state import BLOCK_NORM_KEYS, EVAL_HISTORY, STATE_FILE, RunState, read_state
+from apr.track.state import BLOCK_NORM_KEYS, EVAL_HISTORY, MOE_KEYS, STATE_FILE, RunState, read_state
 from apr.track.store import BUSY_TIMEOUT_S, HISTOGRAMS_EVENT, Batch, StoreWriter, flatten_params
 from apr.track.telemetry import gpu_snapshot
 from apr.track.trackers import (
@@ -434,6 +434,9 @@ class RunRecorder:
             block = {k: metrics[k] for k in BLOCK_NORM_KEYS if k in metrics}
             if block:
                 st["block_norms"] = {"step": step, **block}
+            moe = {k: metrics[k] for k in MOE_KEYS if k in metrics}
+            if moe:
+                st["moe"] = {"step": step, **moe}
             tokens = _finite_or_none(_num(metrics.get("tokens_seen")))
             st["tokens_seen"] = int(tokens) if tokens is not None else step * self.tokens_per_step
             st["step"] = step

@@ -35,6 +35,8 @@ BLOCK_NORM_LISTS = ("block_grad_norm", "block_update_norm")
 BLOCK_NORM_SCALARS = ("embed_grad_norm", "embed_update_norm", "head_grad_norm", "head_update_norm",
                       "max_block_grad_norm", "max_block_update_norm")
 BLOCK_NORM_KEYS = BLOCK_NORM_LISTS + BLOCK_NORM_SCALARS
+# model.architecture.moe (apr/train/losses.py RoutingBalance): the latest log step's in the ``moe`` field
+MOE_KEYS = ("moe_balance_loss", "moe_expert_load", "moe_max_expert_load")
 # monitoring.data_drift (apr/train/datadrift.py): token ranks' figures, then document lengths'
 DATA_DRIFT_KEYS = tuple(f"data_drift_{feature}{figure}" for feature in ("", "doc_length_")
                         for figure in ("psi", "ks", "wasserstein"))
@@ -173,6 +175,7 @@ class RunState:
             "evals": None,  # in-training task scores (evaluation.tasks), latest per task
             "samples": None,  # the latest sample generations (evaluation.samples)
             "block_norms": None,  # the latest per-block gradient and update norms (monitoring.block_norms)
+            "moe": None,  # the latest routing figures of a mixture of experts (model.architecture.moe)
             "data_drift": None,  # read-so-far against rows-ahead drift (monitoring.data_drift)
             "histograms": None,  # the latest per-layer weight and gradient histograms (monitoring.histograms)
             "eval_history": [],  # task scores of each evaluation, the last EVAL_HISTORY (the monitor's evals panel)

@@ -21,23 +21,72 @@ import zlib
 
 import torch
 
+from apr.errors import AprError
+from apr.steps.execution import gradient_source
+
 IGNORE = -100  # a target position that adds no loss (the kernels' ignore_index)
 
 
+class RoutingBalance:
+    """``model.architecture.moe``'s load-balancing term (apr/model/moe.py ``balance_loss``, the mean
+    over the blocks) times ``balance_loss_coef``, added to each micro-batch's loss, and the step's
+    routing figures for the step log: the balance loss (mean over the step's micro-batches) and the
+    share of routed rows each expert took, per block (kept on the device until a log step reads them)."""
+
+    def __init__(self, coef: float):
+        self.coef = coef
+        self.begin_step()
+
+    def begin_step(self) -> None:
+        self._balance: torch.Tensor | None = None
+        self._load: torch.Tensor | None = None
+        self._micro = 0
+
+    def term(self, lm) -> torch.Tensor:
+        """The term of the forward just run (its blocks' ``mlp.balance`` and ``mlp.load``)."""
+        blocks = [layer.mlp for layer in lm.model.layers]
+        balance = torch.stack([b.balance for b in blocks]).mean()
+        load = torch.stack([b.load for b in blocks])
+        self._balance = balance.detach() if self._balance is None else self._balance + balance.detach()
+        self._load = load if self._load is None else self._load + load
+        self._micro += 1
+        return balance * self.coef
+
+    def metrics(self, dp=None) -> dict:
+        """The step's figures (a host read; averaged over the data-parallel ranks): ``moe_balance_loss``,
+        ``moe_expert_load`` (each expert's share of the routed rows, mean over the blocks) and
+        ``moe_max_expert_load`` (the largest share any expert took in any block); empty before a step."""
+        if self._load is None:
+            return {}
+        share = self._load.double() / self._load.sum(dim=1, keepdim=True).double()
+        figures = torch.cat([(self._balance / self._micro).double().reshape(1), share.reshape(-1)])
+        if dp is not None:
+            figures = dp.average_(figures)
+        balance, share = figures[0], figures[1:].view_as(share)
+        return {"moe_balance_loss": float(balance), "moe_expert_load": share.mean(dim=0).tolist(),
+                "moe_max_expert_load": float(share.max())}
+
+
 class CausalLM:
-    """Mean next-token cross-entropy over the micro-batch."""
+    """Mean next-token cross-entropy over the micro-batch (plus the mixture of experts' balance term
+    with ``routing``)."""
 
     kind: str | None = None  # None: the engine keeps its own kind in checkpoints
     per_param_steps = False  # every parameter takes every update
 
+    def __init__(self, routing: RoutingBalance | None = None):
+        self.routing = routing
+
     def begin_step(self, step: int) -> None:
-        pass
+        if self.routing is not None:
+            self.routing.begin_step()
 
     def __call__(self, engine, lm, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with engine.autocast():
             hidden = engine.hidden_states(lm, ids)
-        return lm.loss(hidden, targets, chunk_size=engine.chunk_size, backend=engine.backend,
+        loss = lm.loss(hidden, targets, chunk_size=engine.chunk_size, backend=engine.backend,
                        compute_dtype=engine.cdt, norm_context=engine.autocast())
+        return loss if self.routing is None else loss + self.routing.term(lm)
 
     def lr_factor(self, loss: torch.Tensor) -> float:
         return 1.0
@@ -89,12 +138,15 @@ class MaskedLM:
     kind: str | None = None
     per_param_steps = False
 
-    def __init__(self, rate: float, mask_token_id: int, seed: int):
+    def __init__(self, rate: float, mask_token_id: int, seed: int, routing: RoutingBalance | None = None):
         self.rate, self.mask_token_id, self.seed = rate, mask_token_id, seed
         self.step = 1
+        self.routing = routing  # moe: the balance term, as CausalLM's
 
     def begin_step(self, step: int) -> None:
         self.step = step
+        if self.routing is not None:
+            self.routing.begin_step()
 
     def _sum(self, engine, lm, ids: torch.Tensor, step: int, total: bool) -> tuple[torch.Tensor, int]:
         mask = mask_positions(ids, self.rate, self.seed, step)
@@ -107,7 +159,8 @@ class MaskedLM:
 
     def __call__(self, engine, lm, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         mean_over_all, masked = self._sum(engine, lm, ids, self.step, total=False)
-        return mean_over_all * (ids.numel() / max(masked, 1))  # the mean over the masked positions
+        loss = mean_over_all * (ids.numel() / max(masked, 1))  # the mean over the masked positions
+        return loss if self.routing is None else loss + self.routing.term(lm)
 
     @torch.no_grad()
     def eval_loss_sum(self, engine, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -125,11 +178,18 @@ class MaskedLM:
         pass
 
 
-def objective_loss(config, model) -> MaskedLM | None:
-    """The loss part of ``training.mode`` other than distillation (apr/train/distill.py): None for
-    causal_lm (the engine's own ``CausalLM``); for mlm, ``MaskedLM`` over ``model`` made bidirectional."""
-    tr = config.training
+def objective_loss(config, model) -> CausalLM | MaskedLM | None:
+    """The loss part of ``training.mode`` other than distillation (apr/train/distill.py): for
+    causal_lm, None (the engine's own ``CausalLM``) or with ``model.architecture.moe`` a ``CausalLM``
+    with its balance term; for mlm, ``MaskedLM`` over ``model`` made bidirectional."""
+    tr, moe = config.training, config.model.architecture.moe
+    routing = None
+    if moe is not None:
+        if gradient_source(config) != "standard":  # apr train validate refuses it at training.engine
+            raise AprError("model.architecture.moe runs on autograd (training.engine: standard): the flat-buffer "
+                           "walk backpropagates block by block and would drop the load-balancing loss's gradient")
+        routing = RoutingBalance(moe.balance_loss_coef)
     if str(tr.mode) != "mlm":
-        return None
+        return None if routing is None else CausalLM(routing)
     bidirectional(model)
-    return MaskedLM(tr.mlm.mask_rate, tr.mlm.mask_token_id, tr.seed)
+    return MaskedLM(tr.mlm.mask_rate, tr.mlm.mask_token_id, tr.seed, routing)

@@ -371,6 +371,8 @@ def _setup_engine(self) -> None:
     config = self.config
     torch.manual_seed(config.training.seed)
     self.engine = self.build_engine(0)
+    if config.model.architecture.moe is not None:  # the step's routing figures at log steps (apr/train/losses.py)
+        self.steplog.moe = lambda dp: self.engine.loss.routing.metrics(dp)  # the engine of the step just taken
     self.steplog.mfu, line = mfu_meter(config, self.device, self.engine.execution,
                                        1 if self.dp is None else self.dp.world_size)
     if self.device.type == "cuda":  # a CPU run has no MFU, and no line about it

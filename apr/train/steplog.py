@@ -29,6 +29,8 @@ class StepLog:
         # monitoring.block_norms: ``lr -> metrics`` of the step just taken (apr/train/blocknorms.py)
         self.block_norms: Callable[..., dict] | None = None
         self.mfu: Callable[[float | None], dict] | None = None  # tokens/s -> mfu, hfu (apr/train/mfu.py)
+        # model.architecture.moe: ``dp -> metrics`` of the step's routing (apr/train/losses.py RoutingBalance)
+        self.moe: Callable[[DataParallel | None], dict] | None = None
 
     def start(self, step: int) -> None:
         """The loop starts (or resumes) after ``step``."""
@@ -53,6 +55,8 @@ class StepLog:
             metrics.update(self.mfu(self.tokens_per_s))
         if self.block_norms is not None:
             metrics.update(self.block_norms(lr))
+        if self.moe is not None:
+            metrics.update(self.moe(self.dp))
         recorder.log_step(step, metrics)
         smooth = self._meter.add(tokens, seconds) or self.tokens_per_s
         eta = self._meter.eta((self.total_steps - step) * self.tokens_per_step)

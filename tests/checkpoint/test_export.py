@@ -333,3 +333,41 @@ def test_latent_attention_exports_as_deepseek_v3_with_apr_s_logits(tmp_path, tok
         export_hf(path, tmp_path / "hf-moe")
     assert err.value.findings[0].path == "model.architecture.moe" and "DeepseekV3" in str(err.value)
     assert not (tmp_path / "hf-moe").exists()
+
+
+MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 16, "balance_loss_coef": 0.02}
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_exports_as_mixtral_with_apr_s_logits(tmp_path, tokenizer_file, monkeypatch):
+    """model.architecture.moe exports as MixtralForCausalLM (per-expert w1/w2/w3, which transformers 5
+    converts on load): its logits are apr's model's on the same weights; qwen2's biases have no Mixtral
+    form and PEFT none here: refused, nothing written."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    from apr.model.llama import LlamaForCausalLM
+
+    config = make_config(**ARCH, **{"model.architecture.moe": MOE, "data.tokenizer": str(tokenizer_file)})
+    tensors = weights(config)
+    ckpt = CheckpointManager(tmp_path / "run", config).save(TrainState(5, tensors, {"epoch": 0}))
+    export_hf(ckpt, tmp_path / "hf")
+    doc = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (doc["architectures"], doc["num_local_experts"], doc["num_experts_per_tok"], doc["intermediate_size"],
+            doc["router_aux_loss_coef"]) == (["MixtralForCausalLM"], 4, 2, 16, 0.01)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = LlamaForCausalLM(config.model.architecture)
+    ours.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("optimizer.")})
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = model(ids).logits, ours(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+    for name, over, fmt in (("qwen2", {"model.architecture.family": "qwen2"}, "hf"), ("peft", {}, "peft")):
+        cfg = make_config(**ARCH, **{"model.architecture.moe": MOE, "data.tokenizer": str(tokenizer_file), **over})
+        path = CheckpointManager(tmp_path / name, cfg).save(TrainState(5, weights(cfg), {"epoch": 0}))
+        with pytest.raises(AprError) as err:
+            export_hf(path, tmp_path / f"hf-{name}", fmt=fmt)
+        assert err.value.findings[0].path == "model.architecture.moe", name
+        assert not (tmp_path / f"hf-{name}").exists()

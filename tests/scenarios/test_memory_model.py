@@ -6,6 +6,7 @@ the compositions whose buffers torch allocates (autograd, with and without LoRA)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from apr.memory.buffers import buffer_plan
 from apr.steps.execution import from_config
@@ -14,6 +15,7 @@ from apr.train.build import build_engine
 from tests.train.tiny import batches, make_config
 
 LORA = {"rank": 3, "alpha": 6.0, "targets": "all"}
+MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 24}
 MLA = {"num_key_value_heads": None, "attention": {"kind": "mla", "kv_lora_rank": 6, "qk_rope_head_dim": 4,
                                                   "q_lora_rank": 8}}
 
@@ -33,8 +35,9 @@ def _planned(config) -> dict[str, int]:
     {"training": {"engine": "standard"}, "model": {"init_from": None, "lora": LORA}},
     {"training": {"engine": "interleaved", "execution": {"activations": "keep", "gradients": "kept"}}},
     {"training": {"engine": "interleaved"}, "model": {"init_from": None, "lora": LORA}},
+    {"training": {"engine": "standard"}, "model": {"architecture": {"moe": MOE}}},
     {"training": {"engine": "standard"}, "model": {"architecture": MLA}},
-], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora", "autograd-mla"])
+], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora", "autograd-moe", "autograd-mla"])
 def test_the_plans_rows_are_what_the_engine_holds(sections):
     config = make_config(**sections)
     engine = build_engine(plan_of(config, execution=from_config(config)))
@@ -53,3 +56,32 @@ def test_the_plans_rows_are_what_the_engine_holds(sections):
         held = {("adapters" if k == "weights" else k): v for k, v in held.items()}
     planned = _planned(config)
     assert {k: v for k, v in held.items() if v} == planned
+
+
+def test_the_plans_parameters_and_flops_of_experts_are_what_the_model_holds_and_runs():
+    """model.architecture.moe: the plan's parameter count is the model's; its active count is the
+    model's less the expert weights one token's gradient does not reach; its FLOPs per token exceed the
+    dense model's by 3x the forward matmul FLOPs torch counts beyond the dense model's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from apr.plan.configfacts import model_facts
+
+    moe = make_config(training={"engine": "standard"}, model={"architecture": {"moe": MOE}})
+    dense = make_config(training={"engine": "standard"})
+    facts, engine = model_facts(moe), build_engine(plan_of(moe, execution=from_config(moe)))
+    model = engine.model
+    assert facts["params"] == sum(p.numel() for p in model.parameters())
+    model(batches(moe, 1)[0][:1, :1]).sum().backward()  # one token: the expert rows its gradient reaches
+    experts = {n: p for n, p in model.named_parameters() if ".mlp.experts." in n}
+    reached = sum(int((p.grad != 0).sum()) for p in experts.values())
+    assert facts["moe"]["active_params"] == facts["params"] - sum(p.numel() for p in experts.values()) + reached
+
+    tokens = moe.data.batch_size * moe.data.seq_len
+    flops = {}
+    for name, config in (("moe", moe), ("dense", dense)):
+        lm = build_engine(plan_of(config, execution=from_config(config))).model
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            lm(batches(config, 1)[0][:, :-1])
+        flops[name] = counter.get_total_flops()
+    assert model_facts(moe)["flops_per_token"] - model_facts(dense)["flops_per_token"] == \
+        3 * (flops["moe"] - flops["dense"]) // tokens

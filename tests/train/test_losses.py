@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -115,3 +116,96 @@ def test_an_mlm_run_scores_its_masked_validation_loss_and_resumes_bitwise(tmp_pa
         r = runner.invoke(app, args)
         assert r.exit_code == 1 and "training.mode: mlm" in r.output and "Traceback" not in r.output, args
     assert not (tmp_path / "hf").exists()
+
+
+MOE = {"num_experts": 4, "top_k": 2, "balance_loss_coef": 0.5}
+
+
+def test_the_moe_loss_part_adds_the_blocks_mean_balance_loss_times_its_coefficient():
+    """model.architecture.moe: the training loss is the cross-entropy plus coef x the blocks' mean balance
+    loss; evaluation's is the cross-entropy alone; the step's figures are the micro-batches' routing."""
+    config = make_config(model={"architecture": {"moe": MOE}}, training={"engine": "standard"})
+    engine = build_engine(plan_of(config))
+    assert isinstance(engine.loss, CausalLM) and engine.loss.routing is not None
+    (batch,) = batches(config, 1)
+    ids, targets = engine.split(batch)
+    engine.loss.begin_step(1)
+    part = engine.loss(engine, engine.model, ids, targets)
+    blocks = [layer.mlp for layer in engine.model.model.layers]
+    balance = sum(b.balance.item() for b in blocks) / len(blocks)
+    cross_entropy = engine.model(ids, targets, loss_chunk_size=engine.chunk_size).item()
+    assert abs(part.item() - (cross_entropy + 0.5 * balance)) < 1e-5 and balance > 1.0
+    total, count = engine.eval_loss_sum(batch)
+    assert abs(total.item() / count - cross_entropy) < 1e-5
+    figures = engine.loss.routing.metrics()
+    assert abs(figures["moe_balance_loss"] - balance) < 1e-6
+    load = torch.stack([b.load for b in blocks]).double()
+    want = (load / load.sum(dim=1, keepdim=True))
+    assert figures["moe_expert_load"] == want.mean(dim=0).tolist() and abs(sum(figures["moe_expert_load"]) - 1) < 1e-9
+    assert figures["moe_max_expert_load"] == want.max().item()
+    part.backward()  # the router learns from both terms
+    assert all(b.gate.weight.grad.abs().sum() > 0 for b in blocks)
+
+
+def test_an_moe_run_records_its_routing_resumes_bitwise_and_its_checkpoint_decodes_with_the_cache(tmp_path):
+    """apr train apply with experts: training_state.json and `apr monitor --json` carry the balance loss
+    and each expert's share; a run resumed from its step-4 checkpoint ends with the same bits and
+    validation loss; the checkpoint loads for generation, and cached decoding gives the full forward's
+    logits."""
+    import json
+    import shutil
+
+    from run_helpers import make_dataset, write_config
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from apr.apply import run_apply
+    from apr.cli.main import app
+    from apr.generate.decode import KVCache, forward_cached, forward_full
+    from apr.generate.load import load_for_inference
+
+    make_dataset(tmp_path, train_rows=64, val_rows=8)
+    sections = {"model": {"architecture": {"moe": MOE}},
+                "training": {"engine": "standard", "max_steps": 8, "save_interval": 4, "eval_interval": 4}}
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    straight = run_apply(write_config(tmp_path, **sections), **quiet)
+    assert straight.final_step == 8
+    state = json.loads((tmp_path / "run" / "training_state.json").read_text())
+    moe = state["moe"]
+    assert moe["step"] == 8 and 1.0 <= moe["moe_balance_loss"] < 4.0 and len(moe["moe_expert_load"]) == 4
+    assert abs(sum(moe["moe_expert_load"]) - 1) < 1e-6 and moe["moe_max_expert_load"] >= max(moe["moe_expert_load"])
+    shown = json.loads(CliRunner().invoke(app, ["monitor", str(tmp_path / "run"), "--json"]).output)
+    assert shown["state"]["moe"] == moe
+    other = tmp_path / "other"
+    (other / "run").mkdir(parents=True)
+    for suffix in ("json", "safetensors"):
+        shutil.copy(tmp_path / "run" / f"checkpoint-step-4.{suffix}", other / "run")
+    sections["training"]["output_dir"] = str(other / "run")
+    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
+    assert resumed.start_step == 4 and resumed.final_step == 8 and resumed.val_loss == straight.val_loss
+    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
+    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
+    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    model = load_for_inference(tmp_path / "run", need_tokenizer=False).model
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model, 2, 9)
+    forward_cached(model, ids[:, :5], cache)
+    for t in range(5, 9):
+        torch.testing.assert_close(forward_cached(model, ids[:, t:t + 1], cache), forward_full(model, ids[:, :t + 1]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activations", ["selective", "recompute"])
+def test_recomputed_expert_blocks_train_the_weights_of_kept_ones_bitwise(activations):
+    """An expert block recomputed in the backward (torch.utils.checkpoint) routes its tokens again to
+    the same experts: the balance loss's gradient and the weights are those of the kept graph."""
+    def train(policy: str) -> dict:
+        config = make_config(model={"architecture": {"moe": MOE}},
+                             training={"engine": "standard", "execution": {"activations": policy}})
+        engine = build_engine(plan_of(config))
+        for batch in batches(config, 3, seed=2):
+            engine.train_step([batch], lr=1e-2)
+        return engine.train_state_tensors()
+
+    got, want = train(activations), train("keep")
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
