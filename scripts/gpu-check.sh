@@ -5,6 +5,7 @@
 #
 #   scripts/gpu-check.sh [STAGE ...]     stages: info tests bench vram engine sharding probe peers  (default: all)
 #                                        issue 53's, run only when named: compiled batch16 probegap
+#                                        issue 47's, run only when named: trace
 #
 # Installs nothing from the network: it expects torch (a CUDA build), CuPy and apr's pure-Python
 # dependencies to be importable already, and puts this checkout first on PYTHONPATH (set
@@ -128,6 +129,36 @@ stage_probegap() {  # issue 53: the probe's tokens/s against bench_engine's at t
   echo "bench_engine auto exit $? ($OUT_DIR/bench-engine-auto-350m.json): compare its tokens/s with the probe's"
 }
 
+stage_trace() {  # issue 47: `plan --probe --trace` on this GPU: the plan, the engine's tensors on fake CUDA
+  # tensors and the device's own measurement side by side (350M on stand-in data, a few policies);
+  # trace-table.md holds the rows docs/performance.md ("Trace on a GPU") wants
+  local cfg=$REPO/configs/train/pretrain-350m-v2.yaml dir=$OUT_DIR/synth-350m name settings rc files=()
+  [[ -d $dir/data ]] || "$PY" -m apr data synth --like "$cfg" --out "$dir" --train-rows 4000 --overwrite || return 1
+  # 4000 sequences: 1000 steps of batch 4 (the config's 5000 would be more steps than the data holds)
+  local -a variants=(${APR_TRACE_VARIANTS:-350m 350m-recompute 350m-standard})
+  # the CLI's trace on fake CUDA tensors (rank 0 of 2 under FSDP2): the path a CPU-only torch never takes
+  "$PY" -m pytest -q -p no:cacheprovider "tests/test_trace.py::test_cli_trace_json_of_rank_zero_of_a_sharded_gpu_run" \
+    || return 1
+  for name in "${variants[@]}"; do
+    case $name in
+      350m) settings=() ;;
+      350m-recompute) settings=(training.execution.activations=recompute) ;;
+      350m-selective) settings=(training.execution.activations=selective) ;;
+      350m-standard) settings=(training.engine=standard) ;;
+      350m-bf16) settings=(training.mixed_precision=bf16) ;;
+      *) echo "trace: unknown variant $name (350m 350m-recompute 350m-selective 350m-standard 350m-bf16)"; return 2 ;;
+    esac
+    (cd "$dir" && timeout --kill-after=20 "${APR_TRACE_TIMEOUT:-150}" "$PY" -m apr train plan "$cfg" \
+       training.max_steps=1000 "${settings[@]}" --probe --probe-steps 3 --trace --json >"$OUT_DIR/trace-$name.json")
+    rc=$?
+    echo "trace $name: plan --probe --trace exit $rc ($OUT_DIR/trace-$name.json)"
+    [[ $rc -eq 0 ]] && files+=("$OUT_DIR/trace-$name.json")
+  done
+  [[ ${#files[@]} -gt 0 ]] || return 1
+  "$PY" benchmarks/bench_trace.py --probe-table "${files[@]}" | tee "$OUT_DIR/trace-table.md"
+  [[ ${#files[@]} -eq ${#variants[@]} ]]
+}
+
 if [[ "${APR_PIP_INSTALL:-0}" == 1 ]]; then
   banner "pip install -e . --no-deps (no network needed)"
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . || echo "pip install failed: using PYTHONPATH"
@@ -163,12 +194,13 @@ for stage in "${STAGES[@]}"; do
         --warmup 3 --steps 10 --peak-tflops "${APR_PEAK_TFLOPS:-989}" \
         --only "${APR_BATCH16_ONLY:-auto,auto+compile,baseline+compile}" ;;
     probegap) run_stage probegap stage_probegap ;;
+    trace) run_stage trace stage_trace ;;
     peers)  # issue 40's GPU table: the loop, apr, litgpt and torchtitan's model at 350M, seq 1024, bf16;
       # a peer that is not importable here (pip install -e '.[bench]' where there is a network, or put
       # its packages on PYTHONPATH) is skipped with the reason
       run_stage peers "$PY" benchmarks/bench_peers_cuda.py --batch "${APR_PEERS_BATCH:-4}" --warmup 3 --steps 10 \
         --only "${APR_PEERS_ONLY:-baseline,apr,apr+compile,litgpt,litgpt+compile,torchtitan}" ;;
-    *) echo "unknown stage $stage (info tests bench vram engine sharding probe peers compiled batch16 probegap)" >&2
+    *) echo "unknown stage $stage (info tests bench vram engine sharding probe peers compiled batch16 probegap trace)" >&2
        exit 2 ;;
   esac
 done
