@@ -4,6 +4,7 @@ and RoPE key): decoding with either gives the logits of the full forward."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from apr.config.schema import Architecture
@@ -27,15 +28,16 @@ def test_decoding_a_decoupled_model_with_its_narrow_cache_matches_the_full_forwa
         torch.testing.assert_close(got, forward_full(model, ids[:, :t + 1]), rtol=1e-5, atol=1e-5)
 
 
-def _latent_model():
+def _latent_model(moe=None):
     arch = Architecture(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-                        vocab_size=50, max_position_embeddings=16,
+                        vocab_size=50, max_position_embeddings=16, moe=moe,
                         attention={"kind": "mla", "kv_lora_rank": 6, "qk_rope_head_dim": 4, "q_lora_rank": 8})
     return arch, build_model(arch, 3).eval()
 
 
-def test_a_latent_attention_model_caches_its_latent_and_rope_key_and_decodes_as_the_full_forward():
-    arch, model = _latent_model()
+@pytest.mark.parametrize("moe", [None, {"num_experts": 4, "top_k": 2}], ids=["dense", "experts"])
+def test_a_latent_attention_model_caches_its_latent_and_rope_key_and_decodes_as_the_full_forward(moe):
+    arch, model = _latent_model(moe)
     ids = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(1))
     cache = KVCache(model, 2, 10)
     assert cache.k is None and cache.v is None  # no per-head keys or values
