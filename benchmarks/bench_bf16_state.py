@@ -4,6 +4,12 @@ the demo's loss, and with which rounding? A measurement for the design, not apr'
 Usage (after `make demo` wrote demo-run/data):
 
     K_STEPS=200 .venv/bin/python benchmarks/bench_bf16_state.py fp32 rtn sr kahan
+    .venv/bin/python benchmarks/bench_bf16_state.py bytes   # apr's engine: measured bytes per parameter
+
+``bytes`` builds apr's engine for the demo config three ways (fp32 compute and state; bf16 compute,
+fp32 state; bf16 compute, ``training.state_dtype: bf16``) and prints its buffers' measured bytes per
+parameter by memory-table row (``engine.buffer_bytes()``); the loss of apr's own bf16 state is in
+docs/performance.md, "bf16 state".
 
 The demo config (configs/train/demo-tiny.yaml: its model, batch, AdamW and cosine schedule) trained
 by a plain loop in float32 compute; only the storage of the state between steps differs:
@@ -120,7 +126,29 @@ def run(mode: str, train: np.ndarray, val: np.ndarray) -> tuple[float, float, fl
     return float(np.mean(losses[-10:])), float(val_loss), nbytes / sum(w.numel() for w in w_state)
 
 
+def measured_bytes() -> None:
+    from apr.memory.buffers import walk_buffers
+    from apr.model.spec import param_count
+    from apr.plan.build import resolve_config
+    from apr.train.build import build_engine
+
+    n = param_count(arch)
+    for precision, state in (("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16")):
+        config = cfg.model_copy(update={"training": tr.model_copy(update={"mixed_precision": precision,
+                                                                          "state_dtype": state})})
+        measured = build_engine(resolve_config(config, data=False)).buffer_bytes()
+        rows: dict[str, int] = {}
+        for b in walk_buffers(config):
+            if b.name in measured:
+                rows[b.component] = rows.get(b.component, 0) + measured[b.name]
+        print(f"compute {precision} state {state}: " + ", ".join(f"{c} {v / n:.2f}" for c, v in rows.items())
+              + f" B/param ({n} parameters)")
+
+
 def main() -> None:
+    if sys.argv[1:] == ["bytes"]:
+        measured_bytes()
+        return
     train, val = rows("demo-run/data/train"), rows("demo-run/data/val")
     for mode in sys.argv[1:] or ["fp32", "sr"]:
         t = time.time()
