@@ -1,8 +1,12 @@
 """Each training row's loss at logged steps, for ``apr runs blame`` (docs/runs.md, "Blame").
 
-At a step the cadence logs, the step runs inside ``capture_row_losses`` (apr/kernels/linear_ce.py):
-every head walk adds its rows' summed cross-entropy, a ``[batch]`` device tensor. After the step the
-last ``gradient_accumulation`` of them are the step's micro-batches (a norm pre-pass walks the head
+Every step runs inside ``capture_row_losses`` (apr/kernels/linear_ce.py): every head walk adds its
+rows' summed cross-entropy, a ``[batch]`` device tensor, from the per-position losses the backend
+computes for the sum anyway (nothing is read to the host). Every step, since the run may stop after
+any of them (a signal, an early stop, an alert, a steered ``stop_at``) and the step it stops at is
+logged: a log step's rows are recorded right after it (``record``), another step's are held until
+the next step, and recorded if the run stops there (``record_stopping``). The last
+``gradient_accumulation`` of a step's tensors are its micro-batches (a norm pre-pass walks the head
 twice over the same batch: its last walk is the step's); under DDP the ranks' rows are summed into
 one ``[world, accum, batch]`` tensor (each rank fills its own slot), so the record covers every
 rank's rows. Each row gets its global micro-batch, its index into the data, its source, shard and
@@ -27,13 +31,11 @@ class RowBlame:
         self.cadence, self.loader, self.dp = cadence, loader, dp
         self.seq_len, self.accumulation, self.mixture = seq_len, accumulation, mixture
         self._captured: list[torch.Tensor] | None = None
+        self._held: tuple[int, list[torch.Tensor], int] | None = None  # (step, rows, first micro-batch)
 
     def capture(self, step: int):
-        """The context to run step ``step`` in: capturing at a log step, nothing otherwise (a run that
-        stops at a step between log steps logs it too, without row losses)."""
-        if not self.cadence.log(step, stopping=False):
-            self._captured = None
-            return contextlib.nullcontext()
+        """The context to run step ``step`` in: every step's rows are captured (device tensors only)."""
+        self._captured, self._held = None, None
         return self._capturing()
 
     @contextlib.contextmanager
@@ -43,11 +45,24 @@ class RowBlame:
         self._captured = captured
 
     def record(self, step: int, recorder) -> None:
-        """The captured rows of ``step``, located in the data, to the recorder; every rank takes part
-        in the one all-reduce of a DDP run (the cadence is the same on every rank)."""
+        """Right after step ``step``: its rows to the recorder when the cadence logs it; otherwise
+        held for ``record_stopping``. Every rank takes part in the one all-reduce of a DDP run (the
+        cadence is the same on every rank)."""
         captured, self._captured = self._captured, None
         if captured is None:
             return
+        self._held = (step, captured, self.loader.absolute - self.accumulation)
+        if self.cadence.log(step, stopping=False):
+            self.record_stopping(step, recorder)
+
+    def record_stopping(self, step: int, recorder, stopping: bool = True) -> None:
+        """When the run stops after ``step`` (``stopping``, the same on every rank): the held rows of
+        that step to the recorder (nothing when they were recorded already); on every rank, as
+        ``record``."""
+        held, self._held = (self._held, None) if stopping else (None, self._held)
+        if held is None or held[0] != step:
+            return
+        _, captured, first = held
         accum = self.accumulation
         losses = torch.stack(captured[-accum:]) if len(captured) >= accum else None
         if self.dp is not None:  # one all-reduce: each rank fills its slot, and its last cell says it did
@@ -64,11 +79,11 @@ class RowBlame:
             losses = gathered[:, :-1].reshape(world, accum, size).permute(1, 0, 2).reshape(accum, world * size)
         elif losses is None:
             return
-        recorder.log_row_losses(step, self.rows(losses.detach().float().cpu().tolist()))
+        recorder.log_row_losses(step, self.rows(losses.detach().float().cpu().tolist(), first))
 
-    def rows(self, losses: list[list[float]]) -> list[dict]:
-        """One entry per row of the step's micro-batches (every rank's, in rank order), the loss per token."""
-        first = self.loader.absolute - self.accumulation
+    def rows(self, losses: list[list[float]], first: int) -> list[dict]:
+        """One entry per row of the step's micro-batches (every rank's, in rank order; the first of
+        them the global micro-batch ``first``), the loss per token."""
         out = []
         for k, micro in enumerate(losses):
             indices = self.loader.rows_at(first + k)

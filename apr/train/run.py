@@ -261,9 +261,7 @@ class Run:
             self.orchestrator.start(self, recorder)
         self.steplog.start(self.step)
         while self.step < self.total_steps:
-            due = self.steering.due(self, self.step + 1)  # apr train steer, at this step boundary
-            if due:
-                self.steering.apply(self, due, recorder)
+            self.steering.apply(self, self.steering.due(self, self.step + 1), recorder)  # apr train steer
             self.step += 1
             step, lr = self.step, self._lr(self.step)
             lr = lr if self.orchestrator is None else self.orchestrator.lr(lr)  # the strategy's lr factor
@@ -295,6 +293,7 @@ class Run:
                     return _non_finite(self, err, recorder)
                 report.metrics = self.steplog.log(step, report.lr, report.result, events.epochs_read(self.loader),
                                                   recorder)
+            self.blame.record_stopping(step, recorder, stopping=forced)  # its rows too (apr runs blame)
             due = self.cadence.save(step, report.is_best, stopping=forced) or self.steering.checkpoint_at == step
             if (stop is None or stop.checkpoint) and self.survival.save_due(  # critical alert: nothing worth keeping
                     due, forced or report.is_last):

@@ -9,7 +9,9 @@ of a sharded run stop inside step N's save, after the parts are written and befo
 say "holding the save of step N" on stderr (a test kills it there); APR_TEST_SIGNAL="RANK:STEP:WHEN"
 turns apr's signal handling on and makes that rank send itself SIGTERM at step STEP, WHEN "compute"
 (right after the step's compute, before the loop looks at signals) or "log" (from a step hook,
-after the step's logging)."""
+after the step's logging); APR_TEST_STEER="STEP:KEY=VALUE,..." makes rank 0 write that steer request
+after step STEP (as `apr train steer` would meanwhile); with APR_TEST_LR_LOG set, every rank appends
+"RANK STEP LR" to that file for each step it trains."""
 
 from __future__ import annotations
 
@@ -36,6 +38,32 @@ class SignalAt:
 
             os.kill(os.getpid(), signal.SIGTERM)
         return None
+
+
+class SteerAfter:
+    """A step hook that writes a steer request after step ``step``."""
+
+    def __init__(self, step: int, settings: list[str]):
+        self.step, self.settings = step, settings
+
+    def after_step(self, run, report):
+        if report.step == self.step:
+            from apr.steer import request_steer
+
+            request_steer(run.run_dir, self.settings)
+        return None
+
+
+def log_lrs(run, path: str) -> None:
+    """Each step's learning rate as this rank's engine receives it, appended to ``path``."""
+    train_step, rank = run.engine.train_step, os.environ.get("RANK", "0")
+
+    def logged(micro, lr, *args, **kwargs):
+        with open(path, "a") as f:
+            f.write(f"{rank} {run.step} {lr!r}\n")
+        return train_step(micro, lr, *args, **kwargs)
+
+    run.engine.train_step = logged
 
 
 def signal_after_compute(run, step: int) -> None:
@@ -95,10 +123,15 @@ def main() -> int:
     signal_rank, signal_step, signal_when = (os.environ.get("APR_TEST_SIGNAL") or "-1:0:none").split(":")
     mine = int(signal_rank) == int(os.environ.get("RANK", "0"))
     hooks = [SignalAt(int(signal_step))] if mine and signal_when == "log" else []
+    if os.environ.get("APR_TEST_STEER") and os.environ.get("RANK", "0") == "0":
+        steer_step, _, settings = os.environ["APR_TEST_STEER"].partition(":")
+        hooks.append(SteerAfter(int(steer_step), settings.split(",")))
     run = prepare_run(resolve_config(cfg, resume=resume), config_hash=config_hash(cfg), config_path=Path(sys.argv[1]),
                       options=ApplyOptions(resume=resume, handle_signals=int(signal_rank) >= 0, hooks=hooks))
     if mine and signal_when == "compute":
         signal_after_compute(run, int(signal_step))
+    if os.environ.get("APR_TEST_LR_LOG"):
+        log_lrs(run, os.environ["APR_TEST_LR_LOG"])
     if os.environ.get("APR_TEST_HOLD_SAVE"):
         hold_step(int(os.environ["APR_TEST_HOLD_SAVE"]))
     if os.environ.get("APR_TEST_LOSS_SCALE"):

@@ -1,9 +1,14 @@
 """Each row's loss at the logged steps (apr/train/blame.py): recorded in the local store's
 ``row_losses`` for every logged step, one entry per row of the step (every micro-batch), located in
 the data; the rows' mean is the step's logged loss, on the plain walk, the clipped one (a norm
-pre-pass walks the head twice) and with gradient accumulation."""
+pre-pass walks the head twice) and with gradient accumulation; the step a run stops at (an early
+stop, a signal) has its rows too."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 
@@ -12,18 +17,20 @@ from apr.config.schema import AprConfig
 from apr.plan.build import resolve_config
 from apr.track import store
 from apr.train.run import ApplyOptions, prepare_run
+from apr.train.stop import Stop
 from tests.train.run_helpers import config_doc, make_dataset
 
 
-def _train(root, **training):
+def _train(root, hooks=(), handle_signals=False, status="finished", **training):
     doc = config_doc(root, training={"max_steps": 6, "save_interval": 6, "eval_interval": 0, "log_interval": 2,
                                      **training})
     cfg = AprConfig.model_validate(doc)
-    opts = ApplyOptions(echo=lambda line: None, handle_signals=False, apr_home=root / "home")
+    opts = ApplyOptions(echo=lambda line: None, handle_signals=handle_signals, apr_home=root / "home",
+                        hooks=list(hooks))
     run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
                       options=opts)
     result = run.execute()
-    assert result.status == "finished", result.reason
+    assert result.status == status, result.reason
     conn = store.connect_readonly(run.run_dir / ".apr" / "experiments.db")
     return conn, result.run_id
 
@@ -58,6 +65,34 @@ def test_each_logged_step_records_every_row_and_their_mean_is_the_steps_loss(roo
     # a row's shard and row locate its data index: two shards of 48 rows each
     for r in store.row_losses(conn, run_id, 2):
         assert r["data_index"] == r["row"] + (48 if r["shard"] == "shard-00001.parquet" else 0)
+    conn.close()
+
+
+class StopAfter:
+    """A step hook that ends the run after step ``at``: a stop as early stopping returns one, or a
+    SIGTERM to this process (a preemption)."""
+
+    def __init__(self, at: int, how: str):
+        self.at, self.how = at, how
+
+    def after_step(self, run, report):
+        if report.step != self.at:
+            return None
+        if self.how == "signal":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs at the next bytecode boundary
+            return None
+        return Stop("stopped", "stopped by a test hook", 0)
+
+
+@pytest.mark.parametrize("how", ["early_stop", "signal"])
+def test_the_step_a_run_stops_at_between_log_steps_has_its_rows(root, how):
+    conn, run_id = _train(root, hooks=[StopAfter(3, how)], handle_signals=how == "signal", status="stopped")
+    assert store.row_loss_steps(conn, run_id) == [2, 3]  # step 3 is no log step: logged as the last one
+    losses = dict(store.metric_series(conn, run_id, "loss"))
+    rows = store.row_losses(conn, run_id, 3)
+    assert len(rows) == 4 and {r["micro_batch"] for r in rows} == {2}
+    assert sum(r["loss"] for r in rows) / 4 == pytest.approx(losses[3], rel=1e-5)
     conn.close()
 
 

@@ -1,12 +1,16 @@
 """Steering a live run (apr/train/steering.py, apr/steer.py): requests written between steps are
-applied at the next step boundary, recorded, kept in checkpoints and replayed by a resume, so a
-steered run killed and resumed ends bitwise where the uninterrupted steered run does."""
+applied at the next step boundary (on 2 gloo ranks, by both at the same step), recorded, kept in
+checkpoints and replayed by a resume, so a steered run killed and resumed ends bitwise where the
+uninterrupted steered run does."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from apr.config import config_hash
@@ -14,7 +18,9 @@ from apr.config.schema import AprConfig
 from apr.errors import AprError
 from apr.plan.build import resolve_config
 from apr.steer import request_steer
+from apr.track import store
 from apr.train.run import ApplyOptions, prepare_run
+from tests.distributed.ranks import run_ranks
 from tests.train.run_helpers import config_doc, make_dataset
 
 
@@ -123,3 +129,57 @@ def test_keys_that_cannot_be_steered_are_refused_with_the_list(root):
     with pytest.raises(AprError, match="lr_factor: expected a finite number > 0"):
         request_steer(root / "run", ["lr_factor=-1"])
     assert not (root / "run" / "steer").exists() or not list((root / "run" / "steer").glob("*.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["none"])  # DDP (the layout in the id: apr/steps/composition.py)
+def test_two_gloo_ranks_apply_a_steer_at_the_same_step_and_a_resume_replays_it(root, sharding):
+    """Under DDP rank 0 reads the request and sends it to every rank: both ranks train from step 3 at
+    half the schedule's lr and stop after step 5 (not a log step: its rows, both ranks', are recorded
+    too), and the run records the steer once. The same run killed after step 2's checkpoint resumes,
+    replays the steer at step 3 on both ranks, and ends bitwise where it did."""
+    worker = Path(__file__).resolve().parent / "run_worker.py"
+    doc = config_doc(root, data={"batch_size": 2}, training={
+        "max_steps": 8, "save_interval": 2, "log_interval": 2, "eval_interval": 0, "output_dir": "steered/",
+        "sharding": sharding})
+    (root / "cfg.json").write_text(json.dumps(doc))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120", "APR_HOME": str(root / "home"),
+           "APR_TEST_STEER": "2:lr_factor=0.5,stop_at=5"}
+
+    def launch(lr_log: str, *resume: str) -> dict[int, dict[int, float]]:
+        proc = run_ranks([str(worker), str(root / "cfg.json"), *resume], 2,
+                         {**env, "APR_TEST_LR_LOG": str(root / lr_log)}, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lrs: dict[int, dict[int, float]] = {0: {}, 1: {}}
+        for line in (root / lr_log).read_text().splitlines():
+            rank, step, lr = line.split()
+            lrs[int(rank)][int(step)] = float(lr)
+        return lrs
+
+    schedule = resolve_config(AprConfig.model_validate(doc)).schedule
+    lrs = launch("lr.log")
+    for rank in (0, 1):  # every rank: the schedule's lr, halved from the step after the request
+        assert lrs[rank] == {s: schedule(s) * (0.5 if s >= 3 else 1.0) for s in range(1, 6)}, rank
+    run = root / "steered"
+    state = json.loads((run / "training_state.json").read_text())
+    assert (state["status"], state["step"]) == ("stopped", 5) and "stop_at 5" in state["status_reason"]
+    (event,) = _events(run, "steer")
+    assert event["step"] == 3 and event["detail"]["changes"] == {"lr_factor": 0.5, "stop_at": 5}
+    conn = store.connect_readonly(run / ".apr" / "experiments.db")
+    (run_id,) = [r["id"] for r in store.query_runs(conn)]
+    assert [(e["step"], e["detail"]["changes"]) for e in store.events(conn, run_id) if e["kind"] == "steer"] == [
+        (3, {"lr_factor": 0.5, "stop_at": 5})]
+    assert store.row_loss_steps(conn, run_id) == [2, 4, 5]  # the step it stopped at has its rows, both ranks'
+    assert len(store.row_losses(conn, run_id, 5)) == 2 * 2
+    conn.close()
+    # the same run killed after step 2's checkpoint (the request applied, its later checkpoints gone)
+    final = load_file(str(run / "checkpoint-step-5.safetensors"))
+    for path in run.glob("checkpoint-step-[45].*"):
+        path.unlink()
+    env["APR_TEST_STEER"] = ""  # nothing new: the resume replays what steer/applied/ holds
+    resumed = launch("lr_resumed.log", "latest")
+    for rank in (0, 1):
+        assert resumed[rank] == {s: schedule(s) * 0.5 for s in range(3, 6)}, rank
+    again = load_file(str(run / "checkpoint-step-5.safetensors"))
+    assert final.keys() == again.keys() and all(torch.equal(final[k], again[k]) for k in final)
+    assert [e["step"] for e in _events(run, "steer")] == [3]
