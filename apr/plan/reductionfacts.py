@@ -57,9 +57,11 @@ def reduction_findings(loaded: LoadedConfig, world_size: int | None = None) -> l
 
 def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
     """What canonical costs beside fast, per rank and step. Replicated: the micro-batches' gradient leaves
-    (the local ones, then all of them gathered) and the all-gather's traffic. FSDP2: the local micro-batches'
-    whole gradients, the all-to-all's send and receive buffers (a shard's rows of every global micro-batch,
-    times the replicas under hybrid), and one whole mean gradient gathered for the norms."""
+    (the local ones, then all of them gathered) and the all-gather's traffic. FSDP2, at the peak of the
+    all-to-alls (one per accumulation index, each local micro-batch's whole gradient freed once sent):
+    the last local gradient, a shard's rows of every global micro-batch (times the replicas under hybrid,
+    where every replica of a shard receives them) and, under hybrid, the copy being sent; then one whole
+    mean gradient gathered for the norms, after those are freed."""
     tr = config.training
     accum = int(tr.gradient_accumulation)
     leaves = accum * world_size
@@ -70,11 +72,12 @@ def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
     else:
         group = world_size // int(tr.nodes) if str(tr.sharding) == "hybrid" and world_size % int(tr.nodes) == 0 \
             else world_size
-        moved = accum * (world_size // group) * param_bytes  # the all-to-all's buffer, each way
-        extra = accum * param_bytes + 2 * moved + param_bytes
+        replicas = world_size // group
+        moved = accum * replicas * param_bytes  # what the all-to-alls receive (and send) in all
+        extra = max(accum, 1 + moved // param_bytes + (replicas if replicas > 1 else 0)) * param_bytes
         sent = moved * (world_size - 1) // world_size + param_bytes * (group - 1) // group
-        how = (f"an all-to-all and an all-gather sending {format_bytes(sent)} a step where fast reduce-scatters "
-               "one gradient")
+        how = (f"{accum} all-to-all(s) and an all-gather sending {format_bytes(sent)} a step where fast "
+               "reduce-scatters one gradient")
     return {"reduction": "canonical", "leaves": leaves, "extra_bytes": extra, "gathered_bytes": sent,
             "line": f"canonical reduction: {leaves} micro-batch gradients summed in one fixed tree "
                     f"(+{format_bytes(extra)} per rank; {how}): bitwise the same on any world size with the same "

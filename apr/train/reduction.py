@@ -17,8 +17,8 @@ all-reduces one.
 
 On FSDP2 shards (``ShardedCanonicalSum``, used by apr/train/sharded.py) a rank never needs the other
 shards' rows of the sum: each micro-batch's whole gradient stays on the rank that computed it (FSDP2
-does not reduce-scatter it), laid out as one padded bucket per shard; one all-to-all hands every rank
-its shard's bucket of every global micro-batch, which it sums in the same tree. Addition is
+does not reduce-scatter it), laid out as one padded bucket per shard; an all-to-all per accumulation
+index hands every rank its shard's bucket of every global micro-batch, which it sums in the same tree. Addition is
 element-wise, so a shard's rows of the tree's sum are bitwise the rows of the whole sum one process
 takes, whatever the shards' boundaries.
 """
@@ -79,7 +79,7 @@ def in_global_order(dp, local: list[torch.Tensor]) -> list[torch.Tensor]:
 class ShardedCanonicalSum:
     """The canonical sum on FSDP2 shards: each micro-batch's whole gradient as ``[shards, B]`` (row
     ``s``: shard ``s``'s rows of every parameter, padded to FSDP2's chunk of ``ceil(rows / shards)``
-    rows), and one all-to-all that gives this rank its shard's row of every global micro-batch's."""
+    rows), and all-to-alls that give this rank its shard's row of every global micro-batch's."""
 
     def __init__(self, dp, shards: int):
         self.dp, self.shards = dp, shards  # shards: ranks in a shard group (hybrid: a node's; full: all)
@@ -92,18 +92,21 @@ class ShardedCanonicalSum:
 
     def reduce(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shard's bucket of the mean gradient over the global batch, and the mean loss;
-        clears the step. Rank ``q`` holds shard ``q % shards`` (FSDP2's mesh: replicas outermost)."""
+        clears the step. Rank ``q`` holds shard ``q % shards`` (FSDP2's mesh: replicas outermost). One
+        all-to-all per accumulation index ``k``, each micro-batch freed once sent: what this rank receives
+        from rank ``q`` is its shard's row of global micro-batch ``j = k * world + q``."""
         world = self.dp.world_size
-        local = torch.stack(self.leaves)  # [accum, shards, B]
+        pick = None if self.shards == world else [q % self.shards for q in range(world)]  # hybrid: to every replica
+        received = []
+        for k, leaf in enumerate(self.leaves):
+            self.leaves[k] = None
+            send = leaf if pick is None else leaf[pick]
+            part = torch.empty((world, leaf.shape[1]), dtype=leaf.dtype, device=leaf.device)
+            dist.all_to_all_single(part, send)
+            del leaf, send
+            received.append(part)
         self.leaves = []
-        accum, _, width = local.shape
-        # what goes to rank q: shard q % shards of every local micro-batch, in accumulation order
-        send = local[:, [q % self.shards for q in range(world)], :].transpose(0, 1).contiguous()
-        del local
-        received = torch.empty_like(send)  # [world, accum, B]: from rank q, its k-th micro-batch (j = k * world + q)
-        dist.all_to_all_single(received, send)
-        del send
-        leaves = list(received.transpose(0, 1).reshape(accum * world, width).unbind(0))  # in j order
+        leaves = [row for part in received for row in part.unbind(0)]  # in j order
         losses = in_global_order(self.dp, self.losses)
         self.losses = []
         n = len(leaves)

@@ -231,8 +231,6 @@ class Shards:
         shards = self.shard_group.size()
         rows = [torch.empty_like(bucket) for _ in range(shards)]
         dist.all_gather(rows, bucket, group=self.shard_group)  # hybrid: every replica holds the same buckets
-        gathered = torch.stack(rows)
-        del rows
         self._whole_sq, self._whole_norms = {}, {}
         adagc = self.e.strategy.clip == "adagc"
         for name, group in self.params.groups:
@@ -241,8 +239,8 @@ class Shards:
             whole = []
             for p in group:
                 offset, chunk, cols = self._place[id(p)]
-                whole.append(gathered[:, offset:offset + chunk * cols].reshape(shards * chunk, cols)[:p.shape[0]]
-                             .reshape(p.shape).to(p.dtype))
+                rows_of_p = torch.cat([row[offset:offset + chunk * cols] for row in rows])  # padded, shard order
+                whole.append(rows_of_p.view(shards * chunk, cols)[:p.shape[0]].reshape(p.shape).to(p.dtype))
             self._whole_sq[name] = self.e.backend.sq_norm(torch.cat([w.reshape(-1) for w in whole]))
             if adagc:
                 self._whole_norms[id(local[name])] = torch.stack(torch._foreach_norm(whole)).float()

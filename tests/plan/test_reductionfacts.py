@@ -54,9 +54,9 @@ def test_canonical_on_fsdp2_is_accepted_and_says_what_its_all_to_all_costs(tmp_p
     loaded = load_config(cfg)
     found = reduction_findings(loaded)
     assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
-    assert "an all-to-all and an all-gather sending" in found[0].message
+    assert "2 all-to-all(s) and an all-gather sending" in found[0].message
     cost = reduction_cost(loaded.config, 2**20, 4)
-    # the 2 local micro-batch gradients, the all-to-all's buffers each way (the local gradients times the
-    # replicas: hybrid over 2 nodes sends each shard's rows to both), and the whole mean gradient for the norms
-    replicas = 2 if sharding == "hybrid" else 1
-    assert cost["extra_bytes"] == (2 + 2 * 2 * replicas + 1) * 2**20
+    # at the last all-to-all: the last local gradient and every global micro-batch's rows of this shard
+    # (2 micro-batches x the replicas: hybrid over 2 nodes sends each shard's rows to both), and under
+    # hybrid the copy being sent to the replicas
+    assert cost["extra_bytes"] == {"full": 1 + 2, "hybrid": 1 + 2 * 2 + 2}[sharding] * 2**20
