@@ -280,15 +280,10 @@ class CupyBackend(KernelBackend):
         idx = self._ready(device)
 
         scale, scale_t = self._device_scalar(grad_scale, device, "grad_scale")
-        found_kind, found_t = 0, None
-        if found_inf is not None:
-            if found_inf.device.type != self.device_type:
-                if bool(found_inf.item()):
-                    return
-            elif found_inf.dtype in (torch.bool, torch.uint8):
-                found_kind, found_t = 2, found_inf.detach().reshape(()).contiguous().view(torch.uint8)
-            else:
-                found_kind, found_t = 1, found_inf.detach().reshape(()).to(torch.float32).contiguous()
+        flag = self._found_flag(found_inf)
+        if flag is None:
+            return
+        found_kind, found_t = flag
 
         kernel, copy_bytes = "apr_adamw_f32", 0
         if param_copy is not None:
