@@ -236,7 +236,9 @@ FEATURES: list[Feature] = [
     Feature("apr train steer (changes at a step boundary, replayed on resume)", {
         "one": tested("tests/train/test_steering.py::"
                       "test_steered_killed_and_resumed_ends_bitwise_as_the_uninterrupted_steered_run", note="bitwise"),
-        "ddp": not_tested("rank 0 reads the requests and broadcasts them over the host group before the step"),
+        "ddp": tested("tests/train/test_steering.py::"
+                      "test_two_gloo_ranks_apply_a_steer_at_the_same_step_and_a_resume_replays_it[none]",
+                      note="every rank's lr from the same step; resumed bitwise"),
         "full": not_tested("as DDP"),
         "hybrid": not_tested("as DDP"),
     }),
