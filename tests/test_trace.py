@@ -15,7 +15,6 @@ from apr.config.schema import AprConfig
 from apr.memory.table import memory_table
 from apr.plan.examples import deep_merge, materialize
 from apr.steps.resolved import resolve
-from tests.plan.plan_helpers import apr_cli
 
 # a small LLaMA (h 256, 4 blocks, vocab 8192) at bf16: seconds per trace on two cores
 SMALL = {
@@ -272,9 +271,10 @@ def test_a_gpu_probe_measures_what_only_the_device_holds_beside_the_modelled_row
 
 def test_a_config_the_plan_refuses_is_not_traced(tmp_path):
     path = _example(tmp_path, training={"max_steps": 10_000})  # more steps than the data holds: an error
-    out = apr_cli("train", "plan", str(path), "--trace")
-    assert out.returncode == 1
+    out = _plan(str(path), "--trace")
+    assert out.exit_code == 1
     assert "Trace (" not in out.stdout and "not traced" in out.stderr
+    assert out.exception is None or isinstance(out.exception, SystemExit), out.exception  # no traceback
     assert "Traceback" not in out.stderr
 
 
