@@ -196,3 +196,31 @@ def test_a_mixture_measures_each_sources_val_folder(tmp_path, shared_val):
     assert val.by_source == {"web": 5.0, "code": 9.0}
     val.at(4, FirstToken(), Recorded())
     assert lines[-1] == "step 4  val loss by source: web 5.0000  code 9.0000"
+
+
+def test_canonical_reads_the_same_micro_batches_on_any_layout_each_rank_scoring_its_share(root, monkeypatch):
+    """training.reduction: canonical: the first eval_batches micro-batches of batch_size rows whatever the
+    world size; micro-batch j scored by rank j % world (a rank short of one scores the first again, never
+    counted), then every rank's sums added in the fixed tree over j (apr/train/reduction.py)."""
+    fast, _ = _validation(root, training={"eval_batches": 3})
+    one, _ = _validation(root, training={"eval_batches": 3, "reduction": "canonical"})
+    assert one.measure(FirstToken()) == fast.measure(FirstToken())  # one process: fast's rows
+
+    class RankOneOfTwo:
+        rank, world_size = 1, 2
+
+    seen = {}
+
+    def tree(dp, local, count):  # what rank 1 hands the collective
+        seen.update(local=[t.tolist() for t in local], count=count)
+        return torch.tensor([1.0, 1.0], dtype=torch.float64)
+
+    monkeypatch.setattr("apr.train.validation.canonical_sums", tree)
+    two, _ = _validation(root, dp=RankOneOfTwo(), training={"eval_batches": 3, "reduction": "canonical"})
+    two.measure(FirstToken())
+    table = pq.read_table(root / "data" / "val" / "shard-00000.parquet")
+    first = [row[0] for row in table.column("input_ids").to_pylist()]
+    batch = BASE["data"]["batch_size"]
+    # micro-batch 1 (its rows 4..7), then micro-batch 0 again as padding; 3 micro-batches are summed
+    assert seen == {"count": 3, "local": [[float(sum(first[batch:2 * batch])), float(batch)],
+                                          [float(sum(first[:batch])), float(batch)]]}
