@@ -63,6 +63,7 @@ from apr.plan.validate import (
     data_path_findings,
     early_stopping_findings,
     output_dir_findings,
+    plan_checks,
     sharding_findings,
     sink_findings,
     stacking_findings,
@@ -507,6 +508,7 @@ def plan_config(config_path: Path, *, gpu: str | None = None, vram: str | int | 
     mixture_findings += orchestrator_findings(loaded, total_steps)
     mixture_findings += reduction_findings(loaded, world_size)
     mixture_findings += state_dtype_findings(loaded)
+    mixture_findings += plan_checks(loaded)  # validate's checks the plan has no fuller version of
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)
 
     findings = sorted([*(r.finding for r in results if r.finding is not None), *alert_config_findings(loaded),

@@ -54,7 +54,7 @@ def config_findings(loaded: LoadedConfig, *, include_info: bool = False,
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), facts, loaded.source)
     findings = [r.finding for r in results if r.finding is not None
                 and (include_info or r.finding.severity != "info")]
-    for check, reads in _CHECKS:
+    for check, reads, _plan in _CHECKS:
         if not any(_related(loc, key) for loc in tainted for key in reads):
             findings += check(loaded)
     return sorted(findings, key=lambda f: SEVERITY_ORDER.get(f.severity, 3))
@@ -563,30 +563,41 @@ def sharding_findings(loaded: LoadedConfig, world_size: int | None = None, nodes
     return out
 
 
-# validate's Python checks and the config keys each reads (a check is skipped when one of them failed
-# the schema: it would judge a placeholder)
+# validate's Python checks, the config keys each reads (a check is skipped when one of them failed
+# the schema: it would judge a placeholder), and what the plan runs instead: the name of its own,
+# fuller version (apr/plan/build.py: the data's step count, the world size), or None: the plan runs
+# validate's check as it is (``plan_checks``), so apply never runs a config validate refuses.
+# tests/plan/test_validate.py checks that every name is called in apr/plan/build.py.
 _CHECKS: tuple = (
-    (alert_config_findings, (("monitoring", "alerts"), ("monitoring", "block_norms"))),
-    (output_dir_findings, (("training", "output_dir"), ("data",))),
-    (data_path_findings, (("data",),)),
-    (compile_findings, (("training", "execution"), ("training", "device"))),
-    (sink_findings, (("monitoring", "sinks"),)),
-    (_sink_target_findings, (("monitoring", "sinks"), ("data",), ("training", "output_dir"))),
-    (_mixture_findings, (("data",), ("training",))),
-    (warmup_findings, (("training", "max_steps"), ("training", "warmup_steps"))),
+    (alert_config_findings, (("monitoring", "alerts"), ("monitoring", "block_norms")), "alert_config_findings"),
+    (output_dir_findings, (("training", "output_dir"), ("data",)), "output_dir_findings"),
+    (data_path_findings, (("data",),), "data_path_findings"),
+    (compile_findings, (("training", "execution"), ("training", "device")), "compile_findings"),
+    (sink_findings, (("monitoring", "sinks"),), "sink_findings"),
+    (_sink_target_findings, (("monitoring", "sinks"), ("data",), ("training", "output_dir")),
+     "sink_target_findings"),
+    (_mixture_findings, (("data",), ("training",)), "mixture_config_findings"),
+    (warmup_findings, (("training", "max_steps"), ("training", "warmup_steps")),
+     "evaluate_contracts"),  # C-TRAINCFG-004 over the data's step count
     (lambda loaded: early_stopping_findings(loaded, loaded.config.training.max_steps),
-     (("training",), ("data", "val"))),
-    (lambda loaded: survival_findings(loaded, loaded.config.training.max_steps), (("training",),)),
+     (("training",), ("data", "val")), "early_stopping_findings"),
+    (lambda loaded: survival_findings(loaded, loaded.config.training.max_steps), (("training",),),
+     "survival_findings"),
     (lambda loaded: stacking_findings(loaded, loaded.config.training.max_steps),
-     (("model",), ("training", "max_steps"))),
-    (_distill_findings, (("training",), ("model",))),
-    (_mlm_findings, (("training",), ("model",), ("evaluation",))),
-    (_moe_findings, (("training",), ("model",))),
-    (_mla_findings, (("training",), ("model",))),
-    (sharding_findings, (("training",), ("model",), ("evaluation",))),
-    (qlora_findings, (("model",), ("training", "sharding"))),
+     (("model",), ("training", "max_steps")), "stacking_findings"),
+    (_distill_findings, (("training",), ("model",)), "distill_config_findings"),
+    (_mlm_findings, (("training",), ("model",), ("evaluation",)), None),
+    (_moe_findings, (("training",), ("model",)), None),
+    (_mla_findings, (("training",), ("model",)), "mla_config_findings"),
+    (sharding_findings, (("training",), ("model",), ("evaluation",)), "sharding_findings"),
+    (qlora_findings, (("model",), ("training", "sharding")), None),
     (lambda loaded: orchestrator_findings(loaded, loaded.config.training.max_steps),
-     (("training",), ("optimizer",), ("model", "stacking"), ("data",))),
-    (reduction_findings, (("training",), ("model",))),
-    (_state_dtype_findings, (("training",), ("model",), ("optimizer",))),
+     (("training",), ("optimizer",), ("model", "stacking"), ("data",)), "orchestrator_findings"),
+    (reduction_findings, (("training",), ("model",)), "reduction_findings"),
+    (_state_dtype_findings, (("training",), ("model",), ("optimizer",)), "state_dtype_findings"),
 )
+
+
+def plan_checks(loaded: LoadedConfig) -> list[Finding]:
+    """validate's checks that the plan has no fuller version of, run as they are (``_CHECKS``)."""
+    return [f for check, _reads, own in _CHECKS if own is None for f in check(loaded)]

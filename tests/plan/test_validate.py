@@ -103,6 +103,30 @@ def test_the_plan_refuses_training_data_as_validation_data_too(tmp_path, monkeyp
                for f in findings)
 
 
+def test_every_check_validate_runs_the_plan_runs_too():
+    """apply plans before it trains: a check validate makes and the plan skips would let apply run a
+    config validate refuses. Each of validate's checks names the plan's fuller version, called in
+    apr/plan/build.py, or is run by the plan as it is (``plan_checks``)."""
+    from apr.plan import build, validate
+
+    source = inspect.getsource(build)
+    assert "plan_checks(loaded)" in source
+    for check, _reads, own in validate._CHECKS:
+        assert own is None or f"{own}(" in source, (check, own)
+
+
+def test_the_plan_refuses_a_masked_lm_on_the_walk_as_validate_does(tmp_path, monkeypatch):
+    from apr.plan.examples import materialize
+
+    config, _ = materialize({}, tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    settings = ["training.mode=mlm", "training.mlm.mask_token_id=3", "training.engine=interleaved"]
+    for command in ("validate", "plan"):
+        r = runner.invoke(app, ["train", command, str(config), *settings, "--json"])
+        found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.mlm"]
+        assert r.exit_code == 1 and [f["path"] for f in found] == ["training.engine"], (command, found)
+
+
 NAMES = ("FactSheet", "lora_facts", "model_facts", "memory_facts", "mfu_facts", "execution_facts", "config_facts",
          "sharding_facts")
 
