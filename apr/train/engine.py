@@ -90,6 +90,7 @@ class Engine:
         self.chunk_size = tr.loss_chunk_size
         self.grad_clip = tr.grad_clip
         self.updater = make_updater(config.optimizer, backend)  # the update part (apr/train/updaters.py)
+        self.updater.rounding_seed = tr.seed  # training.state_dtype bf16: the stochastic rounding's key
         if self.updater.name != "adamw" and self.sharded:
             raise AprError(f"optimizer.name {self.updater.name} updates whole optimizer groups; under "
                            "training.sharding each rank holds shards of them (see apr train validate)")
