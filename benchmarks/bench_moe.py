@@ -7,15 +7,15 @@ seq 128, as `make demo` builds it), two arms train the same small decoder (hidde
 batch 8 x 128 tokens, AdamW lr 3e-3, the same steps and data order per seed) on autograd:
 
   dense   a SwiGLU MLP of width --dense-intermediate (192) per block
-  moe     --experts experts (4) of width dense-intermediate x 1 / top-k each, --top-k (2) per
-          token: the same expert parameters per token (the router's hidden x experts more), and
+  moe     --experts experts (8) of width dense-intermediate / top-k each, --top-k (2) per token:
+          the same expert parameters per token (the router's hidden x experts more), and
           --experts / top-k times the MLP parameters in all
 
 Every arm runs with --seeds seeds (init and data order) through apr's own run loop (in process, on
 the CPU); prints each run's validation loss (over --eval-batches batches), the means, and the ratio
 moe / dense of the mean validation losses, with the parameter counts the plan gives.
 
-    .venv/bin/python benchmarks/bench_moe.py [--steps 300] [--seeds 2] [--data DIR --tokenizer FILE]
+    .venv/bin/python benchmarks/bench_moe.py [--steps 600] [--seeds 2] [--experts 8] [--data DIR --tokenizer FILE]
 """
 
 from __future__ import annotations
@@ -80,11 +80,11 @@ def run_one(doc: dict) -> tuple[float, float, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--dense-intermediate", type=int, default=192)
-    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--balance-coef", type=float, default=0.01)
     ap.add_argument("--data", type=Path, default=None, help="a pretokenized folder (train/, val/); default: build one")
