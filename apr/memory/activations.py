@@ -73,14 +73,6 @@ class MemoryCoefficients:
     # 25 (top 2) and 36 (top 1) widths per routed row under recompute, 9 and 3 under selective.
     keep_routing_hidden_widths: float = 2.0
     block_routing_hidden_widths: float = 16.0
-    # A mixture of experts (model.architecture.moe; "intermediate" above is then a token's top_k
-    # experts' widths together): per routed copy of a token's row (top_k of them), the hidden widths
-    # its routing adds to a kept graph: the copy regrouped by expert and the expert's output put back
-    # in token order (counted with saved_tensors_hooks on the CPU, 2026-11-28: 2 x top_k x hidden
-    # beyond the dense MLP's, plus the router's few floats per token, not counted); while a block is
-    # recomputed and backpropagated, those and their gradients (modelled: twice).
-    keep_routing_hidden_widths: float = 2.0
-    block_routing_hidden_widths: float = 4.0
     # Measured on an H200 (CUDA 13.0, torch 2.11, CuPy 14.2; 2026-11-26): the device memory in use
     # beyond torch's reserved pool was 766.8 MiB in all seven cases of benchmarks/vram_calibration.py
     # (it was 512 MiB, uncalibrated).
