@@ -209,3 +209,21 @@ def test_recomputed_expert_blocks_train_the_weights_of_kept_ones_bitwise(activat
 
     got, want = train(activations), train("keep")
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+
+
+def test_the_masked_lm_with_experts_adds_the_balance_term_to_its_masked_loss(monkeypatch):
+    """training.mode: mlm with model.architecture.moe: the masked positions' cross-entropy plus coef x
+    the blocks' mean balance loss; its validation loss is the masked cross-entropy alone."""
+    mlm = {"engine": "standard", "mode": "mlm", "mlm": {"mask_rate": 0.15, "mask_token_id": 52}}
+    config = make_config(model={"architecture": {"moe": MOE}}, training=mlm)
+    engine = build_engine(plan_of(config))
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+    mask = torch.tensor([[False, True, False, False, True, False], [False] * 6])
+    monkeypatch.setattr(losses, "mask_positions", lambda rows, rate, seed, step: mask)
+    part = engine.loss(engine, engine.model, ids, ids)
+    balance = sum(layer.mlp.balance.item() for layer in engine.model.model.layers) / 3
+    logits = engine.model(masked_batch(ids, mask, 52)[0])
+    masked = (F.cross_entropy(logits[0, 1], torch.tensor(6)) + F.cross_entropy(logits[0, 4], torch.tensor(9))) / 2
+    assert abs(part.item() - (masked.item() + 0.5 * balance)) < 1e-5
+    total, count = engine.loss.eval_loss_sum(engine, torch.cat([ids, ids[:, :1]], dim=1))
+    assert count == 2 and abs(total.item() / 2 - masked.item()) < 1e-5
