@@ -302,10 +302,10 @@ FEATURES: list[Feature] = [
         "one": tested("tests/train/test_losses.py::"
                       "test_an_moe_run_records_its_routing_resumes_bitwise_and_its_checkpoint_decodes_with_the_cache",
                       note="bitwise resume; the flat-buffer walk refused (validate: training.engine)"),
-        "ddp": tested("tests/distributed/test_moe.py::"
+        "ddp": tested("tests/distributed/test_moe_ranks.py::"
                       "test_experts_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[none]",
                       note="1 process accumulating the same micro-batches, 1e-6"),
-        "full": tested("tests/distributed/test_moe.py::"
+        "full": tested("tests/distributed/test_moe_ranks.py::"
                        "test_experts_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[full]",
                        note="each block's experts in its FSDP2 unit; 1e-6"),
         "hybrid": not_tested("`full` within each node, replicated across nodes as for a dense block"),
