@@ -80,3 +80,20 @@ def test_the_spec_names_every_parameter_with_its_shape_and_counts_the_active_one
     assert spec.flops_per_token(arch, 8) - spec.flops_per_token(dense, 8) == \
         6 * 2 * (4 * 16 + 2 * 3 * 8 * 16 - 3 * 24 * 16)  # router + 2 experts in place of the dense MLP
 
+
+
+def test_experts_run_on_fake_tensors_with_the_rows_split_evenly():
+    """`apr train plan --trace` runs the engine on fake tensors, which hold no routing: each expert
+    then takes an even share of the rows (the same total), and the forward and backward run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from apr.model.llama import LlamaForCausalLM
+    from apr.model.moe import _host_counts
+
+    with FakeTensorMode():
+        model = LlamaForCausalLM(_arch())
+        ids = torch.randint(0, 40, (2, 7))
+        model(ids[:, :-1], ids[:, 1:]).backward()
+        load = model.model.layers[0].mlp.load
+        assert _host_counts(load, 2 * 6 * 2) == [6, 6, 6, 6] and _host_counts(load, 10) == [3, 3, 2, 2]
+        assert model.model.layers[0].mlp.experts.gate_up_proj.grad.shape == (4, 48, 16)
