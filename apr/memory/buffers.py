@@ -359,7 +359,8 @@ def step_buffers(config: AprConfig) -> list[Buffer]:
 
     The chunked loss (apr/kernels/linear_ce.py) holds two chunks at its peak: the previous chunk's
     float32 logits (overwritten by their gradient) and its compute-dtype gradient stay referenced
-    while the next chunk's matmul output and float32 logits are formed. Under mixed precision the
+    while the next chunk's matmul output and float32 logits are formed; one where the sequence fits
+    in one chunk (``loss_chunk_size >= seq_len``, the trace's 1.7x over-count before). Under mixed precision the
     head weight is cast to the compute dtype once per step. Counted op by op on fake tensors
     (``apr train plan --trace``, 2026-11-28): 8 bytes per chunk element in fp32, 12 in bf16."""
     arch = config.model.architecture
@@ -368,9 +369,10 @@ def step_buffers(config: AprConfig) -> list[Buffer]:
     if str(config.training.mode) == "distill":  # no phase runs the chunked loss: the KD loss's logits
         return [Buffer("token_ids", "inputs", (b, s + 1), "int64")]  # are distill_rows' (apr/memory/table.py)
     chunk = min(config.training.loss_chunk_size, s)
-    bufs = [Buffer("logits_chunk", "logits_chunk", (2, b, chunk, v), "float32")]  # d_logits in place
+    live = min(2, -(-s // chunk))  # a sequence that fits in one chunk never has a next one beside it
+    bufs = [Buffer("logits_chunk", "logits_chunk", (live, b, chunk, v), "float32")]  # d_logits in place
     if cdt != "float32":
-        bufs.append(Buffer("logits_chunk_compute", "logits_chunk", (2, b, chunk, v), cdt))
+        bufs.append(Buffer("logits_chunk_compute", "logits_chunk", (live, b, chunk, v), cdt))
         bufs.append(Buffer("head_weight_compute", "logits_chunk", (v, h), cdt))
         # one chunk's head-weight gradient in the compute dtype, before it is added in float32
         bufs.append(Buffer("head_grad_compute", "logits_chunk", (v, h), cdt))

@@ -108,7 +108,7 @@ def test_usage_errors_exit_two(example_dir):
 
 
 def test_vram_and_world_size_options(example_dir):
-    r = plan(example_dir, "--vram", "3MiB")  # the base run (device: cpu, no CUDA context) needs >= 3.4 MiB
+    r = plan(example_dir, "--vram", "2MiB")  # the base run (device: cpu, no CUDA context) needs >= 2.9 MiB
     assert r.exit_code == 1 and "error[C-MEM-001]" in r.stdout and "DOES NOT FIT" in r.stdout
     r = plan(example_dir, "--world-size", "4")  # 64 rows / 8 per step = 8 < max_steps 20
     assert r.exit_code == 1 and "world_size 4" in r.stdout
