@@ -273,6 +273,9 @@ def decide_compile(config, *, device: str | None, total_steps: int | None, step_
         return CompileDecision(False, "false", "as stated in training.execution.compile")
     if setting is True:
         return CompileDecision(True, "true", "as stated in training.execution.compile", device=device)
+    if config.model.architecture.moe is not None:  # compile: true is refused for it (apr/plan/moefacts.py)
+        return CompileDecision(False, "auto", "a mixture of experts runs eager (its routing is not compiled)",
+                               device=device)
     if device not in ("cpu", "cuda"):
         why = (f"torch.compile is not supported on {device} here" if device is not None
                else "the device is known only at apply (training.device auto without a GPU target)")

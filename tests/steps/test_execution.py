@@ -87,6 +87,17 @@ def test_compile_auto_stays_eager_and_says_why_when_it_cannot_know_or_cannot_com
     assert not decide_compile(config, device="mps", total_steps=10_000, step_seconds=3.0).compile
 
 
+def test_compile_auto_keeps_a_mixture_of_experts_eager_however_long_the_run():
+    from apr.steps.execution import decide_compile
+
+    dense = _auto()
+    moe = make_config(model={"architecture": {"moe": {"num_experts": 4, "top_k": 2}}},
+                      training={"execution": {"compile": "auto"}, "engine": "standard"})
+    assert decide_compile(dense, device="cuda", total_steps=10**6, step_seconds=1.0).compile
+    decision = decide_compile(moe, device="cuda", total_steps=10**6, step_seconds=1.0)
+    assert not decision.compile and "mixture of experts" in decision.reason
+
+
 def test_compile_auto_uses_a_measured_saving_over_the_assumed_one():
     from apr.steps.execution import decide_compile
 
