@@ -205,7 +205,10 @@ def kept_activation_bytes(config: AprConfig, execution: Execution,
     sel = (c.selective_hidden_widths * arch.hidden_size + c.selective_kv_widths * kv
            + c.selective_intermediate_widths * mlp_token_width(arch))
     selective_blocks = execution.recomputed_blocks if execution.rest == "selective" else 0
-    kept = sum(kept_block_bytes(config, execution, c, block=i) for i in range(execution.kept_blocks))
+    frozen = frozen_blocks(config)  # a frozen block saves less; every other kept block saves the same
+    trained = kept_block_bytes(config, execution, c) if execution.kept_blocks > len(frozen) else 0
+    kept = sum(kept_block_bytes(config, execution, c, block=i) if i in frozen else trained
+               for i in range(execution.kept_blocks))
     return int(kept + b * s * selective_blocks * sel * elt)
 
 
