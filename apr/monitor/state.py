@@ -68,7 +68,7 @@ _FIELD_KINDS: dict[str, str] = {
 _OPTIONAL_FIELDS = {"log_period_s": "num", "evals": "evals", "samples": "samples", "events": "events",
                    "block_norms": "block_norms", "cost": "cost", "mfu": "num", "hfu": "num", "drift": "drift",
                    "mixture": "mixture", "data_drift": "numbers", "histograms": "histograms",
-                   "eval_history": "eval_history"}
+                   "eval_history": "eval_history", "moe": "moe"}
 # A state without these is reported as incomplete (the others may legitimately be absent early on).
 _CORE_FIELDS = ("status", "step", "heartbeat")
 
@@ -227,6 +227,17 @@ def _numbers(value: Any) -> dict | None:
     return {k: num(v) for k, v in value.items() if isinstance(k, str)} or None
 
 
+def _moe(value: Any) -> dict | None:
+    """A mixture of experts' latest routing figures (model.architecture.moe): {"step",
+    "moe_balance_loss", "moe_expert_load": (share per expert, ...), "moe_max_expert_load"}."""
+    if not isinstance(value, dict):
+        return None
+    load = value.get("moe_expert_load")
+    return {"step": _int(value.get("step")), "moe_balance_loss": num(value.get("moe_balance_loss")),
+            "moe_expert_load": tuple(num(x) for x in load) if isinstance(load, list) else None,
+            "moe_max_expert_load": num(value.get("moe_max_expert_load"))}
+
+
 def _histograms(value: Any) -> dict | None:
     """The latest per-layer histograms (monitoring.histograms): {"step", "bins", "layers": (layer, ...)},
     each layer {"name", "kind", "lo", "hi", "min", "max", "counts": (int, ...)}; malformed layers dropped."""
@@ -275,6 +286,7 @@ _CONVERT = {
     "numbers": _numbers,
     "histograms": _histograms,
     "eval_history": _eval_history,
+    "moe": _moe,
 }
 
 

@@ -290,10 +290,10 @@ FEATURES: list[Feature] = [
                       "tests/train/test_walk.py::"
                       "test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal[interleaved-mla]",
                       note="the walk 1e-6 of autograd; resume bitwise"),
-        "ddp": tested("tests/distributed/test_mla.py::"
+        "ddp": tested("tests/distributed/test_mla_ranks.py::"
                       "test_latent_attention_on_two_ranks_equals_one_process_accumulating_the_same_micro_batches"
                       "[none]", note="the walk; 1 process accumulating the same micro-batches, 1e-6"),
-        "full": tested("tests/distributed/test_mla.py::"
+        "full": tested("tests/distributed/test_mla_ranks.py::"
                        "test_latent_attention_on_two_ranks_equals_one_process_accumulating_the_same_micro_batches"
                        "[full]", note="the sharded walk; 1e-6"),
         "hybrid": not_tested("as `full`"),

@@ -69,7 +69,8 @@ def _compose(plan: Resolved, model: LlamaForCausalLM, device: torch.device, back
     autograd, either on FSDP2 shards when ``training.sharding`` shards the state over the ranks)."""
     config = plan.config
     distilled = str(config.training.mode) == "distill"
-    loss = distill_loss(config, model, device) if distilled else objective_loss(config, model)  # None: causal LM
+    loss = distill_loss(config, model, device) if distilled else objective_loss(  # None: the causal LM
+        config, model, plan.gradient_source)
     engine = Engine(plan, model, device, backend, loss, dp)  # the student on autograd, the teacher whole beside it
     autograd = plan.gradient_source == "standard"
     if engine.sharded:  # FSDP2 needs the process group torchrun started

@@ -22,7 +22,6 @@ import zlib
 import torch
 
 from apr.errors import AprError
-from apr.steps.execution import gradient_source
 
 IGNORE = -100  # a target position that adds no loss (the kernels' ignore_index)
 
@@ -178,14 +177,15 @@ class MaskedLM:
         pass
 
 
-def objective_loss(config, model) -> CausalLM | MaskedLM | None:
+def objective_loss(config, model, source: str) -> CausalLM | MaskedLM | None:
     """The loss part of ``training.mode`` other than distillation (apr/train/distill.py): for
     causal_lm, None (the engine's own ``CausalLM``) or with ``model.architecture.moe`` a ``CausalLM``
-    with its balance term; for mlm, ``MaskedLM`` over ``model`` made bidirectional."""
+    with its balance term; for mlm, ``MaskedLM`` over ``model`` made bidirectional. ``source``: the
+    resolved plan's gradient source."""
     tr, moe = config.training, config.model.architecture.moe
     routing = None
     if moe is not None:
-        if gradient_source(config) != "standard":  # apr train validate refuses it at training.engine
+        if source != "standard":  # validate and the plan refuse it at training.engine
             raise AprError("model.architecture.moe runs on autograd (training.engine: standard): the flat-buffer "
                            "walk backpropagates block by block and would drop the load-balancing loss's gradient")
         routing = RoutingBalance(moe.balance_loss_coef)

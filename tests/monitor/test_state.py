@@ -167,6 +167,19 @@ def test_the_monitor_reads_what_the_tracker_writes():
             state, now)
 
 
+def test_a_mixture_of_experts_routing_figures_are_read_and_malformed_ones_dropped():
+    from apr.monitor.state import normalize
+
+    doc = {"status": "running", "step": 20, "heartbeat": 1.0,
+           "moe": {"step": 20, "moe_balance_loss": 1.02, "moe_expert_load": [0.3, 0.2, 0.25, 0.25],
+                   "moe_max_expert_load": 0.3}}
+    state, _ = normalize(doc)
+    assert state["moe"] == {"step": 20, "moe_balance_loss": 1.02, "moe_expert_load": (0.3, 0.2, 0.25, 0.25),
+                            "moe_max_expert_load": 0.3}
+    assert normalize({**doc, "moe": "broken"})[0]["moe"] is None
+    assert normalize({**doc, "moe": {"moe_balance_loss": "nan?"}})[0]["moe"]["moe_balance_loss"] is None
+
+
 def test_effective_status_marks_old_heartbeats_of_active_runs_only():
     running = {"status": "running", "heartbeat": FIXTURE_NOW - 10}
     assert effective_status(running, FIXTURE_NOW, 30.0) == "running"
