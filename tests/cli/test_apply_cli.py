@@ -107,12 +107,18 @@ def _records_status(root: Path) -> list[str]:
     return out
 
 
+# `apr ARGS` with SIGHUP at its default, as at a terminal: a suite started under nohup (a CI job, a
+# background `make test`) passes an ignored SIGHUP on, and apr rightly leaves an ignored SIGHUP alone.
+_AS_AT_A_TERMINAL = ("import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
+                     "from apr.cli.entry import run; sys.argv = ['apr', *sys.argv[1:]]; run()")
+
+
 def _start_piped(root: Path, cfg: Path) -> subprocess.Popen:
     """apply with stdout and stderr into one pipe (as `2>&1 | tee log`), in its own process group.
     The pipe holds one page (Linux's default is 64 KiB, ~600 step lines): a run whose reader stops
     reading waits in a write a few steps later, instead of training on (CPU the suite pays for) or
     ending before the test's signal reaches it."""
-    proc = subprocess.Popen([sys.executable, "-m", "apr", "train", "apply", str(cfg)], cwd=root,
+    proc = subprocess.Popen([sys.executable, "-c", _AS_AT_A_TERMINAL, "train", "apply", str(cfg)], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
                             start_new_session=True)
     fcntl.fcntl(proc.stdout.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # before the interpreter's first write
