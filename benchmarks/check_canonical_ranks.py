@@ -1,7 +1,7 @@
 """training.reduction: canonical across 1, 2 and 4 gloo ranks, beyond what CI runs (CI's
 tests/distributed/test_canonical.py runs 2 ranks and one process, DDP and FSDP2 full): 4 ranks x
-accumulation 1 against one process x 4, the 4-rank run's step-4 checkpoint resumed on 2 ranks, and the
-one-process run's resumed on 4 ranks, each compared tensor by tensor at step 8, and the validation
+accumulation 1 against one process x 4, the 4-rank run's step-4 checkpoint resumed on 2 ranks and on one
+process, and the one-process run's resumed on 4 ranks, each compared tensor by tensor at step 8, and the validation
 losses of the 4-rank and one-process runs (docs/performance.md, "Canonical reduction"). Prints how
 many of the checkpoint's tensors differ (0: bitwise equal). ``--sharding`` picks the layout of the
 ranks (none: DDP; full, hybrid, shard_grad_op: FSDP2; hybrid runs shard groups of 2 ranks,
@@ -90,6 +90,9 @@ def main() -> None:
     _resume_copy(root, "four", "r2")
     _launch(root, _doc(root, "r2/", 1), "r2.json", 2, resume="latest")
     print("4 ranks, resumed from step 4 on 2 ranks:", _differing(root, "r2", "four"))
+    _resume_copy(root, "four", "r1")
+    _launch(root, _doc(root, "r1/", 1), "r1.json", 1, resume="latest")
+    print("4 ranks, resumed from step 4 on 1 process:", _differing(root, "r1", "four"))
     _resume_copy(root, "one", "r4")
     _launch(root, _doc(root, "r4/", 4), "r4.json", 4, resume="latest")
     print("1 process, resumed from step 4 on 4 ranks:", _differing(root, "r4", "one"))
