@@ -16,6 +16,7 @@ start of ``apr train apply`` stays tested by the CLI tests."""
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
 import os
 import runpy
@@ -142,3 +143,16 @@ def run_ranks(args: list[str], nproc: int, env: dict, timeout: float,
         stdout = "".join(o.read_text() for o, _ in outs if o.exists())  # absent: the child never started
         stderr = "".join(e.read_text() for _, e in outs if e.exists())
     return subprocess.CompletedProcess([sys.executable, *args], code, stdout, stderr)
+
+
+WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
+
+
+def launch_worker(doc: dict, path: Path, nproc: int, timeout: float = 240) -> None:
+    """Write the config ``doc`` to ``path`` and train it with tests/train/run_worker.py on ``nproc``
+    gloo ranks (one process when 1; its own APR_HOME beside ``path``); it must finish."""
+    path.write_text(json.dumps(doc))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120", "APR_HOME": str(path.parent / "home")}
+    args = [str(WORKER), str(path)]
+    proc = run_ranks(args, nproc, env, timeout=timeout) if nproc > 1 else run_script(args, env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -4,8 +4,6 @@ same micro-batches."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -16,19 +14,10 @@ from apr.checkpoint.manager import read_checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "train"))
 from run_helpers import config_doc, make_dataset  # noqa: E402
 
-from tests.distributed.ranks import run_ranks, run_script  # noqa: E402
+from tests.distributed.ranks import launch_worker  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent.parent / "train" / "run_worker.py"
 MLA = {"num_key_value_heads": None, "attention": {"kind": "mla", "kv_lora_rank": 6, "qk_rope_head_dim": 4,
                                                   "q_lora_rank": 8}}
-
-
-def _launch(doc: dict, path: Path, nproc: int) -> None:
-    path.write_text(json.dumps(doc))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "120", "APR_HOME": str(path.parent / "home")}
-    args = [str(WORKER), str(path)]
-    proc = run_ranks(args, nproc, env, timeout=240) if nproc > 1 else run_script(args, env, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -42,8 +31,8 @@ def test_latent_attention_on_two_ranks_equals_one_process_accumulating_the_same_
                      training={**common, "gradient_accumulation": 2, "output_dir": "one/"})
     two = config_doc(tmp_path, model=model, data={"batch_size": 2}, optimizer=opt,
                      training={**common, "sharding": sharding, "output_dir": "two/"})
-    _launch(one, tmp_path / "one.json", 1)
-    _launch(two, tmp_path / "two.json", 2)
+    launch_worker(one, tmp_path / "one.json", 1)
+    launch_worker(two, tmp_path / "two.json", 2)
     a, b = (read_checkpoint(tmp_path / d / "checkpoint-step-6.json").tensors for d in ("two", "one"))
     assert set(a) == set(b) and any(".self_attn.kv_b_proj.weight" in k for k in a)
     worst = max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in a)
