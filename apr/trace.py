@@ -93,6 +93,7 @@ def _counter_class():
             self.region = "other"
             self.phase = "building the engine"
             self.ops = 0
+            self.expired = ""  # the phase the deadline passed in, until a safe point raises it
             self.vocab = -1  # the vocabulary: a tensor this wide is logits, wherever it is made
             self.reset_peaks()
             self._orig_resize = torch.UntypedStorage.resize_
@@ -134,6 +135,14 @@ def _counter_class():
             for st in get_untyped_storages(tensor):
                 self.track(st, row, retag=True)
 
+        def expire(self, *_args) -> None:
+            """A safe point: raise ``TraceTimeout`` once the deadline has passed. Called from Python
+            only (a module's forward pre-hook outside the backward, the step loop), never from inside
+            an operation or the autograd engine."""
+            if self.expired and torch._C._current_autograd_node() is None:
+                phase, self.expired = self.expired, ""
+                raise TraceTimeout(phase)
+
         @contextlib.contextmanager
         def in_region(self, row: str):
             before, self.region = self.region, row
@@ -167,8 +176,9 @@ def _counter_class():
                 return NotImplemented  # let DTensor run its local ops, which come back here
             self.ops += 1
             if self.ops % 256 == 0 and time.monotonic() > self.deadline:
-                self.deadline = float("inf")  # once: what runs while the stack unwinds must not raise again
-                raise TraceTimeout(self.phase)
+                # never raised here: an exception thrown out of a dispatched operation can abort the
+                # process (C++ unwinding through autograd); the next safe point raises it (`expire`)
+                self.deadline, self.expired = float("inf"), self.phase
             if func is torch.ops.aten._local_scalar_dense.default:
                 # a host read (the standard engine's loss check, the fp16 scaler): a finite value
                 dtype = args[0].dtype
@@ -433,6 +443,8 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
         with contextlib.ExitStack() as stack:
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(counter)
+            # the timeout's safe points: every module's forward (outside the backward) and each step
+            stack.callback(torch.nn.modules.module.register_module_forward_pre_hook(counter.expire).remove)
             stack.enter_context(_patched(engine_build, "build_model_for", _fake_model_builder(device)))
             stack.enter_context(_patched(distill_module, "load_teacher", _fake_teacher(device)))
             stack.enter_context(_patched(torch.nn.Module, "to", _to_if_moved(torch.nn.Module.to)))
@@ -455,6 +467,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
             # a distillation student is traced in phase 2 (the whole student, the teacher's logits)
             first = distill_schedule.phase1_steps(config) if str(config.training.mode) == "distill" else 0
             for step in (1, 2):
+                counter.expire()
                 counter.phase = f"step {step} of 2" + (" (the first: lazy state)" if step == 1 else "")
                 engine.current_step = first + step
                 with counter.in_region("inputs"):

@@ -286,3 +286,26 @@ def test_a_trace_past_its_timeout_stops_and_says_where(tmp_path):
     assert out.exit_code == 1, out.output
     assert out.exception is None or isinstance(out.exception, SystemExit), out.exception  # no traceback
     assert "--trace stopped after 1 s (--trace-timeout) during" in out.output and "Traceback" not in out.output
+
+
+def test_a_deadline_passed_inside_an_operation_stops_at_the_next_module_not_inside_autograd():
+    # raising out of a dispatched operation can abort the whole process (C++ unwinding through
+    # autograd: "terminate called after throwing python_error", a CI worker lost); the counter only
+    # notes the deadline there, and the next module's forward outside the backward raises it
+    import torch
+
+    from apr.trace import TraceTimeout, _counter_class
+
+    counter = _counter_class()(deadline=-1.0)  # already past
+    w = torch.ones(4, requires_grad=True)
+    block = torch.nn.Linear(4, 4)
+    with counter:
+        y = w
+        for _ in range(300):  # past the 256 operations between clock reads, under autograd
+            y = y * 1.0
+        assert counter.expired == counter.phase  # noted, not raised
+        y.sum().backward()  # a backward never raises it either
+        with pytest.raises(TraceTimeout):
+            counter.expire()  # the safe point (every module's forward pre-hook during a trace)
+    counter.expire()  # once
+    assert block(torch.ones(4)).shape == (4,)
