@@ -384,7 +384,7 @@ def _regions(counter, engine) -> contextlib.ExitStack:
         stack.enter_context(_patched(engine, "hidden_states", region(engine.hidden_states, "activations")))
         _tag_all(counter, engine.loss.teacher, "teacher")
     if hasattr(engine, "updater"):
-        for name in ("step", "update_flat"):
+        for name in ("step", "update_group"):
             method = getattr(engine.updater, name, None)
             if callable(method):
                 stack.enter_context(_patched(engine.updater, name, region(method, "temporaries")))

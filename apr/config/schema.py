@@ -737,7 +737,7 @@ class OptimizerConfig(_Section):
         "\"SWATS\"); lion (sign of the beta1 interpolation, momentum beta2: one moment); adafactor "
         "(torch.optim.Adafactor: row and column second-moment statistics, no first moment; lr caps its "
         "relative step). sgd, swats and lion run on either gradient source, adafactor on autograd only "
-        "(training.engine: standard); none of them under training.sharding.")
+        "(training.engine: standard); under training.sharding all but adafactor.")
     adafactor_beta2_decay: Float = Field(
         -0.8, le=0, description="adafactor: the second-moment decay is 1 - step^beta2_decay.")
     adafactor_eps1: Float | None = Field(

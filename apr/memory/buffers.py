@@ -170,7 +170,7 @@ def _params_and_moments(config: AprConfig, groups: list[tuple[str, int]], execut
 def _moment_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[Buffer]:
     """The updater's state per group, in the rows ``adamw_m`` / ``adamw_v`` (the checkpoint's
     ``optimizer.m.`` / ``optimizer.v.``): two fp32 moments (adamw, sgd, swats); Lion one, except on
-    the walk, which allocates both by name (the second stays zero); Adafactor (autograd only) a
+    the walk and on FSDP2 shards, which allocate both by name (the second stays zero); Adafactor (autograd only) a
     statistic per row and one per column of each matrix, and a vector's whole second moment."""
     name_of = str(config.optimizer.name)
     walk = gradient_source(config) == "interleaved"
@@ -180,7 +180,7 @@ def _moment_buffers(config: AprConfig, groups: list[tuple[str, int]]) -> list[Bu
                                                   Buffer(f"{name}.adafactor_col", "adamw_v", (cols[name],), "float32"))]
     sdt = state_dtype_name(config)
     out = [Buffer(f"{name}.adam_m", "adamw_m", (numel,), sdt) for name, numel in groups]
-    if name_of != "lion" or walk:
+    if name_of != "lion" or walk or sharded(config):
         out += [Buffer(f"{name}.adam_v", "adamw_v", (numel,), sdt) for name, numel in groups]
     return out
 
@@ -202,7 +202,8 @@ def optimizer_state_details(config: AprConfig) -> dict[str, str]:
     name_of = str(config.optimizer.name)
     if name_of == "lion":
         return {"adamw_m": "Lion momentum (fp32)",
-                "adamw_v": "unused by Lion: the flat-buffer walk allocates a second moment by name (zeros)"}
+                "adamw_v": "unused by Lion: the flat-buffer walk and FSDP2 shards allocate a second "
+                           "moment by name (zeros)"}
     if name_of == "adafactor":
         return {"adamw_m": "Adafactor row statistics (fp32, one per matrix row)",
                 "adamw_v": "Adafactor column statistics and vectors' second moments (fp32)"}

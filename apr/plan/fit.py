@@ -217,9 +217,9 @@ def fit_plan(plan, *, headroom: float = HEADROOM, free: tuple[str, ...] | None =
 
     if world == 1 or (free is not None and SHARDING not in free):
         shardings = [str(tr.sharding)]
-    elif str(config.optimizer.name) != "adamw":
+    elif str(config.optimizer.name) == "adafactor":
         shardings = ["none"]
-        notes.append(f"sharding not searched: optimizer {config.optimizer.name} does not run under training.sharding")
+        notes.append("sharding not searched: adafactor does not run under training.sharding")
     else:
         hybrid = ["hybrid"] if nodes > 1 and world % nodes == 0 else []
         shardings = ["none", "shard_grad_op", *hybrid, "full"]

@@ -18,14 +18,14 @@ from apr.steps.execution import gradient_source
 
 
 def _flat_walk_problem(config) -> str | None:
-    """Why SGD / SWATS cannot update this run (they update flat buffers in the walk), or None."""
+    """Why the orchestrator's SGD strategies cannot update this run (a switch of updater mid-run shares
+    the walk's flat buffers), or None."""
     tr = config.training
     if gradient_source(config) != "interleaved":
         return "the autograd engine (training.engine: standard, or mode: distill)"
-    if str(tr.sharding) != "none":  # the walk on shards keeps the moments in torch's AdamW state per shard,
-        # and SWATS's switch test needs dot products over whole groups: neither is there yet
-        return (f"training.sharding: {tr.sharding} (its walk keeps the moments in AdamW's per-shard state, and "
-                "SWATS's switch needs dot products over whole groups)")
+    if str(tr.sharding) != "none":  # the strategies swap the updater mid-run over the walk's flat buffers
+        return (f"training.sharding: {tr.sharding} (its walk keeps the moments per shard in the updater's own "
+                "state, which a strategy's switch of updater mid-run does not carry over)")
     return None
 
 
@@ -47,12 +47,6 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
     if optimizer == "adafactor" and str(tr.sharding) != "none":
         finding(("optimizer", "name"), f"adafactor's row and column statistics average over whole rows and "
                 f"columns of each matrix; under training.sharding: {tr.sharding} each rank holds some rows only",
-                "adamw, or training.sharding: none", optimizer)
-    elif optimizer != "adamw" and str(tr.sharding) != "none":
-        finding(("optimizer", "name"), f"optimizer {optimizer} updates whole optimizer groups (the "
-                f"walk's flat buffers, or autograd's groups gathered); under training.sharding: {tr.sharding} each "
-                "rank holds shards of them" + (", and SWATS's switch needs dot products over whole groups"
-                                               if optimizer == "swats" else ""),
                 "adamw, or training.sharding: none", optimizer)
     elif optimizer == "adafactor" and gradient_source(config) == "interleaved":
         finding(("optimizer", "name"), "adafactor keeps row and column statistics of each weight matrix, but the "

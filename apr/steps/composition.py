@@ -54,7 +54,7 @@ class Feature:
 _C = "tests/scenarios/test_composition.py::"
 _S = "tests/distributed/test_sharding.py::"
 _D = "tests/distributed/test_data_parallel.py::"
-_SHARDS_NO_SGD = "SGD/SWATS update the walk's flat buffers; sharded state lives in torch's AdamW (section 29)"
+_GU = _S + "test_group_updaters_on_shards_equal_one_process_with_twice_the_batch"
 
 FEATURES: list[Feature] = [
     Feature("plain pretraining, both sources, every clip mode", {
@@ -93,20 +93,20 @@ FEATURES: list[Feature] = [
     Feature("SGD / SWATS updaters", {
         "one": tested("tests/train/test_updaters.py::test_swats_resumes_exactly_across_its_switch",
                       "tests/train/test_updaters.py::test_sgd_and_swats_on_autograd_train_as_on_the_walk_and_resume",
-                      note="the walk, and autograd through GroupedUpdates"),
-        "ddp": not_tested("the walk's update is per rank, as AdamW's"),
-        "full": refused(_SHARDS_NO_SGD),
-        "hybrid": refused(_SHARDS_NO_SGD),
+                      note="update_group on the walk's flat group and autograd's gathered group"),
+        "ddp": tested(f"{_GU}[sgd-interleaved-none]", f"{_GU}[swats-standard-none]"),
+        "full": tested(f"{_GU}[sgd-standard-full]", f"{_GU}[swats-interleaved-full]",
+                       note="local shards; SWATS' dot products summed over the shard group"),
+        "hybrid": not_tested("as `full`, the dot products over the node's shard group"),
     }),
     Feature("Lion updater", {
         "one": tested("tests/train/test_updaters.py::test_lion_follows_the_papers_rule",
                       "tests/train/test_updaters.py::test_lion_on_autograd_trains_as_on_the_walk",
                       "tests/train/test_updaters.py::test_a_run_resumed_from_a_middle_checkpoint_ends_bitwise_equal"
                       "[lion-interleaved]", note="the walk, and autograd through GroupedUpdates; resume bitwise"),
-        "ddp": not_tested("the walk's update is per rank, as AdamW's"),
-        "full": refused("Lion updates whole optimizer groups (the walk's flat buffers, or autograd's groups "
-                        "gathered); sharded state lives in torch's AdamW"),
-        "hybrid": refused("as `full`"),
+        "ddp": not_tested("the walk's update is per rank, as SGD's (tested)"),
+        "full": tested(f"{_GU}[lion-interleaved-full]", note="a zero second moment held, as the walk holds"),
+        "hybrid": tested(f"{_GU}[lion-standard-hybrid]"),
     }),
     Feature("Adafactor updater (autograd only)", {
         "one": tested("tests/train/test_updaters.py::test_adafactors_first_step_is_the_factored_rule",

@@ -91,9 +91,9 @@ class Engine:
         self.grad_clip = tr.grad_clip
         self.updater = make_updater(config.optimizer, backend)  # the update part (apr/train/updaters.py)
         self.updater.rounding_seed = tr.seed  # training.state_dtype bf16: the stochastic rounding's key
-        if self.updater.name != "adamw" and self.sharded:
-            raise AprError(f"optimizer.name {self.updater.name} updates whole optimizer groups; under "
-                           "training.sharding each rank holds shards of them (see apr train validate)")
+        if self.updater.name == "adafactor" and self.sharded:
+            raise AprError("optimizer.name adafactor averages over whole rows and columns of each matrix; under "
+                           "training.sharding each rank holds some rows only (see apr train validate)")
         self.optimizer_steps = 0  # updates applied (fp16 overflow steps are not counted)
         self.adagc = tr.adagc
         # AdaGC: per tensor, an EMA of its clipped gradient norm (float32, on the device), one vector

@@ -20,11 +20,12 @@ block and at the root), and keeps the interleaved engine's promises
   dropped) for exact global clipping or fp16's overflow check; else one backward with per-block
   (or no, or AdaGC) clipping decided in the hook.
 
-AdamW is the kernel backend's (``adamw_step``, the CuPy RawKernel on CUDA), per local shard, with
-the engine's sticky non-finite flag as ``found_inf``; the moments are DTensors in the torch
-optimizer's state (never stepped by torch) so checkpoints gather and re-shard them as for the
-standard engine. A group's squared norm is all-reduced over the shard group in its hook (every
-rank decides clipping and non-finite skips alike).
+The update is the updater's ``update_group`` over the group's local shards (apr/train/updaters.py;
+AdamW: the kernel backend's ``adamw_step``, the CuPy RawKernel on CUDA; SGD, SWATS and Lion too),
+with the engine's sticky non-finite flag as ``found_inf`` and the shard group's sum for what needs the
+whole group; the moments are DTensors (AdamW: in the torch optimizer's state, never stepped by torch)
+so checkpoints gather and re-shard them as for the standard engine. A group's squared norm is
+all-reduced over the shard group in its hook (every rank decides clipping and non-finite skips alike).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from apr.kernels.interface import DecayRanges
 from apr.model import spec
 from apr.train.nonfinite import LOSS
+from apr.train.updaters import Piece, ShardSum
 
 
 class ShardedWalk:
@@ -60,6 +62,8 @@ class ShardedWalk:
             for p in group:
                 self._group_of[id(p)] = name
                 p.register_post_accumulate_grad_hook(self._arrived_grad)
+        # what needs the whole group (SWATS' dot products, Lion's update norm) sums over the shard group
+        self._reduce = ShardSum(engine.layout.shard_group, engine.device)
         for pname, p in self.params.named.items():
             local = p.to_local()
             self._decay[id(p)] = DecayRanges.from_segments([(local.numel(), decays[pname])])
@@ -99,14 +103,16 @@ class ShardedWalk:
             self.e._adagc_clip(name, grads, 1.0 / self.e.scaler.scale, found_inf,
                                norms=self.e.layout.tensor_norms(grads))
         scale = coef if self.e.scaler.scale == 1.0 else coef * (1.0 / self.e.scaler.scale)
+        pieces = []
         for p, g in zip(self.group_params[name], grads, strict=True):
             local = p.to_local()
             if local.numel() == 0:  # a rank past the tensor's last row holds nothing of it
                 continue
             m, v = self.e.updater.moments(p)
-            self.e.updater.update_flat(local.view(-1), g.reshape(-1), m.to_local().view(-1), v.to_local().view(-1),
-                                     lr=self._lr, step=self.e.optimizer_steps + 1, decay=self._decay[id(p)],
-                                     grad_scale=scale, found_inf=found_inf)
+            pieces.append(Piece(local.view(-1), g.reshape(-1), m.to_local().view(-1), v.to_local().view(-1),
+                                self._decay[id(p)]))
+        self.e.updater.update_group(name, pieces, lr=self._lr, step=self.e.optimizer_steps + 1, grad_scale=scale,
+                                    found_inf=found_inf, reduce=self._reduce)
         self.e._flags.stepped()
         self._drop(name)
 

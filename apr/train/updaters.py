@@ -1,31 +1,43 @@
 """The updater part of the composed engine (docs/design.md, "The composed engine"): what turns a
 finished gradient into new weights, apart from where the gradient came from.
 
-``AdamW`` is the default updater. It updates in two ways, one per kind of gradient source:
+**One interface**, ``update_group(group, pieces, lr=, step=, grad_scale=, found_inf=, reduce=)``:
+one optimizer group's update, called by every gradient source as the group's gradient is finished.
+A ``Piece`` is a flat float32 (or bf16) view of weights with its gradient, moments and the ranges
+weight decay applies to:
 
-- ``update_flat``: the kernel backend's fused AdamW (the CuPy RawKernel on CUDA, torch ops on the
-  CPU) on flat float32 tensors, one optimizer group (the flat-buffer walk) or one local shard
-  (the walk under FSDP2) at a time, as soon as its gradient is complete;
-- ``bind`` then ``step``: ``torch.optim.AdamW`` (fused on CUDA) over named parameters in two
-  weight-decay groups, after a whole autograd backward (one process, DDP, FSDP2's DTensors).
+- the flat-buffer walk hands the group's one flat buffer (one piece);
+- the walk on FSDP2 shards hands each tensor's local shard (one piece each) and ``reduce``, the sum
+  over the shard group, for what needs the whole group (SWATS' dot products, Lion's update norm);
+- autograd hands the group's parameters gathered into flat tensors (``GroupedUpdates.step``, one
+  process or DDP) or their local shards (FSDP2, with ``reduce``).
 
-With ``training.state_dtype: bf16`` the walk's weights and moments are bfloat16 (6 bytes a
-parameter instead of 12): ``update_flat`` computes each update in float32 and writes the three back
-with stochastic rounding, its noise a hash of (run seed, step, group, element index), so a resumed
-run draws what the run straight drew (apr/kernels/interface.py ``rounding_keys``).
+``update_flat`` is the one-piece call (the walk's, and tests'). ``step(lr)`` is every group's update
+after a whole autograd backward: ``GroupedUpdates`` runs ``update_group`` per group; AdamW and
+Adafactor on the autograd sources run torch's own optimizer over all groups at once instead (fused on
+CUDA: the plain loop's speed), the same elementwise rule.
+
+``AdamW`` is the default updater: ``update_group`` is the kernel backend's fused AdamW (the CuPy
+RawKernel on CUDA, torch ops on the CPU) piece by piece. With ``training.state_dtype: bf16`` the
+walk's weights and moments are bfloat16 (6 bytes a parameter instead of 12): the update in float32,
+written back with stochastic rounding, its noise a hash of (run seed, step, group, element index), so
+a resumed run draws what the run straight drew (apr/kernels/interface.py ``rounding_keys``).
 
 Its moments are ``exp_avg`` / ``exp_avg_sq`` (checkpointed as ``optimizer.m.`` / ``optimizer.v.``):
 in the buffer plan's flat buffers for the walk, in ``torch.optim.AdamW``'s per-parameter state for
-the autograd sources and the sharded walk (``moments`` / ``set_moments``). Another optimizer (SGD,
-SWATS, Lion) implements ``update_flat`` and inherits ``bind`` / ``step`` from ``GroupedUpdates``:
-every such updater has both interfaces, so each runs on every unsharded source; the engines call
-nothing else. ``Adafactor`` is torch's, bound like AdamW's; it factors each matrix's statistics by
-shape, which the walk's flat buffers do not carry, so it runs on the autograd sources only.
+the autograd sources and the sharded walk (``moments`` / ``set_moments``). SGD, SWATS and Lion
+inherit ``bind`` / ``step`` from ``GroupedUpdates`` and run on every source and layout, FSDP2
+included. ``Adafactor`` is torch's, bound like AdamW's; it factors each matrix's statistics by
+shape, which flat buffers and row shards do not carry, so it runs on autograd without sharding only
+(the two physical refusals, at ``optimizer.name``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 
 from apr.config.schema import OptimizerConfig
 from apr.errors import AprError
@@ -33,7 +45,59 @@ from apr.kernels import KernelBackend
 from apr.kernels.interface import DecayRanges, rounding_keys
 
 
-class AdamW:
+class Piece(NamedTuple):
+    """A flat part of one optimizer group (see the module docstring): its weights, gradient, moments,
+    the ranges weight decay applies to, and where the new weights go in the compute dtype."""
+
+    params: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay: DecayRanges
+    param_copy: torch.Tensor | None = None
+
+
+class ShardSum:
+    """``reduce`` for pieces that are shards: the sum over the shard group (every rank calls it for
+    every group, in the same order, with zeros where it holds none of the group)."""
+
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def zeros(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+
+class Updater:
+    """The one interface every gradient source calls (see the module docstring). An elementwise
+    updater implements ``_update_piece``; one that needs the whole group overrides ``update_group``."""
+
+    name = ""
+
+    def update_group(self, group: str, pieces: list[Piece], *, lr: float, step: int, grad_scale=1.0,
+                     found_inf: torch.Tensor | None = None, reduce=None) -> None:
+        """Update one optimizer group in place: ``grad_scale`` multiplies each gradient first (the clip
+        coefficient, 1 / loss scale); ``found_inf`` (a device flag) makes it write nothing; ``reduce``
+        (shards only) sums a tensor over the ranks holding the group's other pieces."""
+        for piece in pieces:
+            self._update_piece(piece, lr=lr, step=step, grad_scale=grad_scale, found_inf=found_inf, group=group)
+
+    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
+                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
+        """``update_group`` with the group as one flat piece (the flat-buffer walk)."""
+        self.update_group(group or "", [Piece(params, grad, exp_avg, exp_avg_sq, decay, param_copy)], lr=lr,
+                          step=step, grad_scale=grad_scale, found_inf=found_inf)
+
+    def _update_piece(self, piece: Piece, *, lr: float, step: int, grad_scale, found_inf, group: str) -> None:
+        raise NotImplementedError
+
+
+class AdamW(Updater):
     name = "adamw"
 
     def __init__(self, opt: OptimizerConfig, backend: KernelBackend):
@@ -44,20 +108,18 @@ class AdamW:
         # bf16 state's stochastic rounding draws from (seed, step, group): the engine sets the run's seed
         self.rounding_seed = 0
 
-    # ------------------------------------------------------------------ flat tensors, one group at a time
+    # ------------------------------------------------------------------ flat pieces, one group at a time
 
-    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
-                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
-        """One fused AdamW update of flat float32 tensors in place; ``decay``: the ranges weight decay
-        applies to; ``grad_scale`` multiplies the gradient first (clip coefficient, 1/loss scale);
-        ``found_inf`` (a device flag) makes it write nothing; ``param_copy`` receives the new weights
-        in the compute dtype. bf16 tensors (``training.state_dtype: bf16``): the update in float32,
-        written back with stochastic rounding keyed by (``rounding_seed``, ``step``, ``group``)."""
-        rounding = rounding_keys(self.rounding_seed, step, group or "") if params.dtype == torch.bfloat16 else None
-        self.backend.adamw_step(params, grad, exp_avg, exp_avg_sq, lr=lr, beta1=self.beta1, beta2=self.beta2,
-                                eps=self.eps, weight_decay=self.weight_decay, step=step, decay=decay,
-                                grad_scale=grad_scale, found_inf=found_inf, param_copy=param_copy, rounding=rounding)
+    def _update_piece(self, piece: Piece, *, lr: float, step: int, grad_scale, found_inf, group: str) -> None:
+        """One fused AdamW update of a flat piece in place. bf16 tensors (``training.state_dtype:
+        bf16``): the update in float32, written back with stochastic rounding keyed by
+        (``rounding_seed``, ``step``, ``group``)."""
+        params = piece.params
+        rounding = rounding_keys(self.rounding_seed, step, group) if params.dtype == torch.bfloat16 else None
+        self.backend.adamw_step(params, piece.grad, piece.exp_avg, piece.exp_avg_sq, lr=lr, beta1=self.beta1,
+                                beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay, step=step,
+                                decay=piece.decay, grad_scale=grad_scale, found_inf=found_inf,
+                                param_copy=piece.param_copy, rounding=rounding)
 
     # ------------------------------------------------------------------ named parameters, after a backward
 
@@ -126,14 +188,20 @@ class AdamW:
             state["step"].fill_(float(step))
 
 
-class GroupedUpdates:
-    """``bind`` / ``step`` for an updater whose update is ``update_flat`` (SGD, SWATS, Lion): after an
-    autograd backward, one optimizer group at a time in the walk's group order, the group's weights
-    and gradients gathered into flat float32 tensors, its moments kept flat per group (per-parameter
-    views for checkpoints): the walk's update, element for element, on the autograd source. One
-    process or DDP (every rank holds whole groups); sharded state is refused by validate. An updater
-    with one moment (``second_moment = False``: Lion) holds no second buffer here; its checkpointed
-    ``optimizer.v.`` is a view of one zero."""
+class GroupedUpdates(Updater):
+    """``bind`` / ``step`` for SGD, SWATS and Lion after an autograd backward: ``update_group`` per
+    optimizer group, in the walk's group order.
+
+    - One process or DDP (every rank holds whole groups): the group's weights and gradients gathered
+      into flat float32 tensors, its moments kept flat per group (per-parameter views for
+      checkpoints): the walk's update, element for element.
+    - FSDP2 (the parameters are DTensors): one piece per parameter, its local shard, the moments
+      DTensors sharded like it (checkpoints gather and re-shard them as AdamW's), and ``reduce`` the
+      sum over the mesh's shard dimension (hybrid replicas hold equal shards).
+
+    An updater with one moment (``second_moment = False``: Lion) holds no second buffer unsharded
+    (its checkpointed ``optimizer.v.`` is a view of one zero); on shards it holds zeros like AdamW's
+    second moment (the plan counts them)."""
 
     optimizer = None  # no torch.optim object: apr/train/blocknorms.py reads the groups' moments instead
     second_moment = True
@@ -146,8 +214,14 @@ class GroupedUpdates:
         self._decayed: dict[int, bool] = {}
         self._steps: dict[str, int] = {}
         self._frozen: set[int] = set()
+        self._reduce = None
         for gname, params in groups or [("all", list(named.values()))]:
-            decay = DecayRanges.from_segments([(p.numel(), names.get(id(p)) in decay_names) for p in params])
+            for p in params:
+                self._decayed[id(p)] = names.get(id(p)) in decay_names
+            if params and hasattr(params[0], "device_mesh"):  # FSDP2: per-parameter sharded moments
+                self._bind_shards(gname, params)
+                continue
+            decay = DecayRanges.from_segments([(p.numel(), self._decayed[id(p)]) for p in params])
             total = sum(p.numel() for p in params)
             m = torch.zeros(total, dtype=torch.float32, device=device)
             v = torch.zeros(total if self.second_moment else 1, dtype=torch.float32, device=device)
@@ -156,22 +230,47 @@ class GroupedUpdates:
                 n = p.numel()
                 v_view = v[offset:offset + n].view_as(p) if self.second_moment else v[0].expand_as(p)
                 self._views[id(p)] = (gname, m[offset:offset + n].view_as(p), v_view)
-                self._decayed[id(p)] = names.get(id(p)) in decay_names
                 offset += n
             self._groups.append((gname, params, decay, m, v))
+
+    def _bind_shards(self, gname: str, params: list[torch.Tensor]) -> None:
+        mesh = params[0].device_mesh
+        self._reduce = ShardSum(mesh.get_group("shard") if mesh.ndim > 1 else mesh.get_group(),
+                                params[0].to_local().device)
+        for p in params:
+            self._views[id(p)] = (gname, torch.zeros_like(p, dtype=torch.float32),
+                                  torch.zeros_like(p, dtype=torch.float32))
+        self._groups.append((gname, params, None, None, None))
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         for gname, params, decay, m, v in self._groups:
             if all(id(p) in self._frozen for p in params) or any(p.grad is None for p in params):
                 continue  # frozen, or no gradient this step (distillation's other blocks)
+            self._steps[gname] = self._steps.get(gname, 0) + 1
+            if m is None:  # shards: each parameter's local rows, updated in place
+                self.update_group(gname, self.shard_pieces(params), lr=lr, step=self._steps[gname],
+                                  reduce=self._reduce)
+                continue
             flat = torch.cat([p.detach().reshape(-1).float() for p in params])
             grad = torch.cat([p.grad.reshape(-1).float() for p in params])
-            self._steps[gname] = self._steps.get(gname, 0) + 1
-            self.update_flat(flat, grad, m, v, lr=lr, step=self._steps[gname], decay=decay, group=gname)
+            self.update_group(gname, [Piece(flat, grad, m, v, decay)], lr=lr, step=self._steps[gname])
             torch._foreach_copy_([p.data for p in params],
                                  [t.view_as(p) for t, p in zip(flat.split([p.numel() for p in params]), params,
                                                                strict=True)])
+
+    def shard_pieces(self, params: list[torch.Tensor]) -> list[Piece]:
+        """Each parameter's local shard as a piece (a rank past a tensor's last row holds none of it)."""
+        pieces = []
+        for p in params:
+            local = p.detach().to_local()
+            if local.numel() == 0:
+                continue
+            _, m, v = self._views[id(p)]
+            pieces.append(Piece(local.view(-1), p.grad.to_local().reshape(-1), m.to_local().view(-1),
+                                v.to_local().view(-1), DecayRanges.from_segments([(local.numel(),
+                                                                                   self._decayed[id(p)])])))
+        return pieces
 
     def freeze(self, params: list[torch.Tensor]) -> None:
         self._frozen.update(id(p) for p in params)
@@ -217,9 +316,9 @@ class SGD(GroupedUpdates):
         self.backend = backend
 
     @torch.no_grad()
-    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
-                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
+    def _update_piece(self, piece: Piece, *, lr: float, step: int, grad_scale, found_inf, group: str) -> None:
+        params, grad, exp_avg = piece.params, piece.grad, piece.exp_avg
+        decay, param_copy = piece.decay, piece.param_copy
         if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
             grad.mul_(grad_scale)
         if found_inf is None:
@@ -271,36 +370,48 @@ class SWATS(GroupedUpdates):
         self.groups: dict[str, dict] = {}  # group -> {"lam", "switched_at", "sgd_lr", "lr_at_switch"}
 
     @torch.no_grad()
-    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
-                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
+    def update_group(self, group: str, pieces: list[Piece], *, lr: float, step: int, grad_scale=1.0,
+                     found_inf: torch.Tensor | None = None, reduce=None) -> None:
+        """Each piece's update, then (AdamW phase) the switch test on the whole group's two dot
+        products: summed over the pieces, and over the shards with ``reduce``."""
         if found_inf is not None and bool(found_inf):
             return
-        state = self.groups.setdefault(group or "", {"lam": 0.0, "switched_at": None, "sgd_lr": None,
-                                                       "lr_at_switch": None})
-        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
-            grad.mul_(grad_scale)
-        _decay(params, lr * self.weight_decay, decay)
-        if state["switched_at"] is not None:
-            exp_avg.mul_(self.beta1).add_(grad)
-            rate = state["sgd_lr"] * (lr / state["lr_at_switch"] if state["lr_at_switch"] else 1.0)
-            params.add_(exp_avg, alpha=-(1 - self.beta1) * rate)
-        else:
-            exp_avg.lerp_(grad, 1 - self.beta1)
-            exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
-            denom = (exp_avg_sq / (1 - self.beta2 ** step)).sqrt_().add_(self.eps)
-            p = exp_avg.div(denom).mul_(-lr / (1 - self.beta1 ** step))
-            params.add_(p)
-            pg, pp = float(torch.dot(p, grad)), float(torch.dot(p, p))
+        state = self.groups.setdefault(group, {"lam": 0.0, "switched_at": None, "sgd_lr": None, "lr_at_switch": None})
+        dots = [self._piece(piece, state, lr, step, grad_scale) for piece in pieces]
+        if state["switched_at"] is None:
+            if reduce is not None:  # every rank calls the collective, with or without rows of the group
+                dots = [reduce(sum(dots[1:], dots[0]) if dots else reduce.zeros(2, dtype=torch.float64))]
+            total = dots[0] if len(dots) == 1 else sum(dots[1:], dots[0])
+            pg, pp = (float(x) for x in total)
             if pg != 0.0:
                 gamma = pp / -pg
                 state["lam"] = self.beta2 * state["lam"] + (1 - self.beta2) * gamma
                 corrected = state["lam"] / (1 - self.beta2 ** step)
                 if step > self.min_steps and abs(corrected - gamma) < self.tolerance and corrected > 0:
                     state.update(switched_at=step, sgd_lr=corrected, lr_at_switch=lr)
-                    exp_avg.zero_()  # SGD's momentum starts from zero (the paper's v_0)
-        if param_copy is not None:
-            param_copy.copy_(params)
+                    for piece in pieces:
+                        piece.exp_avg.zero_()  # SGD's momentum starts from zero (the paper's v_0)
+        for piece in pieces:
+            if piece.param_copy is not None:
+                piece.param_copy.copy_(piece.params)
+
+    def _piece(self, piece: Piece, state: dict, lr: float, step: int, grad_scale) -> torch.Tensor | None:
+        """One piece's update; in the AdamW phase, its (p.g, p.p) in float64 for the switch test."""
+        params, grad, exp_avg, exp_avg_sq = piece.params, piece.grad, piece.exp_avg, piece.exp_avg_sq
+        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        _decay(params, lr * self.weight_decay, piece.decay)
+        if state["switched_at"] is not None:
+            exp_avg.mul_(self.beta1).add_(grad)
+            rate = state["sgd_lr"] * (lr / state["lr_at_switch"] if state["lr_at_switch"] else 1.0)
+            params.add_(exp_avg, alpha=-(1 - self.beta1) * rate)
+            return None
+        exp_avg.lerp_(grad, 1 - self.beta1)
+        exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+        denom = (exp_avg_sq / (1 - self.beta2 ** step)).sqrt_().add_(self.eps)
+        p = exp_avg.div(denom).mul_(-lr / (1 - self.beta1 ** step))
+        params.add_(p)
+        return torch.stack([torch.dot(p, grad), torch.dot(p, p)]).double()
 
     def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
         self.beta1, self.beta2, self.weight_decay = beta1, beta2, weight_decay
@@ -333,9 +444,18 @@ class Lion(GroupedUpdates):
         self.update_sq: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def update_flat(self, params: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    *, lr: float, step: int, decay, grad_scale=1.0, found_inf: torch.Tensor | None = None,
-                    param_copy: torch.Tensor | None = None, group: str | None = None) -> None:
+    def update_group(self, group: str, pieces: list[Piece], *, lr: float, step: int, grad_scale=1.0,
+                     found_inf: torch.Tensor | None = None, reduce=None) -> None:
+        """Each piece's update; the group's squared update norm summed over the pieces (and the shards)."""
+        sqs = [self._piece(piece, lr, grad_scale, found_inf) for piece in pieces]
+        if reduce is not None:
+            sqs = [reduce(torch.stack(sqs).sum() if sqs else reduce.zeros(dtype=torch.float32))]
+        if sqs:
+            self.update_sq[group] = sqs[0] if len(sqs) == 1 else torch.stack(sqs).sum()
+
+    def _piece(self, piece: Piece, lr: float, grad_scale, found_inf) -> torch.Tensor:
+        params, grad, exp_avg = piece.params, piece.grad, piece.exp_avg
+        decay, param_copy = piece.decay, piece.param_copy
         if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
             grad.mul_(grad_scale)
         rate = lr
@@ -346,7 +466,7 @@ class Lion(GroupedUpdates):
         if self.weight_decay != 0.0:
             for s, e in decay.ranges:
                 direction[s:e].add_(params[s:e], alpha=self.weight_decay)
-        self.update_sq[group or ""] = torch.dot(direction, direction) * rate * rate
+        sq = torch.dot(direction, direction) * rate * rate
         if isinstance(rate, torch.Tensor):
             params.sub_(direction.mul_(rate))
         else:
@@ -354,6 +474,7 @@ class Lion(GroupedUpdates):
         exp_avg.lerp_(grad, 1 - self.beta2)
         if param_copy is not None:
             param_copy.copy_(params)
+        return sq
 
     def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
         self.beta1, self.beta2, self.weight_decay = beta1, beta2, weight_decay
@@ -388,7 +509,7 @@ class Adafactor(AdamW):
         return torch.optim.Adafactor(groups, lr=self.lr, beta2_decay=self.beta2_decay, eps=(self.eps1, self.eps2),
                                      d=self.clip_threshold)
 
-    def update_flat(self, *args, **kwargs) -> None:
+    def update_group(self, *args, **kwargs) -> None:
         raise AprError("optimizer.name adafactor keeps row and column statistics of each weight matrix, but the "
                        "flat-buffer walk hands the updater a group's flat buffer without the matrices' shapes: "
                        "use training.engine: standard (apr train validate refuses this config)")

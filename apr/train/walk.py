@@ -27,6 +27,7 @@ from apr.train.backprop import backward
 from apr.train.engine import group_specs, sac_policy, selectively
 from apr.train.flat import FlatGroup, flatten_group
 from apr.train.nonfinite import LOSS
+from apr.train.updaters import Piece
 
 
 class Walk:
@@ -304,9 +305,9 @@ class Walk:
         scale = coef if self.e.scaler.scale == 1.0 else coef * (1.0 / self.e.scaler.scale)
         if group.name in self.e.frozen:  # progressive stacking's frozen blocks: no update at all
             return
-        self.e.updater.update_flat(group.flat_params, grad, group.exp_avg, group.exp_avg_sq, lr=self._lr,
-                                 step=self.e.optimizer_steps + 1, decay=group.decay, grad_scale=scale,
-                                 found_inf=found_inf, param_copy=group.compute, group=group.name)
+        piece = Piece(group.flat_params, grad, group.exp_avg, group.exp_avg_sq, group.decay, group.compute)
+        self.e.updater.update_group(group.name, [piece], lr=self._lr, step=self.e.optimizer_steps + 1,
+                                    grad_scale=scale, found_inf=found_inf)
         self.e._flags.stepped()
 
     # The source's side of ``Engine.train_step`` (apr/train/engine.py), the step ended by apr/train/finish.py.

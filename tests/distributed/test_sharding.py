@@ -142,6 +142,35 @@ def test_hybrid_sharding_replicates_across_nodes_and_equals_one_process(tmp_path
     _assert_same_block_norms(tmp_path / "two", tmp_path / "one")
 
 
+# SGD, SWATS and Lion on FSDP2 shards: the updater's update_group over each group's local shards
+# (apr/train/updaters.py), SWATS' switch test and Lion's update norm summed over the shard group.
+# SWATS switches at step 3 (tolerance 1e6): the run crosses its switch on shards.
+# ``none``: DDP, each rank's whole groups (the walk's one flat piece).
+UPDATER_CASES = [("sgd", "standard", "full"), ("swats", "interleaved", "full"), ("lion", "standard", "hybrid"),
+                 ("lion", "interleaved", "full"), ("sgd", "interleaved", "none"), ("swats", "standard", "none")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer", "engine", "sharding"), UPDATER_CASES)
+def test_group_updaters_on_shards_equal_one_process_with_twice_the_batch(tmp_path, optimizer, engine, sharding):
+    make_dataset(tmp_path, train_rows=160)
+    opt = {**OPT, "name": optimizer, **({"swats_min_steps": 2, "swats_tolerance": 1e6} if optimizer == "swats" else {})}
+    common = {"epochs": 1, "max_steps": 5, "save_interval": 5, "eval_interval": 5, "engine": engine, "grad_clip": 0.5}
+    hybrid = sharding == "hybrid"
+    one = config_doc(tmp_path, data={"batch_size": 4}, optimizer=opt, training={**common, "output_dir": "one/"})
+    nodes = {"nodes": 2} if hybrid else {}
+    two = config_doc(tmp_path, data={"batch_size": 2}, optimizer=opt,
+                     training={**common, "output_dir": "two/", "sharding": sharding, **nodes})
+    _launch(one, tmp_path / "one.json", 1)
+    _launch(two, tmp_path / "two.json", 2, extra_env={"APR_SHARD_GROUP_SIZE": "1"} if hybrid else None)
+    assert _rel(_weights(tmp_path / "two", 5), _weights(tmp_path / "one", 5)) <= 1e-6
+    if optimizer == "swats":  # every group switched to SGD at the same step on shards as on one process
+        one_s, two_s = (read_checkpoint(tmp_path / d / "checkpoint-step-5.json").meta["engine"]["swats"]
+                        for d in ("one", "two"))
+        assert {g: s["switched_at"] for g, s in two_s.items()} == {g: 3 for g in one_s}
+        assert all(two_s[g]["sgd_lr"] == pytest.approx(one_s[g]["sgd_lr"], rel=1e-5) for g in one_s)
+
+
 def _rows(path: Path) -> list[int]:
     """The row read at every position of the run, in order. A log line is one global micro-batch
     (its number under the layout of the process that drew it, and its rows); position = number x

@@ -52,15 +52,17 @@ def test_settings_the_orchestrator_cannot_honour_are_refused(tmp_path):
     assert {"training.orchestrator.candidates", "training.orchestrator.strategies.mine.clip_mode"} <= paths
 
 
-def test_sgd_and_swats_run_on_autograd_but_not_on_shards(tmp_path):
-    """optimizer.name sgd / swats: both gradient sources update whole groups (apr/train/updaters.py
-    GroupedUpdates); sharded state is refused at the key with the reason."""
+def test_sgd_and_swats_run_on_autograd_and_on_shards(tmp_path):
+    """optimizer.name sgd / swats: every gradient source calls the updater's update_group, on shards
+    too (apr/train/updaters.py); only adafactor is refused there, at the key with the reason."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(BASE + "  engine: standard\noptimizer:\n  name: swats\n")
     assert orchestrator_findings(load_config(cfg), 1000) == []
     cfg.write_text(BASE + "  sharding: full\noptimizer:\n  name: swats\n")
+    assert orchestrator_findings(load_config(cfg), 1000) == []
+    cfg.write_text(BASE + "  sharding: full\n  engine: standard\noptimizer:\n  name: adafactor\n")
     found = orchestrator_findings(load_config(cfg), 1000)
-    assert [(f.path, f.line) for f in found] == [("optimizer.name", 20)]
+    assert [(f.path, f.line) for f in found] == [("optimizer.name", 21)]
     assert "training.sharding: full" in found[0].message
 
 
@@ -71,7 +73,7 @@ def test_orchestration_runs_on_shards_but_sgd_strategies_are_refused_there_with_
     assert orchestrator_findings(load_config(cfg), 1000) == []
     found = _findings(tmp_path, "    enabled: true\n", "  sharding: full\n")  # sgd_escape, a built-in candidate
     assert [f["path"] for f in found] == ["training.orchestrator.candidates"]
-    assert "training.sharding: full" in found[0]["message"] and "per-shard" in found[0]["message"]
+    assert "training.sharding: full" in found[0]["message"] and "per shard" in found[0]["message"]
 
 
 def test_orchestration_without_validation_data_is_an_error(tmp_path):

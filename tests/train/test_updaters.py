@@ -207,19 +207,45 @@ def test_sgd_and_swats_on_autograd_train_as_on_the_walk_and_resume(name):
     assert all(torch.equal(r[k], a[k]) for k in a)
 
 
-def test_validate_refuses_sgd_only_on_sharded_state(tmp_path):
+@pytest.mark.parametrize("name", ["sgd", "swats", "lion"])
+def test_validate_accepts_group_updaters_on_every_source_and_refuses_only_adafactor_on_shards(tmp_path, name):
     from apr.config.loader import load_config
     from apr.plan.orchestratefacts import orchestrator_findings
 
-    def findings(training):
+    def findings(optimizer, training):
         path = tmp_path / "cfg.yaml"
-        path.write_text(to_yaml({**make_config().model_dump(mode="json"), "optimizer": {"name": "sgd"},
+        path.write_text(to_yaml({**make_config().model_dump(mode="json"), "optimizer": {"name": optimizer},
                                  "training": {**make_config().training.model_dump(mode="json"), **training}}))
         return [f for f in orchestrator_findings(load_config(path), 10) if f.path == "optimizer.name"]
 
-    assert findings({"engine": "standard"}) == []  # autograd runs it (GroupedUpdates)
-    (refusal,) = findings({"sharding": "full", "world_size": 2})
+    for training in ({"engine": "standard"}, {"engine": "interleaved"},
+                     {"sharding": "full", "world_size": 2, "engine": "standard"},
+                     {"sharding": "hybrid", "world_size": 2, "nodes": 2, "engine": "interleaved"}):
+        assert findings(name, training) == [], training  # update_group on every source (tests/distributed)
+    (refusal,) = findings("adafactor", {"sharding": "full", "world_size": 2, "engine": "standard"})
     assert refusal.severity == "error" and "training.sharding: full" in refusal.message
+
+
+def test_swats_sums_its_switch_test_over_the_groups_pieces_as_over_one_flat_group():
+    """The group's dot products over several pieces (a sharded group's local shards) decide the switch
+    as the one flat buffer does: the same weights, moments and switch step."""
+    from apr.train.updaters import SWATS, Piece
+
+    opt = OptimizerConfig(name="swats", lr=0.1, swats_min_steps=2, swats_tolerance=1e-2, weight_decay=0.0)
+    torch.manual_seed(0)
+    target = torch.randn(40)
+    whole, parts = SWATS(opt, get_backend("torch", "cpu")), SWATS(opt, get_backend("torch", "cpu"))
+    p1, m1, v1 = torch.zeros(40), torch.zeros(40), torch.zeros(40)
+    p2, m2, v2 = torch.zeros(40), torch.zeros(40), torch.zeros(40)
+    decay = DecayRanges.from_segments([(40, False)])
+    halves = DecayRanges.from_segments([(20, False)])
+    for step in range(1, 40):
+        whole.update_flat(p1, p1 - target, m1, v1, lr=opt.lr, step=step, decay=decay, group="g")
+        g = p2 - target
+        parts.update_group("g", [Piece(p2[:20], g[:20], m2[:20], v2[:20], halves),
+                                 Piece(p2[20:], g[20:], m2[20:], v2[20:], halves)], lr=opt.lr, step=step)
+    assert whole.switched() and parts.switched() == whole.switched()
+    assert torch.allclose(p1, p2, rtol=1e-5, atol=1e-6) and torch.allclose(m1, m2, rtol=1e-5, atol=1e-6)
 
 
 def test_sgd_writes_nothing_on_a_flagged_step_without_reading_the_flag_on_the_host():
@@ -413,8 +439,7 @@ def test_validate_refuses_adafactor_on_the_walk_and_both_under_sharding(tmp_path
     assert walk.severity == "error" and "shapes" in walk.message and walk.expected.startswith("training.engine")
     (sharded,) = findings("adafactor", {"engine": "standard", "sharding": "full", "world_size": 2})
     assert "rows" in sharded.message and "training.sharding: full" in sharded.message
-    (lion,) = findings("lion", {"sharding": "full", "world_size": 2})
-    assert lion.severity == "error" and "SWATS" not in lion.message
+    assert findings("lion", {"sharding": "full", "world_size": 2}) == []  # update_group on shards
 
 
 @pytest.mark.parametrize(("name", "engine"), [("lion", "interleaved"), ("adafactor", "standard")])
