@@ -12,10 +12,11 @@ weight decay applies to:
 - autograd hands the group's parameters gathered into flat tensors (``GroupedUpdates.step``, one
   process or DDP) or their local shards (FSDP2, with ``reduce``).
 
-``update_flat`` is the one-piece call (the walk's, and tests'). ``step(lr)`` is every group's update
-after a whole autograd backward: ``GroupedUpdates`` runs ``update_group`` per group; AdamW and
-Adafactor on the autograd sources run torch's own optimizer over all groups at once instead (fused on
-CUDA: the plain loop's speed), the same elementwise rule.
+``update_flat`` is the one-piece call (the walk's, and tests'). ``step(lr)`` is every bound group's
+``update_group`` after a whole autograd backward: ``GroupedUpdates`` hands flat pieces (or shards);
+AdamW hands the parameters themselves, updated by torch's multi-tensor AdamW (fused on CUDA: the plain
+loop's speed; bitwise what ``torch.optim.AdamW.step`` gives). Adafactor alone keeps torch's optimizer
+step over every parameter at once.
 
 ``AdamW`` is the default updater: ``update_group`` is the kernel backend's fused AdamW (the CuPy
 RawKernel on CUDA, torch ops on the CPU) piece by piece. With ``training.state_dtype: bf16`` the
@@ -55,6 +56,7 @@ class Piece(NamedTuple):
     exp_avg_sq: torch.Tensor
     decay: DecayRanges
     param_copy: torch.Tensor | None = None
+    param: torch.Tensor | None = None  # autograd: the parameter itself (AdamW: its torch state and step count)
 
 
 class ShardSum:
@@ -125,20 +127,62 @@ class AdamW(Updater):
 
     def bind(self, named: dict[str, torch.Tensor], decay_names: set[str], device: torch.device,
              groups: list[tuple[str, list[torch.Tensor]]] | None = None) -> None:
-        """Hold torch's AdamW over these parameters: decayed ones, then the rest without decay."""
+        """Hold torch's AdamW over these parameters (decayed ones, then the rest without decay): its
+        per-parameter state (moments, step counts) and settings; ``step`` updates them group by group."""
         params = list(named.items())
         self.optimizer = self._torch_optimizer(
             [{"params": [p for n, p in params if n in decay_names], "weight_decay": self.weight_decay},
              {"params": [p for n, p in params if n not in decay_names], "weight_decay": 0.0}], device)
+        names = {id(p): n for n, p in params}
+        self._bound = [(g, [(p, names.get(id(p)) in decay_names) for p in ps])
+                       for g, ps in (groups or [("all", [p for _, p in params])])]
+        self._frozen: set[int] = set()
 
     def _torch_optimizer(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
                                  fused=(device.type == "cuda") or None)
 
+    @torch.no_grad()
     def step(self, lr: float) -> None:
-        for pg in self.optimizer.param_groups:
-            pg["lr"] = lr
-        self.optimizer.step()
+        """Every bound group's ``update_group`` after an autograd backward, each parameter with a
+        gradient a piece (a parameter without one keeps its moments and step count, as in torch)."""
+        for gname, params in self._bound:
+            pieces = [self._param_piece(p, decayed) for p, decayed in params
+                      if p.grad is not None and id(p) not in self._frozen]
+            if pieces:
+                self.update_group(gname, pieces, lr=lr, step=0)
+
+    def _param_piece(self, p: torch.Tensor, decayed: bool) -> Piece:
+        if self.moments(p) is None:  # torch's lazy state: zero moments, step 0
+            self.set_moments(p, torch.zeros_like(p, memory_format=torch.preserve_format),
+                             torch.zeros_like(p, memory_format=torch.preserve_format), 0)
+        m, v = self.moments(p)
+        return Piece(p, p.grad, m, v, DecayRanges.from_segments([(p.numel(), decayed)]), param=p)
+
+    def update_group(self, group: str, pieces: list[Piece], *, lr: float, step: int, grad_scale=1.0,
+                     found_inf: torch.Tensor | None = None, reduce=None) -> None:
+        """Flat pieces: the kernel backend's fused AdamW, piece by piece. Parameters (autograd): torch's
+        multi-tensor AdamW (``torch.optim.adam.adam`` with decoupled decay, fused on CUDA), the rule
+        and kernels ``torch.optim.AdamW.step`` runs, over the group's decayed, then undecayed ones,
+        each at its own step count (``step`` is unused there)."""
+        if not pieces or pieces[0].param is None:
+            return super().update_group(group, pieces, lr=lr, step=step, grad_scale=grad_scale,
+                                        found_inf=found_inf, reduce=reduce)
+        from torch.optim.adam import adam  # lazy: torch's functional optimizer, only on the autograd sources
+
+        defaults = self.optimizer.defaults
+        for decayed in (True, False):
+            chosen = [pc for pc in pieces if bool(pc.decay.ranges) == decayed]
+            if not chosen:
+                continue
+            states = [self.optimizer.state[pc.param] for pc in chosen]
+            adam([pc.param for pc in chosen], [pc.grad for pc in chosen], [pc.exp_avg for pc in chosen],
+                 [pc.exp_avg_sq for pc in chosen], [], [st["step"] for st in states], amsgrad=False,
+                 has_complex=False, beta1=self.beta1, beta2=self.beta2, lr=lr,
+                 weight_decay=self.weight_decay if decayed else 0.0, eps=self.eps, maximize=False,
+                 foreach=defaults.get("foreach"), capturable=False, differentiable=False,
+                 fused=defaults.get("fused"), grad_scale=grad_scale if isinstance(grad_scale, torch.Tensor) else None,
+                 found_inf=found_inf, decoupled_weight_decay=True)
 
     def set_hyper(self, beta1: float, beta2: float, weight_decay: float) -> None:
         """A strategy's betas and decay (the orchestrator), in torch's groups too once bound."""
@@ -157,6 +201,7 @@ class AdamW(Updater):
     def freeze(self, params: list[torch.Tensor]) -> None:
         """These parameters leave the update: no change to their weights or moments."""
         held = {id(p) for p in params}
+        self._frozen |= held
         for pg in self.optimizer.param_groups:
             pg["params"] = [p for p in pg["params"] if id(p) not in held]
 
@@ -508,6 +553,12 @@ class Adafactor(AdamW):
     def _torch_optimizer(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
         return torch.optim.Adafactor(groups, lr=self.lr, beta2_decay=self.beta2_decay, eps=(self.eps1, self.eps2),
                                      d=self.clip_threshold)
+
+    def step(self, lr: float) -> None:
+        """torch's Adafactor over every parameter at once (its factored statistics need each matrix)."""
+        for pg in self.optimizer.param_groups:
+            pg["lr"] = lr
+        self.optimizer.step()
 
     def update_group(self, *args, **kwargs) -> None:
         raise AprError("optimizer.name adafactor keeps row and column statistics of each weight matrix, but the "

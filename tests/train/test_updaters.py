@@ -605,3 +605,39 @@ def test_a_bf16_state_run_checkpoints_bf16_and_resumes_bitwise(tmp_path):
     assert {t.dtype for t in final.values()} == {torch.bfloat16}
     assert set(final) == set(again) and any(k.startswith("optimizer.v.") for k in final)
     assert [k for k in final if not torch.equal(final[k].view(torch.int16), again[k].view(torch.int16))] == []
+
+
+def test_adamw_update_group_on_parameters_is_torch_adamw_bitwise():
+    """The autograd sources' AdamW goes through update_group like every source: per optimizer group,
+    torch's own multi-tensor rule, ending bitwise where torch.optim.AdamW.step does; a parameter
+    without a gradient keeps its moments and step count, a frozen one is not touched."""
+    torch.manual_seed(0)
+    shapes = {"a.w": (6, 4), "a.norm": (4,), "b.w": (4, 4), "b.bias": (4,), "c.w": (3, 4)}
+    init = {n: torch.randn(s) for n, s in shapes.items()}
+    decayed = {"a.w", "b.w", "c.w"}
+    ours = {n: t.clone().requires_grad_() for n, t in init.items()}
+    ref = {n: t.clone().requires_grad_() for n, t in init.items()}
+    up = AdamW(OptimizerConfig(lr=1e-2, weight_decay=0.1), get_backend("torch", "cpu"))
+    up.bind(ours, decayed, torch.device("cpu"), groups=[("a", [ours["a.w"], ours["a.norm"]]),
+                                                        ("b", [ours["b.w"], ours["b.bias"]]), ("c", [ours["c.w"]])])
+    torch_opt = torch.optim.AdamW([{"params": [ref[n] for n in shapes if n in decayed], "weight_decay": 0.1},
+                                   {"params": [ref[n] for n in shapes if n not in decayed], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(up.beta1, up.beta2), eps=up.eps)
+    up.freeze([ours["c.w"]])
+    torch_opt.param_groups[0]["params"] = [p for p in torch_opt.param_groups[0]["params"] if p is not ref["c.w"]]
+    for step in range(4):
+        grads = {n: torch.randn(s) for n, s in shapes.items()}
+        for params in (ours, ref):
+            for n, p in params.items():
+                p.grad = None if (step == 2 and n == "b.bias") else grads[n].clone()
+        up.step(1e-2)
+        torch_opt.step()
+    for n in shapes:
+        assert torch.equal(ours[n], ref[n]), n
+        if n == "c.w":
+            assert torch.equal(ours[n], init[n]) and up.moments(ours[n]) is None  # frozen: untouched
+            continue
+        m, v = up.moments(ours[n])
+        state = torch_opt.state[ref[n]]
+        assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
+        assert up.steps_of(ours[n]) == int(torch_opt.state[ref[n]]["step"]) == (3 if n == "b.bias" else 4)
