@@ -261,6 +261,12 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                            "error", "export.decoupled_attention", "no Hugging Face form for decoupled attention",
                            path="model.architecture.decoupled_attention", file=str(info.json_path),
                            expected="standard (grouped-query) attention", got=str(arch.decoupled_attention))])
+    if arch.time is not None:
+        raise AprError(f"{info.json_path.name} has a time embedding (model.architecture.time), which no Hugging Face "
+                       "causal LM config can hold: use the apr checkpoint with apr generate and apr eval", [Finding(
+                           "error", "export.time", "no Hugging Face form for time conditioning",
+                           path="model.architecture.time", file=str(info.json_path),
+                           expected="a model without model.architecture.time", got=str(arch.time))])
     if arch.mla is not None and arch.moe is not None:
         raise AprError(f"{info.json_path.name} has latent attention, exported as DeepseekV3, whose mixture of experts "
                        "(shared experts, grouped sigmoid routing) is not apr's Mixtral-style one: use the apr "

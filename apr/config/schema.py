@@ -202,6 +202,64 @@ class MixtureOfExperts(_Section):
         return self
 
 
+class TimeEncoding(StrEnum):
+    sinusoidal = "sinusoidal"  # fixed sines and cosines of the time step, then a learned projection
+    learned = "learned"  # a learned table of one row per time step, then a learned projection
+
+
+class TimeInterpretation(StrEnum):
+    input = "input"  # each sequence draws its own time (diffusion-style)
+    depth = "depth"  # the stacking stage fixes the time (progressive)
+
+
+class StackTimeMapping(StrEnum):
+    linear = "linear"  # stage k: k x time_per_stack
+    exponential = "exponential"  # stage k: (2^k - 1) x time_per_stack
+
+
+class TimeConditioning(_Section):
+    """StackWise's time conditioning (docs/training.md, "Time conditioning"): a time step per sequence,
+    embedded, projected to hidden_size and added to every position's token embedding."""
+
+    embedding_dim: PositiveCount = Field(description="Width of the time encoding before its projection to "
+                                         "hidden_size (StackWise's time_embedding_dim); even for sinusoidal.")
+    encoding: TimeEncoding = Field(TimeEncoding.sinusoidal, description="sinusoidal (fixed sines and cosines of "
+                                   "the step) or learned (a table of num_time_steps rows); either is followed by a "
+                                   "learned embedding_dim x hidden_size projection (StackWise's "
+                                   "time_encoding_type).")
+    num_time_steps: PositiveCount = Field(1000, description="Time steps: a time t in [0, 1] is step "
+                                          "min(floor(t x num_time_steps), num_time_steps - 1).")
+    interpretation: TimeInterpretation = Field(
+        TimeInterpretation.input, description="input: each training sequence draws its own t uniform in [0, 1] "
+        "(from the run's seed, the step and the row's tokens); depth: every sequence of stacking stage k gets the "
+        "stage's step (stack_time_mapping; needs model.stacking) (StackWise's time_interpretation).")
+    stack_time_mapping: StackTimeMapping | None = Field(
+        None, description="depth: stage k's step, min(k x time_per_stack, num_time_steps - 1) for linear, "
+        "min((2^k - 1) x time_per_stack, num_time_steps - 1) for exponential. Default: linear.")
+    time_per_stack: PositiveCount | None = Field(None, description="depth: the steps between stages "
+                                                 "(StackWise's time_per_stack); needed there.")
+    eval_time: Float | None = Field(
+        None, ge=0, le=1, description="input: the time t at which validation, apr eval and apr generate run the "
+        "model. Default 0.5. (depth: the checkpoint's stage's step.)")
+    masking: Bool = Field(False, description="Time-step masking (needs training.mode: mlm): a sequence at step s "
+                          "is masked at rate (s + 1) / num_time_steps instead of training.mlm.mask_rate.")
+
+    @model_validator(mode="after")
+    def _interpretation_keys(self):
+        if self.encoding == TimeEncoding.sinusoidal and self.embedding_dim % 2:
+            raise ValueError(f"a sinusoidal time encoding pairs sines and cosines: expected an even embedding_dim, "
+                             f"got {self.embedding_dim}")
+        if self.interpretation == TimeInterpretation.input and (self.stack_time_mapping or self.time_per_stack):
+            raise ValueError("stack_time_mapping and time_per_stack map stacking stages to time: expected "
+                             "interpretation: depth, got input")
+        if self.interpretation == TimeInterpretation.depth and (self.time_per_stack is None or
+                                                                self.eval_time is not None):
+            raise ValueError("interpretation depth takes each stage's time from time_per_stack (needed) and runs "
+                             f"a checkpoint at its stage's: expected time_per_stack and no eval_time, got "
+                             f"time_per_stack {self.time_per_stack}, eval_time {self.eval_time}")
+        return self
+
+
 class ModelFamily(StrEnum):
     """The Hugging Face family a model is read from and exported as; all are the same decoder."""
 
@@ -286,6 +344,9 @@ class Architecture(_Section):
     attention: AttentionConfig | None = Field(
         None, description="The blocks' attention: {kind: mla, kv_lora_rank, qk_rope_head_dim, q_lora_rank} for "
         "multi-head latent attention (docs/mla.md). Default: grouped-query attention.")
+    time: TimeConditioning | None = Field(
+        None, description="Time conditioning (StackWise's time-as-input and time-as-depth; docs/training.md, "
+        "\"Time conditioning\"): a time embedding added to the token embeddings. Default: none.")
 
     @field_validator("attention")
     @classmethod

@@ -129,6 +129,10 @@ def _load_apr(src: WeightSource, tokenizer, device, need_tokenizer: bool, warnin
 
         tensors = trunk_merged(tensors, config)
     model = _build(config.model.architecture, tensors, device, info.weights_path)
+    if config.model.architecture.time is not None:  # eval_time's step, or the checkpoint's stage's
+        from apr.model.time import set_fixed_step  # lazy: torch, as _build's
+
+        set_fixed_step(model, config)
     try:
         tok_path = _checkpoint_tokenizer(tokenizer, config, info)
     except LoadError:

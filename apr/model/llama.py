@@ -26,6 +26,7 @@ from apr.model import spec
 from apr.model.mla import LatentAttention
 from apr.model.moe import SparseMoE
 from apr.model.norm_rope import RMSNorm, apply_rope  # shared with apr/model/mla.py
+from apr.model.time import TimedEmbedding, TimeEmbedding
 
 
 def rope_frequencies(arch: Architecture, seq_len: int, device) -> tuple[torch.Tensor, float]:
@@ -221,7 +222,12 @@ class LlamaModel(nn.Module):
 
     def __init__(self, arch: Architecture):
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        if arch.time is None:
+            self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        else:  # time conditioning: the token embedding adds each row's time embedding (apr/model/time.py)
+            time = TimeEmbedding(arch)
+            self.embed_tokens = TimedEmbedding(arch.vocab_size, arch.hidden_size, time)
+            self.time_embedding = time  # after embed_tokens: parameters in spec.param_specs order
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

@@ -119,7 +119,20 @@ def inactive_block_numel(arch: Architecture) -> int:
 
 
 def embed_param_specs(arch: Architecture, decay_embeddings: bool = False) -> list[ParamSpec]:
-    return [ParamSpec("model.embed_tokens.weight", (arch.vocab_size, arch.hidden_size), "embed", decay_embeddings)]
+    """The token embedding, and with ``time`` the time embedding (in the embedding's group)."""
+    return [ParamSpec("model.embed_tokens.weight", (arch.vocab_size, arch.hidden_size), "embed", decay_embeddings),
+            *time_param_specs(arch, decay_embeddings)]
+
+
+def time_param_specs(arch: Architecture, decay_embeddings: bool = False) -> list[ParamSpec]:
+    """``model.architecture.time`` (apr/model/time.py): the learned encoding's table (an embedding)
+    and the projection to ``hidden_size``; none without time conditioning."""
+    t = arch.time
+    if t is None:
+        return []
+    table = [ParamSpec("model.time_embedding.table.weight", (t.num_time_steps, t.embedding_dim), "embed",
+                       decay_embeddings)] if str(t.encoding) == "learned" else []
+    return [*table, ParamSpec("model.time_embedding.proj.weight", (arch.hidden_size, t.embedding_dim), "embed", True)]
 
 
 def head_param_specs(arch: Architecture) -> list[ParamSpec]:
@@ -296,7 +309,14 @@ def flops_per_token(arch: Architecture, seq_len: int) -> int:
     counted: this is the model-FLOPs figure MFU is quoted against."""
     n = non_embedding_param_count(arch)
     attended = min(seq_len, arch.sliding_window or seq_len)  # a sliding window caps the keys per query
-    return 6 * n + 12 * arch.num_hidden_layers * arch.hidden_size * attended
+    return 6 * n + 12 * arch.num_hidden_layers * arch.hidden_size * attended + time_flops_per_token(arch, seq_len)
+
+
+def time_flops_per_token(arch: Architecture, seq_len: int) -> int:
+    """``time``'s projection runs once per sequence: 6 x its weights over the sequence's tokens (rounded up)."""
+    if arch.time is None:
+        return 0
+    return -(-6 * arch.time.embedding_dim * arch.hidden_size // seq_len)
 
 
 def kv_cache_bytes_per_token(arch: Architecture, dtype_bytes: int = 2) -> int:

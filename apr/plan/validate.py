@@ -168,6 +168,15 @@ def _moe_findings(loaded: LoadedConfig) -> list[Finding]:
     return moe_config_findings(loaded)
 
 
+def _time_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``apr.plan.timefacts.time_config_findings`` where the model has time conditioning."""
+    if loaded.config.model.architecture.time is None:
+        return []
+    from apr.plan.timefacts import time_config_findings  # lazy: off validate's path unless the model has time
+
+    return time_config_findings(loaded)
+
+
 def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     """`training.output_dir` a run must not write into (a filesystem root, the home folder, the data or
     the tokenizer), located at the key's line."""
@@ -588,6 +597,7 @@ _CHECKS: tuple = (
     (_distill_findings, (("training",), ("model",)), "distill_config_findings"),
     (_mlm_findings, (("training",), ("model",), ("evaluation",)), None),
     (_moe_findings, (("training",), ("model",)), None),
+    (_time_findings, (("training",), ("model",)), None),
     (_mla_findings, (("training",), ("model",)), "mla_config_findings"),
     (sharding_findings, (("training",), ("model",), ("evaluation",)), "sharding_findings"),
     (qlora_findings, (("model",), ("training", "sharding")), None),

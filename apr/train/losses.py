@@ -17,11 +17,13 @@ checkpoint's engine metadata. A loss with its own validation loss (``MaskedLM``)
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import torch
 
 from apr.errors import AprError
+from apr.model.time import conditioned, row_steps, set_fixed_step
 
 IGNORE = -100  # a target position that adds no loss (the kernels' ignore_index)
 
@@ -66,22 +68,42 @@ class RoutingBalance:
                 "moe_max_expert_load": float(share.max())}
 
 
+class TimeDraw:
+    """``model.architecture.time``'s steps of a training micro-batch (apr/model/time.py): each row's own
+    (interpretation input, ``row_steps``) or the stage's (depth: the model's ``fixed_step``); with
+    ``masking``, each row's masking rate ``(step + 1) / num_time_steps``."""
+
+    def __init__(self, time, seed: int):
+        self.time, self.seed = time, seed
+
+    def steps(self, lm, ids: torch.Tensor, step: int) -> torch.Tensor:
+        if str(self.time.interpretation) == "depth":
+            return torch.full((ids.shape[0],), lm.model.time_embedding.fixed_step, dtype=torch.int64)
+        return row_steps(ids, self.time.num_time_steps, self.seed, step)
+
+    def rates(self, steps: torch.Tensor) -> torch.Tensor:
+        return (steps.double() + 1) / self.time.num_time_steps
+
+
 class CausalLM:
     """Mean next-token cross-entropy over the micro-batch (plus the mixture of experts' balance term
-    with ``routing``)."""
+    with ``routing``; each row at its time step with ``time``)."""
 
     kind: str | None = None  # None: the engine keeps its own kind in checkpoints
     per_param_steps = False  # every parameter takes every update
 
-    def __init__(self, routing: RoutingBalance | None = None):
-        self.routing = routing
+    def __init__(self, routing: RoutingBalance | None = None, time: TimeDraw | None = None):
+        self.routing, self.time = routing, time
+        self.step = 1
 
     def begin_step(self, step: int) -> None:
+        self.step = step
         if self.routing is not None:
             self.routing.begin_step()
 
     def __call__(self, engine, lm, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with engine.autocast():
+        steps = None if self.time is None else self.time.steps(lm, ids, self.step)
+        with engine.autocast(), _conditioned(lm, steps):
             hidden = engine.hidden_states(lm, ids)
         loss = lm.loss(hidden, targets, chunk_size=engine.chunk_size, backend=engine.backend,
                        compute_dtype=engine.cdt, norm_context=engine.autocast())
@@ -97,10 +119,16 @@ class CausalLM:
         pass
 
 
-def mask_positions(rows: torch.Tensor, rate: float, seed: int, step: int) -> torch.Tensor:
+def _conditioned(lm, steps: torch.Tensor | None):
+    """``conditioned`` where the micro-batch has time steps, else nothing."""
+    return contextlib.nullcontext() if steps is None else conditioned(lm, steps)
+
+
+def mask_positions(rows: torch.Tensor, rate, seed: int, step: int) -> torch.Tensor:
     """The masked positions of ``rows`` (token ids ``[batch, seq]``) as a bool tensor on the CPU:
-    each position is masked with probability ``rate``, drawn from a generator seeded by the run's
-    seed, the step (0 at evaluation) and the row's own tokens, so a row's mask depends on neither its
+    each position is masked with probability ``rate`` (a float, or one per row), drawn from a
+    generator seeded by the run's seed, the step (0 at evaluation) and the row's own tokens, so a
+    row's mask depends on neither its
     micro-batch nor its rank nor the process that resumes it (bitwise resume; data parallelism
     equals one process with the larger batch)."""
     cpu = rows.detach().to("cpu", torch.int64).contiguous()
@@ -108,7 +136,7 @@ def mask_positions(rows: torch.Tensor, rate: float, seed: int, step: int) -> tor
     for i, row in enumerate(cpu):
         digest = zlib.crc32(row.numpy().tobytes())
         gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4_294_967_311 + digest) % 2**63)
-        out[i] = torch.rand(row.shape[0], generator=gen) < rate
+        out[i] = torch.rand(row.shape[0], generator=gen) < (rate if isinstance(rate, float) else float(rate[i]))
     return out
 
 
@@ -132,32 +160,45 @@ class MaskedLM:
     cross-entropy over the masked positions only (0 where a micro-batch has none). The input is the
     micro-batch's ``seq_len`` positions (``ids``; the next-token ``targets`` are not read).
     Evaluation (``eval_loss_sum``) masks the validation rows the same way at step 0, so every
-    evaluation of a run scores the same positions."""
+    evaluation of a run scores the same positions. With ``time`` each row runs at its time step, and
+    under time-step masking (``time.masking``) is masked at its step's rate, evaluation at the
+    model's fixed step's."""
 
     kind: str | None = None
     per_param_steps = False
 
-    def __init__(self, rate: float, mask_token_id: int, seed: int, routing: RoutingBalance | None = None):
+    def __init__(self, rate: float, mask_token_id: int, seed: int, routing: RoutingBalance | None = None,
+                 time: TimeDraw | None = None):
         self.rate, self.mask_token_id, self.seed = rate, mask_token_id, seed
         self.step = 1
         self.routing = routing  # moe: the balance term, as CausalLM's
+        self.time = time
 
     def begin_step(self, step: int) -> None:
         self.step = step
         if self.routing is not None:
             self.routing.begin_step()
 
-    def _sum(self, engine, lm, ids: torch.Tensor, step: int, total: bool) -> tuple[torch.Tensor, int]:
-        mask = mask_positions(ids, self.rate, self.seed, step)
+    def _rate(self, lm, steps: torch.Tensor | None, rows: int):
+        if self.time is None or not self.time.time.masking:
+            return self.rate
+        if steps is None:  # evaluation: the model's fixed step
+            steps = torch.full((rows,), lm.model.time_embedding.fixed_step, dtype=torch.int64)
+        return self.time.rates(steps)
+
+    def _sum(self, engine, lm, ids: torch.Tensor, step: int, total: bool,
+             steps: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        mask = mask_positions(ids, self._rate(lm, steps, ids.shape[0]), self.seed, step)
         inputs, targets = masked_batch(ids, mask, self.mask_token_id)
-        with engine.autocast():
+        with engine.autocast(), _conditioned(lm, steps):
             hidden = engine.hidden_states(lm, inputs)
         loss = lm.loss(hidden, targets, chunk_size=engine.chunk_size, backend=engine.backend,
                        compute_dtype=engine.cdt, norm_context=engine.autocast(), total=total)
         return loss, int(mask.sum())
 
     def __call__(self, engine, lm, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        mean_over_all, masked = self._sum(engine, lm, ids, self.step, total=False)
+        steps = None if self.time is None else self.time.steps(lm, ids, self.step)
+        mean_over_all, masked = self._sum(engine, lm, ids, self.step, total=False, steps=steps)
         loss = mean_over_all * (ids.numel() / max(masked, 1))  # the mean over the masked positions
         return loss if self.routing is None else loss + self.routing.term(lm)
 
@@ -180,9 +221,16 @@ class MaskedLM:
 def objective_loss(config, model, source: str) -> CausalLM | MaskedLM | None:
     """The loss part of ``training.mode`` other than distillation (apr/train/distill.py): for
     causal_lm, None (the engine's own ``CausalLM``) or with ``model.architecture.moe`` a ``CausalLM``
-    with its balance term; for mlm, ``MaskedLM`` over ``model`` made bidirectional. ``source``: the
-    resolved plan's gradient source."""
+    with its balance term, with ``model.architecture.time`` one drawing each row's time step; for mlm,
+    ``MaskedLM`` over ``model`` made bidirectional. ``source``: the resolved plan's gradient source."""
     tr, moe = config.training, config.model.architecture.moe
+    time = None
+    if config.model.architecture.time is not None:
+        if source != "standard":  # validate and the plan refuse it at training.engine
+            raise AprError("model.architecture.time runs on autograd (training.engine: standard): the flat-buffer "
+                           "walk embeds tokens and backpropagates the embedding itself, without the time embedding")
+        set_fixed_step(model, config)  # depth: this stage's step
+        time = TimeDraw(config.model.architecture.time, tr.seed)
     routing = None
     if moe is not None:
         if source != "standard":  # validate and the plan refuse it at training.engine
@@ -190,6 +238,6 @@ def objective_loss(config, model, source: str) -> CausalLM | MaskedLM | None:
                            "walk backpropagates block by block and would drop the load-balancing loss's gradient")
         routing = RoutingBalance(moe.balance_loss_coef)
     if str(tr.mode) != "mlm":
-        return None if routing is None else CausalLM(routing)
+        return None if routing is None and time is None else CausalLM(routing, time)
     bidirectional(model)
-    return MaskedLM(tr.mlm.mask_rate, tr.mlm.mask_token_id, tr.seed, routing)
+    return MaskedLM(tr.mlm.mask_rate, tr.mlm.mask_token_id, tr.seed, routing, time)
