@@ -17,18 +17,6 @@ from apr.steps import orchestration
 from apr.steps.execution import gradient_source
 
 
-def _flat_walk_problem(config) -> str | None:
-    """Why the orchestrator's SGD strategies cannot update this run (a switch of updater mid-run shares
-    the walk's flat buffers), or None."""
-    tr = config.training
-    if gradient_source(config) != "interleaved":
-        return "the autograd engine (training.engine: standard, or mode: distill)"
-    if str(tr.sharding) != "none":  # the strategies swap the updater mid-run over the walk's flat buffers
-        return (f"training.sharding: {tr.sharding} (its walk keeps the moments per shard in the updater's own "
-                "state, which a strategy's switch of updater mid-run does not carry over)")
-    return None
-
-
 def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list[Finding]:
     """What the orchestrator (and the SGD / SWATS optimizers) cannot honour, at its key path."""
     config = loaded.config
@@ -42,7 +30,6 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
                            else "config.optimizer", message, path=path, file=file, line=line, column=column,
                            expected=expected, got=got))
 
-    walk_problem = _flat_walk_problem(config)
     optimizer = str(config.optimizer.name)
     if optimizer == "adafactor" and str(tr.sharding) != "none":
         finding(("optimizer", "name"), f"adafactor's row and column statistics average over whole rows and "
@@ -90,11 +77,6 @@ def orchestrator_findings(loaded: LoadedConfig, total_steps: int | None) -> list
         s = orchestration.resolve(config, name)
         where = (("training", "orchestrator", "strategies", name) if name in orch.strategies
                  else ("training", "orchestrator", "candidates"))
-        if s.optimizer == "sgd" and walk_problem is not None:
-            finding((*where, "optimizer") if name in orch.strategies else where,
-                    f"strategy {name} uses SGD, which updates the flat buffers of the interleaved engine's walk; "
-                    f"{walk_problem} does not use them", "AdamW strategies only, or training.engine: interleaved",
-                    f"{name}: sgd")
         if s.clip_mode == "adagc" and str(tr.clip_mode) != "adagc":
             finding((*where, "clip_mode") if name in orch.strategies else where,
                     f"strategy {name} clips with AdaGC, whose per-tensor EMAs the engine allocates only with "

@@ -195,7 +195,7 @@ FEATURES: list[Feature] = [
         "full": tested("tests/distributed/test_orchestrator_ddp.py::"
                        "test_two_ranks_decide_alike_and_equal_one_process_with_twice_the_batch[full]",
                        note="with nowcasting; 1e-5"),
-        "hybrid": not_tested("the same per-rank snapshots as `full`; SGD strategies refused"),
+        "hybrid": not_tested("the same per-rank snapshots as `full`"),
     }),
     Feature("LoRA with `trunk_dtype: bf16`", {
         "one": tested("tests/train/test_lora.py::test_interleaved_lora_equals_the_standard_engine"),

@@ -37,9 +37,19 @@ class Params:
             self.named.update(extra)
             if engine.adagc_ema:
                 engine.adagc_ema[LOSS_GROUP] = torch.zeros(len(extra), device=engine.device)
-        decay_names = {s.name for _, specs in group_specs(config) for s in specs if s.decay}
+        decay_names = self.decay_names = {s.name for _, specs in group_specs(config) for s in specs if s.decay}
         engine.updater.bind(self.named, decay_names, engine.device, groups=self.groups)
         self.trunk = bool(spec.trunk_specs(config))  # a transformed stacking trunk, outside the groups
+
+    def adopt(self, old, new) -> None:
+        """A switch of updater between two steps (the orchestrator's strategies): ``new`` bound over
+        these parameters, taking ``old``'s moments (SGD's momentum is AdamW's first moment), its bias
+        correction continuing from the run's update count, as on the walk's shared flat buffers."""
+        new.bind(self.named, self.decay_names, self.e.device, groups=self.groups)
+        for p in self.named.values():
+            moments = old.moments(p)
+            if moments is not None:
+                new.set_moments(p, *moments, self.e.optimizer_steps)
 
     def freeze(self, frozen: set[str]) -> None:
         """Frozen groups leave the updater: no update of their weights or moments."""

@@ -44,8 +44,12 @@ SAFETY = (*OWN, "data")
 def apply_strategy(engine, config, strategy: Strategy) -> None:
     """Switch ``engine`` to ``strategy`` between two steps: its updater (AdamW or SGD over the same
     moment buffers), betas, weight decay, and clipping (mode and threshold)."""
-    if engine.updater.name != strategy.optimizer:  # validate allows SGD only where the walk updates flat buffers
-        engine.updater = make_updater(config.optimizer, engine.backend, strategy.optimizer)
+    if engine.updater.name != strategy.optimizer:
+        new = make_updater(config.optimizer, engine.backend, strategy.optimizer)
+        new.rounding_seed = config.training.seed  # bf16 state: the stochastic rounding's key, as at the start
+        if engine.layout is not None:  # autograd, or the walk on shards: the new updater takes the moments
+            engine.layout.params.adopt(engine.updater, new)  # (the walk's flat buffers are shared as they are)
+        engine.updater = new
     engine.updater.set_hyper(strategy.beta1, strategy.beta2, strategy.weight_decay)
     tr = config.training
     clip_mode = str(tr.clip_mode) if strategy.clip_mode == "off" else strategy.clip_mode

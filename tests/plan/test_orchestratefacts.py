@@ -48,8 +48,8 @@ def test_settings_the_orchestrator_cannot_honour_are_refused(tmp_path):
     found = _findings(tmp_path, "    enabled: true\n    strategies:\n      mine: {clip_mode: adagc}\n",
                       "  engine: standard\n")
     paths = {f["path"] for f in found}
-    # sgd_escape (a built-in candidate) needs the walk; "mine" needs AdaGC's EMAs
-    assert {"training.orchestrator.candidates", "training.orchestrator.strategies.mine.clip_mode"} <= paths
+    # "mine" needs AdaGC's EMAs; sgd_escape (a built-in candidate) runs on autograd too
+    assert paths == {"training.orchestrator.strategies.mine.clip_mode"}
 
 
 def test_sgd_and_swats_run_on_autograd_and_on_shards(tmp_path):
@@ -66,14 +66,17 @@ def test_sgd_and_swats_run_on_autograd_and_on_shards(tmp_path):
     assert "training.sharding: full" in found[0].message
 
 
-def test_orchestration_runs_on_shards_but_sgd_strategies_are_refused_there_with_the_reason(tmp_path):
+def test_orchestration_and_its_sgd_strategies_run_on_shards(tmp_path):
+    """A switch of updater carries the moments on every source (apr/train/autograd.py Params.adopt):
+    the built-in sgd_escape candidate is no longer refused off the unsharded walk."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(BASE + "  sharding: full\n  orchestrator:\n    enabled: true\n"
                    "    candidates: [conservative_adamw, spike_resistant]\n")
     assert orchestrator_findings(load_config(cfg), 1000) == []
-    found = _findings(tmp_path, "    enabled: true\n", "  sharding: full\n")  # sgd_escape, a built-in candidate
-    assert [f["path"] for f in found] == ["training.orchestrator.candidates"]
-    assert "training.sharding: full" in found[0]["message"] and "per shard" in found[0]["message"]
+    for extra in ("  sharding: full\n", "  engine: standard\n"):  # sgd_escape, a built-in candidate
+        cfg.write_text(BASE + "  orchestrator:\n    enabled: true\n" + extra)
+        r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+        assert r.exit_code == 0, r.stdout
 
 
 def test_orchestration_without_validation_data_is_an_error(tmp_path):

@@ -263,6 +263,31 @@ def test_switching_a_strategy_sets_the_updater_its_settings_and_the_clipping_on_
     assert engine.updater.name == "adamw" and engine.strategy.clip == "per_block" and not engine.strategy.norm_prepass
 
 
+@pytest.mark.parametrize("engine", ["standard", "interleaved"])
+def test_switching_to_sgd_and_back_on_autograd_carries_the_moments_as_the_walk_does(engine):
+    """AdamW, then the SGD strategy, then AdamW again: on autograd the new updater takes the old one's
+    moments (SGD's momentum is AdamW's first moment) and ends where the walk's shared flat buffers do."""
+    from apr.steps.orchestration import resolve
+    from apr.train.build import build_engine
+    from apr.train.orchestrator import apply_strategy
+    from tests.train.tiny import batches, make_config
+
+    def run(engine_name: str) -> dict[str, torch.Tensor]:
+        config = make_config(training={"engine": engine_name, "grad_clip": None})
+        eng = build_engine(plan_of(config))
+        data = batches(config, 6, seed=3)
+        for k, name in enumerate(["conservative_adamw", "conservative_adamw", "sgd_escape", "sgd_escape",
+                                  "conservative_adamw", "conservative_adamw"]):
+            apply_strategy(eng, config, resolve(config, name))
+            eng.train_step([data[k]], lr=1e-2)
+        return eng.train_state_tensors()
+
+    walk, other = run("interleaved"), run(engine)
+    assert set(walk) == set(other)
+    for name in walk:
+        assert torch.allclose(other[name], walk[name], rtol=1e-4, atol=1e-6), name
+
+
 def test_when_every_branch_goes_non_finite_the_run_goes_on_from_the_decision_point(root):
     result, run, _ = _run(root, training={**_orchestrated(), "max_steps": 8, "orchestrator": {
         "enabled": True, "decision_interval": 4, "eval_horizon": 3, "candidates": ["blowup"],
