@@ -2,8 +2,10 @@
 `apr train validate` runs the checks.
 
 Canonical reduction keeps every micro-batch's gradient apart and sums them in one fixed tree over the
-global micro-batch index (apr/train/reduction.py). It is refused where a part of the run sums over the
-ranks or the micro-batches in an order of its own, with the layouts that work.
+global micro-batch index (apr/train/reduction.py); the orchestrator's rewards and distillation's
+decisions read the step's loss that tree gives and the canonical validation loss. It is refused where a
+part of the run sums over the ranks or the micro-batches in an order of its own, or reads what the
+world size decides, with the layouts that work.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from apr.model.spec import trainable_param_count
 from apr.steps.execution import gradient_source
 
 WORKS = ("training.engine: standard (autograd) with training.sharding none (one process, DDP), full, hybrid or "
-         "shard_grad_op (FSDP2), on any number of ranks")
+         "shard_grad_op (FSDP2), on any number of ranks, with or without training.orchestrator and "
+         "training.mode: distill (its teacher's states computed each step: cache_teacher_outputs false)")
 
 
 def reduction_problems(config) -> list[str]:
@@ -28,10 +31,13 @@ def reduction_problems(config) -> list[str]:
                    "then summed over the ranks) and updates groups inside the backward; a fixed tree over the global "
                    "micro-batches needs every micro-batch's gradient kept apart until the last one exists: N buffers "
                    "per group where the walk holds one")
-    if tr.orchestrator.enabled:
-        out.append("training.orchestrator averages its rewards over the ranks in rank order")
-    if str(tr.mode) == "distill":
-        out.append("training.mode: distill all-reduces its loss terms over the ranks in rank order")
+    if str(tr.mode) == "distill" and tr.distill.cache_teacher_outputs:
+        out.append("training.distill.cache_teacher_outputs: each rank caches the teacher's states of the rows it "
+                   "read, so the world size decides which rows are read back from the cache (states computed "
+                   "beside the other rows of an earlier micro-batch) and which are computed again beside the rows "
+                   "of this one; the same bits both ways only where the teacher's forward of a row does not depend "
+                   "on the rows computed with it, which nothing guarantees (the matrix products' blocking runs over "
+                   "the whole micro-batch)")
     return out
 
 

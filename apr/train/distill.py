@@ -179,6 +179,7 @@ class DistillLoss:
         self.block_loss, self.temperature, self.kd_weight = str(d.block_loss), d.temperature, d.kd_weight
         self.autotune = Autotune(d.autotune, student_blocks)
         self.converging = schedule.converging(d)
+        self.canonical = str(config.training.reduction) == "canonical"  # apr/train/reduction.py
         self.progress = Progress(d, student_blocks)
         self.last_phase: tuple[int, int | None] = (0, None)
         self.started = False  # this step begins a phase-1 block or phase 2 (an event: apr/train/events.py)
@@ -219,7 +220,9 @@ class DistillLoss:
         phase, block = self.last_phase
         if phase != 1:
             return 1.0
-        value = self._agreed(loss) if self.converging else float(loss)
+        # every rank decides alike (a block's end, autotune's LR factor): fast averages the ranks' own
+        # losses; canonical's is already the global batch's, the same bits on every rank and layout
+        value = float(loss) if self.canonical else self._agreed(loss)
         self.autotune.observe(block, value)
         self._block_step(block, value)
         return self.autotune.factor[block]

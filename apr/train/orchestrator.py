@@ -32,6 +32,7 @@ from apr.fsutil import atomic_path
 from apr.steps import orchestration
 from apr.steps.orchestration import UCB1, Strategy
 from apr.train.outcome import NonFiniteError
+from apr.train.reduction import agreed
 from apr.train.restore import Saved, Snapshot, restore
 from apr.train.updaters import make_updater
 
@@ -64,15 +65,25 @@ def apply_strategy(engine, config, strategy: Strategy) -> None:
 
 def extrapolate(history: list[tuple[int, dict[str, torch.Tensor]]], step: int) -> dict[str, torch.Tensor]:
     """Each tensor at ``step`` on the least-squares line through its values at the history's steps
-    (float64 arithmetic, the tensors' own dtype out)."""
-    steps = torch.tensor([float(s) for s, _ in history], dtype=torch.float64)
-    t = steps - steps.mean()
-    target = float(step) - float(steps.mean())
+    (float64 arithmetic, the tensors' own dtype out). Element by element, the history's terms added
+    in history order: an element's result does not depend on the tensor's shape, so a rank's rows of
+    an FSDP2 shard extrapolate to the bits one process computes for them (no matrix product, whose
+    blocking follows the shape)."""
+    steps = [float(s) for s, _ in history]
+    mean_step = math.fsum(steps) / len(steps)
+    t = [s - mean_step for s in steps]
+    spread = math.fsum(x * x for x in t)
     out = {}
     for name, last in history[-1][1].items():  # a point read back from disk (a resume) joins on the newest's device
-        ys = torch.stack([w[name].to(last.device).double() for _, w in history])
-        slope = torch.tensordot(t, ys - ys.mean(0), dims=1) / (t * t).sum()
-        out[name] = (ys.mean(0) + slope * target).to(last.dtype)
+        ys = [w[name].to(last.device).double() for _, w in history]
+        mean = ys[0].clone()
+        for y in ys[1:]:
+            mean += y
+        mean /= len(ys)
+        slope = torch.zeros_like(mean)
+        for ti, y in zip(t, ys, strict=True):
+            slope += ti * (y - mean)
+        out[name] = (mean + slope / spread * (float(step) - mean_step)).to(last.dtype)
     return out
 
 
@@ -156,8 +167,8 @@ class Orchestrator:
 
     @staticmethod
     def _loss(run, report) -> float:
-        loss = report.result.loss.detach().clone()
-        return float((run.dp.average_(loss) if run.dp is not None else loss).item())
+        """The step's loss as every rank takes it (canonical: the global batch's, on any world size)."""
+        return float(agreed(run.dp, report.result.loss, run.plan.reduction == "canonical").item())
 
     # ------------------------------------------------------------------------------ decisions
 
@@ -228,9 +239,7 @@ class Orchestrator:
             run.engine.check_finite()
         except NonFiniteError:
             return None, [], True
-        values = torch.stack(losses)
-        if run.dp is not None:
-            values = run.dp.average_(values)
+        values = agreed(run.dp, torch.stack(losses), run.plan.reduction == "canonical")
         return self._score(run), [float(x) for x in values.tolist()], False
 
     def _score(self, run) -> float | None:

@@ -113,6 +113,16 @@ class ShardedCanonicalSum:
         return tree_sum(leaves) / n, (tree_sum(losses) / n).reshape(())
 
 
+def agreed(dp, value: torch.Tensor, canonical: bool) -> torch.Tensor:
+    """A step's figure (its loss, a stack of losses) as every rank takes it for a decision: under
+    ``fast`` the mean of the ranks' own figures (an all-reduce, in an order of the backend's); under
+    ``canonical`` the figure as it is, already the tree's over the global batch and the same bits on
+    every rank (averaging equal values over 3 or more ranks can round: ``(x + x) + x`` need not be
+    ``3x``). A copy: ``value`` is left as it was."""
+    value = value.detach().clone()
+    return value if canonical or dp is None else dp.average_(value)
+
+
 def canonical_sums(dp, local: list[torch.Tensor], count: int) -> torch.Tensor:
     """The tree sum of ``count`` values spread over the ranks, value ``j`` on rank ``j % world`` as its
     ``j // world``-th entry of ``local`` (a rank may hold one entry more than it needs: padding, never

@@ -74,3 +74,85 @@ def test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal(tmp
         shutil.copy(path, tmp_path / "resumed")
     _launch(doc("resumed/", 2), tmp_path / "resumed.json", 1, resume="latest")
     _bitwise(_state(tmp_path / "resumed", 8), _state(tmp_path / "two", 8))
+
+
+def _orchestrator_history(run_dir: Path, step: int) -> list:
+    return json.loads((run_dir / f"checkpoint-step-{step}.json").read_text())["orchestrator"]["history"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["none", "full"], ids=["ddp", "full"])
+def test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal(tmp_path, sharding):
+    """The orchestrator's rewards are the canonical validation loss (the same first eval_batches
+    micro-batches, one tree) and its branch losses the tree's step losses: 2 ranks x 2 and one process x 4
+    record the same decisions to the bit (every branch's val loss, reward and training losses; on shards
+    a nowcast extrapolated from each rank's rows) and end with the same weights and moments."""
+    make_dataset(tmp_path, train_rows=160)
+    common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "keep_last": 2, "eval_interval": 5,
+              "eval_batches": 3, "engine": "standard", "reduction": "canonical", "grad_clip": 0.5,
+              "sharding": sharding,
+              "orchestrator": {"enabled": True, "decision_interval": 4, "eval_horizon": 2, "branches": 2,
+                               "candidates": ["conservative_adamw", "aggressive_adamw", "spike_resistant"],
+                               "nowcasting": {"enabled": sharding == "full"}}}
+    opt = {"lr": 1e-2, "min_lr": 1e-3}
+
+    def doc(out: str, accum: int) -> dict:
+        return config_doc(tmp_path, data={"batch_size": 2}, optimizer=opt,
+                          training={**common, "gradient_accumulation": accum, "output_dir": out})
+
+    _launch(doc("two/", 2), tmp_path / "two.json", 2)
+    _launch(doc("one/", 4), tmp_path / "one.json", 1)
+    two, one = _orchestrator_history(tmp_path / "two", 10), _orchestrator_history(tmp_path / "one", 10)
+    assert [d["step"] for d in two] == [4, 8] and len(two[0]["branches"]) == 2
+    if sharding == "full":  # the nowcast over steps 4 and 8 was kept: step 10's weights went through it
+        assert two[1]["nowcast"] is not None and two[1]["nowcast"]["history"] == [4, 8]
+    assert two == one  # every branch's val loss, reward, training losses; the winners, the bandit
+    _bitwise(_state(tmp_path / "one", 10), _state(tmp_path / "two", 10))
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    """A 4-block model trained 2 steps: the distillation tests' teacher (a run folder)."""
+    root = tmp_path_factory.mktemp("teacher")
+    make_dataset(root, train_rows=32)
+    doc = config_doc(root, model={"architecture": {"num_hidden_layers": 4}},
+                     training={"max_steps": 2, "save_interval": 2, "eval_interval": 0, "output_dir": "base/"})
+    _launch(doc, root / "base.json", 1)
+    return root / "base"
+
+
+def _engine_meta(run_dir: Path, step: int) -> dict:
+    return json.loads((run_dir / f"checkpoint-step-{step}.json").read_text())["engine"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["none", "full"], ids=["ddp", "full"])
+def test_distillation_on_two_ranks_and_one_process_decides_alike_and_ends_bitwise_equal(tmp_path, teacher, sharding):
+    """Both phases of blockwise distillation under canonical: phase 1's blocks end on the tree's step loss
+    (convergence patience; autotune's active LR factors too), every rank and layout alike; 2 ranks x 2 and
+    one process x 4 end with the same weights, moments, block ends and autotune state, and the 2-rank run
+    resumed from its step-4 checkpoint on one process ends with the same bits."""
+    make_dataset(tmp_path, train_rows=160)
+    distill = {"teacher": str(teacher), "phase1_steps": 3, "convergence_patience": 1, "init_from_teacher": True,
+               "autotune": {"mode": "active", "plateau_patience": 1}}
+    common = {"epochs": 1, "max_steps": 9, "save_interval": 4, "keep_last": 5, "eval_interval": 4,
+              "eval_batches": 3, "engine": "standard", "reduction": "canonical", "grad_clip": 0.5,
+              "sharding": sharding, "mode": "distill", "distill": distill}
+
+    def doc(out: str, accum: int) -> dict:
+        return config_doc(tmp_path, data={"batch_size": 2}, optimizer={"lr": 1e-2, "min_lr": 1e-3},
+                          training={**common, "gradient_accumulation": accum, "output_dir": out})
+
+    _launch(doc("two/", 2), tmp_path / "two.json", 2)
+    _launch(doc("one/", 4), tmp_path / "one.json", 1)
+    meta = _engine_meta(tmp_path / "two", 8)
+    assert meta["engine"] == "distill" and meta["distill_phase"][0] == 2  # phase 2 reached
+    assert meta["autotune"] == _engine_meta(tmp_path / "one", 8)["autotune"]
+    assert meta["phase1"] == _engine_meta(tmp_path / "one", 8)["phase1"]
+    _bitwise(_state(tmp_path / "one", 8), _state(tmp_path / "two", 8))
+    assert _val_losses(tmp_path / "two") == _val_losses(tmp_path / "one")
+    (tmp_path / "resumed").mkdir()
+    for path in (tmp_path / "two").glob("checkpoint-step-4.*"):
+        shutil.copy(path, tmp_path / "resumed")
+    _launch(doc("resumed/", 2), tmp_path / "resumed.json", 1, resume="latest")
+    _bitwise(_state(tmp_path / "resumed", 8), _state(tmp_path / "two", 8))

@@ -24,7 +24,8 @@ BASE = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 2\
 @pytest.mark.parametrize(("extra", "named"), [
     ("  engine: interleaved\n", "flat-buffer walk"),
     ("  engine: interleaved\n  sharding: full\n  world_size: 2\n", "flat-buffer walk"),
-    ("  engine: standard\n  orchestrator: {enabled: true}\n", "training.orchestrator"),
+    ("  engine: standard\n  mode: distill\n  distill: {teacher: t/, cache_teacher_outputs: true}\n",
+     "training.distill.cache_teacher_outputs"),
 ])
 def test_canonical_where_it_cannot_hold_is_refused_at_its_key_with_the_layouts_that_work(tmp_path, extra, named):
     cfg = tmp_path / "c.yaml"
@@ -60,3 +61,16 @@ def test_canonical_on_fsdp2_is_accepted_and_says_what_its_all_to_all_costs(tmp_p
     # (2 micro-batches x the replicas: hybrid over 2 nodes sends each shard's rows to both), and under
     # hybrid the copy being sent to the replicas
     assert cost["extra_bytes"] == {"full": 1 + 2, "hybrid": 1 + 2 * 2 + 2}[sharding] * 2**20
+
+
+@pytest.mark.parametrize("extra", [
+    "  orchestrator: {enabled: true, candidates: [conservative_adamw, aggressive_adamw]}\n",
+    "  mode: distill\n  distill: {teacher: t/}\n",
+], ids=["orchestrator", "distill"])
+def test_canonical_holds_for_the_orchestrator_and_distillation_and_says_its_cost(tmp_path, extra):
+    """Their decisions read the tree's step loss and the canonical validation loss (world-size free)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + "  engine: standard\n  sharding: full\n  world_size: 2\n" + extra)
+    found = reduction_findings(load_config(cfg))
+    assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
+    assert "bitwise the same on any world size" in found[0].message

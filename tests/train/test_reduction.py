@@ -7,7 +7,7 @@ import torch
 
 from apr.steps.resolved import resolve as plan_of
 from apr.train.build import build_engine
-from apr.train.reduction import tree_sum
+from apr.train.reduction import agreed, tree_sum
 from tests.train.tiny import batches, make_config
 
 
@@ -20,6 +20,33 @@ def test_the_tree_depends_on_the_number_of_leaves_only():
     assert torch.equal(tree_sum([a]), a)
     with pytest.raises(ValueError):
         tree_sum([])
+
+
+class ThreeRanks:
+    """A data-parallel group of 3 whose every rank holds the same value: the all-reduce adds them in order."""
+
+    world_size = 3
+
+    def __init__(self):
+        self.calls = 0
+
+    def average_(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        t.copy_((t + t) + t)
+        return t.div_(self.world_size)
+
+
+def test_a_canonical_step_loss_is_taken_as_it_is_and_a_fast_one_is_averaged_over_the_ranks():
+    """The orchestrator's and distillation's decisions read ``agreed``: canonical's loss is already the
+    global batch's on every rank, and averaging equal values over 3 ranks does not give them back."""
+    loss = torch.tensor([5.55, 2.0], dtype=torch.float32)
+    dp = ThreeRanks()
+    kept = agreed(dp, loss, canonical=True)
+    assert torch.equal(kept, loss) and kept is not loss and dp.calls == 0
+    averaged = agreed(dp, loss, canonical=False)
+    assert dp.calls == 1 and torch.equal(loss, torch.tensor([5.55, 2.0]))  # the figure handed in is not changed
+    assert not torch.equal(averaged, loss)  # (x + x) + x rounds: 5.55 comes back 1 ulp off
+    assert torch.equal(agreed(None, loss, canonical=False), loss)
 
 
 def test_one_process_sums_its_micro_batches_in_the_tree_to_fasts_gradient_within_rounding():
