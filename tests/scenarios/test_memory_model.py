@@ -16,6 +16,7 @@ from tests.train.tiny import batches, make_config
 
 LORA = {"rank": 3, "alpha": 6.0, "targets": "all"}
 MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 24}
+TIME = {"embedding_dim": 8, "num_time_steps": 20, "encoding": "learned"}
 MLA = {"num_key_value_heads": None, "attention": {"kind": "mla", "kv_lora_rank": 6, "qk_rope_head_dim": 4,
                                                   "q_lora_rank": 8}}
 
@@ -37,7 +38,9 @@ def _planned(config) -> dict[str, int]:
     {"training": {"engine": "interleaved"}, "model": {"init_from": None, "lora": LORA}},
     {"training": {"engine": "standard"}, "model": {"architecture": {"moe": MOE}}},
     {"training": {"engine": "standard"}, "model": {"architecture": MLA}},
-], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora", "autograd-moe", "autograd-mla"])
+    {"training": {"engine": "standard"}, "model": {"architecture": {"time": TIME}}},
+], ids=["autograd", "autograd-accumulation", "autograd-lora", "walk-kept", "walk-lora", "autograd-moe", "autograd-mla",
+        "autograd-time"])
 def test_the_plans_rows_are_what_the_engine_holds(sections):
     config = make_config(**sections)
     engine = build_engine(plan_of(config, execution=from_config(config)))
@@ -85,3 +88,28 @@ def test_the_plans_parameters_and_flops_of_experts_are_what_the_model_holds_and_
         flops[name] = counter.get_total_flops()
     assert model_facts(moe)["flops_per_token"] - model_facts(dense)["flops_per_token"] == \
         3 * (flops["moe"] - flops["dense"]) // tokens
+
+
+def test_the_plans_parameters_and_flops_of_the_time_embedding_are_what_the_model_holds_and_runs():
+    """model.architecture.time: the plan's parameter count is the model's (the table and the projection
+    with the embedding); its FLOPs per token exceed the plain model's by 3x the forward FLOPs torch
+    counts for the projection, which runs once per sequence."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from apr.plan.configfacts import model_facts
+
+    timed = make_config(training={"engine": "standard"}, model={"architecture": {"time": TIME}})
+    plain = make_config(training={"engine": "standard"})
+    model = build_engine(plan_of(timed, execution=from_config(timed))).model
+    assert model_facts(timed)["params"] == sum(p.numel() for p in model.parameters()) == \
+        model_facts(plain)["params"] + 20 * 8 + 8 * 32
+    tokens = timed.data.batch_size * timed.data.seq_len
+    flops = {}
+    for name, config in (("timed", timed), ("plain", plain)):
+        lm = build_engine(plan_of(config, execution=from_config(config))).model
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            lm(batches(config, 1)[0][:, :-1])
+        flops[name] = counter.get_total_flops()
+    assert flops["timed"] > flops["plain"]
+    assert model_facts(timed)["flops_per_token"] - model_facts(plain)["flops_per_token"] == \
+        3 * (flops["timed"] - flops["plain"]) // tokens

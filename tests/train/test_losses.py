@@ -227,3 +227,136 @@ def test_the_masked_lm_with_experts_adds_the_balance_term_to_its_masked_loss(mon
     assert abs(part.item() - (masked.item() + 0.5 * balance)) < 1e-5
     total, count = engine.loss.eval_loss_sum(engine, torch.cat([ids, ids[:, :1]], dim=1))
     assert count == 2 and abs(total.item() / 2 - masked.item()) < 1e-5
+
+
+TIME = {"embedding_dim": 8, "num_time_steps": 10, "encoding": "learned", "eval_time": 0.75}
+
+
+def test_each_training_row_runs_at_its_drawn_time_step_and_validation_at_eval_times():
+    """model.architecture.time (interpretation input): the loss part is the model's loss with each row
+    at the step drawn from the seed, the step and its tokens; validation runs every row at eval_time's
+    step (floor(0.75 x 10) = 7); the time embedding learns."""
+    from apr.model.time import conditioned, row_steps
+
+    config = make_config(model={"architecture": {"time": TIME}}, training={"engine": "standard"})
+    engine = build_engine(plan_of(config))
+    (batch,) = batches(config, 1)
+    ids, targets = engine.split(batch)
+    engine.loss.begin_step(5)
+    part = engine.loss(engine, engine.model, ids, targets)
+    drawn = row_steps(ids, 10, config.training.seed, 5)
+    with conditioned(engine.model, drawn):
+        want = engine.model(ids, targets, loss_chunk_size=engine.chunk_size)
+    assert torch.allclose(part, want, rtol=1e-6, atol=0)
+    with conditioned(engine.model, torch.full((2,), 7)):
+        at_eval = engine.model(ids, targets, loss_chunk_size=engine.chunk_size)
+    total, count = engine.eval_loss_sum(batch)
+    assert abs(total.item() / count - at_eval.item()) < 1e-5 and abs(at_eval.item() - want.item()) > 1e-6
+    part.backward()
+    table = engine.model.model.time_embedding.table.weight.grad
+    assert [s for s in range(10) if table[s].abs().sum() > 0] == sorted(set(drawn.tolist()))
+
+
+def test_time_step_masking_masks_each_row_at_its_steps_rate(monkeypatch):
+    """masking: true under training.mode mlm: each training row is masked at rate (step + 1) / 10 of its
+    drawn step, validation at eval_time's ((7 + 1) / 10)."""
+    from apr.model.time import row_steps
+
+    config = make_config(model={"architecture": {"time": {**TIME, "masking": True}}},
+                         training={"engine": "standard", "mode": "mlm", "mlm": {"mask_token_id": 52}})
+    engine = build_engine(plan_of(config))
+    seen, real = [], losses.mask_positions
+    monkeypatch.setattr(losses, "mask_positions", lambda rows, rate, seed, step: seen.append(rate) or
+                        real(rows, rate, seed, step))
+    (batch,) = batches(config, 1)
+    ids, targets = engine.split(batch)
+    engine.loss.begin_step(3)
+    engine.loss(engine, engine.model, ids, targets)
+    engine.loss.eval_loss_sum(engine, batch)
+    drawn = row_steps(ids, 10, config.training.seed, 3)
+    assert seen[0].tolist() == [(s + 1) / 10 for s in drawn.tolist()] and seen[1].tolist() == [0.8, 0.8]
+
+
+def test_a_time_conditioned_run_resumes_bitwise_and_its_checkpoint_decodes_at_eval_time(tmp_path):
+    """apr train apply with a learned time embedding: a run resumed from its step-4 checkpoint ends with
+    the same bits and validation loss; the checkpoint loads for generation at eval_time's step, cached
+    decoding gives the full forward's logits; apr export refuses it with the reason."""
+    import shutil
+
+    from run_helpers import make_dataset, write_config
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from apr.apply import run_apply
+    from apr.cli.main import app
+    from apr.generate.decode import KVCache, forward_cached, forward_full
+    from apr.generate.load import load_for_inference
+
+    make_dataset(tmp_path, train_rows=64, val_rows=8)
+    sections = {"model": {"architecture": {"time": TIME}},
+                "training": {"engine": "standard", "max_steps": 8, "save_interval": 4, "eval_interval": 4}}
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    straight = run_apply(write_config(tmp_path, **sections), **quiet)
+    other = tmp_path / "other"
+    (other / "run").mkdir(parents=True)
+    for suffix in ("json", "safetensors"):
+        shutil.copy(tmp_path / "run" / f"checkpoint-step-4.{suffix}", other / "run")
+    sections["training"]["output_dir"] = str(other / "run")
+    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
+    assert resumed.start_step == 4 and resumed.final_step == 8 and resumed.val_loss == straight.val_loss
+    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
+    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
+    assert "model.time_embedding.table.weight" in final
+    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    model = load_for_inference(tmp_path / "run", need_tokenizer=False).model
+    assert model.model.time_embedding.fixed_step == 7
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model, 2, 9)
+    forward_cached(model, ids[:, :5], cache)
+    for t in range(5, 9):
+        torch.testing.assert_close(forward_cached(model, ids[:, t:t + 1], cache), forward_full(model, ids[:, :t + 1]),
+                                   rtol=1e-5, atol=1e-5)
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    assert r.exit_code == 1 and "model.architecture.time" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "hf").exists()
+
+
+def test_time_as_depth_runs_each_stage_at_its_step_and_resumes_across_the_grow_bitwise(tmp_path):
+    """interpretation depth with two stacking stages (linear, time_per_stack 4): every row of stage k
+    trains at step 4k; a checkpoint loads at its stage's step; a run resumed from stage 1's first
+    checkpoint (after the grow) ends with the same bits and validation loss."""
+    import shutil
+
+    from run_helpers import make_dataset, write_config
+    from safetensors.torch import load_file
+
+    from apr.apply import run_apply
+    from apr.generate.load import load_for_inference
+    from apr.steps.stacking import config_at
+
+    depth = {"embedding_dim": 8, "num_time_steps": 10, "interpretation": "depth", "time_per_stack": 4}
+    stacking = {"stages": [{"blocks": 1, "steps": 4}, {"blocks": 2}]}
+    sections = {"model": {"architecture": {"time": depth}, "stacking": stacking},
+                "training": {"engine": "standard", "max_steps": 8, "save_interval": 2, "eval_interval": 4}}
+    config = make_config(model={"architecture": {"time": depth, "num_hidden_layers": 2}, "stacking": stacking},
+                         training={"engine": "standard", "max_steps": 8})
+    for step, want in ((4, 0), (5, 4)):
+        engine = build_engine(plan_of(config_at(config, step)))
+        (batch,) = batches(config, 1)
+        assert engine.loss.time.steps(engine.model, batch, step).tolist() == [want, want]
+    make_dataset(tmp_path, train_rows=64, val_rows=8)
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    straight = run_apply(write_config(tmp_path, **sections), **quiet)
+    for step, want in ((4, 0), (6, 4)):
+        loaded = load_for_inference(tmp_path / "run" / f"checkpoint-step-{step}.json", need_tokenizer=False)
+        assert loaded.model.model.time_embedding.fixed_step == want
+    other = tmp_path / "other"
+    (other / "run").mkdir(parents=True)
+    for suffix in ("json", "safetensors"):
+        shutil.copy(tmp_path / "run" / f"checkpoint-step-6.{suffix}", other / "run")
+    sections["training"]["output_dir"] = str(other / "run")
+    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
+    assert resumed.start_step == 6 and resumed.final_step == 8 and resumed.val_loss == straight.val_loss
+    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
+    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
+    assert [k for k in final if not torch.equal(final[k], again[k])] == []
