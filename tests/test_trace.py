@@ -97,6 +97,15 @@ def test_lora_matches_the_plan():
     _check(_trace({}, model={"lora": {"rank": 8}}))
 
 
+def test_a_time_embedding_matches_the_plan():
+    # the table and projection in the embedding's rows; each row's step is drawn from its tokens,
+    # which fake tensors do not hold (apr/model/time.py row_steps: step 0): 1.005 on the peak
+    report = _trace({"engine": "standard"}, model={"architecture": {"time": {"embedding_dim": 64,
+                                                                               "encoding": "learned"}}})
+    _check(report)
+    assert {"weights", "gradients", "moments"} <= {r["name"] for r in report["rows"]}
+
+
 def test_a_stacking_stage_matches_the_plan():
     # the last stage: two bf16 trunk blocks with adapters frozen below two new ones (a transformed trunk
     # trains on autograd; frozen blocks on the walk: LoRA above)

@@ -52,6 +52,8 @@ def row_steps(rows: torch.Tensor, n: int, seed: int, step: int) -> torch.Tensor:
     """Time-as-input: each row's step (int64, CPU), from ``t`` uniform in ``[0, 1]`` drawn by a generator
     seeded by the run's seed, the optimizer step and the row's own tokens, so a row's time depends on
     neither its micro-batch nor its rank nor the process that resumes it (bitwise resume)."""
+    if type(rows) is not torch.Tensor:  # fake tensors (apr train plan --trace): no tokens to read, any step
+        return torch.zeros(rows.shape[0], dtype=torch.int64)
     cpu = rows.detach().to("cpu", torch.int64).contiguous()
     out = torch.empty(cpu.shape[0], dtype=torch.int64)
     for i, row in enumerate(cpu):
