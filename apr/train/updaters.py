@@ -153,9 +153,12 @@ class AdamW(Updater):
                 self.update_group(gname, pieces, lr=lr, step=0)
 
     def _param_piece(self, p: torch.Tensor, decayed: bool) -> Piece:
-        if self.moments(p) is None:  # torch's lazy state: zero moments, step 0
-            self.set_moments(p, torch.zeros_like(p, memory_format=torch.preserve_format),
-                             torch.zeros_like(p, memory_format=torch.preserve_format), 0)
+        if self.moments(p) is None:  # torch's lazy state, as its AdamW makes it: zero moments, step 0
+            fused = bool(self.optimizer.defaults.get("fused"))  # the step on the device only when fused
+            self.optimizer.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
         m, v = self.moments(p)
         return Piece(p, p.grad, m, v, DecayRanges.from_segments([(p.numel(), decayed)]), param=p)
 
