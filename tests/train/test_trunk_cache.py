@@ -41,3 +41,42 @@ def test_the_cache_folder_is_keyed_by_the_trunk_weights():
     assert trunk_digest(w, 16, torch.float32) == trunk_digest({k: v.clone() for k, v in w.items()}, 16, torch.float32)
     assert trunk_digest(w, 16, torch.float32) != trunk_digest(changed, 16, torch.float32)
     assert trunk_digest(w, 16, torch.float32) != trunk_digest(w, 32, torch.float32)
+
+
+def test_the_cache_runs_through_a_trunk_stored_in_nf4_and_gives_the_uncached_weights(tmp_path):
+    """StackWise's activation cache through a 4-bit (QLoRA's NF4) trunk: a frozen trunk stored in NF4
+    without adapters computes the same output for a row every time, so its rows are cached and the run
+    ends bitwise where the uncached one does. (Trunk adapters train, so with them the cache is
+    refused at validate: tests/plan/test_validate.py.)"""
+    pytest.importorskip("torchao")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from run_helpers import config_doc, make_dataset
+
+    from apr.checkpoint.manager import read_checkpoint
+    from apr.config import config_hash
+    from apr.config.schema import AprConfig
+    from apr.plan.build import resolve_config
+    from apr.train.options import ApplyOptions
+    from apr.train.run import prepare_run
+
+    arch = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # projections that split into NF4's 64-weight blocks
+    final = {}
+    for cache in (False, True):
+        root = tmp_path / str(cache)
+        make_dataset(root, train_rows=20)  # 5 steps an epoch: stage 1 reads rows again
+        stacking = {"stages": [{"blocks": 2, "steps": 1, "precision": "nf4"}, {"blocks": 4}], "earlier": "freeze",
+                    "freeze_embedding": True, "cache_activations": cache}
+        cfg = AprConfig.model_validate(config_doc(root, model={"architecture": arch, "stacking": stacking},
+                                                  training={"max_steps": 9, "save_interval": 9, "eval_interval": 0}))
+        run = prepare_run(resolve_config(cfg), config_hash=config_hash(cfg), config_path=root / "cfg.yaml",
+                          options=ApplyOptions(echo=lambda line: None, handle_signals=False))
+        assert run.execute().status == "finished"
+        if cache:
+            assert run.engine.trunk_cache.hits > 0 and run.engine.trunk_cache.misses > 0
+        final[cache] = read_checkpoint(next((root / "run").glob("checkpoint-step-9.json"))).tensors
+    assert set(final[True]) == set(final[False])
+    assert all(final[True][k].equal(final[False][k]) for k in final[False])
