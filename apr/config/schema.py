@@ -836,6 +836,15 @@ class TrainingMode(StrEnum):
     causal_lm = "causal_lm"
     distill = "distill"
     mlm = "mlm"
+    custom = "custom"  # targets from a column of the data (training.custom)
+
+
+class CustomObjective(_Section):
+    """StackWise's custom objective (training.mode: custom; docs/training.md, "Custom targets"): the
+    targets are a column of the Parquet data beside the token ids."""
+    targets_column: str = Field("targets", min_length=1, description="Parquet column of list<int32> targets, as "
+                                "long as the token rows (seq_len + 1): input position i is trained to predict "
+                                "entry i + 1 (so the ids themselves give the causal LM); -100 adds no loss.")
 
 
 class MlmConfig(_Section):
@@ -1151,10 +1160,12 @@ class Device(StrEnum):
 
 class TrainingConfig(_Section):
     mode: TrainingMode = Field(TrainingMode.causal_lm, description="Objective: causal_lm, distill "
-                               "(blockwise distillation from training.distill.teacher, then KD fine-tuning) or "
-                               "mlm (masked LM with bidirectional attention; training.mlm).")
+                               "(blockwise distillation from training.distill.teacher, then KD fine-tuning), "
+                               "mlm (masked LM with bidirectional attention; training.mlm) or custom (targets "
+                               "from a column of the data; training.custom).")
     distill: DistillConfig | None = Field(None, description="Blockwise distillation (needs mode: distill).")
     mlm: MlmConfig | None = Field(None, description="The masked-LM objective (needs mode: mlm).")
+    custom: CustomObjective | None = Field(None, description="Targets from the data (needs mode: custom).")
     epochs: PositiveCount = Field(1, description="Passes over the training data; caps the step count.")
     max_steps: PositiveCount | None = Field(
         None, description="Optimizer steps to run. Default: epochs x steps_per_epoch."

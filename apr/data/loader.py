@@ -40,6 +40,7 @@ from apr.errors import AprError, Finding
 from apr.steps.algebra import step_count
 
 STATE_VERSION = 1
+IGNORE = -100  # a target that adds no loss (apr/train/losses.py IGNORE, the kernels' ignore_index)
 
 
 def default_cache_dir() -> Path:
@@ -52,8 +53,9 @@ def _shard_error(shard: Path, message: str, **kw) -> AprError:
                                                     file=str(shard), **kw)])
 
 
-def _check_shard(path: Path, column: str, width: int) -> int:
-    """Rows of one shard, from its footer; AprError when it is not a shard of this seq_len."""
+def check_shard(path: Path, column: str, width: int, key: str = "data.input_column") -> int:
+    """Rows of one shard, from its footer; AprError when it is not a shard of this seq_len (``key``:
+    the config key that names ``column``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -67,13 +69,13 @@ def _check_shard(path: Path, column: str, width: int) -> int:
                            expected="a Parquet shard") from None
     schema = md.schema.to_arrow_schema()
     if column not in schema.names:
-        raise _shard_error(path, f"no column {column!r}", code="data.column", path="data.input_column",
+        raise _shard_error(path, f"no column {column!r}", code="data.column", path=key,
                            expected=f"column {column!r}", got=", ".join(schema.names[:12]))
     kind = schema.field(column).type
     if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) \
             or not pa.types.is_integer(kind.value_type):
-        raise _shard_error(path, f"column {column!r} is {kind}", code="data.column_type", path="data.input_column",
-                           expected="list<uint32>", got=str(kind))
+        raise _shard_error(path, f"column {column!r} is {kind}", code="data.column_type", path=key,
+                           expected="list<uint32>" if key == "data.input_column" else "list<int32>", got=str(kind))
     if md.num_rows == 0:
         return 0
     leaf = next(j for j in range(md.num_columns) if md.schema.column(j).path.split(".")[0] == column)
@@ -87,6 +89,36 @@ def _check_shard(path: Path, column: str, width: int) -> int:
 
 def _decode(path: Path, column: str, width: int, rows: int) -> np.ndarray:
     """The shard's tokens as a ``[rows, width]`` uint32 array in memory."""
+    values = _values(path, column, width, rows)
+    if values.dtype.kind == "i" and values.size and values.min() < 0:  # a signed column: uint32 would wrap
+        first = int(np.argmax(values < 0))
+        raise _shard_error(path, f"row {first // width} holds the negative token id {int(values[first])}",
+                           code="data.token_id", expected="token ids >= 0",
+                           got=f"{int(values[first])} at row {first // width}, position {first % width}")
+    if values.dtype.itemsize > 4 and values.size and values.max() >= 2**32:
+        first = int(np.argmax(values >= 2**32))
+        raise _shard_error(path, f"row {first // width} holds the token id {int(values[first])}, beyond uint32",
+                           code="data.token_id", expected="token ids < 2**32",
+                           got=f"{int(values[first])} at row {first // width}, position {first % width}")
+    return values.astype(np.uint32, copy=False).reshape(rows, width)
+
+
+def _decode_targets(path: Path, column: str, width: int, rows: int, vocab_size: int | None) -> np.ndarray:
+    """The shard's custom targets (``training.custom``) as a ``[rows, width]`` int32 array: each a token
+    id below ``vocab_size`` or ``IGNORE``."""
+    values = _values(path, column, width, rows).astype(np.int64)
+    bad = (values != IGNORE) & ((values < 0) | (values >= (vocab_size if vocab_size is not None else 2**31)))
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise _shard_error(path, f"row {first // width} of column {column!r} holds the target {int(values[first])}",
+                           code="data.target", path="training.custom.targets_column",
+                           expected=f"{IGNORE} or a token id below model.architecture.vocab_size ({vocab_size})",
+                           got=f"{int(values[first])} at row {first // width}, position {first % width}")
+    return values.astype(np.int32).reshape(rows, width)
+
+
+def _values(path: Path, column: str, width: int, rows: int) -> np.ndarray:
+    """The shard's ``column`` flattened, every row ``width`` long."""
     import pyarrow.parquet as pq
 
     try:
@@ -104,17 +136,7 @@ def _decode(path: Path, column: str, width: int, rows: int) -> np.ndarray:
     values = lists.flatten().to_numpy(zero_copy_only=False)
     if values.size != rows * width:
         raise _shard_error(path, f"holds {values.size} tokens, its footer says {rows * width}")
-    if values.dtype.kind == "i" and values.size and values.min() < 0:  # a signed column: uint32 would wrap
-        first = int(np.argmax(values < 0))
-        raise _shard_error(path, f"row {first // width} holds the negative token id {int(values[first])}",
-                           code="data.token_id", expected="token ids >= 0",
-                           got=f"{int(values[first])} at row {first // width}, position {first % width}")
-    if values.dtype.itemsize > 4 and values.size and values.max() >= 2**32:
-        first = int(np.argmax(values >= 2**32))
-        raise _shard_error(path, f"row {first // width} holds the token id {int(values[first])}, beyond uint32",
-                           code="data.token_id", expected="token ids < 2**32",
-                           got=f"{int(values[first])} at row {first // width}, position {first % width}")
-    return values.astype(np.uint32, copy=False).reshape(rows, width)
+    return values
 
 
 class TokenCacheWarning(UserWarning):
@@ -122,12 +144,14 @@ class TokenCacheWarning(UserWarning):
 
 
 class ShardLoader:
-    """Batches of ``[batch_size, seq_len + 1]`` int64 CPU tensors from a folder of shards (or one shard)."""
+    """Batches of ``[batch_size, seq_len + 1]`` int64 CPU tensors from a folder of shards (or one shard).
+    With ``targets_column`` (``training.mode: custom``), ``[batch_size, 2 (seq_len + 1)]``: each row's
+    ids, then its targets from that column (decoded into process memory, 4 bytes a target)."""
 
     def __init__(self, path, *, seq_len: int, batch_size: int, seed: int = 0, rank: int = 0, world_size: int = 1,
                  gradient_accumulation: int = 1, shuffle: bool = True, input_column: str = "input_ids",
                  cache_dir: str | Path | bool | None = None, vocab_size: int | None = None,
-                 on_warning: Callable[[str], None] | None = None):
+                 on_warning: Callable[[str], None] | None = None, targets_column: str | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         if batch_size < 1 or gradient_accumulation < 1 or seq_len < 1:
@@ -145,7 +169,7 @@ class ShardLoader:
                 "error", "data.missing", "no .parquet files found", file=str(self.path),
                 expected="a folder of pretokenized shards (apr data pretokenize)")])
         width = seq_len + 1
-        counts = [_check_shard(f, input_column, width) for f in self.shards]
+        counts = [check_shard(f, input_column, width) for f in self.shards]
         self._shard_ends = np.cumsum(counts)
         if sum(counts) == 0:
             raise AprError(f"the shards under {self.path} hold no rows", [Finding(
@@ -167,6 +191,12 @@ class ShardLoader:
             arrays = [_decode(f, input_column, width, n) for f, n in zip(self.shards, counts, strict=True) if n]
             self._rows = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         self.num_rows = int(len(self._rows))
+        self._targets: np.ndarray | None = None
+        if targets_column is not None:
+            key = "training.custom.targets_column"
+            parts = [_decode_targets(f, targets_column, width, check_shard(f, targets_column, width, key), vocab_size)
+                     for f in self.shards]
+            self._targets = parts[0] if len(parts) == 1 else np.concatenate(parts)
         count = step_count(num_sequences=self.num_rows, batch_size=batch_size,
                            gradient_accumulation=gradient_accumulation, world_size=world_size)
         self.sequences_per_step, self.steps_per_epoch = count.sequences_per_step, count.steps_per_epoch
@@ -188,6 +218,8 @@ class ShardLoader:
         rows = self._rows[indices]
         if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:
             self._bad_id(indices, rows)
+        if self._targets is not None:  # the custom objective's: beside the ids
+            rows = np.concatenate([rows.astype(np.int64), self._targets[indices].astype(np.int64)], axis=1)
         return torch.from_numpy(rows.astype(np.int64))
 
     def _bad_id(self, indices: np.ndarray, rows: np.ndarray):

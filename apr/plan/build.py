@@ -28,6 +28,7 @@ from apr.memory.table import MemoryRow, add_rows, coefficients_dict
 from apr.plan import gpus
 from apr.plan.clipadvice import exact_clip_findings
 from apr.plan.contracts import SEVERITY_ORDER, ContractResult, evaluate_contracts, load_contracts
+from apr.plan.customfacts import custom_findings
 from apr.plan.datafacts import data_manifests, dataset_facts, fingerprint_entries, resolve, shared_shards
 from apr.plan.distillfacts import distill_config_findings, distill_facts
 from apr.plan.driftfacts import drift_check
@@ -507,6 +508,7 @@ def plan_config(config_path: Path, *, gpu: str | None = None, vram: str | int | 
             sheet.facts.setdefault("time", {})["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
     mixture_findings += orchestrator_findings(loaded, total_steps)
     mixture_findings += reduction_findings(loaded, world_size)
+    mixture_findings += custom_findings(loaded)  # training.mode custom: the targets column in every shard
     mixture_findings += state_dtype_findings(loaded)
     mixture_findings += plan_checks(loaded)  # validate's checks the plan has no fuller version of
     results = evaluate_contracts(contracts, config.model_dump(mode="json"), sheet.facts, loaded.source)

@@ -177,6 +177,16 @@ def _time_findings(loaded: LoadedConfig) -> list[Finding]:
     return time_config_findings(loaded)
 
 
+def _custom_findings(loaded: LoadedConfig) -> list[Finding]:
+    """``apr.plan.customfacts.custom_config_findings`` where the config names the custom objective."""
+    tr = loaded.config.training
+    if str(tr.mode) != "custom" and tr.custom is None:
+        return []
+    from apr.plan.customfacts import custom_config_findings  # lazy: off validate's path unless the objective is custom
+
+    return custom_config_findings(loaded)
+
+
 def output_dir_findings(loaded: LoadedConfig) -> list[Finding]:
     """`training.output_dir` a run must not write into (a filesystem root, the home folder, the data or
     the tokenizer), located at the key's line."""
@@ -598,6 +608,7 @@ _CHECKS: tuple = (
     (_mlm_findings, (("training",), ("model",), ("evaluation",)), None),
     (_moe_findings, (("training",), ("model",)), None),
     (_time_findings, (("training",), ("model",)), None),
+    (_custom_findings, (("training",), ("model",), ("data",)), "custom_findings"),
     (_mla_findings, (("training",), ("model",)), "mla_config_findings"),
     (sharding_findings, (("training",), ("model",), ("evaluation",)), "sharding_findings"),
     (qlora_findings, (("model",), ("training", "sharding")), None),

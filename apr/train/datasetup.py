@@ -37,6 +37,8 @@ def data_side(plan, dp, warn) -> DataSide:
     rank, world = (0, 1) if dp is None else (dp.rank, dp.world_size)
     options = dict(seq_len=data.seq_len, batch_size=data.batch_size, seed=tr.seed, world_size=world, rank=rank,
                    input_column=data.input_column, vocab_size=config.model.architecture.vocab_size, on_warning=warn)
+    if tr.custom is not None:  # training.mode custom: every batch carries its targets (training and validation)
+        options["targets_column"] = tr.custom.targets_column
     mixture = data.sources is not None
     if mixture:
         loader = MixtureLoader({s.name: os.path.expanduser(s.path) for s in data.sources}, token_stages(data),

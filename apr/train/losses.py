@@ -4,14 +4,14 @@ A loss part maps a micro-batch to the scalar the gradient source differentiates,
 autograd source (one process, DDP or FSDP2 shards: under FSDP2 it runs inside the root module's
 forward, so the embedding and head are gathered while it reads them). ``CausalLM`` is the
 pretraining loss through the model's one loss entry point (``LlamaForCausalLM.loss``); the
-distillation losses live in ``apr/train/distill.py``; ``MaskedLM`` is the masked-LM objective.
-The flat-buffer walk fuses the causal-LM loss into its head step (``linear_cross_entropy_fwd_bwd``)
-and takes only ``CausalLM``.
+distillation losses live in ``apr/train/distill.py``; ``MaskedLM`` is the masked-LM objective;
+``CustomTargets`` trains on targets from the data. The flat-buffer walk fuses the causal-LM loss
+into its head step (``linear_cross_entropy_fwd_bwd``) and takes only ``CausalLM``.
 
 The protocol: ``begin_step(step)`` before the step's micro-batches, ``__call__(engine, lm, ids,
 targets)`` per micro-batch, ``lr_factor(loss)`` once the step's update is decided (a loss may
 scale its step's LR, as distillation's autotune does), ``state_dict``/``load_state_dict`` for the
-checkpoint's engine metadata. A loss with its own validation loss (``MaskedLM``) has
+checkpoint's engine metadata. A loss with its own validation loss (``MaskedLM``, ``CustomTargets``) has
 ``eval_loss_sum(engine, batch)``; the others are scored by ``Engine.eval_loss_sum``.
 """
 
@@ -119,6 +119,40 @@ class CausalLM:
         pass
 
 
+class CustomTargets(CausalLM):
+    """StackWise's custom objective (``training.mode: custom``): the targets come from the data. Each
+    batch row is the row's ``seq_len + 1`` ids then as many targets (apr/data/loader.py,
+    ``targets_column``); the model reads the first ``seq_len`` ids and position ``i`` is trained to
+    predict target ``i + 1`` (so targets equal to the ids give the causal LM); a target of ``IGNORE``
+    adds no loss. The loss is the mean cross-entropy over the targets that are not ``IGNORE`` (0 where
+    a micro-batch has none); validation (``eval_loss_sum``) sums it over the same positions."""
+
+    @staticmethod
+    def unpack(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's input and its targets from ``Engine.split``'s halves of a packed batch."""
+        width = (ids.shape[1] + 1) // 2  # seq_len + 1
+        return ids[:, :width - 1], targets[:, width:]
+
+    def _sum(self, engine, lm, ids, targets, total: bool, steps=None) -> torch.Tensor:
+        with engine.autocast(), _conditioned(lm, steps):
+            hidden = engine.hidden_states(lm, ids)
+        return lm.loss(hidden, targets, chunk_size=engine.chunk_size, backend=engine.backend,
+                       compute_dtype=engine.cdt, norm_context=engine.autocast(), total=total)
+
+    def __call__(self, engine, lm, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ids, targets = self.unpack(ids, targets)
+        steps = None if self.time is None else self.time.steps(lm, ids, self.step)
+        counted = (targets != IGNORE).sum().clamp_min(1)  # on the device: no host read per micro-batch
+        loss = self._sum(engine, lm, ids, targets, False, steps) * (targets.numel() / counted)
+        return loss if self.routing is None else loss + self.routing.term(lm)
+
+    @torch.no_grad()
+    def eval_loss_sum(self, engine, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Summed cross-entropy over a validation batch's targets that are not ``IGNORE``, and their number."""
+        ids, targets = self.unpack(*engine.split(batch))
+        return self._sum(engine, engine.model, ids, targets, True), int((targets != IGNORE).sum())
+
+
 def _conditioned(lm, steps: torch.Tensor | None):
     """``conditioned`` where the micro-batch has time steps, else nothing."""
     return contextlib.nullcontext() if steps is None else conditioned(lm, steps)
@@ -218,10 +252,11 @@ class MaskedLM:
         pass
 
 
-def objective_loss(config, model, source: str) -> CausalLM | MaskedLM | None:
+def objective_loss(config, model, source: str) -> CausalLM | CustomTargets | MaskedLM | None:
     """The loss part of ``training.mode`` other than distillation (apr/train/distill.py): for
     causal_lm, None (the engine's own ``CausalLM``) or with ``model.architecture.moe`` a ``CausalLM``
-    with its balance term, with ``model.architecture.time`` one drawing each row's time step; for mlm,
+    with its balance term, with ``model.architecture.time`` one drawing each row's time step; for
+    custom, ``CustomTargets`` (with either); for mlm,
     ``MaskedLM`` over ``model`` made bidirectional. ``source``: the resolved plan's gradient source."""
     tr, moe = config.training, config.model.architecture.moe
     time = None
@@ -237,6 +272,8 @@ def objective_loss(config, model, source: str) -> CausalLM | MaskedLM | None:
             raise AprError("model.architecture.moe runs on autograd (training.engine: standard): the flat-buffer "
                            "walk backpropagates block by block and would drop the load-balancing loss's gradient")
         routing = RoutingBalance(moe.balance_loss_coef)
+    if str(tr.mode) == "custom":
+        return CustomTargets(routing, time)
     if str(tr.mode) != "mlm":
         return None if routing is None and time is None else CausalLM(routing, time)
     bidirectional(model)

@@ -216,3 +216,42 @@ def test_drift_samples_split_the_epoch_at_the_cursor_across_ranks(tmp_path):
     assert len(read_ids) == 12 and given < read_ids  # rank 0's rows too
     assert read_ids == set(loader._order()[:12].tolist()) and ahead_ids == set(loader._order()[12:40].tolist())
     assert len(loader.sample_read_and_ahead(5, rng)[1]) == 5 and loader.state_dict() == state
+
+
+def _targets_shard(path, ids: np.ndarray, targets: np.ndarray | None, name: str = "a.parquet"):
+    """A shard of ``input_ids`` and (unless None) a list<int32> ``targets`` column beside them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.mkdir(parents=True, exist_ok=True)
+    n, width = ids.shape
+    offsets = pa.array(np.arange(0, (n + 1) * width, width, dtype=np.int32))
+    columns = {"input_ids": pa.ListArray.from_arrays(offsets, pa.array(ids.reshape(-1), type=pa.uint32()))}
+    if targets is not None:
+        columns["targets"] = pa.ListArray.from_arrays(offsets, pa.array(targets.reshape(-1), type=pa.int32()))
+    pq.write_table(pa.table(columns), path / name)
+    return path
+
+
+def test_a_targets_column_comes_beside_each_rows_ids_and_out_of_range_targets_fail_naming_the_row(tmp_path):
+    """training.mode custom: each batch row is the row's ids then its targets (-100 kept); a target
+    that is neither -100 nor below vocab_size fails when the loader opens the shard, naming it."""
+    ids = (np.arange(6)[:, None] + np.arange(SEQ + 1)[None, :]).astype(np.uint32)
+    targets = (ids.astype(np.int32) * 2) % 50
+    targets[2, 5] = -100
+    path = _targets_shard(tmp_path / "d", ids, targets)
+    loader = ShardLoader(path, seq_len=SEQ, batch_size=3, shuffle=False, vocab_size=64, targets_column="targets")
+    batch = loader.next_batch()
+    assert tuple(batch.shape) == (3, 2 * (SEQ + 1))
+    assert batch[:, :SEQ + 1].tolist() == ids[:3].tolist() and batch[:, SEQ + 1:].tolist() == targets[:3].tolist()
+    assert batch[2, SEQ + 1 + 5].item() == -100
+    targets[4, 1] = 64
+    bad = _targets_shard(tmp_path / "e", ids, targets)
+    with pytest.raises(AprError) as e:
+        ShardLoader(bad, seq_len=SEQ, batch_size=3, vocab_size=64, targets_column="targets", cache_dir=False)
+    f = e.value.findings[0]
+    assert f.code == "data.target" and f.file.endswith("a.parquet") and f.got == "64 at row 4, position 1"
+    assert f.path == "training.custom.targets_column" and "-100" in f.expected
+    with pytest.raises(AprError, match="no column 'labels'") as e:
+        ShardLoader(path, seq_len=SEQ, batch_size=3, targets_column="labels")
+    assert e.value.findings[0].path == "training.custom.targets_column"

@@ -360,3 +360,64 @@ def test_time_as_depth_runs_each_stage_at_its_step_and_resumes_across_the_grow_b
     final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
     again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
     assert [k for k in final if not torch.equal(final[k], again[k])] == []
+
+
+def test_the_custom_loss_is_the_mean_cross_entropy_at_the_targets_not_ignored():
+    """training.mode custom: a packed batch (ids, then targets; apr/data/loader.py) trains position i on
+    target i + 1, the mean over the targets that are not -100; validation sums the same."""
+    from apr.data.loader import IGNORE as LOADER_IGNORE
+
+    config = make_config(training={"engine": "standard", "mode": "custom", "custom": {}})
+    engine = build_engine(plan_of(config))
+    ids, _ = engine.split(batches(config, 1)[0])
+    row = torch.cat([ids, ids[:, :1]], dim=1)  # seq_len + 1 ids
+    targets = (row * 7 + 3) % 53
+    targets[0, 1:9] = IGNORE
+    targets[1, 4] = IGNORE
+    packed = torch.cat([row, targets], dim=1)
+    part = engine.loss(engine, engine.model, *engine.split(packed))
+    logits = engine.model(ids)
+    kept = [(i, p) for i in range(2) for p in range(12) if targets[i, p + 1] != IGNORE]
+    want = sum(F.cross_entropy(logits[i, p], targets[i, p + 1]) for i, p in kept) / len(kept)
+    assert abs(part.item() - want.item()) < 1e-5 and len(kept) == 24 - 9 and LOADER_IGNORE == IGNORE
+    total, count = engine.loss.eval_loss_sum(engine, packed)
+    assert count == len(kept) and abs(total.item() / count - want.item()) < 1e-5
+
+
+def test_a_custom_run_whose_targets_are_its_ids_is_the_causal_lm_bitwise_and_resumes_bitwise(tmp_path):
+    """apr train apply with training.mode custom over shards whose targets column is the ids: the same
+    weights and validation loss as the causal LM, bit for bit; resumed from its step-4 checkpoint, the
+    same bits again."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from run_helpers import make_dataset, write_config
+    from safetensors.torch import load_file
+
+    from apr.apply import run_apply
+
+    make_dataset(tmp_path, train_rows=64, val_rows=8)
+    for shard in sorted((tmp_path / "data").rglob("*.parquet")):  # targets = the ids, beside them
+        table = pq.read_table(shard)
+        ids = table.column("input_ids")
+        pq.write_table(table.append_column("targets", ids.cast(pa.list_(pa.int32()))), shard)
+    training = {"engine": "standard", "max_steps": 8, "save_interval": 4, "eval_interval": 4}
+    quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
+    causal = run_apply(write_config(tmp_path, "causal.yaml", training={**training, "output_dir": "causal/"}),
+                       **quiet)
+    custom = {**training, "mode": "custom", "custom": {"targets_column": "targets"}}
+    straight = run_apply(write_config(tmp_path, training=custom), **quiet)
+    assert straight.val_loss == causal.val_loss and straight.first_val_loss == causal.first_val_loss
+    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
+    plain = load_file(str(tmp_path / "causal" / "checkpoint-step-8.safetensors"))
+    assert [k for k in final if not torch.equal(final[k], plain[k])] == []
+    other = tmp_path / "other"
+    (other / "run").mkdir(parents=True)
+    for suffix in ("json", "safetensors"):
+        shutil.copy(tmp_path / "run" / f"checkpoint-step-4.{suffix}", other / "run")
+    resumed = run_apply(write_config(tmp_path, "other.yaml", training={**custom, "output_dir": str(other / "run")}),
+                        resume="latest", **quiet)
+    assert resumed.start_step == 4 and resumed.val_loss == straight.val_loss
+    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
+    assert [k for k in final if not torch.equal(final[k], again[k])] == []
