@@ -125,13 +125,19 @@ class CustomTargets(CausalLM):
     ``targets_column``); the model reads the first ``seq_len`` ids and position ``i`` is trained to
     predict target ``i + 1`` (so targets equal to the ids give the causal LM); a target of ``IGNORE``
     adds no loss. The loss is the mean cross-entropy over the targets that are not ``IGNORE`` (0 where
-    a micro-batch has none); validation (``eval_loss_sum``) sums it over the same positions."""
+    a micro-batch has none); validation (``eval_loss_sum``) sums it over the same positions. A batch of
+    ids alone (the random rows of ``apr train plan --trace`` and ``apr profile``) is scored as the
+    causal LM, the same shapes and cost."""
 
-    @staticmethod
-    def unpack(ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, seq_len: int, routing: RoutingBalance | None = None, time: TimeDraw | None = None):
+        super().__init__(routing, time)
+        self.seq_len = seq_len
+
+    def unpack(self, ids: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's input and its targets from ``Engine.split``'s halves of a packed batch."""
-        width = (ids.shape[1] + 1) // 2  # seq_len + 1
-        return ids[:, :width - 1], targets[:, width:]
+        if ids.shape[1] != 2 * self.seq_len + 1:  # ids alone: their next tokens
+            return ids, targets
+        return ids[:, :self.seq_len], targets[:, self.seq_len + 1:]
 
     def _sum(self, engine, lm, ids, targets, total: bool, steps=None) -> torch.Tensor:
         with engine.autocast(), _conditioned(lm, steps):
@@ -273,7 +279,7 @@ def objective_loss(config, model, source: str) -> CausalLM | CustomTargets | Mas
                            "walk backpropagates block by block and would drop the load-balancing loss's gradient")
         routing = RoutingBalance(moe.balance_loss_coef)
     if str(tr.mode) == "custom":
-        return CustomTargets(routing, time)
+        return CustomTargets(config.data.seq_len, routing, time)
     if str(tr.mode) != "mlm":
         return None if routing is None and time is None else CausalLM(routing, time)
     bidirectional(model)

@@ -382,6 +382,8 @@ def test_the_custom_loss_is_the_mean_cross_entropy_at_the_targets_not_ignored():
     assert abs(part.item() - want.item()) < 1e-5 and len(kept) == 24 - 9 and LOADER_IGNORE == IGNORE
     total, count = engine.loss.eval_loss_sum(engine, packed)
     assert count == len(kept) and abs(total.item() / count - want.item()) < 1e-5
+    alone = engine.loss(engine, engine.model, ids, row[:, 1:])  # ids alone (plan --trace, profile): causal
+    assert torch.equal(alone, CausalLM()(engine, engine.model, ids, row[:, 1:]))
 
 
 def test_a_custom_run_whose_targets_are_its_ids_is_the_causal_lm_bitwise_and_resumes_bitwise(tmp_path):
