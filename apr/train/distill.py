@@ -115,7 +115,8 @@ class Autotune:
                             {"block": block, "loss": loss, "factor": self.factor[block], "action": action}))
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "best": self.best, "since": self.since, "factor": self.factor}
+        # copies: a checkpoint written in the background must hold this step's values, not a later step's
+        return {"ema": list(self.ema), "best": list(self.best), "since": list(self.since), "factor": list(self.factor)}
 
     def load_state_dict(self, state: dict | None) -> None:
         if state:

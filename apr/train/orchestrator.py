@@ -299,16 +299,15 @@ class Orchestrator:
         """The nowcast points a checkpoint names, read back from ``.apr/nowcast/``; [] (said) when one is gone."""
         if not steps or run is None:
             return []
-        from safetensors.torch import load_file  # lazy: nowcasting only
-
         local = bool(run.engine.sharded)
-        paths = [_point_path(run, s, local) for s in steps]
-        missing = [p.name for p in paths if not p.is_file()]
+        points = [_read_point(run, s, local) for s in steps]
+        missing = [_point_path(run, s, local).name for s, p in zip(steps, points, strict=True) if p is None]
         if missing:
-            run.warn(f"orchestrator: the nowcast points {', '.join(missing)} are gone from {paths[0].parent}: the "
-                     "nowcast history starts again at the next decision")
+            run.warn(f"orchestrator: the nowcast points {', '.join(missing)} are gone from "
+                     f"{_point_path(run, steps[0], local).parent}: the nowcast history starts again at the next "
+                     "decision")
             return []
-        return [(s, load_file(str(p))) for s, p in zip(steps, paths, strict=True)]
+        return list(zip(steps, points, strict=True))
 
     # ------------------------------------------------------------------------------ safety
 
@@ -406,6 +405,60 @@ def _point_path(run, step: int, local: bool) -> Path:
     of it on shards."""
     rank = f".rank{run.dp.rank}-of-{run.dp.world_size}" if local and run.dp is not None else ""
     return Path(run.run_dir) / ".apr" / "nowcast" / f"step-{step}{rank}.safetensors"
+
+
+def _read_point(run, step: int, local: bool) -> dict[str, torch.Tensor] | None:
+    """A nowcast point's weights as this process holds them (a rank's rows on shards): its own file, or,
+    resumed on another number of ranks, the one another layout wrote (whole, or a file of rows per rank:
+    joined, then cut to this rank's rows), so the history, and the nowcast, go on as they would have;
+    None when neither is there."""
+    from safetensors.torch import load_file  # lazy: nowcasting only
+
+    path = _point_path(run, step, local)
+    if path.is_file():
+        return load_file(str(path))
+    layout = run.engine.layout  # None: the walk (its weights are the model's parameters)
+    named = layout.params.named if layout is not None else dict(run.engine.model.named_parameters())
+    whole = _whole_point(path.parent, step, {name: p.shape[0] for name, p in named.items()})  # DTensor: whole
+    if whole is None or not local:
+        return whole
+    out = {}
+    for name, p in named.items():
+        start = layout.row_start(p)
+        out[name] = whole[name][start:start + p.to_local().shape[0]].contiguous()
+    return out
+
+
+def _whole_point(folder: Path, step: int, rows: dict[str, int]) -> dict[str, torch.Tensor] | None:
+    """A point's whole tensors from the files any layout wrote: ``step-N.safetensors``, or every
+    ``step-N.rankR-of-K`` file of one K, each tensor's rows joined in rank order up to its whole rows
+    (under hybrid the first shard group's files hold them all; the replicas' repeat them)."""
+    from safetensors.torch import load_file  # lazy: nowcasting only
+
+    if (folder / f"step-{step}.safetensors").is_file():
+        return load_file(str(folder / f"step-{step}.safetensors"))
+    worlds: dict[int, dict[int, Path]] = {}
+    for path in folder.glob(f"step-{step}.rank*-of-*.safetensors"):
+        rank, _, world = path.name[len(f"step-{step}.rank"):-len(".safetensors")].partition("-of-")
+        if rank.isdigit() and world.isdigit():
+            worlds.setdefault(int(world), {})[int(rank)] = path
+    complete = [w for w, found in worlds.items() if set(found) == set(range(w))]
+    if not complete:
+        return None
+    parts = [load_file(str(worlds[complete[0]][r])) for r in range(complete[0])]
+    out = {}
+    for name in parts[0]:
+        total = rows.get(name)  # unknown: every part's rows (no replicas to leave out)
+        taken, have = [], 0
+        for part in parts:
+            if total is not None and have >= total:
+                break
+            taken.append(part[name])
+            have += part[name].shape[0]
+        if total is not None and have != total:
+            return None
+        out[name] = torch.cat(taken)
+    return out
 
 
 def _finite(value):

@@ -88,7 +88,7 @@ def test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_b
     record the same decisions to the bit (every branch's val loss, reward and training losses; on shards
     a nowcast extrapolated from each rank's rows) and end with the same weights and moments."""
     make_dataset(tmp_path, train_rows=160)
-    common = {"epochs": 1, "max_steps": 10, "save_interval": 10, "keep_last": 2, "eval_interval": 5,
+    common = {"epochs": 1, "max_steps": 10, "save_interval": 7, "keep_last": 5, "eval_interval": 5,
               "eval_batches": 3, "engine": "standard", "reduction": "canonical", "grad_clip": 0.5,
               "sharding": sharding,
               "orchestrator": {"enabled": True, "decision_interval": 4, "eval_horizon": 2, "branches": 2,
@@ -108,6 +108,16 @@ def test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_b
         assert two[1]["nowcast"] is not None and two[1]["nowcast"]["history"] == [4, 8]
     assert two == one  # every branch's val loss, reward, training losses; the winners, the bandit
     _bitwise(_state(tmp_path / "one", 10), _state(tmp_path / "two", 10))
+    # the 2-rank run resumed on one process between its decisions: the nowcast point of step 4 (on shards,
+    # each rank's rows in a file of its own) is read back whole, and the nowcast at step 8 is the same
+    (tmp_path / "resumed").mkdir()
+    for path in (tmp_path / "two").glob("checkpoint-step-7.*"):
+        shutil.copy(path, tmp_path / "resumed")
+    if (tmp_path / "two" / ".apr" / "nowcast").is_dir():
+        shutil.copytree(tmp_path / "two" / ".apr" / "nowcast", tmp_path / "resumed" / ".apr" / "nowcast")
+    _launch(doc("resumed/", 2), tmp_path / "resumed.json", 1, resume="latest")
+    assert _orchestrator_history(tmp_path / "resumed", 10) == two
+    _bitwise(_state(tmp_path / "resumed", 10), _state(tmp_path / "two", 10))
 
 
 @pytest.fixture(scope="module")

@@ -122,6 +122,16 @@ def test_autotune_records_spikes_and_plateaus_and_only_active_mode_lowers_the_lr
     assert off.events == [] and off.factor == [1.0]
 
 
+def test_autotunes_checkpointed_state_is_the_step_it_was_taken_at():
+    """A checkpoint written in the background serialises the state after the next step has begun: it
+    must hold the values of its own step (it held the live lists, so a resume got a later step's)."""
+    tune = Autotune(AutotuneConfig(mode="active", plateau_patience=1), blocks=1)
+    tune.observe(0, 1.0)
+    saved = tune.state_dict()
+    tune.observe(0, 1.0)  # the next step: a plateau halves the factor, the EMA moves
+    assert saved == {"ema": [1.0], "best": [1.0], "since": [0], "factor": [1.0]} and tune.factor == [0.5]
+
+
 @pytest.fixture(scope="module")
 def distilled(teacher, tmp_path_factory):
     root = tmp_path_factory.mktemp("student")
