@@ -266,6 +266,34 @@ FEATURES: list[Feature] = [
                              "--sharding hybrid: 4 x 1 = 1 x 4, 4 -> 2 and 1 -> 4 resumed, bitwise "
                              "(docs/performance.md)"),
     }),
+    Feature("canonical reduction with the orchestrator (rewards, branch losses)", {
+        "one": tested("tests/distributed/test_canonical.py::"
+                      "test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal",
+                      note="its one-process run x 4 is the reference of both cells"),
+        "ddp": tested("tests/distributed/test_canonical.py::"
+                      "test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal[ddp]",
+                      note="2 x 2 = 1 x 4 = 2 -> 1 resumed between decisions: the same decisions (val losses, "
+                           "rewards, branch losses) and weights, bitwise"),
+        "full": tested("tests/distributed/test_canonical.py::"
+                       "test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal"
+                       "[full]", note="with a kept nowcast of each rank's rows, read back whole on the resume; bitwise"),
+        "hybrid": not_tested("4 ranks, beyond CI: benchmarks/check_canonical_ranks.py --feature orchestrator "
+                             "--sharding hybrid (docs/performance.md); the branches' snapshots are `full`'s"),
+    }),
+    Feature("canonical reduction with distillation (block ends, autotune)", {
+        "one": tested("tests/distributed/test_canonical.py::"
+                      "test_distillation_on_two_ranks_and_one_process_decides_alike_and_ends_bitwise_equal",
+                      note="its one-process run x 4 is the reference of both cells"),
+        "ddp": tested("tests/distributed/test_canonical.py::"
+                      "test_distillation_on_two_ranks_and_one_process_decides_alike_and_ends_bitwise_equal[ddp]",
+                      note="2 x 2 = 1 x 4 = 2 -> 1 resumed, both phases: bitwise; cache_teacher_outputs refused "
+                           "(validate: training.reduction; the world size picks the cache's hits)"),
+        "full": tested("tests/distributed/test_canonical.py::"
+                       "test_distillation_on_two_ranks_and_one_process_decides_alike_and_ends_bitwise_equal"
+                       "[full]", note="as DDP; bitwise"),
+        "hybrid": not_tested("4 ranks, beyond CI: benchmarks/check_canonical_ranks.py --feature distill "
+                             "--sharding hybrid (docs/performance.md)"),
+    }),
     Feature("model dropout (model.architecture.dropout), both sources", {
         "one": tested("tests/train/test_walk.py::test_the_walk_with_dropout_trains_as_autograd[recompute]",
                       "tests/train/test_walk.py::"
