@@ -22,7 +22,8 @@ WORKS = ("training.engine: standard (autograd) with training.sharding none (one 
 
 
 def reduction_problems(config) -> list[str]:
-    """Why this run cannot make its gradient sum independent of the world size (empty: it can)."""
+    """Why canonical cannot make this run's gradient sum, or what it reads, independent of the world size
+    (empty: it can)."""
     tr = config.training
     out = []
     if gradient_source(config) == "interleaved":
@@ -54,11 +55,12 @@ def reduction_findings(loaded: LoadedConfig, world_size: int | None = None) -> l
         cost = reduction_cost(config, 4 * trainable_param_count(config), world)
         return [Finding("info", "config.reduction", cost["line"], path="training.reduction", file=file, line=line,
                         column=column)]
-    return [Finding("error", "config.reduction", "training.reduction: canonical cannot make this run's gradient sum "
-                    "independent of the world size: " + "; ".join(problems), path="training.reduction", file=file,
-                    line=line, column=column, expected=f"fast, or canonical with {WORKS}",
-                    got="canonical with " + ", ".join(p.split(" ", 1)[0] if p.startswith("training") else
-                                                      "training.engine: interleaved" for p in problems))]
+    got = ", ".join(p.split(" ", 1)[0].rstrip(":") if p.startswith("training") else "training.engine: interleaved"
+                    for p in problems)
+    return [Finding("error", "config.reduction", "training.reduction: canonical cannot make this run (its gradient "
+                    "sum, or what it reads) independent of the world size: " + "; ".join(problems),
+                    path="training.reduction", file=file, line=line, column=column,
+                    expected=f"fast, or canonical with {WORKS}", got=f"canonical with {got}")]
 
 
 def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
