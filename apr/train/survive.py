@@ -16,6 +16,7 @@ import torch
 
 from apr.checkpoint.manager import scan
 from apr.train.badsteps import BadStepTest
+from apr.train.reduction import agreed
 from apr.train.restore import Saved, restore
 from apr.train.rollback import RollbackState, SpikeWatch, ledger_rows
 from apr.train.stop import Stop
@@ -47,8 +48,7 @@ class Survival:
         Under DDP the figures are averaged first, so every rank decides alike."""
         figures = torch.stack([loss.detach().float().reshape(()),
                                (norm if norm is not None else loss).detach().float().reshape(())])
-        if run.dp is not None:
-            figures = run.dp.average_(figures)
+        figures = agreed(run.dp, figures, run.plan.reduction == "canonical")  # canonical: global already
         mean_loss, grad_norm = figures.tolist()
         self.verdict = self.bad_steps.verdict(mean_loss, grad_norm if norm is not None else None)
         return self.verdict is not None
@@ -76,8 +76,7 @@ class Survival:
             run.echo(f"{run.step_label(step)}  {v.message()}")
         if self.spikes is None:
             return False
-        loss_t = report.result.loss.detach().clone()
-        loss = float((run.dp.average_(loss_t) if run.dp is not None else loss_t).item())
+        loss = float(agreed(run.dp, report.result.loss, run.plan.reduction == "canonical").item())
         ema, limit = self.spikes.ema.mean, self.spikes.limit()
         start = self.spikes.observe(step, loss)
         if start is None:
