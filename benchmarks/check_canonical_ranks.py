@@ -64,7 +64,7 @@ def _launch(root: Path, doc: dict, name: str, ranks: int, resume: str | None = N
     args = [str(WORKER), str(path)] + ([resume] if resume else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "300", "APR_SHARD_GROUP_SIZE": "2"}
     proc = run_ranks(args, ranks, env, timeout=900) if ranks > 1 else run_script(args, env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def _state(run_dir: Path, step: int) -> dict:
