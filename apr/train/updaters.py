@@ -146,6 +146,8 @@ class AdamW(Updater):
     def step(self, lr: float) -> None:
         """Every bound group's ``update_group`` after an autograd backward, each parameter with a
         gradient a piece (a parameter without one keeps its moments and step count, as in torch)."""
+        for pg in self.optimizer.param_groups:  # what torch's optimizer would say the step ran at
+            pg["lr"] = lr
         for gname, params in self._bound:
             pieces = [self._param_piece(p, decayed) for p, decayed in params
                       if p.grad is not None and id(p) not in self._frozen]
