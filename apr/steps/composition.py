@@ -338,6 +338,33 @@ FEATURES: list[Feature] = [
                        note="each block's experts in its FSDP2 unit; 1e-6"),
         "hybrid": not_tested("`full` within each node, replicated across nodes as for a dense block"),
     }),
+    Feature("time conditioning (model.architecture.time: input, depth, time-step masking), autograd", {
+        "one": tested("tests/train/test_losses.py::"
+                      "test_a_time_conditioned_run_resumes_bitwise_and_its_checkpoint_decodes_at_eval_time",
+                      "tests/train/test_losses.py::"
+                      "test_time_as_depth_runs_each_stage_at_its_step_and_resumes_across_the_grow_bitwise",
+                      note="bitwise resume, across a grow for depth; the flat-buffer walk refused (validate: "
+                           "training.engine)"),
+        "ddp": tested("tests/distributed/test_time_ranks.py::"
+                      "test_time_steps_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[none]",
+                      note="a row's step depends on the seed, the step and its tokens only; 1e-6"),
+        "full": tested("tests/distributed/test_time_ranks.py::"
+                       "test_time_steps_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[full]",
+                       note="the time embedding in the root unit with the token embedding; 1e-6"),
+        "hybrid": not_tested("`full` within each node, replicated across nodes as the token embedding"),
+    }),
+    Feature("custom targets (training.mode: custom, autograd)", {
+        "one": tested("tests/train/test_losses.py::"
+                      "test_a_custom_run_whose_targets_are_its_ids_is_the_causal_lm_bitwise_and_resumes_bitwise",
+                      note="targets = ids: the causal LM's weights bit for bit; bitwise resume"),
+        "ddp": tested("tests/distributed/test_custom_ranks.py::"
+                      "test_custom_targets_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[none]",
+                      note="each rank's rows carry their targets; 1 process accumulating the same micro-batches, "
+                           "1e-6"),
+        "full": refused("not built: the validation loss would run outside FSDP2's root forward, which gathers "
+                        "the embedding and head"),
+        "hybrid": refused("as `full`"),
+    }),
     Feature("LoRA with `trunk_dtype: nf4` (QLoRA over an imported base)", {
         "one": tested("tests/checkpoint/test_hf_families.py::"
                       "test_qlora_over_each_family_starts_at_transformers_over_the_nf4_base_in_both_engines",
