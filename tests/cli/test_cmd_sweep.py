@@ -201,7 +201,10 @@ def test_a_worker_killed_on_another_machine_is_retried_and_hyperband_prunes_from
     # 2. B then trains the grid's other point, lr 1e-6, which has barely trained by the second
     #    evaluation (step 4): Optuna's HyperbandPruner (one bracket: min_iter 2, max_iter 4, eta 3)
     #    compares it there with the retry's val loss, prunes it, and the sweep stops its run.
-    write_config(root, training={"max_steps": 24, "warmup_steps": 2, "eval_interval": 2, "save_interval": 2})
+    # 60 steps: room for the sweep's poll (every 0.25 s) to stop the pruned run well before its end on a
+    # loaded machine (at 24, load 8 let it finish first)
+    write_config(root, training={"max_steps": 60, "epochs": 10, "warmup_steps": 2, "eval_interval": 2,
+                                 "save_interval": 2})
     _sweep(root, """
 name: beat
 config: cfg.yaml
@@ -236,7 +239,7 @@ parameters:
     assert (retry["retry_of"], retry["resumes"], retry["run_dir"]) == (0, 1, str(run_dir))
     assert (retry["params"]["optimizer.lr"], bad["params"]["optimizer.lr"]) == (0.01, 1e-6)
     state = json.loads((run_dir / "training_state.json").read_text())
-    assert state["status"] == "finished" and state["step"] == 24 and retry["value"] == state["val_loss"]
+    assert state["status"] == "finished" and state["step"] == 60 and retry["value"] == state["val_loss"]
     log = run_dir.with_suffix(".log").read_text()
     assert log.count("resumed from") == 1 and log.count(": finished") == 1
     # Hyperband's verdict at its rung (evaluation 2, step 4), from what the pruner compared: the two
@@ -254,7 +257,7 @@ parameters:
     assert at_rung[1] > at_rung[0]
     assert bad["state"] == "pruned" and bad["last_evaluation"] == 2
     assert bad["reason"] == f"pruned at evaluation 2 (step 4): val_loss {at_rung[1]:.4f}"
-    assert pruned["step"] < 24 and pruned["status"] != "finished"  # stopped by the sweep, not run to its end
+    assert pruned["step"] < 60 and pruned["status"] != "finished"  # stopped by the sweep, not run to its end
 
 
 def test_a_trial_runs_as_a_two_process_torchrun_job(root, monkeypatch):
