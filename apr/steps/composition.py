@@ -55,6 +55,8 @@ _C = "tests/scenarios/test_composition.py::"
 _S = "tests/distributed/test_sharding.py::"
 _D = "tests/distributed/test_data_parallel.py::"
 _GU = _S + "test_group_updaters_on_shards_equal_one_process_with_twice_the_batch"
+_CW = "tests/distributed/test_canonical_world_sizes.py::" \
+    "test_four_ranks_one_process_and_resumes_across_world_sizes_end_bitwise_equal"
 
 FEATURES: list[Feature] = [
     Feature("plain pretraining, both sources, every clip mode", {
@@ -262,9 +264,14 @@ FEATURES: list[Feature] = [
                        "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[full-standard-adagc]",
                        note="no reduce-scatter: an all-to-all of each micro-batch's shard rows, the same tree; "
                             "2 x 2, 1 x 4 and 2 -> 1: bitwise, the same validation losses"),
-        "hybrid": not_tested("4 ranks (2 shard groups of 2), beyond CI: benchmarks/check_canonical_ranks.py "
-                             "--sharding hybrid: 4 x 1 = 1 x 4, 4 -> 2 and 1 -> 4 resumed, bitwise "
-                             "(docs/performance.md)"),
+        "hybrid": tested(f"{_CW}[hybrid]", note="4 ranks in 2 shard groups of 2: 4 x 1 = 1 x 4, 4 -> 2, 4 -> 1 "
+                                                  "and 1 -> 4 resumed, bitwise"),
+    }),
+    Feature("canonical reduction across world sizes (4 ranks, 4 -> 2 -> 1, 1 -> 4)", {
+        "one": tested(f"{_CW}[none]", note="one process x 4 is the reference"),
+        "ddp": tested(f"{_CW}[none]", note="4 x 1 = 1 x 4; 4 -> 2, 4 -> 1 and 1 -> 4 resumed: bitwise"),
+        "full": tested(f"{_CW}[full]"),
+        "hybrid": tested(f"{_CW}[hybrid]"),
     }),
     Feature("canonical reduction with the orchestrator (rewards, branch losses)", {
         "one": tested("tests/distributed/test_canonical.py::"
@@ -276,7 +283,8 @@ FEATURES: list[Feature] = [
                            "rewards, branch losses) and weights, bitwise"),
         "full": tested("tests/distributed/test_canonical.py::"
                        "test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal"
-                       "[full]", note="with a kept nowcast of each rank's rows, read back whole on the resume; bitwise"),
+                       "[full]",
+                       note="with a kept nowcast of each rank's rows, read back whole on the resume; bitwise"),
         "hybrid": not_tested("4 ranks, beyond CI: benchmarks/check_canonical_ranks.py --feature orchestrator "
                              "--sharding hybrid (docs/performance.md); the branches' snapshots are `full`'s"),
     }),
