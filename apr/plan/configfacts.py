@@ -24,6 +24,8 @@ from apr.model.spec import (
     linear_dims,
     non_embedding_param_count,
     param_count,
+    time_flops_per_token,
+    time_param_specs,
     trainable_param_count,
 )
 from apr.plan.gpus import Target, mfu_basis
@@ -63,6 +65,20 @@ def lora_facts(config: AprConfig) -> dict:
             "min_dim_module": smallest, "min_dim_shape": list(linear_dims(arch, smallest))}
 
 
+def time_facts(config: AprConfig) -> dict:
+    """``model.architecture.time``: its parameters (in the embedding's group) and FLOPs per token, and
+    the step of each stacking stage (depth) or of validation and generation (input)."""
+    from apr.model.timesteps import fixed_step_of, stage_step  # lazy: off validate's path unless the model has time
+
+    arch, t, st = config.model.architecture, config.model.architecture.time, config.model.stacking
+    depth = str(t.interpretation) == "depth"
+    return {"interpretation": str(t.interpretation), "encoding": str(t.encoding), "embedding_dim": t.embedding_dim,
+            "num_time_steps": t.num_time_steps, "params": sum(p.numel for p in time_param_specs(arch)),
+            "flops_per_token": time_flops_per_token(arch, config.data.seq_len), "masking": t.masking,
+            "stage_steps": [stage_step(t, k) for k in range(len(st.stages))] if depth and st else None,
+            "eval_step": None if depth else fixed_step_of(config)}
+
+
 def model_facts(config: AprConfig) -> dict:
     arch = config.model.architecture
     extra = {} if config.model.lora is None else {"lora": lora_facts(config)}
@@ -70,6 +86,8 @@ def model_facts(config: AprConfig) -> dict:
         extra["moe"] = {"num_experts": arch.moe.num_experts, "top_k": arch.moe.top_k,
                         "expert_intermediate_size": expert_intermediate_size(arch),
                         "active_params": active_param_count(arch)}
+    if arch.time is not None:  # time conditioning: counted with the embedding; the step outside training
+        extra["time"] = time_facts(config)
     if arch.mla is not None:  # multi-head latent attention: the KV cache holds the latent and the RoPE key
         extra["mla"] = {"kv_lora_rank": arch.mla.kv_lora_rank, "qk_rope_head_dim": arch.mla.qk_rope_head_dim,
                         "q_lora_rank": arch.mla.q_lora_rank}

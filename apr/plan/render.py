@@ -65,9 +65,20 @@ def _model_lines(plan) -> list[str]:
         "holds it)"]) + ([] if "moe" not in m else [
         f"mixture of experts: {m['moe']['num_experts']} experts of SwiGLU {m['moe']['expert_intermediate_size']:,} "
         f"per block, top {m['moe']['top_k']}: {m['moe']['active_params']:,} parameters active per token "
-        "(FLOP/token counts these)"]) + ([] if "lora" not in m else [
+        "(FLOP/token counts these)"]) + ([] if "time" not in m else [_time_line(m["time"])]) + (
+        [] if "lora" not in m else [
         f"LoRA rank {plan.config.model.lora.rank} on {', '.join(m['lora']['modules'])}: "
         f"{m['trainable_params']:,} trainable ({100 * m['trainable_params'] / m['params']:.2f}%), the rest frozen"])
+
+
+def _time_line(t: dict) -> str:
+    """Time conditioning: the encoding, what it costs, and the step of each stage or of evaluation."""
+    when = (f"stages at steps {', '.join(str(s) for s in t['stage_steps'])}" if t["stage_steps"] is not None
+            else f"each training row draws its step; validation and generation at step {t['eval_step']}")
+    return (f"time conditioning ({t['interpretation']}): {t['encoding']} encoding {t['embedding_dim']} wide over "
+            f"{t['num_time_steps']:,} steps, projected to the hidden size: {t['params']:,} parameters with the "
+            f"embedding, {t['flops_per_token']:,} FLOP/token; {when}"
+            + ("; time-step masking" if t["masking"] else ""))
 
 
 def _params_split(plan) -> str:
@@ -75,9 +86,11 @@ def _params_split(plan) -> str:
     arch = plan.config.model.architecture
     blocks = arch.num_hidden_layers * plan.facts["model"]["block_params"]
     emb = arch.vocab_size * arch.hidden_size
+    time = "" if "time" not in plan.facts["model"] else f" + {format_count(plan.facts['model']['time']['params'])} time"
     if arch.tie_word_embeddings:
-        return f"{format_count(blocks)} in the blocks, {format_count(emb)} in the embedding tied to the LM head"
-    return f"{format_count(blocks)} in the blocks, {format_count(emb)} embedding + {format_count(emb)} LM head"
+        return (f"{format_count(blocks)} in the blocks, {format_count(emb)} in the embedding tied to the LM head"
+                + time)
+    return f"{format_count(blocks)} in the blocks, {format_count(emb)} embedding{time} + {format_count(emb)} LM head"
 
 
 def _dataset_line(name: str, d: dict | None, text: str | None) -> str:

@@ -1,5 +1,5 @@
-"""Time conditioning (apr/model/time.py): the step of a time and of a stacking stage, each row's
-drawn step, and the time embedding the token embedding adds to every position of its row."""
+"""Time conditioning (apr/model/time.py): each row's drawn step, and the time embedding the token
+embedding adds to every position of its row."""
 
 from __future__ import annotations
 
@@ -8,18 +8,9 @@ import math
 import pytest
 import torch
 
-from apr.config.schema import TimeConditioning
 from apr.model.llama import build_model
-from apr.model.time import conditioned, row_steps, stage_step, step_of
+from apr.model.time import conditioned, row_steps
 from tests.train.tiny import make_config
-
-
-def test_a_time_is_the_step_of_its_share_of_the_steps_and_a_stage_its_mapped_step():
-    assert [step_of(t, 10) for t in (0.0, 0.099, 0.1, 0.5, 0.999, 1.0)] == [0, 0, 1, 5, 9, 9]
-    linear = TimeConditioning(embedding_dim=4, num_time_steps=10, interpretation="depth", time_per_stack=3)
-    exponential = linear.model_copy(update={"stack_time_mapping": "exponential"})
-    assert [stage_step(linear, k) for k in range(5)] == [0, 3, 6, 9, 9]  # k x 3, at most 9
-    assert [stage_step(exponential, k) for k in range(4)] == [0, 3, 9, 9]  # (2^k - 1) x 3, at most 9
 
 
 def test_each_rows_step_depends_on_the_seed_the_step_and_its_tokens_only_and_covers_the_steps():

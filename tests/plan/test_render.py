@@ -3,6 +3,8 @@ counted), per GPU on a GPU (issue 39 item 7)."""
 
 from __future__ import annotations
 
+import re
+
 from typer.testing import CliRunner
 
 from apr.cli.main import app
@@ -103,3 +105,22 @@ def test_a_first_cpu_plan_names_probe_and_its_json_has_no_gpu_memory_terms(tmp_p
     gpu_doc = json.loads(runner.invoke(app, ["train", "plan", str(gpu_cfg), "--json", "--gpu", "4090"]).stdout)
     assert gpu_doc["memory"]["coefficients"]["cuda_context_bytes"] == COEFFICIENTS.cuda_context_bytes
     assert any("caching-allocator" in r["detail"] for r in gpu_doc["memory"]["rows"])
+
+
+def test_a_time_conditioned_plan_counts_the_time_embedding_and_names_the_steps(tmp_path):
+    """model.architecture.time: the parameter split shows the time embedding (the learned table and
+    the projection), and the plan's line names its FLOP/token and the step of each stage (depth) or of
+    validation and generation (input)."""
+    from apr.config.schema import AprConfig
+
+    time = {"embedding_dim": 8, "encoding": "learned", "num_time_steps": 100, "eval_time": 0.3}
+    cfg, _ = materialize({"config": {"model": {"architecture": {"time": time}}, "training": {"engine": "standard"}}},
+                         tmp_path / "input")
+    plan = build_plan(cfg)
+    arch = AprConfig.model_validate(plan.config.model_dump(mode="json")).model.architecture
+    facts = plan.facts["model"]["time"]
+    assert facts["params"] == 100 * 8 + arch.hidden_size * 8 and facts["eval_step"] == 30
+    text = render_text(plan)
+    assert re.search(r"embedding \+ [\d.]+K time \+ [\d.]+K LM head", text), text
+    assert "time conditioning (input): learned encoding 8 wide over 100 steps" in text
+    assert "validation and generation at step 30" in text
