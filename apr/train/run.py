@@ -124,7 +124,8 @@ class Run:
         self.blame = row_blame(self)  # apr runs blame: each row's loss at the logged steps
         self.steplog = StepLog(total_steps=self.total_steps, tokens_per_step=self.tokens_per_step, dp=self.dp,
                                echo=self.echo, label=self.step_label,
-                               shown=tuple(self.config.monitoring.terminal.metrics))
+                               shown=tuple(self.config.monitoring.terminal.metrics),
+                               canonical=self.plan.reduction == "canonical")
 
     def build_engine(self, step: int) -> Engine:
         """The engine of the model at ``step`` (progressive stacking: that stage's depth, earlier

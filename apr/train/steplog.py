@@ -10,6 +10,7 @@ from apr.rate import RateMeter
 from apr.track.protocol import Recorder
 from apr.train.dist import DataParallel
 from apr.train.engine import StepResult
+from apr.train.reduction import agreed
 
 
 class StepLog:
@@ -18,11 +19,12 @@ class StepLog:
 
     def __init__(self, *, total_steps: int, tokens_per_step: int, dp: DataParallel | None,
                  echo: Callable[[str], None], label: Callable[[int], str],
-                 shown: tuple[str, ...] = ("loss", "learning_rate", "gradient_norm")):
+                 shown: tuple[str, ...] = ("loss", "learning_rate", "gradient_norm"), canonical: bool = False):
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
+        self.canonical = canonical  # training.reduction: canonical: the step's loss is the tree's, as it is
         self.shown = shown  # monitoring.terminal.metrics: what the printed line holds, in order
         self.dp, self.echo, self.label = dp, echo, label
-        self.loss: float | None = None  # the last logged loss (averaged over ranks)
+        self.loss: float | None = None  # the last logged loss (averaged over ranks; canonical: the tree's)
         self.tokens_per_s: float | None = None  # the last interval's throughput
         self._t, self._step = time.perf_counter(), 0
         self._meter = RateMeter()  # the printed tok/s and ETA: an EMA over wall time, not one interval
@@ -40,8 +42,7 @@ class StepLog:
         self._t = time.perf_counter()
 
     def log(self, step: int, lr: float, result: StepResult, epoch: float, recorder: Recorder) -> dict:
-        loss_t = result.loss.detach().clone()
-        self.loss = float((self.dp.average_(loss_t) if self.dp is not None else loss_t).item())
+        self.loss = float(agreed(self.dp, result.loss, self.canonical).item())
         gn = float(result.grad_norm.item())
         now = time.perf_counter()
         tokens, seconds = (step - self._step) * self.tokens_per_step, max(now - self._t, 1e-9)

@@ -48,6 +48,9 @@ def test_four_ranks_one_process_and_resumes_across_world_sizes_end_bitwise_equal
     _launch(doc("one/", 4), tmp_path / "one.json", 1)
     _bitwise(_state(tmp_path / "four", 4), _state(tmp_path / "one", 4))
     assert _val_losses(tmp_path / "four") == _val_losses(tmp_path / "one")
+    # the logged step losses too: the tree's loss as it is, never re-averaged over the ranks
+    logged = [json.loads((tmp_path / d / "training_state.json").read_text())["loss_history"] for d in ("four", "one")]
+    assert logged[0] == logged[1] and len(logged[0]) > 1
     # each resume reads the step-2 checkpoint of a run on another number of ranks (its accumulation
     # follows from the checkpoint's global batch: the elastic resume) and ends at that run's bits
     for target, ranks, accum, source in (("r2", 2, 1, "four"), ("r1", 1, 1, "four"), ("r4", 4, 4, "one")):
