@@ -171,6 +171,8 @@ def mask_positions(rows: torch.Tensor, rate, seed: int, step: int) -> torch.Tens
     row's mask depends on neither its
     micro-batch nor its rank nor the process that resumes it (bitwise resume; data parallelism
     equals one process with the larger batch)."""
+    if type(rows) is not torch.Tensor:  # fake tensors (apr train plan --trace): no tokens to read, a mask's shape
+        return torch.zeros(rows.shape, dtype=torch.bool)
     cpu = rows.detach().to("cpu", torch.int64).contiguous()
     out = torch.empty(cpu.shape, dtype=torch.bool)
     for i, row in enumerate(cpu):
