@@ -156,3 +156,30 @@ def launch_worker(doc: dict, path: Path, nproc: int, timeout: float = 240) -> No
     args = [str(WORKER), str(path)]
     proc = run_ranks(args, nproc, env, timeout=timeout) if nproc > 1 else run_script(args, env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def two_ranks_against_one(tmp_path: Path, sharding: str, training: dict, model: dict | None = None) -> tuple:
+    """The shape of the feature-on-two-ranks tests (MoE, latent attention, time, custom targets): the
+    dataset the caller made under ``tmp_path``, 6 steps of micro-batches of 2 rows, one process
+    accumulating 2 against 2 ranks under ``sharding``; checks the step-6 weights and moments agree
+    within 1e-6 (relative Frobenius norms) and returns both runs' tensors (two ranks, one process)."""
+    # lazy: the forkserver's children unpickle this module; apr stays imported fresh by each run
+    from run_helpers import config_doc  # tests/train, on the path of every distributed test
+
+    from apr.checkpoint.manager import read_checkpoint
+
+    common = {"epochs": 1, "max_steps": 6, "save_interval": 6, "eval_interval": 3, "grad_clip": 0.5,
+              "log_interval": 3, **training}
+    extra = {"model": model} if model else {}
+    opt = {"lr": 3e-3, "min_lr": 3e-4}
+    one = config_doc(tmp_path, **extra, data={"batch_size": 2}, optimizer=opt,
+                     training={**common, "gradient_accumulation": 2, "output_dir": "one/"})
+    two = config_doc(tmp_path, **extra, data={"batch_size": 2}, optimizer=opt,
+                     training={**common, "sharding": sharding, "output_dir": "two/"})
+    launch_worker(one, tmp_path / "one.json", 1)
+    launch_worker(two, tmp_path / "two.json", 2)
+    a, b = (read_checkpoint(tmp_path / d / "checkpoint-step-6.json").tensors for d in ("two", "one"))
+    assert set(a) == set(b)
+    worst = max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in a)
+    assert worst <= 1e-6, worst
+    return a, b
