@@ -169,3 +169,27 @@ def _run_forked_until(args: list[str], env: dict, kill_at: str | None, timeout: 
                 proc.kill()
                 proc.join()
         return proc.exitcode, seen
+
+
+def resume_elsewhere(root: Path, sections: dict, straight, at: int, end: int, quiet: dict) -> dict:
+    """The straight run's (under ``root/run``) step-``at`` checkpoint copied into a new folder and
+    resumed there with the same ``sections``; asserts it starts at ``at`` and ends at ``end`` with the
+    straight run's validation loss and bitwise its step-``end`` tensors, which it returns."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from apr.apply import run_apply
+
+    other = root / "other" / "run"
+    other.mkdir(parents=True)
+    for suffix in ("json", "safetensors"):
+        shutil.copy(root / "run" / f"checkpoint-step-{at}.{suffix}", other)
+    moved = {**sections, "training": {**sections.get("training", {}), "output_dir": str(other)}}
+    resumed = run_apply(write_config(root, "other.yaml", **moved), resume="latest", **quiet)
+    assert resumed.start_step == at and resumed.final_step == end and resumed.val_loss == straight.val_loss
+    final = load_file(str(root / "run" / f"checkpoint-step-{end}.safetensors"))
+    again = load_file(str(other / f"checkpoint-step-{end}.safetensors"))
+    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    return final

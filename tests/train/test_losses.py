@@ -83,10 +83,8 @@ def test_an_mlm_run_scores_its_masked_validation_loss_and_resumes_bitwise(tmp_pa
     starts at about ln(vocab), and a run resumed from its step-4 checkpoint ends with the same bits
     and the same validation loss (each step draws its masks from the step and the rows)."""
     import math
-    import shutil
 
-    from run_helpers import VOCAB, make_dataset, write_config
-    from safetensors.torch import load_file
+    from run_helpers import VOCAB, make_dataset, resume_elsewhere, write_config
 
     from apr.apply import run_apply
 
@@ -96,16 +94,7 @@ def test_an_mlm_run_scores_its_masked_validation_loss_and_resumes_bitwise(tmp_pa
     quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
     straight = run_apply(write_config(tmp_path, **sections), **quiet)
     assert straight.final_step == 8 and abs(straight.first_val_loss - math.log(VOCAB)) < 0.5
-    other = tmp_path / "other"
-    (other / "run").mkdir(parents=True)
-    for suffix in ("json", "safetensors"):
-        shutil.copy(tmp_path / "run" / f"checkpoint-step-4.{suffix}", other / "run")
-    sections["training"]["output_dir"] = str(other / "run")
-    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
-    assert resumed.start_step == 4 and resumed.final_step == 8 and resumed.val_loss == straight.val_loss
-    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
-    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
-    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    resume_elsewhere(tmp_path, sections, straight, 4, 8, quiet)
     from typer.testing import CliRunner
 
     from apr.cli.main import app
@@ -153,10 +142,8 @@ def test_an_moe_run_records_its_routing_resumes_bitwise_and_its_checkpoint_decod
     validation loss; the checkpoint loads for generation, and cached decoding gives the full forward's
     logits."""
     import json
-    import shutil
 
-    from run_helpers import make_dataset, write_config
-    from safetensors.torch import load_file
+    from run_helpers import make_dataset, resume_elsewhere, write_config
     from typer.testing import CliRunner
 
     from apr.apply import run_apply
@@ -176,16 +163,7 @@ def test_an_moe_run_records_its_routing_resumes_bitwise_and_its_checkpoint_decod
     assert abs(sum(moe["moe_expert_load"]) - 1) < 1e-6 and moe["moe_max_expert_load"] >= max(moe["moe_expert_load"])
     shown = json.loads(CliRunner().invoke(app, ["monitor", str(tmp_path / "run"), "--json"]).output)
     assert shown["state"]["moe"] == moe
-    other = tmp_path / "other"
-    (other / "run").mkdir(parents=True)
-    for suffix in ("json", "safetensors"):
-        shutil.copy(tmp_path / "run" / f"checkpoint-step-4.{suffix}", other / "run")
-    sections["training"]["output_dir"] = str(other / "run")
-    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
-    assert resumed.start_step == 4 and resumed.final_step == 8 and resumed.val_loss == straight.val_loss
-    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
-    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
-    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    resume_elsewhere(tmp_path, sections, straight, 4, 8, quiet)
     model = load_for_inference(tmp_path / "run", need_tokenizer=False).model
     ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
     cache = KVCache(model, 2, 9)
@@ -281,10 +259,8 @@ def test_a_time_conditioned_run_resumes_bitwise_and_its_checkpoint_decodes_at_ev
     """apr train apply with a learned time embedding: a run resumed from its step-4 checkpoint ends with
     the same bits and validation loss; the checkpoint loads for generation at eval_time's step, cached
     decoding gives the full forward's logits; apr export refuses it with the reason."""
-    import shutil
 
-    from run_helpers import make_dataset, write_config
-    from safetensors.torch import load_file
+    from run_helpers import make_dataset, resume_elsewhere, write_config
     from typer.testing import CliRunner
 
     from apr.apply import run_apply
@@ -297,17 +273,8 @@ def test_a_time_conditioned_run_resumes_bitwise_and_its_checkpoint_decodes_at_ev
                 "training": {"engine": "standard", "max_steps": 8, "save_interval": 4, "eval_interval": 4}}
     quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
     straight = run_apply(write_config(tmp_path, **sections), **quiet)
-    other = tmp_path / "other"
-    (other / "run").mkdir(parents=True)
-    for suffix in ("json", "safetensors"):
-        shutil.copy(tmp_path / "run" / f"checkpoint-step-4.{suffix}", other / "run")
-    sections["training"]["output_dir"] = str(other / "run")
-    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
-    assert resumed.start_step == 4 and resumed.final_step == 8 and resumed.val_loss == straight.val_loss
-    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
-    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
+    final = resume_elsewhere(tmp_path, sections, straight, 4, 8, quiet)
     assert "model.time_embedding.table.weight" in final
-    assert [k for k in final if not torch.equal(final[k], again[k])] == []
     model = load_for_inference(tmp_path / "run", need_tokenizer=False).model
     assert model.model.time_embedding.fixed_step == 7
     ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -325,10 +292,8 @@ def test_time_as_depth_runs_each_stage_at_its_step_and_resumes_across_the_grow_b
     """interpretation depth with two stacking stages (linear, time_per_stack 4): every row of stage k
     trains at step 4k; a checkpoint loads at its stage's step; a run resumed from stage 1's first
     checkpoint (after the grow) ends with the same bits and validation loss."""
-    import shutil
 
-    from run_helpers import make_dataset, write_config
-    from safetensors.torch import load_file
+    from run_helpers import make_dataset, resume_elsewhere, write_config
 
     from apr.apply import run_apply
     from apr.generate.load import load_for_inference
@@ -350,16 +315,7 @@ def test_time_as_depth_runs_each_stage_at_its_step_and_resumes_across_the_grow_b
     for step, want in ((4, 0), (6, 4)):
         loaded = load_for_inference(tmp_path / "run" / f"checkpoint-step-{step}.json", need_tokenizer=False)
         assert loaded.model.model.time_embedding.fixed_step == want
-    other = tmp_path / "other"
-    (other / "run").mkdir(parents=True)
-    for suffix in ("json", "safetensors"):
-        shutil.copy(tmp_path / "run" / f"checkpoint-step-6.{suffix}", other / "run")
-    sections["training"]["output_dir"] = str(other / "run")
-    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
-    assert resumed.start_step == 6 and resumed.final_step == 8 and resumed.val_loss == straight.val_loss
-    final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
-    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
-    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    resume_elsewhere(tmp_path, sections, straight, 6, 8, quiet)
 
 
 def test_the_custom_loss_is_the_mean_cross_entropy_at_the_targets_not_ignored():
@@ -390,11 +346,10 @@ def test_a_custom_run_whose_targets_are_its_ids_is_the_causal_lm_bitwise_and_res
     """apr train apply with training.mode custom over shards whose targets column is the ids: the same
     weights and validation loss as the causal LM, bit for bit; resumed from its step-4 checkpoint, the
     same bits again."""
-    import shutil
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from run_helpers import make_dataset, write_config
+    from run_helpers import make_dataset, resume_elsewhere, write_config
     from safetensors.torch import load_file
 
     from apr.apply import run_apply
@@ -414,12 +369,4 @@ def test_a_custom_run_whose_targets_are_its_ids_is_the_causal_lm_bitwise_and_res
     final = load_file(str(tmp_path / "run" / "checkpoint-step-8.safetensors"))
     plain = load_file(str(tmp_path / "causal" / "checkpoint-step-8.safetensors"))
     assert [k for k in final if not torch.equal(final[k], plain[k])] == []
-    other = tmp_path / "other"
-    (other / "run").mkdir(parents=True)
-    for suffix in ("json", "safetensors"):
-        shutil.copy(tmp_path / "run" / f"checkpoint-step-4.{suffix}", other / "run")
-    resumed = run_apply(write_config(tmp_path, "other.yaml", training={**custom, "output_dir": str(other / "run")}),
-                        resume="latest", **quiet)
-    assert resumed.start_step == 4 and resumed.val_loss == straight.val_loss
-    again = load_file(str(other / "run" / "checkpoint-step-8.safetensors"))
-    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    resume_elsewhere(tmp_path, {"training": custom}, straight, 4, 8, quiet)

@@ -43,10 +43,8 @@ def test_the_walk_with_dropout_trains_as_autograd(activations, attention):
     pytest.param("interleaved", {}, id="interleaved"), pytest.param("standard", {}, id="standard"),
     pytest.param("interleaved", MLA, id="interleaved-mla")])
 def test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal(engine, attention, tmp_path):
-    import shutil
 
-    from run_helpers import make_dataset, write_config
-    from safetensors.torch import load_file
+    from run_helpers import make_dataset, resume_elsewhere, write_config
 
     from apr.apply import run_apply
 
@@ -57,13 +55,4 @@ def test_a_run_with_dropout_resumed_from_a_middle_checkpoint_ends_bitwise_equal(
     quiet = {"apr_home": tmp_path / "home", "echo": lambda line: None}
     straight = run_apply(write_config(tmp_path, **sections), **quiet)
     assert straight.final_step == 4
-    other = tmp_path / "other"
-    (other / "run").mkdir(parents=True)
-    for suffix in ("json", "safetensors"):
-        shutil.copy(tmp_path / "run" / f"checkpoint-step-2.{suffix}", other / "run")
-    sections["training"]["output_dir"] = str(other / "run")
-    resumed = run_apply(write_config(tmp_path, "other.yaml", **sections), resume="latest", **quiet)
-    assert resumed.start_step == 2 and resumed.final_step == 4 and resumed.val_loss == straight.val_loss
-    final = load_file(str(tmp_path / "run" / "checkpoint-step-4.safetensors"))
-    again = load_file(str(other / "run" / "checkpoint-step-4.safetensors"))
-    assert [k for k in final if not torch.equal(final[k], again[k])] == []
+    resume_elsewhere(tmp_path, sections, straight, 2, 4, quiet)
