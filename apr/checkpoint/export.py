@@ -255,33 +255,9 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                               info.json_path, "not_apr") from None
     config = stacking.config_at(config, info.step)  # progressive stacking: the depth at that step
     arch = config.model.architecture
-    if arch.decoupled_attention is not None:
-        raise AprError(f"{info.json_path.name} has decoupled bottleneck attention, which Hugging Face LLaMA cannot "
-                       "hold: use the apr checkpoint with apr generate and apr eval", [Finding(
-                           "error", "export.decoupled_attention", "no Hugging Face form for decoupled attention",
-                           path="model.architecture.decoupled_attention", file=str(info.json_path),
-                           expected="standard (grouped-query) attention", got=str(arch.decoupled_attention))])
-    if arch.time is not None:
-        raise AprError(f"{info.json_path.name} has a time embedding (model.architecture.time), which no Hugging Face "
-                       "causal LM config can hold: use the apr checkpoint with apr generate and apr eval", [Finding(
-                           "error", "export.time", "no Hugging Face form for time conditioning",
-                           path="model.architecture.time", file=str(info.json_path),
-                           expected="a model without model.architecture.time", got=str(arch.time))])
-    if arch.mla is not None and arch.moe is not None:
-        raise AprError(f"{info.json_path.name} has latent attention, exported as DeepseekV3, whose mixture of experts "
-                       "(shared experts, grouped sigmoid routing) is not apr's Mixtral-style one: use the apr "
-                       "checkpoint with apr generate and apr eval", [Finding(
-                           "error", "export.mla", "no DeepseekV3 form for latent attention with this mixture of "
-                           "experts", path="model.architecture.moe", file=str(info.json_path),
-                           expected="latent attention with dense MLPs", got=str(arch.moe))])
-    if arch.moe is not None and (fmt == "peft" or str(arch.family) == "qwen2"):
-        raise AprError(f"{info.json_path.name} has a mixture of experts, exported as Mixtral, which has no q/k/v "
-                       "projection biases (family qwen2) and no PEFT form here: use the apr checkpoint with apr "
-                       "generate and apr eval", [Finding(
-                           "error", "export.moe", "no Mixtral form for this mixture of experts",
-                           path="model.architecture.moe", file=str(info.json_path),
-                           expected="family llama or mistral, --format hf",
-                           got=f"family {arch.family}, --format {fmt}")])
+    refusal = _no_form(info, arch, fmt)
+    if refusal is not None:
+        raise refusal
     if fmt == "peft":
         return _export_peft(state, info, config, out, tokenizer=tokenizer, base_dir=base, warnings=warnings)
     # bf16 state (training.state_dtype) exports as float32, exactly: the folder's config says float32
@@ -313,6 +289,35 @@ def export_hf(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer: 
                         eos_token=specials["eos"][0] if specials["eos"] else None, tokenizer=tok_path,
                         rope_form=rope_form, warnings=warnings)
 
+
+
+def _no_form(info, arch, fmt: str) -> AprError | None:
+    """What the chosen format has no form for, with the reason (apr export refuses it), or None."""
+    name = info.json_path.name
+    cases = [
+        (arch.decoupled_attention is not None,
+         f"{name} has decoupled bottleneck attention, which Hugging Face LLaMA cannot hold",
+         "export.decoupled_attention", "no Hugging Face form for decoupled attention",
+         "model.architecture.decoupled_attention", "standard (grouped-query) attention", str(arch.decoupled_attention)),
+        (arch.time is not None,
+         f"{name} has a time embedding (model.architecture.time), which no Hugging Face causal LM config can hold",
+         "export.time", "no Hugging Face form for time conditioning", "model.architecture.time",
+         "a model without model.architecture.time", str(arch.time)),
+        (arch.mla is not None and arch.moe is not None,
+         f"{name} has latent attention, exported as DeepseekV3, whose mixture of experts (shared experts, grouped "
+         "sigmoid routing) is not apr's Mixtral-style one", "export.mla",
+         "no DeepseekV3 form for latent attention with this mixture of experts", "model.architecture.moe",
+         "latent attention with dense MLPs", str(arch.moe)),
+        (arch.moe is not None and (fmt == "peft" or str(arch.family) == "qwen2"),
+         f"{name} has a mixture of experts, exported as Mixtral, which has no q/k/v projection biases (family "
+         "qwen2) and no PEFT form here", "export.moe", "no Mixtral form for this mixture of experts",
+         "model.architecture.moe", "family llama or mistral, --format hf", f"family {arch.family}, --format {fmt}"),
+    ]
+    for hit, message, code, short, path, expected, got in cases:
+        if hit:
+            return AprError(message + ": use the apr checkpoint with apr generate and apr eval", [Finding(
+                "error", code, short, path=path, file=str(info.json_path), expected=expected, got=got)])
+    return None
 
 def _base_path(config, info: CheckpointInfo) -> str:
     """``model.init_from`` as the run opened it (relative paths start where the run was started)."""

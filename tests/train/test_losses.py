@@ -14,6 +14,18 @@ from apr.train.losses import IGNORE, CausalLM, mask_positions, masked_batch
 from tests.train.tiny import batches, make_config
 
 
+def _cached_decoding_is_the_full_forward(model) -> None:
+    """apr generate's KV-cached decoding of a trained checkpoint gives the full forward's logits."""
+    from apr.generate.decode import KVCache, forward_cached, forward_full
+
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model, 2, 9)
+    forward_cached(model, ids[:, :5], cache)
+    for t in range(5, 9):
+        torch.testing.assert_close(forward_cached(model, ids[:, t:t + 1], cache), forward_full(model, ids[:, :t + 1]),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_the_loss_part_the_models_forward_and_evaluation_agree():
     engine = build_engine(plan_of(make_config(training={"engine": "standard"})))
     (batch,) = batches(engine.config, 1)
@@ -148,7 +160,6 @@ def test_an_moe_run_records_its_routing_resumes_bitwise_and_its_checkpoint_decod
 
     from apr.apply import run_apply
     from apr.cli.main import app
-    from apr.generate.decode import KVCache, forward_cached, forward_full
     from apr.generate.load import load_for_inference
 
     make_dataset(tmp_path, train_rows=64, val_rows=8)
@@ -165,12 +176,7 @@ def test_an_moe_run_records_its_routing_resumes_bitwise_and_its_checkpoint_decod
     assert shown["state"]["moe"] == moe
     resume_elsewhere(tmp_path, sections, straight, 4, 8, quiet)
     model = load_for_inference(tmp_path / "run", need_tokenizer=False).model
-    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
-    cache = KVCache(model, 2, 9)
-    forward_cached(model, ids[:, :5], cache)
-    for t in range(5, 9):
-        torch.testing.assert_close(forward_cached(model, ids[:, t:t + 1], cache), forward_full(model, ids[:, :t + 1]),
-                                   rtol=1e-5, atol=1e-5)
+    _cached_decoding_is_the_full_forward(model)
 
 
 @pytest.mark.parametrize("activations", ["selective", "recompute"])
@@ -265,7 +271,6 @@ def test_a_time_conditioned_run_resumes_bitwise_and_its_checkpoint_decodes_at_ev
 
     from apr.apply import run_apply
     from apr.cli.main import app
-    from apr.generate.decode import KVCache, forward_cached, forward_full
     from apr.generate.load import load_for_inference
 
     make_dataset(tmp_path, train_rows=64, val_rows=8)
@@ -277,12 +282,7 @@ def test_a_time_conditioned_run_resumes_bitwise_and_its_checkpoint_decodes_at_ev
     assert "model.time_embedding.table.weight" in final
     model = load_for_inference(tmp_path / "run", need_tokenizer=False).model
     assert model.model.time_embedding.fixed_step == 7
-    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
-    cache = KVCache(model, 2, 9)
-    forward_cached(model, ids[:, :5], cache)
-    for t in range(5, 9):
-        torch.testing.assert_close(forward_cached(model, ids[:, t:t + 1], cache), forward_full(model, ids[:, :t + 1]),
-                                   rtol=1e-5, atol=1e-5)
+    _cached_decoding_is_the_full_forward(model)
     r = CliRunner().invoke(app, ["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     assert r.exit_code == 1 and "model.architecture.time" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "hf").exists()
