@@ -40,8 +40,6 @@ def custom_config_findings(loaded: LoadedConfig) -> list[Finding]:
         (gradient_source(c) == "interleaved", ("training", "engine"), "the custom loss runs on autograd: the "
          "flat-buffer walk (training.engine: interleaved) fuses the causal-LM loss, every position's next id, "
          "into its head step", "training.engine: standard", str(tr.engine)),
-        (str(tr.sharding) != "none", ("training", "sharding"), not_built + "the validation loss would run outside "
-         "FSDP2's root forward, which gathers the embedding and head", "training.sharding: none", str(tr.sharding)),
         (c.data.sources is not None, ("data", "train"), not_built + "a mixture's loaders read the token column "
          "only", "one training folder", "a mixture"),
         (stacking is not None and stacking.cache_activations, ("model", "stacking", "cache_activations"),

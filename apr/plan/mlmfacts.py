@@ -38,9 +38,6 @@ def mlm_config_findings(loaded: LoadedConfig) -> list[Finding]:
          str(tr.mlm.mask_token_id)),
         (arch.sliding_window is not None, ("model", "architecture", "sliding_window"), "a sliding window looks "
          "back only; the masked LM attends both ways", "no sliding_window", str(arch.sliding_window)),
-        (str(tr.sharding) != "none", ("training", "sharding"), "not built: the masked validation loss runs "
-         "outside FSDP2's root forward, which gathers the embedding and head", "training.sharding: none",
-         str(tr.sharding)),
         (stacking is not None and stacking.cache_activations, ("model", "stacking", "cache_activations"),
          "the trunk's cached rows are of the unmasked input", "cache_activations: false", "true"),
         (bool(c.evaluation.tasks) or c.evaluation.samples is not None, ("evaluation",), "tasks and samples "

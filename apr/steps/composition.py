@@ -55,6 +55,8 @@ _C = "tests/scenarios/test_composition.py::"
 _S = "tests/distributed/test_sharding.py::"
 _D = "tests/distributed/test_data_parallel.py::"
 _GU = _S + "test_group_updaters_on_shards_equal_one_process_with_twice_the_batch"
+_ML = "tests/distributed/test_custom_ranks.py::" \
+    "test_the_masked_lm_on_two_ranks_equals_one_process_accumulating_the_same_micro_batches"
 _CW = "tests/distributed/test_canonical_world_sizes.py::" \
     "test_four_ranks_one_process_and_resumes_across_world_sizes_end_bitwise_equal"
 
@@ -316,10 +318,10 @@ FEATURES: list[Feature] = [
         "one": tested("tests/train/test_losses.py::"
                       "test_an_mlm_run_scores_its_masked_validation_loss_and_resumes_bitwise",
                       note="bitwise resume"),
-        "ddp": not_tested("a row's mask depends on the seed, the step and its tokens only, not on its rank"),
-        "full": refused("not built: the masked validation loss would run outside FSDP2's root forward, which "
-                        "gathers the embedding and head"),
-        "hybrid": refused("as `full`"),
+        "ddp": tested(f"{_ML}[none]", note="a row's mask depends on the seed, the step and its tokens only; "
+                                         "canonical: the same validation losses, bitwise"),
+        "full": tested(f"{_ML}[full]", note="the masked validation sum inside FSDP2's root forward (Engine.in_root)"),
+        "hybrid": not_tested("as `full`"),
     }),
     Feature("multi-head latent attention (model.architecture.attention: mla), both sources", {
         "one": tested("tests/train/test_walk.py::test_the_walk_with_dropout_trains_as_autograd[selective-mla]",
@@ -369,9 +371,10 @@ FEATURES: list[Feature] = [
                       "test_custom_targets_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[none]",
                       note="each rank's rows carry their targets; 1 process accumulating the same micro-batches, "
                            "1e-6"),
-        "full": refused("not built: the validation loss would run outside FSDP2's root forward, which gathers "
-                        "the embedding and head"),
-        "hybrid": refused("as `full`"),
+        "full": tested("tests/distributed/test_custom_ranks.py::"
+                       "test_custom_targets_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[full]",
+                       note="its validation sum inside FSDP2's root forward (Engine.in_root); 1e-6"),
+        "hybrid": not_tested("as `full`"),
     }),
     Feature("LoRA with `trunk_dtype: nf4` (QLoRA over an imported base)", {
         "one": tested("tests/checkpoint/test_hf_families.py::"

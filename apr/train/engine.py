@@ -213,6 +213,13 @@ class Engine:
                                compute_dtype=self.cdt, norm_context=self.autocast(), total=True)
         return loss, targets.numel()
 
+    def in_root(self, fn, ids: torch.Tensor, targets: torch.Tensor):
+        """``fn(engine, model, ids, targets)`` (a loss part's evaluation sum) where the model's weights are
+        there to read: under FSDP2 inside the root unit's forward, which gathers the embedding and head."""
+        if self.sharded:
+            return self.layout.root(ids, targets, summed=fn)
+        return fn(self, self.model, ids, targets)
+
     def _check_loss(self, loss: torch.Tensor) -> None:
         """A host read: the standard engine and fp16 (whose loss scale decides on the host)."""
         if not bool(torch.isfinite(loss).item()):

@@ -156,7 +156,8 @@ class CustomTargets(CausalLM):
     def eval_loss_sum(self, engine, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Summed cross-entropy over a validation batch's targets that are not ``IGNORE``, and their number."""
         ids, targets = self.unpack(*engine.split(batch))
-        return self._sum(engine, engine.model, ids, targets, True), int((targets != IGNORE).sum())
+        loss = engine.in_root(lambda e, lm, i, t: self._sum(e, lm, i, t, True), ids, targets)
+        return loss, int((targets != IGNORE).sum())
 
 
 def _conditioned(lm, steps: torch.Tensor | None):
@@ -248,7 +249,7 @@ class MaskedLM:
     def eval_loss_sum(self, engine, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Summed cross-entropy over the masked positions of a validation batch, and their number."""
         ids, _ = engine.split(batch)
-        return self._sum(engine, engine.model, ids, 0, total=True)
+        return engine.in_root(lambda e, lm, i, _t: self._sum(e, lm, i, 0, total=True), ids, ids)
 
     def lr_factor(self, loss: torch.Tensor) -> float:
         return 1.0

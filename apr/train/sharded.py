@@ -55,9 +55,12 @@ class _LossModule(nn.Module):
         self.lm = lm
         self._engine = [engine]  # not a submodule
 
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor, total: bool = False) -> torch.Tensor:
-        """The engine's loss part (training), or the summed causal-LM loss (``total``: evaluation)."""
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor, total: bool = False, summed=None):
+        """The engine's loss part (training), the summed causal-LM loss (``total``: evaluation), or a loss
+        part's own evaluation sum (``summed(engine, lm, ids, targets)``: the masked LM's, custom targets')."""
         e = self._engine[0]
+        if summed is not None:
+            return summed(e, self.lm, ids, targets)
         if not total:
             return e.loss(e, self.lm, ids, targets)
         with e.autocast():
