@@ -40,8 +40,6 @@ def custom_config_findings(loaded: LoadedConfig) -> list[Finding]:
         (gradient_source(c) == "interleaved", ("training", "engine"), "the custom loss runs on autograd: the "
          "flat-buffer walk (training.engine: interleaved) fuses the causal-LM loss, every position's next id, "
          "into its head step", "training.engine: standard", str(tr.engine)),
-        (c.data.sources is not None, ("data", "train"), not_built + "a mixture's loaders read the token column "
-         "only", "one training folder", "a mixture"),
         (stacking is not None and stacking.cache_activations, ("model", "stacking", "cache_activations"),
          not_built + "the trunk's cache reads token rows only", "cache_activations: false", "true"),
     ]
@@ -56,7 +54,7 @@ def custom_findings(loaded: LoadedConfig) -> list[Finding]:
     if str(c.training.mode) != "custom" and c.training.custom is None:
         return []
     out = custom_config_findings(loaded)
-    if out or c.data.sources is not None:
+    if out:
         return out
     column, width = c.training.custom.targets_column, c.data.seq_len + 1
     for _key, path in [*c.data.train_paths(), *c.data.val_paths()]:

@@ -366,7 +366,9 @@ FEATURES: list[Feature] = [
     Feature("custom targets (training.mode: custom, autograd)", {
         "one": tested("tests/train/test_losses.py::"
                       "test_a_custom_run_whose_targets_are_its_ids_is_the_causal_lm_bitwise_and_resumes_bitwise",
-                      note="targets = ids: the causal LM's weights bit for bit; bitwise resume"),
+                      "tests/train/test_mixture_run.py::"
+                      "test_custom_targets_through_a_mixture_equal_the_causal_lm_when_they_are_the_ids",
+                      note="targets = ids: the causal LM's weights bit for bit (a mixture too); bitwise resume"),
         "ddp": tested("tests/distributed/test_custom_ranks.py::"
                       "test_custom_targets_on_two_ranks_equal_one_process_accumulating_the_same_micro_batches[none]",
                       note="each rank's rows carry their targets; 1 process accumulating the same micro-batches, "

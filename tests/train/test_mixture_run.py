@@ -317,3 +317,31 @@ def test_a_config_reads_the_same_rows_hash_as_it_plans(two_stage):
     proc = cli("train", "apply", str(root / "p.json"), cwd=root)
     assert proc.returncode == 1 and "stale" in proc.stderr + proc.stdout
     assert hashlib.sha256(shard.read_bytes()).hexdigest() == digest
+
+
+def test_custom_targets_through_a_mixture_equal_the_causal_lm_when_they_are_the_ids(tmp_path):
+    """training.mode: custom over a data mixture: every source's loader carries its targets beside the
+    ids, the plan checks each source's shards for the column, and targets equal to the ids train the
+    causal LM's weights and validation losses bit for bit."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    from apr.apply import run_apply
+
+    corpus(tmp_path)
+    plain = mixture_config(tmp_path, training={"engine": "standard", "max_steps": 6, "eval_interval": 3,
+                                               "save_interval": 6, "output_dir": str(tmp_path / "causal")})
+    causal = run_apply(plain, apr_home=tmp_path / "home", echo=lambda line: None)
+    missing = mixture_config(tmp_path, training={"engine": "standard", "max_steps": 6, "eval_interval": 3,
+                                                 "save_interval": 6, "mode": "custom", "custom": {}})
+    refused = cli("train", "plan", str(missing), "--json", cwd=tmp_path)
+    assert refused.returncode == 1 and "targets" in refused.stdout and "data/web/train" in refused.stdout
+    for shard in sorted((tmp_path / "data").rglob("*.parquet")):  # targets = the ids, beside them
+        table = pq.read_table(shard)
+        pq.write_table(table.append_column("targets", table.column("input_ids").cast(pa.list_(pa.int32()))), shard)
+    custom = run_apply(missing, apr_home=tmp_path / "home", echo=lambda line: None)
+    assert custom.val_loss == causal.val_loss and custom.first_val_loss == causal.first_val_loss
+    a = load_file(str(tmp_path / "run" / "checkpoint-step-6.safetensors"))
+    b = load_file(str(tmp_path / "causal" / "checkpoint-step-6.safetensors"))
+    assert [k for k in a if not a[k].equal(b[k])] == []
