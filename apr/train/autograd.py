@@ -46,10 +46,13 @@ class Params:
         these parameters, taking ``old``'s moments (SGD's momentum is AdamW's first moment), its bias
         correction continuing from the run's update count, as on the walk's shared flat buffers."""
         new.bind(self.named, self.decay_names, self.e.device, groups=self.groups)
+        self.freeze(set(self.e.frozen))  # a bind starts with nothing frozen
+        own = self.e.loss.per_param_steps  # distillation: each parameter's own update count
         for p in self.named.values():
             moments = old.moments(p)
             if moments is not None:
-                new.set_moments(p, *moments, self.e.optimizer_steps)
+                steps = old.steps_of(p) if own else None
+                new.set_moments(p, *moments, self.e.optimizer_steps if steps is None else steps)
 
     def freeze(self, frozen: set[str]) -> None:
         """Frozen groups leave the updater: no update of their weights or moments."""

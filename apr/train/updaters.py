@@ -224,7 +224,7 @@ class AdamW(Updater):
         """Adopt moments (a checkpoint's, or zeros for an update outside torch's AdamW) and the step count
         bias correction continues from; the count lives where torch's fused AdamW expects it."""
         fused = bool(self.optimizer.defaults.get("fused"))
-        where = p.device if fused and not hasattr(p, "device_mesh") else "cpu"
+        where = p.device if fused else "cpu"  # as torch's AdamW places it, DTensors included (its _init_group)
         self.optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32, device=where),
                                    "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
@@ -347,10 +347,9 @@ class GroupedUpdates(Updater):
 
 
 # The SGD and SWATS updaters (docs/design.md, "Orchestrated training"): on the flat-buffer walk they
-# update each group's flat buffers in the walk; on autograd (one process or DDP) ``GroupedUpdates``
-# gathers each group and calls the same ``update_flat``. Sharded state is refused (validate:
-# apr/plan/orchestratefacts.py). Both keep their momentum in AdamW's first-moment buffer, so they
-# need no memory AdamW does not already have.
+# update each group's flat buffers in the walk; on autograd ``GroupedUpdates`` hands ``update_group``
+# each group gathered (one process, DDP) or its local shards (FSDP2). Both keep their momentum in
+# AdamW's first-moment buffer, so they need no memory AdamW does not already have.
 
 
 class SGD(GroupedUpdates):

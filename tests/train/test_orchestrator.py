@@ -296,3 +296,25 @@ def test_when_every_branch_goes_non_finite_the_run_goes_on_from_the_decision_poi
     decision = run.orchestrator.history[0]
     assert decision["branches"][0]["failed"] and decision["winner"] == "conservative_adamw"
     assert decision["kept_until"] == 4 and run.engine.optimizer_steps == 8  # steps 5-8 trained by the loop
+
+
+def test_a_switch_of_updater_keeps_each_parameters_own_step_count_where_the_loss_part_keeps_them():
+    """Distillation counts each parameter's updates (``per_param_steps``): a switch AdamW -> SGD -> AdamW
+    on autograd hands each parameter back its own count (AdamW's bias correction), not the run's."""
+    from apr.steps.orchestration import resolve
+    from apr.train.build import build_engine
+    from apr.train.orchestrator import apply_strategy
+    from tests.train.tiny import batches, make_config
+
+    config = make_config(training={"engine": "standard", "grad_clip": None})
+    engine = build_engine(plan_of(config))
+    engine.loss.per_param_steps = True  # as distillation's loss part says
+    for batch in batches(config, 2, seed=4):
+        engine.train_step([batch], lr=1e-2)
+    named = engine.layout.params.named
+    first = next(iter(named.values()))
+    engine.updater.set_steps(first, 1)  # a parameter updated once (distillation's other blocks)
+    for name in ("sgd_escape", "conservative_adamw"):
+        apply_strategy(engine, config, resolve(config, name))
+    assert engine.updater.name == "adamw" and engine.updater.steps_of(first) == 1
+    assert {engine.updater.steps_of(p) for p in list(named.values())[1:]} == {2}
