@@ -11,18 +11,16 @@ the targets column, a list of integers as long as its token rows.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 from apr.config import LoadedConfig
 from apr.data.loader import check_shard
 from apr.data.shards import shard_files
 from apr.errors import AprError, Finding
+from apr.plan.keyfacts import key_error
 from apr.steps.execution import gradient_source
 
-
-def _finding(loaded: LoadedConfig, key: tuple, message: str, expected: str, got: str) -> Finding:
-    file, line, column = loaded.source.where(key)
-    return Finding("error", "config.custom", message, path=".".join(key), file=file, line=line, column=column,
-                   expected=expected, got=got)
+_finding = partial(key_error, code="config.custom")
 
 
 def custom_config_findings(loaded: LoadedConfig) -> list[Finding]:

@@ -14,18 +14,13 @@ weights) is refused with it until it is built for the latent projections.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 from apr.config import LoadedConfig
 from apr.errors import Finding
+from apr.plan.keyfacts import key_error
 
-
-def _finding(loaded: LoadedConfig, key: tuple, message: str, expected: str, got: str) -> Finding:
-    file, line, column = loaded.source.where(key)
-    for n in range(len(key) - 1, 0, -1):  # a key the file does not state (a default): at its section
-        if line is None:
-            file, line, column = loaded.source.where(key[:n])
-    return Finding("error", "config.mla", message, path=".".join(key), file=file, line=line, column=column,
-                   expected=expected, got=got)
+_finding = partial(key_error, code="config.mla")
 
 
 def _hf_folder(path: str | None) -> bool:

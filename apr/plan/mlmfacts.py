@@ -8,15 +8,14 @@ or its next-token loss (a sliding window, samples and tasks during training) is 
 
 from __future__ import annotations
 
+from functools import partial
+
 from apr.config import LoadedConfig
 from apr.errors import Finding
+from apr.plan.keyfacts import key_error
 from apr.steps.execution import gradient_source
 
-
-def _finding(loaded: LoadedConfig, key: tuple, message: str, expected: str, got: str) -> Finding:
-    file, line, column = loaded.source.where(key)
-    return Finding("error", "config.mlm", message, path=".".join(key), file=file, line=line, column=column,
-                   expected=expected, got=got)
+_finding = partial(key_error, code="config.mlm")
 
 
 def mlm_config_findings(loaded: LoadedConfig) -> list[Finding]:

@@ -11,17 +11,17 @@ without each row's step (the trunk's activation cache) or read weights without a
 
 from __future__ import annotations
 
+from functools import partial
+
 from apr.config import LoadedConfig
 from apr.errors import Finding
+from apr.plan.keyfacts import key_error
 from apr.steps.execution import gradient_source
 
 _TIME = ("model", "architecture", "time")
 
 
-def _finding(loaded: LoadedConfig, key: tuple, message: str, expected: str, got: str) -> Finding:
-    file, line, column = loaded.source.where(key)
-    return Finding("error", "config.time", message, path=".".join(key), file=file, line=line, column=column,
-                   expected=expected, got=got)
+_finding = partial(key_error, code="config.time")
 
 
 def time_config_findings(loaded: LoadedConfig) -> list[Finding]:
