@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.optim.adam import adam
 
 from apr.config.schema import OptimizerConfig
 from apr.errors import AprError
@@ -173,8 +174,6 @@ class AdamW(Updater):
         if not pieces or pieces[0].param is None:
             return super().update_group(group, pieces, lr=lr, step=step, grad_scale=grad_scale,
                                         found_inf=found_inf, reduce=reduce)
-        from torch.optim.adam import adam  # lazy: torch's functional optimizer, only on the autograd sources
-
         defaults = self.optimizer.defaults
         for decayed in (True, False):
             chosen = [pc for pc in pieces if bool(pc.decay.ranges) == decayed]
