@@ -1235,9 +1235,10 @@ class TrainingConfig(_Section):
         "give the same bits, and the validation loss too (the first eval_batches micro-batches on any layout, "
         "summed in the same tree). Costs memory and traffic beside fast, printed by validate and the plan (DDP: "
         "world_size x gradient_accumulation gradients per rank, all-gathered; FSDP2: each micro-batch's whole "
-        "gradient kept on its rank and its shard rows exchanged in an all-to-all). Autograd (training.engine: "
-        "standard), with or without training.sharding; the orchestrator's decisions and distillation's too "
-        "(not with distill.cache_teacher_outputs).")
+        "gradient kept on its rank and its shard rows exchanged in an all-to-all). Both gradient sources (the "
+        "flat-buffer walk keeps its gradients for the step: not with training.execution.gradients: workspace), "
+        "with or without training.sharding; the orchestrator's decisions and distillation's too (not with "
+        "distill.cache_teacher_outputs).")
     nodes: PositiveCount = Field(
         1, le=MAX_INDEX, description="Nodes the ranks run on (the plan's per-rank memory under sharding: hybrid "
         "shards over world_size / nodes ranks). At run time torchrun's LOCAL_WORLD_SIZE decides.")

@@ -13,32 +13,35 @@ from __future__ import annotations
 from apr.config import LoadedConfig
 from apr.errors import Finding
 from apr.fmt import format_bytes
+from apr.memory.table import MemoryRow
 from apr.model.spec import trainable_param_count
 from apr.steps.execution import gradient_source
 
-WORKS = ("training.engine: standard (autograd) with training.sharding none (one process, DDP), full, hybrid or "
+WORKS = ("either gradient source (training.engine: standard, or interleaved with training.execution.gradients "
+         "kept or auto) with training.sharding none (one process, DDP), full, hybrid or "
          "shard_grad_op (FSDP2), on any number of ranks, with or without training.orchestrator and "
          "training.mode: distill (its teacher's states computed each step: cache_teacher_outputs false)")
 
 
-def reduction_problems(config) -> list[str]:
-    """Why canonical cannot make this run's gradient sum, or what it reads, independent of the world size
-    (empty: it can)."""
+def reduction_problems(config) -> list[tuple[str, str]]:
+    """What stops canonical from making this run's gradient sum, or what it reads, independent of the
+    world size, and why: ``(the setting, the reason)`` pairs (empty: it can)."""
     tr = config.training
     out = []
-    if gradient_source(config) == "interleaved":
-        out.append("the flat-buffer walk (training.engine: interleaved) adds each micro-batch's gradient into its "
-                   "group's one flat buffer as the backward reaches the group (a running sum in micro-batch order, "
-                   "then summed over the ranks) and updates groups inside the backward; a fixed tree over the global "
-                   "micro-batches needs every micro-batch's gradient kept apart until the last one exists: N buffers "
-                   "per group where the walk holds one")
+    if gradient_source(config) == "interleaved" and str(tr.execution.gradients) == "workspace":
+        out.append(("training.execution.gradients: workspace",
+                    "training.execution.gradients: workspace updates each group inside the backward from one "
+                    "shared gradient workspace; the fixed tree over the global micro-batches needs every "
+                    "micro-batch's whole gradient before the first update (canonical keeps the walk's gradients: "
+                    "kept or auto)"))
     if str(tr.mode) == "distill" and tr.distill.cache_teacher_outputs:
-        out.append("training.distill.cache_teacher_outputs: each rank caches the teacher's states of the rows it "
-                   "read, so the world size decides which rows are read back from the cache (states computed "
-                   "beside the other rows of an earlier micro-batch) and which are computed again beside the rows "
-                   "of this one; the same bits both ways only where the teacher's forward of a row does not depend "
-                   "on the rows computed with it, which nothing guarantees (the matrix products' blocking runs over "
-                   "the whole micro-batch)")
+        out.append(("training.distill.cache_teacher_outputs",
+                    "training.distill.cache_teacher_outputs: each rank caches the teacher's states of the rows "
+                    "it read, so the world size decides which rows are read back from the cache (states computed "
+                    "beside the other rows of an earlier micro-batch) and which are computed again beside the "
+                    "rows of this one; the same bits both ways only where the teacher's forward of a row does not "
+                    "depend on the rows computed with it, which nothing guarantees (the matrix products' blocking "
+                    "runs over the whole micro-batch)"))
     return out
 
 
@@ -55,10 +58,9 @@ def reduction_findings(loaded: LoadedConfig, world_size: int | None = None) -> l
         cost = reduction_cost(config, 4 * trainable_param_count(config), world)
         return [Finding("info", "config.reduction", cost["line"], path="training.reduction", file=file, line=line,
                         column=column)]
-    got = ", ".join(p.split(" ", 1)[0].rstrip(":") if p.startswith("training") else "training.engine: interleaved"
-                    for p in problems)
+    got = ", ".join(what for what, _ in problems)
     return [Finding("error", "config.reduction", "training.reduction: canonical cannot make this run (its gradient "
-                    "sum, or what it reads) independent of the world size: " + "; ".join(problems),
+                    "sum, or what it reads) independent of the world size: " + "; ".join(why for _, why in problems),
                     path="training.reduction", file=file, line=line, column=column,
                     expected=f"fast, or canonical with {WORKS}", got=f"canonical with {got}")]
 
@@ -90,3 +92,15 @@ def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
             "line": f"canonical reduction: {leaves} micro-batch gradients summed in one fixed tree "
                     f"(+{format_bytes(extra)} per rank; {how}): bitwise the same on any world size with the same "
                     "global batch"}
+
+
+def reduction_rows(config, world_size: int | None = None) -> list[MemoryRow]:
+    """canonical's gradient leaves as a row of the plan's memory table (counted against the budget like
+    every other component); none under fast, or where canonical is refused."""
+    if str(config.training.reduction) != "canonical" or reduction_problems(config):
+        return []
+    world = int(config.training.world_size if world_size is None else world_size)
+    cost = reduction_cost(config, 4 * trainable_param_count(config), world)
+    return [MemoryRow("canonical_leaves", cost["extra_bytes"], "exact", 0,
+                      f"training.reduction: canonical: {cost['leaves']} micro-batch gradients kept apart "
+                      "for the fixed tree (the local ones and those gathered from the other ranks)")]

@@ -59,6 +59,7 @@ _ML = "tests/distributed/test_custom_ranks.py::" \
     "test_the_masked_lm_on_two_ranks_equals_one_process_accumulating_the_same_micro_batches"
 _CW = "tests/distributed/test_canonical_world_sizes.py::" \
     "test_four_ranks_one_process_and_resumes_across_world_sizes_end_bitwise_equal"
+_CT = "tests/distributed/test_canonical.py::test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal"
 
 FEATURES: list[Feature] = [
     Feature("plain pretraining, both sources, every clip mode", {
@@ -253,27 +254,28 @@ FEATURES: list[Feature] = [
         "full": not_tested("drift as DDP; histograms off with a warning (a rank holds shards)"),
         "hybrid": not_tested("as `full`"),
     }),
-    Feature("canonical reduction (training.reduction, autograd)", {
+    Feature("canonical reduction (training.reduction), both sources", {
         "one": tested("tests/train/test_reduction.py::"
                       "test_one_process_sums_its_micro_batches_in_the_tree_to_fasts_gradient_within_rounding",
-                      note="the tree's gradient within 1e-5 of fast's"),
-        "ddp": tested("tests/distributed/test_canonical.py::"
-                      "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[ddp-standard-global]",
+                      "tests/train/test_reduction.py::"
+                      "test_the_walk_under_canonical_gives_autograds_canonical_weights_bitwise",
+                      note="the tree's gradient within 1e-5 of fast's; the walk's canonical steps are "
+                           "autograd's, bitwise"),
+        "ddp": tested(_CT + "[ddp-standard-global]", _CT + "[ddp-interleaved-per_block]",
                       note="2 ranks x 2, 1 process x 4 and 2 -> 1 resumed: bitwise, and the same validation losses"),
-        "full": tested("tests/distributed/test_canonical.py::"
-                       "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[full-standard-global]",
-                       "tests/distributed/test_canonical.py::"
-                       "test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal[full-standard-adagc]",
+        "full": tested(_CT + "[full-standard-global]", _CT + "[full-standard-adagc]", _CT + "[full-interleaved-adagc]",
                        note="no reduce-scatter: an all-to-all of each micro-batch's shard rows, the same tree; "
                             "2 x 2, 1 x 4 and 2 -> 1: bitwise, the same validation losses"),
-        "hybrid": tested(f"{_CW}[hybrid]", note="4 ranks in 2 shard groups of 2: 4 x 1 = 1 x 4, 4 -> 2, 4 -> 1 "
-                                                  "and 1 -> 4 resumed, bitwise"),
+        "hybrid": tested(f"{_CW}[standard-hybrid]", f"{_CW}[interleaved-hybrid]",
+                         note="4 ranks in 2 shard groups of 2: 4 x 1 = 1 x 4, 4 -> 2, 4 -> 1 and 1 -> 4 resumed, "
+                              "bitwise"),
     }),
-    Feature("canonical reduction across world sizes (4 ranks, 4 -> 2 -> 1, 1 -> 4)", {
-        "one": tested(f"{_CW}[none]", note="one process x 4 is the reference"),
-        "ddp": tested(f"{_CW}[none]", note="4 x 1 = 1 x 4; 4 -> 2, 4 -> 1 and 1 -> 4 resumed: bitwise"),
-        "full": tested(f"{_CW}[full]"),
-        "hybrid": tested(f"{_CW}[hybrid]"),
+    Feature("canonical reduction across world sizes (4 ranks, 4 -> 2 -> 1, 1 -> 4), both sources", {
+        "one": tested(f"{_CW}[standard-none]", f"{_CW}[interleaved-none]", note="one process x 4 is the reference"),
+        "ddp": tested(f"{_CW}[standard-none]", f"{_CW}[interleaved-none]",
+                      note="4 x 1 = 1 x 4; 4 -> 2, 4 -> 1 and 1 -> 4 resumed: bitwise"),
+        "full": tested(f"{_CW}[standard-full]", f"{_CW}[interleaved-full]"),
+        "hybrid": tested(f"{_CW}[standard-hybrid]", f"{_CW}[interleaved-hybrid]"),
     }),
     Feature("canonical reduction with the orchestrator (rewards, branch losses)", {
         "one": tested("tests/distributed/test_canonical.py::"

@@ -109,9 +109,10 @@ def parse(activations: str, gradients: str, layers: int, compile: bool = False) 
 
 
 def gradients_forced(config) -> str | None:
-    """``kept`` when the config leaves no choice (the standard engine, gradient accumulation)."""
+    """``kept`` when the config leaves no choice (the standard engine, gradient accumulation, and
+    ``training.reduction: canonical``, whose tree needs every micro-batch's whole gradient)."""
     tr = config.training
-    if gradient_source(config) == "standard" or tr.gradient_accumulation > 1:
+    if gradient_source(config) == "standard" or tr.gradient_accumulation > 1 or str(tr.reduction) == "canonical":
         return "kept"
     return None
 

@@ -180,9 +180,10 @@ class Engine:
         or gathered on every rank for its duration under FSDP2 (``sharded.Shards``)."""
         return self.layout.whole_weights() if self.sharded else nullcontext()
 
-    def tensor_norms(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """Each gradient tensor's norm for AdaGC when ``grads`` are shards (None: computed locally)."""
-        return self.layout.tensor_norms(grads) if self.sharded else None
+    def tensor_norms(self, grads: list[torch.Tensor], name: str | None = None) -> torch.Tensor | None:
+        """Each gradient tensor's norm for AdaGC when ``grads`` are group ``name``'s shards (None:
+        computed locally)."""
+        return self.layout.tensor_norms(grads, name) if self.sharded else None
 
     def _gate(self, loss: torch.Tensor, norm: torch.Tensor | None) -> bool:
         """Ask ``step_gate`` once per step (a host read: the gate reads the figures it tests)."""

@@ -39,7 +39,7 @@ def clip_(engine, local: dict[str, list[torch.Tensor]], coefs: dict) -> None:
     clip = engine.strategy.clip
     if clip == "adagc":
         for name, grads in local.items():
-            engine._adagc_clip(name, grads, norms=engine.tensor_norms(grads))
+            engine._adagc_clip(name, grads, norms=engine.tensor_norms(grads, name))
     elif clip != "off":
         for name, grads in local.items():
             torch._foreach_mul_(grads, coefs[name])

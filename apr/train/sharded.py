@@ -111,7 +111,7 @@ class Shards:
         self.canonical = (ShardedCanonicalSum(engine.dp, self.shard_group.size())
                           if engine.plan.reduction == "canonical" else None)
         self._whole_sq: dict[str, torch.Tensor] = {}  # canonical: each live group's squared norm, whole
-        self._whole_norms: dict[int, torch.Tensor] = {}  # canonical, AdaGC: id(group's grads) -> per-tensor norms
+        self._whole_norms: dict[str, torch.Tensor] = {}  # canonical, AdaGC: a group's per-tensor norms, whole
         # canonical: id(p) -> (its offset in a bucket's row, FSDP2's chunk of rows, a row's width)
         self._place: dict[int, tuple[int, int, int]] = {}
         self.live_names: list[str] = []
@@ -129,11 +129,11 @@ class Shards:
     def local_sq(grads: list[torch.Tensor]) -> torch.Tensor:
         return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device))
 
-    def tensor_norms(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def tensor_norms(self, grads: list[torch.Tensor], name: str | None = None) -> torch.Tensor:
         """Each tensor's norm all-reduced from its shards' (AdaGC on shards); canonical: the norms of
-        the whole tensors ``canonical_grads`` took."""
-        if id(grads) in self._whole_norms:
-            return self._whole_norms[id(grads)]
+        group ``name``'s whole tensors, which ``canonical_grads`` took."""
+        if name in self._whole_norms:
+            return self._whole_norms[name]
         return self.all_sq([g.float().pow(2).sum() for g in grads]).sqrt()
 
     @contextmanager
@@ -205,13 +205,14 @@ class Shards:
                     dst[full, :p.shape[0] - full * chunk].copy_(whole[full * chunk:])
         self.canonical.take(bucket, loss)
 
-    def canonical_grads(self) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
+    def canonical_grads(self, unscale: bool = True) -> tuple[dict[str, list[torch.Tensor]], torch.Tensor]:
         """Canonical: this rank's shards of the groups' mean gradients over the global batch (set as the
-        parameters' sharded ``.grad``, unscaled) and the mean loss, both summed in the fixed tree; the
-        groups' norms taken over the whole mean gradient (``_whole_norms_of``)."""
+        parameters' sharded ``.grad``; unscaled, or still loss-scaled for the walk's hooks) and the mean
+        loss, both summed in the fixed tree; the groups' norms taken over the whole mean gradient
+        (``_whole_norms_of``)."""
         e = self.e
         bucket, loss = self.canonical.reduce()  # this rank's shard's row
-        if e.scaler.scale != 1.0:
+        if unscale and e.scaler.scale != 1.0:
             bucket.mul_(1.0 / e.scaler.scale)
         local: dict[str, list[torch.Tensor]] = {}
         for name, group in self.params.groups:
@@ -246,7 +247,7 @@ class Shards:
                 whole.append(rows_of_p.view(shards * chunk, cols)[:p.shape[0]].reshape(p.shape).to(p.dtype))
             self._whole_sq[name] = self.e.backend.sq_norm(torch.cat([w.reshape(-1) for w in whole]))
             if adagc:
-                self._whole_norms[id(local[name])] = torch.stack(torch._foreach_norm(whole)).float()
+                self._whole_norms[name] = torch.stack(torch._foreach_norm(whole)).float()
 
     def reduced_grads(self) -> dict[str, list[torch.Tensor]]:
         """This rank's shards of each live group's reduce-scattered gradients, unscaled."""

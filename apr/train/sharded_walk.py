@@ -99,9 +99,9 @@ class ShardedWalk:
             self._drop(name)
             return
         grads = self._grads(name)
-        if self.e.strategy.clip == "adagc":
+        if self.e.strategy.clip == "adagc":  # canonical: the whole tensors' norms (canonical_grads took them)
             self.e._adagc_clip(name, grads, 1.0 / self.e.scaler.scale, found_inf,
-                               norms=self.e.layout.tensor_norms(grads))
+                               norms=self.e.layout.tensor_norms(grads, name))
         scale = coef if self.e.scaler.scale == 1.0 else coef * (1.0 / self.e.scaler.scale)
         pieces = []
         for p, g in zip(self.group_params[name], grads, strict=True):
@@ -149,6 +149,8 @@ class ShardedWalk:
     def accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Gradient shards accumulate over the micro-batches (reduce-scattered after each); returns
         the mean loss and each group's squared norm over the shard group."""
+        if self.e.layout.canonical is not None:
+            return self._canonical_accumulate(micro_batches)
         self.release()
         accum, scale = len(micro_batches), self.e.scaler.scale
         loss_total = torch.zeros((), device=self.e.device)
@@ -161,6 +163,28 @@ class ShardedWalk:
             self.e._probe(name)
         sq_all = self.e.layout.all_sq([self.e.layout.local_sq(self._grads(name)) for name in self.e.group_names])
         return loss_total, dict(zip(self.e.group_names, sq_all.unbind(), strict=True))
+
+    def _canonical_accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``training.reduction: canonical``: no micro-batch is reduce-scattered; each one's whole
+        gradient (of its loss times the loss scale) is moved into a bucket of its own by the layout
+        (``Shards.keep_micro``), and ``Shards.canonical_grads`` sums this rank's shard of every global
+        micro-batch in the fixed tree, still loss-scaled, as the shards' ``.grad``. The groups' squared
+        norms are the whole mean gradient's (the same bits on any world size)."""
+        layout = self.e.layout
+        self.release()
+        layout.root.set_requires_gradient_sync(False)
+        try:
+            for batch in micro_batches:
+                ids, targets = self.e.split(batch)
+                loss = self._loss(ids, targets)
+                self._backward(loss, self.e.scaler.scale, None)
+                layout.keep_micro(loss)
+        finally:
+            layout.root.set_requires_gradient_sync(True)
+        local, loss = layout.canonical_grads(unscale=False)
+        for name in self.e.group_names:
+            self.e._probe(name)
+        return loss, layout.group_sq(local)
 
     def apply_all(self, coefs: dict, *, lr: float, loss: torch.Tensor) -> None:
         self._lr = lr

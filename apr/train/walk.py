@@ -27,6 +27,7 @@ from apr.train.backprop import backward
 from apr.train.engine import group_specs, sac_policy, selectively
 from apr.train.flat import FlatGroup, flatten_group
 from apr.train.nonfinite import LOSS
+from apr.train.reduction import CanonicalSum
 from apr.train.updaters import Piece
 
 
@@ -57,6 +58,9 @@ class Walk:
         self._next_ws = 0
         self._inflight: tuple | None = None
         self.grad_scratch = buffers.get("grad_scratch")
+        # training.reduction: canonical (apr/train/reduction.py): every micro-batch walked into the kept
+        # buffers alone, taken as a leaf of its own and summed in the fixed tree over the global batch
+        self.canonical = CanonicalSum(engine.dp) if engine.plan.reduction == "canonical" else None
         self.tied = model.lm_head is None and self.embed is not None
         # LoRA or model dropout: each block's RNG state at its forward, replayed when the block is recomputed
         lora = config.model.lora
@@ -322,6 +326,8 @@ class Walk:
     def accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Kept gradients: every group keeps its gradient across the step's micro-batches (one backward
         walk each), averaged over the ranks; returns the mean loss and each group's squared norm."""
+        if self.canonical is not None:
+            return self._canonical_accumulate(micro_batches)
         for g in self.groups:
             g.own_grad.zero_()
         loss = torch.zeros((), device=self.e.device)
@@ -337,6 +343,27 @@ class Walk:
                 handle.wait()
             for g in self.groups:
                 g.own_grad.div_(self.e.dp.world_size)
+        return loss, {g.name: self.e.backend.sq_norm(g.own_grad) for g in self.groups}
+
+    def _canonical_accumulate(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``training.reduction: canonical``: each micro-batch walked alone into the zeroed kept buffers
+        (the gradient of its loss times the loss scale), copied into a leaf of its own; the leaves of
+        every rank summed in the fixed tree over the global micro-batch index and divided by their
+        number (``CanonicalSum``), and the mean written back into the kept buffers, still loss-scaled
+        as the walk's norms and updates expect. The same float operations whatever the world size."""
+        for batch in micro_batches:
+            for g in self.groups:
+                g.own_grad.zero_()
+            ids, targets = self.e.split(batch)
+            inputs, graphs = self._forward(ids)
+            loss_sum = self._walk(ids, targets, inputs, graphs, self.e.scaler.scale, lambda g, buf: None,
+                                  free_inputs=True)
+            self.canonical.take([g.own_grad for g in self.groups], loss_sum / targets.numel())
+        flat, loss = self.canonical.reduce()
+        offset = 0
+        for g in self.groups:
+            g.own_grad.copy_(flat[offset:offset + g.own_grad.numel()].view_as(g.own_grad))
+            offset += g.own_grad.numel()
         return loss, {g.name: self.e.backend.sq_norm(g.own_grad) for g in self.groups}
 
     def apply_all(self, coefs: dict, *, lr: float, loss: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
-"""training.reduction: canonical (apr/train/reduction.py) across layouts on gloo: 2 ranks with accumulation 2
-(DDP, or FSDP2 full shards), one process with accumulation 4, and a 2-rank run resumed on one process end
-with the same bits, and measure the same validation losses (apr/train/validation.py)."""
+"""training.reduction: canonical (apr/train/reduction.py) across layouts on gloo, on both gradient sources
+(autograd and the flat-buffer walk): 2 ranks with accumulation 2 (DDP, or FSDP2 full shards), one process
+with accumulation 4, and a 2-rank run resumed on one process end with the same bits, and measure the same
+validation losses (apr/train/validation.py)."""
 
 from __future__ import annotations
 
@@ -49,13 +50,16 @@ def _val_losses(run_dir: Path) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sharding", "clip_mode"), [("none", "global"), ("full", "global"), ("full", "adagc")],
-                         ids=["ddp-standard-global", "full-standard-global", "full-standard-adagc"])
-def test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal(tmp_path, sharding, clip_mode):
+@pytest.mark.parametrize(("engine", "sharding", "clip_mode"), [
+    ("standard", "none", "global"), ("standard", "full", "global"), ("standard", "full", "adagc"),
+    ("interleaved", "none", "per_block"), ("interleaved", "full", "adagc")],
+    ids=["ddp-standard-global", "full-standard-global", "full-standard-adagc", "ddp-interleaved-per_block",
+         "full-interleaved-adagc"])
+def test_two_ranks_one_process_and_a_resume_on_fewer_ranks_end_bitwise_equal(tmp_path, engine, sharding, clip_mode):
     make_dataset(tmp_path, train_rows=160)
     # 3 validation micro-batches: on 2 ranks one scores two, the other one (and one it does not count)
     common = {"epochs": 1, "max_steps": 8, "save_interval": 4, "keep_last": 5, "eval_interval": 4,
-              "eval_batches": 3, "engine": "standard", "reduction": "canonical", "grad_clip": 0.5,
+              "eval_batches": 3, "engine": engine, "reduction": "canonical", "grad_clip": 0.5,
               "clip_mode": clip_mode, "sharding": sharding}
     opt = {"lr": 1e-2, "min_lr": 1e-3}  # an lr at which fast's rank-dependent rounding shows by step 8
 

@@ -32,12 +32,14 @@ def _launch(doc: dict, path: Path, nproc: int, resume: str | None = None) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "full", "hybrid"])
-def test_four_ranks_one_process_and_resumes_across_world_sizes_end_bitwise_equal(tmp_path, sharding):
+@pytest.mark.parametrize(("engine", "sharding"), [("standard", "none"), ("standard", "full"), ("standard", "hybrid"),
+                                                  ("interleaved", "none"), ("interleaved", "full"),
+                                                  ("interleaved", "hybrid")])
+def test_four_ranks_one_process_and_resumes_across_world_sizes_end_bitwise_equal(tmp_path, engine, sharding):
     make_dataset(tmp_path, train_rows=160)
     # 4 validation micro-batches: one per rank on 4, all four on one process
     common = {"epochs": 1, "max_steps": 4, "save_interval": 2, "keep_last": 3, "eval_interval": 2,
-              "eval_batches": 4, "engine": "standard", "reduction": "canonical", "grad_clip": 0.5,
+              "eval_batches": 4, "engine": engine, "reduction": "canonical", "grad_clip": 0.5,
               "sharding": sharding}
 
     def doc(out: str, accum: int) -> dict:

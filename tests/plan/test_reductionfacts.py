@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from apr.cli.main import app
 from apr.config import load_config
+from apr.model.spec import trainable_param_count
 from apr.plan.reductionfacts import reduction_cost, reduction_findings
 
 runner = CliRunner()
@@ -22,8 +23,9 @@ BASE = ("model:\n  architecture:\n    hidden_size: 64\n    num_hidden_layers: 2\
 
 
 @pytest.mark.parametrize(("extra", "named"), [
-    ("  engine: interleaved\n", "flat-buffer walk"),
-    ("  engine: interleaved\n  sharding: full\n  world_size: 2\n", "flat-buffer walk"),
+    ("  engine: interleaved\n  execution: {gradients: workspace}\n", "training.execution.gradients: workspace"),
+    ("  engine: interleaved\n  sharding: full\n  world_size: 2\n  execution: {gradients: workspace}\n",
+     "training.execution.gradients: workspace"),
     ("  engine: standard\n  mode: distill\n  distill: {teacher: t/, cache_teacher_outputs: true}\n",
      "training.distill.cache_teacher_outputs"),
 ])
@@ -34,7 +36,8 @@ def test_canonical_where_it_cannot_hold_is_refused_at_its_key_with_the_layouts_t
     assert r.exit_code == 1 and "Traceback" not in r.stdout
     found = [f for f in json.loads(r.stdout)["findings"] if f["code"] == "config.reduction"]
     assert len(found) == 1 and found[0]["path"] == "training.reduction" and found[0]["line"] == 18
-    assert named in found[0]["message"] and "training.engine: standard" in found[0]["expected"]
+    assert named in found[0]["message"] and named in found[0]["got"]
+    assert "training.engine: standard" in found[0]["expected"] and "interleaved" in found[0]["expected"]
     assert "full, hybrid" in found[0]["expected"]  # the FSDP2 layouts that work are named
 
 
@@ -74,3 +77,50 @@ def test_canonical_holds_for_the_orchestrator_and_distillation_and_says_its_cost
     found = reduction_findings(load_config(cfg))
     assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
     assert "bitwise the same on any world size" in found[0].message
+
+
+@pytest.mark.parametrize("sharding", ["none", "full"])
+def test_canonical_on_the_walk_keeps_its_gradients_and_the_plan_counts_the_leaves_against_the_budget(tmp_path,
+                                                                                                  sharding):
+    """The flat-buffer walk under canonical: validate accepts it, its gradients are kept for the step
+    (the tree needs every micro-batch's whole gradient before the first update), and the plan's memory
+    table holds the leaves as a row of their own, in its total."""
+    from apr.memory.table import memory_table
+    from apr.plan.reductionfacts import reduction_rows
+    from apr.steps.execution import keeps_all_grads, parse
+    from apr.steps.strategy import step_strategy
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + f"  engine: interleaved\n  sharding: {sharding}\n  world_size: 2\n")
+    r = runner.invoke(app, ["train", "validate", str(cfg), "--json"])
+    assert r.exit_code == 0, r.stdout
+    config = load_config(cfg).config
+    assert step_strategy(config).keeps_all_grads and not step_strategy(config).norm_prepass
+    fast = config.model_copy(update={"training": config.training.model_copy(update={"reduction": "fast"})})
+    workspace = parse("keep", "workspace", 2)  # what the plan may pick for fast when the kept gradients do not fit
+    assert not keeps_all_grads(fast, workspace) and keeps_all_grads(config, workspace)  # canonical never streams
+    rows = reduction_rows(config)
+    assert [r.component for r in rows] == ["canonical_leaves"]
+    grads = 4 * trainable_param_count(config)  # one float32 gradient of the model
+    # DDP: 1 local + 2 gathered leaves; FSDP2 full: the last local leaf and this shard's rows of both
+    assert rows[0].bytes == reduction_cost(config, grads, 2)["extra_bytes"] == {"none": 3, "full": 2}[sharding] * grads
+    assert reduction_rows(fast) == []
+    assert "gradients" in {r.component for r in memory_table(config)}
+
+
+def test_the_plan_counts_canonicals_leaves_in_its_memory_total(tmp_path):
+    """`apr train plan` on the walk under canonical: the leaves are a row of the memory table and in the
+    total its budget check reads; the same run under fast has no such row."""
+    from apr.plan.build import build_plan
+    from tests.train.run_helpers import make_dataset, write_config
+
+    make_dataset(tmp_path)
+    plans = {reduction: build_plan(write_config(tmp_path, f"{reduction}.yaml", training={
+        "engine": "interleaved", "reduction": reduction, "world_size": 2, "gradient_accumulation": 2}))
+        for reduction in ("fast", "canonical")}
+    rows = {k: {r.component: r.bytes for r in p.memory} for k, p in plans.items()}
+    assert "canonical_leaves" not in rows["fast"]
+    grads = 4 * trainable_param_count(load_config(tmp_path / "canonical.yaml").config)
+    assert rows["canonical"]["canonical_leaves"] == (2 + 4) * grads  # 2 local leaves and 4 gathered
+    totals = {k: p.facts["memory"]["total_bytes"] for k, p in plans.items()}
+    assert totals["canonical"] - totals["fast"] == (2 + 4) * grads

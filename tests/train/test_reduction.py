@@ -62,3 +62,21 @@ def test_one_process_sums_its_micro_batches_in_the_tree_to_fasts_gradient_within
     for name, p in named_b.items():  # the step's mean gradient, left in .grad by both
         rel = ((named_a[name].grad - p.grad).norm() / p.grad.norm().clamp_min(1e-30)).item()
         assert rel <= 1e-5, name
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_walk_under_canonical_gives_autograds_canonical_weights_bitwise(clip):
+    """The flat-buffer walk keeps each micro-batch's whole gradient (its kept buffers, copied into a leaf)
+    and sums the leaves in the same tree: its steps are autograd's canonical steps to the bit (float32),
+    so whatever holds for autograd's across world sizes holds for the walk's."""
+    configs = [make_config(training={"engine": engine, "reduction": "canonical", "gradient_accumulation": 3,
+                                     "grad_clip": clip}) for engine in ("standard", "interleaved")]
+    data = batches(configs[0], 3, seed=3)
+    standard, walk = (build_engine(plan_of(c)) for c in configs)
+    assert walk.gradients.name == "interleaved" and walk.strategy.keeps_all_grads
+    for _ in range(3):
+        a, b = standard.train_step(data, lr=1e-2), walk.train_step(data, lr=1e-2)
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
+    sa, sb = standard.train_state_tensors(), walk.train_state_tensors()
+    assert set(sa) == set(sb)
+    assert all(torch.equal(sa[n], sb[n]) for n in sa)  # weights and both moments
