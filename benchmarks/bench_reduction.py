@@ -1,10 +1,10 @@
 """The cost of ``training.reduction: canonical`` against ``fast`` on 2 gloo ranks of this CPU
 (docs/performance.md, "Canonical reduction").
 
-Each rank builds both engines (autograd, accumulation --accum) from the same config, seed and
-batches, then times their steps round-robin (fast, canonical, fast, ...) so both see the same
-machine; per step it reports rank 0's median wall time, and the bytes canonical holds beyond fast
-(its micro-batch gradient leaves, local and gathered: ``apr.plan.reductionfacts.reduction_cost``).
+Each rank builds both engines (autograd, or the walk with ``--engine interleaved``; accumulation
+--accum) from the same config, seed and batches, then times their steps round-robin (fast,
+canonical, fast, ...) so both see the same machine; per step it reports rank 0's median wall time,
+and the bytes canonical holds beyond fast at its peak (``apr.plan.reductionfacts.reduction_cost``).
 It also compares the two losses over the global batch (fast's per-rank means averaged over the
 ranks; canonical's is already global): equal within float rounding.
 
@@ -12,7 +12,7 @@ ranks; canonical's is already global): equal within float rounding.
 an all-to-all of the micro-batches' shard rows and an all-gather of the mean gradient for the norms).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_reduction.py [--ranks 2] [--accum 2] [--steps 8] \
-        [--sharding none]
+        [--sharding none] [--engine standard]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _config(args, reduction: str):
                                    "intermediate_size": 4 * args.hidden, "vocab_size": args.vocab,
                                    "max_position_embeddings": args.seq}},
         "data": {"train": "unused/", "batch_size": args.batch, "seq_len": args.seq},
-        "training": {"engine": "standard", "reduction": reduction, "gradient_accumulation": args.accum,
+        "training": {"engine": args.engine, "reduction": reduction, "gradient_accumulation": args.accum,
                      "world_size": args.ranks, "kernels": "torch", "device": "cpu", "seed": 0,
                      "sharding": args.sharding, "nodes": 2 if args.sharding == "hybrid" else 1},
     })
@@ -51,6 +51,7 @@ def _rank(rank: int, args, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     torch.set_num_threads(1)
+    from apr.model.spec import trainable_param_count
     from apr.plan.reductionfacts import reduction_cost
     from apr.steps.resolved import resolve
     from apr.train.build import build_engine
@@ -81,7 +82,7 @@ def _rank(rank: int, args, out) -> None:
             if k >= args.warmup:
                 times[mode].append(dt)
             losses[mode].append(loss)
-    params = sum(p.numel() for p in engines["fast"][0].gradients.named.values())
+    params = trainable_param_count(engines["fast"][1])
     cost = reduction_cost(engines["canonical"][1], 4 * params, args.ranks)
     if rank == 0:
         out.put({"times": times, "losses": losses, "params": params, "cost": cost})
@@ -94,6 +95,8 @@ def main() -> None:
                           ("--layers", 4), ("--vocab", 4096), ("--seq", 128), ("--batch", 4), ("--port", 29611)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--sharding", default="none", choices=["none", "full", "hybrid", "shard_grad_op"])
+    ap.add_argument("--engine", default="standard", choices=["standard", "interleaved"],
+                    help="the gradient source: autograd, or the flat-buffer walk (its gradients kept under both)")
     args = ap.parse_args()
     if args.sharding == "hybrid":
         os.environ.setdefault("APR_SHARD_GROUP_SIZE", str(max(1, args.ranks // 2)))
@@ -108,7 +111,7 @@ def main() -> None:
     fast, canon = (statistics.median(res["times"][m]) * 1e3 for m in ("fast", "canonical"))
     dloss = max(abs(a - b) for a, b in zip(res["losses"]["fast"], res["losses"]["canonical"], strict=True))
     cost = res["cost"]
-    print(f"training.sharding {args.sharding}")
+    print(f"training.engine {args.engine}, training.sharding {args.sharding}")
     print(f"{args.ranks} ranks x accumulation {args.accum}, {res['params'] / 1e6:.2f}M parameters, "
           f"batch {args.batch} x {args.seq}, {args.steps} timed steps (round-robin)")
     print(f"fast       {fast:9.1f} ms/step")

@@ -1233,10 +1233,11 @@ class TrainingConfig(_Section):
         "within float rounding, not bitwise). canonical: each micro-batch's gradient kept apart and summed in one "
         "fixed tree over the global micro-batch index, so 1, 2 or 4 ranks, or one process with accumulation, "
         "give the same bits, and the validation loss too (the first eval_batches micro-batches on any layout, "
-        "summed in the same tree). Costs memory and traffic beside fast, printed by validate and the plan (DDP: "
-        "world_size x gradient_accumulation gradients per rank, all-gathered; FSDP2: each micro-batch's whole "
-        "gradient kept on its rank and its shard rows exchanged in an all-to-all). Both gradient sources (the "
-        "flat-buffer walk keeps its gradients for the step: not with training.execution.gradients: workspace), "
+        "summed in the same tree). Costs memory and traffic beside fast, printed by validate and the plan (each "
+        "micro-batch's gradient kept on its rank until a slice of it (DDP) or its shard rows (FSDP2) are sent "
+        "to the rank that sums them, in an all-to-all: gradient_accumulation + 1 gradients per rank at the "
+        "peak). Both gradient sources (the flat-buffer walk keeps its gradients for the step: not with "
+        "training.execution.gradients: workspace), "
         "with or without training.sharding; the orchestrator's decisions and distillation's too (not with "
         "distill.cache_teacher_outputs).")
     nodes: PositiveCount = Field(

@@ -66,20 +66,21 @@ def reduction_findings(loaded: LoadedConfig, world_size: int | None = None) -> l
 
 
 def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
-    """What canonical costs beside fast, per rank and step. Replicated: the micro-batches' gradient leaves
-    (the local ones, then all of them gathered) and the all-gather's traffic. FSDP2, at the peak of the
-    all-to-alls (one per accumulation index, each local micro-batch's whole gradient freed once sent):
-    the last local gradient, a shard's rows of every global micro-batch (times the replicas under hybrid,
-    where every replica of a shard receives them) and, under hybrid, the copy being sent; then one whole
-    mean gradient gathered for the norms, after those are freed."""
+    """What canonical costs beside fast, per rank and step (apr/train/reduction.py). One process: the
+    micro-batches' gradient leaves and the tree's running sum. On several ranks, at the peak of the
+    all-to-alls (one per accumulation index, each local leaf freed once sent): the last local leaf and
+    this rank's slice of every global micro-batch (one slice per rank replicated or under full; a shard's
+    rows times the replicas under hybrid, where every replica of a shard receives them, plus the copy
+    being sent); then the mean's slices all-gathered whole (for the update replicated, for the norms on
+    FSDP2), after those are freed."""
     tr = config.training
     accum = int(tr.gradient_accumulation)
     leaves = accum * world_size
-    if str(tr.sharding) == "none" or world_size == 1:
-        extra = (accum + leaves) * param_bytes  # fast holds the one .grad both modes have
-        sent = (leaves - accum) * param_bytes if world_size > 1 else 0
-        how = f"an all-gather of {format_bytes(sent)} a step where fast all-reduces one gradient"
+    if world_size == 1:
+        extra, sent = (accum + 1) * param_bytes, 0
+        how = "no communication on one process"
     else:
+        sharded = str(tr.sharding) != "none"
         group = world_size // int(tr.nodes) if str(tr.sharding) == "hybrid" and world_size % int(tr.nodes) == 0 \
             else world_size
         replicas = world_size // group
@@ -87,7 +88,7 @@ def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
         extra = max(accum, 1 + moved // param_bytes + (replicas if replicas > 1 else 0)) * param_bytes
         sent = moved * (world_size - 1) // world_size + param_bytes * (group - 1) // group
         how = (f"{accum} all-to-all(s) and an all-gather sending {format_bytes(sent)} a step where fast "
-               "reduce-scatters one gradient")
+               f"{'reduce-scatters' if sharded else 'all-reduces'} one gradient")
     return {"reduction": "canonical", "leaves": leaves, "extra_bytes": extra, "gathered_bytes": sent,
             "line": f"canonical reduction: {leaves} micro-batch gradients summed in one fixed tree "
                     f"(+{format_bytes(extra)} per rank; {how}): bitwise the same on any world size with the same "
@@ -101,6 +102,6 @@ def reduction_rows(config, world_size: int | None = None) -> list[MemoryRow]:
         return []
     world = int(config.training.world_size if world_size is None else world_size)
     cost = reduction_cost(config, 4 * trainable_param_count(config), world)
-    return [MemoryRow("canonical_leaves", cost["extra_bytes"], "exact", 0,
-                      f"training.reduction: canonical: {cost['leaves']} micro-batch gradients kept apart "
-                      "for the fixed tree (the local ones and those gathered from the other ranks)")]
+    return [MemoryRow("canonical_leaves", cost["extra_bytes"], "modelled", 0,
+                      f"training.reduction: canonical: {cost['leaves']} micro-batch gradients summed in the fixed "
+                      "tree: this rank's own, then its slice of every one (at the peak)")]

@@ -6,14 +6,17 @@ global micro-batch ``j = k * world_size + rank`` (``k``: the rank's accumulation
 whatever the layout (``ShardLoader``: position ``k`` reads ``batch_size x world_size`` rows, rank
 ``r`` the ``r``-th slice; an elastic resume keeps ``batch_size`` and scales the cursor), so leaf ``j``
 is the same micro-batch on 1, 2 or 4 ranks. Each micro-batch's gradient is kept apart (one flat
-float32 leaf, not accumulated into ``.grad``), every rank gathers every leaf in ``j`` order, and the
-leaves are added in one fixed binary tree over ``j`` (``tree_sum``), then divided by N: the same
-float operations in the same order on any layout, so 1, 2 and 4 ranks, and one process with
-accumulation, give the same bits. The step's loss is the same tree over the leaves' losses.
+float32 leaf, not accumulated into ``.grad``) and the leaves are added in one fixed binary tree over
+``j`` (``tree_sum``), then divided by N: the same float operations in the same order on any layout,
+so 1, 2 and 4 ranks, and one process with accumulation, give the same bits. On several ranks each
+rank sums one slice of every leaf (an all-to-all per accumulation index hands it its slice of every
+global micro-batch) and the mean's slices are all-gathered: addition is element-wise, so a slice of
+the tree's sum is the same bits whatever the slicing. The step's loss is the same tree over the
+leaves' losses.
 
-The cost (shown by the plan): N leaves of the model's gradient on every rank (the local ones, then
-the gathered ones) where ``fast`` holds one, and an all-gather of N gradients where ``fast``
-all-reduces one.
+The cost (shown by the plan): the rank's own leaves, then its slice of all N (about one gradient),
+then the gathered mean, where ``fast`` holds one gradient; and all-to-alls plus one all-gather where
+``fast`` all-reduces one gradient.
 
 On FSDP2 shards (``ShardedCanonicalSum``, used by apr/train/sharded.py) a rank never needs the other
 shards' rows of the sum: each micro-batch's whole gradient stays on the rank that computed it (FSDP2
@@ -44,24 +47,44 @@ def tree_sum(leaves: list[torch.Tensor]) -> torch.Tensor:
 
 
 class CanonicalSum:
-    """Collects one step's micro-batch gradients and losses and reduces them canonically."""
+    """Collects one step's micro-batch gradients and losses and reduces them canonically. On several
+    ranks each leaf is cut into one slice per rank (padded to ``world x ceil(numel / world)``): an
+    all-to-all per accumulation index gives every rank its slice of every global micro-batch, which it
+    sums in the tree; the slices of the mean are then all-gathered. Addition is element-wise, so the
+    slices' sums are the whole tree's bits, and a rank receives about one gradient where gathering
+    every leaf whole would cost ``world x accumulation`` (``ShardedCanonicalSum`` with one shard per rank)."""
 
     def __init__(self, dp):
         self.dp = dp  # apr.train.dist.DataParallel, or None for one process
+        self.world = 1 if dp is None else dp.world_size
+        self.numel = 0
         self.leaves: list[torch.Tensor] = []
         self.losses: list[torch.Tensor] = []
 
     def take(self, grads: list[torch.Tensor], loss: torch.Tensor) -> None:
-        """One micro-batch's gradients (flattened into a leaf of their own) and its mean loss."""
-        self.leaves.append(torch.cat([g.reshape(-1).float() for g in grads]))
+        """One micro-batch's gradients (flattened into a leaf of their own, padded to a multiple of the
+        world size) and its mean loss."""
+        self.numel = sum(g.numel() for g in grads)
+        leaf = torch.empty(-(-self.numel // self.world) * self.world, dtype=torch.float32, device=grads[0].device)
+        torch.cat([g.reshape(-1).float() for g in grads], out=leaf[:self.numel])
+        leaf[self.numel:].zero_()
+        self.leaves.append(leaf)
         self.losses.append(loss.detach().float().reshape(1))
 
     def reduce(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean gradient (flat) and the mean loss over the global batch; clears the step."""
-        leaves, losses = in_global_order(self.dp, self.leaves), in_global_order(self.dp, self.losses)
+        leaves, losses = self.leaves, self.losses
         self.leaves, self.losses = [], []
-        n = len(leaves)
-        return tree_sum(leaves) / n, (tree_sum(losses) / n).reshape(())
+        if self.world == 1:
+            n = len(leaves)
+            return tree_sum(leaves) / n, (tree_sum(losses) / n).reshape(())
+        split = ShardedCanonicalSum(self.dp, self.world)  # one shard per rank: rank r sums slice r
+        split.leaves, split.losses = [leaf.view(self.world, -1) for leaf in leaves], losses
+        del leaves
+        row, loss = split.reduce()
+        rows = [torch.empty_like(row) for _ in range(self.world)]
+        dist.all_gather(rows, row)
+        return torch.cat(rows)[:self.numel], loss
 
 
 def in_global_order(dp, local: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -170,3 +170,26 @@ def test_distillation_on_two_ranks_and_one_process_decides_alike_and_ends_bitwis
         shutil.copy(path, tmp_path / "resumed")
     _launch(doc("resumed/", 2), tmp_path / "resumed.json", 1, resume="latest")
     _bitwise(_state(tmp_path / "resumed", 8), _state(tmp_path / "two", 8))
+
+
+def test_each_rank_summing_a_slice_of_every_leaf_gives_the_whole_trees_bits(tmp_path):
+    """Replicated canonical (``CanonicalSum`` on several ranks): each rank sums its slice of every
+    global micro-batch's leaf (padded where the world size does not divide the gradient's length) and
+    the slices are gathered; the mean and the loss are the bits one process's tree gives."""
+    from apr.train.reduction import tree_sum
+
+    world, numel, accum = 3, 1001, 2  # 1001 = 3 x 333 + 2: the last slice is padded
+    out = tmp_path / "mean.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "APR_DIST_TIMEOUT_S": "60"}
+    worker = Path(__file__).resolve().parent / "slices_worker.py"
+    proc = run_ranks([str(worker), str(out), str(numel), str(accum)], world, env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    leaves = []
+    for j in range(world * accum):
+        g = torch.Generator().manual_seed(1000 + j)
+        leaves.append(torch.cat([torch.randn(numel - 7, generator=g), torch.randn(7, generator=g)]))
+    got = torch.load(out)
+    n = len(leaves)
+    assert got["mean"].shape == (numel,) and torch.equal(got["mean"], tree_sum(leaves) / n)
+    losses = [torch.tensor([float(j) / 3]) for j in range(n)]
+    assert torch.equal(got["loss"], (tree_sum(losses) / n).reshape(()))

@@ -102,8 +102,8 @@ def test_canonical_on_the_walk_keeps_its_gradients_and_the_plan_counts_the_leave
     rows = reduction_rows(config)
     assert [r.component for r in rows] == ["canonical_leaves"]
     grads = 4 * trainable_param_count(config)  # one float32 gradient of the model
-    # DDP: 1 local + 2 gathered leaves; FSDP2 full: the last local leaf and this shard's rows of both
-    assert rows[0].bytes == reduction_cost(config, grads, 2)["extra_bytes"] == {"none": 3, "full": 2}[sharding] * grads
+    # the last local leaf and this rank's slices of both global micro-batches (half of each: one gradient)
+    assert rows[0].bytes == reduction_cost(config, grads, 2)["extra_bytes"] == 2 * grads
     assert reduction_rows(fast) == []
     assert "gradients" in {r.component for r in memory_table(config)}
 
@@ -121,6 +121,7 @@ def test_the_plan_counts_canonicals_leaves_in_its_memory_total(tmp_path):
     rows = {k: {r.component: r.bytes for r in p.memory} for k, p in plans.items()}
     assert "canonical_leaves" not in rows["fast"]
     grads = 4 * trainable_param_count(load_config(tmp_path / "canonical.yaml").config)
-    assert rows["canonical"]["canonical_leaves"] == (2 + 4) * grads  # 2 local leaves and 4 gathered
+    # the last local leaf and this rank's halves of the 4 global micro-batches (2 gradients)
+    assert rows["canonical"]["canonical_leaves"] == (1 + 2) * grads
     totals = {k: p.facts["memory"]["total_bytes"] for k, p in plans.items()}
-    assert totals["canonical"] - totals["fast"] == (2 + 4) * grads
+    assert totals["canonical"] - totals["fast"] == (1 + 2) * grads
