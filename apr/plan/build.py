@@ -53,7 +53,7 @@ from apr.plan.orchestratefacts import (
     orchestrator_memory_findings,
     orchestrator_memory_rows,
 )
-from apr.plan.reductionfacts import reduction_findings, reduction_rows
+from apr.plan.reductionfacts import reduction_facts, reduction_findings, reduction_rows
 from apr.plan.statefacts import state_dtype_findings
 from apr.plan.storage import storage_facts
 from apr.plan.threadadvice import oversubscription_findings
@@ -508,6 +508,9 @@ def plan_config(config_path: Path, *, gpu: str | None = None, vram: str | int | 
             sheet.facts.setdefault("time", {})["estimated_seconds"] = sheet.time_estimate["estimated_seconds"]
     mixture_findings += orchestrator_findings(loaded, total_steps)
     mixture_findings += reduction_findings(loaded, world_size)
+    reduction = reduction_facts(config, world_size)  # canonical: its memory, traffic and time per step
+    if reduction is not None:
+        sheet.facts["reduction"] = reduction
     rows = reduction_rows(config, world_size)  # canonical's gradient leaves, against the budget
     if rows and sheet.facts.get("memory"):
         sheet.memory = [*sheet.memory, *rows]

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 from apr.config import LoadedConfig
 from apr.errors import Finding
-from apr.fmt import format_bytes
+from apr.fmt import fmt_seconds, format_bytes
 from apr.memory.table import MemoryRow
 from apr.model.spec import trainable_param_count
 from apr.steps.execution import gradient_source
+
+# The rates canonical's time per step is modelled at (docs/performance.md, "Canonical reduction"): its
+# memory copies (the leaves written, read by the tree and the sends, the mean written back) and the bytes
+# it sends beyond fast. CPU: measured on the 2-core dev box, one torch thread a rank (2026-11-28: one
+# process x 4 micro-batches spent 72-86 ms copying ~226 MB; gloo over loopback moved 1.1-1.2 GB/s in an
+# all-reduce and an all-to-all). CUDA: not measured (no multi-GPU machine); assumed PCIe 4.0 x16 between
+# the GPUs (NVLink is faster) and HBM-class copies.
+COPY_BYTES_PER_S = {"cpu": 3e9, "cuda": 1e12}
+LINK_BYTES_PER_S = {"cpu": 1e9, "cuda": 25e9}
 
 WORKS = ("either gradient source (training.engine: standard, or interleaved with training.execution.gradients "
          "kept or auto) with training.sharding none (one process, DDP), full, hybrid or "
@@ -77,7 +86,8 @@ def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
     accum = int(tr.gradient_accumulation)
     leaves = accum * world_size
     if world_size == 1:
-        extra, sent = (accum + 1) * param_bytes, 0
+        extra, sent, fast_sent = (accum + 1) * param_bytes, 0, 0
+        copies = (2 * accum + 1) * param_bytes  # the leaves written and read by the tree, the mean written
         how = "no communication on one process"
     else:
         sharded = str(tr.sharding) != "none"
@@ -87,21 +97,39 @@ def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
         moved = accum * replicas * param_bytes  # what the all-to-alls receive (and send) in all
         extra = max(accum, 1 + moved // param_bytes + (replicas if replicas > 1 else 0)) * param_bytes
         sent = moved * (world_size - 1) // world_size + param_bytes * (group - 1) // group
+        # fast: one ring all-reduce replicated, one reduce-scatter on shards
+        fast_sent = (1 if sharded else 2) * param_bytes * (world_size - 1) // world_size
+        copies = (3 * accum + 2) * param_bytes  # the leaves written, sent and summed; the mean gathered, written
         how = (f"{accum} all-to-all(s) and an all-gather sending {format_bytes(sent)} a step where fast "
                f"{'reduce-scatters' if sharded else 'all-reduces'} one gradient")
+    device = "cpu" if str(tr.device) == "cpu" else "cuda"
+    seconds = copies / COPY_BYTES_PER_S[device] + max(0, sent - fast_sent) / LINK_BYTES_PER_S[device]
+    rates = (f"{format_bytes(copies)} copied at {COPY_BYTES_PER_S[device] / 1e9:g} GB/s"
+             + (f", {format_bytes(max(0, sent - fast_sent))} sent beyond fast at "
+                f"{LINK_BYTES_PER_S[device] / 1e9:g} GB/s" if world_size > 1 else ""))
+    basis = "measured on a 2-core CPU" if device == "cpu" else "assumed: PCIe 4.0 x16 between GPUs, not measured"
     return {"reduction": "canonical", "leaves": leaves, "extra_bytes": extra, "gathered_bytes": sent,
+            "extra_seconds_per_step": seconds,
             "line": f"canonical reduction: {leaves} micro-batch gradients summed in one fixed tree "
-                    f"(+{format_bytes(extra)} per rank; {how}): bitwise the same on any world size with the same "
-                    "global batch"}
+                    f"(+{format_bytes(extra)} per rank; {how}; about +{fmt_seconds(seconds)} a step, modelled: "
+                    f"{rates}, {basis}): bitwise the same on any world size with the same global batch"}
+
+
+def reduction_facts(config, world_size: int | None = None) -> dict | None:
+    """The plan's ``reduction`` facts under canonical (``reduction_cost`` at ``world_size``, default the
+    config's); None under fast or where canonical is refused."""
+    if str(config.training.reduction) != "canonical" or reduction_problems(config):
+        return None
+    world = int(config.training.world_size if world_size is None else world_size)
+    return reduction_cost(config, 4 * trainable_param_count(config), world)
 
 
 def reduction_rows(config, world_size: int | None = None) -> list[MemoryRow]:
     """canonical's gradient leaves as a row of the plan's memory table (counted against the budget like
     every other component); none under fast, or where canonical is refused."""
-    if str(config.training.reduction) != "canonical" or reduction_problems(config):
+    cost = reduction_facts(config, world_size)
+    if cost is None:
         return []
-    world = int(config.training.world_size if world_size is None else world_size)
-    cost = reduction_cost(config, 4 * trainable_param_count(config), world)
     return [MemoryRow("canonical_leaves", cost["extra_bytes"], "modelled", 0,
                       f"training.reduction: canonical: {cost['leaves']} micro-batch gradients summed in the fixed "
                       "tree: this rank's own, then its slice of every one (at the peak)")]

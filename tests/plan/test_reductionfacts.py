@@ -125,3 +125,24 @@ def test_the_plan_counts_canonicals_leaves_in_its_memory_total(tmp_path):
     assert rows["canonical"]["canonical_leaves"] == (1 + 2) * grads
     totals = {k: p.facts["memory"]["total_bytes"] for k, p in plans.items()}
     assert totals["canonical"] - totals["fast"] == (1 + 2) * grads
+
+
+def test_the_time_per_step_is_modelled_from_the_copies_and_the_bytes_sent_beyond_fast(tmp_path):
+    """The plan's time per step for canonical: its copies at the copy rate and what it sends beyond fast's
+    all-reduce at the link rate, both per device; stated as measured on the CPU and assumed on GPUs."""
+    from apr.plan.reductionfacts import COPY_BYTES_PER_S, LINK_BYTES_PER_S
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(BASE + "  engine: standard\n  gradient_accumulation: 2\n  device: cpu\n")
+    config = load_config(cfg).config
+    grad = 2**20
+    one, two = reduction_cost(config, grad, 1), reduction_cost(config, grad, 2)
+    assert one["extra_seconds_per_step"] == pytest.approx(5 * grad / COPY_BYTES_PER_S["cpu"])  # 2 x 2 + 1
+    # 2 ranks: 8 gradients copied; sends 1.5 gradients (2 halves to the other rank, half the mean back)
+    # where fast's ring all-reduce sends one
+    assert two["extra_seconds_per_step"] == pytest.approx(8 * grad / COPY_BYTES_PER_S["cpu"]
+                                                          + 0.5 * grad / LINK_BYTES_PER_S["cpu"])
+    assert "a step, modelled" in two["line"] and "measured on a 2-core CPU" in two["line"]
+    gpu = config.model_copy(update={"training": config.training.model_copy(update={"device": "cuda"})})
+    on_gpu = reduction_cost(gpu, grad, 2)
+    assert on_gpu["extra_seconds_per_step"] < two["extra_seconds_per_step"] and "assumed" in on_gpu["line"]
