@@ -165,6 +165,7 @@ VALIDATE_APR_MODULES = {
     "apr.config.loader", "apr.config.numbers", "apr.config.paths", "apr.config.schema", "apr.config.yamlfile",
     "apr.errors", "apr.fmt", "apr.severity",
     "apr.memory", "apr.memory.activations", "apr.memory.buffers", "apr.memory.table",  # the memory model
+    "apr.memory.canonical",  # canonical reduction's bytes (a row of the memory table; stdlib only)
     "apr.fsutil", "apr.hardware", "apr.model", "apr.model.spec", "apr.plan", "apr.plan.configfacts",
     "apr.plan.contracts", "apr.plan.gpus", "apr.plan.memory", "apr.plan.validate", "apr.readers", "apr.resources",
     "apr.config.auto",  # the auto layout keys taken out before the schema (config-only)

@@ -18,14 +18,15 @@ from apr.memory.activations import (
     kept_activation_bytes,
 )
 from apr.memory.buffers import buffer_plan, compute_dtype_name, optimizer_state_details, state_dtype_details
-from apr.model.spec import DTYPE_BYTES
+from apr.memory.canonical import canonical_bytes
+from apr.model.spec import DTYPE_BYTES, trainable_param_count
 from apr.steps import execution as policy
 from apr.steps.execution import Execution
 
 # Row order of the table; components the buffer plan adds later are appended after these.
 _ORDER = ["frozen_weights", "weights", "compute_weights", "adapters", "adamw_m", "adamw_v", "gradients",
-          "activation_checkpoints", "kept_activations", "block_activations", "logits_chunk", "inputs",
-          "cuda_context", "allocator_slack"]
+          "canonical_leaves", "activation_checkpoints", "kept_activations", "block_activations", "logits_chunk",
+          "inputs", "cuda_context", "allocator_slack"]
 
 DESCRIPTIONS = {
     "weights": "fp32 master weights, one flat buffer per block",
@@ -86,6 +87,13 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
     rows["block_activations"] = MemoryRow("block_activations",
                                           max(0, block_activation_bytes(config, coefficients, execution) - head),
                                           "modelled", 0, DESCRIPTIONS["block_activations"])
+    if str(config.training.reduction) == "canonical":  # the micro-batches' gradients kept apart for the tree
+        cost = canonical_bytes(config, DTYPE_BYTES["float32"] * trainable_param_count(config),
+                               int(config.training.world_size))
+        rows["canonical_leaves"] = MemoryRow("canonical_leaves", cost.extra, "modelled", 0,
+                                             f"training.reduction: canonical: {cost.leaves} micro-batch gradients "
+                                             "summed in the fixed tree: this rank's own, then its slice of every "
+                                             "one (at the peak)")
     allocated = sum(r.bytes for r in rows.values())
     if str(config.training.device) != "cpu":  # a CPU run creates no CUDA context (device auto may be a GPU)
         rows["cuda_context"] = MemoryRow("cuda_context", coefficients.cuda_context_bytes, "modelled", 0,

@@ -53,7 +53,7 @@ from apr.plan.orchestratefacts import (
     orchestrator_memory_findings,
     orchestrator_memory_rows,
 )
-from apr.plan.reductionfacts import reduction_facts, reduction_findings, reduction_rows
+from apr.plan.reductionfacts import reduction_facts, reduction_findings
 from apr.plan.statefacts import state_dtype_findings
 from apr.plan.storage import storage_facts
 from apr.plan.threadadvice import oversubscription_findings
@@ -511,10 +511,6 @@ def plan_config(config_path: Path, *, gpu: str | None = None, vram: str | int | 
     reduction = reduction_facts(config, world_size)  # canonical: its memory, traffic and time per step
     if reduction is not None:
         sheet.facts["reduction"] = reduction
-    rows = reduction_rows(config, world_size)  # canonical's gradient leaves, against the budget
-    if rows and sheet.facts.get("memory"):
-        sheet.memory = [*sheet.memory, *rows]
-        add_rows(sheet.facts["memory"], rows)
     mixture_findings += custom_findings(loaded)  # training.mode custom: the targets column in every shard
     mixture_findings += state_dtype_findings(loaded)
     mixture_findings += plan_checks(loaded)  # validate's checks the plan has no fuller version of

@@ -13,7 +13,7 @@ from __future__ import annotations
 from apr.config import LoadedConfig
 from apr.errors import Finding
 from apr.fmt import fmt_seconds, format_bytes
-from apr.memory.table import MemoryRow
+from apr.memory.canonical import canonical_bytes
 from apr.model.spec import trainable_param_count
 from apr.steps.execution import gradient_source
 
@@ -75,44 +75,28 @@ def reduction_findings(loaded: LoadedConfig, world_size: int | None = None) -> l
 
 
 def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
-    """What canonical costs beside fast, per rank and step (apr/train/reduction.py). One process: the
-    micro-batches' gradient leaves and the tree's running sum. On several ranks, at the peak of the
-    all-to-alls (one per accumulation index, each local leaf freed once sent): the last local leaf and
-    this rank's slice of every global micro-batch (one slice per rank replicated or under full; a shard's
-    rows times the replicas under hybrid, where every replica of a shard receives them, plus the copy
-    being sent); then the mean's slices all-gathered whole (for the update replicated, for the norms on
-    FSDP2), after those are freed."""
-    tr = config.training
-    accum = int(tr.gradient_accumulation)
-    leaves = accum * world_size
+    """What canonical costs beside fast, per rank and step (apr/memory/canonical.py), with its time per
+    step modelled from its copies and the bytes it sends beyond fast at the device's rates."""
+    cost = canonical_bytes(config, param_bytes, world_size)
+    sharded = str(config.training.sharding) != "none"
     if world_size == 1:
-        extra, sent, fast_sent = (accum + 1) * param_bytes, 0, 0
-        copies = (2 * accum + 1) * param_bytes  # the leaves written and read by the tree, the mean written
         how = "no communication on one process"
     else:
-        sharded = str(tr.sharding) != "none"
-        group = world_size // int(tr.nodes) if str(tr.sharding) == "hybrid" and world_size % int(tr.nodes) == 0 \
-            else world_size
-        replicas = world_size // group
-        moved = accum * replicas * param_bytes  # what the all-to-alls receive (and send) in all
-        extra = max(accum, 1 + moved // param_bytes + (replicas if replicas > 1 else 0)) * param_bytes
-        sent = moved * (world_size - 1) // world_size + param_bytes * (group - 1) // group
-        # fast: one ring all-reduce replicated, one reduce-scatter on shards
-        fast_sent = (1 if sharded else 2) * param_bytes * (world_size - 1) // world_size
-        copies = (3 * accum + 2) * param_bytes  # the leaves written, sent and summed; the mean gathered, written
-        how = (f"{accum} all-to-all(s) and an all-gather sending {format_bytes(sent)} a step where fast "
-               f"{'reduce-scatters' if sharded else 'all-reduces'} one gradient")
-    device = "cpu" if str(tr.device) == "cpu" else "cuda"
-    seconds = copies / COPY_BYTES_PER_S[device] + max(0, sent - fast_sent) / LINK_BYTES_PER_S[device]
-    rates = (f"{format_bytes(copies)} copied at {COPY_BYTES_PER_S[device] / 1e9:g} GB/s"
-             + (f", {format_bytes(max(0, sent - fast_sent))} sent beyond fast at "
-                f"{LINK_BYTES_PER_S[device] / 1e9:g} GB/s" if world_size > 1 else ""))
+        how = (f"{cost.all_to_alls} all-to-all(s) and an all-gather sending {format_bytes(cost.sent)} a step "
+               f"where fast {'reduce-scatters' if sharded else 'all-reduces'} one gradient")
+    device = "cpu" if str(config.training.device) == "cpu" else "cuda"
+    beyond = max(0, cost.sent - cost.fast_sent)
+    seconds = cost.copied / COPY_BYTES_PER_S[device] + beyond / LINK_BYTES_PER_S[device]
+    rates = (f"{format_bytes(cost.copied)} copied at {COPY_BYTES_PER_S[device] / 1e9:g} GB/s"
+             + (f", {format_bytes(beyond)} sent beyond fast at {LINK_BYTES_PER_S[device] / 1e9:g} GB/s"
+                if world_size > 1 else ""))
     basis = "measured on a 2-core CPU" if device == "cpu" else "assumed: PCIe 4.0 x16 between GPUs, not measured"
-    return {"reduction": "canonical", "leaves": leaves, "extra_bytes": extra, "gathered_bytes": sent,
+    return {"reduction": "canonical", "leaves": cost.leaves, "extra_bytes": cost.extra, "gathered_bytes": cost.sent,
             "extra_seconds_per_step": seconds,
-            "line": f"canonical reduction: {leaves} micro-batch gradients summed in one fixed tree "
-                    f"(+{format_bytes(extra)} per rank; {how}; about +{fmt_seconds(seconds)} a step, modelled: "
-                    f"{rates}, {basis}): bitwise the same on any world size with the same global batch"}
+            "line": f"canonical reduction: {cost.leaves} micro-batch gradients summed in one fixed tree "
+                    f"(+{format_bytes(cost.extra)} per rank, the memory table's canonical_leaves; {how}; about "
+                    f"+{fmt_seconds(seconds)} a step, modelled: {rates}, {basis}): bitwise the same on any world "
+                    "size with the same global batch"}
 
 
 def reduction_facts(config, world_size: int | None = None) -> dict | None:
@@ -122,14 +106,3 @@ def reduction_facts(config, world_size: int | None = None) -> dict | None:
         return None
     world = int(config.training.world_size if world_size is None else world_size)
     return reduction_cost(config, 4 * trainable_param_count(config), world)
-
-
-def reduction_rows(config, world_size: int | None = None) -> list[MemoryRow]:
-    """canonical's gradient leaves as a row of the plan's memory table (counted against the budget like
-    every other component); none under fast, or where canonical is refused."""
-    cost = reduction_facts(config, world_size)
-    if cost is None:
-        return []
-    return [MemoryRow("canonical_leaves", cost["extra_bytes"], "modelled", 0,
-                      f"training.reduction: canonical: {cost['leaves']} micro-batch gradients summed in the fixed "
-                      "tree: this rank's own, then its slice of every one (at the peak)")]
