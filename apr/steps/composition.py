@@ -288,7 +288,11 @@ FEATURES: list[Feature] = [
         "full": tested("tests/distributed/test_canonical.py::"
                        "test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal"
                        "[full]",
-                       note="with a kept nowcast of each rank's rows, read back whole on the resume; bitwise"),
+                       "tests/distributed/test_canonical.py::"
+                       "test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal"
+                       "[full-interleaved]",
+                       note="with a kept nowcast of each rank's rows, read back whole on the resume; bitwise; on "
+                            "both sources"),
         "hybrid": not_tested("4 ranks, beyond CI: benchmarks/check_canonical_ranks.py --feature orchestrator "
                              "--sharding hybrid (docs/performance.md); the branches' snapshots are `full`'s"),
     }),

@@ -85,15 +85,17 @@ def _orchestrator_history(run_dir: Path, step: int) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["none", "full"], ids=["ddp", "full"])
-def test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal(tmp_path, sharding):
+@pytest.mark.parametrize(("engine", "sharding"), [("standard", "none"), ("standard", "full"), ("interleaved", "full")],
+                         ids=["ddp", "full", "full-interleaved"])
+def test_orchestrated_two_ranks_and_one_process_pick_the_same_branches_and_end_bitwise_equal(tmp_path, engine,
+                                                                                              sharding):
     """The orchestrator's rewards are the canonical validation loss (the same first eval_batches
     micro-batches, one tree) and its branch losses the tree's step losses: 2 ranks x 2 and one process x 4
     record the same decisions to the bit (every branch's val loss, reward and training losses; on shards
     a nowcast extrapolated from each rank's rows) and end with the same weights and moments."""
     make_dataset(tmp_path, train_rows=160)
     common = {"epochs": 1, "max_steps": 10, "save_interval": 7, "keep_last": 5, "eval_interval": 5,
-              "eval_batches": 3, "engine": "standard", "reduction": "canonical", "grad_clip": 0.5,
+              "eval_batches": 3, "engine": engine, "reduction": "canonical", "grad_clip": 0.5,
               "sharding": sharding,
               "orchestrator": {"enabled": True, "decision_interval": 4, "eval_horizon": 2, "branches": 2,
                                "candidates": ["conservative_adamw", "aggressive_adamw", "spike_resistant"],
