@@ -91,12 +91,22 @@ def reduction_cost(config, param_bytes: int, world_size: int) -> dict:
              + (f", {format_bytes(beyond)} sent beyond fast at {LINK_BYTES_PER_S[device] / 1e9:g} GB/s"
                 if world_size > 1 else ""))
     basis = "measured on a 2-core CPU" if device == "cpu" else "assumed: PCIe 4.0 x16 between GPUs, not measured"
+    # the world sizes that keep the global batch (the elastic resume: a divisor of the global micro-batches,
+    # each rank accumulating the rest) sum the same leaves in the same tree
+    worlds = [w for w in range(1, cost.leaves + 1) if cost.leaves % w == 0]
     return {"reduction": "canonical", "leaves": cost.leaves, "extra_bytes": cost.extra, "gathered_bytes": cost.sent,
-            "extra_seconds_per_step": seconds,
+            "extra_seconds_per_step": seconds, "invariant_world_sizes": worlds,
             "line": f"canonical reduction: {cost.leaves} micro-batch gradients summed in one fixed tree "
                     f"(+{format_bytes(cost.extra)} per rank, the memory table's canonical_leaves; {how}; about "
-                    f"+{fmt_seconds(seconds)} a step, modelled: {rates}, {basis}): bitwise the same on any world "
-                    "size with the same global batch"}
+                    f"+{fmt_seconds(seconds)} a step, modelled: {rates}, {basis}): bitwise the same on "
+                    f"{_worlds(worlds)} rank(s), each accumulating {cost.leaves} / ranks micro-batches"}
+
+
+def _worlds(worlds: list[int]) -> str:
+    """1, 2, 4 or 8 (at most 8 named: 1, 2, 3, ... or 96)."""
+    shown = worlds if len(worlds) <= 8 else [*worlds[:6], "...", worlds[-1]]
+    words = [str(w) for w in shown]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
 def reduction_facts(config, world_size: int | None = None) -> dict | None:

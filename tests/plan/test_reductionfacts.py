@@ -47,6 +47,9 @@ def test_canonical_on_autograd_says_what_it_costs(tmp_path):
     found = reduction_findings(load_config(cfg))
     assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
     assert "8 micro-batch gradients summed in one fixed tree" in found[0].message
+    # the world sizes that keep the global batch of 8 micro-batches: every one sums the same tree
+    assert "bitwise the same on 1, 2, 4 or 8 rank(s)" in found[0].message
+    assert reduction_cost(load_config(cfg).config, 2**20, 4)["invariant_world_sizes"] == [1, 2, 4, 8]
     assert reduction_findings(load_config(cfg), world_size=1)[0].message.startswith("canonical reduction: 2 ")
 
 
@@ -76,7 +79,7 @@ def test_canonical_holds_for_the_orchestrator_and_distillation_and_says_its_cost
     cfg.write_text(BASE + "  engine: standard\n  sharding: full\n  world_size: 2\n" + extra)
     found = reduction_findings(load_config(cfg))
     assert [(f.severity, f.path) for f in found] == [("info", "training.reduction")]
-    assert "bitwise the same on any world size" in found[0].message
+    assert "bitwise the same on 1 or 2 rank(s)" in found[0].message  # 2 global micro-batches
 
 
 @pytest.mark.parametrize("sharding", ["none", "full"])
