@@ -59,12 +59,14 @@ def wait_policy(load: float | None, cores: int, environ, torch_loaded: bool = Fa
     own default), ``source`` and ``why``. The user's ``OMP_WAIT_POLICY`` wins (one apr set in a
     parent process, marked by ``APR_OMP_WAIT_POLICY``, does not); torch loaded first leaves
     OpenMP's default (it has read the variable already); an unknown load leaves OpenMP's default
-    too. Otherwise PASSIVE when the machine is busy both over the last minute (``load``, the
-    1-minute load average, reaches ``cores``, the machine's) and now (``running_now``, other
-    processes runnable at this moment, reaches ``cores`` too; None where the OS does not say),
-    else ACTIVE. The second test keeps a process started right after another busy one (a sweep's
-    next trial, a benchmark's next variant) from reading that one's minute as other work. Pure: the
-    caller reads the load, the runnable count and the cores."""
+    too. Otherwise the machine's state now decides where the OS says it (``running_now``, other
+    processes runnable at this moment; None where it does not): PASSIVE when they fill the cores
+    (``cores``, the machine's), else ACTIVE, whatever the 1-minute load average (``load``) says. The
+    minute lags both ways: a process started right after another busy one (a sweep's next trial, a
+    benchmark's next variant) would read that one's minute as other work, and one started just
+    after other work began would read the quiet minute before it (docs/performance.md, "CPU
+    threads"). Without ``running_now`` the minute decides: PASSIVE once ``load`` reaches ``cores``.
+    Pure: the caller reads the load, the runnable count and the cores."""
     user = environ.get(WAIT_ENV)
     base = {"load": load, "running_now": running_now, "cores": cores}
     if user and environ.get(WAIT_MARK) != user:
@@ -74,16 +76,19 @@ def wait_policy(load: float | None, cores: int, environ, torch_loaded: bool = Fa
                 "why": "torch was loaded before apr could choose: OpenMP's own"}
     if load is None:
         return {**base, "policy": None, "source": "auto", "why": "no load average on this OS: OpenMP's own"}
+    if running_now is not None:
+        if running_now >= cores:
+            return {**base, "policy": "PASSIVE", "source": "auto",
+                    "why": f"{running_now:.1f} other processes runnable now >= {cores} cores (load {load:.2f}): "
+                           "other work fills them, waiting threads sleep"}
+        return {**base, "policy": "ACTIVE", "source": "auto",
+                "why": f"{running_now:.1f} other processes runnable now < {cores} cores (load {load:.2f}): "
+                       "free cores, waiting threads spin"}
     if load < cores:
         return {**base, "policy": "ACTIVE", "source": "auto",
                 "why": f"load {load:.2f} < {cores} cores: free cores, waiting threads spin"}
-    if running_now is not None and running_now < cores:
-        return {**base, "policy": "ACTIVE", "source": "auto",
-                "why": f"load {load:.2f} >= {cores} cores but {running_now:.1f} other processes runnable now: "
-                       "free cores now, waiting threads spin"}
-    now = f", {running_now:.1f} runnable now" if running_now is not None else ""
     return {**base, "policy": "PASSIVE", "source": "auto",
-            "why": f"load {load:.2f} >= {cores} cores{now}: other work fills them, waiting threads sleep"}
+            "why": f"load {load:.2f} >= {cores} cores: other work fills them, waiting threads sleep"}
 
 
 def running_now(samples: int = 5, interval_s: float = 0.004, path: str = "/proc/loadavg") -> float | None:
@@ -108,8 +113,10 @@ def set_wait_policy(environ=None, load: float | None | str = "now", running: flo
     global _wait
     env = os.environ if environ is None else environ
     load = load_average() if load == "now" else load
-    if running == "now":  # read only where it can change the answer (~20 ms)
-        running = running_now() if load is not None and load >= system_cores() else None
+    if running == "now":  # one reading; where it says busy, 5 over ~20 ms to confirm it
+        running = running_now(samples=1) if load is not None else None
+        if running is not None and running >= system_cores():
+            running = running_now()
     choice = wait_policy(load, system_cores(), env, torch_loaded="torch" in sys.modules, running_now=running)
     if choice["source"] == "auto":
         if choice["policy"]:

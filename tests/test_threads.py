@@ -111,6 +111,30 @@ def test_a_minutes_load_that_has_gone_does_not_make_threads_sleep():
     assert threads.wait_policy(70.0, 64, {}, running_now=64.0)["policy"] == "PASSIVE"
 
 
+def test_work_that_just_started_makes_threads_sleep_before_the_minutes_load_shows_it():
+    # four busy processes started a second ago: the minute still reads 0.23, the cores are full now
+    fresh = threads.wait_policy(0.23, 2, {}, running_now=4.0)
+    assert fresh["policy"] == "PASSIVE" and "4.0 other processes runnable now >= 2 cores" in fresh["why"]
+    assert threads.wait_policy(0.23, 2, {}, running_now=1.0)["policy"] == "ACTIVE"  # one rank beside: free
+
+
+def test_set_wait_policy_reads_the_runnable_count_once_and_confirms_a_busy_reading(monkeypatch):
+    calls = []
+
+    def reading(samples: int = 5, interval_s: float = 0.004, path: str = "/proc/loadavg"):
+        calls.append(samples)
+        return {1: 3.0, 5: 2.4}[samples] if busy else 0.0
+
+    monkeypatch.setattr(threads, "running_now", reading)
+    monkeypatch.setattr(threads, "system_cores", lambda: 2)
+    monkeypatch.delitem(__import__("sys").modules, "torch", raising=False)  # as if torch were not loaded yet
+    busy = False
+    assert threads.set_wait_policy({}, load=0.1)["policy"] == "ACTIVE" and calls == [1]  # quiet: one cheap read
+    busy, calls[:] = True, []
+    decided = threads.set_wait_policy({}, load=0.1)
+    assert decided["policy"] == "PASSIVE" and calls == [1, 5] and decided["running_now"] == 2.4
+
+
 def test_running_now_reads_the_kernels_runnable_count_less_this_process(tmp_path):
     loadavg = tmp_path / "loadavg"
     loadavg.write_text("5.10 4.20 3.90 4/312 9876\n")
