@@ -24,7 +24,7 @@ whole run (the oversubscribed case).
         [--hidden 128] [--layers 6] [--heads 4] [--intermediate 512] [--vocab 8192] [--seq 128] [--batch 8]
         [--only NAME,...] [--json] [--before TREE]
 
---before TREE adds "apr default, before": the default of the apr in TREE (e.g. ``git archive`` of the
+--before TREE adds "apr default (before)": the default of the apr in TREE (e.g. ``git archive`` of the
 commit before a change to apr/threads.py), measured in the same rounds as the current one.
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {  # name -> environment changes (None: remove the variable)
     "apr default": {},
-    "apr default, before": {},  # --before TREE: the default of another checkout (a rule change's A/B)
+    "apr default (before)": {},  # --before TREE: the default of another checkout (a rule change's A/B)
     "apr ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
     "apr PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
     "apr 1 thread": {"APR_CPU_THREADS": "1"},
@@ -123,7 +123,7 @@ def child(args) -> dict:
 def run_variant(name: str, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in CLEAN}
     env.update(VARIANTS[name])
-    env["PYTHONPATH"] = str(args.before if name == "apr default, before" else REPO)
+    env["PYTHONPATH"] = str(args.before if name == "apr default (before)" else REPO)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, *_forward(args)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
@@ -152,13 +152,13 @@ def main() -> int:
     p.add_argument("--only", type=lambda s: s.split(","), default=list(VARIANTS))
     p.add_argument("--json", action="store_true")
     p.add_argument("--before", default=None, help="another checkout (e.g. a git archive of the previous commit) "
-                   "whose apr default runs as the variant 'apr default, before'")
+                   "whose apr default runs as the variant 'apr default (before)'")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    names = [n for n in VARIANTS if n in args.only and (args.before or n != "apr default, before")]
+    names = [n for n in VARIANTS if n in args.only and (args.before or n != "apr default (before)")]
     hogs = [_hog() for _ in range(args.hog)]
     results: dict[str, list[dict]] = {n: [] for n in names}
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
