@@ -3,12 +3,12 @@
 it as a row (``canonical_leaves``) and the plan prints it at ``training.reduction``
 (apr/plan/reductionfacts.py).
 
-One process: the micro-batches' gradient leaves and the tree's running sum. On several ranks, at the
-peak of the all-to-alls (one per accumulation index, each local leaf freed once sent): the last local
-leaf and this rank's slice of every global micro-batch (one slice per rank replicated or under full;
-a shard's rows times the replicas under hybrid, where every replica of a shard receives them, plus
-the copy being sent); then the mean's slices all-gathered whole (for the update replicated, for the
-norms on FSDP2), after those are freed.
+One process: the micro-batches' gradient leaves (the tree sums in place: the mean is the first). On
+several ranks, at the peak of the all-to-alls (one per accumulation index, each local leaf freed once
+sent): the last local leaf and this rank's slice of every global micro-batch (one slice per rank
+replicated or under full; a shard's rows times the replicas under hybrid, where every replica of a
+shard receives them, plus the copy being sent); then the mean's slices all-gathered whole (for the
+update replicated, for the norms on FSDP2), after those are freed.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def canonical_bytes(config, param_bytes: int, world_size: int) -> CanonicalBytes
     """Canonical's cost for one gradient of ``param_bytes`` on ``world_size`` ranks (see the module docstring)."""
     tr = config.training
     accum = int(tr.gradient_accumulation)
-    if world_size == 1:  # the leaves written and read by the tree, the mean written
-        return CanonicalBytes(accum, (accum + 1) * param_bytes, 0, 0, (2 * accum + 1) * param_bytes, 0)
+    if world_size == 1:  # the leaves, summed in place (the mean is the first); written, then read by the tree
+        return CanonicalBytes(accum, accum * param_bytes, 0, 0, 2 * accum * param_bytes, 0)
     sharded = str(tr.sharding) != "none"
     nodes = int(tr.nodes)
     group = world_size // nodes if str(tr.sharding) == "hybrid" and world_size % nodes == 0 else world_size

@@ -46,6 +46,21 @@ def tree_sum(leaves: list[torch.Tensor]) -> torch.Tensor:
     return node(0, len(leaves))
 
 
+def tree_sum_(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """``tree_sum`` in place: each node's sum is added into its left subtree's first leaf (``a.add_(b)``
+    is the same float operation as ``a + b``, so the bits are ``tree_sum``'s) and returned in
+    ``leaves[0]``; no temporaries, and the leaves hold partial sums afterwards."""
+    def node(lo: int, hi: int) -> torch.Tensor:
+        if hi - lo == 1:
+            return leaves[lo]
+        mid = lo + (hi - lo + 1) // 2
+        return node(lo, mid).add_(node(mid, hi))
+
+    if not leaves:
+        raise ValueError("tree_sum of no leaves")
+    return node(0, len(leaves))
+
+
 class CanonicalSum:
     """Collects one step's micro-batch gradients and losses and reduces them canonically. On several
     ranks each leaf is cut into one slice per rank (padded to ``world x ceil(numel / world)``): an
@@ -75,9 +90,9 @@ class CanonicalSum:
         """The mean gradient (flat) and the mean loss over the global batch; clears the step."""
         leaves, losses = self.leaves, self.losses
         self.leaves, self.losses = [], []
-        if self.world == 1:
+        if self.world == 1:  # summed in the leaves themselves: the mean is the first leaf
             n = len(leaves)
-            return tree_sum(leaves) / n, (tree_sum(losses) / n).reshape(())
+            return tree_sum_(leaves).div_(n), (tree_sum(losses) / n).reshape(())
         split = ShardedCanonicalSum(self.dp, self.world)  # one shard per rank: rank r sums slice r
         split.leaves, split.losses = [leaf.view(self.world, -1) for leaf in leaves], losses
         del leaves
@@ -132,8 +147,8 @@ class ShardedCanonicalSum:
         leaves = [row for part in received for row in part.unbind(0)]  # in j order
         losses = in_global_order(self.dp, self.losses)
         self.losses = []
-        n = len(leaves)
-        return tree_sum(leaves) / n, (tree_sum(losses) / n).reshape(())
+        n = len(leaves)  # summed in place in the received rows, which are freed on return (the mean is new)
+        return tree_sum_(leaves) / n, (tree_sum(losses) / n).reshape(())
 
 
 def agreed(dp, value: torch.Tensor, canonical: bool) -> torch.Tensor:

@@ -80,3 +80,17 @@ def test_the_walk_under_canonical_gives_autograds_canonical_weights_bitwise(clip
     sa, sb = standard.train_state_tensors(), walk.train_state_tensors()
     assert set(sa) == set(sb)
     assert all(torch.equal(sa[n], sb[n]) for n in sa)  # weights and both moments
+
+
+def test_the_in_place_tree_gives_the_trees_bits_and_holds_no_temporaries():
+    """``tree_sum_`` (canonical's gradient leaves: the mean is the first leaf, no temporaries) adds in the
+    same order as ``tree_sum``: the same bits on leaves whose order of addition matters."""
+    from apr.train.reduction import tree_sum_
+
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 2, 3, 5, 8):
+        leaves = [torch.randn(64, generator=g) * 10 ** (k % 4) for k in range(n)]
+        expected = tree_sum([leaf.clone() for leaf in leaves])
+        first = leaves[0]
+        got = tree_sum_(leaves)
+        assert got is first and torch.equal(got, expected)
