@@ -52,6 +52,7 @@ ROWS: list[tuple[str, tuple[str, ...], str]] = [
      "activations (checkpoints, kept graphs, one block)"),
     ("logits_chunk", ("logits_chunk", "kd_logits"), "LM-head loss (logits chunks, head hidden states)"),
     ("inputs", ("inputs",), "token ids"),
+    ("canonical", ("canonical_leaves",), "canonical's gradient leaves (plan: beyond the rows above, at the peak)"),
     ("teacher", ("teacher_weights",), "the frozen distillation teacher"),
     ("temporaries", (), "optimizer and clipping temporaries (not in the plan)"),
     ("other", (), "other: rope tables, flags, scaler (not in the plan)"),
@@ -460,6 +461,7 @@ def run_trace(resolved, *, timeout_s: float = DEFAULT_TIMEOUT_S, plan_rows: list
             _tag_state(counter, engine, planned)
             if not sharded:
                 _grad_hooks(counter, engine)
+            _canonical_hooks(counter, engine)
             stack.enter_context(_regions(counter, engine))
             b, s = config.data.batch_size, config.data.seq_len
             vocab = counter.vocab = config.model.architecture.vocab_size
@@ -559,6 +561,21 @@ def _unsharded_grad_hooks(counter, engine) -> None:
             param = getattr(fsdp_param, "_unsharded_param", None)
             if param is not None and param.requires_grad:
                 param.register_post_accumulate_grad_hook(lambda q: counter.tag(q.grad, "gradients"))
+
+
+def _canonical_hooks(counter, engine) -> None:
+    """``training.reduction: canonical``: each micro-batch's gradient leaf, as the source hands it to the
+    canonical sum (apr/train/reduction.py), is canonical's row."""
+    for owner in (engine.layout, engine.gradients):
+        total = getattr(owner, "canonical", None)
+        if total is None:
+            continue
+
+        def take(*args, _take=total.take, _total=total, **kwargs):
+            _take(*args, **kwargs)
+            counter.tag(_total.leaves[-1], "canonical")
+
+        total.take = take
 
 
 def _grad_hooks(counter, engine) -> None:

@@ -72,6 +72,20 @@ def test_fsdp2_full_on_eight_fake_ranks_matches_the_plan():
     assert report["world_size"] == 8 and report["sharding"] == "full"
 
 
+@pytest.mark.parametrize(("engine", "sharding", "accumulation"), [
+    ("standard", "none", 2), ("interleaved", "none", 1), ("standard", "full", 2), ("interleaved", "full", 4)])
+def test_canonical_reduction_traces_as_the_plan_counts_it(engine, sharding, accumulation):
+    """training.reduction: canonical on 2 fake ranks: the peak with its micro-batch gradient leaves (the
+    plan's canonical_leaves row: what they add at the step's peak) within 5% of the plan. The rows are
+    not compared: the sum's received slices are traced as the step's other tensors, and the
+    gradients row is fast's (canonical moves each micro-batch's gradient into its leaf)."""
+    report = _trace({"engine": engine, "reduction": "canonical", "sharding": sharding, "world_size": 2,
+                     "gradient_accumulation": accumulation}, world_size=2)
+    assert 0.95 <= report["plan_peak_bytes"] / report["peak_bytes"] <= 1.05, report
+    leaves = next(r for r in report["rows"] if r["name"] == "canonical")
+    assert leaves["traced_bytes"] > 0  # traced as canonical's (the plan row may be 0: they fit where activations were)
+
+
 @pytest.mark.parametrize(("engine", "world_size"), [("standard", None), ("standard", 8)],
                          ids=["autograd", "autograd-fsdp2-full"])
 def test_recompute_trace_matches_the_plans_rows(engine, world_size):

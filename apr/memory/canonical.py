@@ -8,7 +8,8 @@ several ranks, at the peak of the all-to-alls (one per accumulation index, each 
 sent): the last local leaf and this rank's slice of every global micro-batch (one slice per rank
 replicated or under full; a shard's rows times the replicas under hybrid, where every replica of a
 shard receives them, plus the copy being sent); then the mean's slices all-gathered whole (for the
-update replicated, for the norms on FSDP2), after those are freed.
+norms on FSDP2, after those are freed; replicated, for the update, counted beside the received rows:
+`apr train plan --trace` finds them alive together).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def canonical_bytes(config, param_bytes: int, world_size: int) -> CanonicalBytes
     replicas = world_size // group
     moved = accum * replicas * param_bytes  # what the all-to-alls receive (and send) in all
     extra = max(accum, 1 + moved // param_bytes + (replicas if replicas > 1 else 0)) * param_bytes
+    if not sharded:  # replicated: the mean's slices gathered and joined (2 gradients) and this rank's slice,
+        # counted beside the received rows (``apr train plan --trace`` finds them alive together)
+        extra = moved + 2 * param_bytes + param_bytes // world_size
     sent = moved * (world_size - 1) // world_size + param_bytes * (group - 1) // group
     fast_sent = (1 if sharded else 2) * param_bytes * (world_size - 1) // world_size  # reduce-scatter; ring
     copied = (3 * accum + 2) * param_bytes  # the leaves written, sent and summed; the mean gathered, written

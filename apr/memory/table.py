@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from apr.config.schema import AprConfig
+from apr.fmt import format_bytes
 from apr.memory.activations import (
     COEFFICIENTS,
     MemoryCoefficients,
@@ -17,7 +18,13 @@ from apr.memory.activations import (
     grads_replace_graph,
     kept_activation_bytes,
 )
-from apr.memory.buffers import buffer_plan, compute_dtype_name, optimizer_state_details, state_dtype_details
+from apr.memory.buffers import (
+    buffer_plan,
+    compute_dtype_name,
+    optimizer_state_details,
+    sharded,
+    state_dtype_details,
+)
 from apr.memory.canonical import canonical_bytes
 from apr.model.spec import DTYPE_BYTES, trainable_param_count
 from apr.steps import execution as policy
@@ -88,12 +95,7 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
                                           max(0, block_activation_bytes(config, coefficients, execution) - head),
                                           "modelled", 0, DESCRIPTIONS["block_activations"])
     if str(config.training.reduction) == "canonical":  # the micro-batches' gradients kept apart for the tree
-        cost = canonical_bytes(config, DTYPE_BYTES["float32"] * trainable_param_count(config),
-                               int(config.training.world_size))
-        rows["canonical_leaves"] = MemoryRow("canonical_leaves", cost.extra, "modelled", 0,
-                                             f"training.reduction: canonical: {cost.leaves} micro-batch gradients "
-                                             "summed in the fixed tree: this rank's own, then its slice of every "
-                                             "one (at the peak)")
+        rows["canonical_leaves"] = _canonical_row(config, rows)
     allocated = sum(r.bytes for r in rows.values())
     if str(config.training.device) != "cpu":  # a CPU run creates no CUDA context (device auto may be a GPU)
         rows["cuda_context"] = MemoryRow("cuda_context", coefficients.cuda_context_bytes, "modelled", 0,
@@ -103,6 +105,27 @@ def memory_table(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIE
                                         != "cpu" else "the host allocator's fragmentation and headroom (modelled)")
     order = [c for c in _ORDER if c in rows] + [c for c in rows if c not in _ORDER]
     return [rows[c] for c in order]
+
+
+def _canonical_row(config: AprConfig, rows: dict[str, MemoryRow]) -> MemoryRow:
+    """canonical's bytes at the step's peak, beside the rows already in the table: during the last
+    micro-batch's backward its ``accumulation - 1`` earlier leaves live beside the activations; at the
+    sum (apr/memory/canonical.py's peak) the activations and the loss's chunks are gone. The row is
+    the larger of the two excesses over what the other rows hold."""
+    grad = DTYPE_BYTES["float32"] * trainable_param_count(config)
+    cost = canonical_bytes(config, grad, int(config.training.world_size))
+    freed = sum(rows[c].bytes for c in ("activation_checkpoints", "kept_activations", "block_activations",
+                                         "logits_chunk") if c in rows)
+    # autograd's .grad and FSDP2's unsharded gradients are moved into each micro-batch's leaf (the
+    # replicated walk's kept buffers stay): the gradients row is not held beside the leaves
+    grads = rows["gradients"].bytes if "gradients" in rows and (
+        policy.gradient_source(config) == "standard" or sharded(config)) else 0
+    during = max(0, (int(config.training.gradient_accumulation) - 1) * grad - grads)
+    freed += grads
+    return MemoryRow("canonical_leaves", max(during, cost.extra - freed), "modelled", 0,
+                     f"training.reduction: canonical: {cost.leaves} micro-batch gradients summed in the fixed tree "
+                     f"({format_bytes(cost.extra)} at the sum, when the activations are gone; the earlier "
+                     "micro-batches' during the last backward): what the step's peak holds beyond the other rows")
 
 
 def total_bytes(config: AprConfig, coefficients: MemoryCoefficients = COEFFICIENTS,
