@@ -64,13 +64,15 @@ def test_one_process_sums_its_micro_batches_in_the_tree_to_fasts_gradient_within
         assert rel <= 1e-5, name
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_the_walk_under_canonical_gives_autograds_canonical_weights_bitwise(clip):
+@pytest.mark.parametrize(("clip", "model"), [
+    (None, {}), (0.5, {}), (0.5, {"lora": {"rank": 4}}), (0.5, {"architecture": {"tie_word_embeddings": True}})],
+    ids=["unclipped", "clipped", "lora", "tied"])
+def test_the_walk_under_canonical_gives_autograds_canonical_weights_bitwise(clip, model):
     """The flat-buffer walk keeps each micro-batch's whole gradient (its kept buffers, copied into a leaf)
     and sums the leaves in the same tree: its steps are autograd's canonical steps to the bit (float32),
     so whatever holds for autograd's across world sizes holds for the walk's."""
     configs = [make_config(training={"engine": engine, "reduction": "canonical", "gradient_accumulation": 3,
-                                     "grad_clip": clip}) for engine in ("standard", "interleaved")]
+                                     "grad_clip": clip}, model=model) for engine in ("standard", "interleaved")]
     data = batches(configs[0], 3, seed=3)
     standard, walk = (build_engine(plan_of(c)) for c in configs)
     assert walk.gradients.name == "interleaved" and walk.strategy.keeps_all_grads
