@@ -43,6 +43,14 @@ def reduction_problems(config) -> list[tuple[str, str]]:
                     "shared gradient workspace; the fixed tree over the global micro-batches needs every "
                     "micro-batch's whole gradient before the first update (canonical keeps the walk's gradients: "
                     "kept or auto)"))
+    lora = config.model.lora
+    if config.model.architecture.dropout > 0 or (lora is not None and lora.dropout > 0):
+        out.append(("dropout", "dropout (model.architecture.dropout, model.lora.dropout) draws each rank's masks "
+                    "from that rank's own random state, so a micro-batch's masks depend on the rank that reads it"))
+    if str(config.optimizer.name) == "swats" and str(tr.sharding) != "none":
+        out.append(("optimizer.name: swats with training.sharding",
+                    "optimizer.name: swats with training.sharding: SWATS's switch test sums its dot products "
+                    "over the shards, in an order set by the number of shards"))
     if str(tr.mode) == "distill" and tr.distill.cache_teacher_outputs:
         out.append(("training.distill.cache_teacher_outputs",
                     "training.distill.cache_teacher_outputs: each rank caches the teacher's states of the rows "

@@ -81,7 +81,10 @@ class CanonicalSum:
         world size) and its mean loss."""
         self.numel = sum(g.numel() for g in grads)
         leaf = torch.empty(-(-self.numel // self.world) * self.world, dtype=torch.float32, device=grads[0].device)
-        torch.cat([g.reshape(-1).float() for g in grads], out=leaf[:self.numel])
+        offset = 0
+        for g in grads:  # each copied into its slice (a bf16 gradient is cast there: no float32 copy beside)
+            leaf[offset:offset + g.numel()].copy_(g.reshape(-1))
+            offset += g.numel()
         leaf[self.numel:].zero_()
         self.leaves.append(leaf)
         self.losses.append(loss.detach().float().reshape(1))
