@@ -32,33 +32,30 @@ import torch
 import torch.distributed as dist  # loaded by `import torch` anyway
 
 
-def tree_sum(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of ``leaves`` in the fixed binary tree over their indices: ``[lo, hi)`` splits at
+def _tree(leaves: list[torch.Tensor], add) -> torch.Tensor:
+    """``add`` over ``leaves`` in the fixed binary tree over their indices: ``[lo, hi)`` splits at
     ``lo + (hi - lo + 1) // 2``; the shape of the tree depends on the number of leaves only."""
     def node(lo: int, hi: int) -> torch.Tensor:
         if hi - lo == 1:
             return leaves[lo]
         mid = lo + (hi - lo + 1) // 2
-        return node(lo, mid) + node(mid, hi)
+        return add(node(lo, mid), node(mid, hi))
 
     if not leaves:
         raise ValueError("tree_sum of no leaves")
     return node(0, len(leaves))
+
+
+def tree_sum(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``leaves`` in the fixed tree (``_tree``); the leaves are left as they were."""
+    return _tree(leaves, lambda a, b: a + b)
 
 
 def tree_sum_(leaves: list[torch.Tensor]) -> torch.Tensor:
     """``tree_sum`` in place: each node's sum is added into its left subtree's first leaf (``a.add_(b)``
     is the same float operation as ``a + b``, so the bits are ``tree_sum``'s) and returned in
     ``leaves[0]``; no temporaries, and the leaves hold partial sums afterwards."""
-    def node(lo: int, hi: int) -> torch.Tensor:
-        if hi - lo == 1:
-            return leaves[lo]
-        mid = lo + (hi - lo + 1) // 2
-        return node(lo, mid).add_(node(mid, hi))
-
-    if not leaves:
-        raise ValueError("tree_sum of no leaves")
-    return node(0, len(leaves))
+    return _tree(leaves, lambda a, b: a.add_(b))
 
 
 class CanonicalSum:
